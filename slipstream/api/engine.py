@@ -1,0 +1,188 @@
+"""The public async API: Engine(EngineConfig) with complete / stream / chat / abort / stats."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import time
+from typing import AsyncIterator
+
+import structlog
+
+from slipstream.errors import EngineClosedError, InvalidRequestError
+from slipstream.outputs import CompletionOutput, RequestMetrics, StreamDelta
+from slipstream.params import EngineConfig, SamplingParams
+from slipstream.runtime.batch import SamplingRow
+from slipstream.scheduler.output_processor import RequestState
+from slipstream.scheduler.sequence import Sequence
+
+log = structlog.get_logger(__name__)
+
+Prompt = str | list[int]
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None, **overrides):
+        self.config = config or EngineConfig(**overrides)
+        self._loop_task: asyncio.Task | None = None
+        self._requests: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        self._rng = random.Random(self.config.seed)
+        self.tokenizer = None
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> "Engine":
+        from slipstream.api.assemble import assemble  # torch-heavy imports happen at start
+
+        self._parts = await asyncio.to_thread(assemble, self.config)
+        self.tokenizer, self.model_config = self._parts.tokenizer, self._parts.model_config
+        self.loop = self._parts.loop
+        self.max_model_len = self._parts.max_model_len
+        self._loop_task = asyncio.create_task(self._run_loop(), name="slipstream-engine-loop")
+        log.info("engine started", model=self.config.model, device=self.config.device,
+                 pipeline_depth=self.config.pipeline_depth, kv_pages=self._parts.pool.total)
+        return self
+
+    async def _run_loop(self) -> None:
+        try:
+            await self.loop.run()
+        except Exception as e:  # the loop already failed every waiter with it
+            log.error("engine loop died", error=repr(e))
+            raise
+
+    async def close(self) -> None:
+        if self._loop_task is None:
+            return
+        for seq in list(self._requests.values()):
+            if not seq.finalized:
+                self.loop.abort(seq)
+        self.loop.close()
+        try:
+            await self._loop_task
+        except BaseException:  # noqa: BLE001 - already reported by _run_loop
+            pass
+        self._loop_task = None
+        self._parts.close()
+
+    async def __aenter__(self) -> "Engine":
+        return await self.start()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    # --- requests -------------------------------------------------------------------------------
+
+    def _check_running(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            raise EngineClosedError("engine is not running (use `async with Engine(...)` or `await engine.start()`)")
+
+    def _submit(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None) -> Sequence:
+        self._check_running()
+        params = params or SamplingParams()
+        ids = self._prompt_ids(prompt)
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        max_tokens = min(params.max_tokens, self.max_model_len - len(ids))
+        pool, page = self._parts.pool, self.config.page_size
+        if -(-(len(ids) + max_tokens) // page) > pool.total:
+            raise InvalidRequestError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) needs more KV pages "
+                                      f"than the whole pool holds ({pool.total} pages of {page})")
+        eos = () if params.ignore_eos else tuple(self.tokenizer.eos_token_ids)
+        seed = params.seed if params.seed is not None else self._rng.randrange(2**31)
+        row = SamplingRow(temperature=float(params.temperature), top_k=max(params.top_k, 0), top_p=params.top_p,
+                          seed=seed)
+        from slipstream.models.tokenizer import IncrementalDetokenizer
+
+        req = RequestState(request_id, ids, params, IncrementalDetokenizer(self.tokenizer, ids),
+                           frozenset(eos) | frozenset(params.stop_token_ids), RequestMetrics(time.perf_counter()))
+        seq = Sequence(request_id, ids, max_tokens, row, arrival_order=len(self._requests), user=req)
+        self._requests[request_id] = seq
+        self.loop.submit(seq)
+        return seq
+
+    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            if any(not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size for t in ids):
+                raise InvalidRequestError(f"prompt token ids must be integers in [0, {self.model_config.vocab_size})")
+        if not ids:
+            raise InvalidRequestError("prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(f"prompt has {len(ids)} tokens; the model context is {self.max_model_len}")
+        return ids
+
+    async def _next(self, seq: Sequence):
+        item = await seq.user.queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def _forget(self, seq: Sequence, finished: bool) -> None:
+        if not finished and not seq.finalized:
+            self.loop.abort(seq)  # the caller went away (cancelled): free its pages
+        self._requests.pop(seq.request_id, None)
+
+    async def complete(self, prompt: Prompt, params: SamplingParams | None = None,
+                       request_id: str | None = None) -> CompletionOutput:
+        seq = self._submit(prompt, params, request_id)
+        finished = False
+        try:
+            while True:
+                item = await self._next(seq)
+                if isinstance(item, CompletionOutput):
+                    finished = True
+                    return item
+        finally:
+            self._forget(seq, finished)
+
+    async def stream(self, prompt: Prompt, params: SamplingParams | None = None,
+                     request_id: str | None = None) -> AsyncIterator[StreamDelta]:
+        seq = self._submit(prompt, params, request_id)
+        finished = False
+        try:
+            while True:
+                item = await self._next(seq)
+                if isinstance(item, CompletionOutput):
+                    finished = True
+                    return
+                yield item
+        finally:
+            self._forget(seq, finished)
+
+    def chat_prompt(self, messages: list[dict]) -> str:
+        if not messages:
+            raise InvalidRequestError("messages is empty")
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+    async def chat(self, messages: list[dict], params: SamplingParams | None = None,
+                   request_id: str | None = None) -> CompletionOutput:
+        return await self.complete(self.chat_prompt(messages), params, request_id)
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a request; its waiter gets finish_reason "abort". False if unknown or finished."""
+        seq = self._requests.get(request_id)
+        if seq is None or seq.finalized:
+            return False
+        self.loop.abort(seq)
+        return True
+
+    def stats(self) -> dict:
+        self._check_running()
+        planner, pipeline, pool = self.loop.planner, self.loop.pipeline, self._parts.pool
+        return {
+            "kv_pages_free": pool.num_free,
+            "kv_pages_total": pool.total,
+            "running": sum(not s.finalized for s in planner.running),
+            "waiting": len(planner.waiting),
+            "steps": self.loop.num_steps,
+            "inflight_steps": len(pipeline.inflight),
+            "zombie_commits": pipeline.zombie_commits,
+            "preemptions": planner.num_preemptions,
+            "pipeline_depth": self.config.pipeline_depth,
+        }

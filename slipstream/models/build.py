@@ -1,0 +1,48 @@
+"""Build a ready model + tokenizer from a model spec (name, GGUF path, HF folder, tiny-random)."""
+from __future__ import annotations
+
+import time
+
+import structlog
+import torch
+
+from slipstream.models.config import ModelConfig, tiny_config
+from slipstream.models.llama import LlamaForCausalLM
+
+log = structlog.get_logger(__name__)
+
+TINY = "tiny-random"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random weights by Hugging Face name (scaled so activations stay well-conditioned)."""
+    with torch.device("meta"):
+        skeleton = LlamaForCausalLM(config)
+    g = torch.Generator().manual_seed(seed)
+    weights = {}
+    for name, p in skeleton.state_dict().items():
+        if "norm" in name:
+            weights[name] = 1.0 + 0.1 * torch.randn(p.shape, generator=g)
+        else:
+            weights[name] = torch.randn(p.shape, generator=g) * (1.0 / p.shape[-1] ** 0.5)
+    return weights
+
+
+def build_model(spec: str, dtype: str, device: torch.device, seed: int = 0):
+    """Returns (model, tokenizer, ModelConfig)."""
+    t0 = time.perf_counter()
+    if spec == TINY:
+        from slipstream.models.byte_tokenizer import ByteTokenizer
+
+        config = tiny_config()
+        weights, tokenizer = random_weights(config, seed), ByteTokenizer(config.vocab_size)
+    else:
+        from slipstream.models.loader import load_model
+
+        loaded = load_model(spec, dtype=torch.float32)
+        config, weights, tokenizer = loaded.config, loaded.weights, loaded.tokenizer
+    model = LlamaForCausalLM.from_weights(config, weights, DTYPES[dtype], device)
+    log.info("model ready", model=spec, layers=config.num_layers, vocab=config.vocab_size, dtype=dtype,
+             device=str(device), seconds=round(time.perf_counter() - t0, 2))
+    return model, tokenizer, config

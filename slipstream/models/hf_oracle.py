@@ -1,0 +1,47 @@
+"""Bridges to Hugging Face transformers, used only by tests and tools as the correctness oracle."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from slipstream.models.config import ModelConfig
+
+
+def hf_llama_config(config: ModelConfig):
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        rope_theta=config.rope_theta,
+        rms_norm_eps=config.rms_norm_eps,
+        max_position_embeddings=config.max_position_embeddings,
+        tie_word_embeddings=config.tie_word_embeddings,
+        bos_token_id=config.bos_token_id,
+        eos_token_id=list(config.eos_token_ids) or None,
+        attention_bias=False,
+        mlp_bias=False,
+    )
+
+
+def random_hf_llama(config: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32):
+    """A transformers LlamaForCausalLM with random weights, plus those weights by HF name."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(hf_llama_config(config)).to(dtype).eval()
+    with torch.no_grad():  # default init leaves norms at 1; perturb so RMSNorm weights matter
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+    return model, weights

@@ -1,0 +1,166 @@
+"""A Llama-family decoder written for a serving engine.
+
+One forward takes a flat batch of tokens from many sequences (prefill chunks and single decode
+tokens mixed), writes each token's K/V into a paged cache through a slot mapping, reads context
+through per-sequence page tables, and computes logits only for the rows that sample.
+Weights use Hugging Face Llama names so checkpoints and the transformers oracle line up.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from slipstream.models.attention import AttentionMetadata, paged_attention_reference, write_kv
+from slipstream.models.config import ModelConfig
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64; T may include trailing padding tokens
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64, flat KV slot written by each token (padding -> scratch page)
+    sample_indices: torch.Tensor  # [N] int64, token rows whose logits are returned
+    attn: AttentionMetadata
+
+
+class KVCache:
+    """Per-layer key/value pools of shape [num_pages * page_size, kv_heads, head_dim]."""
+
+    def __init__(self, config: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device):
+        shape = (config.num_layers, num_pages * page_size, config.num_kv_heads, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_pages, self.page_size = num_pages, page_size
+
+    def bytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Cos/sin tables for every position, indexed by token position (no per-step recompute)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        d = config.head_dim
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+        pos = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(pos, inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x: [T, heads, D]
+        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.heads, self.kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        h = config.hidden_size
+        self.q_proj = nn.Linear(h, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, h, bias=False)
+        self.compute_dtype: torch.dtype | None = None  # float64: batch/chunk-invariant results
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache, rope: RotaryEmbedding) -> torch.Tensor:
+        t = x.shape[0]
+        q = rope(self.q_proj(x).view(t, self.heads, self.head_dim), batch.positions)
+        k = rope(self.k_proj(x).view(t, self.kv_heads, self.head_dim), batch.positions)
+        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
+        k_cache, v_cache = kv.k[self.layer], kv.v[self.layer]
+        write_kv(k_cache, batch.slot_mapping, k)
+        write_kv(v_cache, batch.slot_mapping, v)
+        out = torch.zeros_like(q)
+        paged_attention_reference(q, k_cache, v_cache, batch.attn, out, self.compute_dtype)
+        return self.o_proj(out.view(t, self.heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        h, i = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=False)
+        self.up_proj = nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, batch: ForwardBatch, kv: KVCache, rope: RotaryEmbedding) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), batch, kv, rope)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _Body(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = _Body(config)
+        self.rope = RotaryEmbedding(config)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @classmethod
+    def from_weights(cls, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device) -> "LlamaForCausalLM":
+        with torch.device("meta"):
+            model = cls(config)
+        model.load_state_dict({k: v for k, v in weights.items() if k != "lm_head.weight" or not config.tie_word_embeddings},
+                              strict=True, assign=True)
+        model.rope = RotaryEmbedding(config)  # buffers are not in checkpoints; build them for real
+        return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+    def set_attention_dtype(self, dtype: torch.dtype | None) -> None:
+        for layer in self.model.layers:
+            layer.self_attn.compute_dtype = dtype
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
+    def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        """Returns float32 logits [N, vocab] for batch.sample_indices."""
+        x = self.model.embed_tokens(batch.input_ids)
+        for layer in self.model.layers:
+            x = layer(x, batch, kv, self.rope)
+        x = self.model.norm(x.index_select(0, batch.sample_indices))
+        return F.linear(x, self.lm_head_weight()).float()

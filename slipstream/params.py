@@ -1,0 +1,70 @@
+"""User-facing configuration and request parameters, validated at the call."""
+from __future__ import annotations
+
+import math
+
+import msgspec
+
+from slipstream.errors import InvalidRequestError
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Names follow OpenAI/vLLM. temperature 0 is greedy."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: bool = False  # return the log-probability of each sampled token
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature) or self.temperature < 0 \
+                or math.isinf(self.temperature):
+            raise InvalidRequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if math.isnan(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.top_k < -1:
+            raise InvalidRequestError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        if any(not s for s in self.stop):
+            raise InvalidRequestError("stop strings must be non-empty")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise InvalidRequestError(f"stop_token_ids must be >= 0, got {self.stop_token_ids!r}")
+        if self.seed is not None and self.seed < 0:
+            raise InvalidRequestError(f"seed must be >= 0, got {self.seed!r}")
+
+
+class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    model: str = "smollm2-135m"  # a known name, a .gguf path, a Hugging Face folder, or "tiny-random"
+    device: str = "cpu"  # "cpu" | "cuda"
+    dtype: str = "float32"  # "float32" | "bfloat16" | "float16"
+    pipeline_depth: int = 2  # 1: blocking baseline; 2: launch t+1 before committing t
+    max_batch_size: int = 32  # sequences per step
+    max_num_batched_tokens: int = 512  # tokens per step (decode tokens + prefill chunks)
+    page_size: int = 16
+    kv_cache_tokens: int = 32768  # KV pool capacity in tokens (rounded up to pages)
+    max_model_len: int | None = None  # default: the model's context length
+    batch_invariant: bool = True  # pad CPU matmuls so results do not depend on batch size
+    seed: int = 0  # seeds requests that give none
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise InvalidRequestError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise InvalidRequestError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.pipeline_depth not in (1, 2):
+            raise InvalidRequestError(f"pipeline_depth must be 1 or 2, got {self.pipeline_depth!r}")
+        for name in ("max_batch_size", "max_num_batched_tokens", "page_size", "kv_cache_tokens"):
+            if getattr(self, name) < 1:
+                raise InvalidRequestError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.max_num_batched_tokens < self.max_batch_size:
+            raise InvalidRequestError("max_num_batched_tokens must be >= max_batch_size")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise InvalidRequestError(f"max_model_len must be >= 2, got {self.max_model_len!r}")

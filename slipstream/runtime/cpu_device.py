@@ -1,0 +1,139 @@
+"""A CPU device that behaves like a GPU: each stream is a worker thread draining a FIFO queue.
+
+`launch` returns at once and the work runs on the stream's thread; torch ops release the GIL, so
+the asyncio loop's bookkeeping really overlaps the forward. Events are one-shot (a fresh event
+per record, so no event is ever re-armed while someone waits on it). Errors raised by launched
+work are kept and re-raised to whoever next waits on that stream's events, like a sticky CUDA
+error, instead of being lost on a worker thread.
+"""
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from typing import Callable
+
+import torch
+
+
+class CPUEvent:
+    __slots__ = ("_done", "_error", "_waiters", "_lock")
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self._lock = threading.Lock()
+
+    def _complete(self, error: BaseException | None = None) -> None:
+        with self._lock:
+            self._error = error
+            self._done.set()
+            waiters, self._waiters = self._waiters, []
+        for loop, fut in waiters:
+            loop.call_soon_threadsafe(_resolve, fut)
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+    def synchronize(self) -> None:
+        self._done.wait()
+        self._raise()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    async def wait_async(self) -> None:
+        if not self._done.is_set():
+            loop = asyncio.get_running_loop()
+            fut = loop.create_future()
+            with self._lock:
+                registered = not self._done.is_set()
+                if registered:
+                    self._waiters.append((loop, fut))
+            if registered:
+                await fut
+        self._raise()
+
+
+def _resolve(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+_STOP = object()
+
+
+class CPUStream:
+    """FIFO worker thread. Work items are callables; events complete in launch order."""
+
+    def __init__(self, name: str, busy_hook: Callable[[str, str, float, float], None] | None = None):
+        self.name = name
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._error: BaseException | None = None
+        self.busy_hook = busy_hook  # tracing: (stream, label, start, end), set by the tracer
+        self._thread = threading.Thread(target=self._run, name=f"slipstream-{name}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import time
+
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            fn, label = item
+            if self._error is not None and not isinstance(fn, _EventOp):
+                continue  # a failed stream skips work, but still completes events (with the error)
+            t0 = time.perf_counter()
+            try:
+                fn()
+            except BaseException as e:  # noqa: BLE001 - kept and surfaced through events
+                self._error = e
+            hook = self.busy_hook
+            if hook is not None and label:
+                hook(self.name, label, t0, time.perf_counter())
+
+    def launch(self, fn: Callable[[], None], label: str = "") -> None:
+        self._queue.put((fn, label))
+
+    def record(self) -> CPUEvent:
+        ev = CPUEvent()
+        self._queue.put((_EventOp(lambda: ev._complete(self._error)), ""))
+        return ev
+
+    def wait(self, event: CPUEvent) -> None:
+        self._queue.put((_EventOp(event._done.wait), ""))
+
+    def close(self) -> None:
+        self._queue.put(_STOP)
+        self._thread.join(timeout=5)
+
+
+class _EventOp:
+    """Marks stream-ordering work that still runs after an error (so waiters are released)."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[[], object]):
+        self.fn = fn
+
+    def __call__(self) -> None:
+        self.fn()
+
+
+class CPUDevice:
+    kind = "cpu"
+
+    def __init__(self) -> None:
+        self.torch_device = torch.device("cpu")
+        self.compute = CPUStream("compute")
+        self.copy = CPUStream("copy")
+
+    def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype)
+
+    def close(self) -> None:
+        self.compute.close()
+        self.copy.close()

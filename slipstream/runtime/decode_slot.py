@@ -1,0 +1,65 @@
+"""DecodeSlot: the buffers one in-flight step owns, allocated once and reused (ping-pong).
+
+Lifecycle, enforced here: FREE --acquire (launch)--> IN_FLIGHT --release (after the commit has
+read the host landing buffer)--> FREE. A slot is not free when the device is done with it, only
+when the host has consumed its copy: its host buffer is the landing site of a copy that may still
+be in flight. Acquiring a slot that is not free raises SlotReuseError.
+
+After a commit reads the landing buffer, the slot poisons it, so a reader that runs before the
+next copy has landed sees POISON instead of stale tokens that look plausible.
+"""
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from slipstream.errors import PipelineInvariantError, SlotReuseError
+
+POISON = -7
+
+
+class SlotState(enum.Enum):
+    FREE = "free"
+    IN_FLIGHT = "in_flight"
+
+
+class DecodeSlot:
+    def __init__(self, index: int, device, max_samples: int):
+        self.index = index
+        self.state = SlotState.FREE
+        self.step_id = -1
+        self.sampled = torch.zeros(max_samples, dtype=torch.int64, device=device.torch_device)
+        self.host_sampled = device.host_buffer((max_samples,), torch.int64)
+        self.host_sampled.fill_(POISON)
+        self.logits: torch.Tensor | None = None  # written by the forward, read by sampling
+        self.num_samples = 0
+        self.forward_done = None  # events of the step currently in this slot
+        self.sample_done = None
+        self.copy_done = None
+
+    def acquire(self, step_id: int) -> None:
+        if self.state is not SlotState.FREE:
+            raise SlotReuseError(
+                f"slot {self.index} relaunched for step {step_id} while step {self.step_id} "
+                "has not been committed (its host landing buffer may still be receiving a copy)"
+            )
+        self.state = SlotState.IN_FLIGHT
+        self.step_id = step_id
+        self.forward_done = self.sample_done = self.copy_done = None
+
+    def read_host(self) -> list[int]:
+        """The sampled ids of the step in this slot; only valid once copy_done completed."""
+        if self.state is not SlotState.IN_FLIGHT or self.copy_done is None or not self.copy_done.query():
+            raise PipelineInvariantError(f"slot {self.index}: host buffer read before its copy landed")
+        ids = self.host_sampled[: self.num_samples].tolist()
+        if POISON in ids:
+            raise PipelineInvariantError(f"slot {self.index}: poisoned token read (copy did not land)")
+        self.host_sampled[: self.num_samples].fill_(POISON)
+        return ids
+
+    def release(self) -> None:
+        if self.state is not SlotState.IN_FLIGHT:
+            raise PipelineInvariantError(f"slot {self.index} released twice")
+        self.state = SlotState.FREE
+        self.logits = None

@@ -1,0 +1,58 @@
+"""The device interface the engine loop is written against: streams, events, host buffers.
+
+A `Stream` runs launched work in FIFO order; `launch` returns at once. An `Event` is recorded on
+one stream and can be waited on by another stream (without the host) or awaited by the asyncio
+loop (without blocking it). The CPU implementation emulates this with worker threads; the CUDA
+implementation maps it to torch streams and events. The scheduler only ever sees this interface.
+"""
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import torch
+
+
+class Event(Protocol):
+    def query(self) -> bool:
+        """True once all work recorded before it on its stream has finished."""
+
+    def synchronize(self) -> None:
+        """Block the calling thread until the event completes (tests, shutdown)."""
+
+    async def wait_async(self) -> None:
+        """Await completion from the asyncio loop without blocking it."""
+
+
+class Stream(Protocol):
+    name: str
+
+    def launch(self, fn: Callable[[], None], label: str = "") -> None:
+        """Enqueue `fn`, which issues device work; it runs after everything launched before it."""
+
+    def record(self) -> Event:
+        """A fresh event that completes when work launched so far on this stream is done."""
+
+    def wait(self, event: Event) -> None:
+        """Work launched later on this stream starts only after `event` completes."""
+
+
+class Device(Protocol):
+    kind: str
+    torch_device: torch.device
+    compute: Stream
+    copy: Stream
+
+    def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A host tensor that device copies can target asynchronously (pinned on CUDA)."""
+
+    def close(self) -> None: ...
+
+
+def make_device(kind: str) -> Device:
+    if kind == "cpu":
+        from slipstream.runtime.cpu_device import CPUDevice
+
+        return CPUDevice()
+    if kind == "cuda":
+        raise NotImplementedError("device='cuda' arrives with the CUDA runtime; use device='cpu'")
+    raise ValueError(f"unknown device {kind!r}; expected 'cpu' or 'cuda'")

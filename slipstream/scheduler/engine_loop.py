@@ -1,0 +1,165 @@
+"""The tick: plan → launch → commit → finalize, on one asyncio loop, at depth 1 or 2.
+
+  plan      choose the next batch (Planner) — only sequences with < depth steps in flight
+  launch    enqueue its forward into a free DecodeSlot; decode inputs are read on the device
+  commit    await the oldest finalized step's copy event, apply its tokens (zombies skipped),
+            stop checks, stream deltas, release slots and pages
+  finalize  enqueue sampling of the newly launched step and its device→host copy. It runs after
+            the commit so that state committed at t (e.g. grammar masks) is visible to t+1's
+            sampling; the forward of t+1 is already running meanwhile.
+
+With depth 1 a step is committed before the next is planned (the blocking baseline); with depth 2
+the forward of t+1 is launched before step t is committed. Nothing else differs.
+The runner is duck-typed (launch_forward / launch_sampling / read_sampled / slots), so this file
+never touches torch or a device API.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import structlog
+
+from slipstream.errors import EngineClosedError, PipelineInvariantError
+from slipstream.runtime.batch import pack_step
+from slipstream.scheduler.output_processor import OutputProcessor
+from slipstream.scheduler.pipeline import InflightStep, Pipeline
+from slipstream.scheduler.planner import Planner
+from slipstream.scheduler.sequence import Sequence
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class StepRecord:
+    """Host-side timings of one step (perf_counter seconds), kept when tracing is on."""
+
+    step_id: int
+    kind: str
+    num_seqs: int
+    num_tokens: int
+    plan: float
+    launch: float
+    commit: float  # host time applying tokens (after the copy event)
+    commit_wait: float  # time the loop waited for the copy event
+    finalize: float
+    t_launch: float
+    t_committed: float = 0.0
+
+
+class EngineLoop:
+    def __init__(self, runner, planner: Planner, depth: int, page_size: int, min_rows: int = 1, trace: bool = False):
+        self.runner, self.planner, self.depth = runner, planner, depth
+        self.page_size, self.min_rows = page_size, min_rows
+        self.pipeline = Pipeline(depth, planner)
+        self.outputs = OutputProcessor(self.pipeline.finalize)
+        self.num_steps = 0
+        self.trace = trace
+        self.records: list[StepRecord] = []
+        self._wake = asyncio.Event()
+        self._closing = False
+        self.error: BaseException | None = None
+
+    # --- requests -----------------------------------------------------------------------------
+
+    def submit(self, seq: Sequence) -> None:
+        self.planner.add(seq)
+        self._wake.set()
+
+    def abort(self, seq: Sequence) -> None:
+        self.outputs.abort(seq)
+        self._wake.set()
+
+    def close(self) -> None:
+        self._closing = True
+        self._wake.set()
+
+    # --- the loop -------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        try:
+            await self._run()
+        except BaseException as e:
+            self.fail_all(e)
+            raise
+
+    async def _run(self) -> None:
+        while not self._closing:
+            if not self.pipeline.inflight and not self.planner.has_work():
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            if not await self.tick():
+                # nothing launchable and nothing in flight: only a new request or an abort can
+                # change that, and both set the wake event
+                self._wake.clear()
+                await self._wake.wait()
+        # drain: never leave a step uncommitted (its slot and pages would leak)
+        while self.pipeline.inflight:
+            await self.commit(self.pipeline.oldest())
+
+    async def tick(self) -> bool:
+        launched = None
+        t0 = time.perf_counter()
+        plan = self.planner.plan(self.depth) if len(self.pipeline.inflight) < self.depth else None
+        t1 = time.perf_counter()
+        if plan is not None:
+            launched = self.launch(plan)
+            launched.timings.update(plan=t1 - t0, launch=time.perf_counter() - t1)
+        oldest = self.pipeline.inflight[0] if self.pipeline.inflight else None
+        committed = oldest is not None and oldest is not launched
+        if committed:
+            await self.commit(oldest)
+        if launched is not None:
+            self.finalize(launched)
+        return launched is not None or committed
+
+    def launch(self, plan) -> InflightStep:
+        slot = next((s for s in self.runner.slots if s.state.value == "free"), None)
+        if slot is None:
+            raise PipelineInvariantError("no free DecodeSlot although fewer than depth steps are in flight")
+        packed = pack_step(plan.works, self.page_size, self.min_rows)
+        step = InflightStep(self.num_steps, plan.works, plan.seqs, packed, plan.kind, slot)
+        self.num_steps += 1
+        self.runner.launch_forward(slot, step.step_id, packed)
+        self.pipeline.on_launch(step)
+        step.timings["t_launch"] = time.perf_counter()
+        return step
+
+    async def commit(self, step: InflightStep) -> None:
+        t0 = time.perf_counter()
+        sampled = await self.runner.read_sampled(step.slot)
+        t1 = time.perf_counter()
+        step.slot.release()  # the host buffer has been read: the slot may take a new step
+        self.pipeline.on_commit(step, sampled, self.outputs.accept)
+        t2 = time.perf_counter()
+        step.timings.update(commit_wait=t1 - t0, commit=t2 - t1, t_committed=t2)
+        if self.trace:
+            tm = step.timings
+            self.records.append(StepRecord(
+                step.step_id, step.kind, len(step.seqs), step.packed.num_tokens, tm.get("plan", 0.0),
+                tm.get("launch", 0.0), tm["commit"], tm["commit_wait"], tm.get("finalize", 0.0),
+                tm.get("t_launch", 0.0), t2))
+
+    def finalize(self, step: InflightStep) -> None:
+        t0 = time.perf_counter()
+        self.runner.launch_sampling(step.slot, step.packed, step.works)
+        step.timings["finalize"] = time.perf_counter() - t0
+
+    # --- failure ----------------------------------------------------------------------------
+
+    def fail_all(self, error: BaseException) -> None:
+        """The loop died: every unfinished request gets the error instead of hanging."""
+        if not isinstance(error, Exception):
+            error = EngineClosedError(f"engine loop stopped: {error!r}")
+        elif not isinstance(error, EngineClosedError):
+            closed = EngineClosedError(f"engine loop died: {error!r}")
+            closed.__cause__ = error
+            error = closed
+        self.error = error
+        seqs = list(self.planner.waiting) + list(self.planner.running)
+        for seq in seqs:
+            if not seq.finalized and seq.user is not None:
+                seq.finalized, seq.finish_reason = True, "abort"
+                seq.user.queue.put_nowait(error)

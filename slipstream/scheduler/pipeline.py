@@ -1,0 +1,92 @@
+"""Launched-but-uncommitted steps and the zombie rules, as pure state (tested without a device).
+
+Invariants, enforced here:
+  * launch: every sequence in the step gets inflight_refs += 1 (never above the depth).
+  * commit of a step happens in launch order, exactly once.
+  * commit: inflight_refs -= 1 for every sequence of the step. A sequence already finalized when
+    its step commits is a zombie: the commit is skipped for it (no token appended, no state change).
+  * a finalized (or preempted) sequence's pages and row are released exactly once, at the first
+    moment its inflight_refs is 0: at finalize time if nothing is in flight, otherwise by the
+    commit that drops the last reference.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from slipstream.errors import PipelineInvariantError
+from slipstream.runtime.batch import PackedStep, SeqWork
+from slipstream.scheduler.planner import Planner
+from slipstream.scheduler.sequence import Sequence
+
+
+@dataclass
+class InflightStep:
+    step_id: int
+    works: list[SeqWork]
+    seqs: list[Sequence]
+    packed: PackedStep
+    kind: str
+    slot: Any = None  # the runtime's DecodeSlot (opaque here)
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class Pipeline:
+    def __init__(self, depth: int, planner: Planner):
+        self.depth = depth
+        self.planner = planner
+        self.inflight: deque[InflightStep] = deque()
+        self.zombie_commits = 0  # rows whose commit was skipped because the sequence had finished
+        self.released = 0
+
+    def on_launch(self, step: InflightStep) -> None:
+        if len(self.inflight) >= self.depth:
+            raise PipelineInvariantError(f"launch with {len(self.inflight)} steps in flight at depth {self.depth}")
+        for seq, work in zip(step.seqs, step.works):
+            if seq.inflight_refs >= self.depth:
+                raise PipelineInvariantError(f"{seq.request_id}: inflight_refs would exceed depth {self.depth}")
+            seq.inflight_refs += 1
+            seq.num_scheduled += work.num_tokens
+            seq.pending_samples += work.sample
+        self.inflight.append(step)
+
+    def oldest(self) -> InflightStep:
+        return self.inflight[0]
+
+    def on_commit(self, step: InflightStep, sampled: list[int],
+                  accept: Callable[[Sequence, int], None]) -> None:
+        """Apply a step's sampled tokens. `accept(seq, token)` appends and runs stop checks."""
+        if not self.inflight or self.inflight[0] is not step:
+            raise PipelineInvariantError(f"step {step.step_id} committed out of launch order")
+        self.inflight.popleft()
+        tokens = iter(sampled)
+        for seq, work in zip(step.seqs, step.works):
+            seq.inflight_refs -= 1
+            token = next(tokens) if work.sample else None
+            seq.pending_samples -= work.sample
+            if seq.finalized:
+                self.zombie_commits += work.sample
+            elif token is not None:
+                accept(seq, token)
+            if not seq.finalized:  # a zombie's skipped token leaves its counts behind, by design
+                seq.check()
+            self.maybe_release(seq)
+        if next(tokens, None) is not None:
+            raise PipelineInvariantError(f"step {step.step_id}: more sampled tokens than sampling rows")
+
+    def finalize(self, seq: Sequence, reason: str) -> bool:
+        """Mark a sequence finished (first reason wins). Returns False if it already was."""
+        if seq.finalized:
+            return False
+        seq.finalized, seq.finish_reason = True, reason
+        if seq in self.planner.waiting:
+            self.planner.drop_waiting(seq)
+        else:
+            self.maybe_release(seq)
+        return True
+
+    def maybe_release(self, seq: Sequence) -> None:
+        if seq.inflight_refs == 0 and seq.row is not None and (seq.finalized or seq.preempting):
+            self.planner.release(seq)
+            self.released += 1

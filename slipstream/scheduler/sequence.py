@@ -1,0 +1,68 @@
+"""Per-sequence state shared by the planner and the pipeline.
+
+Token accounting (host side; the newest sampled tokens may still be on the device):
+  known       = prompt_ids + output_ids            tokens the host has
+  num_scheduled                                    tokens whose forward has been launched
+  pending_samples                                  launched steps that will sample a token for it
+While decoding, the input of the next step is the last sampled token, which lives on the device
+until its step commits, so (checked by `check`):
+  num_scheduled <= len(known) + max(pending_samples - 1, 0)   and   pending_samples <= inflight_refs.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from slipstream.errors import PipelineInvariantError
+from slipstream.runtime.batch import SamplingRow
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"  # not yet admitted, or preempted and waiting to be recomputed
+    RUNNING = "running"
+    FINISHED = "finished"  # finalized and released
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingRow
+    arrival_order: int
+    status: SeqStatus = SeqStatus.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    # pipeline state
+    finalized: bool = False  # hit EOS / stop / length / abort; its result has been emitted
+    finish_reason: str | None = None
+    inflight_refs: int = 0  # launched steps referencing this sequence not yet committed (0..depth)
+    num_scheduled: int = 0
+    pending_samples: int = 0
+    preempting: bool = False  # chosen as a preemption victim; recomputed once inflight_refs hits 0
+    num_preemptions: int = 0
+    row: int | None = None  # carry-over table row while admitted
+    pages: list[int] = field(default_factory=list)
+    user: Any = None  # the request object of the API layer (opaque to the scheduler)
+
+    @property
+    def num_known(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def known_tokens(self, start: int, end: int) -> list[int]:
+        p = len(self.prompt_ids)
+        if end <= p:
+            return self.prompt_ids[start:end]
+        return (self.prompt_ids + self.output_ids)[start:end]
+
+    def samples_left(self) -> int:
+        """Tokens still allowed by max_tokens beyond those committed or already being sampled."""
+        return self.max_tokens - len(self.output_ids) - self.pending_samples
+
+    def check(self) -> None:
+        if not 0 <= self.pending_samples <= self.inflight_refs:
+            raise PipelineInvariantError(f"{self.request_id}: pending_samples={self.pending_samples} "
+                                         f"inflight_refs={self.inflight_refs}")
+        if self.num_scheduled > self.num_known + max(self.pending_samples - 1, 0):
+            raise PipelineInvariantError(f"{self.request_id}: scheduled {self.num_scheduled} tokens but only "
+                                         f"{self.num_known} known + {self.pending_samples} pending")

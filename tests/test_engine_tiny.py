@@ -1,0 +1,195 @@
+"""The pipelined engine end to end on the tiny random model (real torch forward, CPU device)."""
+import asyncio
+import math
+import random
+
+import pytest
+
+from slipstream import Engine, EngineConfig, InvalidRequestError, SamplingParams
+from slipstream.errors import PipelineInvariantError, SlotReuseError
+from slipstream.runtime.batch import SeqWork, pack_step
+
+
+def cfg(depth, **kw):
+    base = dict(model="tiny-random", pipeline_depth=depth, max_batch_size=16, max_num_batched_tokens=64,
+                kv_cache_tokens=4096, page_size=8)
+    base.update(kw)
+    return EngineConfig(**base)
+
+
+def mixed_requests(n=64, seed=0):
+    rng = random.Random(seed)
+    reqs = []
+    for i in range(n):
+        prompt = [rng.randrange(3, 259) for _ in range(rng.randint(1, 90))]
+        params = dict(max_tokens=rng.randint(1, 24), temperature=0.0)
+        kind = rng.random()
+        if kind < 0.2:
+            params["stop_token_ids"] = [rng.randrange(3, 259) for _ in range(8)]
+        elif kind < 0.3:
+            params["stop"] = ["a", "Z"]
+        elif kind < 0.4:
+            params.update(temperature=0.9, top_p=0.9, top_k=50, seed=i)
+        reqs.append((prompt, SamplingParams(**params), rng.random() * 0.02))
+    return reqs
+
+
+async def run_all(engine, reqs):
+    async def one(prompt, params, delay):
+        await asyncio.sleep(delay)  # staggered arrivals: requests join a running batch
+        return await engine.complete(prompt, params)
+
+    return await asyncio.gather(*(one(*r) for r in reqs))
+
+
+async def wait_all_free(engine, timeout=10.0):
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        s = engine.stats()
+        if s["kv_pages_free"] == s["kv_pages_total"] and s["running"] == 0:
+            return s
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"pages not freed: {s}")
+        await asyncio.sleep(0.01)
+
+
+def summary(outs):
+    return [(o.token_ids, o.text, o.finish_reason) for o in outs]
+
+
+async def test_depth2_equals_depth1_on_64_mixed_requests():
+    reqs = mixed_requests()
+    results = {}
+    for depth in (1, 2):
+        async with Engine(cfg(depth)) as engine:
+            results[depth] = await run_all(engine, reqs)
+            stats = await wait_all_free(engine)
+            assert stats["waiting"] == 0
+    assert summary(results[2]) == summary(results[1])
+    assert {o.finish_reason for o in results[1]} >= {"stop", "length"}
+
+
+async def test_small_pool_waits_and_preempts_with_identical_outputs():
+    reqs = [(p, SamplingParams(max_tokens=20, temperature=0.0), d) for p, _, d in mixed_requests(24, seed=3)]
+    async with Engine(cfg(1)) as engine:
+        want = await run_all(engine, reqs)
+    for depth in (1, 2):
+        async with Engine(cfg(depth, kv_cache_tokens=160, max_batch_size=8)) as engine:
+            got = await run_all(engine, reqs)
+            stats = await wait_all_free(engine)
+            assert stats["preemptions"] > 0
+        assert summary(got) == summary(want)
+
+
+async def test_zombie_from_stop_token_is_skipped_and_pages_freed():
+    prompt = list(range(40, 60))
+    async with Engine(cfg(1)) as engine:
+        free_run = await engine.complete(prompt, SamplingParams(max_tokens=12, temperature=0.0))
+    stop_at = next(i for i, t in enumerate(free_run.token_ids) if i >= 3 and t not in free_run.token_ids[:i])
+    stop_tok = free_run.token_ids[stop_at]
+    params = SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[stop_tok])
+    async with Engine(cfg(2)) as engine:
+        out = await engine.complete(prompt, params)
+        assert out.token_ids == free_run.token_ids[: stop_at + 1]
+        assert out.finish_reason == "stop"
+        stats = await wait_all_free(engine)
+        assert stats["zombie_commits"] == 1  # the step launched before the stop was seen
+
+
+async def test_stream_deltas_concatenate_to_final_text():
+    params = SamplingParams(max_tokens=30, temperature=0.0, stop=["zz"])
+    async with Engine(cfg(2)) as engine:
+        final = await engine.complete("hello tiny model", params)
+        deltas = [d async for d in engine.stream("hello tiny model", params)]
+    assert "".join(d.text for d in deltas) == final.text
+    assert [t for d in deltas for t in d.token_ids] == final.token_ids
+    assert deltas[-1].finish_reason == final.finish_reason
+
+
+async def test_cancelling_mid_stream_frees_pages():
+    async with Engine(cfg(2)) as engine:
+        agen = engine.stream([5] * 50, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
+        n = 0
+        async for _ in agen:
+            n += 1
+            if n == 3:
+                break
+        await agen.aclose()
+        assert engine.stats()["running"] == 0
+        await wait_all_free(engine)
+
+
+async def test_cancelling_the_awaiting_task_aborts_and_frees_pages():
+    async with Engine(cfg(2)) as engine:
+        task = asyncio.create_task(engine.complete([7] * 40, SamplingParams(max_tokens=500, temperature=0.0,
+                                                                           ignore_eos=True)))
+        while engine.stats()["steps"] < 4:
+            await asyncio.sleep(0.005)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await wait_all_free(engine)
+
+
+async def test_abort_by_request_id():
+    async with Engine(cfg(2)) as engine:
+        task = asyncio.create_task(engine.complete([9] * 10, SamplingParams(max_tokens=400, temperature=0.0,
+                                                                           ignore_eos=True), request_id="r1"))
+        while engine.stats()["steps"] < 3:
+            await asyncio.sleep(0.005)
+        assert await engine.abort("r1")
+        out = await task
+        assert out.finish_reason == "abort" and len(out.token_ids) < 400
+        assert not await engine.abort("r1") and not await engine.abort("nope")
+        await wait_all_free(engine)
+
+
+async def test_seeded_sampling_is_reproducible_across_depths():
+    params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.95, seed=1234)
+    outs = []
+    for depth in (1, 2):
+        async with Engine(cfg(depth)) as engine:
+            outs.append((await engine.complete([11, 12, 13], params)).token_ids)
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("bad", [
+    dict(max_tokens=-1), dict(max_tokens=0), dict(temperature=-0.5), dict(temperature=math.nan),
+    dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-3), dict(stop=[""]),
+])
+def test_invalid_sampling_params_raise_at_construction(bad):
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(**bad)
+
+
+async def test_invalid_prompts_raise_before_scheduling():
+    async with Engine(cfg(2, max_model_len=64)) as engine:
+        with pytest.raises(InvalidRequestError):
+            await engine.complete("", SamplingParams())
+        with pytest.raises(InvalidRequestError):
+            await engine.complete([], SamplingParams())
+        with pytest.raises(InvalidRequestError, match="context"):
+            await engine.complete([5] * 64, SamplingParams())
+        with pytest.raises(InvalidRequestError):
+            await engine.complete([10**6], SamplingParams())
+        assert engine.stats()["steps"] == 0
+    with pytest.raises(InvalidRequestError):
+        EngineConfig(pipeline_depth=3)
+
+
+async def test_slot_reuse_guard_fires_when_misused():
+    async with Engine(cfg(2)) as engine:
+        runner = engine._parts.runner
+        works = [SeqWork(row=1, tokens=[5, 6, 7], start_pos=0, pages=[1], sample=True)]
+        packed = pack_step(works, 8, 16)
+        slot = runner.slots[0]
+        runner.launch_forward(slot, 1000, packed)
+        with pytest.raises(SlotReuseError):
+            runner.launch_forward(slot, 1001, packed)  # relaunch before its commit read the host buffer
+        with pytest.raises(PipelineInvariantError):
+            slot.read_host()  # reading before the copy was even enqueued
+        runner.launch_sampling(slot, packed, works)
+        assert len(await runner.read_sampled(slot)) == 1
+        slot.release()
+        with pytest.raises(PipelineInvariantError):
+            slot.release()

@@ -3,3 +3,32 @@ import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(__file__))  # test helpers (fake_runner) import by name
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def loaded():
+    """The default model (SmolLM2-135M-Instruct GGUF) as loaded by slipstream, shared by all tests."""
+    from slipstream.models.loader import DEFAULT_MODEL, load_model
+
+    return load_model(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="session")
+def hf_model(loaded):
+    """The same GGUF loaded by transformers (offline): the correctness oracle."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(loaded.path.parent), gguf_file=loaded.path.name,
+                                                dtype=torch.float32).eval()

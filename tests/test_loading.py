@@ -30,20 +30,6 @@ from slipstream.models.tokenizer import _byte_alphabet
 Q8 = gguf.GGMLQuantizationType.Q8_0
 
 
-@pytest.fixture(scope="module")
-def loaded() -> LoadedModel:
-    return load_model(DEFAULT_MODEL)
-
-
-@pytest.fixture(scope="module")
-def hf_model(loaded):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(
-        str(loaded.path.parent), gguf_file=loaded.path.name, dtype=torch.float32
-    )
-
-
 def test_weights_equal_transformers(loaded, hf_model):
     theirs = hf_model.state_dict()
     assert set(loaded.weights) == set(theirs) - {"lm_head.weight"}  # tied: no lm_head of our own

@@ -1,6 +1,7 @@
 """Build a ready model + tokenizer from a model spec (name, GGUF path, HF folder, tiny-random)."""
 from __future__ import annotations
 
+import functools
 import time
 
 import structlog
@@ -29,6 +30,14 @@ def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor
     return weights
 
 
+@functools.lru_cache(maxsize=1)
+def _load_cached(spec: str):
+    """Engines in one process (blocking vs pipelined, tests) share one dequantised checkpoint."""
+    from slipstream.models.loader import load_model
+
+    return load_model(spec, dtype=torch.float32)
+
+
 def build_model(spec: str, dtype: str, device: torch.device, seed: int = 0):
     """Returns (model, tokenizer, ModelConfig)."""
     t0 = time.perf_counter()
@@ -38,9 +47,7 @@ def build_model(spec: str, dtype: str, device: torch.device, seed: int = 0):
         config = tiny_config()
         weights, tokenizer = random_weights(config, seed), ByteTokenizer(config.vocab_size)
     else:
-        from slipstream.models.loader import load_model
-
-        loaded = load_model(spec, dtype=torch.float32)
+        loaded = _load_cached(spec)
         config, weights, tokenizer = loaded.config, loaded.weights, loaded.tokenizer
     model = LlamaForCausalLM.from_weights(config, weights, DTYPES[dtype], device)
     log.info("model ready", model=spec, layers=config.num_layers, vocab=config.vocab_size, dtype=dtype,

@@ -53,6 +53,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_model_len: int | None = None  # default: the model's context length
     batch_invariant: bool = True  # pad CPU matmuls so results do not depend on batch size
     seed: int = 0  # seeds requests that give none
+    trace: bool = False  # keep per-step host timings and device spans (benchmarks, timelines)
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):

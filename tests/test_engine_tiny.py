@@ -181,7 +181,7 @@ async def test_slot_reuse_guard_fires_when_misused():
     async with Engine(cfg(2)) as engine:
         runner = engine._parts.runner
         works = [SeqWork(row=1, tokens=[5, 6, 7], start_pos=0, pages=[1], sample=True)]
-        packed = pack_step(works, 8, 16)
+        packed = pack_step(works, 8, 4)
         slot = runner.slots[0]
         runner.launch_forward(slot, 1000, packed)
         with pytest.raises(SlotReuseError):

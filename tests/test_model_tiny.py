@@ -15,8 +15,8 @@ from slipstream.runtime.batch import SeqWork, pack_step
 PAGE = 4
 
 
-def run(model, kv, works, min_rows=1):
-    p = pack_step(works, PAGE, min_rows)
+def run(model, kv, works, row_multiple=1):
+    p = pack_step(works, PAGE, row_multiple)
     batch = ForwardBatch(
         input_ids=torch.from_numpy(p.input_ids),
         positions=torch.from_numpy(p.positions),
@@ -70,7 +70,7 @@ def test_mixed_batch_chunks_and_decodes_noncontiguous_pages(pair):
         SeqWork(row=2, tokens=[b_next], start_pos=len(b), pages=pages_b, sample=True),
         SeqWork(row=1, tokens=a[10:], start_pos=10, pages=pages_a, sample=True),
         SeqWork(row=3, tokens=[c_next], start_pos=len(c), pages=pages_c, sample=True),
-    ], min_rows=16)
+    ], row_multiple=16)
     torch.testing.assert_close(out2[0], hf_logits(hf, b + [b_next])[-1], atol=1e-4, rtol=0)
     torch.testing.assert_close(out2[1], hf_logits(hf, a)[-1], atol=1e-4, rtol=0)
     torch.testing.assert_close(out2[2], hf_logits(hf, c + [c_next])[-1], atol=1e-4, rtol=0)
@@ -96,4 +96,4 @@ def test_padding_rows_do_not_change_results(pair):
     cfg, _, ours = pair
     kv = KVCache(cfg, num_pages=16, page_size=PAGE, dtype=torch.float32, device="cpu")
     work = [SeqWork(row=1, tokens=[4, 5, 6, 7, 8], start_pos=0, pages=[3, 6], sample=True)]
-    torch.testing.assert_close(run(ours, kv, work, min_rows=1), run(ours, kv, work, min_rows=16), atol=1e-5, rtol=0)
+    torch.testing.assert_close(run(ours, kv, work, row_multiple=1), run(ours, kv, work, row_multiple=16), atol=1e-5, rtol=0)

@@ -57,10 +57,14 @@ class PackedStep:
     num_samples: int  # real samples (n)
 
 
-def pack_step(works: list[SeqWork], page_size: int, min_rows: int = 1) -> PackedStep:
-    """Flatten a step. Padding to `min_rows` keeps matmul results independent of batch size."""
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def pack_step(works: list[SeqWork], page_size: int, row_multiple: int = 1) -> PackedStep:
+    """Flatten a step. Padding rows to `row_multiple` keeps matmul rows independent of batch size."""
     n_tok = sum(w.num_tokens for w in works)
-    t_pad = max(n_tok, min_rows)
+    t_pad = _round_up(n_tok, row_multiple)
     input_ids = np.zeros(t_pad, np.int64)
     from_device = np.zeros(t_pad, bool)
     carry_rows = np.zeros(t_pad, np.int64)
@@ -86,7 +90,7 @@ def pack_step(works: list[SeqWork], page_size: int, min_rows: int = 1) -> Packed
             sample_idx.append(cur - 1)
             sample_rows.append(w.row)
     n_samples = len(sample_idx)
-    sample_idx += [0] * (max(n_samples, min_rows) - n_samples) if n_samples else []
+    sample_idx += [0] * (_round_up(n_samples, row_multiple) - n_samples)
     return PackedStep(
         input_ids=input_ids,
         from_device=from_device,

@@ -19,9 +19,9 @@ from slipstream.runtime.sampler import apply_token_mask, sample
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv: KVCache, device, max_rows: int, num_slots: int = 2,
-                 min_rows: int = 1):
+                 row_multiple: int = 1):
         self.model, self.kv, self.device = model, kv, device
-        self.min_rows = min_rows  # padding target: CPU matmuls give batch-invariant rows from ~12 up
+        self.row_multiple = row_multiple  # pad steps so CPU matmul rows do not depend on batch size
         self.token_table = torch.zeros(max_rows, dtype=torch.int64, device=device.torch_device)
         self.slots = [DecodeSlot(i, device, max_rows) for i in range(num_slots)]
         self.vocab_size = model.config.vocab_size

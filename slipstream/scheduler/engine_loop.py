@@ -49,14 +49,15 @@ class StepRecord:
 
 
 class EngineLoop:
-    def __init__(self, runner, planner: Planner, depth: int, page_size: int, min_rows: int = 1, trace: bool = False):
+    def __init__(self, runner, planner: Planner, depth: int, page_size: int, row_multiple: int = 1, trace: bool = False):
         self.runner, self.planner, self.depth = runner, planner, depth
-        self.page_size, self.min_rows = page_size, min_rows
+        self.page_size, self.row_multiple = page_size, row_multiple
         self.pipeline = Pipeline(depth, planner)
         self.outputs = OutputProcessor(self.pipeline.finalize)
         self.num_steps = 0
         self.trace = trace
         self.records: list[StepRecord] = []
+        self.device_spans: list[tuple[str, str, float, float]] = []  # (stream, label, start, end)
         self._wake = asyncio.Event()
         self._closing = False
         self.error: BaseException | None = None
@@ -119,7 +120,7 @@ class EngineLoop:
         slot = next((s for s in self.runner.slots if s.state.value == "free"), None)
         if slot is None:
             raise PipelineInvariantError("no free DecodeSlot although fewer than depth steps are in flight")
-        packed = pack_step(plan.works, self.page_size, self.min_rows)
+        packed = pack_step(plan.works, self.page_size, self.row_multiple)
         step = InflightStep(self.num_steps, plan.works, plan.seqs, packed, plan.kind, slot)
         self.num_steps += 1
         self.runner.launch_forward(slot, step.step_id, packed)

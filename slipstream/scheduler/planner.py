@@ -28,7 +28,7 @@ class PlannedStep:
 
     @property
     def kind(self) -> str:
-        prefill = any(w.tokens is not None for w in self.works)
+        prefill = any(w.tokens is not None for w in self.works)  # prompt or recompute chunks
         return "prefill" if prefill else "decode"
 
     @property
@@ -92,20 +92,23 @@ class Planner:
         return PlannedStep(works, seqs) if works else None
 
     def _next_work(self, seq: Sequence, budget: int) -> SeqWork | None:
-        if seq.num_scheduled < seq.num_known:  # host-known tokens: a prefill chunk
+        output_index = len(seq.output_ids) + seq.pending_samples
+        if seq.carry_on_device and seq.num_scheduled == seq.num_known + seq.pending_samples - 1:
+            # decode: the input is the newest sampled token, read from the carry-over table on the
+            # device whether or not its step has been committed (the same path at depth 1 and 2)
+            if seq.samples_left() <= 0:
+                return None
+            return SeqWork(row=seq.row, tokens=None, start_pos=seq.num_scheduled, pages=seq.pages, sample=True,
+                           output_index=output_index, sampling=seq.sampling)
+        if seq.num_scheduled < seq.num_known:  # host-known tokens: a prompt (or recompute) chunk
             n = min(seq.num_known - seq.num_scheduled, budget)
             reaches_end = seq.num_scheduled + n == seq.num_known
             if reaches_end and seq.samples_left() <= 0:
                 return None
             tokens = seq.known_tokens(seq.num_scheduled, seq.num_scheduled + n)
             return SeqWork(row=seq.row, tokens=tokens, start_pos=seq.num_scheduled, pages=seq.pages,
-                           sample=reaches_end, output_index=len(seq.output_ids) + seq.pending_samples,
-                           sampling=seq.sampling)
-        if seq.pending_samples == 0 or seq.samples_left() <= 0:
-            return None
-        # decode: the input is the newest sampled token, still on the device
-        return SeqWork(row=seq.row, tokens=None, start_pos=seq.num_scheduled, pages=seq.pages, sample=True,
-                       output_index=len(seq.output_ids) + seq.pending_samples, sampling=seq.sampling)
+                           sample=reaches_end, output_index=output_index, sampling=seq.sampling)
+        return None
 
     def _reserve(self, seq: Sequence, work: SeqWork, victims: list[Sequence]) -> bool:
         need = self.pages_for(work.start_pos + work.num_tokens) - len(seq.pages)
@@ -138,6 +141,7 @@ class Planner:
         if seq.row is not None:
             self._free_rows.append(seq.row)
             seq.row = None
+        seq.carry_on_device = False
         if seq in self.running:
             self.running.remove(seq)
         if seq.finalized:

@@ -42,6 +42,7 @@ class Sequence:
     preempting: bool = False  # chosen as a preemption victim; recomputed once inflight_refs hits 0
     num_preemptions: int = 0
     row: int | None = None  # carry-over table row while admitted
+    carry_on_device: bool = False  # its row holds its newest sampled token (set once a sample launches)
     pages: list[int] = field(default_factory=list)
     user: Any = None  # the request object of the API layer (opaque to the scheduler)
 

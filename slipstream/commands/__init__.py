@@ -1,0 +1,1 @@
+"""Subcommands of the `slipstream` CLI, one module each (see slipstream/cli.py)."""

@@ -73,7 +73,7 @@ class FakeRunner:
                 results.append(ctx)
         slot.contexts = results
 
-    def launch_sampling(self, slot, packed, works, allowed=None) -> None:
+    def launch_sampling(self, slot, packed, works, rows=None, bitmask=None, final=True) -> None:
         out = []
         for ctx, row in zip(slot.contexts, packed.sample_rows.tolist()):
             tok = next_token(ctx)
@@ -84,4 +84,4 @@ class FakeRunner:
     async def read_sampled(self, slot) -> list[int]:
         for _ in range(self.yields):  # let arrivals and aborts interleave with the commit
             await asyncio.sleep(0)
-        return slot.result
+        return slot.result, [0.0] * len(slot.result)

@@ -189,7 +189,27 @@ async def test_slot_reuse_guard_fires_when_misused():
         with pytest.raises(PipelineInvariantError):
             slot.read_host()  # reading before the copy was even enqueued
         runner.launch_sampling(slot, packed, works)
-        assert len(await runner.read_sampled(slot)) == 1
+        ids, logprobs = await runner.read_sampled(slot)
+        assert len(ids) == len(logprobs) == 1
         slot.release()
         with pytest.raises(PipelineInvariantError):
             slot.release()
+
+
+async def test_logprobs_are_returned_per_token():
+    async with Engine(cfg(2)) as engine:
+        out = await engine.complete([20, 21, 22], SamplingParams(max_tokens=6, temperature=0.0, logprobs=True))
+        plain = await engine.complete([20, 21, 22], SamplingParams(max_tokens=6, temperature=0.0))
+    assert out.token_ids == plain.token_ids and plain.logprobs is None
+    assert len(out.logprobs) == 6 and all(lp <= 0.0 for lp in out.logprobs)
+
+
+def test_engine_runs_on_uvloop():
+    import uvloop
+
+    async def main():
+        async with Engine(cfg(2)) as engine:
+            return await engine.complete("uv", SamplingParams(max_tokens=5, temperature=0.0))
+
+    out = uvloop.run(main())
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"

@@ -43,7 +43,8 @@ def assemble(config: EngineConfig) -> EngineParts:
     runner = ModelRunner(model, kv, device, max_rows=config.max_batch_size + 1, row_multiple=row_multiple)
     pool = PagePool(num_pages)
     planner = Planner(pool, config.page_size, config.max_batch_size, config.max_num_batched_tokens)
-    loop = EngineLoop(runner, planner, config.pipeline_depth, config.page_size, row_multiple, trace=config.trace)
+    loop = EngineLoop(runner, planner, config.pipeline_depth, config.page_size, row_multiple,
+                      trace=config.trace, vocab_width=mcfg.vocab_size, eos_ids=tuple(tokenizer.eos_token_ids))
     if config.trace:
         for stream in (device.compute, device.copy):
             stream.busy_hook = lambda name, label, t0, t1: loop.device_spans.append((name, label, t0, t1))

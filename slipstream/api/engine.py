@@ -92,7 +92,7 @@ class Engine:
         eos = () if params.ignore_eos else tuple(self.tokenizer.eos_token_ids)
         seed = params.seed if params.seed is not None else self._rng.randrange(2**31)
         row = SamplingRow(temperature=float(params.temperature), top_k=max(params.top_k, 0), top_p=params.top_p,
-                          seed=seed)
+                          seed=seed, logprobs=params.logprobs)
         from slipstream.models.tokenizer import IncrementalDetokenizer
 
         req = RequestState(request_id, ids, params, IncrementalDetokenizer(self.tokenizer, ids),

@@ -21,7 +21,7 @@ class SamplingRow:
     top_k: int = 0  # 0: no top-k
     top_p: float = 1.0
     seed: int = 0  # a request seed or one drawn at admission; combined with the output index
-    constrained: bool = False  # its mask is built after the previous commit (grammar issue)
+    logprobs: bool = False  # also return the sampled token's log-probability
 
 
 @dataclass

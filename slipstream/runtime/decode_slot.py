@@ -25,13 +25,18 @@ class SlotState(enum.Enum):
 
 
 class DecodeSlot:
-    def __init__(self, index: int, device, max_samples: int):
+    def __init__(self, index: int, device, max_samples: int, vocab_size: int):
         self.index = index
         self.state = SlotState.FREE
         self.step_id = -1
         self.sampled = torch.zeros(max_samples, dtype=torch.int64, device=device.torch_device)
         self.host_sampled = device.host_buffer((max_samples,), torch.int64)
         self.host_sampled.fill_(POISON)
+        self.logprobs = torch.zeros(max_samples, dtype=torch.float32, device=device.torch_device)
+        self.host_logprobs = device.host_buffer((max_samples,), torch.float32)
+        words = -(-vocab_size // 32)  # packed allowed-token masks of constrained rows
+        self.mask_host = device.host_buffer((max_samples, words), torch.int32)
+        self.mask_dev = torch.zeros(max_samples, words, dtype=torch.int32, device=device.torch_device)
         self.logits: torch.Tensor | None = None  # written by the forward, read by sampling
         self.num_samples = 0
         self.forward_done = None  # events of the step currently in this slot
@@ -48,15 +53,15 @@ class DecodeSlot:
         self.step_id = step_id
         self.forward_done = self.sample_done = self.copy_done = None
 
-    def read_host(self) -> list[int]:
-        """The sampled ids of the step in this slot; only valid once copy_done completed."""
+    def read_host(self) -> tuple[list[int], list[float]]:
+        """Sampled ids and their logprobs of the step in this slot; valid once copy_done completed."""
         if self.state is not SlotState.IN_FLIGHT or self.copy_done is None or not self.copy_done.query():
             raise PipelineInvariantError(f"slot {self.index}: host buffer read before its copy landed")
         ids = self.host_sampled[: self.num_samples].tolist()
         if POISON in ids:
             raise PipelineInvariantError(f"slot {self.index}: poisoned token read (copy did not land)")
         self.host_sampled[: self.num_samples].fill_(POISON)
-        return ids
+        return ids, self.host_logprobs[: self.num_samples].tolist()
 
     def release(self) -> None:
         if self.state is not SlotState.IN_FLIGHT:

@@ -8,13 +8,14 @@ the compute stream) is what makes that read correct.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from slipstream.models.attention import AttentionMetadata
 from slipstream.models.llama import ForwardBatch, KVCache, LlamaForCausalLM
 from slipstream.runtime.batch import PackedStep, SeqWork, SamplingRow
 from slipstream.runtime.decode_slot import DecodeSlot
-from slipstream.runtime.sampler import apply_token_mask, sample
+from slipstream.runtime.sampler import apply_bitmask, sample
 
 
 class ModelRunner:
@@ -23,7 +24,7 @@ class ModelRunner:
         self.model, self.kv, self.device = model, kv, device
         self.row_multiple = row_multiple  # pad steps so CPU matmul rows do not depend on batch size
         self.token_table = torch.zeros(max_rows, dtype=torch.int64, device=device.torch_device)
-        self.slots = [DecodeSlot(i, device, max_rows) for i in range(num_slots)]
+        self.slots = [DecodeSlot(i, device, max_rows, model.config.vocab_size) for i in range(num_slots)]
         self.vocab_size = model.config.vocab_size
 
     # --- launch -------------------------------------------------------------------------------
@@ -52,45 +53,71 @@ class ModelRunner:
         self.device.compute.launch(forward, "forward")
         slot.forward_done = self.device.compute.record()
 
-    # --- finalize -------------------------------------------------------------------------------
+    # --- sampling (at launch for rows that need nothing from the host, at finalize for the rest) ---
 
     def launch_sampling(self, slot: DecodeSlot, packed: PackedStep, works: list[SeqWork],
-                        allowed: torch.Tensor | None = None) -> None:
-        """Enqueue sampling of the step in `slot` and the device→host copy of its tokens.
+                        rows: list[int] | None = None, bitmask: np.ndarray | None = None,
+                        final: bool = True) -> None:
+        """Enqueue sampling of some of the step's sampling rows; with `final`, also the D2H copy.
 
-        `allowed` ([n, V] bool, host) restricts constrained rows; it is built after the previous
-        commit, which is why sampling is enqueued separately from the forward.
+        rows:    indices into the step's sampling rows (None: all of them). Each row is sampled
+                 exactly once per step, so groups never overlap.
+        bitmask: packed int32 [len(rows), ceil(V/32)] allowed-token masks for these rows, or
+                 None. It is staged in the slot's host buffer, uploaded on the copy stream, and
+                 sampling waits on that upload's event — not on anything else.
+        final:   the last group of the step: the device→host copy of all its tokens follows,
+                 anchored to an event recorded right after the last sampling.
         """
         n = packed.num_samples
         sampled_works = [w for w in works if w.sample]
-        rows: list[SamplingRow] = [w.sampling for w in sampled_works]
-        out_idx = [w.output_index for w in sampled_works]
+        rows = list(range(n)) if rows is None else rows
         dev = self.device.torch_device
+        compute, copy = self.device.compute, self.device.copy
+        if rows:
+            params = [sampled_works[i].sampling for i in rows]
+            out_idx = [sampled_works[i].output_index for i in rows]
+            want_logprobs = any(p.logprobs for p in params)
+            idx_host = torch.tensor(rows, dtype=torch.long)
+            carry_rows = torch.from_numpy(packed.sample_rows[rows])
+            if bitmask is not None:
+                slot.mask_host[idx_host] = torch.from_numpy(bitmask)
 
-        def sample_step() -> None:
-            if n == 0:
-                return
-            logits = slot.logits[:n]
-            if allowed is not None:
-                logits = apply_token_mask(logits, allowed.to(dev, non_blocking=True))
-            ids = sample(logits, rows, out_idx)
-            slot.sampled[:n] = ids
-            self.token_table[torch.from_numpy(packed.sample_rows).to(dev)] = ids
+                def upload() -> None:
+                    idx = idx_host.to(dev, non_blocking=True)
+                    slot.mask_dev.index_copy_(0, idx, slot.mask_host[idx_host].to(dev, non_blocking=True))
 
-        self.device.compute.launch(sample_step, "sample")
-        slot.sample_done = self.device.compute.record()
-        self.device.copy.wait(slot.sample_done)  # the copy waits for exactly this step's outputs
+                copy.launch(upload, "h2d")
+                compute.wait(copy.record())
+
+            def sample_rows() -> None:
+                idx = idx_host.to(dev, non_blocking=True)
+                logits = slot.logits.index_select(0, idx)
+                if bitmask is not None:
+                    logits = apply_bitmask(logits, slot.mask_dev.index_select(0, idx))
+                ids = sample(logits, params, out_idx)
+                slot.sampled.index_copy_(0, idx, ids)
+                self.token_table[carry_rows.to(dev, non_blocking=True)] = ids
+                if want_logprobs:  # of the model's own distribution, before masks and temperature
+                    raw = slot.logits.index_select(0, idx).log_softmax(-1)
+                    slot.logprobs.index_copy_(0, idx, raw.gather(1, ids[:, None])[:, 0])
+
+            compute.launch(sample_rows, "sample")
+        if not final:
+            return
+        slot.sample_done = compute.record()
+        copy.wait(slot.sample_done)  # the copy waits for exactly this step's outputs
 
         def copy_out() -> None:
             if n:
                 slot.host_sampled[:n].copy_(slot.sampled[:n], non_blocking=True)
+                slot.host_logprobs[:n].copy_(slot.logprobs[:n], non_blocking=True)
 
-        self.device.copy.launch(copy_out, "d2h")
-        slot.copy_done = self.device.copy.record()
+        copy.launch(copy_out, "d2h")
+        slot.copy_done = copy.record()
 
     # --- commit ---------------------------------------------------------------------------------
 
-    async def read_sampled(self, slot: DecodeSlot) -> list[int]:
-        """Await the step's copy event without blocking the loop, then read its tokens."""
+    async def read_sampled(self, slot: DecodeSlot) -> tuple[list[int], list[float]]:
+        """Await the step's copy event without blocking the loop, then read tokens and logprobs."""
         await slot.copy_done.wait_async()
         return slot.read_host()

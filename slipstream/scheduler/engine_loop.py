@@ -4,9 +4,11 @@
   launch    enqueue its forward into a free DecodeSlot; decode inputs are read on the device
   commit    await the oldest finalized step's copy event, apply its tokens (zombies skipped),
             stop checks, stream deltas, release slots and pages
-  finalize  enqueue sampling of the newly launched step and its device→host copy. It runs after
-            the commit so that state committed at t (e.g. grammar masks) is visible to t+1's
-            sampling; the forward of t+1 is already running meanwhile.
+  finalize  enqueue sampling of the rows whose grammar mask depends on the token committed at t
+            (mask built from committed state, uploaded on the copy stream), then the step's
+            device→host copy. Rows that need nothing from the host (unconstrained ones) were
+            sampled right behind the forward at launch, so they never wait for a commit: forward
+            now, sample later, only where a mask makes it necessary.
 
 With depth 1 a step is committed before the next is planned (the blocking baseline); with depth 2
 the forward of t+1 is launched before step t is committed. Nothing else differs.
@@ -23,6 +25,7 @@ import structlog
 
 from slipstream.errors import EngineClosedError, PipelineInvariantError
 from slipstream.runtime.batch import pack_step
+from slipstream.scheduler.constraints import Constraints
 from slipstream.scheduler.output_processor import OutputProcessor
 from slipstream.scheduler.pipeline import InflightStep, Pipeline
 from slipstream.scheduler.planner import Planner
@@ -49,11 +52,13 @@ class StepRecord:
 
 
 class EngineLoop:
-    def __init__(self, runner, planner: Planner, depth: int, page_size: int, row_multiple: int = 1, trace: bool = False):
+    def __init__(self, runner, planner: Planner, depth: int, page_size: int, row_multiple: int = 1,
+                 trace: bool = False, vocab_width: int = 0, eos_ids: tuple[int, ...] = ()):
         self.runner, self.planner, self.depth = runner, planner, depth
         self.page_size, self.row_multiple = page_size, row_multiple
         self.pipeline = Pipeline(depth, planner)
         self.outputs = OutputProcessor(self.pipeline.finalize)
+        self.constraints = Constraints(vocab_width, eos_ids, self.outputs.fail)
         self.num_steps = 0
         self.trace = trace
         self.records: list[StepRecord] = []
@@ -125,15 +130,23 @@ class EngineLoop:
         self.num_steps += 1
         self.runner.launch_forward(slot, step.step_id, packed)
         self.pipeline.on_launch(step)
+        early, step.late_rows = self.constraints.split(plan.seqs, [w.sample for w in plan.works])
+        if early or not step.late_rows:
+            mask = self.constraints.masks(self._sampling_seqs(step), early)
+            self.runner.launch_sampling(slot, packed, plan.works, early, mask, final=not step.late_rows)
         step.timings["t_launch"] = time.perf_counter()
         return step
 
+    @staticmethod
+    def _sampling_seqs(step: InflightStep) -> list[Sequence]:
+        return [s for s, w in zip(step.seqs, step.works) if w.sample]
+
     async def commit(self, step: InflightStep) -> None:
         t0 = time.perf_counter()
-        sampled = await self.runner.read_sampled(step.slot)
+        sampled, logprobs = await self.runner.read_sampled(step.slot)
         t1 = time.perf_counter()
         step.slot.release()  # the host buffer has been read: the slot may take a new step
-        self.pipeline.on_commit(step, sampled, self.outputs.accept)
+        self.pipeline.on_commit(step, sampled, logprobs, self.outputs.accept)
         t2 = time.perf_counter()
         step.timings.update(commit_wait=t1 - t0, commit=t2 - t1, t_committed=t2)
         if self.trace:
@@ -145,7 +158,9 @@ class EngineLoop:
 
     def finalize(self, step: InflightStep) -> None:
         t0 = time.perf_counter()
-        self.runner.launch_sampling(step.slot, step.packed, step.works)
+        if step.late_rows:  # every step before this one is committed: matchers are current
+            mask = self.constraints.masks(self._sampling_seqs(step), step.late_rows)
+            self.runner.launch_sampling(step.slot, step.packed, step.works, step.late_rows, mask, final=True)
         step.timings["finalize"] = time.perf_counter() - t0
 
     # --- failure ----------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from slipstream.errors import SlipstreamError
 from slipstream.outputs import CompletionOutput, RequestMetrics, StreamDelta
 from slipstream.params import SamplingParams
 from slipstream.scheduler.sequence import Sequence
@@ -29,20 +30,30 @@ class RequestState:
     text: str = ""
     emitted: int = 0  # characters of `text` already streamed
     output: CompletionOutput | None = None
+    matcher: object | None = None  # grammar matcher (slipstream.grammar), advanced on each commit
+    logprobs: list[float] = field(default_factory=list)
 
 
 class OutputProcessor:
     def __init__(self, finalize):
         self._finalize = finalize  # Pipeline.finalize: marks finished, releases when possible
 
-    def accept(self, seq: Sequence, token: int) -> None:
+    def accept(self, seq: Sequence, token: int, logprob: float = 0.0) -> None:
         req: RequestState = seq.user
         now = time.perf_counter()
         seq.output_ids.append(token)
+        if req.params.logprobs:
+            req.logprobs.append(logprob)
         req.metrics.token_times.append(now)
         if req.metrics.first_token is None:
             req.metrics.first_token = now
         reason, truncated = None, False
+        if req.matcher is not None:
+            try:
+                req.matcher.accept(token)
+            except Exception as e:  # noqa: BLE001 - a plugin may raise anything; only its request fails
+                self.fail(seq, e)
+                return
         if token in req.stop_token_ids:
             reason = "stop"  # the stop token stays in token_ids; its text is not part of the output
         else:
@@ -54,6 +65,8 @@ class OutputProcessor:
                 hits = [i for i in (req.text.find(s, start) for s in stops) if i >= 0]
                 if hits:
                     req.text, reason, truncated = req.text[: min(hits)], "stop", True
+        if reason is None and req.matcher is not None and req.matcher.is_terminated():
+            reason = "stop"  # the grammar is complete: nothing more may follow
         if reason is None and len(seq.output_ids) >= seq.max_tokens:
             reason = "length"
         if reason is None:
@@ -63,6 +76,20 @@ class OutputProcessor:
 
     def abort(self, seq: Sequence) -> None:
         self._finish(seq, "abort", [], flush=True)
+
+    def fail(self, seq: Sequence, error: BaseException) -> None:
+        """Fail one request (its waiter raises `error`); the batch goes on."""
+        if not self._finalize(seq, "abort"):
+            return
+        req: RequestState = seq.user
+        req.metrics.finished = time.perf_counter()
+        if not isinstance(error, SlipstreamError):
+            from slipstream.errors import GrammarError
+
+            wrapped = GrammarError(f"grammar failed for request {req.request_id}: {error!r}")
+            wrapped.__cause__ = error
+            error = wrapped
+        req.queue.put_nowait(error)
 
     def _finish(self, seq: Sequence, reason: str, token_ids: list[int], flush: bool) -> None:
         if not self._finalize(seq, reason):
@@ -79,6 +106,7 @@ class OutputProcessor:
             finish_reason=reason,
             prompt_token_ids=req.prompt_ids,
             metrics=req.metrics,
+            logprobs=list(req.logprobs) if req.params.logprobs else None,
         )
         req.queue.put_nowait(req.output)
 

@@ -29,6 +29,7 @@ class InflightStep:
     packed: PackedStep
     kind: str
     slot: Any = None  # the runtime's DecodeSlot (opaque here)
+    late_rows: list[int] = field(default_factory=list)  # sampling rows whose mask needs commit t-1
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -55,21 +56,21 @@ class Pipeline:
     def oldest(self) -> InflightStep:
         return self.inflight[0]
 
-    def on_commit(self, step: InflightStep, sampled: list[int],
-                  accept: Callable[[Sequence, int], None]) -> None:
-        """Apply a step's sampled tokens. `accept(seq, token)` appends and runs stop checks."""
+    def on_commit(self, step: InflightStep, sampled: list[int], logprobs: list[float],
+                  accept: Callable[[Sequence, int, float], None]) -> None:
+        """Apply a step's sampled tokens. `accept(seq, token, logprob)` appends and runs stop checks."""
         if not self.inflight or self.inflight[0] is not step:
             raise PipelineInvariantError(f"step {step.step_id} committed out of launch order")
         self.inflight.popleft()
-        tokens = iter(sampled)
+        tokens, lps = iter(sampled), iter(logprobs)
         for seq, work in zip(step.seqs, step.works):
             seq.inflight_refs -= 1
-            token = next(tokens) if work.sample else None
+            token, logprob = (next(tokens), next(lps)) if work.sample else (None, 0.0)
             seq.pending_samples -= work.sample
             if seq.finalized:
                 self.zombie_commits += work.sample
             elif token is not None:
-                accept(seq, token)
+                accept(seq, token, logprob)
             if not seq.finalized:  # a zombie's skipped token leaves its counts behind, by design
                 seq.check()
             self.maybe_release(seq)

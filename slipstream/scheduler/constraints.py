@@ -1,0 +1,71 @@
+"""Which sampling rows need a grammar mask, and building those masks from committed state.
+
+Forward now, sample later: a row whose matcher's mask depends on the previous token can only be
+sampled after that token has been committed, so it is sampled in finalize; every other row —
+unconstrained, or constrained by a mask that does not depend on the previous token — is sampled
+right behind the forward at launch and never waits for the host. Zombie rows (finalized after
+their step was planned) are never constrained: they get an all-ones row.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from slipstream.scheduler.sequence import Sequence
+
+ALL_ALLOWED = -1  # int32 with every bit set
+
+
+class Constraints:
+    def __init__(self, vocab_width: int, eos_ids: tuple[int, ...], fail: Callable[[Sequence, BaseException], None]):
+        self.words = -(-vocab_width // 32)
+        self.vocab_width = vocab_width
+        self.eos_ids = eos_ids
+        self._fail = fail  # fails one request with an error; the batch goes on
+        self.mask_build_s = 0.0  # host time spent building masks (benchmarks)
+
+    @staticmethod
+    def matcher(seq: Sequence):
+        return getattr(seq.user, "matcher", None)
+
+    def split(self, seqs: list[Sequence], sample_flags: list[bool]) -> tuple[list[int], list[int]]:
+        """(early, late) sampling-row indices of a step, in sampling-row order."""
+        early, late = [], []
+        i = 0
+        for seq, samples in zip(seqs, sample_flags):
+            if not samples:
+                continue
+            m = self.matcher(seq)
+            (late if m is not None and m.depends_on_previous_token else early).append(i)
+            i += 1
+        return early, late
+
+    def masks(self, sampling_seqs: list[Sequence], rows: list[int]) -> np.ndarray | None:
+        """Packed masks for `rows` from each matcher's committed state; None if none is constrained."""
+        if not any(self.matcher(sampling_seqs[i]) is not None for i in rows):
+            return None
+        import time
+
+        t0 = time.perf_counter()
+        out = np.full((len(rows), self.words), ALL_ALLOWED, dtype=np.int32)
+        for k, i in enumerate(rows):
+            seq = sampling_seqs[i]
+            m = self.matcher(seq)
+            if m is None or seq.finalized:
+                continue
+            out[k] = 0
+            try:
+                if m.is_terminated():
+                    words = out[k].view(np.uint32)
+                    for e in self.eos_ids:  # a finished grammar may only end the output
+                        words[e >> 5] |= np.uint32(1 << (e & 31))
+                else:
+                    m.fill_bitmask(out[k])
+            except Exception as e:  # noqa: BLE001 - a plugin may raise anything; only its request fails
+                from slipstream.errors import GrammarError
+
+                out[k] = ALL_ALLOWED
+                self._fail(seq, e if isinstance(e, GrammarError) else GrammarError(f"grammar matcher failed: {e!r}"))
+        self.mask_build_s += time.perf_counter() - t0
+        return out

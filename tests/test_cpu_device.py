@@ -1,0 +1,73 @@
+"""The emulated CPU device behaves like a GPU: FIFO streams, async launch, cross-stream events."""
+import asyncio
+import threading
+import time
+
+import pytest
+
+from slipstream.runtime.cpu_device import CPUDevice
+from slipstream.runtime.device import make_device
+
+
+@pytest.fixture
+def dev():
+    d = CPUDevice()
+    yield d
+    d.close()
+
+
+def test_launch_returns_at_once_and_runs_in_fifo_order(dev):
+    order = []
+    t0 = time.perf_counter()
+    dev.compute.launch(lambda: (time.sleep(0.05), order.append(1)))
+    dev.compute.launch(lambda: order.append(2))
+    assert time.perf_counter() - t0 < 0.02  # launch did not wait for the work
+    ev = dev.compute.record()
+    assert not ev.query()
+    ev.synchronize()
+    assert order == [1, 2]
+    assert ev.query()
+
+
+def test_a_stream_waits_on_an_event_of_another(dev):
+    order = []
+    gate = threading.Event()
+    dev.compute.launch(lambda: (gate.wait(), order.append("forward")))
+    dev.copy.wait(dev.compute.record())
+    dev.copy.launch(lambda: order.append("copy"))
+    done = dev.copy.record()
+    time.sleep(0.02)
+    assert order == [] and not done.query()  # the copy is held back by the compute event
+    gate.set()
+    done.synchronize()
+    assert order == ["forward", "copy"]
+
+
+async def test_the_loop_awaits_an_event_without_blocking(dev):
+    dev.compute.launch(lambda: time.sleep(0.1))
+    ev = dev.compute.record()
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while not ev.query():
+            ticks += 1
+            await asyncio.sleep(0.005)
+
+    await asyncio.gather(ev.wait_async(), ticker())
+    assert ticks >= 5  # the loop kept running other tasks while the event was pending
+
+
+async def test_errors_in_launched_work_surface_through_events(dev):
+    def boom():
+        raise ValueError("kernel failed")
+
+    dev.compute.launch(boom)
+    dev.compute.launch(lambda: pytest.fail("work after a failure must not run"))
+    with pytest.raises(ValueError, match="kernel failed"):
+        await dev.compute.record().wait_async()
+
+
+def test_make_device_rejects_unknown_kinds():
+    with pytest.raises(ValueError):
+        make_device("tpu")

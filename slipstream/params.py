@@ -1,11 +1,13 @@
 """User-facing configuration and request parameters, validated at the call."""
 from __future__ import annotations
 
+import json
 import math
 
 import msgspec
 
 from slipstream.errors import InvalidRequestError
+from slipstream.grammar.base import GrammarSpec
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -20,8 +22,28 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     logprobs: bool = False  # return the log-probability of each sampled token
+    # constrained decoding (at most one): see docs/grammars.md
+    json_schema: dict | str | None = None  # a JSON schema (dict or JSON text)
+    regex: str | None = None  # the whole output must match
+    choice: list[str] | None = None  # the output is exactly one of these strings
+    grammar: GrammarSpec | None = None  # any registered kind: skills, plugins
+
+    def grammar_spec(self) -> GrammarSpec | None:
+        if self.json_schema is not None:
+            value = self.json_schema if isinstance(self.json_schema, str) else json.dumps(self.json_schema)
+            return GrammarSpec("json_schema", value)
+        if self.regex is not None:
+            return GrammarSpec("regex", self.regex)
+        if self.choice is not None:
+            return GrammarSpec("choice", json.dumps(self.choice))
+        return self.grammar
 
     def __post_init__(self) -> None:
+        given = [n for n in ("json_schema", "regex", "choice", "grammar") if getattr(self, n) is not None]
+        if len(given) > 1:
+            raise InvalidRequestError(f"give at most one of json_schema, regex, choice, grammar (got {given})")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise InvalidRequestError("choice must be a non-empty list of non-empty strings")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -54,6 +76,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     batch_invariant: bool = True  # pad CPU matmuls so results do not depend on batch size
     seed: int = 0  # seeds requests that give none
     trace: bool = False  # keep per-step host timings and device spans (benchmarks, timelines)
+    grammar_timeout_s: float = 10.0  # compile timeout of a constraint grammar
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):

@@ -39,6 +39,10 @@ class Engine:
         self.tokenizer, self.model_config = self._parts.tokenizer, self._parts.model_config
         self.loop = self._parts.loop
         self.max_model_len = self._parts.max_model_len
+        from slipstream.grammar.base import GrammarCompiler
+
+        self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                         timeout_s=self.config.grammar_timeout_s)
         self._loop_task = asyncio.create_task(self._run_loop(), name="slipstream-engine-loop")
         log.info("engine started", model=self.config.model, device=self.config.device,
                  pipeline_depth=self.config.pipeline_depth, kv_pages=self._parts.pool.total)
@@ -77,10 +81,13 @@ class Engine:
         if self._loop_task is None or self._loop_task.done():
             raise EngineClosedError("engine is not running (use `async with Engine(...)` or `await engine.start()`)")
 
-    def _submit(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None) -> Sequence:
+    async def _submit(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None) -> Sequence:
         self._check_running()
         params = params or SamplingParams()
         ids = self._prompt_ids(prompt)
+        spec = params.grammar_spec()
+        # compiled off the tick (a thread, under a timeout); a bad grammar fails only this call
+        matcher = (await self._grammars.compile_async(spec)).matcher() if spec is not None else None
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -96,7 +103,8 @@ class Engine:
         from slipstream.models.tokenizer import IncrementalDetokenizer
 
         req = RequestState(request_id, ids, params, IncrementalDetokenizer(self.tokenizer, ids),
-                           frozenset(eos) | frozenset(params.stop_token_ids), RequestMetrics(time.perf_counter()))
+                           frozenset(eos) | frozenset(params.stop_token_ids), RequestMetrics(time.perf_counter()),
+                           matcher=matcher)
         seq = Sequence(request_id, ids, max_tokens, row, arrival_order=len(self._requests), user=req)
         self._requests[request_id] = seq
         self.loop.submit(seq)
@@ -130,7 +138,7 @@ class Engine:
 
     async def complete(self, prompt: Prompt, params: SamplingParams | None = None,
                        request_id: str | None = None) -> CompletionOutput:
-        seq = self._submit(prompt, params, request_id)
+        seq = await self._submit(prompt, params, request_id)
         finished = False
         try:
             while True:
@@ -143,7 +151,7 @@ class Engine:
 
     async def stream(self, prompt: Prompt, params: SamplingParams | None = None,
                      request_id: str | None = None) -> AsyncIterator[StreamDelta]:
-        seq = self._submit(prompt, params, request_id)
+        seq = await self._submit(prompt, params, request_id)
         finished = False
         try:
             while True:
@@ -163,6 +171,30 @@ class Engine:
     async def chat(self, messages: list[dict], params: SamplingParams | None = None,
                    request_id: str | None = None) -> CompletionOutput:
         return await self.complete(self.chat_prompt(messages), params, request_id)
+
+    # --- spatial skills (Moondream-compatible dicts; see slipstream/api/skills.py) ------------------
+
+    async def point(self, prompt: str, object: str, max_objects: int = 16, params: SamplingParams | None = None):
+        from slipstream.api.skills import run_skill
+
+        return await run_skill(self, "point", prompt, object, max_objects, params)
+
+    async def detect(self, prompt: str, object: str, max_objects: int = 16, params: SamplingParams | None = None):
+        from slipstream.api.skills import run_skill
+
+        return await run_skill(self, "detect", prompt, object, max_objects, params)
+
+    async def segment(self, prompt: str, object: str, max_objects: int = 16, params: SamplingParams | None = None):
+        from slipstream.api.skills import run_skill
+
+        return await run_skill(self, "segment", prompt, object, max_objects, params)
+
+    def stream_skill(self, kind: str, prompt: str, object: str, max_objects: int = 16,
+                     params: SamplingParams | None = None):
+        """Async iterator of objects as they complete (point/detect), or the final dict (segment)."""
+        from slipstream.api.skills import stream_skill
+
+        return stream_skill(self, kind, prompt, object, max_objects, params)
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request; its waiter gets finish_reason "abort". False if unknown or finished."""
@@ -186,3 +218,21 @@ class Engine:
             "preemptions": planner.num_preemptions,
             "pipeline_depth": self.config.pipeline_depth,
         }
+
+    # --- observability (slipstream/metrics.py, slipstream/trace.py) ---------------------------
+
+    @property
+    def metrics(self):
+        """This engine's EngineMetrics; `.registry` is what a /metrics endpoint serves."""
+        self._check_running()
+        return self._parts.metrics
+
+    def metrics_text(self) -> str:
+        """The Prometheus text exposition of this engine's metrics."""
+        return self.metrics.text()
+
+    @property
+    def tracer(self):
+        """The step Tracer with EngineConfig(trace=True), else None."""
+        self._check_running()
+        return self._parts.tracer

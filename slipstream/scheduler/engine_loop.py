@@ -63,6 +63,8 @@ class EngineLoop:
         self.trace = trace
         self.records: list[StepRecord] = []
         self.device_spans: list[tuple[str, str, float, float]] = []  # (stream, label, start, end)
+        self.observers: list = []  # fn(step) after each commit: tracing, metrics (empty: no cost)
+        self.idle_waits = 0  # times the loop slept for work: a step period never spans one
         self._wake = asyncio.Event()
         self._closing = False
         self.error: BaseException | None = None
@@ -94,12 +96,14 @@ class EngineLoop:
         while not self._closing:
             if not self.pipeline.inflight and not self.planner.has_work():
                 self._wake.clear()
+                self.idle_waits += 1
                 await self._wake.wait()
                 continue
             if not await self.tick():
                 # nothing launchable and nothing in flight: only a new request or an abort can
                 # change that, and both set the wake event
                 self._wake.clear()
+                self.idle_waits += 1
                 await self._wake.wait()
         # drain: never leave a step uncommitted (its slot and pages would leak)
         while self.pipeline.inflight:
@@ -155,9 +159,12 @@ class EngineLoop:
                 step.step_id, step.kind, len(step.seqs), step.packed.num_tokens, tm.get("plan", 0.0),
                 tm.get("launch", 0.0), tm["commit"], tm["commit_wait"], tm.get("finalize", 0.0),
                 tm.get("t_launch", 0.0), t2))
+        for observe in self.observers:
+            observe(step)
 
     def finalize(self, step: InflightStep) -> None:
         t0 = time.perf_counter()
+        step.timings["t_finalize"] = t0
         if step.late_rows:  # every step before this one is committed: matchers are current
             mask = self.constraints.masks(self._sampling_seqs(step), step.late_rows)
             self.runner.launch_sampling(step.slot, step.packed, step.works, step.late_rows, mask, final=True)

@@ -42,6 +42,10 @@ class FakeSlot:
     def __init__(self, index: int):
         self.index, self.state, self.result, self.ready = index, SlotState.FREE, None, None
 
+    @property
+    def is_free(self) -> bool:
+        return self.state is SlotState.FREE
+
     def release(self) -> None:
         assert self.state is SlotState.IN_FLIGHT
         self.state = SlotState.FREE

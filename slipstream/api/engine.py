@@ -27,6 +27,7 @@ class Engine:
         self._loop_task: asyncio.Task | None = None
         self._requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
+        self._arrivals = itertools.count()
         self._rng = random.Random(self.config.seed)
         self.tokenizer = None
 
@@ -105,7 +106,7 @@ class Engine:
         req = RequestState(request_id, ids, params, IncrementalDetokenizer(self.tokenizer, ids),
                            frozenset(eos) | frozenset(params.stop_token_ids), RequestMetrics(time.perf_counter()),
                            matcher=matcher)
-        seq = Sequence(request_id, ids, max_tokens, row, arrival_order=len(self._requests), user=req)
+        seq = Sequence(request_id, ids, max_tokens, row, arrival_order=next(self._arrivals), user=req)
         self._requests[request_id] = seq
         self.loop.submit(seq)
         return seq

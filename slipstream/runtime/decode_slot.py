@@ -43,6 +43,10 @@ class DecodeSlot:
         self.sample_done = None
         self.copy_done = None
 
+    @property
+    def is_free(self) -> bool:
+        return self.state is SlotState.FREE
+
     def acquire(self, step_id: int) -> None:
         if self.state is not SlotState.FREE:
             raise SlotReuseError(

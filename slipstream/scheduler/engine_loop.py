@@ -126,7 +126,7 @@ class EngineLoop:
         return launched is not None or committed
 
     def launch(self, plan) -> InflightStep:
-        slot = next((s for s in self.runner.slots if s.state.value == "free"), None)
+        slot = next((s for s in self.runner.slots if s.is_free), None)
         if slot is None:
             raise PipelineInvariantError("no free DecodeSlot although fewer than depth steps are in flight")
         packed = pack_step(plan.works, self.page_size, self.row_multiple)

@@ -53,3 +53,53 @@ class SlotReuseError(SlipstreamError, RuntimeError):
 
 class PipelineInvariantError(SlipstreamError, AssertionError):
     """An internal pipeline invariant was broken (a bug in slipstream, never user input)."""
+
+
+# --- grammars (structured output) ------------------------------------------------------------
+
+
+class GrammarError(SlipstreamError):
+    """A grammar-constrained request failed; only that request is affected."""
+
+
+class GrammarCompileError(GrammarError):
+    """A grammar could not be built: invalid schema, regex or choice list, unknown kind, or a plugin failure."""
+
+
+class GrammarTimeoutError(GrammarError):
+    """Compiling a grammar took longer than the compiler's timeout."""
+
+
+class GrammarMatchError(GrammarError):
+    """A matcher rejected a token or failed while computing its mask."""
+
+
+# --- worker mode (slipstream worker / slipstream.Client) ---------------------------------------
+
+
+class WorkerError(SlipstreamError):
+    """A worker-mode failure: the worker reported an unexpected error, or the link to it failed."""
+
+
+class WorkerUnavailableError(WorkerError):
+    """The worker cannot be reached: not started, exited, disconnected, or silent past the timeout."""
+
+
+class WorkerShuttingDownError(WorkerUnavailableError):
+    """The worker is shutting down: it admits no new request, or ended this one at its deadline."""
+
+
+class OverloadedError(WorkerError):
+    """The worker's request queue is full; nothing was admitted. Retry later."""
+
+
+class ProtocolError(WorkerError):
+    """A message broke the worker protocol (malformed frame, unknown message type, wrong field types)."""
+
+
+class ProtocolVersionError(ProtocolError):
+    """The message carries a protocol version this side does not speak."""
+
+
+class MessageTooLargeError(ProtocolError):
+    """The message is larger than the worker's max_message_bytes."""

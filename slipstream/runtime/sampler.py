@@ -8,20 +8,14 @@ from __future__ import annotations
 
 import torch
 
+from slipstream.grammar.bitmask import bitmask_to_bool
 from slipstream.runtime.batch import SamplingRow
 
 _SEED_STRIDE = 1_000_003
 
 
-def bitmask_to_bool(bitmask: torch.Tensor, width: int) -> torch.Tensor:
-    """int32 [n, ceil(width/32)] (bit j of word i = token 32*i + j) -> bool [n, width], on device."""
-    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
-    return bits.reshape(bitmask.shape[0], -1)[:, :width].bool()
-
-
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """Disallowed logits become -inf (columns past the mask's coverage stay allowed only if covered)."""
+    """Disallowed logits (packed int32 masks, slipstream/grammar/bitmask.py) become -inf."""
     return logits.masked_fill(~bitmask_to_bool(bitmask, logits.shape[-1]), float("-inf"))
 
 

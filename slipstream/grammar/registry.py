@@ -1,0 +1,178 @@
+"""Which factory builds each grammar kind: built-ins, in-process registrations, then entry points.
+
+A factory is any callable `(spec, tokenizer, vocab_size) -> Grammar`. Third-party packages declare
+theirs in the `slipstream.grammars` entry-point group (see docs/grammars.md); the entry point's name
+is the `GrammarSpec.kind` it serves. Built-in names cannot be taken over.
+
+Plugin grammars are wrapped so that whatever a plugin raises (at compile time, in `matcher()`,
+`fill_bitmask`, `accept`, `rollback`) becomes a GrammarError naming the plugin, and so that mask bits
+past the tokenizer's vocabulary (logits padding) are cleared whatever the plugin wrote.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from slipstream.errors import GrammarCompileError, GrammarError, GrammarMatchError
+from slipstream.grammar.base import Grammar, GrammarSpec, Matcher
+from slipstream.grammar.bitmask import clear_from
+
+ENTRY_POINT_GROUP = "slipstream.grammars"
+
+Factory = Callable[[GrammarSpec, Any, int], Grammar]
+
+BUILTIN_KINDS = ("json_schema", "regex", "choice", "point", "detect", "segment")
+
+_registered: dict[str, Factory] = {}
+_loaded: dict[str, Factory] = {}  # entry points already imported, by name
+_lock = threading.Lock()
+
+
+def _builtin(kind: str) -> Factory | None:
+    if kind in ("json_schema", "regex", "choice"):
+        from slipstream.grammar.llguidance_backend import build_llguidance
+
+        return build_llguidance
+    if kind in ("point", "detect", "segment"):
+        from slipstream.grammar.skills import build_skill
+
+        return build_skill
+    return None
+
+
+def register_grammar(name: str, factory: Factory, *, replace: bool = False) -> None:
+    """Register a plugin factory in this process (tests, embedding); same contract as an entry point."""
+    if not isinstance(name, str) or not name:
+        raise ValueError("a grammar name must be a non-empty string")
+    if name in BUILTIN_KINDS:
+        raise ValueError(f"{name!r} is a built-in grammar kind and cannot be replaced")
+    if not callable(factory):
+        raise TypeError(f"the factory for {name!r} is not callable")
+    with _lock:
+        if name in _registered and not replace:
+            raise ValueError(f"a grammar named {name!r} is already registered (pass replace=True)")
+        _registered[name] = factory
+
+
+def unregister_grammar(name: str) -> None:
+    """Forget an in-process registration (and any cached entry-point load) of `name`."""
+    with _lock:
+        _registered.pop(name, None)
+        _loaded.pop(name, None)
+
+
+def entry_points() -> list[importlib.metadata.EntryPoint]:
+    """The installed `slipstream.grammars` entry points (read fresh each call)."""
+    return list(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
+
+
+def available_kinds() -> list[str]:
+    """Built-in kinds, then registered and installed plugin names."""
+    with _lock:
+        names = list(_registered)
+    try:
+        names += [ep.name for ep in entry_points()]
+    except Exception:  # noqa: BLE001 - a broken installation must not hide the built-ins
+        pass
+    return list(dict.fromkeys([*BUILTIN_KINDS, *names]))
+
+
+def plugin_factory(name: str) -> Factory:
+    """The factory of plugin `name`: registered in-process, or loaded from its entry point."""
+    with _lock:
+        factory = _registered.get(name) or _loaded.get(name)
+    if factory is not None:
+        return factory
+    eps = [ep for ep in entry_points() if ep.name == name]
+    if not eps:
+        raise GrammarCompileError(
+            f"unknown grammar kind {name!r} (available: {', '.join(available_kinds())})"
+        )
+    ep = eps[0]
+    try:
+        factory = ep.load()
+    except Exception as e:  # noqa: BLE001 - import errors, missing attributes, anything
+        raise GrammarCompileError(
+            f"grammar plugin {name!r} failed to load from {ep.value!r}: {type(e).__name__}: {e}"
+        ) from e
+    if not callable(factory):
+        raise GrammarCompileError(f"grammar plugin {name!r}: entry point {ep.value!r} is not callable")
+    with _lock:
+        _loaded.setdefault(name, factory)
+    return factory
+
+
+def build_grammar(spec: GrammarSpec, tokenizer: Any, vocab_size: int) -> Grammar:
+    """Build `spec` with the factory of its kind; plugin grammars come back wrapped (PluginGrammar)."""
+    factory = _builtin(spec.kind)
+    if factory is not None:
+        return factory(spec, tokenizer, vocab_size)
+    name = spec.kind
+    factory = plugin_factory(name)
+    try:
+        grammar = factory(spec, tokenizer, vocab_size)
+    except GrammarError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a plugin may raise anything; only its request fails
+        raise GrammarCompileError(_plugin_message(name, e)) from e
+    if not callable(getattr(grammar, "matcher", None)):
+        raise GrammarCompileError(f"grammar plugin {name!r} returned {type(grammar).__name__}, not a Grammar")
+    limit = min(vocab_size, int(getattr(tokenizer, "vocab_size", vocab_size)))
+    return PluginGrammar(name, grammar, limit)
+
+
+def _plugin_message(name: str, e: BaseException) -> str:
+    return f"grammar plugin {name!r} raised {type(e).__name__}: {e}"
+
+
+class PluginGrammar:
+    """A plugin's grammar behind the error-wrapping, padding-clearing adapter."""
+
+    def __init__(self, name: str, inner: Grammar, limit: int) -> None:
+        self.name = name
+        self.inner = inner
+        self.limit = limit  # ids from here on (logits padding) are never allowed
+
+    def matcher(self) -> PluginMatcher:
+        try:
+            m = self.inner.matcher()
+        except GrammarError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise GrammarMatchError(_plugin_message(self.name, e)) from e
+        return PluginMatcher(self, m)
+
+
+class PluginMatcher:
+    def __init__(self, grammar: PluginGrammar, inner: Matcher) -> None:
+        self._g = grammar
+        self.inner = inner
+        self.depends_on_previous_token = bool(getattr(inner, "depends_on_previous_token", True))
+
+    def _call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except (GrammarError, NotImplementedError):
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise GrammarMatchError(f"{_plugin_message(self._g.name, e)} (in {what})") from e
+
+    def fill_bitmask(self, row: np.ndarray) -> None:
+        self._call("fill_bitmask", self.inner.fill_bitmask, row)
+        clear_from(row, self._g.limit)
+
+    def accept(self, token: int) -> None:
+        self._call("accept", self.inner.accept, token)
+
+    def is_terminated(self) -> bool:
+        return bool(self._call("is_terminated", self.inner.is_terminated))
+
+    def rollback(self, n: int) -> None:
+        fn = getattr(self.inner, "rollback", None)
+        if fn is None:
+            raise NotImplementedError(f"grammar plugin {self._g.name!r} does not support rollback")
+        self._call("rollback", fn, n)

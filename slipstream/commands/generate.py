@@ -17,6 +17,10 @@ def register(sub) -> None:
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--raw", action="store_true", help="send the prompt as plain text, without the chat template")
     p.add_argument("-v", "--verbose", action="store_true", help="print finish reason and engine stats to stderr")
+    p.add_argument("--connect", metavar="ADDRESS", help="use a running `slipstream worker` (ipc://… or tcp://…) "
+                   "instead of loading the model here; --model/--device are then the worker's")
+    p.add_argument("--timeout", type=float, default=30.0, help="with --connect: seconds of worker silence "
+                   "before giving up")
     add_engine_args(p)
     p.set_defaults(func=lambda args: run_async(_generate(args)))
 
@@ -26,16 +30,37 @@ async def _generate(args) -> int:
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=args.stop or [])
+    if args.connect:
+        return await _generate_remote(args, params)
     async with Engine(engine_config(args)) as engine:
         prompt = args.prompt
         if not args.raw and getattr(engine.tokenizer, "chat_template", None):
             prompt = engine.chat_prompt([{"role": "user", "content": args.prompt}])
-        finish = None
-        async for delta in engine.stream(prompt, params):
-            sys.stdout.write(delta.text)
-            sys.stdout.flush()
-            finish = delta.finish_reason or finish
-        sys.stdout.write("\n")
+        finish = await _print_stream(engine.stream(prompt, params))
         if args.verbose:
             print(f"[finish_reason={finish}] {engine.stats()}", file=sys.stderr)
     return 0
+
+
+async def _generate_remote(args, params) -> int:
+    from slipstream import Client
+
+    async with Client(args.connect, timeout=args.timeout) as client:
+        if not args.raw and client.info.chat_template:
+            deltas = client.chat_stream([{"role": "user", "content": args.prompt}], params)
+        else:
+            deltas = client.stream(args.prompt, params)
+        finish = await _print_stream(deltas)
+        if args.verbose:
+            print(f"[finish_reason={finish}] {await client.stats()}", file=sys.stderr)
+    return 0
+
+
+async def _print_stream(deltas) -> str | None:
+    finish = None
+    async for delta in deltas:
+        sys.stdout.write(delta.text)
+        sys.stdout.flush()
+        finish = delta.finish_reason or finish
+    sys.stdout.write("\n")
+    return finish

@@ -1,0 +1,316 @@
+"""slipstream.Client: the Engine API (complete / stream / chat / abort / stats) served by a worker.
+
+One ZMQ DEALER socket per client; one pump task reads it, routes each message to the request or
+call that waits for it, and watches liveness. A call never hangs: request waits fail with
+WorkerUnavailableError when the connection drops (socket monitor) or when nothing, not even a
+heartbeat, has come from the worker for `timeout` seconds; replies to calls are awaited with
+`timeout`; sends never block (a full queue raises at once).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import msgspec
+import structlog
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from slipstream import errors
+from slipstream.api.protocol import (
+    PROTOCOL_VERSION,
+    Abort,
+    AbortReply,
+    Bye,
+    Delta,
+    Error,
+    Generate,
+    HealthReply,
+    HealthRequest,
+    Result,
+    Shutdown,
+    StatsReply,
+    StatsRequest,
+    error_from_wire,
+    frame_decoder,
+    output_from_wire,
+)
+from slipstream.errors import InvalidRequestError, ProtocolVersionError, WorkerError, WorkerUnavailableError
+from slipstream.outputs import CompletionOutput, StreamDelta
+from slipstream.params import SamplingParams
+
+log = structlog.get_logger(__name__)
+
+Prompt = str | list[int]
+
+
+@dataclass(eq=False)
+class _Pending:
+    request_id: str
+    sent_at: float  # perf_counter: the client-side arrival time of the request
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+
+class Client:
+    def __init__(self, address: str, timeout: float = 30.0, connect_timeout: float | None = None):
+        self.address = address
+        self.timeout = timeout  # longest silence from the worker while a call waits on it
+        self.connect_timeout = timeout if connect_timeout is None else connect_timeout
+        self.info: HealthReply | None = None  # the worker's answer to the handshake
+        self.draining = False  # the worker announced its shutdown
+        self._pending: dict[str, _Pending] = {}
+        self._calls: dict[int, asyncio.Future] = {}
+        self._seq = itertools.count(1)
+        self._ids = itertools.count()
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec = frame_decoder()
+        self._last_heard = 0.0
+        self._sock: zmq.asyncio.Socket | None = None
+        self._pump_task: asyncio.Task | None = None
+        self._closed = False
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> "Client":
+        """Connect and handshake; raises WorkerUnavailableError if no worker answers in time."""
+        ctx = zmq.asyncio.Context.instance()
+        self._sock = ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, 100_000)
+        self._sock.setsockopt(zmq.RCVHWM, 100_000)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            self._sock.connect(self.address)
+        except zmq.ZMQError as e:
+            await self.close()
+            raise WorkerUnavailableError(f"cannot connect to {self.address!r}: {e}") from e
+        self._pump_task = asyncio.create_task(self._pump(), name="slipstream-client-pump")
+        try:
+            self.info = await self.health(timeout=self.connect_timeout)
+        except BaseException:
+            await self.close()
+            raise
+        if self.info.heartbeat_s * 2 > self.timeout:
+            log.warning("client timeout is shorter than two worker heartbeats; calls may fail spuriously",
+                        timeout=self.timeout, heartbeat_s=self.info.heartbeat_s)
+        return self
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._sock is not None:
+            self._send_nowait(Bye(v=PROTOCOL_VERSION))  # the worker aborts our requests at once
+        if self._pump_task is not None:
+            self._pump_task.cancel()
+            await asyncio.gather(self._pump_task, return_exceptions=True)
+        self._fail_all(WorkerUnavailableError("the client is closed"))
+        if self._sock is not None:
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
+            self._sock.close(linger=100)  # lets the Bye leave
+
+    async def __aenter__(self) -> "Client":
+        return await self.start()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    # --- requests -------------------------------------------------------------------------------
+
+    async def complete(self, prompt: Prompt, params: SamplingParams | None = None,
+                       request_id: str | None = None) -> CompletionOutput:
+        return await self._complete(request_id, params, prompt=prompt)
+
+    async def chat(self, messages: list[dict], params: SamplingParams | None = None,
+                   request_id: str | None = None) -> CompletionOutput:
+        """The worker applies its model's chat template (Engine.chat)."""
+        return await self._complete(request_id, params, messages=messages)
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None,
+               request_id: str | None = None) -> AsyncIterator[StreamDelta]:
+        return self._stream(request_id, params, prompt=prompt)
+
+    def chat_stream(self, messages: list[dict], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> AsyncIterator[StreamDelta]:
+        return self._stream(request_id, params, messages=messages)
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a request; its waiter gets finish_reason "abort". False if unknown or finished."""
+        reply = await self._call(Abort(v=PROTOCOL_VERSION, seq=next(self._seq), request_id=request_id))
+        return reply.aborted
+
+    async def stats(self) -> dict:
+        return (await self._call(StatsRequest(v=PROTOCOL_VERSION, seq=next(self._seq)))).stats
+
+    async def health(self, timeout: float | None = None) -> HealthReply:
+        return await self._call(HealthRequest(v=PROTOCOL_VERSION, seq=next(self._seq)), timeout)
+
+    async def _complete(self, request_id, params, **prompt) -> CompletionOutput:
+        p = self._submit(request_id, params, False, prompt)
+        finished = False
+        try:
+            item = await p.queue.get()
+            finished = True
+            if isinstance(item, BaseException):
+                raise item
+            return item
+        finally:
+            self._forget(p, finished)
+
+    async def _stream(self, request_id, params, **prompt) -> AsyncIterator[StreamDelta]:
+        p = self._submit(request_id, params, True, prompt)
+        finished = False
+        try:
+            while True:
+                item = await p.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finish_reason is not None
+                yield item
+                if finished:
+                    return
+        finally:
+            self._forget(p, finished)
+
+    def _submit(self, request_id: str | None, params: SamplingParams | None, stream: bool,
+                prompt: dict) -> _Pending:
+        self._check_open()
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._pending:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        raw = msgspec.Raw(self._enc.encode(params or SamplingParams()))
+        msg = Generate(v=PROTOCOL_VERSION, request_id=request_id, params=raw, stream=stream, **prompt)
+        p = _Pending(request_id, time.perf_counter())
+        self._send(msg)
+        self._pending[request_id] = p
+        return p
+
+    def _forget(self, p: _Pending, finished: bool) -> None:
+        if self._pending.get(p.request_id) is p:
+            del self._pending[p.request_id]
+        if not finished and not self._closed:  # cancelled or closed early: free the worker's pages
+            self._send_nowait(Abort(v=PROTOCOL_VERSION, seq=0, request_id=p.request_id))
+
+    async def _call(self, msg, timeout: float | None = None):
+        self._check_open()
+        fut = asyncio.get_running_loop().create_future()
+        self._calls[msg.seq] = fut
+        try:
+            self._send(msg)
+            return await asyncio.wait_for(fut, self.timeout if timeout is None else timeout)
+        except TimeoutError:
+            raise WorkerUnavailableError(f"no reply from the worker at {self.address} within "
+                                         f"{self.timeout if timeout is None else timeout:g} s") from None
+        finally:
+            self._calls.pop(msg.seq, None)
+
+    # --- socket ---------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._sock is None or self._closed:
+            raise WorkerUnavailableError("the client is not started (use `async with Client(...)`) or is closed")
+
+    def _send(self, msg) -> None:
+        try:
+            self._sock.send(self._enc.encode(msg), zmq.NOBLOCK).result()  # NOBLOCK: done at once
+        except zmq.Again:
+            raise WorkerUnavailableError(f"cannot send to the worker at {self.address}: queue full") from None
+
+    def _send_nowait(self, msg) -> None:
+        try:
+            self._send(msg)
+        except (WorkerUnavailableError, zmq.ZMQError):
+            pass
+
+    async def _pump(self) -> None:
+        try:
+            await self._pump_forever()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # without the pump nothing would ever wake a waiter: fail them
+            log.error("client pump died", error=repr(e))
+            self._closed = True
+            self._fail_all(WorkerError(f"client receive loop died: {e!r}"))
+            raise
+
+    async def _pump_forever(self) -> None:
+        poller = zmq.asyncio.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
+        tick = max(0.01, min(self.timeout / 4, 0.25))
+        checked = time.perf_counter()
+        while True:
+            events = dict(await poller.poll(tick * 1000))
+            self._drain()
+            if self._monitor in events:
+                event = parse_monitor_message(await self._monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    self._drain()  # data the worker sent before it went is already queued: use it
+                    self._fail_all(WorkerUnavailableError(f"lost the connection to the worker at {self.address}"))
+            if time.perf_counter() - checked >= tick:  # O(pending): not on every frame
+                checked = time.perf_counter()
+                self._check_liveness()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                data = self._sock.recv(zmq.NOBLOCK).result()
+            except zmq.Again:
+                return
+            self._last_heard = time.perf_counter()
+            try:
+                frame = self._dec.decode(data)
+            except msgspec.DecodeError as e:
+                log.warning("undecodable frame from the worker", error=str(e))
+                continue
+            if frame.v != PROTOCOL_VERSION:
+                self._fail_all(ProtocolVersionError(f"worker speaks protocol {frame.v}, client {PROTOCOL_VERSION}"))
+                continue
+            for msg in frame.msgs:
+                self._route(msg)
+
+    def _route(self, msg) -> None:
+        if isinstance(msg, Delta | Result) or (isinstance(msg, Error) and msg.request_id is not None):
+            p = self._pending.get(msg.request_id)
+            if p is None:
+                return  # a request we already gave up on (aborted, cancelled, timed out)
+            if isinstance(msg, Delta):
+                p.queue.put_nowait(StreamDelta(p.request_id, msg.text, msg.token_ids, msg.finish_reason))
+            elif isinstance(msg, Result):
+                p.queue.put_nowait(output_from_wire(msg.output, p.sent_at))
+            else:
+                p.queue.put_nowait(error_from_wire(msg))
+        elif isinstance(msg, AbortReply | StatsReply | HealthReply | Error):
+            fut = self._calls.get(msg.seq) if msg.seq is not None else None
+            if fut is not None and not fut.done():
+                fut.set_exception(error_from_wire(msg)) if isinstance(msg, Error) else fut.set_result(msg)
+            elif isinstance(msg, Error):
+                log.warning("error from the worker", code=msg.code, message=msg.message)
+        elif isinstance(msg, Shutdown):
+            self.draining = True
+            log.info("worker is shutting down", deadline_s=msg.deadline_s, reason=msg.reason)
+        # Heartbeat: receiving it was the point (_last_heard)
+
+    def _check_liveness(self) -> None:
+        now = time.perf_counter()
+        for p in list(self._pending.values()):
+            if now - max(self._last_heard, p.sent_at) > self.timeout:
+                self._pending.pop(p.request_id, None)
+                self._send_nowait(Abort(v=PROTOCOL_VERSION, seq=0, request_id=p.request_id))  # if it wakes up
+                p.queue.put_nowait(WorkerUnavailableError(
+                    f"no message from the worker at {self.address} for {self.timeout:g} s"))
+
+    def _fail_all(self, error: errors.SlipstreamError) -> None:
+        pending, self._pending = self._pending, {}
+        for p in pending.values():
+            p.queue.put_nowait(type(error)(*error.args))  # one instance per waiter: clean tracebacks
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(type(error)(*error.args))
+

@@ -1,0 +1,287 @@
+"""`slipstream worker`: one Engine served to many slipstream.Client over a ZMQ ROUTER socket.
+
+Two threads. The socket thread (worker_io.WorkerIO) receives, decodes, validates, encodes and
+sends. The asyncio thread runs the Engine and this dispatcher: one task per request, which feeds
+Engine.stream/complete and queues outputs for the socket thread. The dispatcher tracks requests per
+client, so a client's Bye or disconnect cancels its tasks, which aborts them in the Engine and
+frees their pages. Heartbeats come from the asyncio thread, so they prove the engine loop is alive.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from dataclasses import dataclass, field
+
+import structlog
+import zmq
+
+from slipstream.api.engine import Engine
+from slipstream.api.protocol import (
+    MAX_MESSAGE_BYTES,
+    Abort,
+    AbortReply,
+    Bye,
+    Delta,
+    Error,
+    Generate,
+    HealthReply,
+    HealthRequest,
+    Heartbeat,
+    Result,
+    Shutdown,
+    StatsReply,
+    StatsRequest,
+    error_to_wire,
+    output_to_wire,
+)
+from slipstream.api.worker_io import WorkerIO
+from slipstream.errors import (
+    EngineClosedError,
+    InvalidRequestError,
+    OverloadedError,
+    SlipstreamError,
+    WorkerShuttingDownError,
+)
+from slipstream.params import EngineConfig, SamplingParams
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class WorkerLimits:
+    max_queued: int = 256  # unfinished requests beyond max_batch_size; more are refused (Overloaded)
+    max_message_bytes: int = MAX_MESSAGE_BYTES
+    heartbeat_s: float = 0.5
+    shutdown_timeout_s: float = 10.0  # in-flight work gets this long to finish after SIGTERM/SIGINT
+
+
+@dataclass(eq=False)
+class _Session:
+    identity: bytes
+    tag: str  # hex identity: prefixes engine request ids and names the client in logs
+    tasks: dict[str, asyncio.Task] = field(default_factory=dict)
+    gone: bool = False  # nobody to answer: cancelled tasks send nothing
+    requests: int = 0
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, address: str, limits: WorkerLimits | None = None):
+        self.config, self.address = config, address
+        self.limits = limits or WorkerLimits()
+        self.engine = Engine(config)
+        self._sessions: dict[bytes, _Session] = {}
+        self._inflight = 0
+        self._draining = False
+        self._stop = asyncio.Event()
+        self._stop_reason = ""
+        self._exit_code = 0
+        self._force = False
+        self.num_requests = self.num_overloaded = 0
+        self.io: WorkerIO | None = None
+        self._background: set[asyncio.Task] = set()
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    async def run(self) -> int:
+        """Serve until SIGTERM/SIGINT (or stop()); returns the process exit code."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop, signal.Signals(sig).name)
+        log.info("worker starting", model=self.config.model, device=self.config.device, address=self.address,
+                 pid=os.getpid())
+        await self.engine.start()
+        try:
+            await self._serve_until_stopped(loop)
+        finally:
+            await self.engine.close()
+        log.info("worker stopped", reason=self._stop_reason, exit_code=self._exit_code)
+        return self._exit_code
+
+    async def _serve_until_stopped(self, loop: asyncio.AbstractEventLoop) -> None:
+        # warm up before binding: the first client never pays for lazy initialisation. A fixed
+        # seed, so the engine's own seed sequence for unseeded requests is left as it was.
+        await self.engine.complete("warmup", SamplingParams(max_tokens=2, temperature=0.0, seed=0, ignore_eos=True))
+        call = loop.call_soon_threadsafe
+        self.io = WorkerIO(zmq.Context.instance(), self.address,
+                           deliver=lambda ident, msg, params: call(self._on_message, ident, msg, params),
+                           gone=lambda ident, why: call(self._on_gone, ident, why),
+                           died=lambda e: call(self.stop, f"socket thread died: {e!r}", 1),
+                           max_message_bytes=self.limits.max_message_bytes)
+        self.io.start()
+        beat = asyncio.create_task(self._heartbeats(), name="slipstream-worker-heartbeat")
+        log.info("worker ready", address=self.address, kv_pages=self.engine.stats()["kv_pages_total"],
+                 max_queued=self.limits.max_queued)
+        await self._stop.wait()
+        await self._shutdown()
+        beat.cancel()
+        self.io.request_stop()
+        await self.io.join()
+
+    def stop(self, reason: str = "stop", exit_code: int = 0) -> None:
+        if self._stop.is_set():  # a second signal: do not wait for the deadline
+            self._force = True
+            for s in self._sessions.values():
+                for t in s.tasks.values():
+                    t.cancel()
+            return
+        self._stop_reason, self._exit_code = reason, exit_code
+        self._stop.set()
+
+    async def _shutdown(self) -> None:
+        self._draining = True
+        deadline = 0.0 if self._force else self.limits.shutdown_timeout_s
+        log.info("worker shutting down", reason=self._stop_reason, inflight=self._inflight, deadline_s=deadline)
+        for s in self._sessions.values():
+            self.io.send(s.identity, Shutdown(deadline_s=deadline, reason=self._stop_reason))
+        tasks = [t for s in self._sessions.values() for t in s.tasks.values()]
+        if tasks:
+            _, late = await asyncio.wait(tasks, timeout=deadline)
+            for t in late:  # their clients get WorkerShuttingDownError (see _serve)
+                t.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
+            if late:
+                log.warning("aborted requests at the shutdown deadline", count=len(late))
+
+    # --- dispatch (asyncio thread) --------------------------------------------------------------
+
+    def _on_message(self, identity: bytes, msg, params: SamplingParams | None) -> None:
+        session = self._sessions.get(identity)
+        if session is None:
+            if isinstance(msg, Bye):
+                return
+            session = self._sessions[identity] = _Session(identity, identity.hex())
+            log.info("client connected", client=session.tag, clients=len(self._sessions))
+        if isinstance(msg, Generate):
+            self._admit(session, msg, params)
+        elif isinstance(msg, Abort):
+            task = asyncio.create_task(self._abort(session, msg))
+            self._background.add(task)  # the loop keeps only weak references to tasks
+            task.add_done_callback(self._background.discard)
+        elif isinstance(msg, StatsRequest):
+            self.io.send(identity, StatsReply(seq=msg.seq, stats=self.stats()))
+        elif isinstance(msg, HealthRequest):
+            self.io.send(identity, self._health(msg.seq))
+        elif isinstance(msg, Bye):
+            self._drop(session, "closed")
+
+    def _on_gone(self, identity: bytes, why: str) -> None:
+        session = self._sessions.get(identity)
+        if session is not None:
+            self._drop(session, why)
+
+    def _drop(self, session: _Session, why: str) -> None:
+        session.gone = True
+        self._sessions.pop(session.identity, None)
+        for task in session.tasks.values():
+            task.cancel()  # Engine aborts a cancelled request and frees its pages
+        log.info("client gone", client=session.tag, reason=why, aborted=len(session.tasks),
+                 requests=session.requests, clients=len(self._sessions))
+
+    def _admit(self, session: _Session, msg: Generate, params: SamplingParams) -> None:
+        rid = msg.request_id
+        error = None
+        if self._draining:
+            error = WorkerShuttingDownError("the worker is shutting down and admits no new request")
+        elif rid in session.tasks:
+            error = InvalidRequestError(f"request id {rid!r} is already in use")
+        elif self._inflight >= self.config.max_batch_size + self.limits.max_queued:
+            self.num_overloaded += 1
+            error = OverloadedError(f"{self._inflight} requests in flight; the worker queues at most "
+                                    f"{self.limits.max_queued} beyond its batch of {self.config.max_batch_size}")
+        if error is not None:
+            self.io.send(session.identity, error_to_wire(error, request_id=rid))
+            return
+        self._inflight += 1
+        session.requests += 1
+        self.num_requests += 1
+        session.tasks[rid] = asyncio.create_task(self._serve(session, msg, params))
+
+    async def _serve(self, session: _Session, msg: Generate, params: SamplingParams) -> None:
+        rid, send, ident = msg.request_id, self.io.send, session.identity
+        engine_id = f"{session.tag}/{rid}"  # unique across clients; the client sees its own id
+        try:
+            prompt = msg.prompt if msg.messages is None else self._chat_prompt(msg.messages)
+            if msg.stream:
+                async for d in self.engine.stream(prompt, params, request_id=engine_id):
+                    send(ident, Delta(request_id=rid, text=d.text, token_ids=d.token_ids,
+                                      finish_reason=d.finish_reason))
+            else:
+                out = await self.engine.complete(prompt, params, request_id=engine_id)
+                send(ident, Result(request_id=rid, output=output_to_wire(out, rid)))
+        except asyncio.CancelledError:
+            if not session.gone:  # cancelled at the shutdown deadline, and the client is still there
+                late = WorkerShuttingDownError("the worker shut down before the request finished")
+                send(ident, error_to_wire(late, request_id=rid))
+            raise
+        except SlipstreamError as e:
+            send(ident, error_to_wire(e, request_id=rid))
+        except Exception as e:  # noqa: BLE001 - one request's failure must not stop the worker
+            log.exception("request failed", client=session.tag, request_id=rid)
+            send(ident, Error(code="WorkerError", message=f"internal error: {e!r}", request_id=rid))
+        finally:
+            session.tasks.pop(rid, None)
+            self._inflight -= 1
+
+    def _chat_prompt(self, messages: list[dict[str, str]]) -> str:
+        try:
+            return self.engine.chat_prompt(messages)
+        except SlipstreamError:
+            raise
+        except Exception as e:  # noqa: BLE001 - template errors come from the caller's messages
+            raise InvalidRequestError(f"chat template failed on these messages: {e}") from e
+
+    async def _abort(self, session: _Session, msg: Abort) -> None:
+        engine_id = f"{session.tag}/{msg.request_id}"
+        aborted = await self.engine.abort(engine_id)
+        task = session.tasks.get(msg.request_id)
+        if not aborted and task is not None and not task.done():
+            # the Generate's task was created before this one, so after one yield it has submitted
+            await asyncio.sleep(0)
+            aborted = await self.engine.abort(engine_id)
+        if not session.gone:
+            self.io.send(session.identity, AbortReply(seq=msg.seq, aborted=aborted))
+
+    async def _heartbeats(self) -> None:
+        while True:
+            await asyncio.sleep(self.limits.heartbeat_s)
+            try:
+                self.engine.stats()
+            except EngineClosedError as e:
+                log.error("engine loop died; stopping the worker", error=str(e))
+                self.stop("engine died", 1)
+                return
+            for s in list(self._sessions.values()):
+                self.io.send(s.identity, Heartbeat(inflight=len(s.tasks)))
+
+    # --- introspection --------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        try:
+            stats = self.engine.stats()
+        except EngineClosedError:
+            stats = {}
+        stats.update(clients=len(self._sessions), inflight=self._inflight, requests=self.num_requests,
+                     overloaded=self.num_overloaded, bad_messages=self.io.bad_messages if self.io else 0,
+                     draining=self._draining)
+        return stats
+
+    def _health(self, seq: int) -> HealthReply:
+        try:
+            running = self.engine.stats() is not None
+        except EngineClosedError:
+            running = False
+        return HealthReply(seq=seq, ready=running and not self._draining, draining=self._draining,
+                           model=self.config.model, pid=os.getpid(), heartbeat_s=self.limits.heartbeat_s,
+                           max_message_bytes=self.limits.max_message_bytes,
+                           chat_template=bool(getattr(self.engine.tokenizer, "chat_template", None)))
+
+
+def serve(config: EngineConfig, address: str, limits: WorkerLimits | None = None) -> int:
+    """Run a worker in this process until a signal stops it (blocking)."""
+    import uvloop
+
+    async def main() -> int:
+        return await Worker(config, address, limits).run()
+
+    return uvloop.run(main())

@@ -1,0 +1,39 @@
+"""`slipstream worker --bind ADDRESS`: serve one engine to slipstream.Client over ZeroMQ."""
+from __future__ import annotations
+
+from slipstream.cli import add_engine_args, engine_config
+
+
+def register(sub) -> None:
+    from slipstream.api.protocol import MAX_MESSAGE_BYTES
+
+    p = sub.add_parser("worker", help="run the engine in this process, serving clients over ZeroMQ")
+    p.add_argument("--bind", required=True, metavar="ADDRESS",
+                   help="ipc:///path/to.sock or tcp://127.0.0.1:PORT")
+    p.add_argument("--max-queued", type=int, default=256,
+                   help="unfinished requests allowed beyond the batch; more are answered 'overloaded'")
+    p.add_argument("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES)
+    p.add_argument("--heartbeat", type=float, default=0.5, help="seconds between heartbeats to clients")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds in-flight requests get to finish after SIGTERM/SIGINT")
+    p.add_argument("--max-batch-size", type=int, default=32)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--kv-cache-tokens", type=int, default=32768)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-json", action="store_true", help="structlog lines as JSON")
+    add_engine_args(p)
+    p.set_defaults(func=_worker, log_level="info")  # start/ready/client/shutdown lines are the point
+
+
+def _worker(args) -> int:
+    from slipstream.api.worker import WorkerLimits, serve
+    from slipstream.logging_setup import configure_logging
+
+    if args.log_json:
+        configure_logging(args.log_level, json=True)
+    config = engine_config(args, max_batch_size=args.max_batch_size, max_num_batched_tokens=args.max_num_batched_tokens,
+                           kv_cache_tokens=args.kv_cache_tokens, page_size=args.page_size, seed=args.seed)
+    limits = WorkerLimits(max_queued=args.max_queued, max_message_bytes=args.max_message_bytes,
+                          heartbeat_s=args.heartbeat, shutdown_timeout_s=args.shutdown_timeout)
+    return serve(config, args.bind, limits)

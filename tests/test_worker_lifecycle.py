@@ -1,0 +1,98 @@
+"""Worker life and death: kill -9 / a frozen worker fail pending calls in time; SIGTERM drains;
+a full queue answers OverloadedError."""
+import asyncio
+import signal
+import time
+
+import pytest
+from worker_util import ipc_address, start_worker
+
+from slipstream import Client, OverloadedError, SamplingParams, WorkerUnavailableError
+from slipstream.errors import WorkerShuttingDownError
+
+LONG = SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True)
+
+
+async def start_pending(client, n_streams=3, n_completes=2):
+    """Requests that are mid-way when the worker goes: streams have delivered a first delta."""
+    streams = [client.stream(f"stream {i}", LONG) for i in range(n_streams)]
+    for s in streams:
+        await asyncio.wait_for(anext(s), 10)
+    completes = [asyncio.create_task(client.complete(f"complete {i}", LONG)) for i in range(n_completes)]
+    await asyncio.sleep(0.1)
+    return streams, completes
+
+
+async def all_fail_within(streams, completes, limit: float):
+    async def drain(s):
+        async for _ in s:
+            pass
+
+    t0 = time.monotonic()
+    results = await asyncio.wait_for(asyncio.gather(*(drain(s) for s in streams), *completes,
+                                                    return_exceptions=True), limit + 5)
+    elapsed = time.monotonic() - t0
+    assert all(isinstance(r, WorkerUnavailableError) for r in results), results
+    assert elapsed < limit, elapsed
+    return elapsed
+
+
+async def test_frozen_worker_then_kill_9_fail_pending_calls_in_time(tmp_path):
+    w = start_worker(ipc_address(tmp_path), tmp_path)
+    try:
+        async with Client(w.address, timeout=1.5) as client:
+            # frozen (SIGSTOP): the connection stays up, only the missing heartbeats tell
+            streams, completes = await start_pending(client)
+            w.signal(signal.SIGSTOP)
+            await all_fail_within(streams, completes, 1.5 + 0.5)
+            with pytest.raises(WorkerUnavailableError):
+                await client.stats()
+            w.signal(signal.SIGCONT)
+            assert (await client.health()).ready  # the same client works again once it answers
+            # kill -9 mid-stream: the dropped connection fails them at once, well within the timeout
+            streams, completes = await start_pending(client)
+            w.signal(signal.SIGKILL)
+            await all_fail_within(streams, completes, 1.5)
+            with pytest.raises(WorkerUnavailableError):
+                await client.complete("anyone there?")
+    finally:
+        w.stop()
+    with pytest.raises(WorkerUnavailableError):  # nobody at the address: the handshake times out
+        await Client(w.address, timeout=0.5).start()
+
+
+async def test_sigterm_drains_then_exits_and_overload_is_refused(tmp_path):
+    w = start_worker(ipc_address(tmp_path), tmp_path, "--max-batch-size", "2", "--max-num-batched-tokens", "16",
+                     "--max-queued", "2", "--shutdown-timeout", "1.5")
+    try:
+        async with Client(w.address, timeout=5) as client:
+            # 2 running + 2 queued are admitted; the rest are refused at once, nothing grows
+            tasks = [asyncio.create_task(client.complete(f"q{i}", SamplingParams(max_tokens=40, temperature=0)))
+                     for i in range(7)]
+            results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 30)
+            assert sum(isinstance(r, OverloadedError) for r in results) == 3
+            assert all(r.finish_reason == "length" for r in results if not isinstance(r, Exception))
+            assert (await client.stats())["overloaded"] == 3
+
+            short = asyncio.create_task(client.complete("short", SamplingParams(max_tokens=20, temperature=0)))
+            long = client.stream("long", LONG)  # cannot finish within the 1.5 s deadline
+            await asyncio.wait_for(anext(long), 10)
+            w.signal(signal.SIGTERM)
+            for _ in range(100):
+                if client.draining:
+                    break
+                await asyncio.sleep(0.02)
+            assert client.draining  # told by the worker
+            with pytest.raises(WorkerShuttingDownError):  # no longer admitting
+                await client.complete("too late")
+            assert (await asyncio.wait_for(short, 10)).finish_reason == "length"  # in-flight work finishes
+            with pytest.raises(WorkerShuttingDownError):  # ... or is ended at the deadline
+                async for _ in long:
+                    pass
+        assert w.proc.wait(10) == 0
+    finally:
+        w.stop()
+    log = w.log()
+    for line in ("worker starting", "worker ready", "client connected", "worker shutting down",
+                 "aborted requests at the shutdown deadline", "worker stopped"):
+        assert line in log, line

@@ -1,0 +1,112 @@
+"""Helpers for the worker tests: a `slipstream worker` subprocess on an ipc or tcp socket."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import zmq
+
+from slipstream import EngineConfig
+from slipstream.api.protocol import PROTOCOL_VERSION, HealthRequest
+
+# The same engine settings on both sides, so the worker's results can be compared with Engine's.
+ENGINE = dict(model="tiny-random", max_batch_size=16, max_num_batched_tokens=64, kv_cache_tokens=4096, page_size=8)
+
+
+def engine_config(**kw) -> EngineConfig:
+    return EngineConfig(**{**ENGINE, **kw})
+
+
+@dataclass
+class WorkerProc:
+    proc: subprocess.Popen
+    address: str
+    log_path: Path
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+
+    def stop(self) -> None:
+        """Never leaves a process behind: SIGTERM, then SIGKILL."""
+        if self.proc.poll() is None:
+            self.signal(signal.SIGCONT)
+            self.signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+def ipc_address(tmp_path: Path) -> str:
+    path = tmp_path / "w.sock"
+    if len(str(path)) > 90:  # ipc paths are limited to ~107 bytes (sun_path)
+        path = Path(tempfile.mkdtemp(prefix="sw", dir="/tmp")) / "w.sock"
+    return f"ipc://{path}"
+
+
+def free_tcp_address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def start_worker(address: str, log_dir: Path, *extra: str, ready_timeout: float = 60.0) -> WorkerProc:
+    """Start `python -m slipstream.cli worker` and wait for its 'worker ready' log line."""
+    args = [sys.executable, "-m", "slipstream.cli", "worker", "--bind", address, "--heartbeat", "0.2"]
+    for k, v in ENGINE.items():
+        args += [f"--{k.replace('_', '-')}", str(v)]
+    log_path = log_dir / f"worker-{time.monotonic_ns()}.log"
+    with open(log_path, "w") as log:  # a file, not a pipe: a full pipe would block the worker
+        proc = subprocess.Popen([*args, *extra], stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    w = WorkerProc(proc, address, log_path)
+    if not _answers_health(w, ready_timeout):  # it binds only once ready, so an answer means ready
+        w.stop()
+        raise RuntimeError(f"worker did not start (rc={proc.poll()}):\n{w.log()}")
+    return w
+
+
+def _answers_health(w: WorkerProc, timeout: float) -> bool:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(w.address)
+    deadline = time.monotonic() + timeout
+    try:
+        for seq in itertools.count():
+            if w.proc.poll() is not None or time.monotonic() > deadline:
+                return False
+            sock.send(msgspec.msgpack.encode(HealthRequest(v=PROTOCOL_VERSION, seq=seq)))
+            if sock.poll(200):
+                return True
+    finally:
+        sock.close()
+
+
+async def wait_pages_free(client, timeout: float = 10.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        s = await client.stats()
+        if s["kv_pages_free"] == s["kv_pages_total"] and s["running"] == 0 and s["inflight"] == 0:
+            return s
+        if time.monotonic() > deadline:
+            raise AssertionError(f"pages not freed: {s}")
+        await asyncio.sleep(0.02)

@@ -9,6 +9,8 @@ import sys
 COMMANDS = [
     "slipstream.commands.generate",
     "slipstream.commands.bench",
+    "slipstream.commands.timeline",
+    "slipstream.commands.worker",
 ]
 
 

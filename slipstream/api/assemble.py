@@ -14,6 +14,8 @@ from slipstream.runtime.model_runner import ModelRunner
 from slipstream.scheduler.engine_loop import EngineLoop
 from slipstream.scheduler.page_pool import PagePool
 from slipstream.scheduler.planner import Planner
+from slipstream.metrics import EngineMetrics
+from slipstream.trace import Tracer
 
 
 @dataclass
@@ -25,6 +27,8 @@ class EngineParts:
     tokenizer: object
     model_config: object
     max_model_len: int
+    metrics: EngineMetrics | None = None
+    tracer: Tracer | None = None  # only with EngineConfig(trace=True)
 
     def close(self) -> None:
         self.device.close()
@@ -45,7 +49,6 @@ def assemble(config: EngineConfig) -> EngineParts:
     planner = Planner(pool, config.page_size, config.max_batch_size, config.max_num_batched_tokens)
     loop = EngineLoop(runner, planner, config.pipeline_depth, config.page_size, row_multiple,
                       trace=config.trace, vocab_width=mcfg.vocab_size, eos_ids=tuple(tokenizer.eos_token_ids))
-    if config.trace:
-        for stream in (device.compute, device.copy):
-            stream.busy_hook = lambda name, label, t0, t1: loop.device_spans.append((name, label, t0, t1))
-    return EngineParts(device, runner, pool, loop, tokenizer, mcfg, max_model_len)
+    tracer = Tracer().attach(loop, runner, device) if config.trace else None
+    metrics = EngineMetrics().attach(loop, pool, tracer)
+    return EngineParts(device, runner, pool, loop, tokenizer, mcfg, max_model_len, metrics, tracer)

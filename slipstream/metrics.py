@@ -1,0 +1,141 @@
+"""Prometheus metrics: an in-process registry per engine, and a text endpoint for worker mode.
+
+Series (all in seconds unless named otherwise):
+  slipstream_step_period_seconds          start of step k → start of step k+1 (device spans when
+                                          tracing is on, else host launch → next launch)
+  slipstream_device_idle_seconds          the bubble per step (tracing only)
+  slipstream_forward_seconds              forward device time per step (tracing only)
+  slipstream_bookkeeping_seconds          host plan + launch + commit + finalize per step
+  slipstream_queue_depth                  requests waiting for admission
+  slipstream_running_sequences            admitted, unfinished sequences
+  slipstream_kv_pages_free                free KV cache pages
+  slipstream_ttft_seconds                 arrival → first token committed, per request
+  slipstream_inter_token_latency_seconds  between consecutive committed tokens of a request
+  slipstream_steps_total                  committed steps
+Periods that span an idle engine (nothing to run) are not observed: they are not steps.
+
+Cost: at depth 1 anything the loop does after a commit is device idle, so the loop only appends
+floats to queues (about 0.1 µs each); they are folded into the histograms when the registry is
+collected (a scrape, `text()`), on the scraper's thread, or by the loop once a queue gets long.
+Gauges are read at scrape time.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
+
+_STEP = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512, 1.024, 2.048)
+_IDLE = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3)
+_TTFT = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_ITL = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_FOLD_AT = 8192  # values queued before the loop folds them itself (no scraper: memory stays bounded)
+
+
+class _Deferred:
+    """A histogram fed through a queue: append on the loop, observe at collection."""
+
+    __slots__ = ("hist", "queue")
+
+    def __init__(self, hist: Histogram):
+        self.hist, self.queue = hist, deque()
+
+    def fold(self) -> None:
+        q, observe = self.queue, self.hist.observe
+        while q:  # deque append/popleft are thread-safe: the loop and a scraper may both be here
+            try:
+                observe(q.popleft())
+            except IndexError:
+                return
+
+
+class _Folder:
+    """Registered first, so collecting the registry folds the queues before histograms are read."""
+
+    def __init__(self):
+        self.items: list[_Deferred] = []
+
+    def collect(self):
+        for d in self.items:
+            d.fold()
+        return []
+
+
+class EngineMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = r = registry if registry is not None else CollectorRegistry()
+        self._folder = _Folder()
+        r.register(self._folder)
+
+        def hist(name: str, doc: str, buckets) -> _Deferred:
+            d = _Deferred(Histogram(name, doc, buckets=buckets, registry=r))
+            self._folder.items.append(d)
+            return d
+
+        self.step_period = hist("slipstream_step_period_seconds", "Step period: start of a step to the next", _STEP)
+        self.device_idle = hist("slipstream_device_idle_seconds", "Device idle per step (the bubble)", _IDLE)
+        self.forward = hist("slipstream_forward_seconds", "Forward device time per step", _STEP)
+        self.bookkeeping = hist("slipstream_bookkeeping_seconds", "Host plan+launch+commit+finalize per step", _IDLE)
+        self.ttft = hist("slipstream_ttft_seconds", "Time to first token", _TTFT)
+        self.itl = hist("slipstream_inter_token_latency_seconds", "Time between consecutive tokens", _ITL)
+        self.steps = Counter("slipstream_steps", "Committed steps", registry=r)
+        self.queue_depth = Gauge("slipstream_queue_depth", "Requests waiting for admission", registry=r)
+        self.running = Gauge("slipstream_running_sequences", "Admitted unfinished sequences", registry=r)
+        self.kv_pages_free = Gauge("slipstream_kv_pages_free", "Free KV cache pages", registry=r)
+        self._loop = None
+        self._device_period = False
+        self._last: tuple[float, int] | None = None  # (t_launch, idle_waits) of the previous commit
+
+    def attach(self, loop, pool, tracer=None) -> "EngineMetrics":
+        self._loop = loop
+        planner = loop.planner
+        self.queue_depth.set_function(lambda: len(planner.waiting))
+        self.running.set_function(lambda: sum(not s.finalized for s in list(planner.running)))
+        self.kv_pages_free.set_function(lambda: pool.num_free)
+        loop.observers.append(self.on_commit)
+        if tracer is not None:  # device-measured period, idle and forward
+            self._device_period = True
+            tracer.listeners.append(self.on_step)
+        return self
+
+    def on_commit(self, step) -> None:
+        tm = step.timings
+        self.steps.inc()
+        self.bookkeeping.queue.append(tm.get("plan", 0.0) + tm.get("launch", 0.0) + tm.get("commit", 0.0)
+                                      + tm.get("finalize", 0.0))
+        t_launch, waits = tm.get("t_launch", 0.0), self._loop.idle_waits
+        if not self._device_period and self._last is not None and self._last[1] == waits:
+            self.step_period.queue.append(t_launch - self._last[0])
+        self._last = (t_launch, waits)
+        # TTFT / inter-token latency per token as it commits (zombie rows appended nothing, so
+        # their newest token time predates this commit)
+        commit_start = tm.get("t_committed", 0.0) - tm.get("commit", 0.0)
+        ttft, itl = self.ttft.queue.append, self.itl.queue.append
+        for seq in step.seqs:
+            req = seq.user
+            times = req.metrics.token_times if req is not None else None
+            if not times or times[-1] < commit_start:
+                continue
+            if len(times) == 1:
+                ttft(times[0] - req.metrics.arrival)
+            else:
+                itl(times[-1] - times[-2])
+        if len(self.itl.queue) > _FOLD_AT or len(self.bookkeeping.queue) > _FOLD_AT:
+            self._folder.collect()
+
+    def on_step(self, rec) -> None:
+        if rec.contiguous:
+            self.step_period.queue.append(rec.period)
+            self.device_idle.queue.append(rec.idle)
+            self.forward.queue.append(rec.forward)
+
+    def text(self) -> str:
+        return generate_latest(self.registry).decode()
+
+
+def serve_metrics(registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 9400):
+    """Serve the Prometheus text format on http://host:port/metrics from a daemon thread.
+
+    Returns (server, thread); `server.shutdown()` stops it. port 0 picks a free port
+    (`server.server_port`)."""
+    return start_http_server(port, addr=host, registry=registry)

@@ -1,0 +1,164 @@
+"""Step tracing, metrics and the bench/timeline commands, on tiny-random (fast)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import urllib.request
+
+import pytest
+
+from slipstream.api.engine import Engine
+from slipstream.params import EngineConfig, SamplingParams
+from slipstream.trace import covered
+
+SERIES = ["slipstream_step_period_seconds", "slipstream_device_idle_seconds", "slipstream_forward_seconds",
+          "slipstream_queue_depth", "slipstream_running_sequences", "slipstream_kv_pages_free",
+          "slipstream_ttft_seconds", "slipstream_inter_token_latency_seconds"]
+
+
+def _config(depth: int, trace: bool) -> EngineConfig:
+    return EngineConfig(model="tiny-random", pipeline_depth=depth, trace=trace, max_batch_size=8)
+
+
+async def _run_mixed(engine: Engine) -> list:
+    """Greedy, seeded sampling, stops on EOS, different lengths: all the paths a trace could touch."""
+    reqs = [([100 + i, 7, 9], SamplingParams(max_tokens=6 + 2 * i, temperature=0.0, ignore_eos=True)) for i in range(3)]
+    reqs += [([50, 60 + i], SamplingParams(max_tokens=10, temperature=0.9, top_k=20, seed=7 + i)) for i in range(3)]
+    return await asyncio.gather(*(engine.complete(p, sp) for p, sp in reqs))
+
+
+def _gap_time(spans, lo: float, hi: float) -> float:
+    """Time in [lo, hi) where no span runs, by a sweep written independently of trace.covered."""
+    events = sorted([(max(s.start, lo), 1) for s in spans if s.end > lo and s.start < hi]
+                    + [(min(s.end, hi), -1) for s in spans if s.end > lo and s.start < hi])
+    idle, depth, last = 0.0, 0, lo
+    for t, d in events:
+        if depth == 0:
+            idle += t - last
+        depth += d
+        last = t
+    return idle + (hi - last if depth == 0 else 0.0)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+async def test_spans_recorded_and_consistent(depth):
+    async with Engine(_config(depth, trace=True)) as engine:
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        await asyncio.gather(*(engine.complete([100 + i, 5, 6], params) for i in range(4)))
+        tracer, steps = engine.tracer, engine.loop.num_steps
+        records = list(tracer.steps)
+        spans = list(tracer.spans)
+    assert len(records) == steps - 1  # every step but the last (it has no next forward)
+    by_step = {}
+    for s in spans:
+        by_step.setdefault(s.step, []).append(s)
+    assert set(by_step) == set(range(steps))
+    for rec in records:
+        own = by_step[rec.step_id]
+        labels = [s.label for s in own]
+        assert labels.count("forward") == 1 and labels.count("d2h") == 1 and "sample" in labels
+        fwd = next(s for s in own if s.label == "forward")
+        smp = [s for s in own if s.label == "sample"]
+        d2h = next(s for s in own if s.label == "d2h")
+        assert fwd.end <= min(s.start for s in smp) and max(s.end for s in smp) <= d2h.start  # stream order
+        host = tracer.host[rec.step_id]
+        assert host.t_plan <= fwd.start and d2h.end <= host.t_committed  # host causes, host reads
+        assert rec.forward == pytest.approx(fwd.end - fwd.start)
+        # busy (union of spans, by step attribution) + idle (gaps, by time) must tile the period
+        idle = _gap_time(spans, rec.start, rec.start + rec.period)
+        assert rec.busy + idle == pytest.approx(rec.period, rel=1e-6, abs=1e-6)
+        assert rec.idle == pytest.approx(idle, abs=1e-6)
+        assert rec.forward <= rec.busy <= rec.period
+        assert rec.bookkeeping > 0 and rec.contiguous
+    starts = [r.start for r in records]
+    assert starts == sorted(starts)
+    if depth == 2:  # the forwards run back to back: the bubble is a small share of the period
+        assert statistics.median(r.idle / r.period for r in records) < 0.1
+
+
+async def test_pipelining_removes_device_idle():
+    idle = {}
+    for depth in (1, 2):
+        async with Engine(_config(depth, trace=True)) as engine:
+            params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+            await asyncio.gather(*(engine.complete([100 + i, 5], params) for i in range(4)))
+            idle[depth] = statistics.median(r.idle for r in engine.tracer.steps if r.kind == "decode")
+    assert idle[2] < idle[1]
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+async def test_tracing_changes_no_outputs(depth):
+    outs = {}
+    for trace in (False, True):
+        async with Engine(_config(depth, trace)) as engine:
+            outs[trace] = await _run_mixed(engine)
+            assert (engine.tracer is not None) == trace
+    for a, b in zip(outs[False], outs[True]):
+        assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
+
+
+def test_covered_union():
+    assert covered([(0, 2), (1, 3), (5, 6)], 0, 10) == pytest.approx(4)
+    assert covered([(0, 2), (1, 3)], 1.5, 2.5) == pytest.approx(1)
+    assert covered([], 0, 1) == 0
+
+
+@pytest.mark.parametrize("trace", [False, True])
+async def test_metrics_text_and_endpoint(trace):
+    from slipstream.metrics import serve_metrics
+
+    async with Engine(_config(2, trace)) as engine:
+        await _run_mixed(engine)
+        text = engine.metrics_text()
+        server, thread = serve_metrics(engine.metrics.registry, "127.0.0.1", 0)
+        try:
+            url = f"http://127.0.0.1:{server.server_port}/metrics"
+            body = (await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=10).read())).decode()
+        finally:
+            server.shutdown()
+            thread.join(timeout=5)
+    for name in SERIES:
+        assert f"# TYPE {name} " in text and f"# TYPE {name} " in body, name
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if not line.startswith("#")}
+    assert values["slipstream_ttft_seconds_count"] == 6
+    assert values["slipstream_inter_token_latency_seconds_count"] > 6
+    assert values["slipstream_step_period_seconds_count"] > 5  # host-measured without tracing
+    assert values["slipstream_device_idle_seconds_count"] == (values["slipstream_step_period_seconds_count"]
+                                                              if trace else 0)
+    assert values["slipstream_running_sequences"] == 0 and values["slipstream_queue_depth"] == 0
+    assert values["slipstream_kv_pages_free"] > 0
+
+
+def test_timeline_writes_png(tmp_path):
+    from slipstream.cli import main
+
+    out = tmp_path / "t.png"
+    assert main(["timeline", "--model", "tiny-random", "--streams", "2", "--len", "10", "--steps", "3",
+                 "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_json(capsys):
+    from slipstream.cli import main
+
+    assert main(["bench", "--model", "tiny-random", "--streams", "2", "--len", "8", "--repeats", "1", "--json",
+                 "--no-progress"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    (row,) = doc["results"]
+    assert row["streams"] == 2 and row["depth1"]["steady"]["steps"] > 0 and row["depth2"]["zombie_rows"] == 0
+    assert row["predicted_speedup"] == pytest.approx(row["t_block_ms"] / row["t_pipe_ms"] * (1 - row["z"]))
+
+
+def test_cost_model_arithmetic():
+    from slipstream.bench import RunResult, StepStats, compare, zombie_tax
+
+    def run(depth, period, prefill, idle, wall):
+        return RunResult(depth, 8, 100, wall, 0, StepStats(0, 0, period, idle, 0, 0, prefill, 90, period))
+
+    # no prefill difference and no bubble left to drain: the prediction is the step ratio
+    c = compare(run(1, 10.0, 10.0, 0.0, 1.0), run(2, 8.0, 8.0, 0.0, 0.8))
+    assert c.predicted == pytest.approx(10 / 8) and c.z == pytest.approx(0)
+    # one zombie per request: a whole step alone, a marginal row in a batch
+    assert zombie_tax(100, 1, 1.0, 0.01) == pytest.approx(0.01)
+    assert zombie_tax(100, 32, 1.0, 0.01) == pytest.approx(0.0001)

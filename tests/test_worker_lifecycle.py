@@ -96,3 +96,28 @@ async def test_sigterm_drains_then_exits_and_overload_is_refused(tmp_path):
     for line in ("worker starting", "worker ready", "client connected", "worker shutting down",
                  "aborted requests at the shutdown deadline", "worker stopped"):
         assert line in log, line
+
+
+async def test_worker_serves_prometheus_metrics(tmp_path):
+    """`slipstream worker --metrics-port` exposes the engine's registry, named series included."""
+    import socket
+    import urllib.request
+
+    from slipstream import Client, SamplingParams
+    from worker_util import ipc_address, start_worker
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    w = start_worker(ipc_address(tmp_path), tmp_path, "--metrics-port", str(port))
+    try:
+        async with Client(w.address, timeout=10) as client:
+            await client.complete("hello", SamplingParams(max_tokens=4, temperature=0.0))
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        for series in ("slipstream_step_period_seconds", "slipstream_device_idle_seconds",
+                       "slipstream_forward_seconds", "slipstream_queue_depth", "slipstream_running_sequences",
+                       "slipstream_kv_pages_free", "slipstream_ttft_seconds",
+                       "slipstream_inter_token_latency_seconds"):
+            assert series in text, series
+    finally:
+        w.stop()

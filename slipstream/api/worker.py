@@ -54,6 +54,7 @@ class WorkerLimits:
     max_message_bytes: int = MAX_MESSAGE_BYTES
     heartbeat_s: float = 0.5
     shutdown_timeout_s: float = 10.0  # in-flight work gets this long to finish after SIGTERM/SIGINT
+    metrics_port: int | None = None  # serve Prometheus text on http://127.0.0.1:PORT/metrics (0: any port)
 
 
 @dataclass(eq=False)
@@ -91,9 +92,17 @@ class Worker:
         log.info("worker starting", model=self.config.model, device=self.config.device, address=self.address,
                  pid=os.getpid())
         await self.engine.start()
+        metrics_server = None
+        if self.limits.metrics_port is not None:
+            from slipstream.metrics import serve_metrics
+
+            metrics_server, _ = serve_metrics(self.engine.metrics.registry, "127.0.0.1", self.limits.metrics_port)
+            log.info("metrics endpoint", url=f"http://127.0.0.1:{metrics_server.server_port}/metrics")
         try:
             await self._serve_until_stopped(loop)
         finally:
+            if metrics_server is not None:
+                metrics_server.shutdown()
             await self.engine.close()
         log.info("worker stopped", reason=self._stop_reason, exit_code=self._exit_code)
         return self._exit_code

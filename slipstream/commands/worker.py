@@ -22,6 +22,8 @@ def register(sub) -> None:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-json", action="store_true", help="structlog lines as JSON")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics on http://127.0.0.1:PORT/metrics")
     add_engine_args(p)
     p.set_defaults(func=_worker, log_level="info")  # start/ready/client/shutdown lines are the point
 
@@ -35,5 +37,6 @@ def _worker(args) -> int:
     config = engine_config(args, max_batch_size=args.max_batch_size, max_num_batched_tokens=args.max_num_batched_tokens,
                            kv_cache_tokens=args.kv_cache_tokens, page_size=args.page_size, seed=args.seed)
     limits = WorkerLimits(max_queued=args.max_queued, max_message_bytes=args.max_message_bytes,
-                          heartbeat_s=args.heartbeat, shutdown_timeout_s=args.shutdown_timeout)
+                          heartbeat_s=args.heartbeat, shutdown_timeout_s=args.shutdown_timeout,
+                          metrics_port=args.metrics_port)
     return serve(config, args.bind, limits)

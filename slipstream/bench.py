@@ -41,6 +41,7 @@ class StepStats:
     prefill_period_ms: float  # the first step (all N prompts): its forward → first decode forward
     steps: int
     period_mean_ms: float  # the cost model's T: a wall is a sum of periods, so their mean
+    host_split_ms: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)  # plan, launch, commit, finalize
 
 
 @dataclass
@@ -93,7 +94,8 @@ def steady_state(traces: list, streams: int) -> StepStats:
     return StepStats(_med(t.forward for t in dec), _med(t.sampling for t in dec), _med(t.period for t in dec),
                      _med(t.idle for t in dec), _med(t.busy for t in dec), _med(t.bookkeeping for t in dec),
                      _med(t.period for t in pre), len(dec),
-                     statistics.fmean(t.period for t in dec) * 1e3 if dec else float("nan"))
+                     statistics.fmean(t.period for t in dec) * 1e3 if dec else float("nan"),
+                     tuple(_med(t.host[i] for t in dec) for i in range(4)))
 
 
 async def start_engine(model: str, device: str, depth: int, max_streams: int, output_len: int) -> Engine:
@@ -195,13 +197,15 @@ def _pct(x: float) -> str:
 def format_tables(results: list[list[Comparison]]) -> str:
     rows = [representative(reps) for reps in results]
     a = ["(a) per step, steady-state medians (ms)", "",
-         "| streams | depth | forward | sampling | period | device idle | bookkeeping | period ÷ (fwd+smp) |",
+         "| streams | depth | forward | sampling | period | device idle | bookkeeping (plan/launch/commit/finalize) "
+         "| period ÷ (fwd+smp) |",
          "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for c in rows:
         for r in (c.blocking, c.pipelined):
             s = r.steady
             a.append(f"| {c.streams} | {r.depth} | {s.forward_ms:.2f} | {s.sampling_ms:.2f} | {s.period_ms:.2f} | "
-                     f"{s.idle_ms:.2f} | {s.bookkeeping_ms:.2f} | {s.period_ms / (s.forward_ms + s.sampling_ms):.3f} |")
+                     f"{s.idle_ms:.2f} | {s.bookkeeping_ms:.2f} ({'/'.join(f'{x:.2f}' for x in s.host_split_ms)}) | "
+                     f"{s.period_ms / (s.forward_ms + s.sampling_ms):.3f} |")
     b = ["(b) blocking vs pipelined: predicted = T_block / T_pipe × (1 − z); observed = wall ratio", "",
          "| streams | blocking (ms) | pipelined (ms) | L | z | predicted | observed | Δ (pp) | Δ, every repeat |",
          "|---:|---:|---:|---:|---:|---:|---:|---:|---|"]

@@ -88,6 +88,7 @@ class StepTrace:
     idle: float
     bookkeeping: float
     contiguous: bool  # the engine did not go idle before the next step
+    host: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)  # plan, launch, commit, finalize
 
 
 def covered(spans, lo: float, hi: float) -> float:
@@ -108,7 +109,8 @@ def derive(host: HostStep, spans: list[DeviceSpan], neighbours: list[DeviceSpan]
     busy = covered([(s.start, s.end) for s in spans + neighbours], fwd.start, next_start)
     period = next_start - fwd.start
     return StepTrace(host.step_id, host.kind, host.num_seqs, host.num_tokens, fwd.start, period,
-                     fwd.end - fwd.start, sampling, busy, period - busy, host.bookkeeping, contiguous)
+                     fwd.end - fwd.start, sampling, busy, period - busy, host.bookkeeping, contiguous,
+                     (host.plan, host.launch, host.commit, host.finalize))
 
 
 class Tracer:

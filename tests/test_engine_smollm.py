@@ -4,6 +4,7 @@ import random
 
 import pytest
 
+from engine_util import run_staggered, wait_all_free
 from slipstream import Engine, EngineConfig, SamplingParams
 
 TOPICS = ["the ocean", "a small robot", "prime numbers", "Paris in spring", "how bread is made", "the moon",
@@ -32,17 +33,8 @@ def requests_64(seed=7):
 
 async def run(depth, reqs):
     async with Engine(EngineConfig(model="smollm2-135m", pipeline_depth=depth, max_batch_size=32)) as engine:
-        async def one(prompt, params, delay):
-            await asyncio.sleep(delay)
-            return await engine.complete(prompt, params)
-
-        outs = await asyncio.gather(*(one(*r) for r in reqs))
-        for _ in range(100):
-            s = engine.stats()
-            if s["kv_pages_free"] == s["kv_pages_total"]:
-                break
-            await asyncio.sleep(0.01)
-        return outs, engine.stats()
+        outs = await run_staggered(engine, reqs)
+        return outs, await wait_all_free(engine)
 
 
 @pytest.fixture(scope="module")

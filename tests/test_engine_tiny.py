@@ -5,6 +5,7 @@ import random
 
 import pytest
 
+from engine_util import run_staggered, wait_all_free
 from slipstream import Engine, EngineConfig, InvalidRequestError, SamplingParams
 from slipstream.errors import PipelineInvariantError, SlotReuseError
 from slipstream.runtime.batch import SeqWork, pack_step
@@ -35,22 +36,7 @@ def mixed_requests(n=64, seed=0):
 
 
 async def run_all(engine, reqs):
-    async def one(prompt, params, delay):
-        await asyncio.sleep(delay)  # staggered arrivals: requests join a running batch
-        return await engine.complete(prompt, params)
-
-    return await asyncio.gather(*(one(*r) for r in reqs))
-
-
-async def wait_all_free(engine, timeout=10.0):
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        s = engine.stats()
-        if s["kv_pages_free"] == s["kv_pages_total"] and s["running"] == 0:
-            return s
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"pages not freed: {s}")
-        await asyncio.sleep(0.01)
+    return await run_staggered(engine, reqs)
 
 
 def summary(outs):

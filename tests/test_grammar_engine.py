@@ -11,6 +11,7 @@ import re
 import jsonschema
 import pytest
 
+from engine_util import run_staggered, wait_all_free
 from slipstream import Engine, EngineConfig, SamplingParams
 from slipstream.errors import GrammarCompileError, GrammarError
 from slipstream.grammar import GrammarSpec, parse_skill_output, register_grammar, unregister_grammar
@@ -77,17 +78,8 @@ def validate(kind, params, out):
 
 async def run(depth, reqs):
     async with Engine(EngineConfig(model="smollm2-135m", pipeline_depth=depth, max_batch_size=32)) as engine:
-        async def one(kind, prompt, params, delay):
-            await asyncio.sleep(delay)
-            return await engine.complete(prompt, params)
-
-        outs = await asyncio.gather(*(one(*r) for r in reqs))
-        for _ in range(200):
-            s = engine.stats()
-            if s["kv_pages_free"] == s["kv_pages_total"]:
-                break
-            await asyncio.sleep(0.01)
-        return outs, engine.stats()
+        outs = await run_staggered(engine, [(prompt, params, delay) for _, prompt, params, delay in reqs])
+        return outs, await wait_all_free(engine)
 
 
 @pytest.fixture(scope="module")
@@ -164,12 +156,7 @@ async def test_bad_grammars_fail_only_their_own_request():
             assert isinstance(outs[2], GrammarCompileError) and "regex" in str(outs[2]).lower()
             assert isinstance(outs[3], GrammarCompileError) and "bad plugin" in str(outs[3])
             assert isinstance(outs[4], GrammarError) and "plugin exploded" in str(outs[4])
-            for _ in range(100):
-                s = engine.stats()
-                if s["kv_pages_free"] == s["kv_pages_total"]:
-                    break
-                await asyncio.sleep(0.01)
-            assert s["kv_pages_free"] == s["kv_pages_total"] and s["running"] == 0
+            await wait_all_free(engine)
     finally:
         unregister_grammar("explodes")
         unregister_grammar("broken")

@@ -129,8 +129,6 @@ class Tracer:
     def attach(self, loop, runner, device) -> "Tracer":
         """Tag launches with their step, collect stream spans, and observe every commit."""
         self._loop = loop
-        loop.device_spans = self.spans  # bounded; the loop keeps its (bounded) host records too
-        loop.records = deque(loop.records, maxlen=self._max_steps)
         loop.observers.append(self.on_commit)
         forward, sampling = runner.launch_forward, runner.launch_sampling
 

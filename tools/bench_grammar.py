@@ -26,7 +26,8 @@ async def run_once(model: str, depth: int, streams: int, length: int, fraction: 
         prompt = engine.chat_prompt([{"role": "user", "content": "Write a long number."}])
         await engine.complete(prompt, SamplingParams(max_tokens=2, temperature=0.0, regex="[0-9]{2}"))  # warm up
         loop = engine.loop
-        loop.device_spans.clear()
+        tracer = engine.tracer
+        tracer.clear()
         steps0, mask0 = loop.num_steps, loop.constraints.mask_build_s
         params = [SamplingParams(max_tokens=length, temperature=0.0, regex=f"[0-9]{{{length}}}")
                   if i < n_constrained else SamplingParams(max_tokens=length, temperature=0.0, ignore_eos=True)
@@ -35,7 +36,7 @@ async def run_once(model: str, depth: int, streams: int, length: int, fraction: 
         outs = await asyncio.gather(*(engine.complete(prompt, p) for p in params))
         wall = time.perf_counter() - t0
         assert all(len(o.token_ids) == length for o in outs), [len(o.token_ids) for o in outs]
-        starts = [s[2] for s in loop.device_spans if s[1] == "forward"]
+        starts = [s.start for s in tracer.spans if s.label == "forward"]
         periods = [b - a for a, b in zip(starts, starts[1:])]
         steps = loop.num_steps - steps0
         return {"tok_s": streams * length / wall, "period_ms": statistics.median(periods) * 1e3,

@@ -8,6 +8,7 @@ their step was planned) are never constrained: they get an all-ones row.
 """
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import numpy as np
@@ -45,8 +46,6 @@ class Constraints:
         """Packed masks for `rows` from each matcher's committed state; None if none is constrained."""
         if not any(self.matcher(sampling_seqs[i]) is not None for i in rows):
             return None
-        import time
-
         t0 = time.perf_counter()
         out = np.full((len(rows), self.words), ALL_ALLOWED, dtype=np.int32)
         for k, i in enumerate(rows):

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
 
 import structlog
 
@@ -34,35 +33,15 @@ from slipstream.scheduler.sequence import Sequence
 log = structlog.get_logger(__name__)
 
 
-@dataclass
-class StepRecord:
-    """Host-side timings of one step (perf_counter seconds), kept when tracing is on."""
-
-    step_id: int
-    kind: str
-    num_seqs: int
-    num_tokens: int
-    plan: float
-    launch: float
-    commit: float  # host time applying tokens (after the copy event)
-    commit_wait: float  # time the loop waited for the copy event
-    finalize: float
-    t_launch: float
-    t_committed: float = 0.0
-
-
 class EngineLoop:
     def __init__(self, runner, planner: Planner, depth: int, page_size: int, row_multiple: int = 1,
-                 trace: bool = False, vocab_width: int = 0, eos_ids: tuple[int, ...] = ()):
+                 vocab_width: int = 0, eos_ids: tuple[int, ...] = ()):
         self.runner, self.planner, self.depth = runner, planner, depth
         self.page_size, self.row_multiple = page_size, row_multiple
         self.pipeline = Pipeline(depth, planner)
         self.outputs = OutputProcessor(self.pipeline.finalize)
         self.constraints = Constraints(vocab_width, eos_ids, self.outputs.fail)
         self.num_steps = 0
-        self.trace = trace
-        self.records: list[StepRecord] = []
-        self.device_spans: list[tuple[str, str, float, float]] = []  # (stream, label, start, end)
         self.observers: list = []  # fn(step) after each commit: tracing, metrics (empty: no cost)
         self.idle_waits = 0  # times the loop slept for work: a step period never spans one
         self._wake = asyncio.Event()
@@ -153,12 +132,6 @@ class EngineLoop:
         self.pipeline.on_commit(step, sampled, logprobs, self.outputs.accept)
         t2 = time.perf_counter()
         step.timings.update(commit_wait=t1 - t0, commit=t2 - t1, t_committed=t2)
-        if self.trace:
-            tm = step.timings
-            self.records.append(StepRecord(
-                step.step_id, step.kind, len(step.seqs), step.packed.num_tokens, tm.get("plan", 0.0),
-                tm.get("launch", 0.0), tm["commit"], tm["commit_wait"], tm.get("finalize", 0.0),
-                tm.get("t_launch", 0.0), t2))
         for observe in self.observers:
             observe(step)
 

@@ -98,8 +98,9 @@ def steady_state(traces: list, streams: int) -> StepStats:
                      tuple(_med(t.host[i] for t in dec) for i in range(4)))
 
 
-async def start_engine(model: str, device: str, depth: int, max_streams: int, output_len: int) -> Engine:
-    config = EngineConfig(model=model, device=device, pipeline_depth=depth, max_batch_size=max(max_streams, 1),
+async def start_engine(model: str, device: str, depth: int, max_streams: int, output_len: int,
+                       dtype: str = "float32") -> Engine:
+    config = EngineConfig(model=model, device=device, dtype=dtype, pipeline_depth=depth, max_batch_size=max(max_streams, 1),
                           max_num_batched_tokens=max(512, max_streams * PROMPT_LEN),
                           kv_cache_tokens=max(4096, 2 * max_streams * (PROMPT_LEN + output_len + 16)), trace=True)
     engine = await Engine(config).start()
@@ -159,12 +160,12 @@ def compare(d1: RunResult, d2: RunResult, row_cost: float = 0.0) -> Comparison:
 
 
 async def bench(model: str, device: str, streams: list[int], output_len: int, repeats: int,
-                on_step=None, on_run=None) -> list[list[Comparison]]:
+                on_step=None, on_run=None, dtype: str = "float32") -> list[list[Comparison]]:
     """For each stream count, one Comparison per repeat."""
     engines = {}
     try:
         for depth in (1, 2):
-            engines[depth] = await start_engine(model, device, depth, max(streams), output_len)
+            engines[depth] = await start_engine(model, device, depth, max(streams), output_len, dtype)
             if on_step is not None:
                 engines[depth].loop.observers.append(on_step)
         out = []
@@ -238,5 +239,6 @@ def machine() -> dict:
 
     import torch
 
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     return {"machine": platform.platform(), "cpu": platform.processor() or platform.machine(),
-            "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version()}
+            "cores": os.cpu_count(), "gpu": gpu, "torch": torch.__version__, "python": platform.python_version()}

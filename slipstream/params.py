@@ -63,6 +63,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise InvalidRequestError(f"seed must be >= 0, got {self.seed!r}")
 
 
+EVENT_WAITS = ("auto", "host_func", "thread", "poll")
+
+
 class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str = "smollm2-135m"  # a known name, a .gguf path, a Hugging Face folder, or "tiny-random"
     device: str = "cpu"  # "cpu" | "cuda"
@@ -71,12 +74,19 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_batch_size: int = 32  # sequences per step
     max_num_batched_tokens: int = 512  # tokens per step (decode tokens + prefill chunks)
     page_size: int = 16
-    kv_cache_tokens: int = 32768  # KV pool capacity in tokens (rounded up to pages)
+    kv_cache_tokens: int | None = None  # KV pool in tokens (rounded up to pages); None: 32768 on
+    #                                     the CPU, gpu_memory_utilization of free memory on CUDA
     max_model_len: int | None = None  # default: the model's context length
     batch_invariant: bool = True  # pad CPU matmuls so results do not depend on batch size
     seed: int = 0  # seeds requests that give none
     trace: bool = False  # keep per-step host timings and device spans (benchmarks, timelines)
     grammar_timeout_s: float = 10.0  # compile timeout of a constraint grammar
+    # --- CUDA only (docs/cuda.md) ---
+    gpu_memory_utilization: float = 0.9  # share of free memory (after weights + a profiling forward) for KV
+    cuda_graphs: bool = True  # replay decode steps from graphs captured per slot and batch-size bucket
+    graph_batch_sizes: tuple[int, int, int] | None = None  # (min, step, max) buckets; None: (1, 16, max_batch_size)
+    warmup: bool = True  # capture every bucket at start; False: capture each on first use
+    event_wait: str = "auto"  # how the loop awaits GPU events: auto | host_func | thread | poll
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -86,9 +96,23 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if self.pipeline_depth not in (1, 2):
             raise InvalidRequestError(f"pipeline_depth must be 1 or 2, got {self.pipeline_depth!r}")
         for name in ("max_batch_size", "max_num_batched_tokens", "page_size", "kv_cache_tokens"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if self.max_num_batched_tokens < self.max_batch_size:
             raise InvalidRequestError("max_num_batched_tokens must be >= max_batch_size")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise InvalidRequestError(f"max_model_len must be >= 2, got {self.max_model_len!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise InvalidRequestError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.event_wait not in EVENT_WAITS:
+            raise InvalidRequestError(f"event_wait must be one of {EVENT_WAITS}, got {self.event_wait!r}")
+        if self.graph_batch_sizes is not None:
+            from slipstream.runtime.buckets import make_buckets
+
+            if make_buckets(*self.graph_batch_sizes)[-1] > self.max_batch_size:
+                raise InvalidRequestError(f"graph_batch_sizes max ({self.graph_batch_sizes[2]}) exceeds "
+                                          f"max_batch_size ({self.max_batch_size})")
+
+    def buckets(self) -> tuple[int, int, int]:
+        """(min, step, max) of the decode graph buckets."""
+        return self.graph_batch_sizes or (1, min(16, self.max_batch_size), self.max_batch_size)

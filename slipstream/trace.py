@@ -123,6 +123,7 @@ class Tracer:
         self._max_steps = max_steps
         self._current = -1  # the step whose work is being launched
         self._loop = None
+        self._streams: tuple = ()
 
     # --- wiring ---------------------------------------------------------------------------------
 
@@ -141,7 +142,8 @@ class Tracer:
             return sampling(slot, *a, **kw)
 
         runner.launch_forward, runner.launch_sampling = launch_forward, launch_sampling
-        for stream in (device.compute, device.copy):
+        self._streams = (device.compute, device.copy)
+        for stream in self._streams:
             self._tag(stream)
         return self
 
@@ -164,6 +166,10 @@ class Tracer:
     # --- per commit ---------------------------------------------------------------------------
 
     def on_commit(self, step) -> None:
+        for stream in self._streams:  # CUDA streams report timed spans when polled, not as they finish
+            flush = getattr(stream, "flush_spans", None)
+            if flush is not None:
+                flush()
         tm = step.timings
         k = step.step_id
         t_launch = tm.get("t_launch", 0.0)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import structlog
 import torch
 
 from slipstream.models.build import DTYPES, build_model
@@ -16,6 +17,9 @@ from slipstream.scheduler.page_pool import PagePool
 from slipstream.scheduler.planner import Planner
 from slipstream.metrics import EngineMetrics
 from slipstream.trace import Tracer
+
+log = structlog.get_logger(__name__)
+CPU_KV_TOKENS = 32768
 
 
 @dataclass
@@ -34,17 +38,40 @@ class EngineParts:
         self.device.close()
 
 
+def kv_pages(config: EngineConfig, model, mcfg, device, max_model_len: int) -> int:
+    """Pages in the pool, the scratch page included: from kv_cache_tokens, or from free GPU memory."""
+    if config.kv_cache_tokens is not None or device.kind != "cuda":
+        return -(-(config.kv_cache_tokens or CPU_KV_TOKENS) // config.page_size) + 1
+    from slipstream.runtime.memory import kv_bytes_per_page, kv_pages_for_memory, profile_free_memory
+
+    dtype = DTYPES[config.dtype]
+    free = profile_free_memory(model, mcfg, device, config.max_num_batched_tokens, config.page_size, dtype)
+    return kv_pages_for_memory(free, config.gpu_memory_utilization, kv_bytes_per_page(mcfg, config.page_size, dtype),
+                               min_pages=-(-max_model_len // config.page_size) + 1)
+
+
 def assemble(config: EngineConfig) -> EngineParts:
-    device = make_device(config.device)
+    device = make_device(config.device, config.event_wait)
     model, tokenizer, mcfg = build_model(config.model, config.dtype, device.torch_device, config.seed)
+    if device.kind == "cuda":
+        model.set_attention_backend("triton")
     max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
-    num_pages = -(-config.kv_cache_tokens // config.page_size) + 1  # + the scratch page
+    num_pages = kv_pages(config, model, mcfg, device, max_model_len)
     kv = KVCache(mcfg, num_pages, config.page_size, DTYPES[config.dtype], device.torch_device)
+    log.info("kv cache", pages=num_pages, page_size=config.page_size, gib=round(kv.bytes() / 1024**3, 2))
     row_multiple = 1
     if config.batch_invariant and device.kind == "cpu":
         row_multiple = row_multiple_for(mcfg)
         model.set_attention_dtype(torch.float64)
-    runner = ModelRunner(model, kv, device, max_rows=config.max_batch_size + 1, row_multiple=row_multiple)
+    runner = ModelRunner(model, kv, device, max_rows=config.max_batch_size + 1,
+                         max_tokens=config.max_num_batched_tokens,
+                         max_pages=-(-max_model_len // config.page_size), row_multiple=row_multiple)
+    if device.kind == "cuda" and config.cuda_graphs:
+        from slipstream.runtime.cuda_graphs import decode_graphs
+
+        runner.graphs = decode_graphs(runner, device, config.buckets())
+        if config.warmup:
+            runner.graphs.warmup()
     pool = PagePool(num_pages)
     planner = Planner(pool, config.page_size, config.max_batch_size, config.max_num_batched_tokens)
     loop = EngineLoop(runner, planner, config.pipeline_depth, config.page_size, row_multiple,

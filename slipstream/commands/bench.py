@@ -16,6 +16,7 @@ def register(sub) -> None:
     p = sub.add_parser("bench", help="depth 1 vs depth 2 decode benchmark, Photon-style tables")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32], help="concurrent streams (one run each)")
     p.add_argument("--len", type=int, default=32, dest="output_len", help="output tokens per stream (ignore_eos)")
     p.add_argument("--repeats", type=int, default=3, help="runs per depth and stream count (medians reported)")
@@ -50,11 +51,11 @@ def _bench(args) -> int:
     started = datetime.datetime.now().astimezone()
     try:
         rows = asyncio.run(bench(args.model, args.device, args.streams, args.output_len, args.repeats,
-                                 on_step=lambda step: bar.update(1), on_run=on_run))
+                                 on_step=lambda step: bar.update(1), on_run=on_run, dtype=args.dtype))
     finally:
         bar.close()
     meta = {"command": "slipstream " + " ".join(sys.argv[1:]), "date": started.isoformat(timespec="seconds"),
-            "model": args.model, "device": args.device, "repeats": args.repeats, **machine()}
+            "model": args.model, "device": args.device, "dtype": args.dtype, "repeats": args.repeats, **machine()}
     doc = json.dumps(to_json(rows, meta), indent=2)
     if args.json_out:
         with open(args.json_out, "w") as f:
@@ -62,7 +63,7 @@ def _bench(args) -> int:
     if args.json:
         print(doc)
     else:
-        print(f"model {args.model} on {args.device}, L={args.output_len}, {args.repeats} repeat(s), "
+        print(f"model {args.model} ({args.dtype}) on {args.device}, L={args.output_len}, {args.repeats} repeat(s), "
               f"{started:%Y-%m-%d %H:%M %Z}\n")
         print(format_tables(rows))
     return 0

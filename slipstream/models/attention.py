@@ -8,7 +8,7 @@ still changes the kernel's reduction order (a masked chunk vs one causal pass), 
 `compute_dtype=torch.float64` the math runs in double precision and is rounded back: reordering
 noise (~1e-16) vanishes in the rounding, and outputs no longer depend on batch composition or
 chunk boundaries (the pipelined loop batches differently from the blocking one and must still
-produce identical greedy tokens). The CUDA kernel lives in the runtime's CUDA issue.
+produce identical greedy tokens). The GPU kernel is slipstream/models/attention_triton.py.
 """
 from __future__ import annotations
 
@@ -30,10 +30,23 @@ class AttentionMetadata:
     kv_lens: list[int]
     page_tables: list[list[int]]
     page_size: int
+    on_device: "DeviceAttentionMetadata | None" = None  # what GPU kernels read (and graphs capture)
 
     @property
     def num_seqs(self) -> int:
         return len(self.kv_lens)
+
+
+@dataclass
+class DeviceAttentionMetadata:
+    """The same description as device tensors: query_start [S+1], kv_lens [S], page_table [S, P].
+
+    `max_q_len` is a host bound on chunk lengths, used only to size a kernel grid."""
+
+    query_start: torch.Tensor
+    kv_lens: torch.Tensor
+    page_table: torch.Tensor
+    max_q_len: int
 
 
 def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:

@@ -7,12 +7,13 @@ import time
 import structlog
 import torch
 
-from slipstream.models.config import ModelConfig, tiny_config
+from slipstream.models.config import ModelConfig, smollm2_135m_config, tiny_config
 from slipstream.models.llama import LlamaForCausalLM
 
 log = structlog.get_logger(__name__)
 
 TINY = "tiny-random"
+RANDOM = {TINY: tiny_config, "random-smollm2-135m": smollm2_135m_config}  # random weights, byte tokenizer
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -41,10 +42,10 @@ def _load_cached(spec: str):
 def build_model(spec: str, dtype: str, device: torch.device, seed: int = 0):
     """Returns (model, tokenizer, ModelConfig)."""
     t0 = time.perf_counter()
-    if spec == TINY:
+    if spec in RANDOM:
         from slipstream.models.byte_tokenizer import ByteTokenizer
 
-        config = tiny_config()
+        config = RANDOM[spec]()
         weights, tokenizer = random_weights(config, seed), ByteTokenizer(config.vocab_size)
     else:
         loaded = _load_cached(spec)

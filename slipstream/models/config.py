@@ -44,3 +44,24 @@ def tiny_config(vocab_size: int = 512) -> ModelConfig:
         eos_token_ids=(2,),
         name="tiny-random",
     )
+
+
+def smollm2_135m_config() -> ModelConfig:
+    """SmolLM2-135M's architecture (as read from its GGUF), for random-weight timing runs where the
+    98 MB checkpoint cannot travel (e.g. to a lent GPU machine)."""
+    return ModelConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        rope_theta=100000.0,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_ids=(2,),
+        name="random-smollm2-135m",
+    )

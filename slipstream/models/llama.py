@@ -85,6 +85,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.heads * self.head_dim, h, bias=False)
         self.compute_dtype: torch.dtype | None = None  # float64: batch/chunk-invariant results
+        self.backend = "reference"  # or "triton": the GPU kernel over device metadata
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache, rope: RotaryEmbedding) -> torch.Tensor:
         t = x.shape[0]
@@ -95,7 +96,14 @@ class Attention(nn.Module):
         write_kv(k_cache, batch.slot_mapping, k)
         write_kv(v_cache, batch.slot_mapping, v)
         out = torch.zeros_like(q)
-        paged_attention_reference(q, k_cache, v_cache, batch.attn, out, self.compute_dtype)
+        if self.backend == "triton":
+            from slipstream.models.attention_triton import paged_attention_triton  # needs triton (GPU)
+
+            m = batch.attn.on_device
+            paged_attention_triton(q, k_cache, v_cache, m.query_start, m.kv_lens, m.page_table, kv.page_size,
+                                   m.max_q_len, out)
+        else:
+            paged_attention_reference(q, k_cache, v_cache, batch.attn, out, self.compute_dtype)
         return self.o_proj(out.view(t, self.heads * self.head_dim))
 
 
@@ -153,6 +161,13 @@ class LlamaForCausalLM(nn.Module):
     def set_attention_dtype(self, dtype: torch.dtype | None) -> None:
         for layer in self.model.layers:
             layer.self_attn.compute_dtype = dtype
+
+    def set_attention_backend(self, backend: str) -> None:
+        """"reference" (per-sequence SDPA over host metadata) or "triton" (one paged kernel, graph-capturable)."""
+        if backend not in ("reference", "triton"):
+            raise ValueError(f"attention backend must be 'reference' or 'triton', got {backend!r}")
+        for layer in self.model.layers:
+            layer.self_attn.backend = backend
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight

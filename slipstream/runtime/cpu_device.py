@@ -125,11 +125,16 @@ class _EventOp:
 
 class CPUDevice:
     kind = "cpu"
+    unified_memory = True  # step inputs and masks are read where the host wrote them: no upload
 
     def __init__(self) -> None:
         self.torch_device = torch.device("cpu")
         self.compute = CPUStream("compute")
         self.copy = CPUStream("copy")
+        self.upload = self.copy  # unused while memory is unified; kept so the interface is whole
+
+    def free_memory(self) -> int:
+        return 0
 
     def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)

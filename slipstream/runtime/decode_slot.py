@@ -17,6 +17,7 @@ import torch
 from slipstream.errors import PipelineInvariantError, SlotReuseError
 
 POISON = -7
+MAX_GROUPS = 2
 
 
 class SlotState(enum.Enum):
@@ -34,9 +35,18 @@ class DecodeSlot:
         self.host_sampled.fill_(POISON)
         self.logprobs = torch.zeros(max_samples, dtype=torch.float32, device=device.torch_device)
         self.host_logprobs = device.host_buffer((max_samples,), torch.float32)
-        words = -(-vocab_size // 32)  # packed allowed-token masks of constrained rows
-        self.mask_host = device.host_buffer((max_samples, words), torch.int32)
-        self.mask_dev = torch.zeros(max_samples, words, dtype=torch.int32, device=device.torch_device)
+        # Sampling groups (all rows at once, or unconstrained rows at launch and constrained rows at
+        # finalize): each stages its row indices, carry-over rows and packed allowed-token masks in
+        # host buffers of its own, uploaded in one go (pinned on CUDA; shared memory on the CPU).
+        words = -(-vocab_size // 32)
+        self.group_host = device.host_buffer((MAX_GROUPS, 2, max_samples), torch.int64)  # [g] = (rows, carry)
+        self.mask_host = device.host_buffer((MAX_GROUPS, max_samples, words), torch.int32)
+        if device.unified_memory:
+            self.group_dev, self.mask_dev = self.group_host, self.mask_host
+        else:
+            self.group_dev = torch.zeros(MAX_GROUPS, 2, max_samples, dtype=torch.int64, device=device.torch_device)
+            self.mask_dev = torch.zeros(MAX_GROUPS, max_samples, words, dtype=torch.int32, device=device.torch_device)
+        self.groups = 0  # sampling groups launched for the current step
         self.logits: torch.Tensor | None = None  # written by the forward, read by sampling
         self.num_samples = 0
         self.forward_done = None  # events of the step currently in this slot
@@ -56,6 +66,21 @@ class DecodeSlot:
         self.state = SlotState.IN_FLIGHT
         self.step_id = step_id
         self.forward_done = self.sample_done = self.copy_done = None
+        self.groups = 0
+
+    def stage_group(self, rows: list[int], carry_rows, bitmask) -> int:
+        """Write one sampling group's inputs into its host buffers; returns the group index."""
+        g = self.groups
+        if g >= MAX_GROUPS:
+            raise PipelineInvariantError(f"slot {self.index}: more than {MAX_GROUPS} sampling groups in one step")
+        self.groups += 1
+        k = len(rows)
+        host = self.group_host[g].numpy()
+        host[0, :k] = rows
+        host[1, :k] = carry_rows
+        if bitmask is not None:
+            self.mask_host[g, :k].numpy()[:] = bitmask
+        return g
 
     def read_host(self) -> tuple[list[int], list[float]]:
         """Sampled ids and their logprobs of the step in this slot; valid once copy_done completed."""

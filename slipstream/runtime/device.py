@@ -3,7 +3,7 @@
 A `Stream` runs launched work in FIFO order; `launch` returns at once. An `Event` is recorded on
 one stream and can be waited on by another stream (without the host) or awaited by the asyncio
 loop (without blocking it). The CPU implementation emulates this with worker threads; the CUDA
-implementation maps it to torch streams and events. The scheduler only ever sees this interface.
+implementation (cuda_device.py) maps it to torch streams and events. The scheduler only ever sees this interface.
 """
 from __future__ import annotations
 
@@ -39,8 +39,10 @@ class Stream(Protocol):
 class Device(Protocol):
     kind: str
     torch_device: torch.device
-    compute: Stream
-    copy: Stream
+    compute: Stream  # forward and sampling
+    upload: Stream  # host→device copies of step inputs and masks
+    copy: Stream  # device→host copies of sampled tokens
+    unified_memory: bool  # host buffers are device memory: staging needs no upload
 
     def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A host tensor that device copies can target asynchronously (pinned on CUDA)."""
@@ -48,11 +50,13 @@ class Device(Protocol):
     def close(self) -> None: ...
 
 
-def make_device(kind: str) -> Device:
+def make_device(kind: str, event_wait: str = "auto") -> Device:
     if kind == "cpu":
         from slipstream.runtime.cpu_device import CPUDevice
 
         return CPUDevice()
     if kind == "cuda":
-        raise NotImplementedError("device='cuda' arrives with the CUDA runtime; use device='cpu'")
+        from slipstream.runtime.cuda_device import CUDADevice
+
+        return CUDADevice(event_wait=event_wait)
     raise ValueError(f"unknown device {kind!r}; expected 'cpu' or 'cuda'")

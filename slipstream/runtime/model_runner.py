@@ -5,53 +5,79 @@ the carry-over table `token_table[row]`: sampling scatters each row's new token 
 next forward gathers decode inputs from it on the device, so a sampled token never has to visit
 the host before it is fed back. Stream order (sampling of step t precedes the forward of t+1 on
 the compute stream) is what makes that read correct.
+
+Step inputs reach the device through the slot's StepArena (one pinned upload per step). With
+`graphs` set (CUDA), a decode-only step replays the captured graph of its slot and bucket:
+inputs → layers → logits. Sampling is outside the graph, eager: it varies per row (greedy,
+seeded, masked) and its row groups are decided after the forward was launched.
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from slipstream.models.attention import AttentionMetadata
+from slipstream.models.attention import AttentionMetadata, DeviceAttentionMetadata
 from slipstream.models.llama import ForwardBatch, KVCache, LlamaForCausalLM
-from slipstream.runtime.batch import PackedStep, SeqWork, SamplingRow
+from slipstream.runtime.batch import PackedStep, SeqWork
 from slipstream.runtime.decode_slot import DecodeSlot
+from slipstream.runtime.graphs import GraphCache
 from slipstream.runtime.sampler import apply_bitmask, sample
+from slipstream.runtime.staging import StepArena, StepTensors
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv: KVCache, device, max_rows: int, num_slots: int = 2,
-                 row_multiple: int = 1):
+    def __init__(self, model: LlamaForCausalLM, kv: KVCache, device, max_rows: int, max_tokens: int,
+                 max_pages: int, num_slots: int = 2, row_multiple: int = 1):
         self.model, self.kv, self.device = model, kv, device
         self.row_multiple = row_multiple  # pad steps so CPU matmul rows do not depend on batch size
         self.token_table = torch.zeros(max_rows, dtype=torch.int64, device=device.torch_device)
         self.slots = [DecodeSlot(i, device, max_rows, model.config.vocab_size) for i in range(num_slots)]
+        max_tokens = -(-max(max_tokens, max_rows) // row_multiple) * row_multiple
+        self.arenas = [StepArena(device, max_tokens, max_rows, max_pages, kv.page_size) for _ in range(num_slots)]
         self.vocab_size = model.config.vocab_size
+        self.graphs: GraphCache | None = None  # CUDA graphs of decode steps (slipstream/runtime/cuda_graphs.py)
 
-    # --- launch -------------------------------------------------------------------------------
+    # --- forward --------------------------------------------------------------------------------
+
+    def forward_from(self, t: StepTensors, host_meta: AttentionMetadata | None = None) -> torch.Tensor:
+        """The forward on staged inputs; also what a decode graph captures (then `host_meta` is None)."""
+        ids = torch.where(t.from_device.bool(), self.token_table[t.carry_rows], t.input_ids)
+        meta = host_meta or AttentionMetadata([], [], [], self.kv.page_size)
+        meta.on_device = DeviceAttentionMetadata(t.query_start, t.kv_lens, t.page_table, t.max_q_len)
+        batch = ForwardBatch(input_ids=ids, positions=t.positions, slot_mapping=t.slot_mapping,
+                             sample_indices=t.sample_indices, attn=meta)
+        return self.model(batch, self.kv)  # a non-final prefill chunk samples nothing but fills KV
 
     def launch_forward(self, slot: DecodeSlot, step_id: int, packed: PackedStep) -> None:
         """Enqueue the forward of one step into `slot`; returns at once."""
         slot.acquire(step_id)
         slot.num_samples = packed.num_samples
-        dev = self.device.torch_device
+        arena = self.arenas[slot.index]
+        hit = self.graphs.lookup(slot.index, len(packed.kv_lens)) if self._graphable(packed) else None
+        if hit is not None:
+            bucket, graph = hit
+            arena.fill(packed, pad_seqs=bucket)
+            arena.upload()
 
-        def forward() -> None:
-            ids = torch.from_numpy(packed.input_ids).to(dev, non_blocking=True)
-            if packed.from_device.any():
-                from_dev = torch.from_numpy(packed.from_device).to(dev, non_blocking=True)
-                rows = torch.from_numpy(packed.carry_rows).to(dev, non_blocking=True)
-                ids = torch.where(from_dev, self.token_table[rows], ids)
-            batch = ForwardBatch(
-                input_ids=ids,
-                positions=torch.from_numpy(packed.positions).to(dev, non_blocking=True),
-                slot_mapping=torch.from_numpy(packed.slot_mapping).to(dev, non_blocking=True),
-                sample_indices=torch.from_numpy(packed.sample_indices).to(dev, non_blocking=True),
-                attn=AttentionMetadata(packed.query_start, packed.kv_lens, packed.page_tables, self.kv.page_size),
-            )
-            slot.logits = self.model(batch, self.kv)  # a non-final prefill chunk samples nothing but fills KV
+            def forward() -> None:
+                slot.logits = graph.replay()
+        else:
+            layout = arena.fill(packed)
+            arena.upload()
+            tensors = arena.tensors(*layout)
+            host_meta = AttentionMetadata(packed.query_start, packed.kv_lens, packed.page_tables, self.kv.page_size)
+
+            def forward() -> None:
+                slot.logits = self.forward_from(tensors, host_meta)
 
         self.device.compute.launch(forward, "forward")
         slot.forward_done = self.device.compute.record()
+
+    def _graphable(self, packed: PackedStep) -> bool:
+        """Decode-only: one device-fed token per sequence, each sampled."""
+        n = len(packed.kv_lens)
+        return (self.graphs is not None and n > 0 and packed.num_tokens == n == packed.num_samples
+                and bool(packed.from_device[:n].all()))
 
     # --- sampling (at launch for rows that need nothing from the host, at finalize for the rest) ---
 
@@ -63,40 +89,31 @@ class ModelRunner:
         rows:    indices into the step's sampling rows (None: all of them). Each row is sampled
                  exactly once per step, so groups never overlap.
         bitmask: packed int32 [len(rows), ceil(V/32)] allowed-token masks for these rows, or
-                 None. It is staged in the slot's host buffer, uploaded on the copy stream, and
-                 sampling waits on that upload's event — not on anything else.
+                 None. Staged with the group's row indices in the slot's host buffers and
+                 uploaded on the upload stream; sampling waits on that upload, nothing else.
         final:   the last group of the step: the device→host copy of all its tokens follows,
                  anchored to an event recorded right after the last sampling.
         """
         n = packed.num_samples
         sampled_works = [w for w in works if w.sample]
         rows = list(range(n)) if rows is None else rows
-        dev = self.device.torch_device
         compute, copy = self.device.compute, self.device.copy
         if rows:
             params = [sampled_works[i].sampling for i in rows]
             out_idx = [sampled_works[i].output_index for i in rows]
             want_logprobs = any(p.logprobs for p in params)
-            idx_host = torch.tensor(rows, dtype=torch.long)
-            carry_rows = torch.from_numpy(packed.sample_rows[rows])
-            if bitmask is not None:
-                slot.mask_host[idx_host] = torch.from_numpy(bitmask)
-
-                def upload() -> None:
-                    idx = idx_host.to(dev, non_blocking=True)
-                    slot.mask_dev.index_copy_(0, idx, slot.mask_host[idx_host].to(dev, non_blocking=True))
-
-                copy.launch(upload, "h2d")
-                compute.wait(copy.record())
+            k, masked = len(rows), bitmask is not None
+            g = slot.stage_group(rows, packed.sample_rows[rows], bitmask)
+            self._upload_group(slot, g, k, masked)
 
             def sample_rows() -> None:
-                idx = idx_host.to(dev, non_blocking=True)
+                idx, carry = slot.group_dev[g, 0, :k], slot.group_dev[g, 1, :k]
                 logits = slot.logits.index_select(0, idx)
-                if bitmask is not None:
-                    logits = apply_bitmask(logits, slot.mask_dev.index_select(0, idx))
+                if masked:
+                    logits = apply_bitmask(logits, slot.mask_dev[g, :k])
                 ids = sample(logits, params, out_idx)
                 slot.sampled.index_copy_(0, idx, ids)
-                self.token_table[carry_rows.to(dev, non_blocking=True)] = ids
+                self.token_table.index_copy_(0, carry, ids)
                 if want_logprobs:  # of the model's own distribution, before masks and temperature
                     raw = slot.logits.index_select(0, idx).log_softmax(-1)
                     slot.logprobs.index_copy_(0, idx, raw.gather(1, ids[:, None])[:, 0])
@@ -114,6 +131,19 @@ class ModelRunner:
 
         copy.launch(copy_out, "d2h")
         slot.copy_done = copy.record()
+
+    def _upload_group(self, slot: DecodeSlot, g: int, k: int, masked: bool) -> None:
+        if self.device.unified_memory:
+            return
+        upload = self.device.upload
+
+        def h2d() -> None:
+            slot.group_dev[g].copy_(slot.group_host[g], non_blocking=True)  # contiguous: a plain DMA
+            if masked:
+                slot.mask_dev[g, :k].copy_(slot.mask_host[g, :k], non_blocking=True)
+
+        upload.launch(h2d, "h2d")
+        self.device.compute.wait(upload.record())
 
     # --- commit ---------------------------------------------------------------------------------
 

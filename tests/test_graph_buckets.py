@@ -1,0 +1,182 @@
+"""CUDA-graph bookkeeping that needs no GPU: buckets, padding, warmup logs, eager fallback, staging.
+
+The engine test swaps the real capture for an eager "graph" that reads exactly what a captured
+graph would read (the slot arena padded to the bucket), so the padding path runs end to end on
+the CPU and must give the same tokens as the plain path.
+"""
+import asyncio
+
+import numpy as np
+import pytest
+import structlog
+
+from engine_util import wait_all_free
+from slipstream import Engine, EngineConfig, InvalidRequestError, SamplingParams
+from slipstream.models.attention import AttentionMetadata
+from slipstream.runtime.batch import SeqWork, pack_step
+from slipstream.runtime.buckets import make_buckets, pick_bucket
+from slipstream.runtime.cpu_device import CPUDevice
+from slipstream.runtime.graphs import GraphCache
+from slipstream.runtime.memory import kv_pages_for_memory
+from slipstream.runtime.staging import StepArena
+from test_engine_tiny import mixed_requests
+
+
+@pytest.mark.parametrize("args, expected", [
+    ((1, 16, 64), [1, 2, 4, 8, 16, 32, 48, 64]),  # the issue's example: ramp-up then every step
+    ((2, 32, 64), [2, 4, 8, 16, 32, 64]),  # the seed's example with ramp-up
+    ((128, 128, 512), [128, 256, 384, 512]),  # the seed's example without ramp-up
+    ((16, 16, 64), [16, 32, 48, 64]),  # min == step: no ramp-up
+    ((1, 16, 40), [1, 2, 4, 8, 16, 32, 40]),  # max off the step grid is still a bucket
+    ((48, 16, 64), [48, 64]),  # min above step
+    ((1, 1, 4), [1, 2, 3, 4]),
+    ((8, 8, 8), [8]),
+])
+def test_bucket_generation(args, expected):
+    assert make_buckets(*args) == expected
+
+
+@pytest.mark.parametrize("args", [(0, 16, 64), (1, 0, 64), (8, 16, 4)])
+def test_bad_bucket_ranges_are_rejected(args):
+    with pytest.raises(InvalidRequestError):
+        make_buckets(*args)
+
+
+def test_padding_picks_the_smallest_bucket_that_holds_the_batch():
+    buckets = make_buckets(1, 16, 64)
+    picks = {n: pick_bucket(buckets, n) for n in range(1, 66)}
+    assert picks[1] == 1 and picks[3] == 4 and picks[9] == 16 and picks[17] == 32 and picks[33] == 48
+    assert picks[64] == 64 and picks[65] is None
+    for n, b in picks.items():
+        if b is not None:
+            assert b >= n and all(c < n for c in buckets if c < b)
+
+
+def _cache(buckets, slots=2):
+    captured = []
+    cache = GraphCache(buckets, slots, lambda s, b: captured.append((s, b)) or (s, b), free_memory=lambda: 3 * 1024**3)
+    return cache, captured
+
+
+def test_warmup_captures_every_bucket_of_every_slot_and_logs_each():
+    cache, captured = _cache([1, 2, 4, 8])
+    with structlog.testing.capture_logs() as logs:
+        cache.warmup()
+    assert sorted(captured) == [(s, b) for s in range(2) for b in (1, 2, 4, 8)]
+    lines = [e["event"] for e in logs]
+    per_bucket = [ln for ln in lines if ln.startswith("[Warmup][Decode][")]
+    assert len(per_bucket) == 8  # one line per (slot, bucket), largest bucket first
+    assert per_bucket[0] == "[Warmup][Decode][1/8] batch_size:8 slot:0 free_mem:3.00 GiB"
+    assert per_bucket[-1] == "[Warmup][Decode][8/8] batch_size:1 slot:1 free_mem:3.00 GiB"
+    assert lines[-1].startswith("[Warmup][Decode] captured 8 graphs (4 buckets x 2 slots) in ")
+    with structlog.testing.capture_logs() as logs:  # after warmup: replays, no capture, no log
+        assert cache.lookup(1, 3) == (4, (1, 4))
+    assert logs == [] and len(captured) == 8
+
+
+def test_without_warmup_each_bucket_is_captured_once_on_first_use_with_a_log_line():
+    cache, captured = _cache([1, 2, 4, 8])
+    with structlog.testing.capture_logs() as logs:
+        assert cache.lookup(0, 5) == (8, (0, 8))
+        assert cache.lookup(0, 7) == (8, (0, 8))
+        assert cache.lookup(1, 5) == (8, (1, 8))
+    assert captured == [(0, 8), (1, 8)]
+    assert [e["event"].split(" on first")[0] for e in logs] == ["[Capture][Decode] batch_size:8 slot:0",
+                                                                "[Capture][Decode] batch_size:8 slot:1"]
+
+
+def test_oversize_batch_falls_back_to_eager_and_warns_once():
+    cache, captured = _cache([1, 2, 4])
+    with structlog.testing.capture_logs() as logs:
+        assert cache.lookup(0, 5) is None
+        assert cache.lookup(1, 9) is None
+    assert captured == [] and cache.eager_steps == 2
+    assert len(logs) == 1 and logs[0]["log_level"] == "warning" and "above the largest graph bucket" in logs[0]["event"]
+
+
+def test_arena_pads_a_decode_step_to_its_bucket_with_inert_rows():
+    dev = CPUDevice()
+    try:
+        arena = StepArena(dev, max_tokens=16, max_seqs=8, max_pages=4, page_size=4)
+        works = [SeqWork(row=r, tokens=None, start_pos=p, pages=pages, sample=True)
+                 for r, p, pages in [(3, 5, [7, 9]), (5, 2, [11])]]
+        packed = pack_step(works, page_size=4)
+        n_tok, n_seq, n_smp, max_q = arena.fill(packed, pad_seqs=4)
+        t = arena.tensors(n_tok, n_seq, n_smp, max_q)
+        assert (n_tok, n_seq, n_smp, max_q) == (4, 4, 4, 1)
+        assert t.from_device.tolist() == [1, 1, 0, 0] and t.carry_rows.tolist() == [3, 5, 0, 0]
+        assert t.positions.tolist() == [5, 2, 0, 0]
+        assert t.slot_mapping.tolist() == [9 * 4 + 1, 11 * 4 + 2, 0, 0]  # padding writes the scratch page
+        assert t.query_start.tolist() == [0, 1, 2, 3, 4] and t.kv_lens.tolist() == [6, 3, 1, 1]
+        assert t.page_table[:, 0].tolist() == [7, 11, 0, 0] and t.page_table[0, 1] == 9
+        assert t.sample_indices.tolist() == [0, 1, 2, 3]
+        with pytest.raises(ValueError, match="exceeds the staging layout"):
+            arena.fill(packed, pad_seqs=9)
+    finally:
+        dev.close()
+
+
+def test_kv_pages_from_memory():
+    assert kv_pages_for_memory(10 * 1024**3, 0.5, 1024**2, min_pages=4) == 5120
+    with pytest.raises(InvalidRequestError, match="gpu_memory_utilization"):
+        kv_pages_for_memory(10 * 1024**2, 0.5, 1024**2, min_pages=8)
+
+
+def test_cuda_knobs_are_validated():
+    with pytest.raises(InvalidRequestError):
+        EngineConfig(gpu_memory_utilization=0.0)
+    with pytest.raises(InvalidRequestError):
+        EngineConfig(event_wait="spin")
+    with pytest.raises(InvalidRequestError):
+        EngineConfig(max_batch_size=16, graph_batch_sizes=(1, 16, 64))
+    assert EngineConfig(max_batch_size=64).buckets() == (1, 16, 64)
+    assert make_buckets(*EngineConfig(max_batch_size=8).buckets()) == [1, 2, 4, 8]
+
+
+# --- the padded path end to end, with eager stand-ins for captured graphs ----------------------
+
+
+class EagerGraph:
+    """Replays like a captured graph: fixed bucket shapes read from the slot arena, padding included."""
+
+    def __init__(self, runner, slot, bucket, log):
+        self.runner, self.arena, self.bucket, self.log = runner, runner.arenas[slot], bucket, log
+        self.slot = runner.slots[slot]
+
+    def replay(self):
+        b, h = self.bucket, self.arena.host_np
+        o = self.arena.offsets
+        qs = h[o["query_start"]: o["query_start"] + b + 1].tolist()
+        kv = h[o["kv_lens"]: o["kv_lens"] + b].tolist()
+        pt = h[o["page_table"]:].reshape(self.arena.max_seqs, -1)
+        pages = [pt[i, : -(-kv[i] // self.arena.page_size)].tolist() for i in range(b)]
+        self.log.append((b, self.slot.num_samples, kv))
+        meta = AttentionMetadata(qs, kv, pages, self.arena.page_size)
+        return self.runner.forward_from(self.arena.tensors(b, b, b, 1), meta)
+
+
+async def _run(graphs: bool, reqs):
+    cfg = EngineConfig(model="tiny-random", pipeline_depth=2, max_batch_size=8, max_num_batched_tokens=64,
+                       kv_cache_tokens=4096, page_size=8, batch_invariant=False)
+    async with Engine(cfg) as engine:
+        replays = []
+        if graphs:
+            runner = engine._parts.runner
+            runner.graphs = GraphCache(make_buckets(1, 4, 6), 2, lambda s, b: EagerGraph(runner, s, b, replays))
+        outs = await asyncio.gather(*(engine.complete(p, sp) for p, sp, _ in reqs))
+        await wait_all_free(engine)
+        return [o.token_ids for o in outs], replays, runner.graphs if graphs else None
+
+
+def test_padded_graph_path_gives_the_same_tokens_and_never_returns_padding():
+    reqs = [(p, SamplingParams(max_tokens=sp.max_tokens + 4, temperature=0.0, ignore_eos=True), d)
+            for p, sp, d in mixed_requests(n=12, seed=3)]
+    plain, _, _ = asyncio.run(_run(False, reqs))
+    padded, replays, cache = asyncio.run(_run(True, reqs))
+    assert padded == plain
+    assert [len(t) for t in padded] == [r[1].max_tokens for r in reqs]
+    assert len(replays) > 10 and len({b for b, _, _ in replays}) > 1
+    for b, n, kv in replays:  # the smallest bucket holding the batch; padding rows see one scratch key
+        assert b == pick_bucket([1, 2, 4, 6], n)
+        assert all(x > 1 for x in kv[:n]) and kv[n:] == [1] * (b - n)
+    assert cache.eager_steps > 0  # 7 or 8 running decodes exceed the largest bucket (6): eager

@@ -280,3 +280,17 @@ def test_hf_folder_errors(hf_folder, tmp_path):
     (bad / "tokenizer.json").unlink()
     with pytest.raises(ModelNotFoundError, match="tokenizer.json"):
         load_hf_folder(bad)
+
+
+def test_random_smollm2_architecture_matches_the_gguf(loaded):
+    """Timing runs with random weights (`random-smollm2-135m`) use exactly the default model's shapes."""
+    import dataclasses
+
+    from slipstream.models.config import smollm2_135m_config
+
+    ours, gguf = smollm2_135m_config(), loaded.config
+    for f in dataclasses.fields(gguf):
+        if f.name == "name":
+            continue
+        want, got = getattr(gguf, f.name), getattr(ours, f.name)
+        assert got == pytest.approx(want) if isinstance(want, float) else got == want, f.name

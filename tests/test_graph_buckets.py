@@ -180,3 +180,35 @@ def test_padded_graph_path_gives_the_same_tokens_and_never_returns_padding():
         assert b == pick_bucket([1, 2, 4, 6], n)
         assert all(x > 1 for x in kv[:n]) and kv[n:] == [1] * (b - n)
     assert cache.eager_steps > 0  # 7 or 8 running decodes exceed the largest bucket (6): eager
+
+
+def test_device_metadata_path_with_the_triton_kernel_matches_the_reference():
+    """The GPU forward on the CPU: Triton attention (interpreted) reading only the staged device
+    metadata, eagerly and through bucket-padded stand-in graphs that get no host metadata at all —
+    what a captured graph computes. Tokens equal the reference attention's."""
+    pytest.importorskip("triton")
+
+    async def run(backend: str, graphs: bool):
+        cfg = EngineConfig(model="tiny-random", max_batch_size=8, max_num_batched_tokens=64, kv_cache_tokens=2048,
+                           page_size=8, batch_invariant=False)
+        async with Engine(cfg) as engine:
+            runner = engine._parts.runner
+            runner.model.set_attention_backend(backend)
+            replays = []
+            if graphs:
+                def capture(slot, b):
+                    arena = runner.arenas[slot]
+                    return type("Replay", (), {"replay": lambda self: replays.append(b) or
+                                               runner.forward_from(arena.tensors(b, b, b, 1))})()
+
+                runner.graphs = GraphCache(make_buckets(1, 2, 8), 2, capture)
+            params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+            outs = await asyncio.gather(*(engine.complete([5 + i, 9, 11, 40 + i] * (1 + i % 4), params)
+                                          for i in range(6)))
+            return [o.token_ids for o in outs], replays
+
+    reference, _ = asyncio.run(run("reference", False))
+    eager, _ = asyncio.run(run("triton", False))
+    padded, replays = asyncio.run(run("triton", True))
+    assert eager == reference and padded == reference
+    assert replays and set(replays) <= {1, 2, 4, 6, 8}

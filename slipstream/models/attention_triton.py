@@ -1,0 +1,178 @@
+"""Paged attention as one Triton kernel: the GPU counterpart of `paged_attention_reference`.
+
+What it computes: for every sequence s of a flat batch, its query tokens
+`q[query_start[s]:query_start[s+1]]` are the last q_len tokens of a context of `kv_lens[s]` tokens,
+so query i sits at position kv_len - q_len + i and attends causally to keys 0..that position
+(decode is q_len 1, a prefill chunk q_len <= kv_len). Query head h reads kv head
+h // (heads // kv_heads) (GQA); scores are scaled by 1/sqrt(head_dim).
+
+Layout: q, out are [T, heads, head_dim]; k_cache, v_cache are one layer's flat
+[slots, kv_heads, head_dim] cache, where slot = page * page_size + offset and row s of page_table
+[S, P] lists sequence s's pages in order. One program handles BLOCK_M queries of one (sequence,
+head): it walks the context in blocks of BLOCK_N keys, resolving each key's slot through the page
+table, with an online (flash-attention) softmax accumulated in fp32, and stops at the causal limit
+of its query block.
+
+Why it is graph-capturable: the wrapper reads only shapes and host ints (S, heads, max_q_len) to
+size the grid and never a device value; sequence boundaries, context lengths and pages are read by
+the kernel itself, so a captured launch replays correctly after the metadata tensors are updated
+in place. It allocates nothing. Programs past a sequence's q_len (padding sequences with q_len 0,
+the tail of max_q_len) exit without writing, so rows past query_start[S] stay untouched.
+
+On CPU tensors the kernel runs in Triton's interpreter (numpy), which is how the tests check it
+without a GPU.
+"""
+import math
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the reference path needs no triton; complain only when this kernel is used
+    triton = None
+    tl = None
+
+BLOCK_M = 16  # queries per program; tl.dot needs every dim >= 16
+_LOG2E = 1.4426950408889634
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+if triton is not None:
+    # Only builtins inside the kernel: tl.zeros/tl.max/tl.sum are themselves @jit functions, fixed to
+    # compiled or interpreted mode when triton is imported, so calling them would tie the interpreter
+    # (CPU tests) to TRITON_INTERPRET being set before any `import triton`. Reducing with the combine
+    # functions tl.max/tl.sum use gives identical compiled code, and the interpreter recognises them
+    # and reduces with numpy.
+    _MAX_COMBINE = getattr(tl.standard, "_elementwise_max", None)
+    _SUM_COMBINE = getattr(tl.standard, "_sum_combine", None)
+    if _MAX_COMBINE is None or _SUM_COMBINE is None:  # a triton that renamed them: our own (compiled use)
+        @triton.jit
+        def _MAX_COMBINE(a, b):
+            return tl.maximum(a, b)
+
+        @triton.jit
+        def _SUM_COMBINE(a, b):
+            return a + b
+    _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+    def _paged_attention_kernel(
+        Q, K, V, O, QS, KVL, PT,
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_pt,
+        qk_scale, page_size,
+        HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        s = tl.program_id(0)
+        h = tl.program_id(1)
+        m_start = tl.program_id(2) * BLOCK_M
+        q_lo = tl.load(QS + s).to(tl.int64)
+        q_len = tl.load(QS + s + 1).to(tl.int64) - q_lo
+        kv_len = tl.load(KVL + s).to(tl.int64)
+        if m_start < q_len:  # grid is sized by max_q_len; shorter (or padding) sequences stop here
+            offs_m = m_start + tl.arange(0, BLOCK_M)
+            offs_d = tl.arange(0, BLOCK_D)
+            m_mask = offs_m < q_len
+            d_mask = offs_d < HEAD_DIM
+            q_pos = kv_len - q_len + offs_m
+            kvh = h // GROUP
+            tok = q_lo + offs_m
+            q = tl.load(Q + tok[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+                        mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+            acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
+            # keys past the block's last query position are masked for every row: skip them
+            hi = tl.minimum(kv_len, kv_len - q_len + m_start + BLOCK_M)
+            for n0 in range(0, hi, BLOCK_N):
+                offs_n = n0 + tl.arange(0, BLOCK_N)
+                n_mask = offs_n < hi
+                page = tl.load(PT + s * stride_pt + offs_n // page_size, mask=n_mask, other=0).to(tl.int64)
+                slot = page * page_size + offs_n % page_size
+                kv_mask = n_mask[:, None] & d_mask[None, :]
+                k = tl.load(K + slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+                qk = tl.dot(q.to(DOT_DTYPE), tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION)
+                # scores in log2 units so exp2 can be used
+                qk = tl.where((offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :], qk * qk_scale, float("-inf"))
+                m_new = tl.maximum(m_i, tl.reduce(qk, 1, _MAX_COMBINE))
+                alpha = tl.math.exp2(m_i - m_new)
+                p = tl.math.exp2(qk - m_new[:, None])
+                l_i = l_i * alpha + tl.reduce(p, 1, _SUM_COMBINE)
+                v = tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+                pv = tl.dot(p.to(v.dtype).to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
+                acc = acc * alpha[:, None] + pv
+                m_i = m_new
+            out = acc / l_i[:, None]
+            tl.store(O + tok[:, None] * stride_ot + h * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty),
+                     mask=m_mask[:, None] & d_mask[None, :])
+
+
+_KERNELS: dict[bool, object] = {}
+
+
+def _kernel(interpret: bool):
+    """The jitted kernel, compiled or interpreted: triton picks the mode when `jit` runs."""
+    k = _KERNELS.get(interpret)
+    if k is None:
+        with triton.knobs.runtime.scope():
+            triton.knobs.runtime.interpret = interpret
+            k = _KERNELS[interpret] = triton.jit(_paged_attention_kernel)
+    return k
+
+
+def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start: torch.Tensor,
+                           kv_lens: torch.Tensor, page_table: torch.Tensor, page_size: int, max_q_len: int,
+                           out: torch.Tensor) -> torch.Tensor:
+    """Write attention for every query token into `out` (see the module docstring) and return it.
+
+    Only shapes, dtypes and devices are checked here (never values: this must stay graph-capturable);
+    `max_q_len` must bound every q_len, and q_len <= kv_len must hold for each sequence."""
+    if triton is None:
+        raise RuntimeError("paged_attention_triton needs the `triton` package; use the reference attention backend")
+    if q.dim() != 3 or out.shape != q.shape or k_cache.dim() != 3 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"expected q, out [T, heads, head_dim] and k/v caches [slots, kv_heads, head_dim]; got "
+                         f"q {tuple(q.shape)}, out {tuple(out.shape)}, k {tuple(k_cache.shape)}, v {tuple(v_cache.shape)}")
+    if q.dtype not in _DTYPES or any(t.dtype != q.dtype for t in (k_cache, v_cache, out)):
+        raise TypeError(f"q, k_cache, v_cache and out must share one dtype of {_DTYPES}; got "
+                        f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}, {out.dtype}")
+    _, heads, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    if k_cache.shape[2] != head_dim or kv_heads == 0 or heads % kv_heads:
+        raise ValueError(f"q has {heads} heads of dim {head_dim}; the cache has {kv_heads} kv heads of dim "
+                         f"{k_cache.shape[2]} (heads must be a multiple of kv heads, dims must match)")
+    if any(t.stride(-1) != 1 for t in (q, k_cache, v_cache, out)):
+        raise ValueError("q, k_cache, v_cache and out need a contiguous last (head_dim) dimension")
+    num_seqs = kv_lens.shape[0] if kv_lens.dim() == 1 else -1
+    if (query_start.dim() != 1 or page_table.dim() != 2 or num_seqs < 0
+            or query_start.shape[0] != num_seqs + 1 or page_table.shape[0] != num_seqs):
+        raise ValueError(f"expected query_start [S+1], kv_lens [S], page_table [S, P]; got {tuple(query_start.shape)}, "
+                         f"{tuple(kv_lens.shape)}, {tuple(page_table.shape)}")
+    if any(t.dtype not in _INDEX_DTYPES for t in (query_start, kv_lens, page_table)):
+        raise TypeError("query_start, kv_lens and page_table must be int32 or int64")
+    if any(t.device != q.device for t in (k_cache, v_cache, out, query_start, kv_lens, page_table)):
+        raise ValueError("all tensors must be on q's device")
+    if page_size <= 0 or max_q_len < 0:
+        raise ValueError(f"page_size must be positive and max_q_len non-negative; got {page_size}, {max_q_len}")
+    if num_seqs == 0 or max_q_len == 0 or q.shape[0] == 0:
+        return out
+    # CPU tensors can only run interpreted; on a GPU honour TRITON_INTERPRET like any triton kernel
+    interpret = q.device.type == "cpu" or triton.knobs.runtime.interpret
+    kernel = _kernel(interpret)
+    # the interpreter's tl.dot multiplies bfloat16's raw uint16 bits (numpy has no bf16): upcast there,
+    # which is exact; compiled code keeps bf16 operands on the tensor cores
+    dot_dtype = tl.float32 if interpret and q.dtype == torch.bfloat16 else _TL_DTYPES[q.dtype]
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    # the K/V gathers hold a whole [BLOCK_N, BLOCK_D] tile per step in registers; these sizes compile
+    # for sm_90 without spills (checked with cuobjdump -res-usage for head dims 64/128/256)
+    block_n = 64 if q.dtype != torch.float32 and block_d <= 128 else 32
+    grid = (num_seqs, heads, triton.cdiv(max_q_len, BLOCK_M))
+    kernel[grid](
+        q, k_cache, v_cache, out, query_start, kv_lens, page_table,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        out.stride(0), out.stride(1), page_table.stride(0),
+        _LOG2E / math.sqrt(head_dim), page_size,
+        HEAD_DIM=head_dim, GROUP=heads // kv_heads, DOT_DTYPE=dot_dtype,
+        PRECISION="ieee" if q.dtype == torch.float32 else None,  # exact fp32, not tf32
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4 if block_d <= 64 else 8,
+    )
+    return out

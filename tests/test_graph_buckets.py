@@ -6,7 +6,6 @@ the CPU and must give the same tokens as the plain path.
 """
 import asyncio
 
-import numpy as np
 import pytest
 import structlog
 

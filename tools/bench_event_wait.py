@@ -10,7 +10,6 @@ moment the awaiting coroutine resumes. Medians and p90 over --repeats after --wa
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime
 import statistics
 import time

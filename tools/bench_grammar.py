@@ -5,8 +5,10 @@
 Workload: N concurrent streams, short prompts, exactly L output tokens each. Constrained streams
 use the regex `[0-9]{L}` (llguidance; SmolLM2 writes one digit per token, so the grammar ends at
 exactly L tokens and its mask is rebuilt from committed state every step); unconstrained streams
-use ignore_eos with max_tokens=L. Depth 1 and depth 2 run alternately in one process; the table
-shows medians over repeats. `mask ms/step` is host time spent building masks per step.
+use ignore_eos with max_tokens=L. Each repeat runs every (fraction, depth) back to back in one
+process, and ratios are taken within a repeat (this machine's speed drifts between repeats by more
+than the effects measured); the table shows medians over repeats of the values and of the ratios.
+`mask ms/step` is host time spent building masks per step.
 """
 from __future__ import annotations
 
@@ -52,24 +54,30 @@ def main() -> None:
     args = ap.parse_args()
     configure_logging("warning")
     rows = {}
-    for fraction in (0.0, 0.5, 1.0):
-        for rep in range(args.repeats):
+    fractions = (0.0, 0.5, 1.0)
+    for rep in range(args.repeats):
+        for fraction in fractions:
             for depth in (1, 2):
                 r = asyncio.run(run_once(args.model, depth, args.streams, args.length, fraction))
                 rows.setdefault((fraction, depth), []).append(r)
-                print(f"  constrained={fraction:.0%} depth={depth} rep={rep + 1}: {r['tok_s']:.1f} tok/s", flush=True)
-    med = {k: {m: statistics.median(r[m] for r in v) for m in ("tok_s", "period_ms", "mask_ms")}
+                print(f"  rep={rep + 1} constrained={fraction:.0%} depth={depth}: {r['tok_s']:.1f} tok/s", flush=True)
+    for (fraction, depth), runs in rows.items():  # ratios within each repeat
+        for i, r in enumerate(runs):
+            r["rel"] = r["tok_s"] / rows[(0.0, depth)][i]["tok_s"]
+            r["d21"] = r["tok_s"] / rows[(fraction, 1)][i]["tok_s"]
+    med = {k: {m: statistics.median(r[m] for r in v) for m in ("tok_s", "period_ms", "mask_ms", "rel", "d21")}
            for k, v in rows.items()}
     print(f"\nmodel={args.model} streams={args.streams} L={args.length} repeats={args.repeats} (medians)\n")
     print("| constrained | depth | tokens/s | period ms | mask build ms/step | vs 0% at same depth | d2/d1 |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
-    for fraction in (0.0, 0.5, 1.0):
+    for fraction in fractions:
         for depth in (1, 2):
             m = med[(fraction, depth)]
-            rel = m["tok_s"] / med[(0.0, depth)]["tok_s"]
-            d21 = f"{m['tok_s'] / med[(fraction, 1)]['tok_s']:.3f}" if depth == 2 else ""
+            d21 = f"{m['d21']:.3f}" if depth == 2 else ""
             print(f"| {fraction:.0%} | {depth} | {m['tok_s']:.1f} | {m['period_ms']:.1f} | {m['mask_ms']:.3f} | "
-                  f"{rel:.3f} | {d21} |")
+                  f"{m['rel']:.3f} | {d21} |")
+    ratios = " ".join(f"{r['rel']:.3f}" for r in rows[(1.0, 2)])
+    print(f"\n100% constrained / 0% at depth 2, per repeat: {ratios}")
 
 
 if __name__ == "__main__":

@@ -131,7 +131,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise RuntimeError("paged_attention_triton needs the `triton` package; use the reference attention backend")
     if q.dim() != 3 or out.shape != q.shape or k_cache.dim() != 3 or v_cache.shape != k_cache.shape:
         raise ValueError(f"expected q, out [T, heads, head_dim] and k/v caches [slots, kv_heads, head_dim]; got "
-                         f"q {tuple(q.shape)}, out {tuple(out.shape)}, k {tuple(k_cache.shape)}, v {tuple(v_cache.shape)}")
+                         f"q {tuple(q.shape)}, out {tuple(out.shape)}, k {tuple(k_cache.shape)}, "
+                         f"v {tuple(v_cache.shape)}")
     if q.dtype not in _DTYPES or any(t.dtype != q.dtype for t in (k_cache, v_cache, out)):
         raise TypeError(f"q, k_cache, v_cache and out must share one dtype of {_DTYPES}; got "
                         f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}, {out.dtype}")

@@ -74,10 +74,10 @@ class ModelRunner:
         slot.forward_done = self.device.compute.record()
 
     def _graphable(self, packed: PackedStep) -> bool:
-        """Decode-only: one device-fed token per sequence, each sampled."""
+        """Decode-only: one device-fed token per sequence, each sampled (and no CPU row padding)."""
         n = len(packed.kv_lens)
-        return (self.graphs is not None and n > 0 and packed.num_tokens == n == packed.num_samples
-                and bool(packed.from_device[:n].all()))
+        return (self.graphs is not None and self.row_multiple == 1 and n > 0
+                and packed.num_tokens == n == packed.num_samples and bool(packed.from_device[:n].all()))
 
     # --- sampling (at launch for rows that need nothing from the host, at finalize for the rest) ---
 

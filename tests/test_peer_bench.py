@@ -1,0 +1,50 @@
+"""The peer comparison harness (tools/peer_bench.py) on the CPU: transformers' continuous batching
+and slipstream at depth 1 and 2 on identical weights. The GPU figures come from a lent GPU."""
+import importlib.util
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+_spec = importlib.util.spec_from_file_location("peer_bench", os.path.join(os.path.dirname(__file__), "..", "tools",
+                                                                            "peer_bench.py"))
+peer_bench = importlib.util.module_from_spec(_spec)
+sys.modules["peer_bench"] = peer_bench
+_spec.loader.exec_module(peer_bench)
+
+
+def test_transformers_twin_holds_slipstreams_weights():
+    from slipstream.models.build import random_weights
+    from slipstream.models.config import tiny_config
+
+    hf = peer_bench.hf_twin("tiny-random", torch.float32, "cpu")
+    want = random_weights(tiny_config(), peer_bench.SEED)
+    got = hf.state_dict()
+    for name, w in want.items():
+        assert torch.equal(got[name], w), name
+    assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()  # tied, as in slipstream
+
+
+def test_harness_runs_both_systems_and_they_agree_in_float32(tmp_path, capsys):
+    out = tmp_path / "peer.json"
+    rc = peer_bench.main(["--device", "cpu", "--dtype", "float32", "--arch", "tiny", "--concurrency", "1", "3",
+                          "--prompt-len", "6", "--output-len", "5", "--repeats", "1", "--json-out", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    for system in ("transformers", "slipstream d1", "slipstream d2"):
+        assert text.count(f"| {system} |") == 2
+    doc = json.loads(out.read_text())
+    assert doc["agreement"] == [16, 16, 16, 16]  # float32, identical weights: the same greedy tokens
+    for system, by_n in doc["results"].items():
+        assert set(by_n) == {"1", "3"}
+        for r in by_n.values():
+            assert r["tok_s"] > 0 and r["ttft_ms"] > 0 and r["itl_ms"] > 0 and r["peak_mib"] is None
+
+
+def test_bad_arguments_are_refused(capsys):
+    assert peer_bench.main(["--device", "cpu", "--concurrency", "0"]) == 2
+    if not torch.cuda.is_available():
+        assert peer_bench.main(["--device", "cuda"]) == 2
+    assert "peer_bench:" in capsys.readouterr().err

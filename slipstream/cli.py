@@ -15,7 +15,7 @@ COMMANDS = [
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m", help="model name, .gguf path, HF folder or tiny-random")
+    p.add_argument("--model", default="smollm2-135m", help="model name, .gguf path, HF folder, or tiny-random / random-smollm2-135m (random weights)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--pipeline-depth", type=int, default=2, choices=[1, 2])

@@ -67,7 +67,8 @@ EVENT_WAITS = ("auto", "host_func", "thread", "poll")
 
 
 class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    model: str = "smollm2-135m"  # a known name, a .gguf path, a Hugging Face folder, or "tiny-random"
+    model: str = "smollm2-135m"  # a known name, a .gguf path, a Hugging Face folder, or random weights:
+    #                              "tiny-random", "random-smollm2-135m" (byte tokenizer)
     device: str = "cpu"  # "cpu" | "cuda"
     dtype: str = "float32"  # "float32" | "bfloat16" | "float16"
     pipeline_depth: int = 2  # 1: blocking baseline; 2: launch t+1 before committing t

@@ -18,7 +18,8 @@ def register(sub) -> None:
                    help="seconds in-flight requests get to finish after SIGTERM/SIGINT")
     p.add_argument("--max-batch-size", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--kv-cache-tokens", type=int, default=32768)
+    p.add_argument("--kv-cache-tokens", type=int, default=None,
+                   help="KV pool in tokens (default: 32768 on the CPU, sized from free memory on CUDA)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-json", action="store_true", help="structlog lines as JSON")

@@ -174,7 +174,10 @@ class CUDADevice:
 
 def _wake(arg) -> None:
     loop, fut = arg
-    loop.call_soon_threadsafe(_resolve, fut)
+    try:
+        loop.call_soon_threadsafe(_resolve, fut)
+    except RuntimeError:  # the loop closed while the event was pending (shutdown): nobody waits any more
+        pass
 
 
 def _resolve(fut: asyncio.Future) -> None:

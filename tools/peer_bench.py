@@ -39,13 +39,11 @@ def hf_twin(spec: str, dtype: torch.dtype, device: str):
     from transformers import LlamaForCausalLM
 
     config = RANDOM[spec]()
-    with torch.device("meta"):
-        model = LlamaForCausalLM(hf_llama_config(config))
-    weights = random_weights(config, SEED)
-    if config.tie_word_embeddings:
-        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
-    model.load_state_dict(weights, strict=False, assign=True)
-    model.model.rotary_emb.__init__(model.config)  # its buffers are not weights: build them for real
+    model = LlamaForCausalLM(hf_llama_config(config))
+    missing, unexpected = model.load_state_dict(random_weights(config, SEED), strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise RuntimeError(f"weights do not line up: missing {missing}, unexpected {unexpected}")
+    model.tie_weights()  # lm_head shares the embedding, as in slipstream
     return model.to(device=device, dtype=dtype).eval()
 
 

@@ -65,12 +65,9 @@ def _hf_twin(dtype):
     """transformers' Llama with exactly the weights of slipstream's tiny-random model, on the GPU."""
     from slipstream.models.build import random_weights
     from slipstream.models.config import tiny_config
-    from slipstream.models.hf_oracle import random_hf_llama
+    from slipstream.models.hf_oracle import hf_llama_from_weights
 
-    hf, _ = random_hf_llama(tiny_config())
-    hf.load_state_dict(random_weights(tiny_config(), seed=0), strict=False)
-    hf.tie_weights()
-    return hf.to(device="cuda", dtype=dtype).eval()
+    return hf_llama_from_weights(tiny_config(), random_weights(tiny_config(), seed=0)).to(device="cuda", dtype=dtype)
 
 
 @pytest.mark.cuda

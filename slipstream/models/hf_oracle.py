@@ -45,3 +45,15 @@ def random_hf_llama(config: ModelConfig, seed: int = 0, dtype: torch.dtype = tor
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
     return model, weights
+
+
+def hf_llama_from_weights(config: ModelConfig, weights: dict[str, torch.Tensor]):
+    """transformers' LlamaForCausalLM holding exactly `weights` (slipstream uses Hugging Face names)."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM(hf_llama_config(config))
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise ValueError(f"weights do not line up: missing {missing}, unexpected {unexpected}")
+    model.tie_weights()  # a tied lm_head shares the embedding, as in slipstream
+    return model.eval()

@@ -24,7 +24,7 @@ from typing import Callable
 import structlog
 import torch
 
-from slipstream.params import EVENT_WAITS as WAIT_STRATEGIES
+from slipstream.params import EVENT_WAITS
 
 log = structlog.get_logger(__name__)
 
@@ -101,8 +101,8 @@ class CUDADevice:
     def __init__(self, index: int = 0, event_wait: str = "auto"):
         if not torch.cuda.is_available():
             raise RuntimeError("device='cuda' needs an NVIDIA GPU and a CUDA build of torch")
-        if event_wait not in WAIT_STRATEGIES:
-            raise ValueError(f"event_wait must be one of {WAIT_STRATEGIES}, got {event_wait!r}")
+        if event_wait not in EVENT_WAITS:
+            raise ValueError(f"event_wait must be one of {EVENT_WAITS}, got {event_wait!r}")
         self.torch_device = torch.device("cuda", index)
         torch.cuda.set_device(self.torch_device)
         self.compute = CUDAStream("compute", self, torch.cuda.Stream(self.torch_device))

@@ -3,7 +3,8 @@
 A `Stream` runs launched work in FIFO order; `launch` returns at once. An `Event` is recorded on
 one stream and can be waited on by another stream (without the host) or awaited by the asyncio
 loop (without blocking it). The CPU implementation emulates this with worker threads; the CUDA
-implementation (cuda_device.py) maps it to torch streams and events. The scheduler only ever sees this interface.
+implementation (cuda_device.py) maps it to torch streams and events. The scheduler only ever sees
+this interface.
 """
 from __future__ import annotations
 

@@ -40,7 +40,7 @@ def profile_free_memory(model, config, device, num_tokens: int, page_size: int, 
     kv = KVCache(config, pages, page_size, dtype, dev)
     n = min(num_tokens, config.max_position_embeddings)
     slots = torch.arange(page_size, page_size + n, device=dev)  # page 0 is scratch
-    meta = AttentionMetadata([0, n], [n], [list(range(1, pages))], page_size)
+    meta = AttentionMetadata([], [], [], page_size)  # the GPU kernel reads only the device copy
     meta.on_device = DeviceAttentionMetadata(torch.tensor([0, n], device=dev), torch.tensor([n], device=dev),
                                              torch.arange(1, pages, device=dev)[None, :], n)
     batch = ForwardBatch(torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev), slots,

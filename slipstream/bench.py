@@ -99,8 +99,9 @@ def steady_state(traces: list, streams: int) -> StepStats:
 
 
 async def start_engine(model: str, device: str, depth: int, max_streams: int, output_len: int,
-                       dtype: str = "float32") -> Engine:
-    config = EngineConfig(model=model, device=device, dtype=dtype, pipeline_depth=depth, max_batch_size=max(max_streams, 1),
+                       dtype: str = "float32", event_wait: str = "auto") -> Engine:
+    config = EngineConfig(model=model, device=device, dtype=dtype, pipeline_depth=depth, event_wait=event_wait,
+                          max_batch_size=max(max_streams, 1),
                           max_num_batched_tokens=max(512, max_streams * PROMPT_LEN),
                           kv_cache_tokens=max(4096, 2 * max_streams * (PROMPT_LEN + output_len + 16)), trace=True)
     engine = await Engine(config).start()
@@ -160,12 +161,12 @@ def compare(d1: RunResult, d2: RunResult, row_cost: float = 0.0) -> Comparison:
 
 
 async def bench(model: str, device: str, streams: list[int], output_len: int, repeats: int,
-                on_step=None, on_run=None, dtype: str = "float32") -> list[list[Comparison]]:
+                on_step=None, on_run=None, dtype: str = "float32", event_wait: str = "auto") -> list[list[Comparison]]:
     """For each stream count, one Comparison per repeat."""
     engines = {}
     try:
         for depth in (1, 2):
-            engines[depth] = await start_engine(model, device, depth, max(streams), output_len, dtype)
+            engines[depth] = await start_engine(model, device, depth, max(streams), output_len, dtype, event_wait)
             if on_step is not None:
                 engines[depth].loop.observers.append(on_step)
         out = []

@@ -103,7 +103,7 @@ def test_graph_replay_equals_eager_forward():
             kv.v.normal_()
             runner.token_table.random_(3, 500)
             for n in (1, 3, 4, 9, 16):
-                works = [SeqWork(row=i, tokens=None, start_pos=5 + 7 * i, pages=[1 + 10 * i + j for j in range(10)],
+                works = [SeqWork(row=i, tokens=None, start_pos=5 + 7 * i, pages=[1 + 16 * i + j for j in range(16)],
                                  sample=True) for i in range(n)]
                 packed = pack_step(works, kv.page_size)
                 arena, compute = runner.arenas[0], runner.device.compute.stream

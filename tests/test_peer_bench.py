@@ -37,6 +37,9 @@ def test_harness_runs_both_systems_and_they_agree_in_float32(tmp_path, capsys):
         assert text.count(f"| {system} |") == 2
     doc = json.loads(out.read_text())
     assert doc["agreement"] == [16, 16, 16, 16]  # float32, identical weights: the same greedy tokens
+    hf = doc["transformers_settings"]  # transformers gets slipstream's KV and per-step token budgets
+    blocks, block = hf["num_blocks x block_size"]
+    assert hf["max_batch_tokens"] == 2048 and blocks * block >= 2 * 3 * (6 + 5 + 16) > (blocks - 1) * block
     for system, by_n in doc["results"].items():
         assert set(by_n) == {"1", "3"}
         for r in by_n.values():

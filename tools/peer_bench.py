@@ -69,21 +69,32 @@ def hf_generation_config(length: int):
     return GenerationConfig(max_new_tokens=length, do_sample=False, eos_token_id=-1, pad_token_id=0)
 
 
-def hf_cb_config(device: str):
+def hf_page_size(cb_config) -> int:
+    """Tokens per KV block: `block_size` until transformers 5.17, `page_size` after."""
+    return getattr(cb_config, "page_size", None) or cb_config.block_size
+
+
+def hf_cb_config(device: str, kv_tokens: int, batch_tokens: int):
+    """The same KV budget and per-step token budget slipstream gets. Left to itself, transformers sizes its
+    cache from free memory (about 3M tokens on an H100 for this model) and, with SDPA, keeps an attention
+    mask of batch_tokens x cache_tokens that async batching copies every step (measured: 450 ms/step)."""
     try:
         from transformers import ContinuousBatchingConfig
     except ImportError:  # older releases take these knobs on GenerationConfig
         return None
-    return ContinuousBatchingConfig(use_async_batching=True) if device == "cuda" else ContinuousBatchingConfig()
+    sizes = {"num_blocks": -(-kv_tokens // hf_page_size(ContinuousBatchingConfig())), "max_batch_tokens": batch_tokens}
+    if device == "cuda":
+        sizes["use_async_batching"] = True
+    return ContinuousBatchingConfig(**sizes)
 
 
 class TransformersCB:
     """One persistent continuous-batching manager (started and warmed once, like a slipstream Engine)."""
 
-    def __init__(self, model, batch: list[list[int]], length: int, device: str):
+    def __init__(self, model, batch: list[list[int]], length: int, device: str, kv_tokens: int, batch_tokens: int):
         self.length, self.device = length, device
         kwargs = {}
-        cbc = hf_cb_config(device)
+        cbc = hf_cb_config(device, kv_tokens, batch_tokens)
         if cbc is not None:
             kwargs["continuous_batching_config"] = cbc
         try:
@@ -96,7 +107,13 @@ class TransformersCB:
         self.manager = model.init_continuous_batching(generation_config=hf_generation_config(length), **kwargs)
         self.manager.warmup()
         self.manager.start()
-        self.async_io = getattr(self.manager.batch_processor, "use_async_batching", None)
+        bp = self.manager.batch_processor
+        cbc = getattr(bp, "cb_config", None)
+        self.settings = {"attn": getattr(model.config, "_attn_implementation", None),
+                         "use_async_batching": getattr(bp, "use_async_batching", None),
+                         "use_cuda_graph (varlen, decode)": getattr(cbc, "use_cuda_graph", None),
+                         "num_blocks x block_size": (cbc.num_blocks, hf_page_size(cbc)) if cbc else None,
+                         "max_batch_tokens": getattr(cbc, "max_batch_tokens", None)}
 
     def run(self, batch: list[list[int]]) -> dict:
         _peak_reset(self.device)
@@ -136,11 +153,15 @@ async def run_slipstream(engine: Engine, batch: list[list[int]], length: int, de
     return summarize(wall, len(batch), length, ttfts, itls, _peak_mib(device))
 
 
+def kv_tokens(args) -> int:
+    """KV budget for both systems: every request twice over, so neither ever preempts."""
+    return 2 * max(args.concurrency) * (args.prompt_len + args.output_len + 16)
+
+
 def engine_config(spec: str, args, depth: int) -> EngineConfig:
-    top = max(args.concurrency)
     return EngineConfig(model=spec, device=args.device, dtype=args.dtype, pipeline_depth=depth, seed=SEED,
-                        max_batch_size=top, max_num_batched_tokens=max(512, top),
-                        kv_cache_tokens=2 * top * (args.prompt_len + args.output_len + 16))
+                        max_batch_size=max(args.concurrency), max_num_batched_tokens=args.batch_tokens,
+                        kv_cache_tokens=kv_tokens(args))
 
 
 # --- the comparison -------------------------------------------------------------------------------
@@ -167,14 +188,15 @@ def agreement(spec: str, args, n_prompts: int = 4, length: int = 16) -> list[int
     return agree
 
 
-def measure(spec: str, args, log) -> dict:
-    """results[system][concurrency] = medians over repeats."""
+def measure(spec: str, args, log) -> tuple[dict, dict]:
+    """(results[system][concurrency] = medians over repeats, transformers' resolved settings)."""
     hf = hf_twin(spec, DTYPES[args.dtype], args.device)
     vocab = hf.config.vocab_size
     runs: dict[str, dict[int, list[dict]]] = {}
     top = prompts(max(args.concurrency), args.prompt_len, vocab)
-    cb = TransformersCB(hf, top, args.output_len, args.device)
-    log(f"transformers continuous batching, use_async_batching={cb.async_io}")
+    cb = TransformersCB(hf, top, args.output_len, args.device, kv_tokens(args), args.batch_tokens)
+    log(f"transformers continuous batching: {cb.settings}")
+    settings = cb.settings
     try:
         cb.run(top)  # warm-up at the largest N
         for n in args.concurrency:
@@ -198,7 +220,7 @@ def measure(spec: str, args, log) -> dict:
 
     asyncio.run(ours())
     return {system: {n: {k: (statistics.median(r[k] for r in reps) if reps[0][k] is not None else None)
-                         for k in reps[0]} for n, reps in by_n.items()} for system, by_n in runs.items()}
+                         for k in reps[0]} for n, reps in by_n.items()} for system, by_n in runs.items()}, settings
 
 
 def table(res: dict, concurrency: list[int]) -> str:
@@ -223,13 +245,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--batch-tokens", type=int, default=2048, help="per-step token budget, both systems")
     ap.add_argument("--json-out", metavar="PATH")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("peer_bench: --device cuda needs a GPU (use --device cpu to check the harness)", file=sys.stderr)
         return 2
-    if min(args.concurrency) < 1 or args.output_len < 2 or args.prompt_len < 1 or args.repeats < 1:
-        print("peer_bench: --concurrency >= 1, --output-len >= 2, --prompt-len >= 1, --repeats >= 1", file=sys.stderr)
+    if (min(args.concurrency) < 1 or args.output_len < 2 or args.prompt_len < 1 or args.repeats < 1
+            or args.batch_tokens < max(args.concurrency)):
+        print("peer_bench: --concurrency >= 1, --output-len >= 2, --prompt-len >= 1, --repeats >= 1, "
+              "--batch-tokens >= the largest concurrency", file=sys.stderr)
         return 2
     spec = ARCHS[args.arch]
     started = datetime.datetime.now().astimezone()
@@ -238,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {msg}", file=sys.stderr, flush=True)
 
     agree = agreement(spec, args)
-    res = measure(spec, args, log)
+    res, settings = measure(spec, args, log)
     import transformers
 
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
@@ -246,12 +271,13 @@ def main(argv: list[str] | None = None) -> int:
           f"transformers {transformers.__version__}; prompt {args.prompt_len}, output {args.output_len} tokens, "
           f"medians of {args.repeats}\n`python tools/peer_bench.py {' '.join(argv if argv is not None else sys.argv[1:])}`\n")
     print(table(res, args.concurrency))
-    print(f"\ngreedy agreement in float32 (tokens equal before the first difference, of 16): {agree}")
+    print(f"\ntransformers settings: {settings}")
+    print(f"greedy agreement in float32 (tokens equal before the first difference, of 16): {agree}")
     if args.json_out:
         with open(args.json_out, "w") as f:
+            results = {system: {str(n): r for n, r in by_n.items()} for system, by_n in res.items()}
             json.dump({"date": started.isoformat(timespec="seconds"), "device": device, "args": vars(args),
-                       "agreement": agree, "results": {s: {str(n): r for n, r in v.items()} for s, v in res.items()}},
-                      f, indent=2)
+                       "agreement": agree, "transformers_settings": settings, "results": results}, f, indent=2)
     return 0
 
 

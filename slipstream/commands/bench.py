@@ -11,6 +11,8 @@ import datetime
 import json
 import sys
 
+from slipstream.params import EVENT_WAITS
+
 
 def register(sub) -> None:
     p = sub.add_parser("bench", help="depth 1 vs depth 2 decode benchmark, Photon-style tables")
@@ -19,6 +21,8 @@ def register(sub) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32], help="concurrent streams (one run each)")
     p.add_argument("--len", type=int, default=32, dest="output_len", help="output tokens per stream (ignore_eos)")
+    p.add_argument("--event-wait", default="auto", choices=EVENT_WAITS,
+                   help="how the loop awaits CUDA events (see docs/cuda.md); ignored on the CPU")
     p.add_argument("--repeats", type=int, default=3, help="runs per depth and stream count (medians reported)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the tables")
     p.add_argument("--json-out", metavar="PATH", help="also write the JSON document to PATH")
@@ -51,11 +55,13 @@ def _bench(args) -> int:
     started = datetime.datetime.now().astimezone()
     try:
         rows = asyncio.run(bench(args.model, args.device, args.streams, args.output_len, args.repeats,
-                                 on_step=lambda step: bar.update(1), on_run=on_run, dtype=args.dtype))
+                                 on_step=lambda step: bar.update(1), on_run=on_run, dtype=args.dtype,
+                                 event_wait=args.event_wait))
     finally:
         bar.close()
     meta = {"command": "slipstream " + " ".join(sys.argv[1:]), "date": started.isoformat(timespec="seconds"),
-            "model": args.model, "device": args.device, "dtype": args.dtype, "repeats": args.repeats, **machine()}
+            "model": args.model, "device": args.device, "dtype": args.dtype, "event_wait": args.event_wait,
+            "repeats": args.repeats, **machine()}
     doc = json.dumps(to_json(rows, meta), indent=2)
     if args.json_out:
         with open(args.json_out, "w") as f:

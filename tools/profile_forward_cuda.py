@@ -1,0 +1,113 @@
+"""Where a decode step's GPU time goes: graph replay vs eager forward, kernels per step, top kernels.
+
+    python tools/profile_forward_cuda.py [--model random-smollm2-135m] [--dtype bfloat16] [--batches 1 32 128]
+
+Builds an Engine on the GPU, takes its model runner, and for each batch size stages one decode step
+(every sequence with --context tokens of random KV) into slot 0's arena. Times the captured graph's
+replay and the eager forward with CUDA events (medians of --repeats after warm-up), then profiles one
+eager forward with torch.profiler: number of kernels and the kernels with the most GPU time.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+
+import torch
+
+from slipstream import Engine, EngineConfig
+from slipstream.runtime.batch import SeqWork, pack_step
+
+
+def event_ms(fn, repeats: int, warmup: int = 5) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def kernel_profile(fn, top: int) -> tuple[int, float, list[tuple[str, float, int]]]:
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name, []).append(e.device_time)
+    ranked = sorted(((n[:70], sum(t) / 1e3, len(t)) for n, t in by_name.items()), key=lambda r: -r[1])
+    return len(kernels), sum(e.device_time for e in kernels) / 1e3, ranked[:top]
+
+
+async def main_async(args) -> None:
+    top = max(args.batches)
+    cfg = EngineConfig(model=args.model, device="cuda", dtype=args.dtype, max_batch_size=top,
+                       kv_cache_tokens=top * (args.context + 32), max_num_batched_tokens=max(512, top))
+    async with Engine(cfg) as engine:
+        runner = engine._parts.runner
+        kv, compute = runner.kv, runner.device.compute.stream
+        kv.k.normal_()
+        kv.v.normal_()
+        runner.token_table.random_(3, 1000)
+        pages = -(-(args.context + 1) // kv.page_size)
+        print(f"{args.model} ({args.dtype}) on {torch.cuda.get_device_name()}, context {args.context}, "
+              f"torch {torch.__version__}\n")
+        print("| batch | graph replay ms | eager forward ms | eager ÷ graph | kernels/step | kernel time ms |")
+        print("|---:|---:|---:|---:|---:|---:|")
+        details = []
+        for n in args.batches:
+            works = [SeqWork(row=i, tokens=None, start_pos=args.context, sample=True,
+                             pages=[1 + pages * i + j for j in range(pages)]) for i in range(n)]
+            packed = pack_step(works, kv.page_size)
+            arena = runner.arenas[0]
+            layout = arena.fill(packed)
+            arena.upload()
+            tensors = arena.tensors(*layout)
+            with torch.cuda.stream(compute):
+                eager = lambda: runner.forward_from(tensors)  # noqa: E731
+                eager_ms = event_ms(eager, args.repeats)
+                count, busy, ranked = kernel_profile(eager, args.top)
+                found = runner.graphs.lookup(0, n) if runner.graphs is not None else None
+                graph_ms = float("nan")
+                if found is not None:
+                    bucket, graph = found
+                    arena.fill(packed, pad_seqs=bucket)
+                    arena.upload()
+                    graph_ms = event_ms(graph.replay, args.repeats)
+            print(f"| {n} | {graph_ms:.3f} | {eager_ms:.3f} | {eager_ms / graph_ms:.2f} | {count} | {busy:.3f} |")
+            details.append((n, ranked))
+        for n, ranked in details:
+            print(f"\nbatch {n}: kernels with the most GPU time (eager forward)\n\n| kernel | ms | launches |\n|---|---:|---:|")
+            for name, ms, calls in ranked:
+                print(f"| `{name}` | {ms:.3f} | {calls} |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="random-smollm2-135m")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 32, 128])
+    ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=50)
+    ap.add_argument("--top", type=int, default=10)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("profile_forward_cuda: needs a GPU", file=sys.stderr)
+        return 2
+    asyncio.run(main_async(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -12,7 +12,10 @@ import torch
 
 triton = pytest.importorskip("triton")
 
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402  (not an attribute before import)
+
 from slipstream.models import attention_triton as at  # noqa: E402
+from slipstream.models.triton_jit import jitted  # noqa: E402
 from slipstream.models.attention import AttentionMetadata, paged_attention_reference  # noqa: E402
 
 SENTINEL = 123.0  # out is prefilled with this: rows the kernel must not write keep it
@@ -106,7 +109,7 @@ def test_matches_reference_interpreted(case, dtype):
     first_pad = meta.query_start[-1]
     assert (got[first_pad:] == SENTINEL).all()  # padding token rows untouched
     # and it really ran in the interpreter (a compiled kernel cannot take CPU tensors)
-    assert isinstance(at._KERNELS[True], triton.runtime.interpreter.InterpretedFunction)
+    assert isinstance(jitted(at._paged_attention_kernel, True), InterpretedFunction)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -170,7 +173,9 @@ def test_rejects_bad_input():
 
 def test_clear_error_without_triton(monkeypatch):
     q, k, v, meta, dev = _make([1], [3], 2, 2, 16, 8, 0, torch.float32, 2)
-    monkeypatch.setattr(at, "triton", None)
+    from slipstream.models import triton_jit
+
+    monkeypatch.setattr(triton_jit, "triton", None)  # what an install without triton sees
     with pytest.raises(RuntimeError, match="needs the `triton` package"):
         at.paged_attention_triton(q, k, v, dev["query_start"], dev["kv_lens"], dev["page_table"], 8, 1,
                                   torch.empty_like(q))
@@ -186,7 +191,7 @@ def test_matches_reference_compiled_cuda(case, dtype):
                                device="cuda")
     got, _ = _check(q, k, v, meta, dev, dtype)
     assert (got[meta.query_start[-1]:] == SENTINEL).all()
-    assert not isinstance(at._KERNELS[False], triton.runtime.interpreter.InterpretedFunction)
+    assert not isinstance(jitted(at._paged_attention_kernel, False), InterpretedFunction)
 
 
 @pytest.mark.cuda

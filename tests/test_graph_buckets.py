@@ -192,7 +192,7 @@ def test_device_metadata_path_with_the_triton_kernel_matches_the_reference():
                            page_size=8, batch_invariant=False)
         async with Engine(cfg) as engine:
             runner = engine._parts.runner
-            runner.model.set_attention_backend(backend)
+            runner.model.set_kernel_backend(backend)
             replays = []
             if graphs:
                 def capture(slot, b):

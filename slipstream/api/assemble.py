@@ -54,7 +54,7 @@ def assemble(config: EngineConfig) -> EngineParts:
     device = make_device(config.device, config.event_wait)
     model, tokenizer, mcfg = build_model(config.model, config.dtype, device.torch_device, config.seed)
     if device.kind == "cuda":
-        model.set_attention_backend("triton")
+        model.set_kernel_backend("triton")
     max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
     num_pages = kv_pages(config, model, mcfg, device, max_model_len)
     kv = KVCache(mcfg, num_pages, config.page_size, DTYPES[config.dtype], device.torch_device)

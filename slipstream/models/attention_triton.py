@@ -26,12 +26,7 @@ import math
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the reference path needs no triton; complain only when this kernel is used
-    triton = None
-    tl = None
+from slipstream.models.triton_jit import MAX_COMBINE, SUM_COMBINE, interpreted, jitted, require_triton, tl, triton
 
 BLOCK_M = 16  # queries per program; tl.dot needs every dim >= 16
 _LOG2E = 1.4426950408889634
@@ -39,21 +34,6 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 if triton is not None:
-    # Only builtins inside the kernel: tl.zeros/tl.max/tl.sum are themselves @jit functions, fixed to
-    # compiled or interpreted mode when triton is imported, so calling them would tie the interpreter
-    # (CPU tests) to TRITON_INTERPRET being set before any `import triton`. Reducing with the combine
-    # functions tl.max/tl.sum use gives identical compiled code, and the interpreter recognises them
-    # and reduces with numpy.
-    _MAX_COMBINE = getattr(tl.standard, "_elementwise_max", None)
-    _SUM_COMBINE = getattr(tl.standard, "_sum_combine", None)
-    if _MAX_COMBINE is None or _SUM_COMBINE is None:  # a triton that renamed them: our own (compiled use)
-        @triton.jit
-        def _MAX_COMBINE(a, b):
-            return tl.maximum(a, b)
-
-        @triton.jit
-        def _SUM_COMBINE(a, b):
-            return a + b
     _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
     def _paged_attention_kernel(
@@ -94,10 +74,10 @@ if triton is not None:
                 qk = tl.dot(q.to(DOT_DTYPE), tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION)
                 # scores in log2 units so exp2 can be used
                 qk = tl.where((offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :], qk * qk_scale, float("-inf"))
-                m_new = tl.maximum(m_i, tl.reduce(qk, 1, _MAX_COMBINE))
+                m_new = tl.maximum(m_i, tl.reduce(qk, 1, MAX_COMBINE))
                 alpha = tl.math.exp2(m_i - m_new)
                 p = tl.math.exp2(qk - m_new[:, None])
-                l_i = l_i * alpha + tl.reduce(p, 1, _SUM_COMBINE)
+                l_i = l_i * alpha + tl.reduce(p, 1, SUM_COMBINE)
                 v = tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
                 pv = tl.dot(p.to(v.dtype).to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
                 acc = acc * alpha[:, None] + pv
@@ -107,19 +87,6 @@ if triton is not None:
                      mask=m_mask[:, None] & d_mask[None, :])
 
 
-_KERNELS: dict[bool, object] = {}
-
-
-def _kernel(interpret: bool):
-    """The jitted kernel, compiled or interpreted: triton picks the mode when `jit` runs."""
-    k = _KERNELS.get(interpret)
-    if k is None:
-        with triton.knobs.runtime.scope():
-            triton.knobs.runtime.interpret = interpret
-            k = _KERNELS[interpret] = triton.jit(_paged_attention_kernel)
-    return k
-
-
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start: torch.Tensor,
                            kv_lens: torch.Tensor, page_table: torch.Tensor, page_size: int, max_q_len: int,
                            out: torch.Tensor) -> torch.Tensor:
@@ -127,8 +94,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
     Only shapes, dtypes and devices are checked here (never values: this must stay graph-capturable);
     `max_q_len` must bound every q_len, and q_len <= kv_len must hold for each sequence."""
-    if triton is None:
-        raise RuntimeError("paged_attention_triton needs the `triton` package; use the reference attention backend")
+    require_triton("paged_attention_triton")
     if q.dim() != 3 or out.shape != q.shape or k_cache.dim() != 3 or v_cache.shape != k_cache.shape:
         raise ValueError(f"expected q, out [T, heads, head_dim] and k/v caches [slots, kv_heads, head_dim]; got "
                          f"q {tuple(q.shape)}, out {tuple(out.shape)}, k {tuple(k_cache.shape)}, "
@@ -156,9 +122,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError(f"page_size must be positive and max_q_len non-negative; got {page_size}, {max_q_len}")
     if num_seqs == 0 or max_q_len == 0 or q.shape[0] == 0:
         return out
-    # CPU tensors can only run interpreted; on a GPU honour TRITON_INTERPRET like any triton kernel
-    interpret = q.device.type == "cpu" or triton.knobs.runtime.interpret
-    kernel = _kernel(interpret)
+    interpret = interpreted(q)
+    kernel = jitted(_paged_attention_kernel, interpret)
     # the interpreter's tl.dot multiplies bfloat16's raw uint16 bits (numpy has no bf16): upcast there,
     # which is exact; compiled code keeps bf16 operands on the tensor cores
     dot_dtype = tl.float32 if interpret and q.dtype == torch.bfloat16 else _TL_DTYPES[q.dtype]

@@ -44,12 +44,23 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.fused = False  # True: one Triton kernel (the GPU backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            from slipstream.models.norm_rope_triton import rms_norm_triton
+
+            return rms_norm_triton(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+
+def rotate_half_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
 
 
 class RotaryEmbedding(nn.Module):
@@ -64,14 +75,18 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
+        self.fused = False  # True: one Triton kernel rotates q and k in place (the GPU backend)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # x: [T, heads, D]
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+    def for_positions(self, positions: torch.Tensor, dtype: torch.dtype):
+        """A function rotating (q [T, H, D], k [T, KVH, D]) at these token positions. The tables are
+        gathered here, once per forward, not once per layer."""
+        if self.fused:
+            from slipstream.models.norm_rope_triton import rotary_triton
+
+            return lambda q, k: rotary_triton(q, k, positions, self.cos, self.sin)
+        cos = self.cos[positions].unsqueeze(1).to(dtype)
+        sin = self.sin[positions].unsqueeze(1).to(dtype)
+        return lambda q, k: (rotate_half_reference(q, cos, sin), rotate_half_reference(k, cos, sin))
 
 
 class Attention(nn.Module):
@@ -87,10 +102,10 @@ class Attention(nn.Module):
         self.compute_dtype: torch.dtype | None = None  # float64: batch/chunk-invariant results
         self.backend = "reference"  # or "triton": the GPU kernel over device metadata
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache, rope: RotaryEmbedding) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache, rotate) -> torch.Tensor:
         t = x.shape[0]
-        q = rope(self.q_proj(x).view(t, self.heads, self.head_dim), batch.positions)
-        k = rope(self.k_proj(x).view(t, self.kv_heads, self.head_dim), batch.positions)
+        q, k = rotate(self.q_proj(x).view(t, self.heads, self.head_dim),
+                      self.k_proj(x).view(t, self.kv_heads, self.head_dim))
         v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
         k_cache, v_cache = kv.k[self.layer], kv.v[self.layer]
         write_kv(k_cache, batch.slot_mapping, k)
@@ -127,8 +142,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, batch: ForwardBatch, kv: KVCache, rope: RotaryEmbedding) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch, kv, rope)
+    def forward(self, x, batch: ForwardBatch, kv: KVCache, rotate) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), batch, kv, rotate)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -162,10 +177,16 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.compute_dtype = dtype
 
-    def set_attention_backend(self, backend: str) -> None:
-        """"reference" (per-sequence SDPA over host metadata) or "triton" (one paged kernel, graph-capturable)."""
+    def set_kernel_backend(self, backend: str) -> None:
+        """"reference" (PyTorch ops; attention per sequence over host metadata) or "triton" (one
+        graph-capturable Triton kernel each for paged attention, RMSNorm and rotary: the GPU path)."""
         if backend not in ("reference", "triton"):
-            raise ValueError(f"attention backend must be 'reference' or 'triton', got {backend!r}")
+            raise ValueError(f"kernel backend must be 'reference' or 'triton', got {backend!r}")
+        fused = backend == "triton"
+        self.rope.fused = fused
+        for m in self.modules():
+            if isinstance(m, RMSNorm):
+                m.fused = fused
         for layer in self.model.layers:
             layer.self_attn.backend = backend
 
@@ -175,7 +196,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         """Returns float32 logits [N, vocab] for batch.sample_indices."""
         x = self.model.embed_tokens(batch.input_ids)
+        rotate = self.rope.for_positions(batch.positions, x.dtype)
         for layer in self.model.layers:
-            x = layer(x, batch, kv, self.rope)
+            x = layer(x, batch, kv, rotate)
         x = self.model.norm(x.index_select(0, batch.sample_indices))
         return F.linear(x, self.lm_head_weight()).float()

@@ -167,9 +167,7 @@ class Tracer:
 
     def on_commit(self, step) -> None:
         for stream in self._streams:  # CUDA streams report timed spans when polled, not as they finish
-            flush = getattr(stream, "flush_spans", None)
-            if flush is not None:
-                flush()
+            stream.flush_spans()
         tm = step.timings
         k = step.step_id
         t_launch = tm.get("t_launch", 0.0)

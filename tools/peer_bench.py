@@ -79,42 +79,34 @@ def hf_cb_config(device: str, kv_tokens: int, batch_tokens: int):
     """The same KV budget and per-step token budget slipstream gets. Left to itself, transformers sizes its
     cache from free memory and, with SDPA, keeps an attention mask of max_batch_tokens x cache tokens that
     async batching copies every step (measured on an H100: 454 ms a step, a 69 GiB peak)."""
-    try:
-        from transformers import ContinuousBatchingConfig
-    except ImportError:  # older releases take these knobs on GenerationConfig
-        return None
-    sizes = {"num_blocks": -(-kv_tokens // hf_page_size(ContinuousBatchingConfig())), "max_batch_tokens": batch_tokens}
-    if device == "cuda":
-        sizes["use_async_batching"] = True
-    return ContinuousBatchingConfig(**sizes)
+    from transformers import ContinuousBatchingConfig
+
+    num_blocks = -(-kv_tokens // hf_page_size(ContinuousBatchingConfig()))
+    return ContinuousBatchingConfig(num_blocks=num_blocks, max_batch_tokens=batch_tokens,
+                                    use_async_batching=True if device == "cuda" else None)
 
 
 class TransformersCB:
     """One persistent continuous-batching manager (started and warmed once, like a slipstream Engine)."""
 
     def __init__(self, model, batch: list[list[int]], length: int, device: str, kv_tokens: int, batch_tokens: int):
-        self.length, self.device = length, device
-        kwargs = {}
-        cbc = hf_cb_config(device, kv_tokens, batch_tokens)
-        if cbc is not None:
-            kwargs["continuous_batching_config"] = cbc
-        try:
-            from transformers.generation.continuous_batching.continuous_api import WorkloadHints
+        from transformers.generation.continuous_batching.continuous_api import WorkloadHints
 
-            kwargs["workload_hints"] = WorkloadHints(max_prompt_length=max(map(len, batch)),
-                                                     max_generated_length=length, num_requests=len(batch))
-        except ImportError:
-            pass
-        self.manager = model.init_continuous_batching(generation_config=hf_generation_config(length), **kwargs)
+        self.length, self.device = length, device
+        hints = WorkloadHints(max_prompt_length=max(map(len, batch)), max_generated_length=length,
+                              num_requests=len(batch))
+        self.manager = model.init_continuous_batching(generation_config=hf_generation_config(length),
+                                                      continuous_batching_config=hf_cb_config(device, kv_tokens,
+                                                                                              batch_tokens),
+                                                      workload_hints=hints)
         self.manager.warmup()
         self.manager.start()
         bp = self.manager.batch_processor
-        cbc = getattr(bp, "cb_config", None)
-        self.settings = {"attn": getattr(model.config, "_attn_implementation", None),
-                         "use_async_batching": getattr(bp, "use_async_batching", None),
-                         "use_cuda_graph (varlen, decode)": getattr(cbc, "use_cuda_graph", None),
-                         "num_blocks x block_size": (cbc.num_blocks, hf_page_size(cbc)) if cbc else None,
-                         "max_batch_tokens": getattr(cbc, "max_batch_tokens", None)}
+        cbc = bp.cb_config
+        self.settings = {"attn": model.config._attn_implementation, "use_async_batching": bp.use_async_batching,
+                         "use_cuda_graph (varlen, decode)": cbc.use_cuda_graph,
+                         "num_blocks x block_size": (cbc.num_blocks, hf_page_size(cbc)),
+                         "max_batch_tokens": cbc.max_batch_tokens}
 
     def run(self, batch: list[list[int]]) -> dict:
         _peak_reset(self.device)

@@ -106,6 +106,9 @@ class CPUStream:
     def wait(self, event: CPUEvent) -> None:
         self._queue.put((_EventOp(event._done.wait), ""))
 
+    def flush_spans(self) -> None:
+        """Nothing to do: the worker thread reports each span as it finishes."""
+
     def close(self) -> None:
         self._queue.put(_STOP)
         self._thread.join(timeout=5)

@@ -36,6 +36,9 @@ class Stream(Protocol):
     def wait(self, event: Event) -> None:
         """Work launched later on this stream starts only after `event` completes."""
 
+    def flush_spans(self) -> None:
+        """Report finished labeled work to `busy_hook` (tracing) if it was not reported as it finished."""
+
 
 class Device(Protocol):
     kind: str

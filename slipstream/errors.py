@@ -44,6 +44,25 @@ class EngineClosedError(SlipstreamError):
     """The engine is not running (never started, shut down, or its loop died)."""
 
 
+class WrongEventLoopError(SlipstreamError, RuntimeError):
+    """An Engine was called from an event loop other than the one it was started on."""
+
+
+class RequestFailedError(SlipstreamError):
+    """The engine failed while processing this request (e.g. detokenising its output); only it is affected."""
+
+
+class StepFailedError(RequestFailedError):
+    """Work launched on the device for a step this request was in (forward or sampling) raised.
+
+    Every request of that step (and of the step launched behind it, which read its results) fails
+    with this error; the engine recovers its streams and goes on serving the others."""
+
+
+class StepTimeoutError(StepFailedError):
+    """A launched step did not complete within EngineConfig.step_timeout_s (the watchdog fired)."""
+
+
 # --- runtime invariants ----------------------------------------------------------------------
 
 

@@ -89,7 +89,7 @@ class EngineMetrics:
     def attach(self, loop, pool, tracer=None) -> "EngineMetrics":
         self._loop = loop
         planner = loop.planner
-        self.queue_depth.set_function(lambda: len(planner.waiting))
+        self.queue_depth.set_function(lambda: planner.num_waiting)
         self.running.set_function(lambda: sum(not s.finalized for s in list(planner.running)))
         self.kv_pages_free.set_function(lambda: pool.num_free)
         loop.observers.append(self.on_commit)

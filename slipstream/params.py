@@ -2,24 +2,30 @@
 from __future__ import annotations
 
 import json
-import math
 
 import msgspec
 
+from slipstream import validate as check
 from slipstream.errors import InvalidRequestError
 from slipstream.grammar.base import GrammarSpec
+from slipstream.validate import CheckedStructMeta
 
 
-class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """Names follow OpenAI/vLLM. temperature 0 is greedy."""
+MIN_TEMPERATURE = 1e-5  # below this, logits / temperature overflow float32 (0 means greedy)
+MAX_SEED = 2**63 - 1
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, metaclass=CheckedStructMeta):
+    """Names follow OpenAI/vLLM. temperature 0 is greedy. Every field is type-checked at construction
+    (InvalidRequestError naming the field); None for stop / stop_token_ids / seed means "none"."""
 
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: disabled
     seed: int | None = None
-    stop: list[str] = []
-    stop_token_ids: list[int] = []
+    stop: list[str] | str | None = None  # normalised to a list of strings
+    stop_token_ids: list[int] | None = None  # normalised to a list
     ignore_eos: bool = False
     logprobs: bool = False  # return the log-probability of each sampled token
     # constrained decoding (at most one): see docs/grammars.md
@@ -39,34 +45,38 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return self.grammar
 
     def __post_init__(self) -> None:
+        check.integer("max_tokens", self.max_tokens, minimum=1)
+        temperature = check.number("temperature", self.temperature)
+        if temperature < 0 or 0 < temperature < MIN_TEMPERATURE:
+            raise InvalidRequestError(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE:g}, got {temperature!r}")
+        top_p = check.number("top_p", self.top_p)
+        if not 0.0 < top_p <= 1.0:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {top_p!r}")
+        check.integer("top_k", self.top_k, minimum=-1)
+        check.integer("seed", self.seed, minimum=0, maximum=MAX_SEED, optional=True)
+        self.stop = check.string_list("stop", self.stop)
+        self.stop_token_ids = check.int_list("stop_token_ids", self.stop_token_ids)
+        check.boolean("ignore_eos", self.ignore_eos)
+        check.boolean("logprobs", self.logprobs)
         given = [n for n in ("json_schema", "regex", "choice", "grammar") if getattr(self, n) is not None]
         if len(given) > 1:
             raise InvalidRequestError(f"give at most one of json_schema, regex, choice, grammar (got {given})")
-        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
-            raise InvalidRequestError("choice must be a non-empty list of non-empty strings")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature) or self.temperature < 0 \
-                or math.isinf(self.temperature):
-            raise InvalidRequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if math.isnan(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.top_k < -1:
-            raise InvalidRequestError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
-        if any(not s for s in self.stop):
-            raise InvalidRequestError("stop strings must be non-empty")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise InvalidRequestError(f"stop_token_ids must be >= 0, got {self.stop_token_ids!r}")
-        if self.seed is not None and self.seed < 0:
-            raise InvalidRequestError(f"seed must be >= 0, got {self.seed!r}")
+        if self.json_schema is not None and not isinstance(self.json_schema, (dict, str)):
+            raise InvalidRequestError(f"json_schema must be a dict or JSON text, got {type(self.json_schema).__name__}")
+        if self.regex is not None:
+            check.text("regex", self.regex)
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice:
+                raise InvalidRequestError("choice must be a non-empty list of non-empty strings")
+            self.choice = [check.text(f"choice[{i}]", c) for i, c in enumerate(self.choice)]
+        if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
+            raise InvalidRequestError(f"grammar must be a GrammarSpec, got {type(self.grammar).__name__}")
 
 
 EVENT_WAITS = ("auto", "host_func", "thread", "poll")
 
 
-class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, metaclass=CheckedStructMeta):
     model: str = "smollm2-135m"  # a known name, a .gguf path, a Hugging Face folder, or random weights:
     #                              "tiny-random", "random-smollm2-135m" (byte tokenizer)
     device: str = "cpu"  # "cpu" | "cuda"
@@ -82,6 +92,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     seed: int = 0  # seeds requests that give none
     trace: bool = False  # keep per-step host timings and device spans (benchmarks, timelines)
     grammar_timeout_s: float = 10.0  # compile timeout of a constraint grammar
+    step_timeout_s: float = 300.0  # watchdog: a launched step not done by then fails the engine, with its state logged
     # --- CUDA only (docs/cuda.md) ---
     gpu_memory_utilization: float = 0.9  # share of free memory (after weights + a profiling forward) for KV
     cuda_graphs: bool = True  # replay decode steps from graphs captured per slot and batch-size bucket
@@ -90,24 +101,35 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     event_wait: str = "auto"  # how the loop awaits GPU events: auto | host_func | thread | poll
 
     def __post_init__(self) -> None:
+        check.text("model", self.model)
         if self.device not in ("cpu", "cuda"):
             raise InvalidRequestError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise InvalidRequestError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.pipeline_depth not in (1, 2):
+        if self.pipeline_depth not in (1, 2) or isinstance(self.pipeline_depth, bool):
             raise InvalidRequestError(f"pipeline_depth must be 1 or 2, got {self.pipeline_depth!r}")
-        for name in ("max_batch_size", "max_num_batched_tokens", "page_size", "kv_cache_tokens"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise InvalidRequestError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        for name in ("max_batch_size", "max_num_batched_tokens", "page_size"):
+            check.integer(name, getattr(self, name), minimum=1)
+        check.integer("kv_cache_tokens", self.kv_cache_tokens, minimum=1, optional=True)
+        check.integer("max_model_len", self.max_model_len, minimum=2, optional=True)
+        check.integer("seed", self.seed, minimum=0)
+        for name in ("batch_invariant", "trace", "cuda_graphs", "warmup"):
+            check.boolean(name, getattr(self, name))
+        for name in ("grammar_timeout_s", "step_timeout_s"):
+            if check.number(name, getattr(self, name)) <= 0:
+                raise InvalidRequestError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        check.number("gpu_memory_utilization", self.gpu_memory_utilization)
         if self.max_num_batched_tokens < self.max_batch_size:
             raise InvalidRequestError("max_num_batched_tokens must be >= max_batch_size")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise InvalidRequestError(f"max_model_len must be >= 2, got {self.max_model_len!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise InvalidRequestError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.event_wait not in EVENT_WAITS:
             raise InvalidRequestError(f"event_wait must be one of {EVENT_WAITS}, got {self.event_wait!r}")
         if self.graph_batch_sizes is not None:
+            if not isinstance(self.graph_batch_sizes, (tuple, list)) or len(self.graph_batch_sizes) != 3:
+                raise InvalidRequestError(f"graph_batch_sizes must be (min, step, max), got {self.graph_batch_sizes!r}")
+            self.graph_batch_sizes = tuple(check.integer(f"graph_batch_sizes[{i}]", v, minimum=1)
+                                           for i, v in enumerate(self.graph_batch_sizes))
             from slipstream.runtime.buckets import make_buckets
 
             if make_buckets(*self.graph_batch_sizes)[-1] > self.max_batch_size:

@@ -1,15 +1,26 @@
 """A torch-free stand-in for ModelRunner, so the scheduler's invariants are tested without a device.
 
-Its "model" is a pure function of the context tokens, read back from a fake paged KV store that is
-written through the step's slot mapping — so a page released too early, reused while in flight,
-or fed the wrong carry-over token changes the output and the test sees it.
+It is at least as asynchronous as the real device: launched work goes into FIFO "streams" (asyncio
+tasks) that run each item after a random number of loop passes; the copy stream really waits on
+the compute stream's event; the forward reads its inputs (carry-over tokens, KV) when it runs, not
+when it is launched. Its "model" is a pure function of the context tokens, read back from a fake
+paged KV store written through the step's slot mapping — so a page released too early, reused while
+in flight, or fed the wrong carry-over token changes the output and the test sees it.
+
+Structural check (`Referee`): a KV page or a carry-over row must never be handed out while a
+launched, uncommitted step references it. The test installs the referee into the planner's page
+pool and free-row list; a violation raises at the hand-out, which kills the loop and fails the test.
+
 Prompts are [marker, prompt_len, ...]: marker 1000 + k means "EOS as output token k".
 """
 from __future__ import annotations
 
 import asyncio
+import inspect
+import random
 
 from slipstream.runtime.decode_slot import SlotState
+from slipstream.scheduler.page_pool import PagePool
 
 EOS = 2
 VOCAB = 300
@@ -38,9 +49,81 @@ def reference(prompt: list[int], max_tokens: int) -> list[int]:
     return out
 
 
+class Referee:
+    """Which pages and rows launched-but-uncommitted steps reference; hand-outs are checked against it."""
+
+    def __init__(self) -> None:
+        self.steps: dict[int, tuple[set[int], set[int]]] = {}  # step id -> (pages, rows)
+
+    def referenced(self, kind: int) -> set[int]:
+        return set().union(*(refs[kind] for refs in self.steps.values())) if self.steps else set()
+
+    def check_hand_out(self, what: str, items, kind: int) -> None:
+        busy = self.referenced(kind) & set(items)
+        if busy:
+            raise AssertionError(f"{what} {sorted(busy)} handed out while an in-flight step references them")
+
+
+class RefereedPool(PagePool):
+    def __init__(self, num_pages: int, referee: Referee):
+        super().__init__(num_pages)
+        self.referee = referee
+
+    def allocate(self, n: int) -> list[int]:
+        pages = super().allocate(n)
+        self.referee.check_hand_out("pages", pages, 0)
+        return pages
+
+
+class RefereedRows(list):
+    def __init__(self, rows, referee: Referee):
+        super().__init__(rows)
+        self.referee = referee
+
+    def pop(self, *args):
+        row = super().pop(*args)
+        self.referee.check_hand_out("row", [row], 1)
+        return row
+
+
+class FakeStream:
+    """FIFO work on an asyncio task; each item runs after 0..max_delay loop passes."""
+
+    def __init__(self, rng: random.Random, max_delay: int):
+        self.rng, self.max_delay = rng, max_delay
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.task: asyncio.Task | None = None
+
+    def launch(self, fn) -> None:
+        if self.task is None:
+            self.task = asyncio.get_running_loop().create_task(self._run())
+        self.queue.put_nowait(fn)
+
+    def record(self) -> asyncio.Event:
+        event = asyncio.Event()
+        self.launch(event.set)
+        return event
+
+    def wait(self, event: asyncio.Event) -> None:
+        self.launch(event.wait)
+
+    async def _run(self) -> None:
+        while True:
+            fn = await self.queue.get()
+            for _ in range(self.rng.randint(0, self.max_delay)):
+                await asyncio.sleep(0)
+            result = fn()
+            if inspect.isawaitable(result):
+                await result
+
+
 class FakeSlot:
     def __init__(self, index: int):
-        self.index, self.state, self.result, self.ready = index, SlotState.FREE, None, None
+        self.index, self.state, self.step_id = index, SlotState.FREE, -1
+        self.contexts: list[list[int]] = []
+        self.sampled: dict[int, int] = {}
+        self.host_result: list[int] | None = None
+        self.copied: asyncio.Event | None = None
 
     @property
     def is_free(self) -> bool:
@@ -52,40 +135,84 @@ class FakeSlot:
 
 
 class FakeRunner:
-    def __init__(self, page_size: int, yields: int = 2):
+    def __init__(self, page_size: int, seed: int = 0, max_delay: int = 3):
         self.page_size = page_size
         self.slots = [FakeSlot(0), FakeSlot(1)]
         self.kv: dict[int, int] = {}  # flat slot -> token
         self.table: dict[int, int] = {}  # carry-over row -> token
-        self.yields = yields
-        self.pending_logits = {}
+        self.referee = Referee()
+        self._rng = random.Random(seed)
+        self._max_delay = max_delay
+        self._streams: tuple[FakeStream, FakeStream] | None = None
+
+    @property
+    def streams(self) -> tuple[FakeStream, FakeStream]:
+        if self._streams is None:  # made on first use: they need the running loop
+            self._streams = (FakeStream(self._rng, self._max_delay), FakeStream(self._rng, self._max_delay))
+        return self._streams
 
     def launch_forward(self, slot, step_id, packed) -> None:
         assert slot.state is SlotState.FREE, "slot reused while in flight"
-        slot.state = SlotState.IN_FLIGHT
-        ids = [int(self.table[int(r)]) if d else int(t)
-               for t, d, r in zip(packed.input_ids, packed.from_device, packed.carry_rows)]
-        for i in range(packed.num_tokens):
-            self.kv[int(packed.slot_mapping[i])] = ids[i]
-        results = []
-        for s in range(len(packed.kv_lens)):
-            end = packed.query_start[s + 1]
-            if end - 1 in set(packed.sample_indices[: packed.num_samples].tolist()):
-                kv_len, pages = packed.kv_lens[s], packed.page_tables[s]
-                ctx = [self.kv[pages[p // self.page_size] * self.page_size + p % self.page_size]
-                       for p in range(kv_len)]
-                results.append(ctx)
-        slot.contexts = results
+        slot.state, slot.step_id = SlotState.IN_FLIGHT, step_id
+        slot.host_result, slot.sampled = None, {}
+        n_seqs = len(packed.kv_lens)
+        pages = {p for table in packed.page_tables for p in table}
+        rows = {int(r) for r in packed.sample_rows} | {int(r) for r, d in zip(packed.carry_rows, packed.from_device) if d}
+        self.referee.steps[step_id] = (pages, rows)
+        # what the device will read when the forward runs: copies, as the real staging arena holds them
+        input_ids, from_device = packed.input_ids.copy(), packed.from_device.copy()
+        carry_rows, slot_mapping = packed.carry_rows.copy(), packed.slot_mapping.copy()
+        query_start, kv_lens = list(packed.query_start), list(packed.kv_lens)
+        page_tables = [list(t) for t in packed.page_tables]
+        sample_ends = set(packed.sample_indices[: packed.num_samples].tolist())
+
+        def forward() -> None:
+            ids = [self.table[int(r)] if d else int(t) for t, d, r in zip(input_ids, from_device, carry_rows)]
+            for i in range(packed.num_tokens):
+                self.kv[int(slot_mapping[i])] = ids[i]
+            slot.contexts = []
+            for s in range(n_seqs):
+                if query_start[s + 1] - 1 in sample_ends:
+                    table = page_tables[s]
+                    slot.contexts.append([self.kv[table[p // self.page_size] * self.page_size + p % self.page_size]
+                                          for p in range(kv_lens[s])])
+
+        self.streams[0].launch(forward)
 
     def launch_sampling(self, slot, packed, works, rows=None, bitmask=None, final=True) -> None:
-        out = []
-        for ctx, row in zip(slot.contexts, packed.sample_rows.tolist()):
-            tok = next_token(ctx)
-            self.table[row] = tok
-            out.append(tok)
-        slot.result = out
+        compute, copy = self.streams
+        n = packed.num_samples
+        rows = list(range(n)) if rows is None else list(rows)
+        carry = [int(r) for r in packed.sample_rows]
 
-    async def read_sampled(self, slot) -> list[int]:
-        for _ in range(self.yields):  # let arrivals and aborts interleave with the commit
-            await asyncio.sleep(0)
-        return slot.result, [0.0] * len(slot.result)
+        def sample() -> None:
+            for i in rows:
+                tok = next_token(slot.contexts[i])
+                self.table[carry[i]] = tok
+                slot.sampled[i] = tok
+
+        compute.launch(sample)
+        if final:
+            copy.wait(compute.record())  # the copy waits for exactly this step's sampling
+            slot.copied = asyncio.Event()
+
+            def copy_out() -> None:
+                slot.host_result = [slot.sampled[i] for i in range(n)]
+                slot.copied.set()
+
+            copy.launch(copy_out)
+
+    async def read_sampled(self, slot) -> tuple[list[int], list[float]]:
+        await slot.copied.wait()
+        self.referee.steps.pop(slot.step_id)
+        return slot.host_result, [0.0] * len(slot.host_result)
+
+    async def drain(self) -> None:
+        for stream in self.streams:
+            await stream.record().wait()
+
+    def recover(self, slots) -> bool:
+        for slot in slots:
+            self.referee.steps.pop(slot.step_id, None)
+            slot.release()
+        return True

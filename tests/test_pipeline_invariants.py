@@ -1,7 +1,9 @@
 """Scheduler invariants with a torch-free fake device: zombies, refcounts, release, preemption.
 
-Hypothesis drives random prompt lengths, EOS points, max_tokens, arrival times, aborts and pool
-sizes through the real EngineLoop at depth 1 and 2.
+Hypothesis drives random prompt lengths, EOS points, max_tokens, arrival times, aborts, pool
+sizes and device delays through the real EngineLoop at depth 1 and 2. The fake device completes
+work a random number of loop passes late, and its referee fails the run if a page or a row is
+handed out while an in-flight step still references it (early release).
 """
 import asyncio
 
@@ -9,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fake_runner import EOS, FakeRunner, make_prompt, reference
+from fake_runner import EOS, FakeRunner, RefereedPool, RefereedRows, make_prompt, reference
 from slipstream.models.byte_tokenizer import ByteTokenizer
 from slipstream.outputs import CompletionOutput, RequestMetrics
 from slipstream.params import SamplingParams
@@ -31,10 +33,12 @@ class NullDetok:
         return ""
 
 
-def make_loop(depth, num_pages=64, max_batch=4, step_tokens=16):
-    pool = PagePool(num_pages)
+def make_loop(depth, num_pages=64, max_batch=4, step_tokens=16, seed=0):
+    runner = FakeRunner(PAGE, seed=seed)
+    pool = RefereedPool(num_pages, runner.referee)
     planner = Planner(pool, PAGE, max_batch, step_tokens)
-    return EngineLoop(FakeRunner(PAGE), planner, depth, PAGE), pool
+    planner._free_rows = RefereedRows(planner._free_rows, runner.referee)
+    return EngineLoop(runner, planner, depth, PAGE), pool
 
 
 def make_seq(rid, prompt, max_tokens, order):
@@ -43,9 +47,9 @@ def make_seq(rid, prompt, max_tokens, order):
     return Sequence(rid, prompt, max_tokens, SamplingRow(), order, user=req)
 
 
-async def run_workload(depth, requests, num_pages=64, max_batch=4, step_tokens=16):
+async def run_workload(depth, requests, num_pages=64, max_batch=4, step_tokens=16, seed=0):
     """requests: list of (prompt, max_tokens, arrive_after_yields, abort_after_yields|None)."""
-    loop, pool = make_loop(depth, num_pages, max_batch, step_tokens)
+    loop, pool = make_loop(depth, num_pages, max_batch, step_tokens, seed)
     task = asyncio.create_task(loop.run())
     results = {}
 
@@ -83,7 +87,7 @@ def check_results(requests, results, loop, pool):
         assert seq.inflight_refs == 0 and seq.pending_samples == 0 and not seq.pages and seq.row is None
     assert pool.num_free == pool.total, "pages leaked"
     assert not loop.pipeline.inflight and all(s.state.value == "free" for s in loop.runner.slots)
-    assert not loop.planner.running and not loop.planner.waiting
+    assert not loop.planner.running and loop.planner.num_waiting == 0
 
 
 def test_zombie_commit_is_skipped_and_pages_released_once():
@@ -125,10 +129,11 @@ request = st.tuples(
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(reqs=st.lists(request, min_size=1, max_size=10), depth=st.sampled_from([1, 2]),
-       num_pages=st.integers(12, 40), max_batch=st.integers(1, 5), step_tokens=st.integers(5, 24))
-def test_random_finish_points_arrivals_and_aborts(reqs, depth, num_pages, max_batch, step_tokens):
+       num_pages=st.integers(12, 40), max_batch=st.integers(1, 5), step_tokens=st.integers(5, 24),
+       device_seed=st.integers(0, 2**16))
+def test_random_finish_points_arrivals_and_aborts(reqs, depth, num_pages, max_batch, step_tokens, device_seed):
     requests = [(make_prompt(n, eos, salt), mt, arrive, abort) for salt, (n, eos, mt, arrive, abort) in enumerate(reqs)]
-    results, loop, pool = asyncio.run(run_workload(depth, requests, num_pages, max_batch, step_tokens))
+    results, loop, pool = asyncio.run(run_workload(depth, requests, num_pages, max_batch, step_tokens, device_seed))
     check_results(requests, results, loop, pool)
     if depth == 1 and all(r[3] is None for r in requests):
         assert loop.pipeline.zombie_commits == 0  # without aborts, zombies need a step launched ahead

@@ -75,7 +75,8 @@ def assemble(config: EngineConfig) -> EngineParts:
     pool = PagePool(num_pages)
     planner = Planner(pool, config.page_size, config.max_batch_size, config.max_num_batched_tokens)
     loop = EngineLoop(runner, planner, config.pipeline_depth, config.page_size, row_multiple,
-                      vocab_width=mcfg.vocab_size, eos_ids=tuple(tokenizer.eos_token_ids))
+                      vocab_width=mcfg.vocab_size, eos_ids=tuple(tokenizer.eos_token_ids),
+                      step_timeout_s=config.step_timeout_s)
     tracer = Tracer().attach(loop, runner, device) if config.trace else None
     metrics = EngineMetrics().attach(loop, pool, tracer)
     return EngineParts(device, runner, pool, loop, tokenizer, mcfg, max_model_len, metrics, tracer)

@@ -4,12 +4,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
+import secrets
 import time
-from typing import AsyncIterator
 
 import structlog
 
-from slipstream.errors import EngineClosedError, InvalidRequestError
+from slipstream import validate as check
+from slipstream.errors import EngineClosedError, InvalidRequestError, WrongEventLoopError
 from slipstream.outputs import CompletionOutput, RequestMetrics, StreamDelta
 from slipstream.params import EngineConfig, SamplingParams
 from slipstream.runtime.batch import SamplingRow
@@ -27,6 +28,8 @@ class Engine:
         self._loop_task: asyncio.Task | None = None
         self._requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
+        self._id_prefix = f"req-{secrets.token_hex(4)}-"  # auto ids never look like a user's "req-1"
+        self._owner: asyncio.AbstractEventLoop | None = None
         self._arrivals = itertools.count()
         self._rng = random.Random(self.config.seed)
         self.tokenizer = None
@@ -36,6 +39,9 @@ class Engine:
     async def start(self) -> "Engine":
         from slipstream.api.assemble import assemble  # torch-heavy imports happen at start
 
+        if not isinstance(self.config, EngineConfig):
+            raise InvalidRequestError(f"config must be an EngineConfig, got {type(self.config).__name__}")
+        self._owner = asyncio.get_running_loop()
         self._parts = await asyncio.to_thread(assemble, self.config)
         self.tokenizer, self.model_config = self._parts.tokenizer, self._parts.model_config
         self.loop = self._parts.loop
@@ -80,19 +86,40 @@ class Engine:
 
     def _check_running(self) -> None:
         if self._loop_task is None or self._loop_task.done():
-            raise EngineClosedError("engine is not running (use `async with Engine(...)` or `await engine.start()`)")
+            error = EngineClosedError("engine is not running (use `async with Engine(...)` or `await engine.start()`)")
+            died = self._loop_task is not None and self.loop.error
+            if died:
+                error = EngineClosedError(f"engine is not running: {died}")
+                error.__cause__ = died.__cause__ if isinstance(died, EngineClosedError) and died.__cause__ else died
+            raise error
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # plain synchronous code (stats() from a script): reads only
+        if running is not self._owner:
+            raise WrongEventLoopError("this Engine was started on another event loop; call it from that loop "
+                                      "(asyncio.run_coroutine_threadsafe from other threads)")
 
     async def _submit(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None) -> Sequence:
         self._check_running()
-        params = params or SamplingParams()
+        if params is None:
+            params = SamplingParams()
+        elif not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+        request_id = check.request_id(request_id)
         ids = self._prompt_ids(prompt)
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
+                                      f"exceeds the model context of {self.max_model_len} tokens; lower max_tokens "
+                                      f"to at most {self.max_model_len - len(ids)}")
         spec = params.grammar_spec()
         # compiled off the tick (a thread, under a timeout); a bad grammar fails only this call
         matcher = (await self._grammars.compile_async(spec)).matcher() if spec is not None else None
-        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id is None:
+            request_id = f"{self._id_prefix}{next(self._ids)}"
         if request_id in self._requests:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        max_tokens = min(params.max_tokens, self.max_model_len - len(ids))
+            raise InvalidRequestError(f"request_id {request_id!r} is already in use")
+        max_tokens = params.max_tokens
         pool, page = self._parts.pool, self.config.page_size
         if -(-(len(ids) + max_tokens) // page) > pool.total:
             raise InvalidRequestError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) needs more KV pages "
@@ -112,14 +139,8 @@ class Engine:
         return seq
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt is empty")
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = list(prompt)
-            if any(not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size for t in ids):
-                raise InvalidRequestError(f"prompt token ids must be integers in [0, {self.model_config.vocab_size})")
+        prompt = check.prompt(prompt, self.model_config.vocab_size)
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise InvalidRequestError("prompt is empty")
         if len(ids) >= self.max_model_len:
@@ -135,7 +156,8 @@ class Engine:
     def _forget(self, seq: Sequence, finished: bool) -> None:
         if not finished and not seq.finalized:
             self.loop.abort(seq)  # the caller went away (cancelled): free its pages
-        self._requests.pop(seq.request_id, None)
+        if self._requests.get(seq.request_id) is seq:
+            del self._requests[seq.request_id]
 
     async def complete(self, prompt: Prompt, params: SamplingParams | None = None,
                        request_id: str | None = None) -> CompletionOutput:
@@ -150,24 +172,17 @@ class Engine:
         finally:
             self._forget(seq, finished)
 
-    async def stream(self, prompt: Prompt, params: SamplingParams | None = None,
-                     request_id: str | None = None) -> AsyncIterator[StreamDelta]:
-        seq = await self._submit(prompt, params, request_id)
-        finished = False
-        try:
-            while True:
-                item = await self._next(seq)
-                if isinstance(item, CompletionOutput):
-                    finished = True
-                    return
-                yield item
-        finally:
-            self._forget(seq, finished)
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None,
+               request_id: str | None = None) -> "RequestStream":
+        """Async iterator of StreamDelta; leaving it early (break, an exception) aborts the request at once."""
+        return RequestStream(self, prompt, params, request_id)
 
     def chat_prompt(self, messages: list[dict]) -> str:
-        if not messages:
-            raise InvalidRequestError("messages is empty")
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        messages = check.messages(messages)
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001 - a template rejects what the caller sent
+            raise InvalidRequestError(f"messages: the chat template failed on them: {e}") from e
 
     async def chat(self, messages: list[dict], params: SamplingParams | None = None,
                    request_id: str | None = None) -> CompletionOutput:
@@ -199,6 +214,7 @@ class Engine:
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request; its waiter gets finish_reason "abort". False if unknown or finished."""
+        self._check_running()
         seq = self._requests.get(request_id)
         if seq is None or seq.finalized:
             return False
@@ -212,7 +228,8 @@ class Engine:
             "kv_pages_free": pool.num_free,
             "kv_pages_total": pool.total,
             "running": sum(not s.finalized for s in planner.running),
-            "waiting": len(planner.waiting),
+            "waiting": planner.num_waiting,
+            "failed_steps": self.loop.failed_steps,
             "steps": self.loop.num_steps,
             "inflight_steps": len(pipeline.inflight),
             "zombie_commits": pipeline.zombie_commits,
@@ -237,3 +254,47 @@ class Engine:
         """The step Tracer with EngineConfig(trace=True), else None."""
         self._check_running()
         return self._parts.tracer
+
+
+class RequestStream:
+    """The deltas of one request (Engine.stream). Not an async generator: those are closed a loop
+    pass after the caller leaves them, so the request id and the pages stayed taken until then.
+    Here, leaving early (break, an exception, dropping the iterator) aborts the request at once."""
+
+    def __init__(self, engine: Engine, prompt: Prompt, params: SamplingParams | None, request_id: str | None):
+        self._engine, self._args = engine, (prompt, params, request_id)
+        self._seq: Sequence | None = None
+        self._done = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> StreamDelta:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            if self._seq is None:
+                self._seq = await self._engine._submit(*self._args)
+            item = await self._engine._next(self._seq)
+        except BaseException:
+            self._close()
+            raise
+        if isinstance(item, CompletionOutput):
+            self._close()
+            raise StopAsyncIteration
+        return item
+
+    async def aclose(self) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if not self._done:
+            self._done = True
+            if self._seq is not None:
+                self._engine._forget(self._seq, finished=False)
+
+    def __del__(self) -> None:
+        try:
+            self._close()
+        except Exception:  # noqa: BLE001 - at interpreter exit the loop may be gone
+            pass

@@ -104,7 +104,19 @@ class CPUStream:
         return ev
 
     def wait(self, event: CPUEvent) -> None:
-        self._queue.put((_EventOp(event._done.wait), ""))
+        """Later work waits for `event`; an error the event carries becomes this stream's error
+        too (a consumer of failed work must not run on its stale outputs)."""
+
+        def adopt() -> None:
+            event._done.wait()
+            if event._error is not None and self._error is None:
+                self._error = event._error
+
+        self._queue.put((_EventOp(adopt), ""))
+
+    def clear_error(self) -> None:
+        """Resume running launched work after a failure (the loop drained every step first)."""
+        self._error = None
 
     def flush_spans(self) -> None:
         """Nothing to do: the worker thread reports each span as it finishes."""
@@ -141,6 +153,12 @@ class CPUDevice:
 
     def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
+
+    def recover(self) -> bool:
+        """Clear the streams' sticky errors; True: the device can run new work."""
+        self.compute.clear_error()
+        self.copy.clear_error()
+        return True
 
     def close(self) -> None:
         self.compute.close()

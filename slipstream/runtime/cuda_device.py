@@ -42,21 +42,25 @@ def load_cupy():
 
 
 class CUDAEvent:
-    __slots__ = ("event", "device")
+    __slots__ = ("event", "device", "error")
 
-    def __init__(self, event: torch.cuda.Event, device: "CUDADevice"):
+    def __init__(self, event: torch.cuda.Event, device: "CUDADevice", error: BaseException | None = None):
         self.event, self.device = event, device
+        self.error = error  # a Python exception raised by work launched before it (sticky, as on the CPU)
 
     def query(self) -> bool:
         return self.event.query()
 
     def synchronize(self) -> None:
         self.event.synchronize()
+        if self.error is not None:
+            raise self.error
 
     async def wait_async(self) -> None:
-        if self.event.query():
-            return
-        await self.device.waiter(self.event)
+        if not self.event.query():
+            await self.device.waiter(self.event)
+        if self.error is not None:
+            raise self.error
 
 
 class CUDAStream:
@@ -64,8 +68,17 @@ class CUDAStream:
         self.name, self.device, self.stream = name, device, stream
         self.busy_hook: Callable[[str, object, float, float], None] | None = None  # set by the tracer
         self._timed: list[tuple[object, torch.cuda.Event, torch.cuda.Event]] = []
+        self._error: BaseException | None = None
 
     def launch(self, fn: Callable[[], None], label: str = "") -> None:
+        if self._error is not None:
+            return  # a failed stream skips work until recovered (the CPU stream's rule)
+        try:
+            self._launch(fn, label)
+        except Exception as e:  # noqa: BLE001 - surfaced through the next event, like a device error
+            self._error = e
+
+    def _launch(self, fn: Callable[[], None], label: str) -> None:
         with torch.cuda.stream(self.stream):
             if self.busy_hook is None or not label:
                 fn()
@@ -80,10 +93,15 @@ class CUDAStream:
     def record(self) -> CUDAEvent:
         ev = torch.cuda.Event()
         ev.record(self.stream)
-        return CUDAEvent(ev, self.device)
+        return CUDAEvent(ev, self.device, self._error)
 
     def wait(self, event: CUDAEvent) -> None:
         self.stream.wait_event(event.event)
+        if event.error is not None and self._error is None:
+            self._error = event.error
+
+    def clear_error(self) -> None:
+        self._error = None
 
     def flush_spans(self) -> None:
         """Report finished timed spans to the tracer, in host perf_counter time."""
@@ -166,6 +184,17 @@ class CUDADevice:
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.torch_device)
+
+    def recover(self) -> bool:
+        """Python errors of launched work are cleared; a CUDA error poisons the context for good."""
+        for stream in (self.compute, self.upload, self.copy):
+            stream.clear_error()
+        try:
+            torch.cuda.synchronize()
+        except RuntimeError as e:
+            log.error("CUDA context failed; the engine cannot recover", error=repr(e))
+            return False
+        return True
 
     def close(self) -> None:
         self.synchronize()

@@ -6,7 +6,10 @@ when the host has consumed its copy: its host buffer is the landing site of a co
 be in flight. Acquiring a slot that is not free raises SlotReuseError.
 
 After a commit reads the landing buffer, the slot poisons it, so a reader that runs before the
-next copy has landed sees POISON instead of stale tokens that look plausible.
+next copy has landed sees POISON instead of stale tokens that look plausible. The step's last
+sampling also writes its step id into `stamp`, which travels in the same copy: a commit whose
+stamp is not its own step id would read tokens that sampling never wrote for it (stale device
+buffers), and raises instead.
 """
 from __future__ import annotations
 
@@ -30,9 +33,13 @@ class DecodeSlot:
         self.index = index
         self.state = SlotState.FREE
         self.step_id = -1
-        self.sampled = torch.zeros(max_samples, dtype=torch.int64, device=device.torch_device)
-        self.host_sampled = device.host_buffer((max_samples,), torch.int64)
-        self.host_sampled.fill_(POISON)
+        # [max_samples] sampled ids, then the stamp: one buffer, so one copy carries both
+        self.sampled_and_stamp = torch.zeros(max_samples + 1, dtype=torch.int64, device=device.torch_device)
+        self.sampled, self.stamp = self.sampled_and_stamp[:max_samples], self.sampled_and_stamp[max_samples:]
+        self.stamp.fill_(-1)
+        self.host_sampled_and_stamp = device.host_buffer((max_samples + 1,), torch.int64)
+        self.host_sampled, self.host_stamp = self.host_sampled_and_stamp[:max_samples], self.host_sampled_and_stamp[max_samples:]
+        self.host_sampled_and_stamp.fill_(POISON)
         self.logprobs = torch.zeros(max_samples, dtype=torch.float32, device=device.torch_device)
         self.host_logprobs = device.host_buffer((max_samples,), torch.float32)
         # Sampling groups (all rows at once, or unconstrained rows at launch and constrained rows at
@@ -89,7 +96,12 @@ class DecodeSlot:
         ids = self.host_sampled[: self.num_samples].tolist()
         if POISON in ids:
             raise PipelineInvariantError(f"slot {self.index}: poisoned token read (copy did not land)")
+        stamp = int(self.host_stamp[0])
+        if self.num_samples and stamp != self.step_id:
+            raise PipelineInvariantError(f"slot {self.index}: step {self.step_id} read tokens stamped by step {stamp} "
+                                         "(its sampling never ran: stale device buffer)")
         self.host_sampled[: self.num_samples].fill_(POISON)
+        self.host_stamp.fill_(POISON)
         return ids, self.host_logprobs[: self.num_samples].tolist()
 
     def release(self) -> None:
@@ -97,3 +109,8 @@ class DecodeSlot:
             raise PipelineInvariantError(f"slot {self.index} released twice")
         self.state = SlotState.FREE
         self.logits = None
+
+    def abandon(self) -> None:
+        """Free the slot of a failed step without reading it (the device has drained)."""
+        self.host_sampled_and_stamp.fill_(POISON)
+        self.release()

@@ -1,6 +1,9 @@
 """The device interface the engine loop is written against: streams, events, host buffers.
 
-A `Stream` runs launched work in FIFO order; `launch` returns at once. An `Event` is recorded on
+A `Stream` runs launched work in FIFO order; `launch` returns at once. An exception raised by
+launched work is sticky, like a CUDA error: the stream skips later work, and every event recorded
+after it (on that stream, or on a stream that waited on it) re-raises it to its waiter, until
+`Device.recover`. An `Event` is recorded on
 one stream and can be waited on by another stream (without the host) or awaited by the asyncio
 loop (without blocking it). The CPU implementation emulates this with worker threads; the CUDA
 implementation (cuda_device.py) maps it to torch streams and events. The scheduler only ever sees
@@ -34,7 +37,8 @@ class Stream(Protocol):
         """A fresh event that completes when work launched so far on this stream is done."""
 
     def wait(self, event: Event) -> None:
-        """Work launched later on this stream starts only after `event` completes."""
+        """Work launched later on this stream starts only after `event` completes; if the work
+        behind `event` failed, this stream fails too (it skips later work until recovered)."""
 
     def flush_spans(self) -> None:
         """Report finished labeled work to `busy_hook` (tracing) if it was not reported as it finished."""
@@ -50,6 +54,10 @@ class Device(Protocol):
 
     def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A host tensor that device copies can target asynchronously (pinned on CUDA)."""
+
+    def recover(self) -> bool:
+        """After a failure, once nothing is in flight: clear sticky stream errors. False if the
+        device cannot run new work (a CUDA context error): the engine must stop."""
 
     def close(self) -> None: ...
 

@@ -36,6 +36,7 @@ class ModelRunner:
         self.arenas = [StepArena(device, max_tokens, max_rows, max_pages, kv.page_size) for _ in range(num_slots)]
         self.vocab_size = model.config.vocab_size
         self.graphs: GraphCache | None = None  # CUDA graphs of decode steps (slipstream/runtime/cuda_graphs.py)
+        self.faults = None  # tests only: a slipstream.faults.FaultInjector (None: no cost)
 
     # --- forward --------------------------------------------------------------------------------
 
@@ -60,6 +61,8 @@ class ModelRunner:
             arena.upload()
 
             def forward() -> None:
+                if self.faults is not None:
+                    self.faults.check("forward", step_id)
                 slot.logits = graph.replay()
         else:
             layout = arena.fill(packed)
@@ -68,6 +71,8 @@ class ModelRunner:
             host_meta = AttentionMetadata(packed.query_start, packed.kv_lens, packed.page_tables, self.kv.page_size)
 
             def forward() -> None:
+                if self.faults is not None:
+                    self.faults.check("forward", step_id)
                 slot.logits = self.forward_from(tensors, host_meta)
 
         self.device.compute.launch(forward, "forward")
@@ -98,6 +103,7 @@ class ModelRunner:
         sampled_works = [w for w in works if w.sample]
         rows = list(range(n)) if rows is None else rows
         compute, copy = self.device.compute, self.device.copy
+        step_id = slot.step_id
         if rows:
             params = [sampled_works[i].sampling for i in rows]
             out_idx = [sampled_works[i].output_index for i in rows]
@@ -107,6 +113,8 @@ class ModelRunner:
             self._upload_group(slot, g, k, masked)
 
             def sample_rows() -> None:
+                if self.faults is not None:
+                    self.faults.check("sample", step_id)
                 idx, carry = slot.group_dev[g, 0, :k], slot.group_dev[g, 1, :k]
                 logits = slot.logits.index_select(0, idx)
                 if masked:
@@ -121,12 +129,14 @@ class ModelRunner:
             compute.launch(sample_rows, "sample")
         if not final:
             return
+        if n:
+            compute.launch(lambda: slot.stamp.fill_(step_id))  # after every sampling group of the step
         slot.sample_done = compute.record()
         copy.wait(slot.sample_done)  # the copy waits for exactly this step's outputs
 
         def copy_out() -> None:
             if n:
-                slot.host_sampled[:n].copy_(slot.sampled[:n], non_blocking=True)
+                slot.host_sampled_and_stamp.copy_(slot.sampled_and_stamp, non_blocking=True)
                 slot.host_logprobs[:n].copy_(slot.logprobs[:n], non_blocking=True)
 
         copy.launch(copy_out, "d2h")
@@ -148,6 +158,23 @@ class ModelRunner:
     # --- commit ---------------------------------------------------------------------------------
 
     async def read_sampled(self, slot: DecodeSlot) -> tuple[list[int], list[float]]:
-        """Await the step's copy event without blocking the loop, then read tokens and logprobs."""
+        """Await the step's copy event without blocking the loop, then read tokens and logprobs.
+        Raises what launched work of the step (on any stream) raised."""
         await slot.copy_done.wait_async()
         return slot.read_host()
+
+    # --- failure --------------------------------------------------------------------------------
+
+    async def drain(self) -> None:
+        """Wait until every stream has run what was launched on it (errors ignored: already handled)."""
+        for stream in (self.device.compute, self.device.upload, self.device.copy):
+            try:
+                await stream.record().wait_async()
+            except Exception:  # noqa: BLE001 - the failure being recovered from
+                pass
+
+    def recover(self, slots: list[DecodeSlot]) -> bool:
+        """After drain: free the failed steps' slots and clear the device's sticky errors."""
+        for slot in slots:
+            slot.abandon()
+        return self.device.recover()

@@ -25,6 +25,7 @@ class Constraints:
         self.eos_ids = eos_ids
         self._fail = fail  # fails one request with an error; the batch goes on
         self.mask_build_s = 0.0  # host time spent building masks (benchmarks)
+        self.faults = None  # tests only: a slipstream.faults.FaultInjector
 
     @staticmethod
     def matcher(seq: Sequence):
@@ -55,6 +56,8 @@ class Constraints:
                 continue
             out[k] = 0
             try:
+                if self.faults is not None:
+                    self.faults.check("matcher", seq.request_id)
                 if m.is_terminated():
                     words = out[k].view(np.uint32)
                     for e in self.eos_ids:  # a finished grammar may only end the output

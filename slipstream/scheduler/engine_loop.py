@@ -12,8 +12,20 @@
 
 With depth 1 a step is committed before the next is planned (the blocking baseline); with depth 2
 the forward of t+1 is launched before step t is committed. Nothing else differs.
-The runner is duck-typed (launch_forward / launch_sampling / read_sampled / slots), so this file
-never touches torch or a device API.
+
+Failures (docs/reliability.md):
+  * work launched for a step raised on a stream (forward, sampling, copy): its commit raises;
+    every request of every step in flight fails with StepFailedError (the step behind it read
+    the failed step's outputs or was skipped by the failed stream), the device drains and its
+    streams recover, and the loop goes on with everyone else. Never a stale buffer: the copy
+    carries the error, and the slot's stamp proves sampling ran for this step.
+  * one request's processing raised in commit (detokeniser, matcher, stop check): only that
+    request fails.
+  * a launched step not done after step_timeout_s: the watchdog logs the state and the engine
+    fails (StepTimeoutError for its requests, EngineClosedError for the rest).
+  * anything else is a bug: the loop dies and every waiter gets EngineClosedError.
+The runner is duck-typed (launch_forward / launch_sampling / read_sampled / drain / recover /
+slots), so this file never touches torch or a device API.
 """
 from __future__ import annotations
 
@@ -22,20 +34,21 @@ import time
 
 import structlog
 
-from slipstream.errors import EngineClosedError, PipelineInvariantError
+from slipstream.errors import EngineClosedError, PipelineInvariantError, StepFailedError, StepTimeoutError
 from slipstream.runtime.batch import pack_step
 from slipstream.scheduler.constraints import Constraints
 from slipstream.scheduler.output_processor import OutputProcessor
 from slipstream.scheduler.pipeline import InflightStep, Pipeline
 from slipstream.scheduler.planner import Planner
 from slipstream.scheduler.sequence import Sequence
+from slipstream.scheduler.watchdog import Watchdog
 
 log = structlog.get_logger(__name__)
 
 
 class EngineLoop:
     def __init__(self, runner, planner: Planner, depth: int, page_size: int, row_multiple: int = 1,
-                 vocab_width: int = 0, eos_ids: tuple[int, ...] = ()):
+                 vocab_width: int = 0, eos_ids: tuple[int, ...] = (), step_timeout_s: float = 300.0):
         self.runner, self.planner, self.depth = runner, planner, depth
         self.page_size, self.row_multiple = page_size, row_multiple
         self.pipeline = Pipeline(depth, planner)
@@ -47,6 +60,8 @@ class EngineLoop:
         self._wake = asyncio.Event()
         self._closing = False
         self.error: BaseException | None = None
+        self.step_timeout_s = step_timeout_s
+        self.failed_steps = 0  # steps whose launched work raised (their requests failed)
 
     # --- requests -----------------------------------------------------------------------------
 
@@ -65,11 +80,15 @@ class EngineLoop:
     # --- the loop -------------------------------------------------------------------------------
 
     async def run(self) -> None:
+        watchdog = asyncio.create_task(Watchdog(self, self.step_timeout_s).run(asyncio.current_task()),
+                                       name="slipstream-watchdog")
         try:
             await self._run()
         except BaseException as e:
-            self.fail_all(e)
+            self.fail_all(self.error or e)
             raise
+        finally:
+            watchdog.cancel()
 
     async def _run(self) -> None:
         while not self._closing:
@@ -100,7 +119,7 @@ class EngineLoop:
         committed = oldest is not None and oldest is not launched
         if committed:
             await self.commit(oldest)
-        if launched is not None:
+        if launched is not None and launched in self.pipeline.inflight:  # (not abandoned by a failure)
             self.finalize(launched)
         return launched is not None or committed
 
@@ -126,10 +145,16 @@ class EngineLoop:
 
     async def commit(self, step: InflightStep) -> None:
         t0 = time.perf_counter()
-        sampled, logprobs = await self.runner.read_sampled(step.slot)
+        try:
+            sampled, logprobs = await self.runner.read_sampled(step.slot)
+        except PipelineInvariantError:
+            raise
+        except Exception as e:  # noqa: BLE001 - launched work of this step raised on some stream
+            await self._recover(step, e)
+            return
         t1 = time.perf_counter()
         step.slot.release()  # the host buffer has been read: the slot may take a new step
-        self.pipeline.on_commit(step, sampled, logprobs, self.outputs.accept)
+        self.pipeline.on_commit(step, sampled, logprobs, self._accept)
         t2 = time.perf_counter()
         step.timings.update(commit_wait=t1 - t0, commit=t2 - t1, t_committed=t2)
         for observe in self.observers:
@@ -145,6 +170,55 @@ class EngineLoop:
 
     # --- failure ----------------------------------------------------------------------------
 
+    def _accept(self, seq: Sequence, token: int, logprob: float) -> None:
+        try:
+            self.outputs.accept(seq, token, logprob)
+        except PipelineInvariantError:
+            raise
+        except Exception as e:  # noqa: BLE001 - one request's processing failed: only it fails
+            log.warning("request failed in commit", request_id=seq.request_id, error=repr(e))
+            self.outputs.fail(seq, e)
+
+    async def _recover(self, failed: InflightStep, error: BaseException) -> None:
+        """`failed` (the oldest step) raised: fail the requests of every step in flight, drain, recover."""
+        steps = list(self.pipeline.inflight)
+        self.failed_steps += len(steps)
+        log.error("step failed; its requests fail, the engine goes on", step=failed.step_id, kind=failed.kind,
+                  sequences=len(failed.seqs), steps_in_flight=len(steps), error=repr(error))
+        for step in steps:
+            for seq in step.seqs:
+                e = StepFailedError(f"step {failed.step_id} ({failed.kind}) failed on the device: {error!r}")
+                e.__cause__ = error
+                self.outputs.fail(seq, e)
+        await self.runner.drain()
+        recovered = self.runner.recover([step.slot for step in steps])
+        for step in steps:
+            self.pipeline.on_abandon(step)
+        if not recovered:
+            raise EngineClosedError(f"the device could not recover from a failed step: {error!r}") from error
+
+    def on_stall(self, step: InflightStep, waited_s: float) -> None:
+        """The watchdog saw `step` in flight for too long: log the state and fail the engine."""
+        log.error("step timed out; the engine stops", step=step.step_id, kind=step.kind,
+                  waited_s=round(waited_s, 3), timeout_s=self.step_timeout_s, **self.describe_state())
+        timeout = StepTimeoutError(f"step {step.step_id} ({step.kind}) did not complete within "
+                                   f"{self.step_timeout_s:g} s (waited {waited_s:.3g} s)")
+        for seq in step.seqs:
+            self.outputs.fail(seq, StepTimeoutError(*timeout.args))
+        self.error = EngineClosedError(f"engine stopped: {timeout}")
+        self.error.__cause__ = timeout
+
+    def describe_state(self) -> dict:
+        now = time.perf_counter()
+        return {
+            "slots": [f"{s.index}:{s.state.value}:step={getattr(s, 'step_id', None)}" for s in self.runner.slots],
+            "inflight_steps": [f"{s.step_id}:{s.kind}:{len(s.seqs)} seqs:age={now - s.timings.get('t_launch', now):.3f}s"
+                               for s in self.pipeline.inflight],
+            "sequences": [f"{q.request_id}:finalized={q.finalized}:inflight_refs={q.inflight_refs}"
+                          f":pending_samples={q.pending_samples}" for q in self.planner.running[:64]],
+            "waiting": self.planner.num_waiting,
+        }
+
     def fail_all(self, error: BaseException) -> None:
         """The loop died: every unfinished request gets the error instead of hanging."""
         if not isinstance(error, Exception):
@@ -155,7 +229,8 @@ class EngineLoop:
             error = closed
         self.error = error
         seqs = list(self.planner.waiting) + list(self.planner.running)
-        for seq in seqs:
+        seqs += [seq for step in self.pipeline.inflight for seq in step.seqs]
+        for seq in dict.fromkeys(seqs):
             if not seq.finalized and seq.user is not None:
                 seq.finalized, seq.finish_reason = True, "abort"
                 seq.user.queue.put_nowait(error)

@@ -1,8 +1,12 @@
 """Commit-side request logic: append a token, detokenise incrementally, check stops, emit deltas.
 
 Runs on the event loop inside commit. Text is streamed as it becomes final: while stop strings
-are set, the last (longest stop - 1) characters are held back, since they may turn out to be the
-start of a stop string that must not be shown.
+are set, the last (longest stop - 1) characters are held back (`pending`), since they may turn out
+to be the start of a stop string that must not be shown. Emitted text is kept as a list of pieces
+and joined once at the end: appending to one growing string would copy it on every token.
+
+A failure while processing one request (its detokeniser, its grammar matcher) fails only that
+request (`fail`); the batch goes on.
 """
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from slipstream.errors import SlipstreamError
+from slipstream.errors import GrammarError, GrammarMatchError, RequestFailedError, SlipstreamError
 from slipstream.outputs import CompletionOutput, RequestMetrics, StreamDelta
 from slipstream.params import SamplingParams
 from slipstream.scheduler.sequence import Sequence
@@ -27,16 +31,21 @@ class RequestState:
     stop_token_ids: frozenset[int]
     metrics: RequestMetrics
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    text: str = ""
-    emitted: int = 0  # characters of `text` already streamed
+    pieces: list[str] = field(default_factory=list)  # text already streamed, in order
+    pending: str = ""  # decoded text not streamed yet (held back while it may start a stop string)
     output: CompletionOutput | None = None
     matcher: object | None = None  # grammar matcher (slipstream.grammar), advanced on each commit
     logprobs: list[float] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces) + self.pending
 
 
 class OutputProcessor:
     def __init__(self, finalize):
         self._finalize = finalize  # Pipeline.finalize: marks finished, releases when possible
+        self.faults = None  # tests only: a slipstream.faults.FaultInjector
 
     def accept(self, seq: Sequence, token: int, logprob: float = 0.0) -> None:
         req: RequestState = seq.user
@@ -50,21 +59,30 @@ class OutputProcessor:
         reason, truncated = None, False
         if req.matcher is not None:
             try:
+                if self.faults is not None:
+                    self.faults.check("matcher", req.request_id)
                 req.matcher.accept(token)
             except Exception as e:  # noqa: BLE001 - a plugin may raise anything; only its request fails
-                self.fail(seq, e)
+                self.fail(seq, _as_grammar_error(req, e))
                 return
         if token in req.stop_token_ids:
             reason = "stop"  # the stop token stays in token_ids; its text is not part of the output
         else:
-            before = len(req.text)
-            req.text += req.detok.push([token])
+            before = len(req.pending)
+            try:
+                if self.faults is not None:
+                    self.faults.check("detokenize", req.request_id)
+                req.pending += req.detok.push([token])
+            except Exception as e:  # noqa: BLE001 - a tokenizer bug must not stop the batch
+                self.fail(seq, _wrap(RequestFailedError, f"detokenising token {token} of request "
+                                                         f"{req.request_id} failed: {e!r}", e))
+                return
             stops = req.params.stop
-            if stops:  # only the tail can hold a new match: no rescan of the whole text
+            if stops:  # only the held-back tail can hold a new match: no rescan of the whole text
                 start = max(0, before - max(map(len, stops)) + 1)
-                hits = [i for i in (req.text.find(s, start) for s in stops) if i >= 0]
+                hits = [i for i in (req.pending.find(s, start) for s in stops) if i >= 0]
                 if hits:
-                    req.text, reason, truncated = req.text[: min(hits)], "stop", True
+                    req.pending, reason, truncated = req.pending[: min(hits)], "stop", True
         if reason is None and req.matcher is not None and req.matcher.is_terminated():
             reason = "stop"  # the grammar is complete: nothing more may follow
         if reason is None and len(seq.output_ids) >= seq.max_tokens:
@@ -78,30 +96,31 @@ class OutputProcessor:
         self._finish(seq, "abort", [], flush=True)
 
     def fail(self, seq: Sequence, error: BaseException) -> None:
-        """Fail one request (its waiter raises `error`); the batch goes on."""
+        """Fail one request (its waiter raises `error`, a SlipstreamError); the batch goes on."""
         if not self._finalize(seq, "abort"):
             return
         req: RequestState = seq.user
         req.metrics.finished = time.perf_counter()
         if not isinstance(error, SlipstreamError):
-            from slipstream.errors import GrammarError
-
-            wrapped = GrammarError(f"grammar failed for request {req.request_id}: {error!r}")
-            wrapped.__cause__ = error
-            error = wrapped
+            error = _wrap(RequestFailedError, f"request {req.request_id} failed: {error!r}", error)
         req.queue.put_nowait(error)
 
     def _finish(self, seq: Sequence, reason: str, token_ids: list[int], flush: bool) -> None:
-        if not self._finalize(seq, reason):
+        if seq.finalized:
             return
         req: RequestState = seq.user
         if flush:
-            req.text += req.detok.flush()
+            try:
+                req.pending += req.detok.flush()
+            except Exception as e:  # noqa: BLE001 - as in accept: only this request fails
+                self.fail(seq, _wrap(RequestFailedError, f"detokenising request {req.request_id} failed: {e!r}", e))
+                return
+        self._finalize(seq, reason)
         req.metrics.finished = time.perf_counter()
         self._emit(req, token_ids, reason)
         req.output = CompletionOutput(
             request_id=req.request_id,
-            text=req.text,
+            text="".join(req.pieces),
             token_ids=list(seq.output_ids),
             finish_reason=reason,
             prompt_token_ids=req.prompt_ids,
@@ -112,8 +131,22 @@ class OutputProcessor:
 
     def _emit(self, req: RequestState, token_ids: list[int], finish_reason: str | None) -> None:
         hold = 0 if finish_reason or not req.params.stop else max(map(len, req.params.stop)) - 1
-        upto = max(req.emitted, len(req.text) - hold)
-        delta = req.text[req.emitted : upto]
-        req.emitted = upto
+        delta = ""
+        if len(req.pending) > hold:
+            cut = len(req.pending) - hold
+            delta, req.pending = req.pending[:cut], req.pending[cut:]
+            req.pieces.append(delta)
         if delta or token_ids or finish_reason:
             req.queue.put_nowait(StreamDelta(req.request_id, delta, token_ids, finish_reason))
+
+
+def _wrap(cls: type[SlipstreamError], message: str, cause: BaseException) -> SlipstreamError:
+    error = cls(message)
+    error.__cause__ = cause
+    return error
+
+
+def _as_grammar_error(req: RequestState, error: BaseException) -> SlipstreamError:
+    if isinstance(error, GrammarError):
+        return error
+    return _wrap(GrammarMatchError, f"grammar matcher of request {req.request_id} failed: {error!r}", error)

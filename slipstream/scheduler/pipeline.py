@@ -8,6 +8,8 @@ Invariants, enforced here:
   * a finalized (or preempted) sequence's pages and row are released exactly once, at the first
     moment its inflight_refs is 0: at finalize time if nothing is in flight, otherwise by the
     commit that drops the last reference.
+  * a failed step is abandoned instead of committed (in launch order too): its sequences have
+    all been failed first, so dropping its references releases them like zombies.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from typing import Any, Callable
 from slipstream.errors import PipelineInvariantError
 from slipstream.runtime.batch import PackedStep, SeqWork
 from slipstream.scheduler.planner import Planner
-from slipstream.scheduler.sequence import Sequence
+from slipstream.scheduler.sequence import Sequence, SeqStatus
 
 
 @dataclass
@@ -77,12 +79,25 @@ class Pipeline:
         if next(tokens, None) is not None:
             raise PipelineInvariantError(f"step {step.step_id}: more sampled tokens than sampling rows")
 
+    def on_abandon(self, step: InflightStep) -> None:
+        """Drop a failed step without tokens; every sequence in it must already be finalized."""
+        if not self.inflight or self.inflight[0] is not step:
+            raise PipelineInvariantError(f"step {step.step_id} abandoned out of launch order")
+        self.inflight.popleft()
+        for seq, work in zip(step.seqs, step.works):
+            if not seq.finalized:
+                raise PipelineInvariantError(f"{seq.request_id}: its step {step.step_id} was abandoned "
+                                             "but the request was not failed")
+            seq.inflight_refs -= 1
+            seq.pending_samples -= work.sample
+            self.maybe_release(seq)
+
     def finalize(self, seq: Sequence, reason: str) -> bool:
         """Mark a sequence finished (first reason wins). Returns False if it already was."""
         if seq.finalized:
             return False
         seq.finalized, seq.finish_reason = True, reason
-        if seq in self.planner.waiting:
+        if seq.status is SeqStatus.WAITING:
             self.planner.drop_waiting(seq)
         else:
             self.maybe_release(seq)

@@ -3,13 +3,21 @@
 Pure Python; sees only sequences and page counts. Rules:
   * A sequence is planned only while not finalized, not being preempted, and with fewer than
     `depth` steps in flight (so inflight_refs never exceeds the pipeline depth).
-  * Decode inputs come from the device (SeqWork.tokens is None); host-known tokens (prompt chunks,
-    or a committed token whose KV is not yet computed) are sent as a chunk.
+  * Decode rows first (one token each, from the device: SeqWork.tokens is None); then the rest of
+    the step's token budget is shared among prompt chunks — running prompts and newly admitted
+    ones — by water-filling: a short prompt gets all it needs, long prompts split what is left.
+    So a long prompt never holds the whole budget while a short request waits behind it.
+  * Admission reserves pages for the whole known prefix (+1 for the first sampled token), so an
+    admitted prompt always runs to its first token and a newer admission cannot starve it.
   * No sample is scheduled beyond max_tokens (counting samples still in flight), so a length cap
     never creates a zombie; only EOS/stop/abort do.
-  * Pages are reserved before launch. A running sequence that cannot grow makes the most recently
-    admitted unplanned sequence (possibly itself) a preemption victim; its pages return to the
-    pool when its inflight_refs reaches 0 and it is recomputed from its known tokens.
+  * A decode row that needs a page it cannot get makes the most recently admitted unplanned
+    sequence (possibly itself) a preemption victim; its pages return when its inflight_refs reaches
+    0 and it is recomputed from its known tokens. Pages that in-flight victims and zombies will
+    return at their commits count as coming: if they cover the need, the row skips this step
+    instead of preempting more (at depth 2 a victim frees nothing until its step commits).
+  * `waiting` is a deque with lazy deletion: a request finished while waiting is only marked, so
+    cancelling n waiting requests costs O(n), not O(n^2).
 """
 from __future__ import annotations
 
@@ -19,6 +27,26 @@ from dataclasses import dataclass
 from slipstream.runtime.batch import SeqWork
 from slipstream.scheduler.page_pool import PagePool
 from slipstream.scheduler.sequence import Sequence, SeqStatus
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def fair_shares(needs: list[int], budget: int) -> list[int]:
+    """Split `budget` over `needs` by water-filling: every share <= its need, small needs met first,
+    the remainder split evenly; rounding leftovers go to the earliest entries."""
+    shares = [0] * len(needs)
+    left = budget
+    order = sorted(range(len(needs)), key=needs.__getitem__)
+    for k, i in enumerate(order):
+        shares[i] = min(needs[i], left // (len(needs) - k))
+        left -= shares[i]
+    for i, need in enumerate(needs):
+        extra = min(left, need - shares[i])
+        shares[i] += extra
+        left -= extra
+    return shares
 
 
 @dataclass
@@ -40,79 +68,108 @@ class Planner:
     def __init__(self, pool: PagePool, page_size: int, max_batch_size: int, max_step_tokens: int):
         self.pool, self.page_size = pool, page_size
         self.max_batch_size, self.max_step_tokens = max_batch_size, max_step_tokens
-        self.waiting: deque[Sequence] = deque()
+        self.waiting: deque[Sequence] = deque()  # may hold finished entries (lazy deletion)
+        self.num_waiting = 0  # entries of `waiting` still WAITING
         self.running: list[Sequence] = []  # admitted (holding a row), in admission order
         self._free_rows = list(range(max_batch_size, 0, -1))  # row 0 is never used
         self.num_preemptions = 0
 
     def pages_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)
+        return ceil_div(num_tokens, self.page_size)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        self.num_waiting += 1
 
     def has_work(self) -> bool:
-        return bool(self.waiting) or any(not s.finalized for s in self.running)
+        return self.num_waiting > 0 or any(not s.finalized for s in self.running)
+
+    def _first_waiting(self) -> Sequence | None:
+        while self.waiting and self.waiting[0].status is not SeqStatus.WAITING:
+            self.waiting.popleft()  # finished while waiting
+        return self.waiting[0] if self.waiting else None
 
     # --- the plan -------------------------------------------------------------------------------
 
     def plan(self, depth: int) -> PlannedStep | None:
         works: list[SeqWork] = []
         seqs: list[Sequence] = []
+        prompts: list[Sequence] = []  # sequences with host-known tokens to prefill (or recompute)
         budget = self.max_step_tokens
         blocked = False
         for i, seq in enumerate(list(self.running)):
-            if len(works) >= self.max_batch_size or budget <= 0:
-                break
             if seq.status is not SeqStatus.RUNNING or seq.finalized or seq.preempting or seq.inflight_refs >= depth:
                 continue  # (a victim preempted earlier in this loop is already back in `waiting`)
-            work = self._next_work(seq, budget)
-            if work is None:
+            if not self._decoding(seq):
+                if seq.num_scheduled < seq.num_known:
+                    prompts.append(seq)
                 continue
+            if len(works) >= self.max_batch_size or budget <= 0 or seq.samples_left() <= 0:
+                continue
+            work = self._decode_work(seq)
             if not self._reserve(seq, work, victims=self.running[i:]):
                 blocked = True
                 continue
             works.append(work)
             seqs.append(seq)
-            budget -= work.num_tokens
-        while self.waiting and not blocked and len(works) < self.max_batch_size and budget > 0:
-            seq = self.waiting[0]
-            # admit only when the whole known prefix fits, so an admitted prompt can always progress
-            if not self._free_rows or self.pool.num_free < self.pages_for(seq.num_known + 1):
-                break
-            self.waiting.popleft()
-            seq.status, seq.row = SeqStatus.RUNNING, self._free_rows.pop()
-            self.running.append(seq)
-            work = self._next_work(seq, budget)
+            budget -= 1
+        room = min(self.max_batch_size - len(works), budget)  # prompt chunks that can still join
+        prompts = [p for p in prompts if p.status is SeqStatus.RUNNING and not p.preempting][:max(room, 0)]
+        while not blocked and len(prompts) < room and self._admit():
+            prompts.append(self.running[-1])
+        shares = fair_shares([p.num_known - p.num_scheduled for p in prompts], budget)
+        for seq, share in zip(prompts, shares):
+            work = self._chunk_work(seq, share) if share > 0 else None
             if work is None or not self._reserve(seq, work, victims=[]):
                 continue
             works.append(work)
             seqs.append(seq)
-            budget -= work.num_tokens
         return PlannedStep(works, seqs) if works else None
 
-    def _next_work(self, seq: Sequence, budget: int) -> SeqWork | None:
-        output_index = len(seq.output_ids) + seq.pending_samples
-        if seq.carry_on_device and seq.num_scheduled == seq.num_known + seq.pending_samples - 1:
-            # decode: the input is the newest sampled token, read from the carry-over table on the
-            # device whether or not its step has been committed (the same path at depth 1 and 2)
-            if seq.samples_left() <= 0:
-                return None
-            return SeqWork(row=seq.row, tokens=None, start_pos=seq.num_scheduled, pages=seq.pages, sample=True,
-                           output_index=output_index, sampling=seq.sampling)
-        if seq.num_scheduled < seq.num_known:  # host-known tokens: a prompt (or recompute) chunk
-            n = min(seq.num_known - seq.num_scheduled, budget)
-            reaches_end = seq.num_scheduled + n == seq.num_known
-            if reaches_end and seq.samples_left() <= 0:
-                return None
-            tokens = seq.known_tokens(seq.num_scheduled, seq.num_scheduled + n)
-            return SeqWork(row=seq.row, tokens=tokens, start_pos=seq.num_scheduled, pages=seq.pages,
-                           sample=reaches_end, output_index=output_index, sampling=seq.sampling)
-        return None
+    def _admit(self) -> bool:
+        """Admit the first waiting sequence if a row and pages for its whole known prefix are free."""
+        seq = self._first_waiting()
+        if seq is None or not self._free_rows:
+            return False
+        need = self.pages_for(seq.num_known + 1)
+        if self.pool.num_free < need:
+            return False
+        self.waiting.popleft()
+        self.num_waiting -= 1
+        seq.status, seq.row = SeqStatus.RUNNING, self._free_rows.pop()
+        seq.pages = self.pool.allocate(need)
+        self.running.append(seq)
+        return True
+
+    @staticmethod
+    def _decoding(seq: Sequence) -> bool:
+        """Its next input is its newest sampled token, which is (or will be) on the device."""
+        return seq.carry_on_device and seq.num_scheduled == seq.num_known + seq.pending_samples - 1
+
+    @staticmethod
+    def _decode_work(seq: Sequence) -> SeqWork:
+        # read from the carry-over table on the device whether or not its step has been committed
+        # (the same path at depth 1 and 2)
+        return SeqWork(row=seq.row, tokens=None, start_pos=seq.num_scheduled, pages=seq.pages, sample=True,
+                       output_index=len(seq.output_ids) + seq.pending_samples, sampling=seq.sampling)
+
+    @staticmethod
+    def _chunk_work(seq: Sequence, budget: int) -> SeqWork | None:
+        """The next chunk of host-known tokens (a prompt, or a recompute after preemption)."""
+        n = min(seq.num_known - seq.num_scheduled, budget)
+        reaches_end = seq.num_scheduled + n == seq.num_known
+        if reaches_end and seq.samples_left() <= 0:
+            return None
+        tokens = seq.known_tokens(seq.num_scheduled, seq.num_scheduled + n)
+        return SeqWork(row=seq.row, tokens=tokens, start_pos=seq.num_scheduled, pages=seq.pages,
+                       sample=reaches_end, output_index=len(seq.output_ids) + seq.pending_samples,
+                       sampling=seq.sampling)
 
     def _reserve(self, seq: Sequence, work: SeqWork, victims: list[Sequence]) -> bool:
         need = self.pages_for(work.start_pos + work.num_tokens) - len(seq.pages)
         while need > self.pool.num_free:
+            if need <= self.pool.num_free + self.pages_pending_release():
+                return False  # in-flight victims and zombies will return enough: skip this step
             victim = next((v for v in reversed(victims) if not v.finalized and not v.preempting), None)
             if victim is None:
                 return False
@@ -123,6 +180,10 @@ class Planner:
             seq.pages.extend(self.pool.allocate(need))
         work.pages = list(seq.pages)  # a snapshot: the step must not see later growth or release
         return True
+
+    def pages_pending_release(self) -> int:
+        """Pages that finished or preempted sequences still in flight return at their commits."""
+        return sum(len(s.pages) for s in self.running if (s.finalized or s.preempting) and s.inflight_refs > 0)
 
     # --- release ------------------------------------------------------------------------------
 
@@ -151,7 +212,9 @@ class Planner:
             seq.num_scheduled = 0
             seq.status = SeqStatus.WAITING
             self.waiting.appendleft(seq)
+            self.num_waiting += 1
 
     def drop_waiting(self, seq: Sequence) -> None:
-        self.waiting.remove(seq)
+        """A waiting sequence finished (aborted): marked only; `_first_waiting` skips it. O(1)."""
         seq.status = SeqStatus.FINISHED
+        self.num_waiting -= 1

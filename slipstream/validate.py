@@ -1,0 +1,139 @@
+"""Type and range checks for values that cross a public boundary (API, CLI, worker, HTTP).
+
+msgspec does not check types in a Struct's `__init__`, so every check here is explicit and raises
+InvalidRequestError naming the field. `bool` is refused where an integer or a number is expected
+(it is an `int` subclass: `max_tokens=True` would otherwise mean 1).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import msgspec
+
+from slipstream.errors import InvalidRequestError
+
+
+class CheckedStructMeta(msgspec.StructMeta):
+    """Struct construction errors (unknown keyword, missing field) become InvalidRequestError."""
+
+    def __call__(cls, *args, **kwargs):
+        try:
+            return super().__call__(*args, **kwargs)
+        except TypeError as e:  # msgspec's own: "Unexpected keyword argument 'n'"
+            raise InvalidRequestError(f"{cls.__name__}: {e}") from None
+
+
+def _type_name(value: Any) -> str:
+    return type(value).__name__
+
+
+def integer(name: str, value: Any, *, minimum: int | None = None, maximum: int | None = None,
+            optional: bool = False) -> int | None:
+    if value is None and optional:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidRequestError(f"{name} must be an integer{' or None' if optional else ''}, "
+                                  f"got {_type_name(value)} {value!r}")
+    if minimum is not None and value < minimum:
+        raise InvalidRequestError(f"{name} must be >= {minimum}, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise InvalidRequestError(f"{name} must be <= {maximum}, got {value!r}")
+    return value
+
+
+def number(name: str, value: Any) -> float:
+    """A finite int or float (not bool)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise InvalidRequestError(f"{name} must be a finite number, got {_type_name(value)} {value!r}")
+    return float(value)
+
+
+def boolean(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidRequestError(f"{name} must be true or false, got {_type_name(value)} {value!r}")
+    return value
+
+
+def text(name: str, value: Any, *, allow_empty: bool = False) -> str:
+    """A str that encodes to UTF-8 (no lone surrogates)."""
+    if not isinstance(value, str):
+        raise InvalidRequestError(f"{name} must be a string, got {_type_name(value)} {value!r:.80}")
+    if not value and not allow_empty:
+        raise InvalidRequestError(f"{name} must not be empty")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequestError(f"{name} is not valid Unicode text ({e.reason} at index {e.start})") from None
+    return value
+
+
+def string_list(name: str, value: Any) -> list[str]:
+    """None → [], a str → [str], a list of non-empty strings → itself."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, (list, tuple)):
+        raise InvalidRequestError(f"{name} must be a string or a list of strings, got {_type_name(value)} {value!r:.80}")
+    return [text(f"{name}[{i}]", s) for i, s in enumerate(value)]
+
+
+def int_list(name: str, value: Any, *, minimum: int = 0) -> list[int]:
+    """None → [], a list of integers >= minimum → itself."""
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)):
+        raise InvalidRequestError(f"{name} must be a list of integers, got {_type_name(value)} {value!r:.80}")
+    return [integer(f"{name}[{i}]", t, minimum=minimum) for i, t in enumerate(value)]
+
+
+def token_ids(name: str, value: Any, vocab_size: int) -> list[int]:
+    if not isinstance(value, (list, tuple)):
+        raise InvalidRequestError(f"{name} must be a string or a list of token ids, got {_type_name(value)} {value!r:.80}")
+    return [integer(f"{name}[{i}]", t, minimum=0, maximum=vocab_size - 1) for i, t in enumerate(value)]
+
+
+def prompt(value: Any, vocab_size: int) -> str | list[int]:
+    """A non-empty str (UTF-8 encodable) or a non-empty list of token ids in [0, vocab_size)."""
+    if isinstance(value, str):
+        return text("prompt", value)
+    if isinstance(value, (bytes, bytearray)):
+        raise InvalidRequestError("prompt must be a string or a list of token ids, got bytes (decode it first)")
+    ids = token_ids("prompt", value, vocab_size)
+    if not ids:
+        raise InvalidRequestError("prompt must not be empty")
+    return ids
+
+
+CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
+
+
+def messages(value: Any) -> list[dict[str, str]]:
+    """OpenAI-style chat messages: [{"role": str, "content": str | [{"type": "text", "text": str}]}]."""
+    if not isinstance(value, (list, tuple)) or not value:
+        raise InvalidRequestError(f"messages must be a non-empty list of {{'role', 'content'}} dicts, "
+                                  f"got {_type_name(value)} {value!r:.80}")
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict):
+            raise InvalidRequestError(f"messages[{i}] must be a dict with 'role' and 'content', got {_type_name(m)}")
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            raise InvalidRequestError(f"messages[{i}].role must be one of {CHAT_ROLES}, got {role!r}")
+        content = m.get("content")
+        if isinstance(content, (list, tuple)):  # OpenAI content parts: only text is understood
+            parts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    raise InvalidRequestError(f"messages[{i}].content[{j}] must be a {{'type': 'text', 'text': ...}} part")
+                parts.append(text(f"messages[{i}].content[{j}].text", part.get("text"), allow_empty=True))
+            content = "".join(parts)
+        out.append({"role": role, "content": text(f"messages[{i}].content", content, allow_empty=True)})
+    return out
+
+
+def request_id(value: Any) -> str | None:
+    if value is None:
+        return None
+    return text("request_id", value)

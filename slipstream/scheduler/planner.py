@@ -34,18 +34,24 @@ def ceil_div(a: int, b: int) -> int:
 
 
 def fair_shares(needs: list[int], budget: int) -> list[int]:
-    """Split `budget` over `needs` by water-filling: every share <= its need, small needs met first,
-    the remainder split evenly; rounding leftovers go to the earliest entries."""
-    shares = [0] * len(needs)
-    left = budget
-    order = sorted(range(len(needs)), key=needs.__getitem__)
-    for k, i in enumerate(order):
-        shares[i] = min(needs[i], left // (len(needs) - k))
-        left -= shares[i]
+    """Split `budget` over `needs` by water-filling: the highest level L with sum(min(need, L)) <=
+    budget, so small needs are met in full and large ones split the rest evenly; the rounding
+    remainder (fewer tokens than unmet needs) goes one each to the earliest."""
+    lo, hi = 0, max(needs, default=0)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if sum(min(n, mid) for n in needs) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    shares = [min(n, lo) for n in needs]
+    left = budget - sum(shares)
     for i, need in enumerate(needs):
-        extra = min(left, need - shares[i])
-        shares[i] += extra
-        left -= extra
+        if left <= 0:
+            break
+        if shares[i] < need:
+            shares[i] += 1
+            left -= 1
     return shares
 
 

@@ -1,0 +1,130 @@
+"""Planner regressions: head-of-line blocking, the depth-2 preemption cascade, O(n) cancels, and
+linear-time output text."""
+import asyncio
+import time
+
+from slipstream.outputs import RequestMetrics
+from slipstream.params import SamplingParams
+from slipstream.runtime.batch import SamplingRow
+from slipstream.scheduler.output_processor import OutputProcessor, RequestState
+from slipstream.scheduler.page_pool import PagePool
+from slipstream.scheduler.pipeline import Pipeline
+from slipstream.scheduler.planner import Planner, fair_shares
+from slipstream.scheduler.sequence import Sequence, SeqStatus
+
+PAGE = 4
+
+
+def seq(rid, prompt_len, max_tokens=8, order=0):
+    return Sequence(rid, list(range(3, 3 + prompt_len)), max_tokens, SamplingRow(), order)
+
+
+def test_fair_shares_meet_small_needs_first_and_split_the_rest():
+    assert fair_shares([2000, 4], 64) == [60, 4]
+    assert fair_shares([100, 100, 3], 64) == [31, 30, 3]
+    assert fair_shares([5, 5], 64) == [5, 5]
+    assert fair_shares([10, 10, 10], 2) == [1, 1, 0]
+    assert sum(fair_shares([7, 9, 100, 1], 50)) == 50
+
+
+def test_a_short_prompt_is_admitted_while_a_long_one_prefills():
+    planner = Planner(PagePool(1024), PAGE, max_batch_size=8, max_step_tokens=64)
+    long = seq("long", 2048)
+    planner.add(long)
+    first = planner.plan(depth=1)
+    assert first.works[0].num_tokens == 64
+    long.inflight_refs, long.num_scheduled = 0, 64  # as if committed
+    short = seq("short", 4, order=1)
+    planner.add(short)
+    step = planner.plan(depth=1)
+    by_id = {s.request_id: w for s, w in zip(step.seqs, step.works)}
+    assert by_id["short"].num_tokens == 4 and by_id["short"].sample  # its whole prompt, this step
+    assert by_id["long"].num_tokens == 60
+
+
+def test_admission_reserves_the_whole_prompt():
+    pool = PagePool(1 + 40)
+    planner = Planner(pool, PAGE, max_batch_size=8, max_step_tokens=16)
+    planner.add(seq("a", 100))
+    planner.plan(depth=1)
+    assert len(planner.running[0].pages) == 26  # ceil(101 / 4): the prompt + the first sampled token
+
+
+def running_with_step_in_flight(n, num_pages):
+    """n decoding sequences filling the pool, each with one step in flight (depth 2)."""
+    pool = PagePool(num_pages + 1)
+    planner = Planner(pool, PAGE, max_batch_size=16, max_step_tokens=64)
+    pipeline = Pipeline(2, planner)
+    seqs = []
+    for i in range(n):
+        s = seq(f"s{i}", PAGE, max_tokens=100, order=i)  # a full page of prompt: the next decode needs a page
+        s.status, s.row, s.pages = SeqStatus.RUNNING, i + 1, pool.allocate(1)
+        s.num_scheduled, s.pending_samples, s.inflight_refs, s.carry_on_device = PAGE, 1, 1, True
+        planner.running.append(s)
+        seqs.append(s)
+    return planner, pipeline, seqs
+
+
+def test_preemption_stops_once_in_flight_victims_cover_the_need():
+    """Every sequence needs a new page; the pool is empty; all have a step in flight. Today's bug:
+    each victim frees nothing until its commit, so the planner preempted all 8."""
+    planner, _, seqs = running_with_step_in_flight(8, num_pages=8)
+    planner.plan(depth=2)
+    victims = [s for s in seqs if s.preempting]
+    assert len(victims) == 1 and victims[0] is seqs[-1]  # the newest: enough for the oldest to grow
+    assert planner.pages_pending_release() == 1
+
+
+def test_with_nothing_in_flight_victims_free_pages_at_once():
+    planner, _, seqs = running_with_step_in_flight(8, num_pages=8)
+    for s in seqs:
+        s.inflight_refs = s.pending_samples = 0
+        s.output_ids = [5]  # committed
+    step = planner.plan(depth=2)
+    assert step is not None and planner.num_preemptions >= 1
+    assert planner.pool.num_free >= 0
+
+
+def test_cancelling_many_waiting_requests_is_linear():
+    def cancel_all(n):
+        planner = Planner(PagePool(64), PAGE, max_batch_size=4, max_step_tokens=16)
+        pipeline = Pipeline(2, planner)
+        seqs = [seq(f"w{i}", 4, order=i) for i in range(n)]
+        for s in seqs:
+            planner.add(s)
+        t0 = time.perf_counter()
+        for s in seqs:  # newest last: the worst case for deque.remove
+            pipeline.finalize(s, "abort")
+        elapsed = time.perf_counter() - t0
+        assert planner.num_waiting == 0 and planner.plan(depth=2) is None
+        return elapsed
+
+    elapsed = cancel_all(40_000)
+    assert elapsed < 0.5, f"40,000 cancels took {elapsed:.2f} s"  # deque.remove each: several seconds
+
+
+class ChattyDetok:
+    def push(self, ids):
+        return "y" * 100
+
+    def flush(self):
+        return ""
+
+
+def test_output_text_costs_the_same_per_token_at_any_length():
+    outputs = OutputProcessor(lambda s, r: setattr(s, "finalized", True) or True)
+    params = SamplingParams(max_tokens=100_000, temperature=0.0)
+    req = RequestState("r", [3], params, ChattyDetok(), frozenset(), RequestMetrics(0.0), queue=asyncio.Queue())
+    s = Sequence("r", [3], 100_000, SamplingRow(), 0, user=req)
+
+    def per_token(n):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            outputs.accept(s, 7)
+        return (time.perf_counter() - t0) / n
+
+    early = per_token(2_000)
+    for _ in range(28_000):
+        outputs.accept(s, 7)
+    late = per_token(2_000)  # the text is now 3 MB long: one copy per token would be ~100x slower
+    assert late < 5 * early, (early, late)

@@ -25,6 +25,10 @@ def test_steady_keeps_only_full_decode_steps_between_full_decode_steps():
     records = [rec(i, k, n, 10.0 * i * i, 1.0 * i * i, {}) for i, (k, n) in enumerate(zip(kinds, seqs))]
     got = [(r.step_id, dt, dc) for r, dt, dc in bench_host.steady(records, 4)]
     assert got == [(2, 40.0 - 10.0, 4.0 - 1.0), (6, 360.0 - 250.0, 36.0 - 25.0)]
+    records += [rec(i, "decode", 4, 10.0 * i * i, 1.0 * i * i, {}) for i in (8, 9)]
+    assert [r.step_id for r, _, _ in bench_host.steady(records, 4)] == [2, 6, 7, 8]
+    del records[7]  # a step the observer never saw: the intervals around it span two steps
+    assert [r.step_id for r, _, _ in bench_host.steady(records, 4)] == [2]
 
 
 def test_runs_the_real_engine_and_prints_table_and_fit(tmp_path, capsys):

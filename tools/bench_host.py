@@ -42,6 +42,7 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -280,13 +281,40 @@ def provenance(argv: list[str]) -> dict:
         except (OSError, subprocess.CalledProcessError):
             return "unknown"
 
-    return {"command": "python tools/bench_host.py " + " ".join(argv),
+    return {"command": shlex.join(["python", "tools/bench_host.py", *argv]),
             "git_commit": git("rev-parse", "--short", "HEAD"),
             "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
             "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "machine": platform.platform(), "cpu": platform.processor() or platform.machine(),
+            "machine": platform.platform(), "cpu": _cpu_name(),
             "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads()}
+            "torch_threads": torch.get_num_threads(), "load_avg_start": os.getloadavg()}
+
+
+def format_header(meta: dict, args) -> str:
+    dirty = " (dirty: uncommitted changes to tracked files)" if meta["git_dirty"] else " (clean)"
+    lines = [f"# command:  {meta['command']}",
+             f"# code:     git {meta['git_commit']}{dirty}",
+             f"# date:     {meta['date_utc']}, {meta['seconds']} s",
+             f"# machine:  {meta['machine']}, {meta['cpu']}, {meta['cores']} cores; "
+             f"load average (1/5/15 min) at start {_load(meta['load_avg_start'])}, at end {_load(meta['load_avg_end'])}",
+             f"# versions: python {meta['python']}, torch {meta['torch']} ({meta['torch_threads']} threads), "
+             f"uvloop {meta['uvloop']}",
+             f"# workload: null model (tiny-random config, byte tokenizer), CPU device, depth {args.depth}, "
+             f"L={args.length}, {args.repeats} repeat(s) per N after one warm-up run, greedy, ignore_eos"]
+    lines += [f"# note:     {line}" for line in args.note]
+    return "\n".join(lines) + "\n"
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def _load(avg) -> str:
+    return "/".join(f"{x:.2f}" for x in avg)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -298,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--depth", type=int, default=2, choices=[1, 2])
     ap.add_argument("--json-out", metavar="PATH", help="also write every interval and the fit as JSON")
     ap.add_argument("--quiet", action="store_true", help="no per-run progress on stderr")
+    ap.add_argument("--note", action="append", default=[], help="a line for the output's header (repeatable)")
     args = ap.parse_args(argv)
     if min(args.streams) < 1 or args.length < 5 or args.repeats < 1:
         ap.error("--streams >= 1, --len >= 5 (steady steps need neighbours) and --repeats >= 1")
@@ -317,10 +346,9 @@ def main(argv: list[str] | None = None) -> int:
     import uvloop  # the engine's loop of choice, as in the CLI
 
     results = uvloop.run(bench(sorted(set(args.streams)), args.length, args.repeats, args.depth, on_run))
-    meta["seconds"] = round(time.perf_counter() - t0, 1)
-    print(f"slipstream host-only bench: null model (tiny-random config, byte tokenizer), CPU device, "
-          f"depth {args.depth}, L={args.length}, {args.repeats} repeat(s), {meta['date_utc']}, "
-          f"{meta['seconds']} s\n", flush=True)
+    meta.update(seconds=round(time.perf_counter() - t0, 1), load_avg_end=os.getloadavg(), uvloop=uvloop.__version__,
+                note=args.note)
+    print(format_header(meta, args), flush=True)
     print(format_report(results))
     if args.json_out:
         doc = {**meta, "depth": args.depth, "len": args.length, "repeats": args.repeats, "fits": fits(results),

@@ -22,13 +22,13 @@ def test_steady_keeps_only_full_decode_steps_between_full_decode_steps():
     rec = bench_host.StepRecord
     seqs = [4, 4, 4, 4, 3, 4, 4, 4]  # step 4 is partial (a sequence finished): it breaks the run
     kinds = ["prefill"] + ["decode"] * 7
-    records = [rec(i, k, n, 10.0 * i * i, 1.0 * i * i, {}) for i, (k, n) in enumerate(zip(kinds, seqs))]
-    got = [(r.step_id, dt, dc) for r, dt, dc in bench_host.steady(records, 4)]
-    assert got == [(2, 40.0 - 10.0, 4.0 - 1.0), (6, 360.0 - 250.0, 36.0 - 25.0)]
-    records += [rec(i, "decode", 4, 10.0 * i * i, 1.0 * i * i, {}) for i in (8, 9)]
-    assert [r.step_id for r, _, _ in bench_host.steady(records, 4)] == [2, 6, 7, 8]
+    records = [rec(i, k, n, 10.0 * i * i, 1.0 * i * i, 0.5 * i, {}) for i, (k, n) in enumerate(zip(kinds, seqs))]
+    got = [(r.step_id, *times) for r, *times in bench_host.steady(records, 4)]
+    assert got == [(2, 40.0 - 10.0, 4.0 - 1.0, 0.5), (6, 360.0 - 250.0, 36.0 - 25.0, 0.5)]
+    records += [rec(i, "decode", 4, 10.0 * i * i, 1.0 * i * i, 0.5 * i, {}) for i in (8, 9)]
+    assert [r.step_id for r, *_ in bench_host.steady(records, 4)] == [2, 6, 7, 8]
     del records[7]  # a step the observer never saw: the intervals around it span two steps
-    assert [r.step_id for r, _, _ in bench_host.steady(records, 4)] == [2]
+    assert [r.step_id for r, *_ in bench_host.steady(records, 4)] == [2]
 
 
 def test_runs_the_real_engine_and_prints_table_and_fit(tmp_path, capsys):
@@ -49,7 +49,7 @@ def test_runs_the_real_engine_and_prints_table_and_fit(tmp_path, capsys):
     assert doc["git_commit"] and "git_dirty" in doc and doc["torch"]
     assert [r["streams"] for r in doc["results"]] == [1, 4]
     for r in doc["results"]:
-        assert len(r["step_us"]) == len(r["cpu_us"]) == length - 3
+        assert len(r["step_us"]) == len(r["cpu_us"]) == len(r["loop_cpu_us"]) == length - 3
         assert all(x > 0 for x in r["step_us"]) and all(len(v) == length - 3 for v in r["phase_us"].values())
     for intercept, slope in doc["fits"].values():
         assert math.isfinite(intercept) and math.isfinite(slope)

@@ -26,7 +26,10 @@ The seam (what this tool depends on, so it survives refactors of the scheduler a
   * `slipstream.api.assemble.build_model(spec, dtype, torch_device, seed) -> (model, tokenizer,
     ModelConfig)`, patched for the duration of `Engine.start()` to return a NullModel;
   * the model contract: called as `model(batch, kv)` with `batch.sample_indices` (one row per
-    sampled token) and returns logits [len(sample_indices), vocab]; `model.config.vocab_size`;
+    sampled token) and returns logits [len(sample_indices), vocab]; `model.config.vocab_size`
+    (if the runner starts calling other model methods, NullModel needs them too);
+  * `slipstream.models.build.RANDOM["tiny-random"]` (the config) and
+    `slipstream.models.byte_tokenizer.ByteTokenizer` / `OFFSET`;
   * the public API: Engine, EngineConfig (max_batch_size, max_num_batched_tokens,
     kv_cache_tokens, batch_invariant, pipeline_depth), SamplingParams, `engine.stream`;
   * `engine.loop.observers` (called with each committed step) and, on the step, `step_id`,
@@ -144,8 +147,9 @@ def prompts(n: int) -> list[list[int]]:
 
 
 def steady(records: list[StepRecord], n: int) -> list[tuple[StepRecord, float, float, float]]:
-    """(step, wall, process CPU and loop-thread CPU time since the previous commit) of full-batch decode steps with full-batch
-    decode neighbours: the loop was planning, launching and committing N rows the whole interval."""
+    """(step, wall, process CPU and loop-thread CPU time since the previous commit) of full-batch
+    decode steps with full-batch decode neighbours: the loop was planning, launching and committing
+    N rows the whole interval."""
     full = [r.kind == "decode" and r.num_seqs == n for r in records]
     out = []
     for i in range(1, len(records) - 1):

@@ -211,13 +211,13 @@ async def bench(streams: list[int], length: int, repeats: int, depth: int, on_ru
             for rep in range(repeats):
                 records, per_token = await run_once(engine, n, length)
                 rows = steady(records, n)
-                res.step_us += [row[1] * 1e6 for row in rows]
-                res.cpu_us += [row[2] * 1e6 for row in rows]
-                res.loop_cpu_us += [row[3] * 1e6 for row in rows]
+                res.step_us += [_us(row[1]) for row in rows]
+                res.cpu_us += [_us(row[2]) for row in rows]
+                res.loop_cpu_us += [_us(row[3]) for row in rows]
                 for r, *_ in rows:
                     for p, v in r.phases.items():
-                        res.phase_us[p].append(v * 1e6)
-                res.run_wall_per_token_us.append(per_token * 1e6)
+                        res.phase_us[p].append(_us(v))
+                res.run_wall_per_token_us.append(_us(per_token))
                 if on_run is not None:
                     on_run(n, rep, rows, per_token)
             if not res.step_us:
@@ -226,6 +226,10 @@ async def bench(streams: list[int], length: int, repeats: int, depth: int, on_ru
     finally:
         await engine.close()
     return results
+
+
+def _us(seconds: float) -> float:
+    return round(seconds * 1e6, 1)  # 0.1 µs: finer than the clocks' real resolution; keeps the JSON small
 
 
 # --- fit and tables --------------------------------------------------------------------------
@@ -265,7 +269,8 @@ def format_report(results: list[NResult]) -> str:
                   "asyncio loop's thread; run wall / L: one run's wall (submission to last token, prefill and "
                   "drain included) ÷ output length, mean of repeats", ""]
     for name, (a, b) in fits(results).items():
-        lines.append(f"fit on the {name + 's:':<13} intercept {a:7.0f} µs, slope {b:6.2f} µs per extra sequence per step")
+        lines.append(f"fit on the {name + 's:':<13} intercept {a:7.0f} µs, slope {b:6.2f} µs per extra sequence "
+                     "per step")
     lines.append("")
     if any(r.phase_us.get(p) for r in results for p in PHASES):
         lines += ["loop phases per step, medians (µs): plan / launch / commit / finalize are host work "
@@ -306,7 +311,8 @@ def format_header(meta: dict, args) -> str:
              f"# code:     git {meta['git_commit']}{dirty}",
              f"# date:     {meta['date_utc']}, {meta['seconds']} s",
              f"# machine:  {meta['machine']}, {meta['cpu']}, {meta['cores']} cores; "
-             f"load average (1/5/15 min) at start {_load(meta['load_avg_start'])}, at end {_load(meta['load_avg_end'])}",
+             f"load average (1/5/15 min) at start {_load(meta['load_avg_start'])}, "
+             f"at end {_load(meta['load_avg_end'])}",
              f"# versions: python {meta['python']}, torch {meta['torch']} ({meta['torch_threads']} threads), "
              f"uvloop {meta['uvloop']}",
              f"# workload: null model (tiny-random config, byte tokenizer), CPU device, depth {args.depth}, "
@@ -325,17 +331,6 @@ def _cpu_name() -> str:
 
 def _load(avg) -> str:
     return "/".join(f"{x:.2f}" for x in avg)
-
-
-def _rounded(x):
-    """µs to 0.1 µs (the clocks are not finer than that in practice): keeps the JSON small."""
-    if isinstance(x, float):
-        return round(x, 1)
-    if isinstance(x, dict):
-        return {k: _rounded(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_rounded(v) for v in x]
-    return x
 
 
 def to_json(doc: dict) -> str:
@@ -378,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     print(format_report(results))
     if args.json_out:
         doc = {**meta, "depth": args.depth, "len": args.length, "repeats": args.repeats, "fits": fits(results),
-               "results": [_rounded(asdict(r)) for r in results]}
+               "results": [asdict(r) for r in results]}
         with open(args.json_out, "w") as f:
             f.write(to_json(doc))
     return 0

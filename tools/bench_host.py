@@ -14,7 +14,7 @@ padding). Steady state only: commit-to-commit intervals of full-batch decode ste
 neighbours are full-batch decode steps too (the prefill step, the first decode step after it and
 the drain at the end are left out). A warm-up run per N, then --repeats runs; the table pools the
 steady steps of all repeats. Two clocks per interval: wall (perf_counter) and the process's CPU
-time (all threads). With a device that takes no time the loop is never idle, so on a quiet
+time (all threads). With a device that takes no time the process is never idle, so on a quiet
 machine the two agree; on a shared machine other processes inflate the wall, not the CPU time.
 Least-squares lines through the per-N medians and means give intercept µs + slope µs per extra
 sequence per step. Garbage collection is left on (it is part of the host's cost).

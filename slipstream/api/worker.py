@@ -179,6 +179,7 @@ class Worker:
         session = self._sessions.get(identity)
         if session is None:
             if isinstance(msg, Bye):
+                self._cut_off.pop(identity, None)
                 return
             session = self._sessions[identity] = _Session(identity, identity.hex())
             log.info("client connected", client=session.tag, clients=len(self._sessions))
@@ -210,16 +211,19 @@ class Worker:
         self._sessions.pop(session.identity, None)
         for task in session.tasks.values():
             task.cancel()  # Engine aborts a cancelled request and frees its pages
-        slow = why == NOT_READING
-        if slow:
-            self.num_slow_clients += 1
-            if session.tasks or session.told:  # still not reading: what it was told may be lost too
-                self._cut_off[session.identity] = session.told + list(session.tasks)
-                while len(self._cut_off) > 1024:  # bounded: the oldest are least likely to come back
-                    self._cut_off.popitem(last=False)
-        (log.warning if slow else log.info)(
+        if why == NOT_READING:
+            self._remember_cut_off(session)
+        (log.warning if why == NOT_READING else log.info)(
             "client gone", client=session.tag, reason=why, aborted=len(session.tasks), requests=session.requests,
-            clients=len(self._sessions), **({"max_unsent_frames": self.limits.max_unsent_frames} if slow else {}))
+            clients=len(self._sessions))
+
+    def _remember_cut_off(self, session: _Session) -> None:
+        """A client dropped for not reading may read again: keep what to tell it then."""
+        self.num_slow_clients += 1
+        if session.tasks or session.told:  # told again: it may not have read that either
+            self._cut_off[session.identity] = session.told + list(session.tasks)
+            while len(self._cut_off) > 1024:  # bounded: the oldest are least likely to come back
+                self._cut_off.popitem(last=False)
 
     def _admit(self, session: _Session, msg: Generate, params: SamplingParams) -> None:
         rid = msg.request_id

@@ -251,8 +251,7 @@ class Client:
         try:
             self._sock.send(self._enc.encode(msg), zmq.NOBLOCK).result()  # NOBLOCK: done at once
         except zmq.Again:
-            raise WorkerUnavailableError(f"cannot send to the worker at {self.address}: "
-                                         "the connection is down or its queue is full") from None
+            raise WorkerUnavailableError(f"cannot send to the worker at {self.address}: queue full") from None
 
     def _send_nowait(self, msg) -> None:
         """Best effort (Abort, Bye), and only on a live connection: a new worker must not get them."""

@@ -110,3 +110,37 @@ async def wait_pages_free(client, timeout: float = 10.0) -> dict:
         if time.monotonic() > deadline:
             raise AssertionError(f"pages not freed: {s}")
         await asyncio.sleep(0.02)
+
+
+_STUB = r'''
+import sys, msgspec, zmq
+sock = zmq.Context.instance().socket(zmq.ROUTER)
+sock.bind(sys.argv[1])
+print("bound", flush=True)
+received = []
+while True:
+    identity, data = sock.recv_multipart()
+    msg = msgspec.msgpack.decode(data)
+    received.append(msg.get("type"))
+    if msg.get("type") == "health":
+        reply = dict(type="health_reply", seq=msg["seq"], ready=True, draining=False, model="stub", pid=0,
+                     heartbeat_s=0.2, max_message_bytes=1 << 20, chat_template=False, version=1)
+    elif msg.get("type") == "generate" and msg.get("stream"):  # a first delta, then silence
+        reply = dict(type="delta", request_id=msg["request_id"], text="x", token_ids=[120], finish_reason=None)
+    elif msg.get("type") == "stats":
+        reply = dict(type="stats_reply", seq=msg["seq"], stats=dict(received=received))
+    else:
+        continue
+    sock.send_multipart([identity, msgspec.msgpack.encode(dict(v=1, msgs=[reply]))])
+'''
+
+
+def start_stub_worker(address: str) -> subprocess.Popen:
+    """A stand-in worker that starts in a fraction of a second, for tests about the connection itself.
+    It answers health, stats with {"received": [the type of every message it got]}, and a streamed
+    generate with one delta that never ends; nothing else."""
+    proc = subprocess.Popen([sys.executable, "-c", _STUB, address], stdout=subprocess.PIPE, text=True)
+    if proc.stdout.readline().strip() != "bound":
+        proc.kill()
+        raise RuntimeError(f"stub worker did not start (rc={proc.wait()})")
+    return proc

@@ -5,6 +5,11 @@ call that waits for it, and watches liveness. A call never hangs: request waits 
 WorkerUnavailableError when the connection drops (socket monitor) or when nothing, not even a
 heartbeat, has come from the worker for `timeout` seconds; replies to calls are awaited with
 `timeout`; sends never block (a full queue raises at once).
+
+While the connection is down, new calls fail at once and nothing is queued for later: a dropped
+connection's socket is closed (discarding what was sent into it after the worker went) and a fresh
+one connects, and nothing is sent until its handshake with a worker succeeds. So a worker restarted
+at the same address never runs a request that was given up on, and the same Client works again.
 """
 from __future__ import annotations
 
@@ -45,6 +50,9 @@ from slipstream.params import SamplingParams
 
 log = structlog.get_logger(__name__)
 
+_monitor_ids = itertools.count()
+_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+
 Prompt = str | list[int]
 
 
@@ -70,27 +78,31 @@ class Client:
         self._dec = frame_decoder()
         self._last_heard = 0.0
         self._sock: zmq.asyncio.Socket | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
         self._pump_task: asyncio.Task | None = None
         self._closed = False
+        self._up = asyncio.Event()  # set while a connection to a worker is established (monitor)
+        self._was_up = False
+        self._refresh: asyncio.Task | None = None  # re-handshake after a reconnection
 
     # --- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> "Client":
         """Connect and handshake; raises WorkerUnavailableError if no worker answers in time."""
-        ctx = zmq.asyncio.Context.instance()
-        self._sock = ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.SNDHWM, 100_000)
-        self._sock.setsockopt(zmq.RCVHWM, 100_000)
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         try:
-            self._sock.connect(self.address)
+            self._open_socket()
         except zmq.ZMQError as e:
             await self.close()
             raise WorkerUnavailableError(f"cannot connect to {self.address!r}: {e}") from e
         self._pump_task = asyncio.create_task(self._pump(), name="slipstream-client-pump")
         try:
-            self.info = await self.health(timeout=self.connect_timeout)
+            deadline = time.perf_counter() + self.connect_timeout
+            try:
+                await asyncio.wait_for(self._up.wait(), self.connect_timeout)
+            except TimeoutError:
+                raise WorkerUnavailableError(f"no worker answered at {self.address} within "
+                                             f"{self.connect_timeout:g} s") from None
+            self.info = await self.health(timeout=max(0.0, deadline - time.perf_counter()))
         except BaseException:
             await self.close()
             raise
@@ -105,14 +117,27 @@ class Client:
         self._closed = True
         if self._sock is not None:
             self._send_nowait(Bye(v=PROTOCOL_VERSION))  # the worker aborts our requests at once
-        if self._pump_task is not None:
-            self._pump_task.cancel()
-            await asyncio.gather(self._pump_task, return_exceptions=True)
+        for task in (self._pump_task, self._refresh):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         self._fail_all(WorkerUnavailableError("the client is closed"))
-        if self._sock is not None:
-            self._sock.disable_monitor()
-            self._monitor.close(linger=0)
-            self._sock.close(linger=100)  # lets the Bye leave
+        self._close_socket(linger=100)  # lets the Bye leave
+
+    @property
+    def connected(self) -> bool:
+        """True while a connection to a worker is up; calls made while it is down fail at once."""
+        return self._up.is_set() and not self._closed
+
+    async def wait_connected(self, timeout: float) -> None:
+        """Wait until the connection is up again (ZMQ reconnects by itself), or raise WorkerUnavailableError."""
+        self._check_started()
+        try:
+            await asyncio.wait_for(self._up.wait(), timeout)
+        except TimeoutError:
+            raise WorkerUnavailableError(f"no worker at {self.address} within {timeout:g} s") from None
+        if self._refresh is not None:  # the new worker's handshake: info describes it, not the old one
+            await asyncio.gather(self._refresh, return_exceptions=True)
 
     async def __aenter__(self) -> "Client":
         return await self.start()
@@ -212,9 +237,15 @@ class Client:
 
     # --- socket ---------------------------------------------------------------------------------
 
-    def _check_open(self) -> None:
+    def _check_started(self) -> None:
         if self._sock is None or self._closed:
             raise WorkerUnavailableError("the client is not started (use `async with Client(...)`) or is closed")
+
+    def _check_open(self) -> None:
+        self._check_started()
+        if not self._up.is_set():
+            raise WorkerUnavailableError(f"not connected to the worker at {self.address} (it went away; "
+                                         "calls work again once a worker answers there)")
 
     def _send(self, msg) -> None:
         try:
@@ -223,10 +254,34 @@ class Client:
             raise WorkerUnavailableError(f"cannot send to the worker at {self.address}: queue full") from None
 
     def _send_nowait(self, msg) -> None:
+        """Best effort (Abort, Bye), and only on a live connection: a new worker must not get them."""
+        if not self._up.is_set():
+            return
         try:
             self._send(msg)
         except (WorkerUnavailableError, zmq.ZMQError):
             pass
+
+    def _open_socket(self) -> None:
+        ctx = zmq.asyncio.Context.instance()
+        self._sock = ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, 100_000)
+        # A loop too busy to read lets at most this many frames pile up here; then the worker's own
+        # bound (max_unsent_frames) is reached and it drops this client rather than work for nobody.
+        self._sock.setsockopt(zmq.RCVHWM, 1000)
+        address = f"inproc://slipstream-client-monitor-{next(_monitor_ids)}"  # unique: sockets are replaced
+        self._sock.monitor(address, _EVENTS)
+        self._monitor = ctx.socket(zmq.PAIR)
+        self._monitor.connect(address)
+        self._sock.connect(self.address)
+
+    def _close_socket(self, linger: int = 0) -> None:
+        if self._sock is None:
+            return
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
+        self._sock.close(linger=linger)
 
     async def _pump(self) -> None:
         try:
@@ -240,22 +295,50 @@ class Client:
             raise
 
     async def _pump_forever(self) -> None:
-        poller = zmq.asyncio.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._monitor, zmq.POLLIN)
         tick = max(0.01, min(self.timeout / 4, 0.25))
         checked = time.perf_counter()
         while True:
-            events = dict(await poller.poll(tick * 1000))
-            self._drain()
-            if self._monitor in events:
-                event = parse_monitor_message(await self._monitor.recv_multipart())
-                if event["event"] == zmq.EVENT_DISCONNECTED:
-                    self._drain()  # data the worker sent before it went is already queued: use it
-                    self._fail_all(WorkerUnavailableError(f"lost the connection to the worker at {self.address}"))
-            if time.perf_counter() - checked >= tick:  # O(pending): not on every frame
-                checked = time.perf_counter()
-                self._check_liveness()
+            sock, poller = self._sock, zmq.asyncio.Poller()
+            poller.register(sock, zmq.POLLIN)
+            poller.register(self._monitor, zmq.POLLIN)
+            while sock is self._sock:  # until a lost connection replaces the socket
+                events = dict(await poller.poll(tick * 1000))
+                self._drain()
+                if self._monitor in events:
+                    self._connection_events()
+                if time.perf_counter() - checked >= tick:  # O(pending): not on every frame
+                    checked = time.perf_counter()
+                    self._check_liveness()
+
+    def _connection_events(self) -> None:
+        while True:
+            try:
+                event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK).result())["event"]
+            except zmq.Again:
+                return
+            if event == zmq.EVENT_DISCONNECTED:
+                self._up.clear()
+                self._drain()  # data the worker sent before it went is already queued: use it
+                self._fail_all(WorkerUnavailableError(f"lost the connection to the worker at {self.address}"))
+                log.warning("lost the connection to the worker", address=self.address)
+                # What was sent after the worker went sits in this socket's queue; ZMQ would hand it
+                # to whoever answers at the address next. Discard it with the socket; start afresh.
+                self._close_socket()
+                self._open_socket()
+                return
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._up.set()
+                if self._was_up:  # a reconnection: maybe another worker process; ask who it is
+                    log.info("reconnected to a worker", address=self.address)
+                    self.draining = False
+                    self._refresh = asyncio.create_task(self._rehandshake(), name="slipstream-client-rehandshake")
+                self._was_up = True
+
+    async def _rehandshake(self) -> None:
+        try:
+            self.info = await self.health()
+        except WorkerError as e:  # gone again: the next reconnection retries
+            log.info("handshake after reconnecting failed", error=repr(e))
 
     def _drain(self) -> None:
         while True:

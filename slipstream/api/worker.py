@@ -9,6 +9,7 @@ frees their pages. Heartbeats come from the asyncio thread, so they prove the en
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import signal
 from dataclasses import dataclass, field
@@ -35,13 +36,14 @@ from slipstream.api.protocol import (
     error_to_wire,
     output_to_wire,
 )
-from slipstream.api.worker_io import WorkerIO
+from slipstream.api.worker_io import NOT_READING, WorkerIO
 from slipstream.errors import (
     EngineClosedError,
     InvalidRequestError,
     OverloadedError,
     SlipstreamError,
     WorkerShuttingDownError,
+    WorkerUnavailableError,
 )
 from slipstream.params import EngineConfig, SamplingParams
 
@@ -55,6 +57,20 @@ class WorkerLimits:
     heartbeat_s: float = 0.5
     shutdown_timeout_s: float = 10.0  # in-flight work gets this long to finish after SIGTERM/SIGINT
     metrics_port: int | None = None  # serve Prometheus text on http://127.0.0.1:PORT/metrics (0: any port)
+    # Per client: output frames queued that its connection has not taken yet. A client that lets
+    # this many pile up has stopped reading; it is dropped and its requests aborted (pages freed).
+    max_unsent_frames: int = 1000
+
+    def __post_init__(self) -> None:
+        least = dict(max_queued=0, max_message_bytes=1, max_unsent_frames=1)
+        for name, low in least.items():
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < low:
+                raise InvalidRequestError(f"WorkerLimits.{name} must be an int >= {low}, got {value!r}")
+        if not self.heartbeat_s > 0:
+            raise InvalidRequestError(f"WorkerLimits.heartbeat_s must be > 0, got {self.heartbeat_s!r}")
+        if not self.shutdown_timeout_s >= 0:
+            raise InvalidRequestError(f"WorkerLimits.shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s!r}")
 
 
 @dataclass(eq=False)
@@ -64,6 +80,7 @@ class _Session:
     tasks: dict[str, asyncio.Task] = field(default_factory=dict)
     gone: bool = False  # nobody to answer: cancelled tasks send nothing
     requests: int = 0
+    told: list[str] = field(default_factory=list)  # ids of requests aborted while it was not reading
 
 
 class Worker:
@@ -78,7 +95,10 @@ class Worker:
         self._stop_reason = ""
         self._exit_code = 0
         self._force = False
-        self.num_requests = self.num_overloaded = 0
+        self.num_requests = self.num_overloaded = self.num_slow_clients = 0
+        # clients dropped for not reading -> ids of the requests that were aborted with them; told on
+        # their next message (a client that reads again must not wait forever on those)
+        self._cut_off: collections.OrderedDict[bytes, list[str]] = collections.OrderedDict()
         self.io: WorkerIO | None = None
         self._background: set[asyncio.Task] = set()
 
@@ -116,7 +136,8 @@ class Worker:
                            deliver=lambda ident, msg, params: call(self._on_message, ident, msg, params),
                            gone=lambda ident, why: call(self._on_gone, ident, why),
                            died=lambda e: call(self.stop, f"socket thread died: {e!r}", 1),
-                           max_message_bytes=self.limits.max_message_bytes)
+                           max_message_bytes=self.limits.max_message_bytes,
+                           max_unsent_frames=self.limits.max_unsent_frames)
         self.io.start()
         beat = asyncio.create_task(self._heartbeats(), name="slipstream-worker-heartbeat")
         log.info("worker ready", address=self.address, kv_pages=self.engine.stats()["kv_pages_total"],
@@ -158,9 +179,15 @@ class Worker:
         session = self._sessions.get(identity)
         if session is None:
             if isinstance(msg, Bye):
+                self._cut_off.pop(identity, None)
                 return
             session = self._sessions[identity] = _Session(identity, identity.hex())
             log.info("client connected", client=session.tag, clients=len(self._sessions))
+            session.told = self._cut_off.pop(identity, [])
+            for rid in session.told:
+                self.io.send(identity, error_to_wire(WorkerUnavailableError(
+                    "the worker dropped this client because it stopped reading; the request was aborted"),
+                    request_id=rid))
         if isinstance(msg, Generate):
             self._admit(session, msg, params)
         elif isinstance(msg, Abort):
@@ -184,8 +211,19 @@ class Worker:
         self._sessions.pop(session.identity, None)
         for task in session.tasks.values():
             task.cancel()  # Engine aborts a cancelled request and frees its pages
-        log.info("client gone", client=session.tag, reason=why, aborted=len(session.tasks),
-                 requests=session.requests, clients=len(self._sessions))
+        if why == NOT_READING:
+            self._remember_cut_off(session)
+        (log.warning if why == NOT_READING else log.info)(
+            "client gone", client=session.tag, reason=why, aborted=len(session.tasks), requests=session.requests,
+            clients=len(self._sessions))
+
+    def _remember_cut_off(self, session: _Session) -> None:
+        """A client dropped for not reading may read again: keep what to tell it then."""
+        self.num_slow_clients += 1
+        if session.tasks or session.told:  # told again: it may not have read that either
+            self._cut_off[session.identity] = session.told + list(session.tasks)
+            while len(self._cut_off) > 1024:  # bounded: the oldest are least likely to come back
+                self._cut_off.popitem(last=False)
 
     def _admit(self, session: _Session, msg: Generate, params: SamplingParams) -> None:
         rid = msg.request_id
@@ -271,7 +309,8 @@ class Worker:
         except EngineClosedError:
             stats = {}
         stats.update(clients=len(self._sessions), inflight=self._inflight, requests=self.num_requests,
-                     overloaded=self.num_overloaded, bad_messages=self.io.bad_messages if self.io else 0,
+                     overloaded=self.num_overloaded, slow_clients=self.num_slow_clients,
+                     bad_messages=self.io.bad_messages if self.io else 0,
                      draining=self._draining)
         return stats
 

@@ -41,6 +41,7 @@ from slipstream.params import SamplingParams
 log = structlog.get_logger(__name__)
 
 _wake_ids = itertools.count()
+NOT_READING = "not reading (send queue full)"  # the reason given to `gone` for a client that stopped reading
 Deliver = Callable[[bytes, object, SamplingParams | None], None]  # (identity, message, params)
 Gone = Callable[[bytes, str], None]  # (identity, reason)
 Died = Callable[[BaseException], None]
@@ -48,8 +49,14 @@ Died = Callable[[BaseException], None]
 
 class WorkerIO:
     def __init__(self, ctx: zmq.Context, address: str, deliver: Deliver, gone: Gone, died: Died,
-                 max_message_bytes: int, send_hwm: int = 100_000):
-        """The callbacks run on this object's thread; they must hop to the loop themselves."""
+                 max_message_bytes: int, max_unsent_frames: int = 1000, max_unread_frames: int = 100_000):
+        """The callbacks run on this object's thread; they must hop to the loop themselves.
+
+        max_unsent_frames bounds, per client, the frames queued for it that its connection has not
+        taken yet (ZMQ SNDHWM; the OS socket buffers hold some more). A client that lets them pile
+        up has stopped reading: its next send fails at once (ROUTER_MANDATORY) and it is reported
+        gone, so its requests are aborted instead of running for nobody.
+        """
         self.max_message_bytes = max_message_bytes
         self._deliver, self._gone, self._died = deliver, gone, died
         self.router = ctx.socket(zmq.ROUTER)
@@ -57,8 +64,8 @@ class WorkerIO:
         # ZMQ drops (and disconnects) a peer whose frame exceeds this before it is ever buffered in
         # full; frames between max_message_bytes and this are read and answered with an Error.
         self.router.setsockopt(zmq.MAXMSGSIZE, 4 * max_message_bytes + 1024)
-        self.router.setsockopt(zmq.SNDHWM, send_hwm)
-        self.router.setsockopt(zmq.RCVHWM, send_hwm)
+        self.router.setsockopt(zmq.SNDHWM, max_unsent_frames)
+        self.router.setsockopt(zmq.RCVHWM, max_unread_frames)
         self.router.setsockopt(zmq.LINGER, 500)  # final replies get a moment to leave at exit
         try:
             self.router.bind(address)  # here, on the caller's thread, so a bad address raises to it
@@ -198,7 +205,7 @@ class WorkerIO:
                 if e.errno == zmq.EHOSTUNREACH:
                     self._gone(identity, "disconnected")
                 elif e.errno == zmq.EAGAIN:
-                    self._gone(identity, "not reading (send queue full)")
+                    self._gone(identity, NOT_READING)
                 else:
                     raise
             except Exception as e:  # noqa: BLE001 - e.g. unencodable: lose this batch, not the thread

@@ -13,6 +13,9 @@ def register(sub) -> None:
     p.add_argument("--max-queued", type=int, default=256,
                    help="unfinished requests allowed beyond the batch; more are answered 'overloaded'")
     p.add_argument("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES)
+    p.add_argument("--max-unsent-frames", type=int, default=1000,
+                   help="per client: output frames its connection has not taken yet; a client that lets this many "
+                        "pile up (it stopped reading) is dropped and its requests aborted")
     p.add_argument("--heartbeat", type=float, default=0.5, help="seconds between heartbeats to clients")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests get to finish after SIGTERM/SIGINT")
@@ -39,5 +42,5 @@ def _worker(args) -> int:
                            kv_cache_tokens=args.kv_cache_tokens, page_size=args.page_size, seed=args.seed)
     limits = WorkerLimits(max_queued=args.max_queued, max_message_bytes=args.max_message_bytes,
                           heartbeat_s=args.heartbeat, shutdown_timeout_s=args.shutdown_timeout,
-                          metrics_port=args.metrics_port)
+                          metrics_port=args.metrics_port, max_unsent_frames=args.max_unsent_frames)
     return serve(config, args.bind, limits)

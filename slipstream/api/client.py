@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
@@ -26,6 +27,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from slipstream import errors
+from slipstream import validate as check
 from slipstream.api.protocol import (
     PROTOCOL_VERSION,
     Abort,
@@ -74,6 +76,7 @@ class Client:
         self._calls: dict[int, asyncio.Future] = {}
         self._seq = itertools.count(1)
         self._ids = itertools.count()
+        self._id_prefix = f"req-{secrets.token_hex(4)}-"  # auto ids never look like a user's "req-1"
         self._enc = msgspec.msgpack.Encoder()
         self._dec = frame_decoder()
         self._last_heard = 0.0
@@ -206,9 +209,17 @@ class Client:
     def _submit(self, request_id: str | None, params: SamplingParams | None, stream: bool,
                 prompt: dict) -> _Pending:
         self._check_open()
-        request_id = request_id or f"req-{next(self._ids)}"
+        if params is not None and not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if "messages" in prompt:
+            prompt = {"messages": check.messages(prompt["messages"])}
+        else:  # token ids are range-checked by the worker, which knows the vocabulary
+            prompt = {"prompt": check.prompt(prompt["prompt"], vocab_size=2**63)}
+        request_id = check.request_id(request_id)
+        if request_id is None:
+            request_id = f"{self._id_prefix}{next(self._ids)}"
         if request_id in self._pending:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+            raise InvalidRequestError(f"request_id {request_id!r} is already in use")
         raw = msgspec.Raw(self._enc.encode(params or SamplingParams()))
         msg = Generate(v=PROTOCOL_VERSION, request_id=request_id, params=raw, stream=stream, **prompt)
         p = _Pending(request_id, time.perf_counter())

@@ -1,0 +1,19 @@
+"""The soak in small (tools/soak.py --requests 500): random arrivals, bursts, cancellations of all
+three kinds, a KV pool that forces preemption, injected faults; nothing lost, duplicated, leaked,
+untyped or different from depth 1."""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+
+from soak import format_report, soak  # noqa: E402
+
+
+async def test_soak_500_requests_with_faults():
+    report = await soak(500, rounds=2, seed=3, log=lambda *_: None)
+    print(format_report(report))
+    assert report.ok, format_report(report)
+    assert report.lost == report.duplicated == report.leaked_pages == 0 and not report.untyped
+    assert report.compared > 200 and not report.mismatches
+    assert report.preemptions > 0 and report.failed_steps > 0  # the faults and the small pool did happen
+    assert report.outcomes["cancelled"] > 0 and report.outcomes["abort"] > 0

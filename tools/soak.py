@@ -1,0 +1,289 @@
+"""Soak: thousands of random requests with injected faults; nothing lost, duplicated, leaked or wrong.
+
+    python tools/soak.py --requests 5000 --seed 1          # the figure in docs/reliability.md
+    python tools/soak.py --requests 500 --rounds 2         # what `make test` runs (tests/test_soak.py)
+
+One depth-2 engine (tiny-random, a KV pool small enough to force preemption) serves rounds of
+requests: random arrivals and bursts of 200, prompt lengths, max_tokens, stop strings and ids,
+greedy / seeded / unseeded sampling, regex and choice grammars, and ~15% cancellations of all
+three kinds (cancel the task awaiting complete(), break out of stream(), engine.abort(id)).
+Faults are injected at random into forwards, sampling, grammar matchers and detokenisation.
+Checked: every request ends exactly once, with a result or a typed SlipstreamError, before its
+deadline; no queue holds anything after the end; every page comes back; every greedy or seeded
+request that finished equals a depth-1 engine's answer (without faults); RSS stays flat after
+the first round.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from slipstream import Engine, EngineConfig, SamplingParams
+from slipstream.errors import SlipstreamError
+from slipstream.faults import FaultInjector, install
+
+FAULT_RATES = {"forward": 0.002, "sample": 0.002, "matcher": 0.02, "detokenize": 0.001}
+
+
+@dataclass
+class Planned:
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    delay: float  # seconds after the round starts
+    cancel: str | None = None  # "task" | "stream" | "abort"
+    cancel_after: float = 0.0  # seconds (task / abort) or deltas (stream)
+    compare: bool = False  # greedy or seeded: must equal depth 1 when it finishes
+
+
+@dataclass
+class Report:
+    requests: int = 0
+    outcomes: Counter = field(default_factory=Counter)  # ok / abort / cancelled / typed error names
+    lost: int = 0  # no outcome before the deadline
+    duplicated: int = 0  # something arrived after the terminal item
+    untyped: list[str] = field(default_factory=list)  # exceptions that are not SlipstreamError
+    leaked_pages: int = 0
+    compared: int = 0
+    mismatches: list[str] = field(default_factory=list)
+    preemptions: int = 0
+    failed_steps: int = 0
+    faults: Counter = field(default_factory=Counter)
+    rss_mb: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def rss_growth_mb(self) -> float:
+        """After the first round (which allocates what the engine keeps): should stay near 0."""
+        return self.rss_mb[-1] - self.rss_mb[0] if len(self.rss_mb) > 1 else 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not (self.lost or self.duplicated or self.untyped or self.leaked_pages or self.mismatches
+                    or self.rss_growth_mb > 64)
+
+
+def engine_config(depth: int) -> EngineConfig:
+    return EngineConfig(model="tiny-random", pipeline_depth=depth, max_batch_size=16, max_num_batched_tokens=64,
+                        kv_cache_tokens=512, page_size=8, seed=7)
+
+
+def plan_round(rng: random.Random, n: int, round_no: int) -> list[Planned]:
+    out, t = [], 0.0
+    burst_at = set(rng.sample(range(n), k=max(1, n // 1000))) if n >= 200 else set()
+    i = 0
+    while i < n:
+        if i in burst_at:  # a burst: up to 200 requests at the same instant
+            size = min(200, n - i)
+        else:
+            size = 1
+            t += rng.expovariate(400.0)
+        for _ in range(size):
+            out.append(random_request(rng, f"r{round_no}-{i}", t))
+            i += 1
+    return out
+
+
+def random_request(rng: random.Random, rid: str, delay: float) -> Planned:
+    prompt = [rng.randrange(3, 259) for _ in range(rng.choice([rng.randint(1, 12), rng.randint(10, 90)]))]
+    kw: dict = dict(max_tokens=rng.randint(1, 24))
+    kind = rng.random()
+    if kind < 0.55:
+        kw["temperature"] = 0.0
+    elif kind < 0.8:
+        kw.update(temperature=0.9, top_p=0.9, top_k=rng.choice([0, 40]), seed=rng.randrange(2**31))
+    else:
+        kw.update(temperature=1.0)  # unseeded: not comparable, still must end cleanly
+    if rng.random() < 0.15:
+        kw["stop"] = [chr(rng.randrange(97, 123)) for _ in range(rng.randint(1, 2))]
+    if rng.random() < 0.15:
+        kw["stop_token_ids"] = [rng.randrange(3, 259) for _ in range(4)]
+    if rng.random() < 0.1:
+        kw["ignore_eos"] = True
+    if rng.random() < 0.06:
+        kw.pop("stop", None)
+        if rng.random() < 0.5:
+            kw["regex"] = "[a-z]{1,6}( [a-z]{1,6})?"
+        else:
+            kw["choice"] = ["yes", "no", "maybe"]
+    params = SamplingParams(**kw)
+    compare = params.temperature == 0.0 or params.seed is not None
+    cancel = None
+    if rng.random() < 0.15:
+        cancel = rng.choice(["task", "stream", "abort"])
+    return Planned(rid, prompt, params, delay, cancel, rng.uniform(0, 0.05) if cancel != "stream" else rng.randint(0, 4),
+                   compare)
+
+
+async def run_one(engine: Engine, p: Planned, t0: float, deadline_s: float, report: Report, results: dict) -> None:
+    await asyncio.sleep(max(0.0, t0 + p.delay - time.perf_counter()))
+    try:
+        await asyncio.wait_for(_drive(engine, p, results), deadline_s)
+    except TimeoutError:
+        report.lost += 1
+
+
+async def _drive(engine: Engine, p: Planned, results: dict) -> None:
+    try:
+        if p.cancel == "stream":
+            deltas = 0
+            stream = engine.stream(p.prompt, p.params, request_id=p.rid)
+            async for _ in stream:
+                deltas += 1
+                if deltas > p.cancel_after:
+                    break
+            results[p.rid] = "cancelled" if deltas > p.cancel_after else "ok-stream"
+            return
+        task = asyncio.ensure_future(engine.complete(p.prompt, p.params, request_id=p.rid))
+        if p.cancel == "task":
+            done, _ = await asyncio.wait([task], timeout=p.cancel_after)
+            if not done:
+                task.cancel()
+        elif p.cancel == "abort":
+            await asyncio.sleep(p.cancel_after)
+            await engine.abort(p.rid)
+        results[p.rid] = await task
+    except asyncio.CancelledError:
+        results[p.rid] = "cancelled"
+    except SlipstreamError as e:
+        results[p.rid] = e
+    except Exception as e:  # noqa: BLE001 - an untyped error is what the soak looks for
+        results[p.rid] = e
+
+
+def rss_mb() -> float:
+    with open(f"/proc/{os.getpid()}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+async def soak(requests: int, rounds: int = 3, seed: int = 0, rates: dict | None = None,
+               deadline_s: float = 120.0, log=print) -> Report:
+    rng = random.Random(seed)
+    report = Report(requests=requests)
+    started = time.perf_counter()
+    finished: dict[str, object] = {}
+    planned: dict[str, Planned] = {}
+    faults = FaultInjector(FAULT_RATES if rates is None else rates, seed=seed)
+    async with Engine(engine_config(2)) as engine:
+        install(engine, faults)
+        submitted = _record_submissions(engine)
+        per_round = -(-requests // rounds)
+        for r in range(rounds):
+            batch = plan_round(rng, min(per_round, requests - r * per_round), r)
+            planned.update((p.rid, p) for p in batch)
+            results: dict[str, object] = {}
+            t0 = time.perf_counter()
+            await asyncio.gather(*(run_one(engine, p, t0, deadline_s, report, results) for p in batch))
+            stats = await _settle(engine)
+            report.leaked_pages = max(report.leaked_pages, stats["kv_pages_total"] - stats["kv_pages_free"])
+            report.duplicated += _duplicates(engine, submitted, results)
+            finished.update(results)
+            report.rss_mb.append(round(rss_mb(), 1))
+            log(f"round {r + 1}/{rounds}: {len(batch)} requests, {stats['preemptions']} preemptions so far, "
+                f"{stats['failed_steps']} failed steps, rss {report.rss_mb[-1]} MB")
+        report.preemptions, report.failed_steps = stats["preemptions"], stats["failed_steps"]
+    report.faults = faults.fired
+    for rid, outcome in finished.items():
+        if isinstance(outcome, SlipstreamError):
+            report.outcomes[type(outcome).__name__] += 1
+        elif isinstance(outcome, BaseException):
+            report.untyped.append(f"{rid}: {outcome!r}")
+        elif isinstance(outcome, str):
+            report.outcomes[outcome] += 1
+        else:
+            report.outcomes["ok" if outcome.finish_reason != "abort" else "abort"] += 1
+    report.lost += requests - len(finished)
+    await _compare_with_depth1(planned, finished, report)
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+async def _settle(engine: Engine, timeout: float = 30.0) -> dict:
+    deadline = time.perf_counter() + timeout
+    while True:
+        s = engine.stats()
+        if (s["kv_pages_free"] == s["kv_pages_total"] and s["running"] == 0 and s["waiting"] == 0
+                and s["inflight_steps"] == 0) or time.perf_counter() > deadline:
+            return s
+        await asyncio.sleep(0.01)
+
+
+def _record_submissions(engine: Engine) -> list:
+    """Keep every submitted sequence, to look into its result queue once the round is over."""
+    seqs, submit = [], engine._submit
+
+    async def recording(*args):
+        seq = await submit(*args)
+        seqs.append(seq)
+        return seq
+
+    engine._submit = recording
+    return seqs
+
+
+def _duplicates(engine: Engine, seqs: list, results: dict) -> int:
+    """Requests that ended more than once (two terminal items: results or errors), or not at all,
+    or are still registered after their callers left. A cancelled caller read no terminal item."""
+    from slipstream.outputs import CompletionOutput
+
+    bad = len(engine._requests)
+    for q in seqs:
+        left = sum(isinstance(item, (CompletionOutput, BaseException)) for item in q.user.queue._queue)
+        read = 0 if results.get(q.request_id) == "cancelled" else 1
+        bad += (left + read != 1 and not (read == 0 and left == 0)) or not q.finalized
+    seqs.clear()
+    return bad
+
+
+async def _compare_with_depth1(planned: dict, finished: dict, report: Report) -> None:
+    todo = [(planned[rid], out) for rid, out in finished.items()
+            if planned[rid].compare and not isinstance(out, (str, BaseException)) and out.finish_reason != "abort"]
+    async with Engine(engine_config(1)) as engine:
+        refs = await asyncio.gather(*(engine.complete(p.prompt, p.params) for p, _ in todo))
+    for (p, got), want in zip(todo, refs):
+        report.compared += 1
+        if (got.token_ids, got.text, got.finish_reason) != (want.token_ids, want.text, want.finish_reason):
+            report.mismatches.append(f"{p.rid}: depth 2 {got.token_ids} {got.finish_reason} vs depth 1 "
+                                     f"{want.token_ids} {want.finish_reason}")
+
+
+def format_report(r: Report) -> str:
+    lines = [
+        f"requests {r.requests} in {r.seconds:.1f} s",
+        f"outcomes {dict(sorted(r.outcomes.items()))}",
+        f"lost {r.lost}  duplicated {r.duplicated}  untyped errors {len(r.untyped)}  leaked pages {r.leaked_pages}",
+        f"greedy/seeded compared with depth 1: {r.compared}, mismatches {len(r.mismatches)}",
+        f"preemptions {r.preemptions}  failed steps {r.failed_steps}  faults fired {dict(sorted(r.faults.items()))}",
+        f"rss per round (MB) {r.rss_mb}  growth after round 1: {r.rss_growth_mb:+.1f} MB",
+        "PASS" if r.ok else "FAIL",
+    ]
+    lines += [f"  untyped: {u}" for u in r.untyped[:10]] + [f"  mismatch: {m}" for m in r.mismatches[:10]]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--requests", type=int, default=5000)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-faults", action="store_true")
+    args = ap.parse_args()
+    import uvloop
+
+    from slipstream.logging_setup import configure_logging
+
+    configure_logging("error")  # injected faults log errors by design; the report says what matters
+    print(f"# command: {' '.join(sys.argv)}")
+    report = uvloop.run(soak(args.requests, args.rounds, args.seed, {} if args.no_faults else None))
+    print(format_report(report))
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -12,7 +12,10 @@ import argparse
 import asyncio
 import statistics
 import sys
+from pathlib import Path
 import time
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the slipstream of this checkout, not an installed one
 
 from slipstream import Engine, EngineConfig, SamplingParams
 

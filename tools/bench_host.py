@@ -51,9 +51,12 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
-import torch
-from torch import nn
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the slipstream of this checkout, not an installed one
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
 
 PROMPT_LEN = 8
 PHASES = ("plan", "launch", "commit", "finalize", "commit_wait")
@@ -302,13 +305,14 @@ def provenance(argv: list[str]) -> dict:
             "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "machine": platform.platform(), "cpu": _cpu_name(),
             "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(), "load_avg_start": os.getloadavg()}
+            "torch_threads": torch.get_num_threads(), "load_avg_start": os.getloadavg(),
+            "slipstream": str(Path(__import__("slipstream").__file__).parent)}
 
 
 def format_header(meta: dict, args) -> str:
     dirty = " (dirty: uncommitted changes to tracked files)" if meta["git_dirty"] else " (clean)"
     lines = [f"# command:  {meta['command']}",
-             f"# code:     git {meta['git_commit']}{dirty}",
+             f"# code:     git {meta['git_commit']}{dirty}; slipstream imported from {meta.get('slipstream', '?')}",
              f"# date:     {meta['date_utc']}, {meta['seconds']} s",
              f"# machine:  {meta['machine']}, {meta['cpu']}, {meta['cores']} cores; "
              f"load average (1/5/15 min) at start {_load(meta['load_avg_start'])}, "

@@ -20,9 +20,12 @@ import asyncio
 import os
 import random
 import sys
+from pathlib import Path
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the slipstream of this checkout, not an installed one
 
 from slipstream import Engine, EngineConfig, SamplingParams
 from slipstream.errors import SlipstreamError

@@ -150,11 +150,14 @@ async def test_seed_reproducible(server):
     ({"extra_body": {"regex": "(unclosed"}}, "regex"),
     ({"extra_body": {"regex": "a", "choice": ["b"]}}, "choice"),
     ({"logprobs": True, "stream": True}, "logprobs"),
+    ({"max_tokens": 5000}, "max_tokens"),
+    ({"max_completion_tokens": 5000}, "max_completion_tokens"),
 ])
 async def test_bad_parameters_are_400_naming_the_field(server, kw, param):
     async with client(server) as oa:
         with pytest.raises(openai.BadRequestError) as e:
-            r = await oa.chat.completions.create(model="m", messages=CHAT, **{"max_tokens": 4, **kw})
+            limit = {} if "max_completion_tokens" in kw else {"max_tokens": 4}
+            r = await oa.chat.completions.create(model="m", messages=CHAT, **limit, **kw)
             if kw.get("stream"):
                 [c async for c in r]
     assert e.value.status_code == 400
@@ -176,7 +179,7 @@ async def test_bad_body_shapes(server):
 async def test_disconnect_mid_stream_aborts_and_frees_pages(server):
     before = server.app.state.server.backend.engine.stats()["kv_pages_total"]
     async with client(server) as oa:
-        stream = await oa.completions.create(model="m", prompt=PROMPTS[4], max_tokens=2000, temperature=0,
+        stream = await oa.completions.create(model="m", prompt=PROMPTS[4], max_tokens=1000, temperature=0,
                                              stream=True, extra_body={"ignore_eos": True})
         got = 0
         async for _ in stream:
@@ -186,16 +189,16 @@ async def test_disconnect_mid_stream_aborts_and_frees_pages(server):
         stats = server.state.backend.engine.stats()
         assert stats["running"] == 1 and stats["kv_pages_free"] < before  # still generating when we leave
         await stream.close()
-    stats = await wait_pages_free(server.url)
+    stats = await wait_pages_free(server.url, timeout=1.0)  # finishing 1000 tokens would take seconds
     assert stats["kv_pages_free"] == before
 
 
 async def test_disconnect_while_waiting_non_streamed_aborts(server):
     async with httpx.AsyncClient(base_url=server.url) as http:
         with pytest.raises(httpx.ReadTimeout):
-            await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2000, "ignore_eos": True},
+            await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1000, "ignore_eos": True},
                             timeout=0.5)
-    await wait_pages_free(server.url)
+    await wait_pages_free(server.url, timeout=1.0)
 
 
 async def test_health_metrics_models_tokenize(server):

@@ -45,13 +45,15 @@ def from_decode_error(e: msgspec.DecodeError) -> ApiError:
     return invalid(f"{field} (at {path})" if path else field, path, "invalid_value")
 
 
-def from_slipstream(e: errors.SlipstreamError, param: str | None = None) -> ApiError:
+def from_slipstream(e: errors.SlipstreamError, grammar_param: str | None = None) -> ApiError:
+    """`grammar_param`: the request field a grammar came from, named when compiling it failed."""
     code = type(e).__name__
     if isinstance(e, errors.OverloadedError):
         return ApiError(429, str(e), "rate_limit_error", None, code)
     if isinstance(e, (errors.EngineClosedError, errors.WorkerUnavailableError)):
         return ApiError(503, str(e), "service_unavailable", None, code)
-    if isinstance(e, (errors.InvalidRequestError, errors.GrammarCompileError, errors.GrammarTimeoutError,
-                      errors.ProtocolError)):
-        return invalid(str(e), param, code)
+    if isinstance(e, (errors.GrammarCompileError, errors.GrammarTimeoutError)):
+        return invalid(str(e), grammar_param, code)
+    if isinstance(e, (errors.InvalidRequestError, errors.ProtocolError)):
+        return invalid(str(e), None, code)
     return ApiError(500, str(e), "server_error", None, code)

@@ -78,8 +78,8 @@ async def handle(state: ServerState, request: Request, chat: bool) -> Response:
     if req.stream and req.logprobs:
         raise invalid("logprobs are not available on streamed responses yet; use stream=false", "logprobs")
     want_logprobs = bool(req.logprobs) or (not chat and req.logprobs == 0)
-    params, grammar_param = sampling_params(req, want_logprobs)
-    ids, prompt_field = prompt_ids(state, req)
+    ids, _ = prompt_ids(state, req)
+    params, grammar_param = sampling_params(req, want_logprobs, len(ids), state.backend.max_model_len)
     model = state.backend.model_name
     state.admit()
     released = False

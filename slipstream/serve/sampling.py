@@ -9,15 +9,24 @@ from slipstream.params import SamplingParams
 from slipstream.serve.api_errors import invalid
 from slipstream.serve.openai_types import ChatCompletionRequest, CompletionRequest
 
-DEFAULT_MAX_TOKENS = 256  # when the request names none (OpenAI: up to the context; bounded here)
+DEFAULT_MAX_TOKENS = 256  # when the request names none and the context length is not known here
 
 
-def max_tokens_of(req: CompletionRequest | ChatCompletionRequest) -> tuple[int, str]:
+def max_tokens_of(req: CompletionRequest | ChatCompletionRequest, prompt_len: int,
+                  max_model_len: int | None) -> int:
+    """The request's limit (checked against the context when it is known), else the rest of the context."""
+    value, field = req.max_tokens, "max_tokens"
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
-        if req.max_tokens is not None and req.max_tokens != req.max_completion_tokens:
+        if value is not None and value != req.max_completion_tokens:
             raise invalid("give max_tokens or max_completion_tokens, not two different values", "max_tokens")
-        return req.max_completion_tokens, "max_completion_tokens"
-    return (req.max_tokens or DEFAULT_MAX_TOKENS), "max_tokens"
+        value, field = req.max_completion_tokens, "max_completion_tokens"
+    if max_model_len is None:
+        return value or DEFAULT_MAX_TOKENS
+    room = max_model_len - prompt_len
+    if value is not None and value > room:
+        raise invalid(f"prompt ({prompt_len} tokens) + {field} ({value}) exceeds the model context of "
+                      f"{max_model_len} tokens; lower {field} to at most {room}", field, "context_length_exceeded")
+    return value or room
 
 
 def grammar_fields(req: CompletionRequest | ChatCompletionRequest) -> tuple[dict, str | None]:
@@ -43,9 +52,10 @@ def grammar_fields(req: CompletionRequest | ChatCompletionRequest) -> tuple[dict
     return (given[0][1], given[0][0]) if given else ({}, None)
 
 
-def sampling_params(req: CompletionRequest | ChatCompletionRequest, logprobs: bool) -> tuple[SamplingParams, str | None]:
+def sampling_params(req: CompletionRequest | ChatCompletionRequest, logprobs: bool, prompt_len: int,
+                    max_model_len: int | None) -> tuple[SamplingParams, str | None]:
     """Returns (params, grammar_param): the field to blame if the grammar later fails to compile."""
-    max_tokens, _ = max_tokens_of(req)
+    max_tokens = max_tokens_of(req, prompt_len, max_model_len)
     grammar, grammar_param = grammar_fields(req)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     try:
@@ -53,5 +63,5 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, logprobs: bo
                                 seed=req.seed, stop=stop, stop_token_ids=list(req.stop_token_ids),
                                 ignore_eos=req.ignore_eos, logprobs=logprobs, **grammar)
     except (InvalidRequestError, TypeError) as e:  # the body's types and ranges were checked already
-        raise invalid(str(e), grammar_param) from e
+        raise invalid(str(e)) from e
     return params, grammar_param

@@ -157,7 +157,7 @@ async def test_bad_parameters_are_400_naming_the_field(server, kw, param):
     async with client(server) as oa:
         with pytest.raises(openai.BadRequestError) as e:
             limit = {} if "max_completion_tokens" in kw else {"max_tokens": 4}
-            r = await oa.chat.completions.create(model="m", messages=CHAT, **limit, **kw)
+            r = await oa.chat.completions.create(model="m", messages=CHAT, **{**limit, **kw})
             if kw.get("stream"):
                 [c async for c in r]
     assert e.value.status_code == 400

@@ -6,6 +6,8 @@ running `slipstream worker`s. SIGTERM/SIGINT stop accepting, let in-flight reque
 """
 from __future__ import annotations
 
+import signal
+
 from slipstream.cli import add_engine_args, engine_config
 
 
@@ -54,5 +56,9 @@ def _serve(args) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, loop="uvloop", http="httptools",
                             log_level=args.log_level, access_log=False, timeout_graceful_shutdown=args.shutdown_timeout)
     server = uvicorn.Server(config)
+    # uvicorn re-raises the signal that stopped it once it has drained; a no-op handler turns that
+    # into a clean exit status (0) after a graceful shutdown instead of death by SIGTERM
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
     server.run()
     return 0 if server.started else 1

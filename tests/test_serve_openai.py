@@ -237,3 +237,23 @@ async def test_sse_wire_format(server):
     assert r.text.endswith("data: [DONE]\n\n")
     events = parse(r.text)
     assert events[-1] == "[DONE]" and all(e["id"] == r.headers["x-request-id"] for e in events[:-1])
+
+
+async def test_overload_is_429_and_draining_is_503(server):
+    state = server.state
+    async with client(server) as oa:
+        state.max_inflight = 0
+        try:
+            with pytest.raises(openai.RateLimitError) as e:
+                await oa.completions.create(model="m", prompt="x", max_tokens=2)
+            assert e.value.body["type"] == "rate_limit_error"
+        finally:
+            state.max_inflight = 1024
+        state.draining = True
+        try:
+            with pytest.raises(openai.InternalServerError) as e:
+                await oa.completions.create(model="m", prompt="x", max_tokens=2)
+            assert e.value.status_code == 503
+        finally:
+            state.draining = False
+        assert (await oa.completions.create(model="m", prompt="x", max_tokens=2)).usage.completion_tokens == 2

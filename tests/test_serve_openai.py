@@ -34,7 +34,9 @@ def reference():
             greedy = SamplingParams(max_tokens=8, temperature=0.0)
             outs = await asyncio.gather(*(engine.complete(p, greedy) for p in PROMPTS))
             chat = await engine.chat(CHAT, SamplingParams(max_tokens=12, temperature=0.0))
-            return {"completions": [o.text for o in outs], "chat": chat}
+            deltas = [(d.text, d.finish_reason) async for d in engine.stream(
+                engine.chat_prompt(CHAT), SamplingParams(max_tokens=12, temperature=0.0)) if d.text or d.finish_reason]
+            return {"completions": [o.text for o in outs], "chat": chat, "chat_deltas": deltas}
     return asyncio.run(run())
 
 
@@ -67,7 +69,9 @@ async def test_chat_streamed_and_not(server, reference):
     content = [c for c in chunks if c.choices]
     assert "".join(c.choices[0].delta.content or "" for c in content) == want.text
     finishes = [c.choices[0].finish_reason for c in content]
-    assert finishes[-1] == want.finish_reason and all(f is None for f in finishes[:-1])  # on the last content chunk
+    assert finishes[-1] == want.finish_reason and all(f is None for f in finishes[:-1])
+    # one chunk per engine delta, finish_reason riding on the last content chunk (no empty extra chunk)
+    assert [(c.choices[0].delta.content, c.choices[0].finish_reason) for c in content[1:]] == reference["chat_deltas"]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want.token_ids)
     assert chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
     assert len({c.id for c in chunks}) == 1

@@ -45,10 +45,13 @@ def build_backend(args):
 
 
 def _serve(args) -> int:
-    import uvicorn
+    try:
+        import uvicorn
 
+        from slipstream.serve.app import create_app
+    except ImportError as e:
+        raise SystemExit(f"slipstream serve needs the `serve` extra ({e}): pip install 'slipstream[serve]'") from None
     from slipstream.logging_setup import configure_logging
-    from slipstream.serve.app import create_app
 
     if args.log_json:
         configure_logging(args.log_level, json=True)

@@ -95,3 +95,21 @@ async def test_sigterm_drains_in_flight_streams(served):
     with pytest.raises(httpx.ConnectError):
         httpx.get(serve.url + "/health")
     assert "server stopped" in serve.log()
+
+
+async def test_in_process_server_drains_on_sigterm(tmp_path):
+    serve = ServeProc(tmp_path, "--model", "tiny-random", "--log-level", "info", "--shutdown-timeout", "20")
+    try:
+        async with client(serve) as oa:
+            stream = await oa.chat.completions.create(model="m", messages=CHAT, max_tokens=300, temperature=0,
+                                                      stream=True, extra_body={"ignore_eos": True})
+            chunks = []
+            async for c in stream:
+                chunks.append(c)
+                if len(chunks) == 2:
+                    serve.proc.send_signal(signal.SIGTERM)
+            assert chunks[-1].choices[0].finish_reason == "length"  # finished, not aborted
+        assert await asyncio.to_thread(serve.proc.wait, 20) == 0
+        assert "completion_tokens=300" in serve.log() and "server stopped" in serve.log()
+    finally:
+        serve.stop()

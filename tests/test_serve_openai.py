@@ -107,6 +107,17 @@ async def test_extra_body_regex_and_choice(server):
         assert len(r.choices[0].text) == 3 and r.choices[0].text.isdigit()
 
 
+async def test_extra_body_grammar_skill(server):
+    from slipstream.grammar import parse_skill_output
+
+    async with client(server) as oa:
+        r = await oa.completions.create(model="m", prompt="Point at the cat.", max_tokens=40, temperature=0,
+                                        extra_body={"grammar": {"kind": "point", "value": "cat", "max_objects": 2}})
+    assert r.choices[0].finish_reason == "stop", r.choices[0].text
+    points = parse_skill_output("point", r.choices[0].text)["points"]
+    assert len(points) <= 2 and all(0 <= p["x"] <= 1 and 0 <= p["y"] <= 1 for p in points)
+
+
 async def test_stop_string_cuts_the_output(server, reference):
     full = reference["completions"][5]
     stop = full[3]  # a character greedy decoding produces: the output must end just before it

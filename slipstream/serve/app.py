@@ -95,8 +95,7 @@ def create_app(backend: Backend, max_inflight: int = 1024) -> FastAPI:
         if (req.prompt is None) == (req.messages is None):
             raise invalid("give exactly one of prompt or messages", "prompt")
         if req.messages is not None:
-            text = tok.apply_chat_template([{"role": m.role, "content": m.text()} for m in req.messages],
-                                           add_generation_prompt=req.add_generation_prompt)
+            text = generation.chat_text(tok, req.messages, req.add_generation_prompt)
         else:
             text = req.prompt
         ids = tok.encode(text)

@@ -34,12 +34,21 @@ def decode_body(raw: bytes, chat: bool):
         raise from_decode_error(e) from None
 
 
+def chat_text(tokenizer, messages, add_generation_prompt: bool = True) -> str:
+    """The model's chat template over the messages; a template that refuses them (roles out of order,
+    a role it does not know) is the request's fault: 400 naming `messages`."""
+    plain = [{"role": m.role, "content": m.text()} for m in messages]
+    try:
+        return tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt)
+    except Exception as e:  # noqa: BLE001 - jinja templates raise whatever they like
+        raise invalid(f"the chat template failed on these messages: {e}", "messages") from None
+
+
 def prompt_ids(state: ServerState, req: CompletionRequest | ChatCompletionRequest) -> tuple[list[int], str]:
     """Token ids of the prompt (chat template applied), and the field to blame for a bad prompt."""
     b = state.backend
     if isinstance(req, ChatCompletionRequest):
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        ids, field = b.tokenizer.encode(b.tokenizer.apply_chat_template(messages, add_generation_prompt=True)), "messages"
+        ids, field = b.tokenizer.encode(chat_text(b.tokenizer, req.messages)), "messages"
     elif isinstance(req.prompt, str):
         ids, field = b.tokenizer.encode(req.prompt), "prompt"
     else:

@@ -98,3 +98,19 @@ async def test_client_request_id_is_folded_into_the_id(server):
     assert r.status_code == 200 and r.json()["id"].startswith("cmpl-trace-42-")
     assert r.headers["x-request-id"] == r.json()["id"]
     assert "no spaces" not in weird.json()["id"]
+
+
+async def test_a_chat_template_that_refuses_the_messages_is_400(server):
+    class Refusing(ByteTokenizer):
+        def apply_chat_template(self, messages, add_generation_prompt=True):
+            raise ValueError("Conversation roles must alternate user/assistant")
+
+    backend = server.state.backend
+    backend.error, kept, backend.tokenizer = None, backend.tokenizer, Refusing(512)
+    try:
+        async with httpx.AsyncClient(base_url=server.url) as http:
+            r = await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+    finally:
+        backend.tokenizer = kept
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    assert "alternate" in r.json()["error"]["message"]

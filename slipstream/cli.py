@@ -11,6 +11,7 @@ COMMANDS = [
     "slipstream.commands.bench",
     "slipstream.commands.timeline",
     "slipstream.commands.worker",
+    "slipstream.commands.serve",
 ]
 
 

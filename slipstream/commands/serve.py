@@ -1,0 +1,67 @@
+"""`slipstream serve`: the OpenAI-compatible HTTP server (docs/serving.md).
+
+In-process engine by default; with --connect (repeatable) the HTTP front end spreads requests over
+running `slipstream worker`s. SIGTERM/SIGINT stop accepting, let in-flight requests finish (up to
+--shutdown-timeout), then close the engine or the worker connections.
+"""
+from __future__ import annotations
+
+import signal
+
+from slipstream.cli import add_engine_args, engine_config
+
+
+def register(sub) -> None:
+    p = sub.add_parser("serve", help="serve the OpenAI API over HTTP (FastAPI + uvicorn)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--connect", action="append", metavar="ADDRESS", default=None,
+                   help="a running `slipstream worker` (ipc://… or tcp://…); repeat to spread over several. "
+                        "--model/--device are then the workers'")
+    p.add_argument("--timeout", type=float, default=30.0, help="with --connect: seconds of worker silence "
+                   "before a request fails")
+    p.add_argument("--served-model-name", default=None, help="the model id /v1/models reports (default: --model)")
+    p.add_argument("--max-inflight", type=int, default=1024, help="generation requests at once; more get 429")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM/SIGINT")
+    p.add_argument("--max-batch-size", type=int, default=32)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--kv-cache-tokens", type=int, default=None)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-json", action="store_true", help="structlog lines as JSON")
+    add_engine_args(p)
+    p.set_defaults(func=_serve, log_level="info")
+
+
+def build_backend(args):
+    from slipstream.serve.backend import ClientsBackend, EngineBackend
+
+    if args.connect:
+        return ClientsBackend(args.connect, timeout=args.timeout, model_name=args.served_model_name)
+    config = engine_config(args, max_batch_size=args.max_batch_size, max_num_batched_tokens=args.max_num_batched_tokens,
+                           kv_cache_tokens=args.kv_cache_tokens, page_size=args.page_size, seed=args.seed)
+    return EngineBackend(config, model_name=args.served_model_name)
+
+
+def _serve(args) -> int:
+    try:
+        import uvicorn
+
+        from slipstream.serve.app import create_app
+    except ImportError as e:
+        raise SystemExit(f"slipstream serve needs the `serve` extra ({e}): pip install 'slipstream[serve]'") from None
+    from slipstream.logging_setup import configure_logging
+
+    if args.log_json:
+        configure_logging(args.log_level, json=True)
+    app = create_app(build_backend(args), max_inflight=args.max_inflight)
+    config = uvicorn.Config(app, host=args.host, port=args.port, loop="uvloop", http="httptools",
+                            log_level=args.log_level, access_log=False, timeout_graceful_shutdown=args.shutdown_timeout)
+    server = uvicorn.Server(config)
+    # uvicorn re-raises the signal that stopped it once it has drained; a no-op handler turns that
+    # into a clean exit status (0) after a graceful shutdown instead of death by SIGTERM
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    server.run()
+    return 0 if server.started else 1

@@ -1,0 +1,176 @@
+"""POST /v1/completions and /v1/chat/completions: body → prompt ids + params → backend → JSON or SSE."""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, AsyncIterator
+
+import msgspec
+import structlog
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from slipstream.errors import SlipstreamError
+from slipstream.serve import render, sse
+from slipstream.serve.api_errors import ApiError, from_decode_error, from_slipstream, invalid
+from slipstream.serve.openai_types import ChatCompletionRequest, CompletionRequest
+from slipstream.serve.sampling import sampling_params
+from slipstream.serve.state import ServerState, new_request_id, now_s
+
+log = structlog.get_logger(__name__)
+_DECODERS = {False: msgspec.json.Decoder(CompletionRequest), True: msgspec.json.Decoder(ChatCompletionRequest)}
+_encode = msgspec.json.Encoder().encode
+_POLL_S = 0.2  # how often a request waiting on the engine checks that its client is still there
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected while its request waited on the engine."""
+
+
+def decode_body(raw: bytes, chat: bool):
+    try:
+        return _DECODERS[chat].decode(raw)
+    except msgspec.DecodeError as e:
+        raise from_decode_error(e) from None
+
+
+def chat_text(tokenizer, messages, add_generation_prompt: bool = True) -> str:
+    """The model's chat template over the messages; a template that refuses them (roles out of order,
+    a role it does not know) is the request's fault: 400 naming `messages`."""
+    plain = [{"role": m.role, "content": m.text()} for m in messages]
+    try:
+        return tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt)
+    except Exception as e:  # noqa: BLE001 - jinja templates raise whatever they like
+        raise invalid(f"the chat template failed on these messages: {e}", "messages") from None
+
+
+def prompt_ids(state: ServerState, req: CompletionRequest | ChatCompletionRequest) -> tuple[list[int], str]:
+    """Token ids of the prompt (chat template applied), and the field to blame for a bad prompt."""
+    b = state.backend
+    if isinstance(req, ChatCompletionRequest):
+        ids, field = b.tokenizer.encode(chat_text(b.tokenizer, req.messages)), "messages"
+    elif isinstance(req.prompt, str):
+        ids, field = b.tokenizer.encode(req.prompt), "prompt"
+    else:
+        ids, field = list(req.prompt), "prompt"
+        if max(ids) >= b.vocab_size:
+            raise invalid(f"prompt token ids must be below the vocabulary size {b.vocab_size}", field)
+    if not ids:
+        raise invalid("the prompt encodes to no tokens", field)
+    if b.max_model_len is not None and len(ids) >= b.max_model_len:
+        raise invalid(f"the prompt has {len(ids)} tokens; the model context is {b.max_model_len}", field,
+                      "context_length_exceeded")
+    return ids, field
+
+
+async def until_disconnect(request: Request, awaitable) -> Any:
+    """Await `awaitable`; if the client goes away first, cancel it (its request is aborted) and raise ClientGone."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ClientGone()
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+async def handle(state: ServerState, request: Request, chat: bool) -> Response:
+    endpoint = "chat" if chat else "completions"
+    t0 = time.perf_counter()
+    rid = new_request_id("chatcmpl" if chat else "cmpl", request.headers.get("x-request-id"))
+    req = decode_body(await request.body(), chat)
+    if req.stream and req.logprobs:
+        raise invalid("logprobs are not available on streamed responses yet; use stream=false", "logprobs")
+    want_logprobs = bool(req.logprobs) or (not chat and req.logprobs == 0)
+    ids, _ = prompt_ids(state, req)
+    params, grammar_param = sampling_params(req, want_logprobs, len(ids), state.backend.max_model_len)
+    model = state.backend.model_name
+    state.admit()
+    released = False
+    try:
+        created = now_s()
+        if req.stream:
+            deltas = state.backend.stream(ids, params, rid)
+            first = await _first(request, deltas, grammar_param)
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            body = _stream_body(state, rid, created, model, chat, len(ids), first, deltas, include_usage, t0, endpoint)
+            released = True  # the body releases it when the stream ends
+            return StreamingResponse(body, media_type="text/event-stream",
+                                     headers={"x-request-id": rid, "cache-control": "no-cache"})
+        try:
+            out = await until_disconnect(request, state.backend.complete(ids, params, rid))
+        except SlipstreamError as e:
+            raise from_slipstream(e, grammar_param) from None
+        tok = state.backend.tokenizer
+        if chat:
+            body = render.chat(rid, created, model, out, render.chat_logprobs(tok, out) if want_logprobs else None)
+        else:
+            lp = render.completion_logprobs(tok, out) if want_logprobs else None
+            body = render.completion(rid, created, model, out, lp)
+        _done(state, rid, endpoint, 200, t0, len(ids), len(out.token_ids), out.finish_reason)
+        return Response(_encode(body), media_type="application/json", headers={"x-request-id": rid})
+    except ClientGone:
+        _done(state, rid, endpoint, 499, t0, len(ids), 0, "abort")
+        return Response(status_code=499)
+    finally:
+        if not released:
+            state.release()
+
+
+async def _first(request: Request, deltas: AsyncIterator, grammar_param: str | None):
+    """Wait for the first delta before answering 200, so a refused request gets a real 4xx/5xx status."""
+    try:
+        return await until_disconnect(request, deltas.__anext__())
+    except StopAsyncIteration:
+        return None
+    except SlipstreamError as e:
+        raise from_slipstream(e, grammar_param) from None
+
+
+async def _stream_body(state: ServerState, rid: str, created: int, model: str, chat: bool, prompt_tokens: int,
+                       first, deltas: AsyncIterator, include_usage: bool, t0: float, endpoint: str):
+    n_out, status, finish = 0, 200, None
+    chunk = render.chat_chunk if chat else render.completion_chunk
+    try:
+        if chat:
+            yield sse.event(render.chat_chunk(rid, created, model, {"role": "assistant", "content": ""}, None))
+        delta = first
+        while delta is not None:
+            n_out += len(delta.token_ids)
+            finish = delta.finish_reason
+            if delta.text or finish is not None:
+                body = {"content": delta.text} if chat else delta.text
+                yield sse.event(chunk(rid, created, model, body, finish))
+            if finish is not None:
+                break
+            delta = await anext(deltas, None)
+        if include_usage:
+            yield sse.event(render.usage_chunk(rid, created, model, chat, prompt_tokens, n_out))
+        yield sse.DONE
+    except SlipstreamError as e:  # after the 200: the failure travels as an SSE error event
+        err = from_slipstream(e)
+        status = err.status
+        log.warning("stream failed", request_id=rid, error=repr(e))
+        yield sse.event(err.body())
+        yield sse.DONE
+    except BaseException:  # cancelled: the client went away
+        status, finish = 499, "abort"
+        raise
+    finally:
+        await deltas.aclose()  # aborts the request (frees its pages) if it has not finished
+        state.release()
+        _done(state, rid, endpoint, status, t0, prompt_tokens, n_out, finish)
+
+
+def _done(state: ServerState, rid: str, endpoint: str, status: int, t0: float, prompt_tokens: int,
+          completion_tokens: int, finish: str | None) -> None:
+    seconds = time.perf_counter() - t0
+    state.metrics.requests.labels(endpoint, str(status)).inc()
+    state.metrics.duration.labels(endpoint).observe(seconds)
+    log.info("request done", request_id=rid, endpoint=endpoint, status=status, prompt_tokens=prompt_tokens,
+             completion_tokens=completion_tokens, finish_reason=finish, seconds=round(seconds, 4))

@@ -1,0 +1,117 @@
+"""Typed OpenAI request bodies (msgspec Structs), decoded and type-checked in one pass.
+
+Ranges are declared with `Meta` so a bad value fails here, where msgspec knows the field's path,
+rather than later in SamplingParams. Fields OpenAI defines but slipstream cannot honour are
+accepted when they ask for nothing (n=1, penalties 0, no logit_bias, no tools) and refused
+otherwise; fields nobody defines are ignored, as the OpenAI server does. See docs/serving.md.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+PositiveInt = Annotated[int, Meta(ge=1)]
+Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
+TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+Seed = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+StopList = Annotated[list[Annotated[str, Meta(min_length=1)]], Meta(max_length=16)]
+TokenId = Annotated[int, Meta(ge=0)]
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    include_usage: bool = False
+
+
+class JsonSchemaFormat(msgspec.Struct):
+    name: str = "response"
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class GrammarField(msgspec.Struct, forbid_unknown_fields=True):
+    """slipstream extra: any registered grammar kind (point / detect / segment / plugins)."""
+
+    kind: Annotated[str, Meta(min_length=1)]
+    value: str = ""
+    max_objects: Annotated[int, Meta(ge=1, le=4096)] = 16
+
+
+class _Sampling(msgspec.Struct, kw_only=True):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    max_tokens: PositiveInt | None = None
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    n: Annotated[int, Meta(ge=1, le=1)] = 1  # the engine returns one choice per request
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: Annotated[str, Meta(min_length=1)] | StopList | None = None
+    seed: Seed | None = None
+    presence_penalty: Annotated[float, Meta(ge=0.0, le=0.0)] = 0.0
+    frequency_penalty: Annotated[float, Meta(ge=0.0, le=0.0)] = 0.0
+    logit_bias: Annotated[dict[str, float], Meta(max_length=0)] | None = None
+    user: str | None = None
+    response_format: ResponseFormat | None = None
+    # --- slipstream / vLLM extras (extra_body in the OpenAI SDK) ---
+    top_k: Annotated[int, Meta(ge=-1)] = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[TokenId] = []
+    regex: Annotated[str, Meta(min_length=1)] | None = None
+    choice: Annotated[list[Annotated[str, Meta(min_length=1)]], Meta(min_length=1)] | None = None
+    grammar: GrammarField | None = None
+
+
+class CompletionRequest(_Sampling, kw_only=True):
+    prompt: Annotated[str, Meta(min_length=1)] | Annotated[list[TokenId], Meta(min_length=1)]
+    logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None  # sampled-token logprob only (docs)
+    echo: Literal[False] = False
+    suffix: None = None
+    best_of: Annotated[int, Meta(ge=1, le=1)] | None = None
+
+
+class TextPart(msgspec.Struct):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(msgspec.Struct):
+    role: Annotated[str, Meta(min_length=1)]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_Sampling, kw_only=True):
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Meta(ge=0, le=0)] | None = None  # the engine has no alternatives
+    tools: Annotated[list[Any], Meta(max_length=0)] | None = None
+    tool_choice: Literal["none"] | None = None
+    parallel_tool_calls: bool | None = None
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None
+    model: str | None = None
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    tokens: list[TokenId]
+    model: str | None = None

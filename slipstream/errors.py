@@ -33,7 +33,12 @@ class UnsupportedQuantizationError(ModelLoadError):
 
 
 class InvalidRequestError(SlipstreamError, ValueError):
-    """A request or configuration value is invalid; raised at the call, before scheduling."""
+    """A request or configuration value is invalid; raised at the call, before scheduling.
+    `param` names the offending field where it is known (e.g. "stop[1]", "messages[0].role")."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class RequestAbortedError(SlipstreamError):

@@ -48,10 +48,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, m
         check.integer("max_tokens", self.max_tokens, minimum=1)
         temperature = check.number("temperature", self.temperature)
         if temperature < 0 or 0 < temperature < MIN_TEMPERATURE:
-            raise InvalidRequestError(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE:g}, got {temperature!r}")
+            raise InvalidRequestError(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE:g}, got {temperature!r}",
+                                      param="temperature")
         top_p = check.number("top_p", self.top_p)
         if not 0.0 < top_p <= 1.0:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {top_p!r}")
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {top_p!r}", param="top_p")
         check.integer("top_k", self.top_k, minimum=-1)
         check.integer("seed", self.seed, minimum=0, maximum=MAX_SEED, optional=True)
         self.stop = check.string_list("stop", self.stop)
@@ -62,15 +63,17 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, m
         if len(given) > 1:
             raise InvalidRequestError(f"give at most one of json_schema, regex, choice, grammar (got {given})")
         if self.json_schema is not None and not isinstance(self.json_schema, (dict, str)):
-            raise InvalidRequestError(f"json_schema must be a dict or JSON text, got {type(self.json_schema).__name__}")
+            raise InvalidRequestError(f"json_schema must be a dict or JSON text, got {type(self.json_schema).__name__}",
+                                      param="json_schema")
         if self.regex is not None:
             check.text("regex", self.regex)
         if self.choice is not None:
             if not isinstance(self.choice, (list, tuple)) or not self.choice:
-                raise InvalidRequestError("choice must be a non-empty list of non-empty strings")
+                raise InvalidRequestError("choice must be a non-empty list of non-empty strings", param="choice")
             self.choice = [check.text(f"choice[{i}]", c) for i, c in enumerate(self.choice)]
         if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
-            raise InvalidRequestError(f"grammar must be a GrammarSpec, got {type(self.grammar).__name__}")
+            raise InvalidRequestError(f"grammar must be a GrammarSpec, got {type(self.grammar).__name__}",
+                                      param="grammar")
 
 
 EVENT_WAITS = ("auto", "host_func", "thread", "poll")
@@ -103,11 +106,12 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, met
     def __post_init__(self) -> None:
         check.text("model", self.model)
         if self.device not in ("cpu", "cuda"):
-            raise InvalidRequestError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+            raise InvalidRequestError(f"device must be 'cpu' or 'cuda', got {self.device!r}", param="device")
         if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise InvalidRequestError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+            raise InvalidRequestError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}", param="dtype")
         if self.pipeline_depth not in (1, 2) or isinstance(self.pipeline_depth, bool):
-            raise InvalidRequestError(f"pipeline_depth must be 1 or 2, got {self.pipeline_depth!r}")
+            raise InvalidRequestError(f"pipeline_depth must be 1 or 2, got {self.pipeline_depth!r}",
+                                      param="pipeline_depth")
         for name in ("max_batch_size", "max_num_batched_tokens", "page_size"):
             check.integer(name, getattr(self, name), minimum=1)
         check.integer("kv_cache_tokens", self.kv_cache_tokens, minimum=1, optional=True)
@@ -120,14 +124,18 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, met
                 raise InvalidRequestError(f"{name} must be > 0, got {getattr(self, name)!r}")
         check.number("gpu_memory_utilization", self.gpu_memory_utilization)
         if self.max_num_batched_tokens < self.max_batch_size:
-            raise InvalidRequestError("max_num_batched_tokens must be >= max_batch_size")
+            raise InvalidRequestError("max_num_batched_tokens must be >= max_batch_size",
+                                      param="max_num_batched_tokens")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise InvalidRequestError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+            raise InvalidRequestError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}",
+                                      param="gpu_memory_utilization")
         if self.event_wait not in EVENT_WAITS:
-            raise InvalidRequestError(f"event_wait must be one of {EVENT_WAITS}, got {self.event_wait!r}")
+            raise InvalidRequestError(f"event_wait must be one of {EVENT_WAITS}, got {self.event_wait!r}",
+                                      param="event_wait")
         if self.graph_batch_sizes is not None:
             if not isinstance(self.graph_batch_sizes, (tuple, list)) or len(self.graph_batch_sizes) != 3:
-                raise InvalidRequestError(f"graph_batch_sizes must be (min, step, max), got {self.graph_batch_sizes!r}")
+                raise InvalidRequestError(f"graph_batch_sizes must be (min, step, max), got {self.graph_batch_sizes!r}",
+                                          param="graph_batch_sizes")
             self.graph_batch_sizes = tuple(check.integer(f"graph_batch_sizes[{i}]", v, minimum=1)
                                            for i, v in enumerate(self.graph_batch_sizes))
             from slipstream.runtime.buckets import make_buckets

@@ -34,37 +34,38 @@ def integer(name: str, value: Any, *, minimum: int | None = None, maximum: int |
         return None
     if not isinstance(value, int) or isinstance(value, bool):
         raise InvalidRequestError(f"{name} must be an integer{' or None' if optional else ''}, "
-                                  f"got {_type_name(value)} {value!r}")
+                                  f"got {_type_name(value)} {value!r}", param=name)
     if minimum is not None and value < minimum:
-        raise InvalidRequestError(f"{name} must be >= {minimum}, got {value!r}")
+        raise InvalidRequestError(f"{name} must be >= {minimum}, got {value!r}", param=name)
     if maximum is not None and value > maximum:
-        raise InvalidRequestError(f"{name} must be <= {maximum}, got {value!r}")
+        raise InvalidRequestError(f"{name} must be <= {maximum}, got {value!r}", param=name)
     return value
 
 
 def number(name: str, value: Any) -> float:
     """A finite int or float (not bool)."""
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-        raise InvalidRequestError(f"{name} must be a finite number, got {_type_name(value)} {value!r}")
+        raise InvalidRequestError(f"{name} must be a finite number, got {_type_name(value)} {value!r}", param=name)
     return float(value)
 
 
 def boolean(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
-        raise InvalidRequestError(f"{name} must be true or false, got {_type_name(value)} {value!r}")
+        raise InvalidRequestError(f"{name} must be true or false, got {_type_name(value)} {value!r}", param=name)
     return value
 
 
 def text(name: str, value: Any, *, allow_empty: bool = False) -> str:
     """A str that encodes to UTF-8 (no lone surrogates)."""
     if not isinstance(value, str):
-        raise InvalidRequestError(f"{name} must be a string, got {_type_name(value)} {value!r:.80}")
+        raise InvalidRequestError(f"{name} must be a string, got {_type_name(value)} {value!r:.80}", param=name)
     if not value and not allow_empty:
-        raise InvalidRequestError(f"{name} must not be empty")
+        raise InvalidRequestError(f"{name} must not be empty", param=name)
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise InvalidRequestError(f"{name} is not valid Unicode text ({e.reason} at index {e.start})") from None
+        raise InvalidRequestError(f"{name} is not valid Unicode text ({e.reason} at index {e.start})",
+                                  param=name) from None
     return value
 
 
@@ -75,7 +76,8 @@ def string_list(name: str, value: Any) -> list[str]:
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, (list, tuple)):
-        raise InvalidRequestError(f"{name} must be a string or a list of strings, got {_type_name(value)} {value!r:.80}")
+        raise InvalidRequestError(f"{name} must be a string or a list of strings, got {_type_name(value)} {value!r:.80}",
+                                  param=name)
     return [text(f"{name}[{i}]", s) for i, s in enumerate(value)]
 
 
@@ -84,13 +86,15 @@ def int_list(name: str, value: Any, *, minimum: int = 0) -> list[int]:
     if value is None:
         return []
     if not isinstance(value, (list, tuple)):
-        raise InvalidRequestError(f"{name} must be a list of integers, got {_type_name(value)} {value!r:.80}")
+        raise InvalidRequestError(f"{name} must be a list of integers, got {_type_name(value)} {value!r:.80}",
+                                  param=name)
     return [integer(f"{name}[{i}]", t, minimum=minimum) for i, t in enumerate(value)]
 
 
 def token_ids(name: str, value: Any, vocab_size: int) -> list[int]:
     if not isinstance(value, (list, tuple)):
-        raise InvalidRequestError(f"{name} must be a string or a list of token ids, got {_type_name(value)} {value!r:.80}")
+        raise InvalidRequestError(f"{name} must be a string or a list of token ids, got {_type_name(value)} "
+                                  f"{value!r:.80}", param=name)
     return [integer(f"{name}[{i}]", t, minimum=0, maximum=vocab_size - 1) for i, t in enumerate(value)]
 
 
@@ -99,10 +103,11 @@ def prompt(value: Any, vocab_size: int) -> str | list[int]:
     if isinstance(value, str):
         return text("prompt", value)
     if isinstance(value, (bytes, bytearray)):
-        raise InvalidRequestError("prompt must be a string or a list of token ids, got bytes (decode it first)")
+        raise InvalidRequestError("prompt must be a string or a list of token ids, got bytes (decode it first)",
+                                  param="prompt")
     ids = token_ids("prompt", value, vocab_size)
     if not ids:
-        raise InvalidRequestError("prompt must not be empty")
+        raise InvalidRequestError("prompt must not be empty", param="prompt")
     return ids
 
 
@@ -113,20 +118,23 @@ def messages(value: Any) -> list[dict[str, str]]:
     """OpenAI-style chat messages: [{"role": str, "content": str | [{"type": "text", "text": str}]}]."""
     if not isinstance(value, (list, tuple)) or not value:
         raise InvalidRequestError(f"messages must be a non-empty list of {{'role', 'content'}} dicts, "
-                                  f"got {_type_name(value)} {value!r:.80}")
+                                  f"got {_type_name(value)} {value!r:.80}", param="messages")
     out = []
     for i, m in enumerate(value):
         if not isinstance(m, dict):
-            raise InvalidRequestError(f"messages[{i}] must be a dict with 'role' and 'content', got {_type_name(m)}")
+            raise InvalidRequestError(f"messages[{i}] must be a dict with 'role' and 'content', got {_type_name(m)}",
+                                      param=f"messages[{i}]")
         role = m.get("role")
         if role not in CHAT_ROLES:
-            raise InvalidRequestError(f"messages[{i}].role must be one of {CHAT_ROLES}, got {role!r}")
+            raise InvalidRequestError(f"messages[{i}].role must be one of {CHAT_ROLES}, got {role!r}",
+                                      param=f"messages[{i}].role")
         content = m.get("content")
         if isinstance(content, (list, tuple)):  # OpenAI content parts: only text is understood
             parts = []
             for j, part in enumerate(content):
                 if not isinstance(part, dict) or part.get("type") != "text":
-                    raise InvalidRequestError(f"messages[{i}].content[{j}] must be a {{'type': 'text', 'text': ...}} part")
+                    raise InvalidRequestError(f"messages[{i}].content[{j}] must be a {{'type': 'text', 'text': ...}} "
+                                              "part", param=f"messages[{i}].content[{j}]")
                 parts.append(text(f"messages[{i}].content[{j}].text", part.get("text"), allow_empty=True))
             content = "".join(parts)
         out.append({"role": role, "content": text(f"messages[{i}].content", content, allow_empty=True)})

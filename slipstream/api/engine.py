@@ -40,7 +40,8 @@ class Engine:
         from slipstream.api.assemble import assemble  # torch-heavy imports happen at start
 
         if not isinstance(self.config, EngineConfig):
-            raise InvalidRequestError(f"config must be an EngineConfig, got {type(self.config).__name__}")
+            raise InvalidRequestError(f"config must be an EngineConfig, got {type(self.config).__name__}",
+                                      param="config")
         self._owner = asyncio.get_running_loop()
         self._parts = await asyncio.to_thread(assemble, self.config)
         self.tokenizer, self.model_config = self._parts.tokenizer, self._parts.model_config
@@ -105,20 +106,20 @@ class Engine:
         if params is None:
             params = SamplingParams()
         elif not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+            raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}", param="params")
         request_id = check.request_id(request_id)
         ids = self._prompt_ids(prompt)
         if len(ids) + params.max_tokens > self.max_model_len:
             raise InvalidRequestError(f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
                                       f"exceeds the model context of {self.max_model_len} tokens; lower max_tokens "
-                                      f"to at most {self.max_model_len - len(ids)}")
+                                      f"to at most {self.max_model_len - len(ids)}", param="max_tokens")
         spec = params.grammar_spec()
         # compiled off the tick (a thread, under a timeout); a bad grammar fails only this call
         matcher = (await self._grammars.compile_async(spec)).matcher() if spec is not None else None
         if request_id is None:
             request_id = f"{self._id_prefix}{next(self._ids)}"
         if request_id in self._requests:
-            raise InvalidRequestError(f"request_id {request_id!r} is already in use")
+            raise InvalidRequestError(f"request_id {request_id!r} is already in use", param="request_id")
         max_tokens = params.max_tokens
         pool, page = self._parts.pool, self.config.page_size
         if -(-(len(ids) + max_tokens) // page) > pool.total:
@@ -142,9 +143,10 @@ class Engine:
         prompt = check.prompt(prompt, self.model_config.vocab_size)
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
-            raise InvalidRequestError("prompt is empty")
+            raise InvalidRequestError("prompt is empty", param="prompt")
         if len(ids) >= self.max_model_len:
-            raise InvalidRequestError(f"prompt has {len(ids)} tokens; the model context is {self.max_model_len}")
+            raise InvalidRequestError(f"prompt has {len(ids)} tokens; the model context is {self.max_model_len}",
+                                      param="prompt")
         return ids
 
     async def _next(self, seq: Sequence):

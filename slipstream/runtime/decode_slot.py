@@ -38,7 +38,8 @@ class DecodeSlot:
         self.sampled, self.stamp = self.sampled_and_stamp[:max_samples], self.sampled_and_stamp[max_samples:]
         self.stamp.fill_(-1)
         self.host_sampled_and_stamp = device.host_buffer((max_samples + 1,), torch.int64)
-        self.host_sampled, self.host_stamp = self.host_sampled_and_stamp[:max_samples], self.host_sampled_and_stamp[max_samples:]
+        self.host_sampled = self.host_sampled_and_stamp[:max_samples]
+        self.host_stamp = self.host_sampled_and_stamp[max_samples:]
         self.host_sampled_and_stamp.fill_(POISON)
         self.logprobs = torch.zeros(max_samples, dtype=torch.float32, device=device.torch_device)
         self.host_logprobs = device.host_buffer((max_samples,), torch.float32)

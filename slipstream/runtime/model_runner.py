@@ -21,7 +21,7 @@ from slipstream.models.llama import ForwardBatch, KVCache, LlamaForCausalLM
 from slipstream.runtime.batch import PackedStep, SeqWork
 from slipstream.runtime.decode_slot import DecodeSlot
 from slipstream.runtime.graphs import GraphCache
-from slipstream.runtime.sampler import apply_bitmask, sample
+from slipstream.runtime.sampler import GroupFlags, apply_bitmask, sample
 from slipstream.runtime.staging import StepArena, StepTensors
 
 
@@ -108,18 +108,21 @@ class ModelRunner:
             params = [sampled_works[i].sampling for i in rows]
             out_idx = [sampled_works[i].output_index for i in rows]
             want_logprobs = any(p.logprobs for p in params)
+            flags = GroupFlags(any_random=any(p.temperature > 0 for p in params),
+                               any_filter=any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1.0) for p in params))
             k, masked = len(rows), bitmask is not None
-            g = slot.stage_group(rows, packed.sample_rows[rows], bitmask)
+            g = slot.stage_group(rows, packed.sample_rows[rows], bitmask, params, out_idx)
             self._upload_group(slot, g, k, masked)
 
             def sample_rows() -> None:
                 if self.faults is not None:
                     self.faults.check("sample", step_id)
-                idx, carry = slot.group_dev[g, 0, :k], slot.group_dev[g, 1, :k]
+                idx, carry, top_k, seeds, positions = slot.group_dev[g, :, :k]
+                temperature, top_p = slot.group_f_dev[g, :, :k]
                 logits = slot.logits.index_select(0, idx)
                 if masked:
                     logits = apply_bitmask(logits, slot.mask_dev[g, :k])
-                ids = sample(logits, params, out_idx)
+                ids = sample(logits, temperature, top_k, top_p, seeds, positions, flags)
                 slot.sampled.index_copy_(0, idx, ids)
                 self.token_table.index_copy_(0, carry, ids)
                 if want_logprobs:  # of the model's own distribution, before masks and temperature
@@ -148,7 +151,8 @@ class ModelRunner:
         upload = self.device.upload
 
         def h2d() -> None:
-            slot.group_dev[g].copy_(slot.group_host[g], non_blocking=True)  # contiguous: a plain DMA
+            slot.group_dev[g].copy_(slot.group_host[g], non_blocking=True)  # contiguous: plain DMAs
+            slot.group_f_dev[g].copy_(slot.group_f_host[g], non_blocking=True)
             if masked:
                 slot.mask_dev[g, :k].copy_(slot.mask_host[g, :k], non_blocking=True)
 

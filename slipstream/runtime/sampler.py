@@ -1,17 +1,33 @@
-"""Token sampling on the device: greedy, temperature, top-k, top-p, per-request seeds, masks.
+"""Token sampling on the device, one set of kernels for the whole batch: greedy, temperature,
+top-k, top-p, per-request seeds, grammar masks.
 
-Random rows use the exponential-race form of categorical sampling (argmax of p / E with
-E ~ Exp(1)); each row draws its noise from a generator seeded by (request seed, output index),
-so a seeded request samples the same tokens whatever batch it lands in.
+Every per-row parameter is a tensor ([n] temperature, top_k, top_p, seed, output index), so the
+batch is sampled without a Python loop over rows. Random rows use the Gumbel-max form of
+categorical sampling: argmax(logits / T + g) with g = -log(-log u). The uniforms u come from a
+counter-based generator: a 32-bit integer hash of (seed, output index, token id). A row's noise
+depends only on its own request's seed and position, never on which other rows share the batch,
+the pipeline depth, or the step, so a seeded request samples the same tokens alone, in any batch,
+at depth 1 and 2. (Integer ops on int64 with every product below 2**63: no reliance on overflow.)
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from slipstream.grammar.bitmask import bitmask_to_bool
-from slipstream.runtime.batch import SamplingRow
 
-_SEED_STRIDE = 1_000_003
+_M32 = 0xFFFFFFFF
+_MUL1, _MUL2 = 0x7FEB352D, 0x1B873593  # odd, < 2**31: x * m < 2**63 for x < 2**32
+_ROW_SALT, _COL_SALT = 0x2545F491, 0x68E31DA5
+
+
+@dataclass(frozen=True)
+class GroupFlags:
+    """What the host knows about a sampling group when it launches it (no device read needed)."""
+
+    any_random: bool  # some row has temperature > 0
+    any_filter: bool  # some random row uses top-k or top-p
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
@@ -19,29 +35,53 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(~bitmask_to_bool(bitmask, logits.shape[-1]), float("-inf"))
 
 
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = sorted_logits.softmax(-1)
-        # keep the smallest prefix whose mass reaches top_p (always at least the top token)
-        drop = (probs.cumsum(-1) - probs) >= top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.empty_like(logits).scatter_(0, order, sorted_logits)
-    return logits
+def hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit mixing hash (two multiply-xorshift rounds) of int64 values in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = (x * _MUL1) & _M32
+    x = x ^ (x >> 15)
+    x = (x * _MUL2) & _M32
+    return x ^ (x >> 16)
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow], output_indices: list[int]) -> torch.Tensor:
-    """logits [n, V] float32 -> token ids [n] int64."""
-    out = logits.argmax(dim=-1)
-    for i, row in enumerate(rows):
-        if row.temperature <= 0.0:
-            continue
-        x = _filter_top_k_top_p(logits[i] / row.temperature, row.top_k, row.top_p)
-        gen = torch.Generator(device=logits.device)
-        gen.manual_seed((row.seed * _SEED_STRIDE + output_indices[i]) & 0x7FFF_FFFF_FFFF_FFFF)
-        u = torch.rand(x.shape, generator=gen, device=logits.device).clamp_(min=1e-20)
-        out[i] = (x.softmax(-1) / -u.log()).argmax()
-    return out
+def row_keys(seeds: torch.Tensor, output_index: torch.Tensor) -> torch.Tensor:
+    """[n] int64 keys in [0, 2**32) from 63-bit seeds and output positions."""
+    lo, hi = seeds & _M32, (seeds >> 32) & _M32
+    key = hash32(lo ^ hash32(hi))
+    return hash32(key ^ ((output_index * _ROW_SALT) & _M32))
+
+
+def uniforms(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[n, vocab] float32 uniforms in (0, 1), a pure function of (key, token id)."""
+    cols = (torch.arange(vocab, device=keys.device, dtype=torch.int64) * _COL_SALT) & _M32
+    h = hash32(keys[:, None] ^ cols[None, :])
+    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def _filter_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Rows of x (scaled logits) with everything outside each row's top-k / top-p set to -inf.
+    top_k <= 0 and top_p >= 1 disable a filter for that row."""
+    vocab = x.shape[-1]
+    sorted_x, order = torch.sort(x, dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=x.device)
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+    drop = ranks[None, :] >= k[:, None]
+    probs = sorted_x.masked_fill(drop, float("-inf")).softmax(-1)
+    # keep the smallest prefix whose mass reaches top_p (always at least the top token)
+    drop |= (probs.cumsum(-1) - probs) >= top_p[:, None]
+    return x.scatter(-1, order, sorted_x.masked_fill(drop, float("-inf")))
+
+
+def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+           seeds: torch.Tensor, output_index: torch.Tensor, flags: GroupFlags) -> torch.Tensor:
+    """logits [n, V] float32 -> token ids [n] int64. Rows with temperature 0 are greedy."""
+    greedy = logits.argmax(dim=-1)
+    if not flags.any_random:
+        return greedy
+    is_random = temperature > 0
+    x = logits / torch.where(is_random, temperature, torch.ones_like(temperature))[:, None]
+    if flags.any_filter:
+        x = _filter_top_k_top_p(x, top_k, top_p)
+    u = uniforms(row_keys(seeds, output_index), logits.shape[-1])
+    drawn = (x - (-u.log()).log()).argmax(dim=-1)
+    return torch.where(is_random, drawn, greedy)

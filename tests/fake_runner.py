@@ -20,6 +20,7 @@ import inspect
 import random
 
 from slipstream.runtime.decode_slot import SlotState
+from slipstream.runtime.runner_api import SampledTokens
 from slipstream.scheduler.page_pool import PagePool
 
 EOS = 2
@@ -202,10 +203,10 @@ class FakeRunner:
 
             copy.launch(copy_out)
 
-    async def read_sampled(self, slot) -> tuple[list[int], list[float]]:
+    async def read_sampled(self, slot) -> SampledTokens:
         await slot.copied.wait()
         self.referee.steps.pop(slot.step_id)
-        return slot.host_result, [0.0] * len(slot.host_result)
+        return SampledTokens(slot.host_result, [0.0] * len(slot.host_result))
 
     async def drain(self) -> None:
         for stream in self.streams:

@@ -17,7 +17,7 @@ from slipstream.outputs import CompletionOutput, RequestMetrics
 from slipstream.params import SamplingParams
 from slipstream.runtime.batch import SamplingRow
 from slipstream.scheduler.engine_loop import EngineLoop
-from slipstream.scheduler.output_processor import RequestState
+from slipstream.api.output_processor import OutputProcessor, RequestState
 from slipstream.scheduler.page_pool import PagePool
 from slipstream.scheduler.planner import Planner
 from slipstream.scheduler.sequence import Sequence
@@ -38,13 +38,13 @@ def make_loop(depth, num_pages=64, max_batch=4, step_tokens=16, seed=0):
     pool = RefereedPool(num_pages, runner.referee)
     planner = Planner(pool, PAGE, max_batch, step_tokens)
     planner._free_rows = RefereedRows(planner._free_rows, runner.referee)
-    return EngineLoop(runner, planner, depth, PAGE), pool
+    return EngineLoop(runner, planner, OutputProcessor(), depth, PAGE), pool
 
 
-def make_seq(rid, prompt, max_tokens, order):
+def make_seq(rid, prompt, max_tokens):
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     req = RequestState(rid, prompt, params, NullDetok(), frozenset({EOS}), RequestMetrics(0.0))
-    return Sequence(rid, prompt, max_tokens, SamplingRow(), order, user=req)
+    return Sequence(rid, prompt, max_tokens, SamplingRow(), user=req)
 
 
 async def run_workload(depth, requests, num_pages=64, max_batch=4, step_tokens=16, seed=0):
@@ -56,7 +56,7 @@ async def run_workload(depth, requests, num_pages=64, max_batch=4, step_tokens=1
     async def client(i, prompt, max_tokens, arrive, abort_after):
         for _ in range(arrive):
             await asyncio.sleep(0)
-        seq = make_seq(f"r{i}", prompt, max_tokens, i)
+        seq = make_seq(f"r{i}", prompt, max_tokens)
         loop.submit(seq)
         if abort_after is not None:
             for _ in range(abort_after):

@@ -6,7 +6,7 @@ import time
 from slipstream.outputs import RequestMetrics
 from slipstream.params import SamplingParams
 from slipstream.runtime.batch import SamplingRow
-from slipstream.scheduler.output_processor import OutputProcessor, RequestState
+from slipstream.api.output_processor import OutputProcessor, RequestState
 from slipstream.scheduler.page_pool import PagePool
 from slipstream.scheduler.pipeline import Pipeline
 from slipstream.scheduler.planner import Planner, fair_shares
@@ -15,8 +15,8 @@ from slipstream.scheduler.sequence import Sequence, SeqStatus
 PAGE = 4
 
 
-def seq(rid, prompt_len, max_tokens=8, order=0):
-    return Sequence(rid, list(range(3, 3 + prompt_len)), max_tokens, SamplingRow(), order)
+def seq(rid, prompt_len, max_tokens=8):
+    return Sequence(rid, list(range(3, 3 + prompt_len)), max_tokens, SamplingRow())
 
 
 def test_fair_shares_meet_small_needs_first_and_split_the_rest():
@@ -34,7 +34,7 @@ def test_a_short_prompt_is_admitted_while_a_long_one_prefills():
     first = planner.plan(depth=1)
     assert first.works[0].num_tokens == 64
     long.inflight_refs, long.num_scheduled = 0, 64  # as if committed
-    short = seq("short", 4, order=1)
+    short = seq("short", 4)
     planner.add(short)
     step = planner.plan(depth=1)
     by_id = {s.request_id: w for s, w in zip(step.seqs, step.works)}
@@ -57,7 +57,7 @@ def running_with_step_in_flight(n, num_pages):
     pipeline = Pipeline(2, planner)
     seqs = []
     for i in range(n):
-        s = seq(f"s{i}", PAGE, max_tokens=100, order=i)  # a full page of prompt: the next decode needs a page
+        s = seq(f"s{i}", PAGE, max_tokens=100)  # a full page of prompt: the next decode needs a page
         s.status, s.row, s.pages = SeqStatus.RUNNING, i + 1, pool.allocate(1)
         s.num_scheduled, s.pending_samples, s.inflight_refs, s.carry_on_device = PAGE, 1, 1, True
         planner.running.append(s)
@@ -89,12 +89,12 @@ def test_cancelling_many_waiting_requests_is_linear():
     def cancel_all(n):
         planner = Planner(PagePool(64), PAGE, max_batch_size=4, max_step_tokens=16)
         pipeline = Pipeline(2, planner)
-        seqs = [seq(f"w{i}", 4, order=i) for i in range(n)]
+        seqs = [seq(f"w{i}", 4) for i in range(n)]
         for s in seqs:
             planner.add(s)
         t0 = time.perf_counter()
         for s in seqs:  # newest last: the worst case for deque.remove
-            pipeline.finalize(s, "abort")
+            pipeline.finish(s, "abort")
         elapsed = time.perf_counter() - t0
         assert planner.num_waiting == 0 and planner.plan(depth=2) is None
         return elapsed
@@ -112,10 +112,11 @@ class ChattyDetok:
 
 
 def test_output_text_costs_the_same_per_token_at_any_length():
-    outputs = OutputProcessor(lambda s, r: setattr(s, "finalized", True) or True)
+    outputs = OutputProcessor()
+    outputs.bind(lambda s, r: setattr(s, "finalized", True) or True)
     params = SamplingParams(max_tokens=100_000, temperature=0.0)
     req = RequestState("r", [3], params, ChattyDetok(), frozenset(), RequestMetrics(0.0), queue=asyncio.Queue())
-    s = Sequence("r", [3], 100_000, SamplingRow(), 0, user=req)
+    s = Sequence("r", [3], 100_000, SamplingRow(), user=req)
 
     def per_token(n):
         t0 = time.perf_counter()

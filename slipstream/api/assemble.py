@@ -6,6 +6,9 @@ from dataclasses import dataclass
 import structlog
 import torch
 
+from slipstream.api.output_processor import OutputProcessor
+from slipstream.intmath import ceil_div
+from slipstream.metrics import EngineMetrics
 from slipstream.models.build import DTYPES, build_model
 from slipstream.models.llama import KVCache
 from slipstream.params import EngineConfig
@@ -15,7 +18,6 @@ from slipstream.runtime.model_runner import ModelRunner
 from slipstream.scheduler.engine_loop import EngineLoop
 from slipstream.scheduler.page_pool import PagePool
 from slipstream.scheduler.planner import Planner
-from slipstream.metrics import EngineMetrics
 from slipstream.trace import Tracer
 
 log = structlog.get_logger(__name__)
@@ -41,13 +43,13 @@ class EngineParts:
 def kv_pages(config: EngineConfig, model, mcfg, device, max_model_len: int) -> int:
     """Pages in the pool, the scratch page included: from kv_cache_tokens, or from free GPU memory."""
     if config.kv_cache_tokens is not None or device.kind != "cuda":
-        return -(-(config.kv_cache_tokens or CPU_KV_TOKENS) // config.page_size) + 1
+        return ceil_div(config.kv_cache_tokens or CPU_KV_TOKENS, config.page_size) + 1
     from slipstream.runtime.memory import kv_bytes_per_page, kv_pages_for_memory, profile_free_memory
 
     dtype = DTYPES[config.dtype]
     free = profile_free_memory(model, mcfg, device, config.max_num_batched_tokens, config.page_size, dtype)
     return kv_pages_for_memory(free, config.gpu_memory_utilization, kv_bytes_per_page(mcfg, config.page_size, dtype),
-                               min_pages=-(-max_model_len // config.page_size) + 1)
+                               min_pages=ceil_div(max_model_len, config.page_size) + 1)
 
 
 def assemble(config: EngineConfig) -> EngineParts:
@@ -65,7 +67,8 @@ def assemble(config: EngineConfig) -> EngineParts:
         model.set_attention_dtype(torch.float64)
     runner = ModelRunner(model, kv, device, max_rows=config.max_batch_size + 1,
                          max_tokens=config.max_num_batched_tokens,
-                         max_pages=-(-max_model_len // config.page_size), row_multiple=row_multiple)
+                         max_pages=ceil_div(max_model_len, config.page_size), row_multiple=row_multiple,
+                         num_slots=config.pipeline_depth)  # depth 1 never uses a second slot (nor its graphs)
     if device.kind == "cuda" and config.cuda_graphs:
         from slipstream.runtime.cuda_graphs import decode_graphs
 
@@ -74,7 +77,7 @@ def assemble(config: EngineConfig) -> EngineParts:
             runner.graphs.warmup()
     pool = PagePool(num_pages)
     planner = Planner(pool, config.page_size, config.max_batch_size, config.max_num_batched_tokens)
-    loop = EngineLoop(runner, planner, config.pipeline_depth, config.page_size, row_multiple,
+    loop = EngineLoop(runner, planner, OutputProcessor(), config.pipeline_depth, config.page_size, row_multiple,
                       vocab_width=mcfg.vocab_size, eos_ids=tuple(tokenizer.eos_token_ids),
                       step_timeout_s=config.step_timeout_s)
     tracer = Tracer().attach(loop, runner, device) if config.trace else None

@@ -11,10 +11,11 @@ import structlog
 
 from slipstream import validate as check
 from slipstream.errors import EngineClosedError, InvalidRequestError, WrongEventLoopError
+from slipstream.intmath import ceil_div
 from slipstream.outputs import CompletionOutput, RequestMetrics, StreamDelta
 from slipstream.params import EngineConfig, SamplingParams
 from slipstream.runtime.batch import SamplingRow
-from slipstream.scheduler.output_processor import RequestState
+from slipstream.api.output_processor import RequestState
 from slipstream.scheduler.sequence import Sequence
 
 log = structlog.get_logger(__name__)
@@ -30,7 +31,6 @@ class Engine:
         self._ids = itertools.count()
         self._id_prefix = f"req-{secrets.token_hex(4)}-"  # auto ids never look like a user's "req-1"
         self._owner: asyncio.AbstractEventLoop | None = None
-        self._arrivals = itertools.count()
         self._rng = random.Random(self.config.seed)
         self.tokenizer = None
 
@@ -122,7 +122,7 @@ class Engine:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use", param="request_id")
         max_tokens = params.max_tokens
         pool, page = self._parts.pool, self.config.page_size
-        if -(-(len(ids) + max_tokens) // page) > pool.total:
+        if ceil_div(len(ids) + max_tokens, page) > pool.total:
             raise InvalidRequestError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) needs more KV pages "
                                       f"than the whole pool holds ({pool.total} pages of {page})")
         eos = () if params.ignore_eos else tuple(self.tokenizer.eos_token_ids)
@@ -134,7 +134,7 @@ class Engine:
         req = RequestState(request_id, ids, params, IncrementalDetokenizer(self.tokenizer, ids),
                            frozenset(eos) | frozenset(params.stop_token_ids), RequestMetrics(time.perf_counter()),
                            matcher=matcher)
-        seq = Sequence(request_id, ids, max_tokens, row, arrival_order=next(self._arrivals), user=req)
+        seq = Sequence(request_id, ids, max_tokens, row, user=req)
         self._requests[request_id] = seq
         self.loop.submit(seq)
         return seq

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from slipstream.intmath import round_up
+
 # Page 0 is never handed to a sequence: padding rows write their K/V there, so padded rows need
 # no masking of their writes.
 SCRATCH_PAGE = 0
@@ -57,14 +59,10 @@ class PackedStep:
     num_samples: int  # real samples (n)
 
 
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
 def pack_step(works: list[SeqWork], page_size: int, row_multiple: int = 1) -> PackedStep:
     """Flatten a step. Padding rows to `row_multiple` keeps matmul rows independent of batch size."""
     n_tok = sum(w.num_tokens for w in works)
-    t_pad = _round_up(n_tok, row_multiple)
+    t_pad = round_up(n_tok, row_multiple)
     input_ids = np.zeros(t_pad, np.int64)
     from_device = np.zeros(t_pad, bool)
     carry_rows = np.zeros(t_pad, np.int64)
@@ -90,7 +88,7 @@ def pack_step(works: list[SeqWork], page_size: int, row_multiple: int = 1) -> Pa
             sample_idx.append(cur - 1)
             sample_rows.append(w.row)
     n_samples = len(sample_idx)
-    sample_idx += [0] * (_round_up(n_samples, row_multiple) - n_samples)
+    sample_idx += [0] * (round_up(n_samples, row_multiple) - n_samples)
     return PackedStep(
         input_ids=input_ids,
         from_device=from_device,

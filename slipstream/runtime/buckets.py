@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 
 from slipstream.errors import InvalidRequestError
+from slipstream.intmath import round_up
 
 
 def make_buckets(min_size: int, step: int, max_size: int) -> list[int]:
@@ -24,7 +25,7 @@ def make_buckets(min_size: int, step: int, max_size: int) -> list[int]:
     while size < step and size < max_size:  # ramp-up
         buckets.append(size)
         size *= 2
-    size = max(step, -(-size // step) * step)  # first multiple of step at or past the ramp
+    size = max(step, round_up(size, step))  # first multiple of step at or past the ramp
     while size < max_size:
         buckets.append(size)
         size += step

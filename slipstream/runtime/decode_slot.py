@@ -18,6 +18,7 @@ import enum
 import torch
 
 from slipstream.errors import PipelineInvariantError, SlotReuseError
+from slipstream.grammar.bitmask import words_for
 
 POISON = -7
 MAX_GROUPS = 2
@@ -49,7 +50,7 @@ class DecodeSlot:
         # finalize): each stages its row indices, carry-over rows, per-row sampling parameters and
         # packed allowed-token masks in host buffers of its own, uploaded in one go (pinned on CUDA;
         # shared memory on the CPU). Integer fields: GROUP_INT rows; float fields: GROUP_FLOAT rows.
-        words = -(-vocab_size // 32)
+        words = words_for(vocab_size)
         self.group_host = device.host_buffer((MAX_GROUPS, len(GROUP_INT), max_samples), torch.int64)
         self.group_f_host = device.host_buffer((MAX_GROUPS, len(GROUP_FLOAT), max_samples), torch.float32)
         self.mask_host = device.host_buffer((MAX_GROUPS, max_samples, words), torch.int32)
@@ -62,8 +63,7 @@ class DecodeSlot:
         self.groups = 0  # sampling groups launched for the current step
         self.logits: torch.Tensor | None = None  # written by the forward, read by sampling
         self.num_samples = 0
-        self.forward_done = None  # events of the step currently in this slot
-        self.sample_done = None
+        self.sample_done = None  # events of the step currently in this slot
         self.copy_done = None
 
     @property
@@ -78,7 +78,7 @@ class DecodeSlot:
             )
         self.state = SlotState.IN_FLIGHT
         self.step_id = step_id
-        self.forward_done = self.sample_done = self.copy_done = None
+        self.sample_done = self.copy_done = None
         self.groups = 0
 
     def stage_group(self, rows: list[int], carry_rows, bitmask, params: list, output_index: list[int]) -> int:

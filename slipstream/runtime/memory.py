@@ -11,6 +11,7 @@ import structlog
 import torch
 
 from slipstream.errors import InvalidRequestError
+from slipstream.intmath import ceil_div
 from slipstream.models.attention import AttentionMetadata, DeviceAttentionMetadata
 from slipstream.models.llama import ForwardBatch, KVCache
 
@@ -36,7 +37,7 @@ def kv_pages_for_memory(free_bytes: int, utilization: float, bytes_per_page: int
 def profile_free_memory(model, config, device, num_tokens: int, page_size: int, dtype: torch.dtype) -> int:
     """Free device bytes after weights and one forward of `num_tokens` prompt tokens."""
     dev = device.torch_device
-    pages = -(-num_tokens // page_size) + 1
+    pages = ceil_div(num_tokens, page_size) + 1
     kv = KVCache(config, pages, page_size, dtype, dev)
     n = min(num_tokens, config.max_position_embeddings)
     slots = torch.arange(page_size, page_size + n, device=dev)  # page 0 is scratch

@@ -16,23 +16,27 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from slipstream.intmath import round_up
 from slipstream.models.attention import AttentionMetadata, DeviceAttentionMetadata
 from slipstream.models.llama import ForwardBatch, KVCache, LlamaForCausalLM
 from slipstream.runtime.batch import PackedStep, SeqWork
 from slipstream.runtime.decode_slot import DecodeSlot
 from slipstream.runtime.graphs import GraphCache
+from slipstream.runtime.runner_api import SampledTokens
 from slipstream.runtime.sampler import GroupFlags, apply_bitmask, sample
 from slipstream.runtime.staging import StepArena, StepTensors
 
 
 class ModelRunner:
+    """Implements slipstream.runtime.runner_api.Runner on a Device."""
+
     def __init__(self, model: LlamaForCausalLM, kv: KVCache, device, max_rows: int, max_tokens: int,
                  max_pages: int, num_slots: int = 2, row_multiple: int = 1):
         self.model, self.kv, self.device = model, kv, device
         self.row_multiple = row_multiple  # pad steps so CPU matmul rows do not depend on batch size
         self.token_table = torch.zeros(max_rows, dtype=torch.int64, device=device.torch_device)
         self.slots = [DecodeSlot(i, device, max_rows, model.config.vocab_size) for i in range(num_slots)]
-        max_tokens = -(-max(max_tokens, max_rows) // row_multiple) * row_multiple
+        max_tokens = round_up(max(max_tokens, max_rows), row_multiple)
         self.arenas = [StepArena(device, max_tokens, max_rows, max_pages, kv.page_size) for _ in range(num_slots)]
         self.vocab_size = model.config.vocab_size
         self.graphs: GraphCache | None = None  # CUDA graphs of decode steps (slipstream/runtime/cuda_graphs.py)
@@ -76,7 +80,6 @@ class ModelRunner:
                 slot.logits = self.forward_from(tensors, host_meta)
 
         self.device.compute.launch(forward, "forward")
-        slot.forward_done = self.device.compute.record()
 
     def _graphable(self, packed: PackedStep) -> bool:
         """Decode-only: one device-fed token per sequence, each sampled (and no CPU row padding)."""
@@ -161,11 +164,11 @@ class ModelRunner:
 
     # --- commit ---------------------------------------------------------------------------------
 
-    async def read_sampled(self, slot: DecodeSlot) -> tuple[list[int], list[float]]:
+    async def read_sampled(self, slot: DecodeSlot) -> SampledTokens:
         """Await the step's copy event without blocking the loop, then read tokens and logprobs.
         Raises what launched work of the step (on any stream) raised."""
         await slot.copy_done.wait_async()
-        return slot.read_host()
+        return SampledTokens(*slot.read_host())
 
     # --- failure --------------------------------------------------------------------------------
 

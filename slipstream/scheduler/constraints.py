@@ -13,6 +13,7 @@ from typing import Callable
 
 import numpy as np
 
+from slipstream.grammar.bitmask import words_for
 from slipstream.scheduler.sequence import Sequence
 
 ALL_ALLOWED = -1  # int32 with every bit set
@@ -20,7 +21,7 @@ ALL_ALLOWED = -1  # int32 with every bit set
 
 class Constraints:
     def __init__(self, vocab_width: int, eos_ids: tuple[int, ...], fail: Callable[[Sequence, BaseException], None]):
-        self.words = -(-vocab_width // 32)
+        self.words = words_for(vocab_width)
         self.vocab_width = vocab_width
         self.eos_ids = eos_ids
         self._fail = fail  # fails one request with an error; the batch goes on

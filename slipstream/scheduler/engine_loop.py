@@ -24,8 +24,8 @@ Failures (docs/reliability.md):
   * a launched step not done after step_timeout_s: the watchdog logs the state and the engine
     fails (StepTimeoutError for its requests, EngineClosedError for the rest).
   * anything else is a bug: the loop dies and every waiter gets EngineClosedError.
-The runner is duck-typed (launch_forward / launch_sampling / read_sampled / drain / recover /
-slots), so this file never touches torch or a device API.
+The runner is a `Runner` (slipstream/runtime/runner_api.py: PackedStep in, SampledTokens out),
+so this file never touches torch or a device API.
 """
 from __future__ import annotations
 
@@ -36,8 +36,9 @@ import structlog
 
 from slipstream.errors import EngineClosedError, PipelineInvariantError, StepFailedError, StepTimeoutError
 from slipstream.runtime.batch import pack_step
+from slipstream.runtime.runner_api import Runner
 from slipstream.scheduler.constraints import Constraints
-from slipstream.scheduler.output_processor import OutputProcessor
+from slipstream.scheduler.output_sink import OutputSink
 from slipstream.scheduler.pipeline import InflightStep, Pipeline
 from slipstream.scheduler.planner import Planner
 from slipstream.scheduler.sequence import Sequence
@@ -47,12 +48,14 @@ log = structlog.get_logger(__name__)
 
 
 class EngineLoop:
-    def __init__(self, runner, planner: Planner, depth: int, page_size: int, row_multiple: int = 1,
-                 vocab_width: int = 0, eos_ids: tuple[int, ...] = (), step_timeout_s: float = 300.0):
+    def __init__(self, runner: Runner, planner: Planner, outputs: OutputSink, depth: int, page_size: int,
+                 row_multiple: int = 1, vocab_width: int = 0, eos_ids: tuple[int, ...] = (),
+                 step_timeout_s: float = 300.0):
         self.runner, self.planner, self.depth = runner, planner, depth
         self.page_size, self.row_multiple = page_size, row_multiple
         self.pipeline = Pipeline(depth, planner)
-        self.outputs = OutputProcessor(self.pipeline.finalize)
+        self.outputs = outputs
+        outputs.bind(self.pipeline.finish)
         self.constraints = Constraints(vocab_width, eos_ids, self.outputs.fail)
         self.num_steps = 0
         self.observers: list = []  # fn(step) after each commit: tracing, metrics (empty: no cost)
@@ -232,5 +235,4 @@ class EngineLoop:
         seqs += [seq for step in self.pipeline.inflight for seq in step.seqs]
         for seq in dict.fromkeys(seqs):
             if not seq.finalized and seq.user is not None:
-                seq.finalized, seq.finish_reason = True, "abort"
-                seq.user.queue.put_nowait(error)
+                self.outputs.fail(seq, error)

@@ -92,7 +92,7 @@ class Pipeline:
             seq.pending_samples -= work.sample
             self.maybe_release(seq)
 
-    def finalize(self, seq: Sequence, reason: str) -> bool:
+    def finish(self, seq: Sequence, reason: str) -> bool:
         """Mark a sequence finished (first reason wins). Returns False if it already was."""
         if seq.finalized:
             return False

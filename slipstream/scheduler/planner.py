@@ -24,13 +24,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from slipstream.intmath import ceil_div
 from slipstream.runtime.batch import SeqWork
 from slipstream.scheduler.page_pool import PagePool
 from slipstream.scheduler.sequence import Sequence, SeqStatus
-
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def fair_shares(needs: list[int], budget: int) -> list[int]:

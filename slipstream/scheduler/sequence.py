@@ -30,7 +30,6 @@ class Sequence:
     prompt_ids: list[int]
     max_tokens: int
     sampling: SamplingRow
-    arrival_order: int
     status: SeqStatus = SeqStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
     # pipeline state

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from slipstream.errors import GrammarError, GrammarMatchError, RequestFailedError, SlipstreamError
 from slipstream.outputs import CompletionOutput, RequestMetrics, StreamDelta
 from slipstream.params import SamplingParams
+from slipstream.scheduler.output_sink import Finish
 from slipstream.scheduler.sequence import Sequence
 
 
@@ -43,9 +44,14 @@ class RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, finalize):
-        self._finalize = finalize  # Pipeline.finalize: marks finished, releases when possible
+    """The API layer's OutputSink (slipstream/scheduler/output_sink.py)."""
+
+    def __init__(self) -> None:
+        self._finalize: Finish | None = None  # Pipeline.finish, bound by the EngineLoop
         self.faults = None  # tests only: a slipstream.faults.FaultInjector
+
+    def bind(self, finish: Finish) -> None:
+        self._finalize = finish
 
     def accept(self, seq: Sequence, token: int, logprob: float = 0.0) -> None:
         req: RequestState = seq.user

@@ -1,0 +1,50 @@
+"""The runner interface the engine loop is written against (torch-free, so the scheduler and the
+test fake can use it): forward inputs are a `PackedStep`, outputs a `SampledTokens` per step.
+
+`ModelRunner` (runtime/model_runner.py) implements it on a real device; tests/fake_runner.py
+implements it without torch. tests/test_runner_api.py checks both against this Protocol.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol, runtime_checkable
+
+import numpy as np
+
+from slipstream.runtime.batch import PackedStep, SeqWork
+
+
+class SampledTokens(NamedTuple):
+    """What a committed step hands back: one id (and its log-probability) per sampling row."""
+
+    ids: list[int]
+    logprobs: list[float]
+
+
+class Slot(Protocol):
+    index: int
+
+    @property
+    def is_free(self) -> bool: ...
+
+    def release(self) -> None: ...
+
+
+@runtime_checkable
+class Runner(Protocol):
+    slots: list
+
+    def launch_forward(self, slot, step_id: int, packed: PackedStep) -> None:
+        """Enqueue a step's forward into `slot`; returns at once."""
+
+    def launch_sampling(self, slot, packed: PackedStep, works: list[SeqWork], rows: list[int] | None = None,
+                        bitmask: np.ndarray | None = None, final: bool = True) -> None:
+        """Enqueue sampling of some of the step's rows; with `final`, the device→host copy too."""
+
+    async def read_sampled(self, slot) -> SampledTokens:
+        """Await the step's copy without blocking the loop; raises what its launched work raised."""
+
+    async def drain(self) -> None:
+        """Wait until every stream has run what was launched on it (after a failure)."""
+
+    def recover(self, slots: list) -> bool:
+        """Free failed steps' slots and clear sticky errors; False: the device cannot go on."""

@@ -1,4 +1,4 @@
-"""A Llama-family decoder written for a serving engine.
+"""A Llama-family decoder (Llama, Qwen2) written for a serving engine.
 
 One forward takes a flat batch of tokens from many sequences (prefill chunks and single decode
 tokens mixed), writes each token's K/V into a paged cache through a slot mapping, reads context
@@ -70,6 +70,8 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         d = config.head_dim
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+        if config.rope_freq_factors is not None:  # Llama-3 / linear scaling, or a GGUF's rope_freqs
+            inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32)
         pos = torch.arange(config.max_position_embeddings, dtype=torch.float32)
         freqs = torch.outer(pos, inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
@@ -95,9 +97,10 @@ class Attention(nn.Module):
         self.layer = layer
         self.heads, self.kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         h = config.hidden_size
-        self.q_proj = nn.Linear(h, self.heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=False)
+        bias = config.attention_bias  # Qwen2
+        self.q_proj = nn.Linear(h, self.heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.heads * self.head_dim, h, bias=False)
         self.compute_dtype: torch.dtype | None = None  # float64: batch/chunk-invariant results
         self.backend = "reference"  # or "triton": the GPU kernel over device metadata

@@ -120,6 +120,7 @@ def store_entry(entry: Path, config: ModelConfig, weights: dict[str, torch.Tenso
         fd, tmp = tempfile.mkstemp(dir=entry.parent, prefix=entry.name + ".", suffix=".tmp")
         os.close(fd)
         save_file({k: v.contiguous() for k, v in weights.items()}, tmp, metadata=meta)
+        os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; a cache of public weights need not be
         os.replace(tmp, entry)
         tmp = None
         log.info("weight_cache_stored", path=str(entry), size_bytes=entry.stat().st_size)

@@ -69,10 +69,13 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         d = config.head_dim
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+        # Tables are computed on the CPU even while the model is built on the meta device (they are
+        # not in checkpoints): real values, and no meta-tensor arithmetic (which imports torch._dynamo).
+        cpu = torch.device("cpu")
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=cpu).float() / d))
         if config.rope_freq_factors is not None:  # Llama-3 / linear scaling, or a GGUF's rope_freqs
-            inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32)
-        pos = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+            inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32, device=cpu)
+        pos = torch.arange(config.max_position_embeddings, dtype=torch.float32, device=cpu)
         freqs = torch.outer(pos, inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
@@ -153,7 +156,10 @@ class DecoderLayer(nn.Module):
 class _Body(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # An explicit (uninitialised) weight skips nn.Embedding's random init: on the meta device that
+        # init imports torch._dynamo, ~1.5-2 s of every start. Weights are always loaded afterwards.
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -173,7 +179,6 @@ class LlamaForCausalLM(nn.Module):
             model = cls(config)
         model.load_state_dict({k: v for k, v in weights.items() if k != "lm_head.weight" or not config.tie_word_embeddings},
                               strict=True, assign=True)
-        model.rope = RotaryEmbedding(config)  # buffers are not in checkpoints; build them for real
         return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
     def set_attention_dtype(self, dtype: torch.dtype | None) -> None:

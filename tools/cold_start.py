@@ -102,12 +102,13 @@ def main() -> None:
     finally:
         shutil.rmtree(cache, ignore_errors=True)
     lines = [provenance(sys.argv[1:]), "",
-             f"model {args.model}, {args.repeats} repeats; seconds (median | mean | p90 | min)", "",
-             "| start | what | process wall | build_model only |", "|---|---|---|---|"]
+             f"model {args.model}, {args.repeats} repeats, seconds", "",
+             "| start | what | wall median | mean | p90 | min | build_model median | mean | p90 | min |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for kind in args.kinds:
         for which in ("first", "second"):
             sel = [r for r in rows if r["kind"] == kind and r["start"] == which]
-            build = summary([r["build_s"] for r in sel]) if kind == "weights" else "-"
+            build = summary([r["build_s"] for r in sel]) if kind == "weights" else "- | - | - | -"
             lines.append(f"| {which} | {kind} | {summary([r['wall_s'] for r in sel])} | {build} |")
     lines += ["", "raw rows:", *(json.dumps(r) for r in rows)]
     report = "\n".join(lines)

@@ -138,3 +138,19 @@ def test_unwritable_cache_only_warns(gguf_file, tmp_path, monkeypatch):
     with capture_logs() as logs:
         loaded = load_model(str(gguf_file))
     assert loaded.config.architecture == "qwen2" and "weight_cache_store_failed" in events(logs)
+
+
+def test_generate_no_weight_cache_flag(gguf_file, cache, monkeypatch, capsys):
+    from slipstream.cli import main
+
+    argv = ["generate", "Hello", "--raw", "--max-tokens", "2", "--model", str(gguf_file)]
+    from slipstream.models.build import _load_cached
+
+    _load_cached.cache_clear()  # engines in one process share a load; this test needs two
+    assert main(argv + ["--no-weight-cache"]) == 0
+    assert not cache.exists()
+    monkeypatch.setenv("SLIPSTREAM_WEIGHT_CACHE", "1")  # the flag sets it to 0 for the rest of the process
+    _load_cached.cache_clear()
+    assert main(argv) == 0  # without the flag the same run fills the cache
+    _load_cached.cache_clear()
+    assert len(list((cache / "weights").iterdir())) == 1

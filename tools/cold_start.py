@@ -40,7 +40,6 @@ def _git(*args: str) -> str:
 
 
 def provenance(argv: list[str]) -> str:
-    import gguf  # noqa: F401 (version lookup below)
     import importlib.metadata as md
 
     import torch

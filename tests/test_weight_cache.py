@@ -154,3 +154,26 @@ def test_generate_no_weight_cache_flag(gguf_file, cache, monkeypatch, capsys):
     assert main(argv) == 0  # without the flag the same run fills the cache
     _load_cached.cache_clear()
     assert len(list((cache / "weights").iterdir())) == 1
+
+
+def test_outdated_entries_and_stale_temp_files_are_pruned(gguf_file, cache, tmp_path, monkeypatch):
+    here, there = tmp_path / "a" / "tiny.gguf", tmp_path / "b" / "tiny.gguf"  # same name, two places
+    for p in (here, there):
+        p.parent.mkdir()
+        p.write_bytes(gguf_file.read_bytes())
+    load_model(str(here))
+    load_model(str(there))
+    weights = cache / "weights"
+    assert len(list(weights.iterdir())) == 2  # one per file: a shared name does not evict
+    old_entry = entry_path(here, torch.float32)
+    stale, fresh = weights / (old_entry.name + ".x.tmp"), weights / (old_entry.name + ".y.tmp")
+    stale.write_bytes(b"half")
+    fresh.write_bytes(b"half")
+    os.utime(stale, (0, 0))  # a crashed writer, long ago; `fresh` may be a writer at work now
+    st = here.stat()
+    os.utime(here, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # "re-downloaded"
+    load_model(str(here))
+    names = {p.name for p in weights.iterdir()}
+    assert entry_path(here, torch.float32).name in names and old_entry.name not in names
+    assert entry_path(there, torch.float32).name in names
+    assert fresh.name in names and stale.name not in names

@@ -78,7 +78,7 @@ def _load_gguf_cached(path: Path, dtype: torch.dtype):
     if hit is not None:
         return hit
     config, weights, tokenizer = load_gguf(path, dtype)
-    store_entry(entry, config, weights, tokenizer)
+    store_entry(entry, config, weights, tokenizer, source=path)
     return config, weights, tokenizer
 
 

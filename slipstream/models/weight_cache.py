@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import tempfile
+import time
 import zlib
 from dataclasses import asdict
 from pathlib import Path
@@ -64,9 +65,28 @@ def source_key(path: Path, dtype: torch.dtype) -> str:
     return h.hexdigest()
 
 
+def _entry_prefix(path: Path) -> str:
+    """File stem + a hash of its absolute path: the entries of one GGUF, whatever its contents."""
+    where = hashlib.blake2b(str(path.resolve()).encode(), digest_size=4).hexdigest()
+    return f"{path.stem}-{where}-"
+
+
 def entry_path(path: Path, dtype: torch.dtype, root: Path | None = None) -> Path:
     dname = str(dtype).removeprefix("torch.")
-    return (root or cache_root()) / "weights" / f"{path.stem}-{source_key(path, dtype)}-{dname}.safetensors"
+    return (root or cache_root()) / "weights" / f"{_entry_prefix(path)}{source_key(path, dtype)}-{dname}.safetensors"
+
+
+def _prune(entry: Path, source: Path) -> None:
+    """Drop entries of the same GGUF path and dtype made from older contents (a re-download or an
+    edit), and temp files a crashed writer left behind, so the cache does not grow without bound."""
+    dsuffix = entry.name.rsplit("-", 1)[1]
+    for old in entry.parent.glob(_entry_prefix(source) + "*"):
+        try:  # another process may be renaming or pruning the same files
+            stale_tmp = old.name.endswith(".tmp") and time.time() - old.stat().st_mtime > 3600
+            if old != entry and (stale_tmp or old.name.endswith("-" + dsuffix)):
+                old.unlink(missing_ok=True)
+        except OSError:
+            continue
 
 
 def _crc(t: torch.Tensor) -> int:
@@ -103,8 +123,10 @@ def load_entry(entry: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, 
     return config, weights, tokenizer
 
 
-def store_entry(entry: Path, config: ModelConfig, weights: dict[str, torch.Tensor], tokenizer: Tokenizer) -> None:
-    """Write atomically (temp file + rename); a failure (read-only dir, full disk) only logs."""
+def store_entry(entry: Path, config: ModelConfig, weights: dict[str, torch.Tensor], tokenizer: Tokenizer,
+                source: Path | None = None) -> None:
+    """Write atomically (temp file + rename), then prune `source`'s outdated entries; a failure
+    (read-only dir, full disk) only logs."""
     from safetensors.torch import save_file
 
     meta = {
@@ -123,6 +145,8 @@ def store_entry(entry: Path, config: ModelConfig, weights: dict[str, torch.Tenso
         os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; a cache of public weights need not be
         os.replace(tmp, entry)
         tmp = None
+        if source is not None:
+            _prune(entry, source)
         log.info("weight_cache_stored", path=str(entry), size_bytes=entry.stat().st_size)
     except OSError as exc:
         log.warning("weight_cache_store_failed", path=str(entry), error=str(exc))

@@ -131,7 +131,8 @@ def _gguf_name(hf: str) -> str:
 
 
 def write_gguf(path: Path, arch: str, model, vocab: Vocab, rope_freqs: np.ndarray | None = None,
-               pre: str | None = None) -> None:
+               pre: str | None = None, quantize: dict | None = None) -> None:
+    """`quantize` maps GGUF tensor names to a storage type (default: float32)."""
     cfg = model.config
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg.num_hidden_layers)
@@ -172,7 +173,15 @@ def write_gguf(path: Path, arch: str, model, vocab: Vocab, rope_freqs: np.ndarra
             t = _permute(t, heads)
         elif arch == "llama" and ".attn_k." in g:
             t = _permute(t, kv_heads)
-        w.add_tensor(g, t.numpy())
+        qtype = (quantize or {}).get(g)
+        if qtype is None:
+            w.add_tensor(g, t.numpy())
+        elif qtype == gguf.GGMLQuantizationType.F16:
+            w.add_tensor(g, t.numpy().astype(np.float16))
+        elif qtype == gguf.GGMLQuantizationType.F32:
+            w.add_tensor(g, t.numpy())
+        else:
+            w.add_tensor(g, gguf.quants.quantize(t.numpy(), qtype), raw_dtype=qtype)
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     w.write_header_to_file()

@@ -3,6 +3,7 @@
 Each start is a fresh Python process, timed from the parent (interpreter start and imports included):
   weights  - `build_model(spec)`: the model is built and ready for a forward (the cache's target)
   generate - `slipstream generate PROMPT --max-tokens 1`: a whole CLI run to the first token
+Peak RSS is each child's own (os.wait4).
 The cache lives in a temporary directory (SLIPSTREAM_CACHE_DIR), emptied before every first start, so
 the user's own cache is never touched. Prints a provenance header and a markdown table.
 
@@ -39,7 +40,7 @@ def _git(*args: str) -> str:
     return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
 
 
-def provenance(argv: list[str]) -> str:
+def provenance(argv: list[str], started: datetime.datetime) -> str:
     import importlib.metadata as md
 
     import torch
@@ -53,7 +54,7 @@ def provenance(argv: list[str]) -> str:
         f"git: {_git('rev-parse', '--short', 'HEAD')}{dirty}",
         f"machine: {platform.node()}, {cpu}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}",
         f"python {platform.python_version()}, {versions}",
-        f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+        f"date: {started:%Y-%m-%d %H:%M}-{datetime.datetime.now(datetime.timezone.utc):%H:%M} UTC (start-end)",
     ])
 
 
@@ -62,14 +63,20 @@ def start(kind: str, spec: str, env: dict[str, str]) -> dict[str, float]:
         cmd = [sys.executable, "-c", CHILD.format(spec=spec)]
     else:
         cmd = [sys.executable, "-m", "slipstream.cli", "generate", "Hi", "--max-tokens", "1", "--model", spec]
-    t0 = time.perf_counter()
-    out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    if out.returncode:
-        raise SystemExit(f"{' '.join(cmd[:3])} failed:\n{out.stderr[-2000:]}")
-    row = {"wall_s": wall}
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=out, stderr=err)
+        _, status, usage = os.wait4(proc.pid, 0)  # this child's own peak RSS, not all children's
+        wall = time.perf_counter() - t0
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    if proc.returncode:
+        raise SystemExit(f"{' '.join(cmd[:3])} failed:\n{stderr[-2000:]}")
+    row = {"wall_s": wall, "peak_rss_mb": usage.ru_maxrss / 1024}  # Linux: ru_maxrss is in KiB
     if kind == "weights":
-        row.update(json.loads(out.stdout.strip().splitlines()[-1]))
+        row.update(json.loads(stdout.strip().splitlines()[-1]))
     return row
 
 
@@ -86,6 +93,7 @@ def main() -> None:
     ap.add_argument("--kinds", nargs="+", default=["weights", "generate"], choices=["weights", "generate"])
     ap.add_argument("--out", type=Path, help="also write the report (header + table + raw rows) here")
     args = ap.parse_args()
+    started = datetime.datetime.now(datetime.timezone.utc)
     cache = Path(tempfile.mkdtemp(prefix="slipstream-cold-"))
     env = dict(os.environ, SLIPSTREAM_CACHE_DIR=str(cache), SLIPSTREAM_WEIGHT_CACHE="1", HF_HUB_OFFLINE="1",
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -100,15 +108,18 @@ def main() -> None:
                     print(json.dumps(rows[-1]), file=sys.stderr)
     finally:
         shutil.rmtree(cache, ignore_errors=True)
-    lines = [provenance(sys.argv[1:]), "",
+    lines = [provenance(sys.argv[1:], started), "",
              f"model {args.model}, {args.repeats} repeats, seconds", "",
-             "| start | what | wall median | mean | p90 | min | build_model median | mean | p90 | min |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| start | what | wall median | mean | p90 | min | build_model median | mean | p90 | min "
+             "| peak RSS MB median | max |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for kind in args.kinds:
         for which in ("first", "second"):
             sel = [r for r in rows if r["kind"] == kind and r["start"] == which]
             build = summary([r["build_s"] for r in sel]) if kind == "weights" else "- | - | - | -"
-            lines.append(f"| {which} | {kind} | {summary([r['wall_s'] for r in sel])} | {build} |")
+            rss = [r["peak_rss_mb"] for r in sel]
+            lines.append(f"| {which} | {kind} | {summary([r['wall_s'] for r in sel])} | {build} "
+                         f"| {statistics.median(rss):.0f} | {max(rss):.0f} |")
     lines += ["", "raw rows:", *(json.dumps(r) for r in rows)]
     report = "\n".join(lines)
     print(report)

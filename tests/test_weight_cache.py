@@ -63,8 +63,9 @@ def test_second_load_is_a_hit_and_identical(gguf_file, cache, monkeypatch):
     entry = entry_path(gguf_file, torch.float32)
     assert entry.parent == cache / "weights" and entry.is_file()
     assert [p.name for p in entry.parent.iterdir()] == [entry.name]  # no temp file left behind
-    second, converted = load_counting(gguf_file, monkeypatch)
-    assert not converted
+    with capture_logs() as logs:
+        second, converted = load_counting(gguf_file, monkeypatch)
+    assert not converted and events(logs) == ["weight_cache_hit"]
     assert_same(first, second)
 
 

@@ -73,7 +73,10 @@ def _load_gguf_cached(path: Path, dtype: torch.dtype):
     """load_gguf through the converted-weights cache (see weight_cache.py)."""
     if not cache_enabled():
         return load_gguf(path, dtype)
-    entry = entry_path(path, dtype)
+    try:
+        entry = entry_path(path, dtype)
+    except OSError:  # unreadable or vanished: let load_gguf raise its typed error
+        return load_gguf(path, dtype)
     hit = load_entry(entry, dtype)
     if hit is not None:
         return hit

@@ -99,6 +99,7 @@ def load_entry(entry: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, 
         return None
     from safetensors import safe_open
 
+    start = time.perf_counter()
     try:
         weights: dict[str, torch.Tensor] = {}
         with safe_open(str(entry), framework="pt") as f:
@@ -120,6 +121,7 @@ def load_entry(entry: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, 
         log.warning("weight_cache_corrupt", path=str(entry), error=f"{type(exc).__name__}: {exc}")
         entry.unlink(missing_ok=True)
         return None
+    log.info("weight_cache_hit", path=str(entry), tensors=len(weights), seconds=round(time.perf_counter() - start, 2))
     return config, weights, tokenizer
 
 

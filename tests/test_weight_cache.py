@@ -142,7 +142,15 @@ def test_unwritable_cache_only_warns(gguf_file, tmp_path, monkeypatch):
 
 
 def test_generate_no_weight_cache_flag(gguf_file, cache, monkeypatch, capsys):
-    from slipstream.cli import main
+    import argparse
+
+    from slipstream.commands import generate
+
+    def main(argv):  # the CLI minus slipstream.cli.main's logging setup, which would outlive this test
+        parser = argparse.ArgumentParser()
+        generate.register(parser.add_subparsers())
+        args = parser.parse_args(argv)
+        return args.func(args)
 
     argv = ["generate", "Hello", "--raw", "--max-tokens", "2", "--model", str(gguf_file)]
     from slipstream.models.build import _load_cached

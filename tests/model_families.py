@@ -43,6 +43,7 @@ _GGUF_LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "se
                "mlp.down_proj": "ffn_down"}
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
+LINEAR_ROPE = {"rope_type": "linear", "factor": 4.0}
 
 
 @dataclass
@@ -91,7 +92,8 @@ def special_ids(vocab: Vocab) -> tuple[int, int]:
 
 
 def hf_model(family: str, vocab_size: int, seed: int = 0, bos: int = 1, eos: int = 2):
-    """A random transformers model of `family` ("llama", "llama3-rope", "qwen2"), norms and biases perturbed."""
+    """A random transformers model of `family` ("llama", "llama3-rope", "linear-rope", "qwen2"), norms and
+    biases perturbed."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -103,7 +105,8 @@ def hf_model(family: str, vocab_size: int, seed: int = 0, bos: int = 1, eos: int
                                                                                "rope_theta": 1000000.0})
         model = Qwen2ForCausalLM(cfg)
     else:
-        rope = {"rope_theta": 10000.0, **(LLAMA3_ROPE if family == "llama3-rope" else {"rope_type": "default"})}
+        scaling = {"llama3-rope": LLAMA3_ROPE, "linear-rope": LINEAR_ROPE}.get(family, {"rope_type": "default"})
+        rope = {"rope_theta": 10000.0, **scaling}
         cfg = LlamaConfig(**common, head_dim=16, tie_word_embeddings=False, rope_parameters=rope)
         model = LlamaForCausalLM(cfg)
     model = model.float().eval()
@@ -142,6 +145,9 @@ def write_gguf(path: Path, arch: str, model, vocab: Vocab, rope_freqs: np.ndarra
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    if cfg.rope_parameters.get("rope_type") == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(cfg.rope_parameters["factor"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     w.add_token_list(vocab.tokens)

@@ -31,6 +31,7 @@ FAMILIES = {
     "llama-spm": ("llama", "spm", None),  # Llama-2 / TinyLlama / Mistral style: SentencePiece, untied head
     "qwen2": ("qwen2", "byte", "qwen2"),  # q/k/v biases, tied head, NeoX rotary layout in the GGUF
     "llama3-rope": ("llama", "byte", "llama-bpe"),  # Llama-3.1/3.2 rope scaling; GGUF carries rope_freqs
+    "linear-rope": ("llama", "byte", "llama-bpe"),  # linear scaling: rope.scaling.* metadata in the GGUF
 }
 
 
@@ -40,8 +41,8 @@ def family(request, tmp_path_factory):
     arch, vocab_kind, pre = FAMILIES[name]
     vocab = spm_vocab() if vocab_kind == "spm" else byte_vocab()
     bos, eos = special_ids(vocab)
-    model = hf_model("llama3-rope" if name == "llama3-rope" else ("qwen2" if arch == "qwen2" else "llama"),
-                     len(vocab.tokens), seed=list(FAMILIES).index(name), bos=bos, eos=eos)
+    kind = name if name in ("llama3-rope", "linear-rope", "qwen2") else "llama"
+    model = hf_model(kind, len(vocab.tokens), seed=list(FAMILIES).index(name), bos=bos, eos=eos)
     root = tmp_path_factory.mktemp(name)
     gguf_path = root / f"{name}.gguf"
     rope_freqs = llama3_rope_freqs(16, 10000.0) if name == "llama3-rope" else None
@@ -76,6 +77,8 @@ def test_configs_agree(family):
         assert a.rope_freq_factors == pytest.approx(b.rope_freq_factors, rel=1e-6)
         assert a.rope_freq_factors[0] == 1.0 and a.rope_freq_factors[-1] == LLAMA3_ROPE["factor"]
         assert 1.0 < a.rope_freq_factors[1] < LLAMA3_ROPE["factor"]  # the blended band is exercised
+    elif family["name"] == "linear-rope":
+        assert a.rope_freq_factors == b.rope_freq_factors == (4.0,) * 8
     else:
         assert a.rope_freq_factors is None and b.rope_freq_factors is None
 
@@ -109,9 +112,9 @@ def test_logits_match_transformers(family, source):
 
 
 def test_rope_scaling_is_not_a_no_op(family):
-    """Guards the test above: without the rope factors, logits of the scaled family move visibly."""
-    if family["name"] != "llama3-rope":
-        pytest.skip("only the rope-scaled family")
+    """Guards the test above: without the rope factors, logits of the scaled families move visibly."""
+    if "rope" not in family["name"]:
+        pytest.skip("only the rope-scaled families")
     loaded = family["from_gguf"]
     plain = dataclasses.replace(loaded.config, rope_freq_factors=None)
     ours = LlamaForCausalLM.from_weights(plain, loaded.weights, torch.float32, "cpu")
@@ -124,8 +127,8 @@ def test_rope_scaling_is_not_a_no_op(family):
 def test_transformers_reads_our_gguf_layout_the_same_way(family):
     """transformers' own GGUF loader (llama.cpp conventions: q/k permutation for llama, none for qwen2)
     gives the same logits. It ignores `rope_freqs`, so the rope-scaled family is checked above only."""
-    if family["name"] == "llama3-rope":
-        pytest.skip("transformers' GGUF loader drops rope_freqs")
+    if "rope" in family["name"]:
+        pytest.skip("transformers' GGUF loader drops rope_freqs and llama rope.scaling metadata")
     from transformers import AutoModelForCausalLM
 
     path = family["gguf"]

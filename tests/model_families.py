@@ -134,8 +134,10 @@ def _gguf_name(hf: str) -> str:
 
 
 def write_gguf(path: Path, arch: str, model, vocab: Vocab, rope_freqs: np.ndarray | None = None,
-               pre: str | None = None, quantize: dict | None = None) -> None:
-    """`quantize` maps GGUF tensor names to a storage type (default: float32)."""
+               pre: str | None = None, quantize: dict | None = None,
+               rope_scaling: tuple[str, float] | None = None) -> None:
+    """`quantize` maps GGUF tensor names to a storage type (default: float32); `rope_scaling`
+    (type, factor) overrides the scaling metadata taken from the model's config."""
     cfg = model.config
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg.num_hidden_layers)
@@ -145,9 +147,11 @@ def write_gguf(path: Path, arch: str, model, vocab: Vocab, rope_freqs: np.ndarra
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    if cfg.rope_parameters.get("rope_type") == "linear":
-        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        w.add_rope_scaling_factor(cfg.rope_parameters["factor"])
+    if rope_scaling is None and cfg.rope_parameters.get("rope_type") == "linear":
+        rope_scaling = ("linear", cfg.rope_parameters["factor"])
+    if rope_scaling is not None:
+        w.add_rope_scaling_type(gguf.RopeScalingType(rope_scaling[0]))
+        w.add_rope_scaling_factor(rope_scaling[1])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     w.add_token_list(vocab.tokens)

@@ -119,7 +119,10 @@ def load_entry(entry: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, 
                                         chat_template=tok["chat_template"])
     except Exception as exc:  # any damage at all means "rebuild": the GGUF is the source of truth
         log.warning("weight_cache_corrupt", path=str(entry), error=f"{type(exc).__name__}: {exc}")
-        entry.unlink(missing_ok=True)
+        try:
+            entry.unlink(missing_ok=True)
+        except OSError:  # a read-only cache: the rebuilt entry's store will log why it cannot write
+            pass
         return None
     log.info("weight_cache_hit", path=str(entry), tensors=len(weights), seconds=round(time.perf_counter() - start, 2))
     return config, weights, tokenizer

@@ -2,6 +2,7 @@ import os
 import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("SLIPSTREAM_WEIGHT_CACHE", "0")  # tests never write the user's cache; cache tests opt in
 sys.path.insert(0, os.path.dirname(__file__))  # test helpers (fake_runner) import by name
 
 import pytest  # noqa: E402

@@ -1,6 +1,7 @@
 """`slipstream generate PROMPT`: stream one answer to stdout."""
 from __future__ import annotations
 
+import os
 import sys
 
 from slipstream.cli import add_engine_args, engine_config, run_async
@@ -21,6 +22,8 @@ def register(sub) -> None:
                    "instead of loading the model here; --model/--device are then the worker's")
     p.add_argument("--timeout", type=float, default=30.0, help="with --connect: seconds of worker silence "
                    "before giving up")
+    p.add_argument("--no-weight-cache", action="store_true", help="dequantise the GGUF afresh instead of using the "
+                   "converted-weights cache (same as SLIPSTREAM_WEIGHT_CACHE=0; see docs/models.md)")
     add_engine_args(p)
     p.set_defaults(func=lambda args: run_async(_generate(args)))
 
@@ -32,6 +35,8 @@ async def _generate(args) -> int:
                             top_k=args.top_k, seed=args.seed, stop=args.stop or [])
     if args.connect:
         return await _generate_remote(args, params)
+    if args.no_weight_cache:
+        os.environ["SLIPSTREAM_WEIGHT_CACHE"] = "0"  # read by the loader inside this process only
     async with Engine(engine_config(args)) as engine:
         prompt = args.prompt
         if not args.raw and getattr(engine.tokenizer, "chat_template", None):

@@ -1,7 +1,10 @@
 """Hyper-parameters of a Llama-family decoder, independent of where the weights came from."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+ARCHITECTURES = ("llama", "qwen2")  # qwen2 = llama + biases on the q/k/v projections
 
 
 @dataclass(frozen=True)
@@ -20,10 +23,43 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     name: str = "llama"
+    architecture: str = "llama"
+    attention_bias: bool = False  # biases on q/k/v (Qwen2); o_proj and the MLP never have one
+    # RoPE frequency divisors, one per rotary pair (head_dim // 2): inv_freq[i] / factors[i].
+    # Llama-3 scaling and linear scaling reduce to this; so does a GGUF's `rope_freqs` tensor.
+    rope_freq_factors: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"architecture={self.architecture!r} is not one of {ARCHITECTURES}")
+        if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
+            raise ValueError(f"rope_freq_factors has {len(self.rope_freq_factors)} entries, "
+                             f"head_dim={self.head_dim} needs {self.head_dim // 2}")
+
+
+def llama3_rope_factors(head_dim: int, theta: float, factor: float, low_freq_factor: float,
+                        high_freq_factor: float, original_max_position_embeddings: int) -> tuple[float, ...]:
+    """Llama-3's frequency-dependent RoPE scaling as per-frequency divisors.
+
+    Wavelengths shorter than original/high_freq_factor keep their frequency, longer than
+    original/low_freq_factor are slowed by `factor`, and those between are blended linearly in
+    original/wavelength. Computed in float64; the rotary table applies them in float32.
+    """
+    low_wavelen = original_max_position_embeddings / low_freq_factor
+    high_wavelen = original_max_position_embeddings / high_freq_factor
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / head_dim)
+        if wavelen < high_wavelen:
+            out.append(1.0)
+        elif wavelen > low_wavelen:
+            out.append(float(factor))
+        else:
+            smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            out.append(1.0 / ((1 - smooth) / factor + smooth))
+    return tuple(out)
 
 
 def tiny_config(vocab_size: int = 512) -> ModelConfig:

@@ -1,4 +1,4 @@
-"""Loading a Hugging Face Llama folder (config.json + *.safetensors + tokenizer.json)."""
+"""Loading a Hugging Face Llama / Qwen2 folder (config.json + *.safetensors + tokenizer.json)."""
 from __future__ import annotations
 
 import json
@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from slipstream.errors import CorruptModelError, ModelNotFoundError, UnsupportedArchitectureError
-from slipstream.models.config import ModelConfig
+from slipstream.models.config import ModelConfig, llama3_rope_factors
 from slipstream.models.tokenizer import Tokenizer
 
 
@@ -21,6 +21,8 @@ def llama_weight_names(config: ModelConfig) -> list[str]:
         p = f"model.layers.{i}."
         names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
         names += [p + f"self_attn.{x}_proj.weight" for x in "qkvo"]
+        if config.attention_bias:
+            names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
         names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
     if not config.tie_word_embeddings:
         names.append("lm_head.weight")
@@ -45,20 +47,52 @@ def check_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor], sour
             raise CorruptModelError(f"{source}: {name} has shape {tuple(weights[name].shape)}, config implies {shape}")
 
 
-def config_from_hf(cfg: Mapping[str, Any], name: str, source: Path | str) -> ModelConfig:
-    """Map a LlamaConfig dict (transformers 4 or 5 layout) to ModelConfig; refuse what we cannot run."""
+_ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+
+
+def _architecture(cfg: Mapping[str, Any], source: Path | str) -> str:
     archs = cfg.get("architectures") or []
-    if "LlamaForCausalLM" not in archs and cfg.get("model_type") != "llama":
-        arch = archs[0] if archs else cfg.get("model_type")
-        raise UnsupportedArchitectureError(f"{source}: architecture {arch!r} is not supported (need Llama)")
-    if cfg.get("attention_bias") or cfg.get("mlp_bias"):
-        raise UnsupportedArchitectureError(f"{source}: Llama with attention/MLP biases is not supported")
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    for a in archs:
+        if a in _ARCHS:
+            return _ARCHS[a]
+    if not archs and cfg.get("model_type") in _ARCHS.values():
+        return str(cfg["model_type"])
+    arch = archs[0] if archs else cfg.get("model_type")
+    raise UnsupportedArchitectureError(f"{source}: architecture {arch!r} is not supported "
+                                       f"(need one of {sorted(_ARCHS)})")
+
+
+def rope_factors_from_hf(rope: Mapping[str, Any], head_dim: int, theta: float,
+                         source: Path | str) -> tuple[float, ...] | None:
+    """Per-frequency RoPE divisors for the scalings we implement; refuse the others by name."""
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", None):
-        raise UnsupportedArchitectureError(f"{source}: rope scaling {rope_type!r} is not supported")
+    if rope_type in ("default", None):
+        return None
+    try:
+        if rope_type == "linear":
+            return (float(rope["factor"]),) * (head_dim // 2)
+        if rope_type == "llama3":
+            return llama3_rope_factors(head_dim, theta, float(rope["factor"]), float(rope["low_freq_factor"]),
+                                       float(rope["high_freq_factor"]),
+                                       int(rope["original_max_position_embeddings"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CorruptModelError(f"{source}: rope scaling {rope_type!r} lacks or mangles a field ({exc!r})") from exc
+    raise UnsupportedArchitectureError(f"{source}: rope scaling {rope_type!r} is not supported "
+                                       f"(supported: default, linear, llama3)")
+
+
+def config_from_hf(cfg: Mapping[str, Any], name: str, source: Path | str) -> ModelConfig:
+    """Map a Llama/Qwen2 config dict (transformers 4 or 5 layout) to ModelConfig; refuse what we cannot run."""
+    arch = _architecture(cfg, source)
+    if arch == "llama" and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
+        raise UnsupportedArchitectureError(f"{source}: Llama with attention/MLP biases is not supported")
+    if arch == "qwen2" and cfg.get("use_sliding_window"):
+        raise UnsupportedArchitectureError(f"{source}: Qwen2 with sliding-window attention is not supported")
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     try:
         hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
         eos = cfg.get("eos_token_id")
         return ModelConfig(
             vocab_size=int(cfg["vocab_size"]),
@@ -67,21 +101,24 @@ def config_from_hf(cfg: Mapping[str, Any], name: str, source: Path | str) -> Mod
             num_layers=int(cfg["num_hidden_layers"]),
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+            head_dim=head_dim,
+            rope_theta=theta,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=tuple([eos] if isinstance(eos, int) else (eos or [])),
             name=name,
+            architecture=arch,
+            attention_bias=arch == "qwen2",
+            rope_freq_factors=rope_factors_from_hf(rope, head_dim, theta, source),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise CorruptModelError(f"{source}: config.json lacks or mangles a field ({exc!r})") from exc
 
 
 def load_hf_folder(
-    path: str | Path, dtype: torch.dtype = torch.float32
+    path: str | Path, dtype: torch.dtype = torch.float32, name: str | None = None
 ) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
     """Read a HF Llama folder; tensors are converted to `dtype`, a tied lm_head is dropped."""
     from safetensors import SafetensorError
@@ -100,7 +137,7 @@ def load_hf_folder(
         raise CorruptModelError(f"{cfg_path}: not valid JSON ({exc})") from exc
     if not isinstance(cfg, dict):
         raise CorruptModelError(f"{cfg_path}: expected a JSON object")
-    config = config_from_hf(cfg, folder.name, cfg_path)
+    config = config_from_hf(cfg, name or folder.name, cfg_path)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelNotFoundError(f"{folder}: no *.safetensors weight files")

@@ -9,6 +9,9 @@ from slipstream.models.config import ModelConfig
 
 
 def hf_llama_config(config: ModelConfig):
+    if config.architecture != "llama" or config.rope_freq_factors is not None:
+        raise ValueError("hf_llama_config builds plain Llama configs only "
+                         "(tests/model_families.py builds Qwen2 and rope-scaled oracles)")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import LlamaConfig
 

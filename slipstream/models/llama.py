@@ -1,4 +1,4 @@
-"""A Llama-family decoder written for a serving engine.
+"""A Llama-family decoder (Llama, Qwen2) written for a serving engine.
 
 One forward takes a flat batch of tokens from many sequences (prefill chunks and single decode
 tokens mixed), writes each token's K/V into a paged cache through a slot mapping, reads context
@@ -69,8 +69,13 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         d = config.head_dim
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-        pos = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+        # Tables are computed on the CPU even while the model is built on the meta device (they are
+        # not in checkpoints): real values, and no meta-tensor arithmetic (which imports torch._dynamo).
+        cpu = torch.device("cpu")
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=cpu).float() / d))
+        if config.rope_freq_factors is not None:  # Llama-3 / linear scaling, or a GGUF's rope_freqs
+            inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32, device=cpu)
+        pos = torch.arange(config.max_position_embeddings, dtype=torch.float32, device=cpu)
         freqs = torch.outer(pos, inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
@@ -95,9 +100,10 @@ class Attention(nn.Module):
         self.layer = layer
         self.heads, self.kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         h = config.hidden_size
-        self.q_proj = nn.Linear(h, self.heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=False)
+        bias = config.attention_bias  # Qwen2
+        self.q_proj = nn.Linear(h, self.heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.heads * self.head_dim, h, bias=False)
         self.compute_dtype: torch.dtype | None = None  # float64: batch/chunk-invariant results
         self.backend = "reference"  # or "triton": the GPU kernel over device metadata
@@ -150,7 +156,10 @@ class DecoderLayer(nn.Module):
 class _Body(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # An explicit (uninitialised) weight skips nn.Embedding's random init: on the meta device that
+        # init imports torch._dynamo, ~1.5-2 s of every start. Weights are always loaded afterwards.
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -170,7 +179,6 @@ class LlamaForCausalLM(nn.Module):
             model = cls(config)
         model.load_state_dict({k: v for k, v in weights.items() if k != "lm_head.weight" or not config.tie_word_embeddings},
                               strict=True, assign=True)
-        model.rope = RotaryEmbedding(config)  # buffers are not in checkpoints; build them for real
         return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
     def set_attention_dtype(self, dtype: torch.dtype | None) -> None:

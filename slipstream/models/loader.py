@@ -1,4 +1,4 @@
-"""Resolving a model spec (a known name, a .gguf file or a HF folder) and loading it."""
+"""Resolving a model spec (a known name, a .gguf file, a HF folder or a hub id) and loading it."""
 from __future__ import annotations
 
 import importlib.metadata
@@ -11,7 +11,9 @@ from slipstream.errors import ModelNotFoundError
 from slipstream.models.config import ModelConfig
 from slipstream.models.gguf_loader import load_gguf
 from slipstream.models.hf_loader import load_hf_folder
+from slipstream.models.hub import hf_cache_dir, resolve_hf_id
 from slipstream.models.tokenizer import Tokenizer
+from slipstream.models.weight_cache import cache_enabled, entry_path, load_entry, store_entry
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -51,20 +53,44 @@ def _packaged_file(name: str) -> Path:
 
 
 def resolve_model_path(spec: str) -> Path:
-    """A known name's packaged file, or an existing .gguf file / HF folder path."""
+    """A known name's packaged file, an existing .gguf file / HF folder path, or a Hugging Face id
+    (`org/name[@revision]`) from the local hub cache (downloaded first when a hub is allowed).
+
+    An existing local path wins over a hub id of the same spelling, as in transformers."""
     if spec in KNOWN_MODELS:
         return _packaged_file(spec)
     path = Path(spec).expanduser()
     if path.exists():
         return path
-    raise ModelNotFoundError(f"{spec!r} is neither a known model ({_known_names()}) nor an existing path")
+    found = resolve_hf_id(spec)
+    if found is not None:
+        return found
+    raise ModelNotFoundError(f"{spec!r} is neither a known model ({_known_names()}), an existing path, nor a "
+                             f"Hugging Face id (org/name) found in {hf_cache_dir()}")
+
+
+def _load_gguf_cached(path: Path, dtype: torch.dtype):
+    """load_gguf through the converted-weights cache (see weight_cache.py)."""
+    if not cache_enabled():
+        return load_gguf(path, dtype)
+    try:
+        entry = entry_path(path, dtype)
+    except OSError:  # unreadable or vanished: let load_gguf raise its typed error
+        return load_gguf(path, dtype)
+    hit = load_entry(entry, dtype)
+    if hit is not None:
+        return hit
+    config, weights, tokenizer = load_gguf(path, dtype)
+    store_entry(entry, config, weights, tokenizer, source=path)
+    return config, weights, tokenizer
 
 
 def load_model(spec: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32) -> LoadedModel:
     """Load weights (dequantised to `dtype`), config and tokenizer; directories are HF folders, files GGUF."""
     path = resolve_model_path(spec)
     if path.is_dir():
-        config, weights, tokenizer = load_hf_folder(path, dtype)
+        name = path.name if Path(spec).expanduser().exists() else spec  # a hub id names itself, not its commit
+        config, weights, tokenizer = load_hf_folder(path, dtype, name=name)
     else:
-        config, weights, tokenizer = load_gguf(path, dtype)
+        config, weights, tokenizer = _load_gguf_cached(path, dtype)
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, path=path)

@@ -1,7 +1,8 @@
 """Tokenizer built from a GGUF's embedded vocabulary or a Hugging Face tokenizer.json, plus streaming detokenisation.
 
 The heavy lifting is done by the `tokenizers` library; this module only assembles the pipeline the
-checkpoint describes (byte-level BPE, its pre-tokenizer, its special tokens) and renders chat templates.
+checkpoint describes (byte-level BPE in byte_bpe.py, SentencePiece BPE in spm_tokenizer.py, special
+tokens, BOS) and renders chat templates.
 """
 from __future__ import annotations
 
@@ -15,52 +16,15 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, processors
 from tokenizers import Tokenizer as _HFTokenizer
 
 from slipstream.errors import CorruptModelError, UnsupportedArchitectureError
+from slipstream.models.byte_bpe import _byte_alphabet, _byte_level_backend  # noqa: F401 (re-exported for tests)
 
+TOKEN_TYPE_UNKNOWN = 2  # SentencePiece's <unk>
 TOKEN_TYPE_CONTROL = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL: <|im_start|> and friends
 TOKEN_TYPE_USER_DEFINED = 4  # added tokens that are not special (e.g. <think>), matched whole
-
-# llama.cpp's `tokenizer.ggml.pre` names whose split rule is not plain GPT-2 byte-level.
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_LLAMA3_PRES = {"llama3", "llama-v3", "llama-bpe", "smaug-bpe", "falcon3"}
-
-
-def _byte_alphabet() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character table; byte-level vocabularies are spelled in it."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
-    table: dict[int, str] = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
-def _pre_tokenizer(pre: str | None, add_prefix_space: bool) -> pre_tokenizers.PreTokenizer:
-    """The split rule the merges were learned with; a mismatch silently changes token ids."""
-    if pre == "smollm":
-        # SmolLM's own tokenizer.json (and llama.cpp's "smollm" rule) isolate every digit first.
-        return pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Digits(individual_digits=True),
-                pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space, use_regex=True),
-            ]
-        )
-    if pre in _LLAMA3_PRES:
-        return pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space, use_regex=False),
-            ]
-        )
-    return pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space, use_regex=True)
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -112,40 +76,36 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_fields(cls, fields: dict[str, Any], source: str = "<gguf>") -> Tokenizer:
-        """Build from `tokenizer.*` metadata (values already decoded to Python objects)."""
+        """Build from `tokenizer.*` metadata (values already decoded to Python objects): byte-level BPE
+        (`gpt2`: SmolLM, Llama-3, Qwen2) or SentencePiece BPE (`llama`: Llama-2, TinyLlama, Mistral)."""
         model = fields.get("tokenizer.ggml.model")
-        if model != "gpt2":
+        if model == "llama":
+            from slipstream.models.spm_tokenizer import spm_backend
+
+            backend, tokens, types = spm_backend(fields, source)
+            spelled: set[str] | None = None
+            add_bos_default = True  # llama.cpp adds BOS to SentencePiece vocabularies unless told not to
+        elif model == "gpt2":
+            backend, tokens, types = _byte_level_backend(fields, source)
+            spelled = set(_byte_alphabet().values())
+            add_bos_default = False
+        else:
             raise UnsupportedArchitectureError(
-                f"{source}: tokenizer model {model!r} is not supported (only byte-level BPE 'gpt2')"
+                f"{source}: tokenizer model {model!r} is not supported (byte-level BPE 'gpt2' or SentencePiece 'llama')"
             )
-        tokens: list[str] = list(fields.get("tokenizer.ggml.tokens") or [])
-        if not tokens:
-            raise CorruptModelError(f"{source}: no tokenizer.ggml.tokens in the metadata")
-        types: list[int] = list(fields.get("tokenizer.ggml.token_type") or [1] * len(tokens))
-        merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges") or []]
-        # A token stored with characters outside the byte alphabet is re-spelled byte by byte, since
-        # BPE only ever sees byte-alphabet text (llama.cpp sometimes stores such tokens raw).
-        alphabet = _byte_alphabet()
-        spelled = set(alphabet.values())
-        vocab: dict[str, int] = {}
-        for i, tok in enumerate(tokens):
-            key = tok if set(tok) <= spelled else "".join(alphabet[b] for b in tok.encode("utf-8"))
-            vocab.setdefault(key, i)
-        backend = _HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-        add_prefix_space = bool(fields.get("tokenizer.ggml.add_space_prefix", False))
-        backend.pre_tokenizer = _pre_tokenizer(fields.get("tokenizer.ggml.pre"), add_prefix_space)
-        backend.decoder = decoders.ByteLevel()
         # Control tokens become special (skipped when decoding output); user-defined ones are added
         # whole but stay visible in text, as in transformers. Both always encode to their single id.
         special = [AddedToken(t, special=True, normalized=False)
-                   for t, ty in zip(tokens, types) if ty == TOKEN_TYPE_CONTROL and set(t) <= spelled]
+                   for t, ty in zip(tokens, types)
+                   if (ty == TOKEN_TYPE_CONTROL and (spelled is None or set(t) <= spelled))
+                   or (ty == TOKEN_TYPE_UNKNOWN and spelled is None)]  # SentencePiece's <unk> is special too
         user = [AddedToken(t, special=False, normalized=False)
                 for t, ty in zip(tokens, types) if ty == TOKEN_TYPE_USER_DEFINED]
         backend.add_special_tokens(special)
         if user:
             backend.add_tokens(user)
         bos = fields.get("tokenizer.ggml.bos_token_id")
-        if fields.get("tokenizer.ggml.add_bos_token", False) and bos is not None:
+        if fields.get("tokenizer.ggml.add_bos_token", add_bos_default) and bos is not None:
             backend.post_processor = processors.TemplateProcessing(
                 single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A $B:1", special_tokens=[(tokens[bos], bos)]
             )
@@ -153,6 +113,13 @@ class Tokenizer:
                                    "tokenizer.ggml.eom_token_id") if fields.get(k) is not None]
         return cls(backend, bos_token_id=None if bos is None else int(bos), eos_token_ids=eos,
                    chat_template=fields.get("tokenizer.chat_template"))
+
+    @classmethod
+    def from_json(cls, backend_json: str, *, bos_token_id: int | None, eos_token_ids: Sequence[int],
+                  chat_template: str | None) -> Tokenizer:
+        """Rebuild from `backend.to_str()` plus the metadata (the weight cache stores tokenizers so)."""
+        return cls(_HFTokenizer.from_str(backend_json), bos_token_id=bos_token_id, eos_token_ids=eos_token_ids,
+                   chat_template=chat_template)
 
     @classmethod
     def from_file(cls, path: str | Path, tokenizer_config_json: str | Path | None = None) -> Tokenizer:

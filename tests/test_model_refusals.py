@@ -1,0 +1,80 @@
+"""What slipstream cannot run is refused at load time with a typed error naming the file and the reason."""
+import json
+import shutil
+
+import numpy as np
+import pytest
+from model_families import byte_vocab, hf_model, special_ids, write_gguf, write_hf_folder
+
+from slipstream.errors import CorruptModelError, UnsupportedArchitectureError
+from slipstream.models.gguf_loader import load_gguf
+from slipstream.models.hf_loader import load_hf_folder
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    root = tmp_path_factory.mktemp("refuse")
+    vocab = byte_vocab()
+    bos, eos = special_ids(vocab)
+    model = hf_model("qwen2", len(vocab.tokens), seed=9, bos=bos, eos=eos)
+    write_gguf(root / "q.gguf", "qwen2", model, vocab, pre="qwen2")
+    write_hf_folder(root / "folder", model, root / "q.gguf")
+    return root, model, vocab
+
+
+def _edit_config(src, dst, **changes):
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(changes)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"use_sliding_window": True}, "sliding-window"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, "'yarn' is not supported"),
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}}, "'dynamic' is not supported"),
+    ({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral"}, "MixtralForCausalLM"),
+])
+def test_hf_folder_refusals(qwen, tmp_path, changes, match):
+    folder = _edit_config(qwen[0] / "folder", tmp_path / "edited", **changes)
+    with pytest.raises(UnsupportedArchitectureError, match=match) as err:
+        load_hf_folder(folder)
+    assert "config.json" in str(err.value)
+
+
+def test_llama3_rope_missing_a_field_is_corrupt(qwen, tmp_path):
+    rope = {"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4}  # no low/high_freq_factor
+    folder = _edit_config(qwen[0] / "folder", tmp_path / "edited", architectures=["LlamaForCausalLM"],
+                          model_type="llama", rope_parameters=rope)
+    with pytest.raises(CorruptModelError, match="llama3.*low_freq_factor"):
+        load_hf_folder(folder)
+
+
+def test_llama_with_biases_is_refused_in_both_formats(qwen, tmp_path):
+    folder = _edit_config(qwen[0] / "folder", tmp_path / "edited", architectures=["LlamaForCausalLM"],
+                          model_type="llama", attention_bias=True)
+    with pytest.raises(UnsupportedArchitectureError, match="biases"):
+        load_hf_folder(folder)
+    _, model, vocab = qwen
+    path = tmp_path / "llama-with-bias.gguf"
+    write_gguf(path, "llama", model, vocab, pre="llama-bpe")  # qwen2 weights (with q/k/v biases) as "llama"
+    with pytest.raises(UnsupportedArchitectureError, match=r"llama-with-bias\.gguf.*attn_[qkv]\.bias"):
+        load_gguf(path)
+
+
+def test_gguf_rope_refusals(qwen, tmp_path):
+    _, model, vocab = qwen
+    bad = tmp_path / "short-freqs.gguf"
+    write_gguf(bad, "qwen2", model, vocab, pre="qwen2", rope_freqs=np.ones(3, np.float32))
+    with pytest.raises(CorruptModelError, match=r"short-freqs\.gguf: rope_freqs has 3 entries"):
+        load_gguf(bad)
+    both = tmp_path / "both.gguf"
+    write_gguf(both, "qwen2", model, vocab, pre="qwen2", rope_freqs=np.ones(8, np.float32),
+               rope_scaling=("linear", 2.0))
+    with pytest.raises(UnsupportedArchitectureError, match="together with rope_freqs"):
+        load_gguf(both)
+    yarn = tmp_path / "yarn.gguf"
+    write_gguf(yarn, "qwen2", model, vocab, pre="qwen2", rope_scaling=("yarn", 4.0))
+    with pytest.raises(UnsupportedArchitectureError, match=r"yarn\.gguf: rope scaling 'yarn' is not supported"):
+        load_gguf(yarn)

@@ -58,7 +58,7 @@ def assemble(config: EngineConfig) -> EngineParts:
     max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
     num_pages = kv_pages(config, model, mcfg, device, max_model_len)
     kv = KVCache(mcfg, num_pages, config.page_size, DTYPES[config.dtype], device.torch_device)
-    log.info("kv cache", pages=num_pages, page_size=config.page_size, gib=round(kv.bytes() / 1024**3, 2))
+    log.info("kv_cache_allocated", pages=num_pages, page_size=config.page_size, gib=round(kv.bytes() / 1024**3, 2))
     row_multiple = 1
     if config.batch_invariant and device.kind == "cpu":
         row_multiple = row_multiple_for(mcfg)

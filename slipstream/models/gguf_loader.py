@@ -21,6 +21,7 @@ from slipstream.errors import (
     UnsupportedArchitectureError,
     UnsupportedQuantizationError,
 )
+from slipstream.logging_setup import load_progress
 from slipstream.models.config import ModelConfig
 from slipstream.models.hf_loader import check_weights
 from slipstream.models.tokenizer import Tokenizer
@@ -166,7 +167,7 @@ def load_gguf(
     config = _config(meta, tensors, path, tokenizer.eos_token_ids)
 
     weights: dict[str, torch.Tensor] = {}
-    for name, tensor in tensors.items():
+    for name, tensor in load_progress(tensors.items(), len(tensors), "loading weights"):
         target = hf_name(name)
         if target is None:
             raise UnsupportedArchitectureError(f"{path}: tensor {name!r} has no Llama counterpart")

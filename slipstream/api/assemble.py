@@ -78,5 +78,5 @@ def assemble(config: EngineConfig) -> EngineParts:
                       vocab_width=mcfg.vocab_size, eos_ids=tuple(tokenizer.eos_token_ids),
                       step_timeout_s=config.step_timeout_s)
     tracer = Tracer().attach(loop, runner, device) if config.trace else None
-    metrics = EngineMetrics().attach(loop, pool, tracer)
+    metrics = EngineMetrics(model=config.model).attach(loop, pool, tracer)
     return EngineParts(device, runner, pool, loop, tokenizer, mcfg, max_model_len, metrics, tracer)

@@ -74,7 +74,7 @@ def configure_logging(level: str | None = None, json: bool = False, stream=None)
         foreign_pre_chain=[structlog.stdlib.add_log_level, structlog.stdlib.ExtraAdder(), utc_timestamp],
         processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
     )
-    handler = logging.StreamHandler(sys.stderr if stream is None else stream)
+    handler = logging.StreamHandler(stream) if stream is not None else _StderrHandler()
     handler.setFormatter(formatter)
     handler._slipstream_cli = True  # noqa: SLF001 - marks the handler a later call replaces
     logger = logging.getLogger(LOGGER_NAME)
@@ -83,6 +83,32 @@ def configure_logging(level: str | None = None, json: bool = False, stream=None)
     logger.addHandler(handler)
     logger.setLevel(resolve_level(level).upper())
     logger.propagate = False  # the application's root handlers would print every line twice
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is at the time (tests and tools swap it)."""
+
+    def __init__(self):
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value):
+        pass
+
+
+def reset_logging() -> None:
+    """Undo configure_logging: back to the library default (tests)."""
+    global _progress
+    _progress = False
+    logger = logging.getLogger(LOGGER_NAME)
+    for old in [h for h in logger.handlers if getattr(h, "_slipstream_cli", False)]:
+        logger.removeHandler(old)
+    logger.setLevel(logging.NOTSET)
+    logger.propagate = True
 
 
 def load_progress(items, total: int, desc: str):

@@ -81,6 +81,19 @@ def server(tmp_path_factory):
 
 
 @pytest.fixture
+def logging_restored():
+    """A block may configure logging (docs/logging.md does): put the loggers back afterwards."""
+    import logging
+
+    loggers = [logging.getLogger(), logging.getLogger("slipstream")]
+    saved = [(lg, lg.level, list(lg.handlers)) for lg in loggers]
+    yield
+    for lg, level, handlers in saved:
+        lg.setLevel(level)
+        lg.handlers[:] = handlers
+
+
+@pytest.fixture
 def plugin_on_path(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "examples" / "grammar_plugin"))
     yield
@@ -92,7 +105,7 @@ def test_blocks_were_found():
 
 
 @pytest.mark.parametrize("block", RUN, ids=[b.id for b in RUN])
-def test_block_runs(block: Block, request, plugin_on_path, capsys):
+def test_block_runs(block: Block, request, plugin_on_path, logging_restored, capsys):
     needs_server = block.marker is not None and block.marker[1].startswith("needs-server")
     url = request.getfixturevalue("server").url if needs_server else None
     code = compile(_source(block, url), block.id, "exec")

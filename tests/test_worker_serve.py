@@ -157,4 +157,4 @@ async def test_generate_connect_uses_the_worker(worker):
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 0, err
     assert out.decode() == want.text + "\n"
-    assert "finish_reason=length" in err.decode() and "kv_pages_free" in err.decode()
+    assert "finish: length" in err.decode() and "kv_pages_free" in err.decode()

@@ -107,7 +107,7 @@ def test_help_shows_defaults(capsys):
         main(["generate", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     for shown in ("--max-tokens MAX_TOKENS most tokens to generate (default: 128)", "(default: 0.0)",
-                  "(default: smollm2-135m)", "(default: 5.0)", "--pipeline-depth {1,2}"):
+                  "(default: smollm2-135m)", "(default: 30.0)", "--pipeline-depth {1,2}"):
         assert shown in text, shown
 
 
@@ -135,11 +135,12 @@ def test_connect_without_a_worker_fails_in_one_line(tmp_path, capsys):
 
 
 def test_wait_ready_waits_for_a_worker_that_is_still_loading(tmp_path):
+    """--wait-ready outlasts --timeout (2 s here): the handshake is retried until the worker binds."""
     from worker_util import ipc_address, start_worker
 
     address = ipc_address(tmp_path)
     gen = subprocess.Popen([sys.executable, "-m", "slipstream.cli", "generate", "hello", "--raw", "--max-tokens", "4",
-                            "--connect", address, "--wait-ready", "120"], stdout=subprocess.PIPE,
+                            "--connect", address, "--timeout", "2", "--wait-ready", "120"], stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, env=ENV)
     try:
         time.sleep(2.0)  # the client is up and retrying before the worker even starts

@@ -25,7 +25,7 @@ def register(sub) -> None:
                    "instead of loading the model here; --model/--device are then the worker's")
     p.add_argument("--timeout", type=float, default=30.0, help="with --connect: seconds of worker silence "
                    "before giving up")
-    p.add_argument("--wait-ready", type=float, default=5.0, metavar="SECONDS",
+    p.add_argument("--wait-ready", type=float, default=30.0, metavar="SECONDS",
                    help="with --connect: how long to keep retrying the handshake while the worker starts "
                         "(it answers only once its model is loaded)")
     add_engine_args(p)

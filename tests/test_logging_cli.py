@@ -155,3 +155,20 @@ def test_wait_ready_waits_for_a_worker_that_is_still_loading(tmp_path):
             gen.kill()
     assert gen.returncode == 0, err
     assert re.search(r"\[4 tokens, .* finish: length", err)
+
+
+def test_load_progress_bar_only_for_the_cli_on_a_terminal(monkeypatch):
+    from slipstream import logging_setup
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    items = [1, 2, 3]
+    monkeypatch.setattr(sys, "stderr", Tty())
+    assert logging_setup.load_progress(items, 3, "x") is items  # library use: never a bar
+    configure_logging("warning")
+    bar = logging_setup.load_progress(items, 3, "loading weights")
+    assert list(bar) == items and "loading weights" in sys.stderr.getvalue()
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # not a terminal: no bar
+    assert logging_setup.load_progress(items, 3, "x") is items

@@ -240,3 +240,19 @@ async def test_worker_metrics_under_load(tmp_path):
     assert delta("slipstream_inter_token_latency_seconds_count") == 4 * 299
     assert delta("slipstream_device_idle_seconds_count") > 250  # decode steps of a busy engine
     assert after["slipstream_kv_pages_used"] == 0
+
+
+async def test_aborted_requests_are_counted_once():
+    async with Engine(_config(2, trace=False)) as engine:
+        params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+        stream = engine.stream([100, 5, 6], params)
+        await anext(stream)
+        await stream.aclose()  # leaving the stream aborts the request
+        waiting = asyncio.create_task(engine.complete([7, 8], params))
+        await asyncio.sleep(0)
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+        await engine.complete([9, 9], SamplingParams(max_tokens=3, ignore_eos=True))
+        values = samples(engine.metrics_text())
+    assert values["slipstream_requests_finished_total{finish_reason=abort}"] == 2
+    assert values["slipstream_requests_finished_total{finish_reason=length}"] == 1

@@ -42,8 +42,9 @@ def install_library_defaults() -> None:
     structlog.configure(
         processors=[
             structlog.stdlib.filter_by_level,  # first: a disabled level costs one isEnabledFor
-            structlog.processors.format_exc_info,
-            structlog.stdlib.render_to_log_kwargs,  # event → message, fields → record attributes
+            # event → message, fields → record attributes, exc_info → the record's (tracebacks
+            # then print with any stdlib formatter)
+            structlog.stdlib.render_to_log_kwargs,
         ],
         logger_factory=structlog.stdlib.LoggerFactory(),
         wrapper_class=structlog.stdlib.BoundLogger,
@@ -69,10 +70,12 @@ def configure_logging(level: str | None = None, json: bool = False, stream=None)
     global _progress
     _progress = True
     renderer = (structlog.processors.JSONRenderer() if json
-                else structlog.dev.ConsoleRenderer(colors=False, pad_event_to=0))
+                else structlog.dev.ConsoleRenderer(colors=False, pad_event_to=0,
+                                                   exception_formatter=structlog.dev.plain_traceback))
     formatter = structlog.stdlib.ProcessorFormatter(
         foreign_pre_chain=[structlog.stdlib.add_log_level, structlog.stdlib.ExtraAdder(), utc_timestamp],
-        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                    *([structlog.processors.format_exc_info] if json else []), renderer],
     )
     handler = logging.StreamHandler(stream) if stream is not None else _StderrHandler()
     handler.setFormatter(formatter)

@@ -10,6 +10,7 @@ from slipstream.errors import (
     WorkerError,
     WorkerUnavailableError,
 )
+from slipstream.logging_setup import install_library_defaults
 from slipstream.outputs import CompletionOutput, RequestMetrics, StreamDelta
 from slipstream.params import EngineConfig, SamplingParams
 
@@ -30,3 +31,5 @@ __all__ = [
     "WorkerUnavailableError",
 ]
 __version__ = "0.1.0"
+
+install_library_defaults()  # silent as a library: events go to stdlib logging (NullHandler)

@@ -15,12 +15,45 @@ COMMANDS = [
 ]
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` shows every default; an option without help text still gets its default shown."""
+
+    def _get_help_string(self, action):
+        help = action.help or ""
+        if "%(default)" in help or not _shows_default(action):
+            return help
+        return f"{help} (default: %(default)s)"
+
+    def _format_action(self, action):
+        if not action.help and _shows_default(action):
+            action.help = "(default: %(default)s)"  # argparse skips the help column of help=None
+        return super()._format_action(action)
+
+
+def _shows_default(action) -> bool:
+    d = action.default  # identity: 0 and 0.0 compare equal to False but are defaults worth showing
+    return bool(action.option_strings) and not (d is None or d is argparse.SUPPRESS or d is False)
+
+
+class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _Formatter)
+        super().__init__(*args, **kwargs)
+
+
+def add_log_args(p: argparse.ArgumentParser, default: str = "warning") -> None:
+    p.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"],
+                   help=f"log level on stderr (default: $SLIPSTREAM_LOG_LEVEL, else {default})")
+    p.add_argument("--log-json", action="store_true", help="log lines as JSON (ISO-8601 UTC timestamps)")
+    p.set_defaults(default_log_level=default)
+
+
+def add_engine_args(p: argparse.ArgumentParser, log_level: str = "warning") -> None:
     p.add_argument("--model", default="smollm2-135m", help="model name, .gguf path, HF folder, or tiny-random / random-smollm2-135m (random weights)")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--pipeline-depth", type=int, default=2, choices=[1, 2])
-    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model runs")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights and activations")
+    p.add_argument("--pipeline-depth", type=int, default=2, choices=[1, 2], help="1: blocking, 2: pipelined")
+    add_log_args(p, log_level)
 
 
 def engine_config(args, **overrides):
@@ -30,6 +63,19 @@ def engine_config(args, **overrides):
                         pipeline_depth=args.pipeline_depth, **overrides)
 
 
+def check_device(args) -> None:
+    """`--device cuda` without a GPU: one error line, before minutes of model loading."""
+    if getattr(args, "device", None) != "cuda" or getattr(args, "connect", None):
+        return
+    import torch
+
+    from slipstream.errors import DeviceUnavailableError
+
+    if not torch.cuda.is_available():
+        raise DeviceUnavailableError(f"--device cuda: no CUDA GPU is usable here (torch {torch.__version__}, "
+                                     "torch.cuda.is_available() is False); use --device cpu")
+
+
 def run_async(coro) -> int:
     """Run a command coroutine on uvloop (the engine's loop of choice)."""
     import uvloop
@@ -37,22 +83,40 @@ def run_async(coro) -> int:
     return uvloop.run(coro)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="slipstream", description="Pipelined LLM inference.")
-    sub = parser.add_subparsers(dest="command", required=True)
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("slipstream")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="slipstream", description="Pipelined LLM inference.")
+    parser.add_argument("--version", action="version", version=f"slipstream {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name in COMMANDS:
         importlib.import_module(name).register(sub)
-    args = parser.parse_args(argv)
+    return parser
 
-    from slipstream.errors import SlipstreamError
-    from slipstream.logging_setup import configure_logging
 
-    configure_logging(getattr(args, "log_level", "warning"))
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+
+    from slipstream.errors import DeviceUnavailableError, InvalidRequestError, ModelLoadError, SlipstreamError
+    from slipstream.logging_setup import configure_logging, resolve_level
+
     try:
+        args.log_level = resolve_level(getattr(args, "log_level", None), getattr(args, "default_log_level", "warning"))
+        configure_logging(args.log_level, json=getattr(args, "log_json", False))
+        check_device(args)
         return args.func(args)
     except SlipstreamError as e:
+        # one line, no traceback: 2 for what was asked that cannot be done here (bad value, missing
+        # model, no GPU), 1 for what failed while running (worker gone, engine died)
         print(f"slipstream: error: {e}", file=sys.stderr)
-        return 2
+        return 2 if isinstance(e, (InvalidRequestError, DeviceUnavailableError, ModelLoadError)) else 1
     except KeyboardInterrupt:
         return 130
 

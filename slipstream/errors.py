@@ -75,6 +75,10 @@ class SlotReuseError(SlipstreamError, RuntimeError):
     """A DecodeSlot was relaunched while the commit reading its host buffer was pending."""
 
 
+class DeviceUnavailableError(SlipstreamError, RuntimeError):
+    """The requested device cannot be used here (e.g. device='cuda' without a GPU or a CUDA build of torch)."""
+
+
 class PipelineInvariantError(SlipstreamError, AssertionError):
     """An internal pipeline invariant was broken (a bug in slipstream, never user input)."""
 

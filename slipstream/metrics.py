@@ -1,23 +1,27 @@
 """Prometheus metrics: an in-process registry per engine, and a text endpoint for worker mode.
 
-Series (all in seconds unless named otherwise):
-  slipstream_step_period_seconds          start of step k → start of step k+1 (device spans when
-                                          tracing is on, else host launch → next launch)
-  slipstream_device_idle_seconds          the bubble per step (tracing only)
-  slipstream_forward_seconds              forward device time per step (tracing only)
-  slipstream_bookkeeping_seconds          host plan + launch + commit + finalize per step
-  slipstream_queue_depth                  requests waiting for admission
-  slipstream_running_sequences            admitted, unfinished sequences
-  slipstream_kv_pages_free                free KV cache pages
+Every series carries a `model` label (EngineConfig.model). Series (seconds unless named otherwise):
+  slipstream_requests_finished_total{finish_reason}  requests finished: stop | length | abort
+  slipstream_prompt_tokens_total          prompt tokens of requests that got their first token
+  slipstream_generation_tokens_total      output tokens committed
   slipstream_ttft_seconds                 arrival → first token committed, per request
   slipstream_inter_token_latency_seconds  between consecutive committed tokens of a request
+  slipstream_step_period_seconds          start of step k → start of step k+1 (device spans when
+                                          tracing is on, else host launch → next launch)
+  slipstream_device_idle_seconds          the bubble per step (tracing only; the worker traces by default)
+  slipstream_forward_seconds              forward device time per step (tracing only, as above)
+  slipstream_bookkeeping_seconds          host plan + launch + commit + finalize per step
   slipstream_steps_total                  committed steps
+  slipstream_queue_depth                  requests waiting for admission
+  slipstream_running_sequences            admitted, unfinished sequences
+  slipstream_kv_pages_free / _used / _total, slipstream_kv_cache_usage_ratio (used / total)
+Throughput is a rate of the counters, e.g. rate(slipstream_generation_tokens_total[1m]).
 Periods that span an idle engine (nothing to run) are not observed: they are not steps.
 
 Cost: at depth 1 anything the loop does after a commit is device idle, so the loop only appends
-floats to queues (about 0.1 µs each); they are folded into the histograms when the registry is
-collected (a scrape, `text()`), on the scraper's thread, or by the loop once a queue gets long.
-Gauges are read at scrape time.
+numbers to queues (about 0.1 µs each); they are folded into the histograms and counters when the
+registry is collected (a scrape, `text()`), on the scraper's thread, or by the loop once a queue
+gets long. Gauges are read at scrape time.
 """
 from __future__ import annotations
 
@@ -49,6 +53,25 @@ class _Deferred:
                 return
 
 
+class _DeferredCount:
+    """A counter fed through a queue of increments, like _Deferred."""
+
+    __slots__ = ("counter", "queue")
+
+    def __init__(self, counter):
+        self.counter, self.queue = counter, deque()
+
+    def fold(self) -> None:
+        q, total = self.queue, 0
+        while q:
+            try:
+                total += q.popleft()
+            except IndexError:
+                break
+        if total:
+            self.counter.inc(total)
+
+
 class _Folder:
     """Registered first, so collecting the registry folds the queues before histograms are read."""
 
@@ -62,15 +85,25 @@ class _Folder:
 
 
 class EngineMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None):
+    def __init__(self, registry: CollectorRegistry | None = None, model: str = ""):
         self.registry = r = registry if registry is not None else CollectorRegistry()
+        self.model = model
         self._folder = _Folder()
         r.register(self._folder)
+        labels = ("model",)
 
         def hist(name: str, doc: str, buckets) -> _Deferred:
-            d = _Deferred(Histogram(name, doc, buckets=buckets, registry=r))
+            d = _Deferred(Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model))
             self._folder.items.append(d)
             return d
+
+        def count(name: str, doc: str) -> _DeferredCount:
+            d = _DeferredCount(Counter(name, doc, labels, registry=r).labels(model))
+            self._folder.items.append(d)
+            return d
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=r).labels(model)
 
         self.step_period = hist("slipstream_step_period_seconds", "Step period: start of a step to the next", _STEP)
         self.device_idle = hist("slipstream_device_idle_seconds", "Device idle per step (the bubble)", _IDLE)
@@ -78,10 +111,19 @@ class EngineMetrics:
         self.bookkeeping = hist("slipstream_bookkeeping_seconds", "Host plan+launch+commit+finalize per step", _IDLE)
         self.ttft = hist("slipstream_ttft_seconds", "Time to first token", _TTFT)
         self.itl = hist("slipstream_inter_token_latency_seconds", "Time between consecutive tokens", _ITL)
-        self.steps = Counter("slipstream_steps", "Committed steps", registry=r)
-        self.queue_depth = Gauge("slipstream_queue_depth", "Requests waiting for admission", registry=r)
-        self.running = Gauge("slipstream_running_sequences", "Admitted unfinished sequences", registry=r)
-        self.kv_pages_free = Gauge("slipstream_kv_pages_free", "Free KV cache pages", registry=r)
+        self.steps = count("slipstream_steps", "Committed steps")
+        self.prompt_tokens = count("slipstream_prompt_tokens", "Prompt tokens of requests that got a first token")
+        self.generation_tokens = count("slipstream_generation_tokens", "Output tokens committed")
+        self._finished = Counter("slipstream_requests_finished", "Requests finished, by finish reason",
+                                 ("model", "finish_reason"), registry=r)
+        for reason in ("stop", "length", "abort"):  # present at 0 from the start: rates need a first sample
+            self._finished.labels(model, reason)
+        self.queue_depth = gauge("slipstream_queue_depth", "Requests waiting for admission")
+        self.running = gauge("slipstream_running_sequences", "Admitted unfinished sequences")
+        self.kv_pages_free = gauge("slipstream_kv_pages_free", "Free KV cache pages")
+        self.kv_pages_used = gauge("slipstream_kv_pages_used", "KV cache pages held by sequences")
+        self.kv_pages_total = gauge("slipstream_kv_pages_total", "KV cache pages sequences can use")
+        self.kv_usage = gauge("slipstream_kv_cache_usage_ratio", "KV cache pages used / total (0..1)")
         self._loop = None
         self._device_period = False
         self._last: tuple[float, int] | None = None  # (t_launch, idle_waits) of the previous commit
@@ -92,15 +134,23 @@ class EngineMetrics:
         self.queue_depth.set_function(lambda: planner.num_waiting)
         self.running.set_function(lambda: sum(not s.finalized for s in list(planner.running)))
         self.kv_pages_free.set_function(lambda: pool.num_free)
+        self.kv_pages_used.set_function(lambda: pool.total - pool.num_free)
+        self.kv_pages_total.set_function(lambda: pool.total)
+        self.kv_usage.set_function(lambda: (pool.total - pool.num_free) / max(pool.total, 1))
         loop.observers.append(self.on_commit)
+        loop.pipeline.finish_observers.append(self.on_finish)
         if tracer is not None:  # device-measured period, idle and forward
             self._device_period = True
             tracer.listeners.append(self.on_step)
         return self
 
+    def on_finish(self, seq, reason: str) -> None:
+        """Called once per request as it finishes (Pipeline.finalize), whatever the reason."""
+        self._finished.labels(self.model, reason).inc()
+
     def on_commit(self, step) -> None:
         tm = step.timings
-        self.steps.inc()
+        self.steps.queue.append(1)
         self.bookkeeping.queue.append(tm.get("plan", 0.0) + tm.get("launch", 0.0) + tm.get("commit", 0.0)
                                       + tm.get("finalize", 0.0))
         t_launch, waits = tm.get("t_launch", 0.0), self._loop.idle_waits
@@ -111,15 +161,22 @@ class EngineMetrics:
         # their newest token time predates this commit)
         commit_start = tm.get("t_committed", 0.0) - tm.get("commit", 0.0)
         ttft, itl = self.ttft.queue.append, self.itl.queue.append
+        tokens = prompt = 0
         for seq in step.seqs:
             req = seq.user
             times = req.metrics.token_times if req is not None else None
             if not times or times[-1] < commit_start:
                 continue
+            tokens += 1
             if len(times) == 1:
                 ttft(times[0] - req.metrics.arrival)
+                prompt += len(seq.prompt_ids)
             else:
                 itl(times[-1] - times[-2])
+        if tokens:
+            self.generation_tokens.queue.append(tokens)
+        if prompt:
+            self.prompt_tokens.queue.append(prompt)
         if len(self.itl.queue) > _FOLD_AT or len(self.bookkeeping.queue) > _FOLD_AT:
             self._folder.collect()
 

@@ -153,15 +153,15 @@ def test_warmup_logs_every_bucket_and_skipping_it_captures_on_first_use():
     one = [([5, 6, 7], SamplingParams(max_tokens=4, temperature=0.0), 0)]
     with structlog.testing.capture_logs() as logs:
         asyncio.run(_complete_all(cuda_cfg(), one))
-    lines = [e["event"] for e in logs if e["event"].startswith("[Warmup][Decode][")]
+    lines = [e for e in logs if e["event"] == "cuda_graph_warmup"]
     buckets = make_buckets(1, 4, 16)
     assert len(lines) == 2 * len(buckets)
-    assert {int(ln.split("batch_size:")[1].split()[0]) for ln in lines} == set(buckets)
+    assert {e["batch_size"] for e in lines} == set(buckets)
     with structlog.testing.capture_logs() as logs:
         asyncio.run(_complete_all(cuda_cfg(warmup=False), one))
     events = [e["event"] for e in logs]
-    assert not any(e.startswith("[Warmup][Decode][") for e in events)
-    assert any(e.startswith("[Capture][Decode] batch_size:1") for e in events)
+    assert "cuda_graph_warmup" not in events
+    assert any(e["event"] == "cuda_graph_captured_on_first_use" and e["batch_size"] == 1 for e in logs)
 
 
 @pytest.mark.cuda

@@ -62,12 +62,13 @@ def test_warmup_captures_every_bucket_of_every_slot_and_logs_each():
     with structlog.testing.capture_logs() as logs:
         cache.warmup()
     assert sorted(captured) == [(s, b) for s in range(2) for b in (1, 2, 4, 8)]
-    lines = [e["event"] for e in logs]
-    per_bucket = [ln for ln in lines if ln.startswith("[Warmup][Decode][")]
+    per_bucket = [{k: e[k] for k in ("graph", "graphs", "batch_size", "slot", "free_mem_gib")}
+                  for e in logs if e["event"] == "cuda_graph_warmup"]
     assert len(per_bucket) == 8  # one line per (slot, bucket), largest bucket first
-    assert per_bucket[0] == "[Warmup][Decode][1/8] batch_size:8 slot:0 free_mem:3.00 GiB"
-    assert per_bucket[-1] == "[Warmup][Decode][8/8] batch_size:1 slot:1 free_mem:3.00 GiB"
-    assert lines[-1].startswith("[Warmup][Decode] captured 8 graphs (4 buckets x 2 slots) in ")
+    assert per_bucket[0] == {"graph": 1, "graphs": 8, "batch_size": 8, "slot": 0, "free_mem_gib": 3.0}
+    assert per_bucket[-1] == {"graph": 8, "graphs": 8, "batch_size": 1, "slot": 1, "free_mem_gib": 3.0}
+    assert logs[-1]["event"] == "cuda_graphs_captured"
+    assert (logs[-1]["graphs"], logs[-1]["buckets"], logs[-1]["slots"]) == (8, 4, 2)
     with structlog.testing.capture_logs() as logs:  # after warmup: replays, no capture, no log
         assert cache.lookup(1, 3) == (4, (1, 4))
     assert logs == [] and len(captured) == 8
@@ -80,8 +81,8 @@ def test_without_warmup_each_bucket_is_captured_once_on_first_use_with_a_log_lin
         assert cache.lookup(0, 7) == (8, (0, 8))
         assert cache.lookup(1, 5) == (8, (1, 8))
     assert captured == [(0, 8), (1, 8)]
-    assert [e["event"].split(" on first")[0] for e in logs] == ["[Capture][Decode] batch_size:8 slot:0",
-                                                                "[Capture][Decode] batch_size:8 slot:1"]
+    assert [(e["event"], e["batch_size"], e["slot"]) for e in logs] == [
+        ("cuda_graph_captured_on_first_use", 8, 0), ("cuda_graph_captured_on_first_use", 8, 1)]
 
 
 def test_oversize_batch_falls_back_to_eager_and_warns_once():
@@ -90,7 +91,7 @@ def test_oversize_batch_falls_back_to_eager_and_warns_once():
         assert cache.lookup(0, 5) is None
         assert cache.lookup(1, 9) is None
     assert captured == [] and cache.eager_steps == 2
-    assert len(logs) == 1 and logs[0]["log_level"] == "warning" and "above the largest graph bucket" in logs[0]["event"]
+    assert len(logs) == 1 and logs[0]["log_level"] == "warning" and logs[0]["event"] == "decode_batch_above_graph_buckets"
 
 
 def test_arena_pads_a_decode_step_to_its_bucket_with_inert_rows():

@@ -94,7 +94,7 @@ async def test_sigterm_drains_in_flight_streams(served):
     assert await asyncio.to_thread(serve.proc.wait, 20) == 0
     with pytest.raises(httpx.ConnectError):
         httpx.get(serve.url + "/health")
-    assert "server stopped" in serve.log()
+    assert "server_stopped" in serve.log()
 
 
 async def test_in_process_server_drains_on_sigterm(tmp_path):
@@ -110,6 +110,6 @@ async def test_in_process_server_drains_on_sigterm(tmp_path):
                     serve.proc.send_signal(signal.SIGTERM)
             assert chunks[-1].choices[0].finish_reason == "length"  # finished, not aborted
         assert await asyncio.to_thread(serve.proc.wait, 20) == 0
-        assert "completion_tokens=300" in serve.log() and "server stopped" in serve.log()
+        assert "completion_tokens=300" in serve.log() and "server_stopped" in serve.log()
     finally:
         serve.stop()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import statistics
 import urllib.request
 
@@ -14,7 +15,23 @@ from slipstream.trace import covered
 
 SERIES = ["slipstream_step_period_seconds", "slipstream_device_idle_seconds", "slipstream_forward_seconds",
           "slipstream_queue_depth", "slipstream_running_sequences", "slipstream_kv_pages_free",
-          "slipstream_ttft_seconds", "slipstream_inter_token_latency_seconds"]
+          "slipstream_ttft_seconds", "slipstream_inter_token_latency_seconds", "slipstream_requests_finished_total",
+          "slipstream_prompt_tokens_total", "slipstream_generation_tokens_total", "slipstream_kv_pages_used",
+          "slipstream_kv_pages_total", "slipstream_kv_cache_usage_ratio", "slipstream_steps_total"]
+
+
+def samples(text: str, model: str = "tiny-random") -> dict:
+    """{name or name{label=value}: value} of the samples of `model`, `model` left out of the key."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = {k: v for k, v in s.labels.items() if k not in ("model", "le")}
+            if s.labels.get("model") != model or "le" in s.labels:
+                continue
+            out[s.name + "".join(f"{{{k}={v}}}" for k, v in sorted(labels.items()))] = s.value
+    return out
 
 
 def _config(depth: int, trace: bool) -> EngineConfig:
@@ -109,7 +126,8 @@ async def test_metrics_text_and_endpoint(trace):
     from slipstream.metrics import serve_metrics
 
     async with Engine(_config(2, trace)) as engine:
-        await _run_mixed(engine)
+        engine_outputs = await _run_mixed(engine)
+        steps = engine.loop.num_steps
         text = engine.metrics_text()
         server, thread = serve_metrics(engine.metrics.registry, "127.0.0.1", 0)
         try:
@@ -120,7 +138,8 @@ async def test_metrics_text_and_endpoint(trace):
             thread.join(timeout=5)
     for name in SERIES:
         assert f"# TYPE {name} " in text and f"# TYPE {name} " in body, name
-    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if not line.startswith("#")}
+        assert re.search(rf'^{name}(_count)?{{.*model="tiny-random"', text, re.M), name  # every series: a model label
+    values = samples(text)
     assert values["slipstream_ttft_seconds_count"] == 6
     assert values["slipstream_inter_token_latency_seconds_count"] > 6
     assert values["slipstream_step_period_seconds_count"] > 5  # host-measured without tracing
@@ -128,6 +147,17 @@ async def test_metrics_text_and_endpoint(trace):
                                                               if trace else 0)
     assert values["slipstream_running_sequences"] == 0 and values["slipstream_queue_depth"] == 0
     assert values["slipstream_kv_pages_free"] > 0
+    # what users compute throughput from: every request counted once, every token once
+    outs = engine_outputs
+    assert values["slipstream_requests_finished_total{finish_reason=length}"] == sum(o.finish_reason == "length" for o in outs)
+    assert values["slipstream_requests_finished_total{finish_reason=stop}"] == sum(o.finish_reason == "stop" for o in outs)
+    assert values["slipstream_requests_finished_total{finish_reason=abort}"] == 0
+    assert values["slipstream_generation_tokens_total"] == sum(len(o.token_ids) for o in outs)
+    assert values["slipstream_prompt_tokens_total"] == sum(len(o.prompt_token_ids) for o in outs)
+    assert values["slipstream_steps_total"] == steps
+    assert values["slipstream_kv_pages_used"] == 0  # all released
+    assert values["slipstream_kv_pages_total"] == values["slipstream_kv_pages_free"]
+    assert values["slipstream_kv_cache_usage_ratio"] == 0
 
 
 def test_timeline_writes_png(tmp_path):
@@ -162,3 +192,67 @@ def test_cost_model_arithmetic():
     # one zombie per request: a whole step alone, a marginal row in a batch
     assert zombie_tax(100, 1, 1.0, 0.01) == pytest.approx(0.01)
     assert zombie_tax(100, 32, 1.0, 0.01) == pytest.approx(0.0001)
+
+
+async def test_worker_metrics_under_load(tmp_path):
+    """A worker's /metrics while requests stream: the throughput counters and, without any flag,
+    the bubble series (device idle, forward) are filled; the counters add up after they finish."""
+    import socket
+
+    from worker_util import ipc_address, start_worker
+
+    from slipstream import Client
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/metrics"
+    scrape = lambda: asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=10).read().decode())  # noqa: E731
+    w = start_worker(ipc_address(tmp_path), tmp_path, "--metrics-port", str(port))
+    try:
+        before = samples(await scrape())  # the worker's own warm-up request is already counted
+        params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+        async with Client(w.address, timeout=10) as client:
+            streams = [client.stream([100 + i, 5, 6, 7], params) for i in range(4)]
+            for st in streams:  # every request is running: its first token has arrived
+                await asyncio.wait_for(anext(st), 20)
+            loaded = samples(await scrape())
+            for st in streams:
+                async for _ in st:
+                    pass
+        await asyncio.sleep(0.3)  # the last commits' observations
+        after = samples(await scrape())
+    finally:
+        w.stop()
+    assert loaded["slipstream_running_sequences"] >= 1
+    assert loaded["slipstream_kv_pages_used"] > 0 and 0 < loaded["slipstream_kv_cache_usage_ratio"] <= 1
+    assert loaded["slipstream_kv_pages_used"] + loaded["slipstream_kv_pages_free"] == loaded["slipstream_kv_pages_total"]
+    assert loaded["slipstream_device_idle_seconds_count"] > 0 and loaded["slipstream_forward_seconds_count"] > 0
+    assert loaded["slipstream_forward_seconds_sum"] > 0
+
+    def delta(name):
+        return after[name] - before[name]
+
+    assert delta("slipstream_requests_finished_total{finish_reason=length}") == 4
+    assert delta("slipstream_generation_tokens_total") == 4 * 300
+    assert delta("slipstream_prompt_tokens_total") == 4 * 4
+    assert delta("slipstream_ttft_seconds_count") == 4
+    assert delta("slipstream_inter_token_latency_seconds_count") == 4 * 299
+    assert delta("slipstream_device_idle_seconds_count") > 250  # decode steps of a busy engine
+    assert after["slipstream_kv_pages_used"] == 0
+
+
+async def test_aborted_requests_are_counted_once():
+    async with Engine(_config(2, trace=False)) as engine:
+        params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+        stream = engine.stream([100, 5, 6], params)
+        await anext(stream)
+        await stream.aclose()  # leaving the stream aborts the request
+        waiting = asyncio.create_task(engine.complete([7, 8], params))
+        await asyncio.sleep(0)
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+        await engine.complete([9, 9], SamplingParams(max_tokens=3, ignore_eos=True))
+        values = samples(engine.metrics_text())
+    assert values["slipstream_requests_finished_total{finish_reason=abort}"] == 2
+    assert values["slipstream_requests_finished_total{finish_reason=length}"] == 1

@@ -93,8 +93,8 @@ async def test_sigterm_drains_then_exits_and_overload_is_refused(tmp_path):
     finally:
         w.stop()
     log = w.log()
-    for line in ("worker starting", "worker ready", "client connected", "worker shutting down",
-                 "aborted requests at the shutdown deadline", "worker stopped"):
+    for line in ("worker_starting", "worker_ready", "client_connected", "worker_shutting_down",
+                 "shutdown_deadline_aborted", "worker_stopped"):
         assert line in log, line
 
 

@@ -144,7 +144,7 @@ async def test_client_disconnect_and_close_free_pages(worker, tmp_path):
                     pass
         stats = await wait_pages_free(observer)
         assert stats["clients"] == 1  # only the observer is left
-    assert "client gone" in worker.log() and "disconnected" in worker.log()
+    assert "client_gone" in worker.log() and "disconnected" in worker.log()
 
 
 async def test_generate_connect_uses_the_worker(worker):
@@ -157,4 +157,4 @@ async def test_generate_connect_uses_the_worker(worker):
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 0, err
     assert out.decode() == want.text + "\n"
-    assert "finish_reason=length" in err.decode() and "kv_pages_free" in err.decode()
+    assert "finish: length" in err.decode() and "kv_pages_free" in err.decode()

@@ -70,7 +70,7 @@ def free_tcp_address() -> str:
 
 
 def start_worker(address: str, log_dir: Path, *extra: str, ready_timeout: float = 60.0) -> WorkerProc:
-    """Start `python -m slipstream.cli worker` and wait for its 'worker ready' log line."""
+    """Start `python -m slipstream.cli worker` and wait for its 'worker_ready' log line."""
     args = [sys.executable, "-m", "slipstream.cli", "worker", "--bind", address, "--heartbeat", "0.2"]
     for k, v in ENGINE.items():
         args += [f"--{k.replace('_', '-')}", str(v)]

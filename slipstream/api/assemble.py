@@ -60,7 +60,7 @@ def assemble(config: EngineConfig) -> EngineParts:
     max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
     num_pages = kv_pages(config, model, mcfg, device, max_model_len)
     kv = KVCache(mcfg, num_pages, config.page_size, DTYPES[config.dtype], device.torch_device)
-    log.info("kv cache", pages=num_pages, page_size=config.page_size, gib=round(kv.bytes() / 1024**3, 2))
+    log.info("kv_cache_allocated", pages=num_pages, page_size=config.page_size, gib=round(kv.bytes() / 1024**3, 2))
     row_multiple = 1
     if config.batch_invariant and device.kind == "cpu":
         row_multiple = row_multiple_for(mcfg)
@@ -81,5 +81,5 @@ def assemble(config: EngineConfig) -> EngineParts:
                       vocab_width=mcfg.vocab_size, eos_ids=tuple(tokenizer.eos_token_ids),
                       step_timeout_s=config.step_timeout_s)
     tracer = Tracer().attach(loop, runner, device) if config.trace else None
-    metrics = EngineMetrics().attach(loop, pool, tracer)
+    metrics = EngineMetrics(model=config.model).attach(loop, pool, tracer)
     return EngineParts(device, runner, pool, loop, tokenizer, mcfg, max_model_len, metrics, tracer)

@@ -110,7 +110,7 @@ class Client:
             await self.close()
             raise
         if self.info.heartbeat_s * 2 > self.timeout:
-            log.warning("client timeout is shorter than two worker heartbeats; calls may fail spuriously",
+            log.warning("client_timeout_too_short", detail="shorter than two worker heartbeats; calls may fail spuriously",
                         timeout=self.timeout, heartbeat_s=self.info.heartbeat_s)
         return self
 
@@ -300,7 +300,7 @@ class Client:
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # without the pump nothing would ever wake a waiter: fail them
-            log.error("client pump died", error=repr(e))
+            log.error("client_pump_died", error=repr(e))
             self._closed = True
             self._fail_all(WorkerError(f"client receive loop died: {e!r}"))
             raise
@@ -331,7 +331,7 @@ class Client:
                 self._up.clear()
                 self._drain()  # data the worker sent before it went is already queued: use it
                 self._fail_all(WorkerUnavailableError(f"lost the connection to the worker at {self.address}"))
-                log.warning("lost the connection to the worker", address=self.address)
+                log.warning("worker_connection_lost", address=self.address)
                 # What was sent after the worker went sits in this socket's queue; ZMQ would hand it
                 # to whoever answers at the address next. Discard it with the socket; start afresh.
                 self._close_socket()
@@ -340,7 +340,7 @@ class Client:
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._up.set()
                 if self._was_up:  # a reconnection: maybe another worker process; ask who it is
-                    log.info("reconnected to a worker", address=self.address)
+                    log.info("worker_reconnected", address=self.address)
                     self.draining = False
                     self._refresh = asyncio.create_task(self._rehandshake(), name="slipstream-client-rehandshake")
                 self._was_up = True
@@ -349,7 +349,7 @@ class Client:
         try:
             self.info = await self.health()
         except WorkerError as e:  # gone again: the next reconnection retries
-            log.info("handshake after reconnecting failed", error=repr(e))
+            log.info("reconnect_handshake_failed", error=repr(e))
 
     def _drain(self) -> None:
         while True:
@@ -361,7 +361,7 @@ class Client:
             try:
                 frame = self._dec.decode(data)
             except msgspec.DecodeError as e:
-                log.warning("undecodable frame from the worker", error=str(e))
+                log.warning("undecodable_frame", error=str(e))
                 continue
             if frame.v != PROTOCOL_VERSION:
                 self._fail_all(ProtocolVersionError(f"worker speaks protocol {frame.v}, client {PROTOCOL_VERSION}"))
@@ -385,10 +385,10 @@ class Client:
             if fut is not None and not fut.done():
                 fut.set_exception(error_from_wire(msg)) if isinstance(msg, Error) else fut.set_result(msg)
             elif isinstance(msg, Error):
-                log.warning("error from the worker", code=msg.code, message=msg.message)
+                log.warning("worker_error", code=msg.code, detail=msg.message)
         elif isinstance(msg, Shutdown):
             self.draining = True
-            log.info("worker is shutting down", deadline_s=msg.deadline_s, reason=msg.reason)
+            log.info("worker_draining", deadline_s=msg.deadline_s, reason=msg.reason)
         # Heartbeat: receiving it was the point (_last_heard)
 
     def _check_liveness(self) -> None:

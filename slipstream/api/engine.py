@@ -52,7 +52,7 @@ class Engine:
         self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
                                          timeout_s=self.config.grammar_timeout_s)
         self._loop_task = asyncio.create_task(self._run_loop(), name="slipstream-engine-loop")
-        log.info("engine started", model=self.config.model, device=self.config.device,
+        log.info("engine_started", model=self.config.model, device=self.config.device,
                  pipeline_depth=self.config.pipeline_depth, kv_pages=self._parts.pool.total)
         return self
 
@@ -60,7 +60,7 @@ class Engine:
         try:
             await self.loop.run()
         except Exception as e:  # the loop already failed every waiter with it
-            log.error("engine loop died", error=repr(e))
+            log.error("engine_loop_died", error=repr(e))
             raise
 
     async def close(self) -> None:

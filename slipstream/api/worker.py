@@ -109,7 +109,7 @@ class Worker:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop, signal.Signals(sig).name)
-        log.info("worker starting", model=self.config.model, device=self.config.device, address=self.address,
+        log.info("worker_starting", model=self.config.model, device=self.config.device, address=self.address,
                  pid=os.getpid())
         await self.engine.start()
         metrics_server = None
@@ -117,14 +117,14 @@ class Worker:
             from slipstream.metrics import serve_metrics
 
             metrics_server, _ = serve_metrics(self.engine.metrics.registry, "127.0.0.1", self.limits.metrics_port)
-            log.info("metrics endpoint", url=f"http://127.0.0.1:{metrics_server.server_port}/metrics")
+            log.info("metrics_endpoint", url=f"http://127.0.0.1:{metrics_server.server_port}/metrics")
         try:
             await self._serve_until_stopped(loop)
         finally:
             if metrics_server is not None:
                 metrics_server.shutdown()
             await self.engine.close()
-        log.info("worker stopped", reason=self._stop_reason, exit_code=self._exit_code)
+        log.info("worker_stopped", reason=self._stop_reason, exit_code=self._exit_code)
         return self._exit_code
 
     async def _serve_until_stopped(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -140,7 +140,7 @@ class Worker:
                            max_unsent_frames=self.limits.max_unsent_frames)
         self.io.start()
         beat = asyncio.create_task(self._heartbeats(), name="slipstream-worker-heartbeat")
-        log.info("worker ready", address=self.address, kv_pages=self.engine.stats()["kv_pages_total"],
+        log.info("worker_ready", address=self.address, kv_pages=self.engine.stats()["kv_pages_total"],
                  max_queued=self.limits.max_queued)
         await self._stop.wait()
         await self._shutdown()
@@ -161,7 +161,7 @@ class Worker:
     async def _shutdown(self) -> None:
         self._draining = True
         deadline = 0.0 if self._force else self.limits.shutdown_timeout_s
-        log.info("worker shutting down", reason=self._stop_reason, inflight=self._inflight, deadline_s=deadline)
+        log.info("worker_shutting_down", reason=self._stop_reason, inflight=self._inflight, deadline_s=deadline)
         for s in self._sessions.values():
             self.io.send(s.identity, Shutdown(deadline_s=deadline, reason=self._stop_reason))
         tasks = [t for s in self._sessions.values() for t in s.tasks.values()]
@@ -171,7 +171,7 @@ class Worker:
                 t.cancel()
             await asyncio.gather(*late, return_exceptions=True)
             if late:
-                log.warning("aborted requests at the shutdown deadline", count=len(late))
+                log.warning("shutdown_deadline_aborted", count=len(late))
 
     # --- dispatch (asyncio thread) --------------------------------------------------------------
 
@@ -182,7 +182,7 @@ class Worker:
                 self._cut_off.pop(identity, None)
                 return
             session = self._sessions[identity] = _Session(identity, identity.hex())
-            log.info("client connected", client=session.tag, clients=len(self._sessions))
+            log.info("client_connected", client=session.tag, clients=len(self._sessions))
             session.told = self._cut_off.pop(identity, [])
             for rid in session.told:
                 self.io.send(identity, error_to_wire(WorkerUnavailableError(
@@ -214,7 +214,7 @@ class Worker:
         if why == NOT_READING:
             self._remember_cut_off(session)
         (log.warning if why == NOT_READING else log.info)(
-            "client gone", client=session.tag, reason=why, aborted=len(session.tasks), requests=session.requests,
+            "client_gone", client=session.tag, reason=why, aborted=len(session.tasks), requests=session.requests,
             clients=len(self._sessions))
 
     def _remember_cut_off(self, session: _Session) -> None:
@@ -264,7 +264,7 @@ class Worker:
         except SlipstreamError as e:
             send(ident, error_to_wire(e, request_id=rid))
         except Exception as e:  # noqa: BLE001 - one request's failure must not stop the worker
-            log.exception("request failed", client=session.tag, request_id=rid)
+            log.exception("request_failed", client=session.tag, request_id=rid)
             send(ident, Error(code="WorkerError", message=f"internal error: {e!r}", request_id=rid))
         finally:
             session.tasks.pop(rid, None)
@@ -295,7 +295,7 @@ class Worker:
             try:
                 self.engine.stats()
             except EngineClosedError as e:
-                log.error("engine loop died; stopping the worker", error=str(e))
+                log.error("engine_loop_died", action="stopping the worker", error=str(e))
                 self.stop("engine died", 1)
                 return
             for s in list(self._sessions.values()):

@@ -138,12 +138,12 @@ class WorkerIO:
                         try:
                             self._inbound(frames)
                         except Exception as e:  # noqa: BLE001 - one bad frame must not stop the thread
-                            log.exception("failed to handle a frame", error=repr(e))
+                            log.exception("frame_handling_failed", error=repr(e))
                 self._flush()
                 if self._stopping and not self._out:
                     break
         except Exception as e:  # noqa: BLE001 - the worker must learn its socket thread died
-            log.error("worker socket thread died", error=repr(e))
+            log.error("socket_thread_died", error=repr(e))
             self._died(e)
         finally:
             self._wake_rx.close(linger=0)
@@ -184,7 +184,7 @@ class WorkerIO:
 
     def _refuse(self, identity: bytes, error: SlipstreamError, header: Header | None = None) -> None:
         self.bad_messages += 1
-        log.info("bad message", client=identity.hex(), error=type(error).__name__, detail=str(error)[:200])
+        log.info("bad_message", client=identity.hex(), error=type(error).__name__, detail=str(error)[:200])
         self._out.append((identity, error_to_wire(error, header.request_id if header else None,
                                                   header.seq if header else None)))
 
@@ -209,5 +209,5 @@ class WorkerIO:
                 else:
                     raise
             except Exception as e:  # noqa: BLE001 - e.g. unencodable: lose this batch, not the thread
-                log.exception("failed to send to a client", client=identity.hex(), error=repr(e))
+                log.exception("send_failed", client=identity.hex(), error=repr(e))
                 self._gone(identity, f"send failed: {e!r}")

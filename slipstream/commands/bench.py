@@ -13,6 +13,8 @@ import sys
 
 from slipstream.params import EVENT_WAITS
 
+from slipstream.cli import add_log_args
+
 
 def register(sub) -> None:
     p = sub.add_parser("bench", help="depth 1 vs depth 2 decode benchmark, Photon-style tables")
@@ -27,7 +29,7 @@ def register(sub) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of the tables")
     p.add_argument("--json-out", metavar="PATH", help="also write the JSON document to PATH")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    add_log_args(p)
     p.set_defaults(func=_bench)
 
 

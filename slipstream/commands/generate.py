@@ -1,31 +1,66 @@
-"""`slipstream generate PROMPT`: stream one answer to stdout."""
+"""`slipstream generate PROMPT`: stream one answer to stdout, a one-line summary to stderr."""
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
+import time
+from dataclasses import dataclass
 
 from slipstream.cli import add_engine_args, engine_config, run_async
 
 
 def register(sub) -> None:
     p = sub.add_parser("generate", help="answer one prompt, streaming to stdout")
-    p.add_argument("prompt")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("prompt", help="the user message (or, with --raw, the whole prompt text)")
+    p.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    p.add_argument("--top-k", type=int, default=0, help="0: no top-k cut")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: the engine's sequence)")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--raw", action="store_true", help="send the prompt as plain text, without the chat template")
-    p.add_argument("-v", "--verbose", action="store_true", help="print finish reason and engine stats to stderr")
+    p.add_argument("-q", "--quiet", action="store_true", help="no summary line on stderr")
+    p.add_argument("-v", "--verbose", action="store_true", help="also print the engine stats to stderr")
     p.add_argument("--connect", metavar="ADDRESS", help="use a running `slipstream worker` (ipc://… or tcp://…) "
                    "instead of loading the model here; --model/--device are then the worker's")
     p.add_argument("--timeout", type=float, default=30.0, help="with --connect: seconds of worker silence "
                    "before giving up")
     p.add_argument("--no-weight-cache", action="store_true", help="dequantise the GGUF afresh instead of using the "
                    "converted-weights cache (same as SLIPSTREAM_WEIGHT_CACHE=0; see docs/models.md)")
+    p.add_argument("--wait-ready", type=float, default=30.0, metavar="SECONDS",
+                   help="with --connect: how long to keep retrying the handshake while the worker starts "
+                        "(it answers only once its model is loaded)")
     add_engine_args(p)
     p.set_defaults(func=lambda args: run_async(_generate(args)))
+
+
+@dataclass
+class Summary:
+    """What the stderr line reports; times are perf_counter seconds."""
+
+    submitted: float
+    first_token: float | None = None
+    last_token: float | None = None
+    tokens: int = 0
+    finish_reason: str | None = None
+
+    def line(self, max_tokens: int) -> str:
+        reason = self.finish_reason or "none"
+        if reason == "length" and self.tokens >= max_tokens:
+            reason = f"length (hit --max-tokens {max_tokens})"
+        if self.first_token is None:
+            return f"[{self.tokens} tokens, finish: {reason}]"
+        ttft = self.first_token - self.submitted
+        # decode speed: tokens after the first over the time after the first (TTFT is reported apart);
+        # when they all came in one burst (short answers), tokens over the whole time instead
+        span = self.last_token - self.first_token
+        if self.tokens > 1 and span >= 0.01:
+            rate = (self.tokens - 1) / span
+        else:
+            rate = self.tokens / max(self.last_token - self.submitted, 1e-9)
+        rate = f"{rate:.1f} tok/s"
+        return f"[{self.tokens} tokens, {rate}, TTFT {ttft * 1e3:.0f} ms, finish: {reason}]"
 
 
 async def _generate(args) -> int:
@@ -41,31 +76,60 @@ async def _generate(args) -> int:
         prompt = args.prompt
         if not args.raw and getattr(engine.tokenizer, "chat_template", None):
             prompt = engine.chat_prompt([{"role": "user", "content": args.prompt}])
-        finish = await _print_stream(engine.stream(prompt, params))
-        if args.verbose:
-            print(f"[finish_reason={finish}] {engine.stats()}", file=sys.stderr)
+        summary = await _print_stream(engine.stream(prompt, params))
+        _report(args, summary, engine.stats() if args.verbose else None)
     return 0
 
 
-async def _generate_remote(args, params) -> int:
-    from slipstream import Client
+async def connect(address: str, timeout: float, wait_ready: float):
+    """A started Client; retries the connection and handshake until `wait_ready` seconds have passed."""
+    from slipstream import Client, WorkerUnavailableError
+    from slipstream.errors import WorkerShuttingDownError
 
-    async with Client(args.connect, timeout=args.timeout) as client:
+    deadline = time.monotonic() + max(wait_ready, 0.0)
+    while True:
+        left = deadline - time.monotonic()
+        client = Client(address, timeout=timeout, connect_timeout=max(min(left, timeout), 0.5))
+        try:
+            return await client.start()
+        except WorkerUnavailableError as e:
+            if isinstance(e, WorkerShuttingDownError) or time.monotonic() >= deadline:
+                raise WorkerUnavailableError(f"{e} (waited {wait_ready:g} s; see --wait-ready)") from e
+            await asyncio.sleep(0.2)
+
+
+async def _generate_remote(args, params) -> int:
+    client = await connect(args.connect, args.timeout, args.wait_ready)
+    try:
         if not args.raw and client.info.chat_template:
             deltas = client.chat_stream([{"role": "user", "content": args.prompt}], params)
         else:
             deltas = client.stream(args.prompt, params)
-        finish = await _print_stream(deltas)
-        if args.verbose:
-            print(f"[finish_reason={finish}] {await client.stats()}", file=sys.stderr)
+        summary = await _print_stream(deltas)
+        _report(args, summary, await client.stats() if args.verbose else None)
+    finally:
+        await client.close()
     return 0
 
 
-async def _print_stream(deltas) -> str | None:
-    finish = None
+async def _print_stream(deltas) -> Summary:
+    summary = Summary(submitted=time.perf_counter())
     async for delta in deltas:
         sys.stdout.write(delta.text)
         sys.stdout.flush()
-        finish = delta.finish_reason or finish
+        if delta.token_ids:
+            now = time.perf_counter()
+            summary.first_token = summary.first_token or now
+            summary.last_token = now
+            summary.tokens += len(delta.token_ids)
+        summary.finish_reason = delta.finish_reason or summary.finish_reason
     sys.stdout.write("\n")
-    return finish
+    sys.stdout.flush()
+    return summary
+
+
+def _report(args, summary: Summary, stats: dict | None) -> None:
+    if not args.quiet:
+        print(summary.line(args.max_tokens), file=sys.stderr)
+    if stats is not None:
+        print(stats, file=sys.stderr)

@@ -29,9 +29,8 @@ def register(sub) -> None:
     p.add_argument("--kv-cache-tokens", type=int, default=None)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log-json", action="store_true", help="structlog lines as JSON")
-    add_engine_args(p)
-    p.set_defaults(func=_serve, log_level="info")
+    add_engine_args(p, log_level="info")
+    p.set_defaults(func=_serve)
 
 
 def build_backend(args):
@@ -51,10 +50,6 @@ def _serve(args) -> int:
         from slipstream.serve.app import create_app
     except ImportError as e:
         raise SystemExit(f"slipstream serve needs the `serve` extra ({e}): pip install 'slipstream[serve]'") from None
-    from slipstream.logging_setup import configure_logging
-
-    if args.log_json:
-        configure_logging(args.log_level, json=True)
     app = create_app(build_backend(args), max_inflight=args.max_inflight)
     config = uvicorn.Config(app, host=args.host, port=args.port, loop="uvloop", http="httptools",
                             log_level=args.log_level, access_log=False, timeout_graceful_shutdown=args.shutdown_timeout)

@@ -15,6 +15,8 @@ LANES = ["plan", "launch", "finalize", "commit", "forward", "sample", "copy"]
 SLOT_COLORS = {0: ("#4c72b0", "#a6bddb"), 1: ("#dd8452", "#f5c9a8")}  # (device, host) per slot
 IDLE = "#d62728"
 
+from slipstream.cli import add_log_args
+
 
 def register(sub) -> None:
     p = sub.add_parser("timeline", help="PNG of host vs device activity, depth 1 vs depth 2")
@@ -26,7 +28,7 @@ def register(sub) -> None:
     p.add_argument("--out", default="timeline.png")
     p.add_argument("--zoom", type=float, default=0.0, metavar="MS",
                    help="add a column showing MS milliseconds from the end of a forward (0: none)")
-    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    add_log_args(p)
     p.set_defaults(func=_timeline)
 
 

@@ -25,21 +25,20 @@ def register(sub) -> None:
                    help="KV pool in tokens (default: 32768 on the CPU, sized from free memory on CUDA)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log-json", action="store_true", help="structlog lines as JSON")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on http://127.0.0.1:PORT/metrics")
-    add_engine_args(p)
-    p.set_defaults(func=_worker, log_level="info")  # start/ready/client/shutdown lines are the point
+    p.add_argument("--no-trace", dest="trace", action="store_false",
+                   help="do not trace steps: saves ~0.1 ms per step (tools/bench_trace_cost.py), but leaves the "
+                        "bubble series (slipstream_device_idle_seconds, slipstream_forward_seconds) empty")
+    add_engine_args(p, log_level="info")  # start/ready/client/shutdown lines are the point
+    p.set_defaults(func=_worker)
 
 
 def _worker(args) -> int:
     from slipstream.api.worker import WorkerLimits, serve
-    from slipstream.logging_setup import configure_logging
-
-    if args.log_json:
-        configure_logging(args.log_level, json=True)
     config = engine_config(args, max_batch_size=args.max_batch_size, max_num_batched_tokens=args.max_num_batched_tokens,
-                           kv_cache_tokens=args.kv_cache_tokens, page_size=args.page_size, seed=args.seed)
+                           kv_cache_tokens=args.kv_cache_tokens, page_size=args.page_size, seed=args.seed,
+                           trace=args.trace)
     limits = WorkerLimits(max_queued=args.max_queued, max_message_bytes=args.max_message_bytes,
                           heartbeat_s=args.heartbeat, shutdown_timeout_s=args.shutdown_timeout,
                           metrics_port=args.metrics_port, max_unsent_frames=args.max_unsent_frames)

@@ -51,6 +51,6 @@ def build_model(spec: str, dtype: str, device: torch.device, seed: int = 0):
         loaded = _load_cached(spec)
         config, weights, tokenizer = loaded.config, loaded.weights, loaded.tokenizer
     model = LlamaForCausalLM.from_weights(config, weights, DTYPES[dtype], device)
-    log.info("model ready", model=spec, layers=config.num_layers, vocab=config.vocab_size, dtype=dtype,
+    log.info("model_ready", model=spec, layers=config.num_layers, vocab=config.vocab_size, dtype=dtype,
              device=str(device), seconds=round(time.perf_counter() - t0, 2))
     return model, tokenizer, config

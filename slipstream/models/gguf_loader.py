@@ -24,6 +24,7 @@ from slipstream.errors import (
     UnsupportedArchitectureError,
     UnsupportedQuantizationError,
 )
+from slipstream.logging_setup import load_progress
 from slipstream.models.config import ModelConfig
 from slipstream.models.hf_loader import check_weights
 from slipstream.models.tokenizer import Tokenizer
@@ -212,7 +213,7 @@ def load_gguf(
     config = _config(meta, tensors, path, tokenizer.eos_token_ids)
 
     weights: dict[str, torch.Tensor] = {}
-    for name, tensor in tensors.items():
+    for name, tensor in load_progress(tensors.items(), len(tensors), "loading weights"):
         if name == ROPE_FREQS:
             continue  # already in config.rope_freq_factors
         target = hf_name(name)

@@ -24,6 +24,7 @@ from typing import Callable
 import structlog
 import torch
 
+from slipstream.errors import DeviceUnavailableError
 from slipstream.params import EVENT_WAITS
 
 log = structlog.get_logger(__name__)
@@ -37,7 +38,7 @@ def load_cupy():
         cupy.cuda.runtime.getDeviceCount()
         return cupy
     except Exception as e:  # noqa: BLE001 - ImportError, or a CUDA/driver mismatch
-        log.info("cupy unavailable; device events are awaited on a helper thread", reason=repr(e))
+        log.info("cupy_unavailable", fallback="event waits on a helper thread", reason=repr(e))
         return None
 
 
@@ -118,7 +119,8 @@ class CUDADevice:
 
     def __init__(self, index: int = 0, event_wait: str = "auto"):
         if not torch.cuda.is_available():
-            raise RuntimeError("device='cuda' needs an NVIDIA GPU and a CUDA build of torch")
+            raise DeviceUnavailableError("device='cuda' needs an NVIDIA GPU and a CUDA build of torch "
+                                         f"(torch {torch.__version__}: torch.cuda.is_available() is False)")
         if event_wait not in EVENT_WAITS:
             raise ValueError(f"event_wait must be one of {EVENT_WAITS}, got {event_wait!r}")
         self.torch_device = torch.device("cuda", index)
@@ -132,7 +134,7 @@ class CUDADevice:
         self.event_wait = self._choose(event_wait)
         self.waiter = {"host_func": self._wait_host_func, "thread": self._wait_thread,
                        "poll": self._wait_poll}[self.event_wait]
-        log.info("cuda device ready", gpu=torch.cuda.get_device_name(self.torch_device), event_wait=self.event_wait)
+        log.info("cuda_device_ready", gpu=torch.cuda.get_device_name(self.torch_device), event_wait=self.event_wait)
 
     def _choose(self, event_wait: str) -> str:
         self._cupy = load_cupy() if event_wait == "host_func" else None
@@ -194,7 +196,7 @@ class CUDADevice:
         try:
             torch.cuda.synchronize()
         except RuntimeError as e:
-            log.error("CUDA context failed; the engine cannot recover", error=repr(e))
+            log.error("cuda_context_failed", detail="the engine cannot recover", error=repr(e))
             return False
         return True
 

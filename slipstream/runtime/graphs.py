@@ -41,11 +41,11 @@ class GraphCache(Generic[G]):
         todo = [(slot, b) for b in sorted(self.buckets, reverse=True) for slot in range(self.num_slots)]
         for i, (slot, bucket) in enumerate(todo, 1):
             self._get_or_capture(slot, bucket)
-            log.info(f"[Warmup][Decode][{i}/{len(todo)}] batch_size:{bucket} slot:{slot} "
-                     f"free_mem:{self._free_memory() / GiB:.2f} GiB")
+            log.info("cuda_graph_warmup", graph=i, graphs=len(todo), batch_size=bucket, slot=slot,
+                     free_mem_gib=round(self._free_memory() / GiB, 2))
         seconds = time.perf_counter() - t0
-        log.info(f"[Warmup][Decode] captured {len(todo)} graphs ({len(self.buckets)} buckets x "
-                 f"{self.num_slots} slots) in {seconds:.2f} s")
+        log.info("cuda_graphs_captured", graphs=len(todo), buckets=len(self.buckets), slots=self.num_slots,
+                 seconds=round(seconds, 2))
         return seconds
 
     def lookup(self, slot: int, num_rows: int) -> tuple[int, G] | None:
@@ -55,11 +55,11 @@ class GraphCache(Generic[G]):
             self.eager_steps += 1
             if not self.oversize_warned:
                 self.oversize_warned = True
-                log.warning(f"decode batch of {num_rows} is above the largest graph bucket "
-                            f"({self.buckets[-1]}): such steps run eagerly (logged once)")
+                log.warning("decode_batch_above_graph_buckets", batch_size=num_rows, largest_bucket=self.buckets[-1],
+                            effect="such steps run eagerly (logged once)")
             return None
         if (slot, bucket) not in self.graphs:
-            log.info(f"[Capture][Decode] batch_size:{bucket} slot:{slot} on first use (warmup was skipped)")
+            log.info("cuda_graph_captured_on_first_use", batch_size=bucket, slot=slot)  # warmup was skipped
         return bucket, self._get_or_capture(slot, bucket)
 
     def _get_or_capture(self, slot: int, bucket: int) -> G:

@@ -51,6 +51,6 @@ def profile_free_memory(model, config, device, num_tokens: int, page_size: int, 
     torch.cuda.synchronize(dev)
     del kv, batch
     free = device.free_memory()
-    log.info("memory profiled", tokens=n, peak_gib=round(torch.cuda.max_memory_allocated(dev) / GiB, 2),
+    log.info("memory_profiled", tokens=n, peak_gib=round(torch.cuda.max_memory_allocated(dev) / GiB, 2),
              free_gib=round(free / GiB, 2))
     return free

@@ -179,14 +179,14 @@ class EngineLoop:
         except PipelineInvariantError:
             raise
         except Exception as e:  # noqa: BLE001 - one request's processing failed: only it fails
-            log.warning("request failed in commit", request_id=seq.request_id, error=repr(e))
+            log.warning("commit_request_failed", request_id=seq.request_id, error=repr(e))
             self.outputs.fail(seq, e)
 
     async def _recover(self, failed: InflightStep, error: BaseException) -> None:
         """`failed` (the oldest step) raised: fail the requests of every step in flight, drain, recover."""
         steps = list(self.pipeline.inflight)
         self.failed_steps += len(steps)
-        log.error("step failed; its requests fail, the engine goes on", step=failed.step_id, kind=failed.kind,
+        log.error("step_failed", effect="its requests fail, the engine goes on", step=failed.step_id, kind=failed.kind,
                   sequences=len(failed.seqs), steps_in_flight=len(steps), error=repr(error))
         for step in steps:
             for seq in step.seqs:
@@ -202,7 +202,7 @@ class EngineLoop:
 
     def on_stall(self, step: InflightStep, waited_s: float) -> None:
         """The watchdog saw `step` in flight for too long: log the state and fail the engine."""
-        log.error("step timed out; the engine stops", step=step.step_id, kind=step.kind,
+        log.error("step_timed_out", effect="the engine stops", step=step.step_id, kind=step.kind,
                   waited_s=round(waited_s, 3), timeout_s=self.step_timeout_s, **self.describe_state())
         timeout = StepTimeoutError(f"step {step.step_id} ({step.kind}) did not complete within "
                                    f"{self.step_timeout_s:g} s (waited {waited_s:.3g} s)")

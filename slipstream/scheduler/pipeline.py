@@ -42,6 +42,7 @@ class Pipeline:
         self.inflight: deque[InflightStep] = deque()
         self.zombie_commits = 0  # rows whose commit was skipped because the sequence had finished
         self.released = 0
+        self.finish_observers: list = []  # fn(seq, reason) once per finished sequence (metrics)
 
     def on_launch(self, step: InflightStep) -> None:
         if len(self.inflight) >= self.depth:
@@ -97,6 +98,8 @@ class Pipeline:
         if seq.finalized:
             return False
         seq.finalized, seq.finish_reason = True, reason
+        for observe in self.finish_observers:
+            observe(seq, reason)
         if seq.status is SeqStatus.WAITING:
             self.planner.drop_waiting(seq)
         else:

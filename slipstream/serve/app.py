@@ -37,13 +37,13 @@ def create_app(backend: Backend, max_inflight: int = 1024) -> FastAPI:
     async def lifespan(app: FastAPI):
         await backend.start()
         state.ready = True
-        log.info("server ready", model=backend.model_name)
+        log.info("server_ready", model=backend.model_name)
         try:
             yield
         finally:  # uvicorn has drained in-flight requests (up to its graceful timeout) by now
             state.draining = True
             await backend.close()
-            log.info("server stopped", model=backend.model_name)
+            log.info("server_stopped", model=backend.model_name)
 
     app = FastAPI(title="slipstream", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = state
@@ -51,7 +51,7 @@ def create_app(backend: Backend, max_inflight: int = 1024) -> FastAPI:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> Response:
         if e.status >= 500:
-            log.warning("request refused", path=request.url.path, status=e.status, error=e.message)
+            log.warning("request_refused", path=request.url.path, status=e.status, error=e.message)
         return JSONResponse(e.body(), status_code=e.status)
 
     @app.exception_handler(SlipstreamError)

@@ -92,7 +92,7 @@ class ClientsBackend:
         self.model_name = self._model_name or model
         self.tokenizer, self.vocab_size = await asyncio.to_thread(load_tokenizer, model)
         self.max_model_len = None
-        log.info("connected to workers", workers=[c.address for c in self.clients], model=model)
+        log.info("workers_connected", workers=[c.address for c in self.clients], model=model)
 
     async def close(self) -> None:
         await asyncio.gather(*(c.close() for c in self.clients), return_exceptions=True)

@@ -155,7 +155,7 @@ async def _stream_body(state: ServerState, rid: str, created: int, model: str, c
     except SlipstreamError as e:  # after the 200: the failure travels as an SSE error event
         err = from_slipstream(e)
         status = err.status
-        log.warning("stream failed", request_id=rid, error=repr(e))
+        log.warning("stream_failed", request_id=rid, error=repr(e))
         yield sse.event(err.body())
         yield sse.DONE
     except BaseException:  # cancelled: the client went away
@@ -172,5 +172,5 @@ def _done(state: ServerState, rid: str, endpoint: str, status: int, t0: float, p
     seconds = time.perf_counter() - t0
     state.metrics.requests.labels(endpoint, str(status)).inc()
     state.metrics.duration.labels(endpoint).observe(seconds)
-    log.info("request done", request_id=rid, endpoint=endpoint, status=status, prompt_tokens=prompt_tokens,
+    log.info("request_done", request_id=rid, endpoint=endpoint, status=status, prompt_tokens=prompt_tokens,
              completion_tokens=completion_tokens, finish_reason=finish, seconds=round(seconds, 4))

@@ -1,0 +1,174 @@
+"""Logging (silent as a library, levels, JSON, event names) and the CLI's user-facing behaviour."""
+from __future__ import annotations
+
+import ast
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import structlog
+
+from slipstream.cli import main
+from slipstream.errors import InvalidRequestError
+from slipstream.logging_setup import LEVEL_ENV, configure_logging, reset_logging, resolve_level
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+
+
+@pytest.fixture(autouse=True)
+def _library_default_logging():
+    yield
+    reset_logging()
+
+
+def test_library_use_prints_nothing_until_the_application_configures_logging():
+    """An engine run plus a warning-level event print nothing; after logging.basicConfig, the
+    application's handler gets the events (message = event name, fields = record attributes)."""
+    code = (
+        "import asyncio, logging, sys, structlog\n"
+        "from slipstream import Engine, EngineConfig, SamplingParams\n"
+        "async def main():\n"
+        "    async with Engine(EngineConfig(model='tiny-random')) as e:\n"
+        "        await e.complete('hi', SamplingParams(max_tokens=3))\n"
+        "asyncio.run(main())\n"
+        "structlog.get_logger('slipstream.test').warning('test_warning', detail='must not print')\n"
+        "sys.stderr.write('configured\\n')\n"
+        "logging.basicConfig(level=logging.INFO, format='%(name)s|%(message)s|%(layers)s')\n"
+        "import torch\n"
+        "from slipstream.models.build import build_model\n"
+        "build_model('tiny-random', 'float32', torch.device('cpu'))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == ""
+    silent, configured = out.stderr.split("configured\n")
+    assert silent == ""
+    assert "slipstream.models.build|model_ready|2" in configured.splitlines()
+
+
+def test_json_lines_have_iso_utc_millisecond_timestamps():
+    buf = io.StringIO()
+    configure_logging("info", json=True, stream=buf)
+    structlog.get_logger("slipstream.test").info("test_event", answer=42)
+    structlog.get_logger("slipstream.test").debug("below_the_level")
+    (line,) = buf.getvalue().splitlines()
+    doc = json.loads(line)
+    assert doc["event"] == "test_event" and doc["answer"] == 42 and doc["level"] == "info"
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", doc["timestamp"])
+
+
+def test_level_comes_from_the_flag_then_the_environment(monkeypatch):
+    monkeypatch.delenv(LEVEL_ENV, raising=False)
+    assert resolve_level(None) == "warning" and resolve_level(None, "info") == "info"
+    monkeypatch.setenv(LEVEL_ENV, "DEBUG")
+    assert resolve_level(None, "info") == "debug" and resolve_level("error") == "error"
+    monkeypatch.setenv(LEVEL_ENV, "loud")
+    with pytest.raises(InvalidRequestError, match=LEVEL_ENV):
+        resolve_level(None)
+
+
+def _log_calls():
+    for path in sorted((ROOT / "slipstream").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            f = getattr(node, "func", None)
+            if isinstance(node, ast.Call) and isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) \
+                    and f.value.id == "log" and f.attr in ("debug", "info", "warning", "error", "exception"):
+                yield f"{path.relative_to(ROOT)}:{node.lineno}", node.args[0] if node.args else None
+            elif isinstance(node, ast.Call) and isinstance(f, ast.BoolOp):  # (log.warning if x else log.info)(...)
+                yield f"{path.relative_to(ROOT)}:{node.lineno}", node.args[0] if node.args else None
+
+
+def test_every_event_name_is_snake_case():
+    calls = list(_log_calls())
+    assert len(calls) > 40
+    bad = [(where, ast.unparse(arg) if arg is not None else None) for where, arg in calls
+           if not (isinstance(arg, ast.Constant) and re.fullmatch(r"[a-z][a-z0-9]*(_[a-z0-9]+)+", str(arg.value)))]
+    assert bad == []
+
+
+# --- CLI ------------------------------------------------------------------------------------------
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and re.fullmatch(r"slipstream \S+\n", capsys.readouterr().out)
+
+
+def test_help_shows_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for shown in ("--max-tokens MAX_TOKENS most tokens to generate (default: 128)", "(default: 0.0)",
+                  "(default: smollm2-135m)", "(default: 30.0)", "--pipeline-depth {1,2}"):
+        assert shown in text, shown
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU is present")
+def test_cuda_without_a_gpu_is_one_line(capsys):
+    assert main(["generate", "hi", "--device", "cuda", "--model", "tiny-random"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("slipstream: error: --device cuda") and err.count("\n") == 1
+
+
+def test_generate_prints_a_summary_line(capsys):
+    assert main(["generate", "hi", "--model", "tiny-random", "--max-tokens", "5", "--raw"]) == 0
+    *_, last = capsys.readouterr().err.splitlines()
+    assert re.fullmatch(r"\[5 tokens, [\d.]+ tok/s, TTFT \d+ ms, finish: length \(hit --max-tokens 5\)\]", last)
+    assert main(["generate", "hi", "--model", "tiny-random", "--max-tokens", "5", "--raw", "-q"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_connect_without_a_worker_fails_in_one_line(tmp_path, capsys):
+    t0 = time.monotonic()
+    assert main(["generate", "hi", "--connect", f"ipc://{tmp_path}/none.sock", "--wait-ready", "1"]) == 1
+    err = capsys.readouterr().err
+    assert time.monotonic() - t0 < 10
+    assert err.startswith("slipstream: error: no worker answered") and "--wait-ready" in err and err.count("\n") == 1
+
+
+def test_wait_ready_waits_for_a_worker_that_is_still_loading(tmp_path):
+    """--wait-ready outlasts --timeout (2 s here): the handshake is retried until the worker binds."""
+    from worker_util import ipc_address, start_worker
+
+    address = ipc_address(tmp_path)
+    gen = subprocess.Popen([sys.executable, "-m", "slipstream.cli", "generate", "hello", "--raw", "--max-tokens", "4",
+                            "--connect", address, "--timeout", "2", "--wait-ready", "120"], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        time.sleep(2.0)  # the client is up and retrying before the worker even starts
+        assert gen.poll() is None
+        w = start_worker(address, tmp_path)
+        try:
+            out, err = gen.communicate(timeout=120)
+        finally:
+            w.stop()
+    finally:
+        if gen.poll() is None:
+            gen.kill()
+    assert gen.returncode == 0, err
+    assert re.search(r"\[4 tokens, .* finish: length", err)
+
+
+def test_load_progress_bar_only_for_the_cli_on_a_terminal(monkeypatch):
+    from slipstream import logging_setup
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    items = [1, 2, 3]
+    monkeypatch.setattr(sys, "stderr", Tty())
+    assert logging_setup.load_progress(items, 3, "x") is items  # library use: never a bar
+    configure_logging("warning")
+    bar = logging_setup.load_progress(items, 3, "loading weights")
+    assert list(bar) == items and "loading weights" in sys.stderr.getvalue()
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # not a terminal: no bar
+    assert logging_setup.load_progress(items, 3, "x") is items

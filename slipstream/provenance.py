@@ -53,7 +53,8 @@ def git_info(repo: Path = REPO, stamp: Path = STAMP) -> dict:
     if state is not None:
         return state
     if stamp.exists():
-        return {**json.loads(stamp.read_text()), "source": f"stamp {stamp.name} (written before the device call)"}
+        data = json.loads(stamp.read_text())
+        return {**data, "source": f"stamp {stamp.name}, written {data.get('stamp_written_utc', '?')} before the call"}
     return {"commit": "unknown", "dirty": None, "diff_sha256": None, "source": "no git checkout and no stamp"}
 
 
@@ -68,7 +69,8 @@ def versions() -> dict[str, str]:
 
 
 def device_info() -> dict:
-    info = {"machine": platform.platform(), "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}
+    info = {"machine": platform.platform(), "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+            "load_avg_at_start": [round(x, 2) for x in os.getloadavg()]}  # other processes sharing the cores
     smi = _run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"])
     info["gpu"] = smi.splitlines() if smi else None
     return info
@@ -89,7 +91,8 @@ def header(prov: dict) -> str:
     dirty = {True: " (dirty, diff " + str(git.get("diff_sha256")) + ")", False: " (clean)"}.get(git.get("dirty"), "")
     lines = [f"- command: `{prov['command']}`", f"- date (UTC): {prov['date_utc']}",
              f"- git: {git['commit']}{dirty} [{git['source']}]",
-             f"- machine: {prov['device']['machine']}, {prov['device']['cores']} cores, "
+             f"- machine: {prov['device']['machine']}, {prov['device']['cores']} cores "
+             f"(load average {'/'.join(map(str, prov['device']['load_avg_at_start']))} at start), "
              f"gpu: {'; '.join(prov['device']['gpu']) if prov['device']['gpu'] else 'none'}",
              "- versions: " + ", ".join(f"{k} {v}" for k, v in prov["versions"].items())]
     lines += [f"- {k}: {v}" for k, v in prov.items() if k not in ("command", "date_utc", "git", "device", "versions")]
@@ -102,7 +105,9 @@ def write_stamp(stamp: Path = STAMP) -> dict:
     if state is None:
         raise SystemExit("provenance stamp: not a git checkout")
     stamp.parent.mkdir(parents=True, exist_ok=True)
-    stamp.write_text(json.dumps({k: v for k, v in state.items() if k != "source"}) + "\n")
+    written = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    stamp.write_text(json.dumps({**{k: v for k, v in state.items() if k != "source"}, "stamp_written_utc": written})
+                     + "\n")
     return state
 
 

@@ -35,7 +35,7 @@ sys.path[:0] = [_TOOLS, os.path.dirname(_TOOLS)]
 
 from slipstream.provenance import header, provenance  # noqa: E402
 
-BUFFER_RE = re.compile(r"(\S+) (model|KV|compute) buffer size =\s+([\d.]+) MiB")
+BUFFER_RE = re.compile(r"(\S+) +(model|KV|compute|output) buffer size =\s+([\d.]+) MiB")
 
 
 def llamacpp_commit(build: str) -> str:
@@ -107,7 +107,7 @@ def run_one(args, model: str, n: int) -> dict:
     cmd = [exe, "-m", model, "-c", str(kv), "-b", str(args.batch_tokens), "-ub", str(args.ubatch),
            "-npp", str(args.prompt_len), "-ntg", str(args.output_len - 1),
            "-npl", ",".join([str(n)] * (args.repeats + 1)), "-ngl", "999", "-fa", args.flash_attn,
-           "--output-format", "jsonl"]
+           "--output-format", "jsonl", "-lv", "4"]  # -lv 4: its info lines, buffer sizes among them
     if args.threads:
         cmd += ["-t", str(args.threads)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -42,6 +42,7 @@ from peer_hf import peak_reset as _peak_reset  # noqa: E402
 from slipstream import Engine, EngineConfig, SamplingParams  # noqa: E402
 from slipstream.models.build import DTYPES, RANDOM, random_weights  # noqa: E402
 from slipstream.models.hf_oracle import hf_llama_from_weights  # noqa: E402
+from slipstream.logging_setup import configure_logging  # noqa: E402
 from slipstream.provenance import header, provenance  # noqa: E402
 
 ARCHS = {"smollm2-135m": "random-smollm2-135m", "tiny": "tiny-random"}
@@ -220,6 +221,7 @@ def parse(argv: list[str] | None):
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse(argv)
+    configure_logging("warning")  # engine info lines to stderr, never into the raw table on stdout
     if args.device == "cuda" and not torch.cuda.is_available():
         print("peer_bench: --device cuda needs a GPU (use --device cpu to check the harness)", file=sys.stderr)
         return 2

@@ -78,14 +78,15 @@ class TransformersCB:
         self.length, self.device = length, device
         hints = WorkloadHints(max_prompt_length=max(map(len, batch)), max_generated_length=length,
                               num_requests=len(batch))
+        cb_config = hf_cb_config(name, kv_tokens, batch_tokens)
+        # what was asked of transformers, read before it resolves its heuristics in place
+        requested = {"use_async_batching": cb_config.use_async_batching, "use_cuda_graph": cb_config.use_cuda_graph}
         self.manager = model.init_continuous_batching(generation_config=hf_generation_config(length),
-                                                      continuous_batching_config=hf_cb_config(name, kv_tokens,
-                                                                                              batch_tokens),
-                                                      workload_hints=hints)
+                                                      continuous_batching_config=cb_config, workload_hints=hints)
         self.manager.warmup()
         self.manager.start()
         cbc = self.manager.batch_processor.cb_config
-        self.settings = {"requested": {k: v for k, v in CB_CONFIGS[name].items()},
+        self.settings = {"requested": requested,
                          "attn": model.config._attn_implementation,
                          "use_async_batching": self.manager.batch_processor.use_async_batching,
                          "use_cuda_graph (varlen, decode)": cbc.use_cuda_graph,

@@ -40,6 +40,7 @@ def test_harness_runs_every_system_and_they_agree_in_float32(tmp_path, capsys):
         assert text.count(f"| {system} |") == 2, system
     assert "- command: `" in text and "- git: " in text  # provenance header
     doc = json.loads(out.read_text())
+    assert doc["complete"] is True  # written after every system, marked complete at the end
     assert doc["agreement"] == [16, 16, 16, 16]  # float32, identical weights: the same greedy tokens
     assert doc["provenance"]["git"]["commit"] and "peer_bench.py" in doc["provenance"]["command"]
     for config in ("cb-auto", "cb-graphs"):  # transformers gets slipstream's KV and per-step token budgets

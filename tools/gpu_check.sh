@@ -2,8 +2,9 @@
 # Everything this project measures on a GPU (run from the repo root there). Here, right before the call:
 #   bash tools/gpu_prepare.sh          # wheels, git stamp, llama.cpp source -> .whl/ (~25 MB)
 # then the issue-16 figures in two device calls (each under 600 s; run(..., carry=[".whl"], timeout_s=600)):
-#   1. bash tools/gpu_check.sh llamacpp bench          # builds llama.cpp (CUDA, sm_90) + its table, slipstream bench
-#   2. bash tools/gpu_check.sh peer tests              # slipstream d1/d2 vs transformers' configurations; cuda tests
+#   1. bash tools/gpu_check.sh llamacpp bench   # builds llama.cpp (CUDA, sm_90) + bf16/f16 tables; slipstream bench
+#   2. bash tools/gpu_check.sh peer             # slipstream d1/d2 vs transformers' configurations, fresh processes
+# If call 1's build ate the budget and `bench` was skipped, a third call: `bash tools/gpu_check.sh bench tests`.
 # Stages: tests peer bench llamacpp profile events bench-thread smoke (default: tests peer bench).
 # Each stage has its own time limit, cut to what is left of $BUDGET seconds (default 570), so a hang costs one
 # stage and the logs always come back. Every raw table starts with a provenance header (slipstream/provenance.py).
@@ -47,8 +48,9 @@ for stage in $stages; do
             --streams 1 8 32 128 --len 128 --repeats 3 --no-progress --event-wait thread \
             > "$LOGS/bench-thread.md" 2>"$LOGS/bench-thread.err"; rc=$?
         show+=("$LOGS/bench-thread.md") ;;
-    peer)  # a fresh process per system; transformers: cb-auto, cb-graphs, static-compile (tools/peer_hf.py)
-        timeout $(limit 420) python3 tools/peer_bench.py --device cuda --dtype bfloat16 --json-out "$LOGS/peer.json" \
+    peer)  # a fresh process per system; transformers: cb-auto, cb-graphs, static-compile (tools/peer_hf.py, last:
+           # it compiles per batch size); peer.json is rewritten after every system, so a cut-off run keeps the rest
+        timeout $(limit 560) python3 tools/peer_bench.py --device cuda --dtype bfloat16 --json-out "$LOGS/peer.json" \
             > "$LOGS/peer.md" 2>"$LOGS/peer.err"; rc=$?
         show+=("$LOGS/peer.md") ;;
     llamacpp)  # build from the carried snapshot (outside the repo's tracked tree), then bf16 and f16 rows
@@ -62,7 +64,7 @@ for stage in $stages; do
         fi
         if ((rc == 0)); then
             for dt in bf16 f16; do
-                timeout $(limit 90) python3 tools/llamacpp_bench.py --build "$LLAMA_BUILD" --dtype $dt ${LLAMA_ARGS:-} \
+                timeout $(limit 75) python3 tools/llamacpp_bench.py --build "$LLAMA_BUILD" --dtype $dt ${LLAMA_ARGS:-} \
                     --json-out "$LOGS/llamacpp-$dt.json" > "$LOGS/llamacpp-$dt.md" 2>"$LOGS/llamacpp-$dt.err"; rc=$((rc | $?))
                 show+=("$LOGS/llamacpp-$dt.md")
             done

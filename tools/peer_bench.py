@@ -35,7 +35,7 @@ import torch
 
 _TOOLS = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_TOOLS, os.path.dirname(_TOOLS)]  # this checkout's slipstream, not an installed one
-from peer_hf import DEFAULT_HF_CONFIGS, HF_CONFIGS, hf_generation_config, make_system, summarize  # noqa: E402
+from peer_hf import CB_CONFIGS, DEFAULT_HF_CONFIGS, HF_CONFIGS, hf_generation_config, make_system, summarize  # noqa: E402
 from peer_hf import peak_mib as _peak_mib  # noqa: E402
 from peer_hf import peak_reset as _peak_reset  # noqa: E402
 
@@ -231,7 +231,9 @@ def main(argv: list[str] | None = None) -> int:
               "--batch-tokens >= the largest concurrency", file=sys.stderr)
         return 2
     spec = ARCHS[args.arch]
-    systems = args.systems or [hf_system_name(c) for c in args.hf_configs] + list(SLIPSTREAM)
+    # transformers' generate() compiles once per batch size: slowest, so last
+    systems = args.systems or ([hf_system_name(c) for c in args.hf_configs if c in CB_CONFIGS] + list(SLIPSTREAM)
+                               + [hf_system_name(c) for c in args.hf_configs if c not in CB_CONFIGS])
     fresh = args.device == "cuda" if args.fresh_process is None else args.fresh_process
     prov = provenance([os.path.basename(sys.executable), "tools/peer_bench.py", *argv])
 
@@ -241,13 +243,24 @@ def main(argv: list[str] | None = None) -> int:
     agree = None if args.no_agreement else agreement(spec, args)
     child_argv = [a for a in argv if a not in ("--fresh-process",)]
     res, settings = {}, {}
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+
+    def save(complete: bool) -> None:
+        if args.json_out:  # after every system: a run cut off by a time limit keeps what it measured
+            with open(args.json_out, "w") as f:
+                json.dump({"provenance": prov, "device": device, "args": vars(args), "agreement": agree,
+                           "settings": settings, "fresh_process": fresh, "complete": complete,
+                           "results": {s: {str(n): r for n, r in by_n.items()} for s, by_n in res.items()}},
+                          f, indent=2)
+
     for system in systems:
         gc.collect()
         if fresh:
             res[system], settings[system] = measure_fresh(system, args, _strip(child_argv), log)
         else:
             res[system], settings[system] = measure_system(system, spec, args, log)
-    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+        save(complete=False)
+    save(complete=True)
     print(header(prov))
     print(f"{spec} ({args.dtype}) on {device}; prompt {args.prompt_len}, output {args.output_len} tokens, "
           f"{args.repeats} repeats after one warm-up; {'a fresh process per system' if fresh else 'one process'}\n")
@@ -257,11 +270,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"- {system}: {settings[system]}")
     if agree is not None:
         print(f"greedy agreement in float32 (tokens equal before the first difference, of 16): {agree}")
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump({"provenance": prov, "device": device, "args": vars(args), "agreement": agree,
-                       "settings": settings, "fresh_process": fresh,
-                       "results": {s: {str(n): r for n, r in by_n.items()} for s, by_n in res.items()}}, f, indent=2)
     return 0
 
 

@@ -161,7 +161,10 @@ class TransformersStaticGenerate:
     def run(self, batch: list[list[int]]) -> dict:
         if len({len(p) for p in batch}) != 1:
             raise ValueError("static-compile needs equal-length prompts (a static batch, no padding)")
-        if len(batch) not in self.warm:  # compiled shapes are per batch size: one warm-up per N
+        if len(batch) not in self.warm:
+            # compiled per batch size, and a new size can compile twice (torch marks the changed dimension
+            # dynamic and recompiles on the next call; seen on the CPU: 8 then 146 tok/s): two warm-ups per N
+            self._generate(batch)
             self._generate(batch)
             self.warm.add(len(batch))
         peak_reset(self.device)

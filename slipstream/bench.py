@@ -24,10 +24,10 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from slipstream.api.engine import Engine
-from slipstream.bench_predict import Prediction, disagreement, predict_depth2
+from slipstream.bench_predict import Prediction, predict_depth2
 from slipstream.params import EngineConfig, SamplingParams
 
 PROMPT_LEN = 8

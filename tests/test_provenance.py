@@ -8,7 +8,8 @@ from slipstream import provenance as prov_mod
 
 
 def test_header_records_command_commit_dirty_flag_versions_and_date():
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=prov_mod.REPO, capture_output=True, text=True).stdout.strip()
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=prov_mod.REPO, capture_output=True,
+                          text=True).stdout.strip()
     p = prov_mod.provenance(["python", "tools/x.py", "--n", "1 2"], extra={"llama.cpp": "abc123"})
     assert p["command"] == "python tools/x.py --n '1 2'"
     assert p["git"]["commit"] == head and p["git"]["dirty"] in (True, False) and p["git"]["source"] == "git"

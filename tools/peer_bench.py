@@ -35,7 +35,8 @@ import torch
 
 _TOOLS = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_TOOLS, os.path.dirname(_TOOLS)]  # this checkout's slipstream, not an installed one
-from peer_hf import CB_CONFIGS, DEFAULT_HF_CONFIGS, HF_CONFIGS, hf_generation_config, make_system, summarize  # noqa: E402
+from peer_hf import CB_CONFIGS, DEFAULT_HF_CONFIGS, HF_CONFIGS, hf_generation_config, make_system  # noqa: E402
+from peer_hf import summarize  # noqa: E402
 from peer_hf import peak_mib as _peak_mib  # noqa: E402
 from peer_hf import peak_reset as _peak_reset  # noqa: E402
 

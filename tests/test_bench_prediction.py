@@ -63,3 +63,20 @@ def test_disagreement_warns_only_when_the_spread_exceeds_the_effect():
     assert disagreement([1.24, 1.25, 1.26]) is None  # spread 2 pp, effect 25%
     msg = disagreement([0.97, 1.05, 1.21])  # spread 24 pp, effect 5%
     assert msg and "wider than the effect" in msg and "+5.0%" in msg
+
+
+def test_steady_state_reports_the_mean_idle_a_median_hides():
+    from slipstream.trace import StepTrace
+
+    def step(k, period_ms, idle_ms, kind="decode"):
+        p, i = period_ms / 1e3, idle_ms / 1e3
+        return StepTrace(k, kind, 4, 4, float(k), p, p - i, 0.0, p - i, i, 0.0, True, commit_wait=p / 2)
+
+    idles = [0.0] * 9 + [4.0]  # nine steps without a bubble, one with a 4 ms one
+    traces = [step(0, 20.0, 0.0, "prefill")] + [step(k + 1, 2.0 + i, i) for k, i in enumerate(idles)]
+    s = bench_mod.steady_state(traces, 4)
+    assert s.steps == 10 and s.idle_ms == 0.0  # the median says: no bubble
+    assert s.idle_mean_ms == pytest.approx(0.4) and s.period_mean_ms == pytest.approx(2.4)
+    assert s.idle_p90_ms == pytest.approx(0.4) and s.period_p90_ms == pytest.approx(2.4)  # inclusive p90
+    assert s.host_mean_ms == pytest.approx(1.2) and s.busy_mean_ms == pytest.approx(2.0)
+    assert s.prefill_period_ms == pytest.approx(20.0)

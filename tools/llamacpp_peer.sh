@@ -17,7 +17,9 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 PY=${PYTHON:-python3}
 # Not needed to build or run the two targets; models/ alone holds ~75 MB of vocab files.
-TRIM=(models docs media tests examples benches .devops .github tools/ui tools/mtmd/tests gguf-py/tests pocs skills app)
+# tools/ui: only its CMake files and templates are needed (no web UI is built).
+TRIM=(models docs media tests examples benches .devops .github tools/ui/src tools/ui/tests tools/ui/package-lock.json
+      tools/mtmd/tests gguf-py/tests pocs skills app)
 
 source_tree() {
     local dest=$1
@@ -48,7 +50,7 @@ build() {
     [[ -n ${LLAMACPP_CUDA:-} ]] && { [[ $LLAMACPP_CUDA == 1 ]] && cuda=ON || cuda=OFF; }
     [[ ${LLAMACPP_SERVER:-0} == 1 ]] && { server=ON; targets+=(llama-server); }
     local flags=(-G Ninja -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
-                 -DLLAMA_BUILD_SERVER=$server -DLLAMA_BUILD_UI=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_CURL=OFF
+                 -DLLAMA_BUILD_SERVER=$server -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_CURL=OFF
                  -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=ON -DGGML_CUDA=$cuda -DBUILD_SHARED_LIBS=OFF)
     [[ $cuda == ON ]] && flags+=(-DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCH:-90}")
     cmake -S "$src" -B "$bld" "${flags[@]}" > "$bld.configure.log" 2>&1 || { tail -30 "$bld.configure.log"; return 1; }

@@ -24,7 +24,8 @@ stages=${*:-tests peer bench}
   date -u +%FT%TZ; echo "stages: $stages"; } > "$LOGS/gpu.txt" 2>&1
 show=("$LOGS/gpu.txt")
 LLAMA_BUILD=${LLAMA_BUILD:-build/llamacpp}  # ignored, not carried: kept between calls while the machine is warm
-# LLAMA_ARGS: extra tools/llamacpp_bench.py arguments (e.g. a short CPU check of this script)
+# LLAMA_ARGS: extra tools/llamacpp_bench.py arguments (e.g. a short CPU check of this script);
+# LLAMACPP_SERVER=1: also build llama-server and run tools/llamacpp_server_bench.py (bf16)
 
 BUDGET=${BUDGET:-570}
 limit() { local left=$((BUDGET - SECONDS)); echo $(($1 < left ? $1 : (left > 1 ? left : 1))); }
@@ -55,7 +56,7 @@ for stage in $stages; do
         show+=("$LOGS/peer.md") ;;
     llamacpp)  # build from the carried snapshot (outside the repo's tracked tree), then bf16 and f16 rows
         rc=0
-        if [[ ! -x $LLAMA_BUILD/bin/llama-batched-bench ]]; then
+        if [[ ! -x $LLAMA_BUILD/bin/llama-batched-bench || ( ${LLAMACPP_SERVER:-0} == 1 && ! -x $LLAMA_BUILD/bin/llama-server ) ]]; then
             rm -rf /tmp/llamacpp-src && mkdir -p /tmp/llamacpp-src && tar -xzf .whl/llamacpp-src.tgz -C /tmp/llamacpp-src
             mkdir -p "$(dirname "$LLAMA_BUILD")"
             JOBS=$(nproc) timeout $(limit 420) bash tools/llamacpp_peer.sh build /tmp/llamacpp-src "$LLAMA_BUILD" \
@@ -68,6 +69,11 @@ for stage in $stages; do
                     --json-out "$LOGS/llamacpp-$dt.json" > "$LOGS/llamacpp-$dt.md" 2>"$LOGS/llamacpp-$dt.err"; rc=$((rc | $?))
                 show+=("$LOGS/llamacpp-$dt.md")
             done
+            if [[ ${LLAMACPP_SERVER:-0} == 1 ]]; then  # llama-server: sampling, streaming, its own scheduler
+                timeout $(limit 150) python3 tools/llamacpp_server_bench.py --build "$LLAMA_BUILD" --dtype bf16 ${LLAMA_ARGS:-} \
+                    --json-out "$LOGS/llamacpp-server.json" > "$LOGS/llamacpp-server.md" 2>"$LOGS/llamacpp-server.err"; rc=$((rc | $?))
+                show+=("$LOGS/llamacpp-server.md")
+            fi
         else
             show+=("$LOGS/llamacpp-build.log")
         fi ;;

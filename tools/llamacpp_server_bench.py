@@ -81,7 +81,37 @@ def one_round(port: int, batch: list[list[int]], length: int) -> dict:
             "itl_ms": statistics.median(o["itl"] for o in outs) * 1e3}
 
 
-def run_n(args, model: str, n: int) -> dict:
+def greedy(port: int, prompt: list[int], length: int) -> list[int]:
+    body = json.dumps({"prompt": prompt, "n_predict": length, "ignore_eos": True, "temperature": 0.0, "top_k": 1,
+                       "cache_prompt": False, "return_tokens": True})
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    conn.request("POST", "/completion", body, {"Content-Type": "application/json"})
+    out = json.loads(conn.getresponse().read())
+    conn.close()
+    return out["tokens"]
+
+
+def slipstream_greedy(spec: str, prompts: list[list[int]], length: int) -> list[list[int]]:
+    """The same prompts through slipstream (float32, CPU): the reference the GGUF must reproduce."""
+    import asyncio
+
+    from slipstream import Engine, EngineConfig, SamplingParams
+
+    async def go():
+        cfg = EngineConfig(model=spec, device="cpu", dtype="float32", seed=0, max_batch_size=len(prompts),
+                           kv_cache_tokens=4 * len(prompts) * (len(prompts[0]) + length))
+        async with Engine(cfg) as e:
+            params = SamplingParams(max_tokens=length, temperature=0.0, ignore_eos=True)
+            return [o.token_ids for o in await asyncio.gather(*(e.complete(p, params) for p in prompts))]
+
+    return asyncio.run(go())
+
+
+def agree(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def run_n(args, model: str, n: int, reference: list[list[int]] | None = None) -> dict:
     port = free_port()
     ctx = 2 * n * (args.prompt_len + args.output_len + 16)
     cmd = [os.path.join(args.build, "bin", "llama-server"), "-m", model, "-c", str(ctx), "-np", str(n),
@@ -107,6 +137,10 @@ def run_n(args, model: str, n: int) -> dict:
                     raise RuntimeError(f"llama-server did not come up:\n{log.read()[-3000:]}")
                 time.sleep(0.2)
             batch = prompt_ids(n, args.prompt_len)
+            agreement = None
+            if reference is not None:  # greedy tokens equal to slipstream's before the first difference
+                agreement = [agree(greedy(port, p, len(ref)), ref)
+                             for p, ref in zip(prompt_ids(len(reference), args.prompt_len), reference)]
             one_round(port, batch, args.output_len)  # warm-up
             reps = [one_round(port, batch, args.output_len) for _ in range(args.repeats)]
         finally:
@@ -123,7 +157,7 @@ def run_n(args, model: str, n: int) -> dict:
     for dev, kind, mib in BUFFER_RE.findall(text):
         buffers[f"{kind} ({dev})"] = buffers.get(f"{kind} ({dev})", 0.0) + float(mib)
     out.update(buffers_mib=buffers, buffers_total_mib=sum(buffers.values()), gpu_process_peak_mib=gpu_peak,
-               repeats=reps, command=" ".join(cmd))
+               repeats=reps, command=" ".join(cmd), agreement=agreement)
     return out
 
 
@@ -143,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--flash-attn", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=120, help="seconds for a server to come up")
+    ap.add_argument("--agreement", action=argparse.BooleanOptionalAction, default=True,
+                    help="compare 4 greedy continuations (16 tokens) with slipstream's float32 ones")
     ap.add_argument("--json-out", metavar="PATH")
     args = ap.parse_args(argv)
     commit = llamacpp_commit(args.build)
@@ -153,9 +189,10 @@ def main(argv: list[str] | None = None) -> int:
         from random_gguf import write
 
         write(args.spec, args.dtype, model)
+    reference = slipstream_greedy(args.spec, prompt_ids(4, args.prompt_len), 16) if args.agreement else None
     res = {}
-    for n in args.concurrency:
-        res[n] = run_n(args, model, n)
+    for i, n in enumerate(args.concurrency):
+        res[n] = run_n(args, model, n, reference if i == 0 else None)
         print(f"  llama-server N={n}: {res[n]['tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
     print(header(prov))
     print(f"llama-server ({commit}), {args.spec} ({args.dtype}, random weights), prompt {args.prompt_len}, output "
@@ -166,6 +203,10 @@ def main(argv: list[str] | None = None) -> int:
         gpu = "n/a" if r["gpu_process_peak_mib"] is None else str(r["gpu_process_peak_mib"])
         print(f"| {n} | llama-server | {r['tok_s']:.1f} / {r['tok_s_mean']:.1f} / {r['tok_s_p90']:.1f} | "
               f"{r['itl_ms']:.2f} | {r['ttft_ms']:.1f} | {r['buffers_total_mib']:.0f} | {gpu} |")
+    first = res[args.concurrency[0]]["agreement"]
+    if first is not None:
+        print(f"\ngreedy agreement with slipstream (float32, CPU), tokens equal before the first difference, of 16: "
+              f"{first} (llama.cpp in {args.dtype}, KV cache f16: a near-tie may flip)")
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"provenance": prov, "args": vars(args), "model": model,

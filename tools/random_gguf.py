@@ -5,8 +5,10 @@
 The same weights slipstream and tools/peer_bench.py's transformers twin run (slipstream.models.build.
 random_weights), renamed to GGUF's llama names, q/k rows permuted to llama.cpp's rotary layout (the
 inverse of slipstream's `unpermute_qk`), norms kept in float32 as llama.cpp's converter does. No
-tokenizer travels: `tokenizer.ggml.model = "none"` with `llama.vocab_size` set, which llama.cpp
-loads as a vocabulary of dummy tokens; llama-batched-bench feeds token ids, never text.
+real tokenizer travels: by default a synthetic SentencePiece-style vocabulary (pieces "t3", "t4",
+…; <s> = 1, </s> = 2) so that llama-server can turn ids into text; `--vocab none` writes
+`tokenizer.ggml.model = "none"` (dummy tokens: llama-batched-bench runs, llama-server aborts).
+Both tools feed token ids, never text.
 """
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ def gguf_name(hf: str) -> str:
     raise KeyError(f"no GGUF name for {hf}")
 
 
-def write(spec: str, dtype: str, out: str, seed: int = 0) -> dict:
+def write(spec: str, dtype: str, out: str, seed: int = 0, vocab: str = "synthetic") -> dict:
     import gguf
 
     config = RANDOM[spec]()
@@ -64,7 +66,15 @@ def write(spec: str, dtype: str, out: str, seed: int = 0) -> dict:
     w.add_layer_norm_rms_eps(config.rms_norm_eps)
     w.add_vocab_size(config.vocab_size)
     w.add_file_type(FILE_TYPES[dtype])
-    w.add_tokenizer_model("none")
+    if vocab == "none":
+        w.add_tokenizer_model("none")  # dummy tokens: enough for llama-batched-bench, not for llama-server
+    else:  # a synthetic SentencePiece-style vocabulary: ids have pieces, so llama-server can detokenize
+        w.add_tokenizer_model("llama")
+        w.add_token_list(["<unk>", "<s>", "</s>"] + [f"t{i}" for i in range(3, config.vocab_size)])
+        w.add_token_scores([0.0] * config.vocab_size)
+        w.add_token_types([2, 3, 3] + [1] * (config.vocab_size - 3))  # unknown, control, control, normal
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
     qtype = {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,
              "bf16": gguf.GGMLQuantizationType.BF16}[dtype]
     for hf, t in weights.items():
@@ -85,7 +95,7 @@ def write(spec: str, dtype: str, out: str, seed: int = 0) -> dict:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return {"spec": spec, "dtype": dtype, "seed": seed, "path": out, "bytes": os.path.getsize(out)}
+    return {"spec": spec, "dtype": dtype, "seed": seed, "vocab": vocab, "path": out, "bytes": os.path.getsize(out)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,9 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spec", default="random-smollm2-135m", choices=sorted(RANDOM))
     ap.add_argument("--dtype", default="f16", choices=sorted(FILE_TYPES))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--vocab", default="synthetic", choices=["synthetic", "none"])
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
-    print(write(args.spec, args.dtype, args.out, args.seed))
+    print(write(args.spec, args.dtype, args.out, args.seed, args.vocab))
     return 0
 
 

@@ -28,7 +28,9 @@ def test_gguf_holds_slipstreams_weights_in_llamacpp_layout(tmp_path, dtype):
     want = random_weights(config, 0)
     reader = gguf.GGUFReader(out)
     fields = {k: f.contents() for k, f in reader.fields.items()}
-    assert fields["general.architecture"] == "llama" and fields["tokenizer.ggml.model"] == "none"
+    assert fields["general.architecture"] == "llama" and fields["tokenizer.ggml.model"] == "llama"
+    tokens = fields["tokenizer.ggml.tokens"]  # synthetic pieces: llama-server can detokenize every id
+    assert len(tokens) == config.vocab_size and len(set(tokens)) == config.vocab_size and tokens[1] == "<s>"
     assert fields["llama.vocab_size"] == config.vocab_size and fields["llama.block_count"] == config.num_layers
     assert fields["llama.attention.head_count_kv"] == config.num_kv_heads
     got = {}
@@ -58,3 +60,12 @@ def test_permute_is_the_inverse_of_slipstreams_unpermute():
     w = torch.arange(3 * 8 * 5, dtype=torch.float32).reshape(24, 5)
     assert torch.equal(unpermute_qk(random_gguf.permute_qk(w, 3), 3), w)
     assert not torch.equal(random_gguf.permute_qk(w, 3), w)
+
+
+def test_no_vocab_option(tmp_path):
+    import gguf
+
+    out = tmp_path / "tiny.gguf"
+    random_gguf.write("tiny-random", "f16", str(out), vocab="none")
+    fields = {k: f.contents() for k, f in gguf.GGUFReader(out).fields.items()}
+    assert fields["tokenizer.ggml.model"] == "none" and "tokenizer.ggml.tokens" not in fields

@@ -96,6 +96,9 @@ def slipstream_greedy(spec: str, prompts: list[list[int]], length: int) -> list[
     import asyncio
 
     from slipstream import Engine, EngineConfig, SamplingParams
+    from slipstream.logging_setup import configure_logging
+
+    configure_logging("warning")  # engine info lines to stderr, never into the raw table on stdout
 
     async def go():
         cfg = EngineConfig(model=spec, device="cpu", dtype="float32", seed=0, max_batch_size=len(prompts),

@@ -2,7 +2,8 @@
 # Everything this project measures on a GPU (run from the repo root there). Here, right before the call:
 #   bash tools/gpu_prepare.sh          # wheels, git stamp, llama.cpp source -> .whl/ (~25 MB)
 # then the issue-16 figures in two device calls (each under 600 s; run(..., carry=[".whl"], timeout_s=600)):
-#   1. bash tools/gpu_check.sh llamacpp bench   # builds llama.cpp (CUDA, sm_90) + bf16/f16 tables; slipstream bench
+#   1. LLAMACPP_SERVER=1 bash tools/gpu_check.sh llamacpp bench   # llama.cpp (CUDA, sm_90): batched-bench bf16/f16
+#      and llama-server bf16 tables; slipstream bench (mean/p90 idle, the prediction from depth 1)
 #   2. bash tools/gpu_check.sh peer             # slipstream d1/d2 vs transformers' configurations, fresh processes
 # If call 1's build ate the budget and `bench` was skipped, a third call: `bash tools/gpu_check.sh bench tests`.
 # Stages: tests peer bench llamacpp profile events bench-thread smoke (default: tests peer bench).

@@ -10,21 +10,24 @@ its own two runs: on shared cores the machine's speed drifts between repeats by 
 effect measured, so pooling steps of one repeat with the wall of another would compare two
 machines. Tables show the repeat with the median observed speedup; --json has every repeat.
 
-Predicted speedup, the seed's cost model: speedup = T_block / T_pipe × (1 − z), with
-T_block, T_pipe the steady-state periods at depth 1 and 2 and z the tax on running ahead,
-estimated from L and the batch size N (see `compare` and `zombie_tax`). T is the mean period,
-not the median that table (a) shows: the model predicts a ratio of walls, and a wall is a sum of
-periods; on shared cores a few slow steps move the sum but not the median.
+Two ways to set depth 2 beside depth 1, kept apart:
+- the **prediction** (slipstream/bench_predict.py) is made from the depth-1 run alone, before the
+  repeat's depth-2 run starts: T₂ ≈ max(device busy, host time) per step; it can miss;
+- the **accounting identity** (`compare`, the seed's cost model): speedup = T_block / T_pipe × (1 − z)
+  with both depths' *measured* mean periods. It restates the observed wall ratio in per-step terms
+  (it is fed by the run it "predicts"), so its agreement is bookkeeping; it misses only when time
+  falls outside the traced steps.
+Per step, device idle and period are shown as median, mean and p90: throughput follows the mean.
 """
 from __future__ import annotations
 
 import asyncio
-import platform
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from slipstream.api.engine import Engine
+from slipstream.bench_predict import Prediction, predict_depth2
 from slipstream.params import EngineConfig, SamplingParams
 
 PROMPT_LEN = 8
@@ -42,6 +45,11 @@ class StepStats:
     steps: int
     period_mean_ms: float  # the cost model's T: a wall is a sum of periods, so their mean
     host_split_ms: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)  # plan, launch, commit, finalize
+    period_p90_ms: float = float("nan")
+    idle_mean_ms: float = float("nan")
+    idle_p90_ms: float = float("nan")
+    busy_mean_ms: float = float("nan")
+    host_mean_ms: float = float("nan")  # period − commit wait: the host's own time per step
 
 
 @dataclass
@@ -66,10 +74,15 @@ class Comparison:
     t_pipe_ms: float
     z: float
     z_zombie: float
-    predicted: float  # speedup factor, e.g. 1.05
+    predicted: float  # the accounting identity's speedup factor, e.g. 1.05 (fed by both depths)
     observed: float
     blocking: RunResult = field(repr=False)
     pipelined: RunResult = field(repr=False)
+    prediction: Prediction | None = None  # made from `blocking` alone, before `pipelined` ran
+
+    @property
+    def prediction_error_pp(self) -> float:
+        return 100.0 * (self.prediction.speedup - self.observed) if self.prediction else float("nan")
 
     @property
     def delta_pp(self) -> float:
@@ -87,15 +100,28 @@ def _med(xs) -> float:
     return statistics.median(xs) * 1e3 if xs else float("nan")
 
 
+def _mean(xs) -> float:
+    xs = list(xs)
+    return statistics.fmean(xs) * 1e3 if xs else float("nan")
+
+
+def _p90(xs) -> float:
+    xs = sorted(xs)
+    if len(xs) < 2:
+        return xs[0] * 1e3 if xs else float("nan")
+    return statistics.quantiles(xs, n=10, method="inclusive")[8] * 1e3
+
+
 def steady_state(traces: list, streams: int) -> StepStats:
-    """Medians over full-batch decode steps; the prefill step is kept apart (the model needs it)."""
+    """Full-batch decode steps (median, mean, p90); the prefill step is kept apart (the model needs it)."""
     dec = [t for t in traces if t.kind == "decode" and t.num_seqs == streams and t.contiguous]
     pre = [t for t in traces if t.kind == "prefill" and t.num_seqs == streams]
     return StepStats(_med(t.forward for t in dec), _med(t.sampling for t in dec), _med(t.period for t in dec),
                      _med(t.idle for t in dec), _med(t.busy for t in dec), _med(t.bookkeeping for t in dec),
-                     _med(t.period for t in pre), len(dec),
-                     statistics.fmean(t.period for t in dec) * 1e3 if dec else float("nan"),
-                     tuple(_med(t.host[i] for t in dec) for i in range(4)))
+                     _med(t.period for t in pre), len(dec), _mean(t.period for t in dec),
+                     tuple(_med(t.host[i] for t in dec) for i in range(4)),
+                     _p90(t.period for t in dec), _mean(t.idle for t in dec), _p90(t.idle for t in dec),
+                     _mean(t.busy for t in dec), _mean(t.host_active for t in dec))
 
 
 async def start_engine(model: str, device: str, depth: int, max_streams: int, output_len: int,
@@ -139,8 +165,10 @@ def zombie_tax(output_len: int, streams: int, zombie_rows_per_request: float, ro
     return zombie_rows_per_request * per_row / output_len
 
 
-def compare(d1: RunResult, d2: RunResult, row_cost: float = 0.0) -> Comparison:
-    """Predict depth 2 ÷ depth 1 from step measurements only, never from the walls.
+def compare(d1: RunResult, d2: RunResult, row_cost: float = 0.0, prediction: Prediction | None = None) -> Comparison:
+    """The accounting identity: depth 2 ÷ depth 1 from both depths' step measurements, never the walls.
+
+    Not a prediction: T_pipe is depth 2's own measured period (see the module docstring).
 
     A run is one prefill step then L−1 decode steps, so in units of the depth's own step:
         wall_1 ≈ T_block (L − 1 + π₁)        wall_2 ≈ T_pipe (L − 1 + π₂ + β)
@@ -157,12 +185,14 @@ def compare(d1: RunResult, d2: RunResult, row_cost: float = 0.0) -> Comparison:
     beta = d1.steady.idle_ms / tp
     zz = zombie_tax(length, n, d2.zombie_rows / n, row_cost)
     keep = (1.0 - zz) * (length - 1 + pi1) / (length - 1 + pi2 + beta)
-    return Comparison(n, length, tb, tp, 1.0 - keep, zz, tb / tp * keep, d1.wall / d2.wall, d1, d2)
+    return Comparison(n, length, tb, tp, 1.0 - keep, zz, tb / tp * keep, d1.wall / d2.wall, d1, d2, prediction)
 
 
 async def bench(model: str, device: str, streams: list[int], output_len: int, repeats: int,
-                on_step=None, on_run=None, dtype: str = "float32", event_wait: str = "auto") -> list[list[Comparison]]:
-    """For each stream count, one Comparison per repeat."""
+                on_step=None, on_run=None, dtype: str = "float32", event_wait: str = "auto",
+                on_predict=None) -> list[list[Comparison]]:
+    """For each stream count, one Comparison per repeat. Within a repeat: depth-1 run, then the
+    prediction from it (reported through `on_predict` before anything else happens), then depth 2."""
     engines = {}
     try:
         for depth in (1, 2):
@@ -173,13 +203,17 @@ async def bench(model: str, device: str, streams: list[int], output_len: int, re
         for n in streams:
             reps = []
             for rep in range(repeats):
-                runs = {}
+                runs, prediction = {}, None
                 for depth in (1, 2):
+                    if depth == 2:  # committed to before depth 2 runs: it sees the depth-1 run only
+                        prediction = predict_depth2(runs[1])
+                        if on_predict is not None:
+                            on_predict(n, rep, prediction)
                     wall, traces, zombies = await run_workload(engines[depth], n, output_len)
                     runs[depth] = RunResult(depth, n, output_len, wall, zombies, steady_state(traces, n))
                     if on_run is not None:
                         on_run(n, depth, rep, wall, runs[depth].steady)
-                reps.append(compare(runs[1], runs[2]))
+                reps.append(compare(runs[1], runs[2], prediction=prediction))
             out.append(reps)
         return out
     finally:
@@ -190,56 +224,3 @@ async def bench(model: str, device: str, streams: list[int], output_len: int, re
 def representative(reps: list[Comparison]) -> Comparison:
     """The repeat with the median observed speedup (chosen by the observation alone)."""
     return sorted(reps, key=lambda c: c.observed)[(len(reps) - 1) // 2]
-
-
-def _pct(x: float) -> str:
-    return f"{100 * (x - 1):+.1f}%"
-
-
-def format_tables(results: list[list[Comparison]]) -> str:
-    rows = [representative(reps) for reps in results]
-    a = ["(a) per step, steady-state medians (ms)", "",
-         "| streams | depth | forward | sampling | period | device idle | bookkeeping (plan/launch/commit/finalize) "
-         "| period ÷ (fwd+smp) |",
-         "|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for c in rows:
-        for r in (c.blocking, c.pipelined):
-            s = r.steady
-            a.append(f"| {c.streams} | {r.depth} | {s.forward_ms:.2f} | {s.sampling_ms:.2f} | {s.period_ms:.2f} | "
-                     f"{s.idle_ms:.2f} | {s.bookkeeping_ms:.2f} ({'/'.join(f'{x:.2f}' for x in s.host_split_ms)}) | "
-                     f"{s.period_ms / (s.forward_ms + s.sampling_ms):.3f} |")
-    b = ["(b) blocking vs pipelined: predicted = T_block / T_pipe × (1 − z); observed = wall ratio", "",
-         "| streams | blocking (ms) | pipelined (ms) | L | z | predicted | observed | Δ (pp) | Δ, every repeat |",
-         "|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for c, reps in zip(rows, results):
-        every = " ".join(f"{r.delta_pp:+.1f}" for r in reps)
-        b.append(f"| {c.streams} | {c.t_block_ms:.2f} | {c.t_pipe_ms:.2f} | {c.output_len} | {100 * c.z:.2f}% | "
-                 f"{_pct(c.predicted)} | {_pct(c.observed)} | {c.delta_pp:+.1f} | {every} |")
-    b += ["", "blocking, pipelined: mean steady-state period at depth 1 and 2; z: the running-ahead tax from L "
-          "and N (prefill share, last step's drain, zombies); Δ = predicted − observed"]
-    return "\n".join(a + [""] + b)
-
-
-def to_json(results: list[list[Comparison]], meta: dict) -> dict:
-    def run(r: RunResult) -> dict:
-        return {**asdict(r), "tokens_per_s": r.tokens_per_s}
-
-    def row(c: Comparison) -> dict:
-        return {"t_block_ms": c.t_block_ms, "t_pipe_ms": c.t_pipe_ms, "z": c.z, "z_zombie": c.z_zombie,
-                "predicted_speedup": c.predicted, "observed_speedup": c.observed, "delta_pp": c.delta_pp,
-                "period_over_forward_plus_sampling": c.period_over_busy, "depth1": run(c.blocking),
-                "depth2": run(c.pipelined)}
-
-    return {**meta, "results": [{"streams": reps[0].streams, "output_len": reps[0].output_len,
-                                 **row(representative(reps)), "repeats": [row(c) for c in reps],
-                                 "max_abs_delta_pp": max(abs(c.delta_pp) for c in reps)} for reps in results]}
-
-
-def machine() -> dict:
-    import os
-
-    import torch
-
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
-    return {"machine": platform.platform(), "cpu": platform.processor() or platform.machine(),
-            "cores": os.cpu_count(), "gpu": gpu, "torch": torch.__version__, "python": platform.python_version()}

@@ -12,6 +12,8 @@ Per step k (window = start of forward k → start of forward k+1):
   busy         time in the window during which any device stream was running
   idle         period − busy: the bubble
   bookkeeping  host plan + launch + commit + finalize (waits excluded)
+  commit_wait  host time awaiting the step's device→host copy; period − commit_wait is the host's own
+               time per step (`host_active`: bookkeeping plus the loop's untraced overhead)
 Steps are derived one commit late (step k needs forward k+1's start). A step followed by an idle
 engine (nothing to run) is marked `contiguous=False` and left out of metrics and benchmarks.
 Storage is bounded, so tracing can stay on in a long-running server.
@@ -89,6 +91,12 @@ class StepTrace:
     bookkeeping: float
     contiguous: bool  # the engine did not go idle before the next step
     host: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)  # plan, launch, commit, finalize
+    commit_wait: float = 0.0  # host time spent awaiting this step's device→host copy
+
+    @property
+    def host_active(self) -> float:
+        """The host's own time in the window: everything but waiting for the device (loop overhead included)."""
+        return max(self.period - self.commit_wait, 0.0)
 
 
 def covered(spans, lo: float, hi: float) -> float:
@@ -110,7 +118,7 @@ def derive(host: HostStep, spans: list[DeviceSpan], neighbours: list[DeviceSpan]
     period = next_start - fwd.start
     return StepTrace(host.step_id, host.kind, host.num_seqs, host.num_tokens, fwd.start, period,
                      fwd.end - fwd.start, sampling, busy, period - busy, host.bookkeeping, contiguous,
-                     (host.plan, host.launch, host.commit, host.finalize))
+                     (host.plan, host.launch, host.commit, host.finalize), host.commit_wait)
 
 
 class Tracer:

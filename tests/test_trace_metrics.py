@@ -169,15 +169,27 @@ def test_timeline_writes_png(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_bench_json(capsys):
+def test_bench_json_and_tables(capsys, tmp_path):
     from slipstream.cli import main
 
-    assert main(["bench", "--model", "tiny-random", "--streams", "2", "--len", "8", "--repeats", "1", "--json",
-                 "--no-progress"]) == 0
-    doc = json.loads(capsys.readouterr().out)
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--model", "tiny-random", "--streams", "2", "--len", "8", "--repeats", "1",
+                 "--json-out", str(out), "--no-progress"]) == 0
+    captured = capsys.readouterr()
+    doc = json.loads(out.read_text())
     (row,) = doc["results"]
     assert row["streams"] == 2 and row["depth1"]["steady"]["steps"] > 0 and row["depth2"]["zombie_rows"] == 0
-    assert row["predicted_speedup"] == pytest.approx(row["t_block_ms"] / row["t_pipe_ms"] * (1 - row["z"]))
+    assert row["identity_speedup"] == pytest.approx(row["t_block_ms"] / row["t_pipe_ms"] * (1 - row["z"]))
+    steady = row["depth1"]["steady"]
+    assert steady["idle_mean_ms"] >= 0 and steady["idle_p90_ms"] >= steady["idle_ms"] - 1e-9
+    assert steady["period_p90_ms"] >= steady["period_ms"] - 1e-9 and steady["host_mean_ms"] > 0
+    assert row["prediction"]["streams"] == 2 and row["prediction"]["period_ms"] > 0
+    assert doc["provenance"]["git"]["commit"] and "bench" in doc["provenance"]["command"]
+    text = captured.out
+    assert "- command: `slipstream" in text and "- git: " in text  # the provenance header
+    assert "median / mean / p90" in text and "(b) prediction from the depth-1 run alone" in text
+    assert "accounting identity, not a prediction" in text
+    assert "predicted before depth 2 ran" in captured.err
 
 
 def test_cost_model_arithmetic():

@@ -17,7 +17,12 @@ import time
 import torch
 import uvloop
 
-from slipstream.runtime.cuda_device import CUDADevice
+import os as _os
+import sys as _sys
+
+_sys.path.insert(0, _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))))  # this checkout
+
+from slipstream.runtime.cuda_device import CUDADevice  # noqa: E402
 
 
 async def measure(device: CUDADevice, repeats: int, warmup: int, spin_ms: float) -> list[float]:
@@ -43,6 +48,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--spin-ms", type=float, default=0.2, help="GPU busy time before each event")
     args = ap.parse_args()
+    from slipstream.provenance import header, provenance  # noqa: E402
+
+    print(header(provenance()), flush=True)
     rows = []
     for strategy in ("host_func", "thread", "poll"):
         try:

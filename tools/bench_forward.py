@@ -13,11 +13,16 @@ import time
 
 import torch
 
-from slipstream.runtime.cpu_invariance import row_multiple_for
-from slipstream.models.attention import AttentionMetadata
-from slipstream.models.build import build_model
-from slipstream.models.llama import ForwardBatch, KVCache
-from slipstream.runtime.batch import SeqWork, pack_step
+import os as _os
+import sys as _sys
+
+_sys.path.insert(0, _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))))  # this checkout
+
+from slipstream.runtime.cpu_invariance import row_multiple_for  # noqa: E402
+from slipstream.models.attention import AttentionMetadata  # noqa: E402
+from slipstream.models.build import build_model  # noqa: E402
+from slipstream.models.llama import ForwardBatch, KVCache  # noqa: E402
+from slipstream.runtime.batch import SeqWork, pack_step  # noqa: E402
 
 
 def forward_ms(model, config, batch: int, context: int, repeats: int, warmup: int, row_multiple: int) -> list[float]:
@@ -47,6 +52,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     args = ap.parse_args()
+    from slipstream.provenance import header, provenance  # noqa: E402
+
+    print(header(provenance()), flush=True)
     model, _, config = build_model(args.model, "float32", torch.device("cpu"))
     print(f"model={args.model} torch={torch.__version__} threads={torch.get_num_threads()} context={args.context}")
     print("| batch | attention | forward median (ms) | min | max | ms / token |")

@@ -17,8 +17,13 @@ import asyncio
 import statistics
 import time
 
-from slipstream import Engine, EngineConfig, SamplingParams
-from slipstream.logging_setup import configure_logging
+import os as _os
+import sys as _sys
+
+_sys.path.insert(0, _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))))  # this checkout
+
+from slipstream import Engine, EngineConfig, SamplingParams  # noqa: E402
+from slipstream.logging_setup import configure_logging  # noqa: E402
 
 
 async def run_once(model: str, depth: int, streams: int, length: int, fraction: float) -> dict:
@@ -52,6 +57,9 @@ def main() -> None:
     ap.add_argument("--len", type=int, default=24, dest="length")
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
+    from slipstream.provenance import header, provenance  # noqa: E402
+
+    print(header(provenance()), flush=True)
     configure_logging("warning")
     rows = {}
     fractions = (0.0, 0.5, 1.0)

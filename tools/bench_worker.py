@@ -20,7 +20,12 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from slipstream import Client, Engine, EngineConfig, SamplingParams
+import os as _os
+import sys as _sys
+
+_sys.path.insert(0, _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))))  # this checkout
+
+from slipstream import Client, Engine, EngineConfig, SamplingParams  # noqa: E402
 
 
 @dataclass
@@ -108,6 +113,9 @@ def main() -> int:
     p.add_argument("--address", default=None, help="default: an ipc socket in a temporary folder")
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args()
+    from slipstream.provenance import header, provenance  # noqa: E402
+
+    print(header(provenance()), flush=True)
     args.address = args.address or f"ipc://{tempfile.mkdtemp(prefix='swb')}/w.sock"
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     rows = asyncio.run(bench(args))

@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# Everything this project measures on a GPU, in one device call (run from the repo root there):
-#   run(command="bash tools/gpu_check.sh", carry=[".whl"])   after tools/gpu_wheels.sh here.
-# Stages (default: all, in this order): tests peer bench profile events bench-thread; `smoke` = a short bench and peer run.
-# Each stage has its own time limit, cut to what is left of $BUDGET seconds (default 540: a device call
-# may run 600), so a hang costs one stage and the logs always come back.
-# Writes logs and tables under $OUT; prints the short tables last.
+# Everything this project measures on a GPU (run from the repo root there). Here, right before the call:
+#   bash tools/gpu_prepare.sh          # wheels, git stamp, llama.cpp source -> .whl/ (~25 MB)
+# then the issue-16 figures in two device calls (each under 600 s; run(..., carry=[".whl"], timeout_s=600)):
+#   1. LLAMACPP_SERVER=1 bash tools/gpu_check.sh llamacpp bench   # llama.cpp (CUDA, sm_90): batched-bench bf16/f16
+#      and llama-server bf16 tables; slipstream bench (mean/p90 idle, the prediction from depth 1)
+#   2. bash tools/gpu_check.sh peer             # slipstream d1/d2 vs transformers' configurations, fresh processes
+# If call 1's build ate the budget and `bench` was skipped, a third call: `bash tools/gpu_check.sh bench tests`.
+# Stages: tests peer bench llamacpp profile events bench-thread smoke (default: tests peer bench).
+# Each stage has its own time limit, cut to what is left of $BUDGET seconds (default 570), so a hang costs one
+# stage and the logs always come back. Every raw table starts with a provenance header (slipstream/provenance.py).
 set -uo pipefail
-# The device tool returns at most 8 files from $OUT: work in $LOGS, pack it into $OUT/logs.tgz at the end.
+# The device tool returns at most 8 files from $OUT: every log goes into $OUT/logs.tgz, plus one table per stage.
 OUT=${OUT:-/tmp/gpu-out}
 LOGS=$(mktemp -d)
 mkdir -p "$OUT"
@@ -15,13 +19,16 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH=/tmp/site:$PWD
 fi
-stages=${*:-tests peer bench profile events bench-thread}
+stages=${*:-tests peer bench}
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
-  date -u +%FT%TZ; echo "stages: $stages"; } > "$LOGS/gpu.txt"
+  python3 -m slipstream.provenance
+  date -u +%FT%TZ; echo "stages: $stages"; } > "$LOGS/gpu.txt" 2>&1
 show=("$LOGS/gpu.txt")
+LLAMA_BUILD=${LLAMA_BUILD:-build/llamacpp}  # ignored, not carried: kept between calls while the machine is warm
+# LLAMA_ARGS: extra tools/llamacpp_bench.py arguments (e.g. a short CPU check of this script);
+# LLAMACPP_SERVER=1: also build llama-server and run tools/llamacpp_server_bench.py (bf16)
 
-BUDGET=${BUDGET:-540}
+BUDGET=${BUDGET:-570}
 limit() { local left=$((BUDGET - SECONDS)); echo $(($1 < left ? $1 : (left > 1 ? left : 1))); }
 for stage in $stages; do
     start=$SECONDS
@@ -29,12 +36,12 @@ for stage in $stages; do
     case $stage in
     tests)
         timeout $(limit 150) python3 -m pytest -q -m cuda -p no:cacheprovider --durations=8 tests/ > "$LOGS/cuda-tests.log" 2>&1; rc=$?
-        tail -15 "$LOGS/cuda-tests.log" > "$LOGS/cuda-tests.tail"; show+=("$LOGS/cuda-tests.tail") ;;
+        { python3 -m slipstream.provenance; tail -15 "$LOGS/cuda-tests.log"; } > "$LOGS/cuda-tests.md"; show+=("$LOGS/cuda-tests.md") ;;
     events)
         timeout $(limit 60) python3 tools/bench_event_wait.py --repeats 300 > "$LOGS/event-wait.md" 2>"$LOGS/event-wait.err"; rc=$?
         show+=("$LOGS/event-wait.md") ;;
-    bench)
-        timeout $(limit 150) python3 -m slipstream.cli bench --device cuda --model random-smollm2-135m --dtype bfloat16 \
+    bench)  # mean/p90 idle, the prediction from depth 1 made before depth 2 runs, the accounting identity
+        timeout $(limit 170) python3 -m slipstream.cli bench --device cuda --model random-smollm2-135m --dtype bfloat16 \
             --streams 1 8 32 128 --len 128 --repeats 3 --no-progress --json-out "$LOGS/bench.json" \
             > "$LOGS/bench.md" 2>"$LOGS/bench.err"; rc=$?
         show+=("$LOGS/bench.md") ;;
@@ -43,10 +50,34 @@ for stage in $stages; do
             --streams 1 8 32 128 --len 128 --repeats 3 --no-progress --event-wait thread \
             > "$LOGS/bench-thread.md" 2>"$LOGS/bench-thread.err"; rc=$?
         show+=("$LOGS/bench-thread.md") ;;
-    peer)
-        timeout $(limit 240) python3 tools/peer_bench.py --device cuda --dtype bfloat16 --json-out "$LOGS/peer.json" \
+    peer)  # a fresh process per system; transformers: cb-auto, cb-graphs, static-compile (tools/peer_hf.py, last:
+           # it compiles per batch size); peer.json is rewritten after every system, so a cut-off run keeps the rest
+        timeout $(limit 560) python3 tools/peer_bench.py --device cuda --dtype bfloat16 --json-out "$LOGS/peer.json" \
             > "$LOGS/peer.md" 2>"$LOGS/peer.err"; rc=$?
         show+=("$LOGS/peer.md") ;;
+    llamacpp)  # build from the carried snapshot (outside the repo's tracked tree), then bf16 and f16 rows
+        rc=0
+        if [[ ! -x $LLAMA_BUILD/bin/llama-batched-bench || ( ${LLAMACPP_SERVER:-0} == 1 && ! -x $LLAMA_BUILD/bin/llama-server ) ]]; then
+            rm -rf /tmp/llamacpp-src && mkdir -p /tmp/llamacpp-src && tar -xzf .whl/llamacpp-src.tgz -C /tmp/llamacpp-src
+            mkdir -p "$(dirname "$LLAMA_BUILD")"
+            JOBS=$(nproc) timeout $(limit 420) bash tools/llamacpp_peer.sh build /tmp/llamacpp-src "$LLAMA_BUILD" \
+                > "$LOGS/llamacpp-build.log" 2>&1; rc=$?
+            cp "$LLAMA_BUILD".build.log "$LLAMA_BUILD".configure.log "$LOGS"/ 2>/dev/null
+        fi
+        if ((rc == 0)); then
+            for dt in bf16 f16; do
+                timeout $(limit 75) python3 tools/llamacpp_bench.py --build "$LLAMA_BUILD" --dtype $dt ${LLAMA_ARGS:-} \
+                    --json-out "$LOGS/llamacpp-$dt.json" > "$LOGS/llamacpp-$dt.md" 2>"$LOGS/llamacpp-$dt.err"; rc=$((rc | $?))
+                show+=("$LOGS/llamacpp-$dt.md")
+            done
+            if [[ ${LLAMACPP_SERVER:-0} == 1 ]]; then  # llama-server: sampling, streaming, its own scheduler
+                timeout $(limit 150) python3 tools/llamacpp_server_bench.py --build "$LLAMA_BUILD" --dtype bf16 ${LLAMA_ARGS:-} \
+                    --json-out "$LOGS/llamacpp-server.json" > "$LOGS/llamacpp-server.md" 2>"$LOGS/llamacpp-server.err"; rc=$((rc | $?))
+                show+=("$LOGS/llamacpp-server.md")
+            fi
+        else
+            show+=("$LOGS/llamacpp-build.log")
+        fi ;;
     profile)
         timeout $(limit 60) python3 tools/profile_forward_cuda.py > "$LOGS/profile.md" 2>"$LOGS/profile.err"; rc=$?
         show+=("$LOGS/profile.md") ;;
@@ -63,5 +94,6 @@ done
 for f in "${show[@]}"; do echo "== ${f##*/}"; cat "$f"; done
 for f in "$LOGS"/*.err; do [ -s "$f" ] && { echo "== ${f##*/} (last lines)"; tail -8 "$f"; }; done
 tar czf "$OUT/logs.tgz" -C "$LOGS" .
-cp "$LOGS"/*.md "$LOGS"/*.json "$OUT"/ 2>/dev/null
+n=1
+for f in "${show[@]}"; do ((n < 8)) && cp "$f" "$OUT"/ && n=$((n + 1)); done
 exit 0

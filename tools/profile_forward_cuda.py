@@ -16,8 +16,13 @@ import sys
 
 import torch
 
-from slipstream import Engine, EngineConfig
-from slipstream.runtime.batch import SeqWork, pack_step
+import os as _os
+import sys as _sys
+
+_sys.path.insert(0, _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))))  # this checkout
+
+from slipstream import Engine, EngineConfig  # noqa: E402
+from slipstream.runtime.batch import SeqWork, pack_step  # noqa: E402
 
 
 def event_ms(fn, repeats: int, warmup: int = 5) -> float:
@@ -102,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--top", type=int, default=10)
     args = ap.parse_args(argv)
+    from slipstream.provenance import header, provenance  # noqa: E402
+
+    print(header(provenance()), flush=True)
     if not torch.cuda.is_available():
         print("profile_forward_cuda: needs a GPU", file=sys.stderr)
         return 2

@@ -1,7 +1,9 @@
 """`slipstream bench`: blocking vs pipelined decode in one process, Photon-style tables.
 
-Prints (a) forward / sampling / period per step and (b) blocking vs pipelined step time with the
-cost model's predicted speedup next to the observed one (see slipstream/bench.py for both).
+Prints a provenance header, then (a) per-step times with period and device idle as median / mean /
+p90, (b) the depth-2 period and speedup predicted from each repeat's depth-1 run before its depth-2
+run (also printed to stderr as it is made), against the measured ones, and (c) the accounting
+identity (slipstream/bench.py). Warns when repeats disagree by more than the effect reported.
 Progress goes to stderr; `--json` prints a machine-readable document on stdout.
 """
 from __future__ import annotations
@@ -36,7 +38,9 @@ def register(sub) -> None:
 def _bench(args) -> int:
     from tqdm import tqdm
 
-    from slipstream.bench import bench, format_tables, machine, to_json
+    from slipstream.bench import bench
+    from slipstream.bench_report import format_tables, to_json, warnings
+    from slipstream.provenance import header, provenance
 
     if min(args.streams) < 1 or args.output_len < 2 or args.repeats < 1:
         print("slipstream bench: --streams >= 1, --len >= 2 and --repeats >= 1", file=sys.stderr)
@@ -54,16 +58,27 @@ def _bench(args) -> int:
         else:
             bar.write(msg, file=sys.stderr)
 
+    def on_predict(n, rep, p) -> None:
+        msg = (f"  streams={n} rep={rep + 1}: predicted before depth 2 ran (from depth 1 alone): period "
+               f"{p.period_ms:.2f} ms ({p.bound}-bound: busy {p.busy_ms:.2f}, host {p.host_ms:.2f}), "
+               f"speedup {100 * (p.speedup - 1):+.1f}%")
+        if bar.disable:
+            print(msg, file=sys.stderr, flush=True)
+        else:
+            bar.write(msg, file=sys.stderr)
+
     started = datetime.datetime.now().astimezone()
+    prov = provenance(["slipstream", *sys.argv[1:]])
     try:
         rows = asyncio.run(bench(args.model, args.device, args.streams, args.output_len, args.repeats,
                                  on_step=lambda step: bar.update(1), on_run=on_run, dtype=args.dtype,
-                                 event_wait=args.event_wait))
+                                 event_wait=args.event_wait, on_predict=on_predict))
     finally:
         bar.close()
-    meta = {"command": "slipstream " + " ".join(sys.argv[1:]), "date": started.isoformat(timespec="seconds"),
-            "model": args.model, "device": args.device, "dtype": args.dtype, "event_wait": args.event_wait,
-            "repeats": args.repeats, **machine()}
+    for line in warnings(rows):
+        print(line, file=sys.stderr)
+    meta = {"provenance": prov, "model": args.model, "device": args.device, "dtype": args.dtype,
+            "event_wait": args.event_wait, "repeats": args.repeats, "output_len": args.output_len}
     doc = json.dumps(to_json(rows, meta), indent=2)
     if args.json_out:
         with open(args.json_out, "w") as f:
@@ -71,6 +86,7 @@ def _bench(args) -> int:
     if args.json:
         print(doc)
     else:
+        print(header(prov))
         print(f"model {args.model} ({args.dtype}) on {args.device}, L={args.output_len}, {args.repeats} repeat(s), "
               f"{started:%Y-%m-%d %H:%M %Z}\n")
         print(format_tables(rows))

@@ -1,0 +1,48 @@
+"""Provenance headers of raw benchmark outputs (slipstream/provenance.py)."""
+from __future__ import annotations
+
+import json
+import subprocess
+
+from slipstream import provenance as prov_mod
+
+
+def test_header_records_command_commit_dirty_flag_versions_and_date():
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=prov_mod.REPO, capture_output=True,
+                          text=True).stdout.strip()
+    p = prov_mod.provenance(["python", "tools/x.py", "--n", "1 2"], extra={"llama.cpp": "abc123"})
+    assert p["command"] == "python tools/x.py --n '1 2'"
+    assert p["git"]["commit"] == head and p["git"]["dirty"] in (True, False) and p["git"]["source"] == "git"
+    assert p["date_utc"].endswith("+00:00") and "torch" in p["versions"] and "python" in p["versions"]
+    text = prov_mod.header(p)
+    for needle in ("- command: `python tools/x.py", f"- git: {head}", "- versions: python ", "torch ",
+                   "- date (UTC): ", "- llama.cpp: abc123", "- machine: "):
+        assert needle in text, needle
+    assert ("(dirty, diff " in text) == p["git"]["dirty"]
+
+
+def test_a_copy_without_git_reads_the_stamp_and_says_so(tmp_path):
+    stamp = tmp_path / "provenance-git.json"
+    assert prov_mod.git_info(repo=tmp_path, stamp=stamp)["commit"] == "unknown"  # never a guessed commit
+    stamp.write_text(json.dumps({"commit": "f" * 40, "dirty": True, "diff_sha256": "00ff"}))
+    info = prov_mod.git_info(repo=tmp_path, stamp=stamp)
+    assert info["commit"] == "f" * 40 and info["dirty"] is True and info["source"].startswith("stamp")
+
+
+def test_dirty_flag_and_diff_hash_follow_the_tree(tmp_path):
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "a.txt").write_text("one\n")
+    git("add", "a.txt")
+    git("commit", "-qm", "one")
+    clean = prov_mod.git_state(tmp_path)
+    assert clean["dirty"] is False and clean["diff_sha256"] is None and len(clean["commit"]) == 40
+    (tmp_path / "a.txt").write_text("two\n")
+    dirty = prov_mod.git_state(tmp_path)
+    assert dirty["dirty"] is True and dirty["diff_sha256"] and dirty["commit"] == clean["commit"]
+    (tmp_path / "b.txt").write_text("untracked\n")  # untracked files do not make a run dirty
+    (tmp_path / "a.txt").write_text("one\n")
+    assert prov_mod.git_state(tmp_path)["dirty"] is False

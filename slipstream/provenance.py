@@ -25,7 +25,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 STAMP = REPO / ".whl" / "provenance-git.json"
-PACKAGES = ("torch", "triton", "transformers", "cupy-cuda13x", "cupy-cuda12x", "gguf", "numpy")
+PACKAGES = ("torch", "triton", "transformers", "cupy-cuda13x", "cupy-cuda12x", "gguf", "numpy", "msgspec", "uvloop",
+            "fastapi", "uvicorn", "openai", "ray")
 
 
 def _run(cmd: list[str], cwd: Path | None = None) -> str | None:

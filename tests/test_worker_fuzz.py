@@ -85,7 +85,8 @@ CASES = {  # frame -> the error type the worker must answer with
     enc({"type": "generate", "v": 1, "request_id": "x", "prompt": "p", "params": "hot"}): "InvalidRequestError",
     enc({"type": "generate", "v": 1, "request_id": "x", "prompt": [-5]}): "InvalidRequestError",
     enc({"type": "generate", "v": 1, "request_id": "x", "prompt": [10**9]}): "InvalidRequestError",
-    enc({"type": "generate", "v": 1, "request_id": "x", "prompt": "x" * 2000}): "InvalidRequestError",
+    enc({"type": "generate", "v": 1, "request_id": "x", "prompt": "x" * 2000, "params": {"max_tokens": 3000}}):
+        "InvalidRequestError",  # prompt + max_tokens > the context
     b"\xdd\xff\xff\xff\xff": "ProtocolError",  # an array header claiming 4G items
     b"\xdb\xff\xff\xff\xff": "ProtocolError",  # a str header claiming 4 GB
     enc({"type": "generate", "v": 1, "request_id": "x", "prompt": "p"})[:-1] + b"\xdd\xff\xff\xff\xff":

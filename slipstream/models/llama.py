@@ -31,8 +31,11 @@ class KVCache:
 
     def __init__(self, config: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device):
         shape = (config.num_layers, num_pages * page_size, config.num_kv_heads, config.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # Uninitialised: attention reads only slots a forward has written (kv_len), so nothing needs
+        # zeros; and on the CPU untouched pages of a large pool stay out of resident memory (the
+        # page pool hands out low pages first and reuses freed ones, so the touched part stays small).
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
         self.num_pages, self.page_size = num_pages, page_size
 
     def bytes(self) -> int:

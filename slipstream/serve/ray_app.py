@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
@@ -84,3 +85,21 @@ def build_app(config: EngineConfig, options: RayServeOptions | None = None, mode
     ingress = serve.deployment(serve.ingress()(SlipstreamIngress), name=INGRESS_DEPLOYMENT,
                                ray_actor_options={"num_cpus": options.ingress_num_cpus})
     return ingress.bind(engine_deployment(config, options, model_name), model_name, options.max_inflight)
+
+
+def app_builder(args: dict[str, Any]):
+    """For Ray Serve's own CLI and config files: `serve run slipstream.serve.ray_app:app_builder
+    model=smollm2-135m replicas=2` (engine fields and RayServeOptions fields by name; strings from
+    the command line are converted to the fields' types)."""
+    engine_fields = set(EngineConfig.__struct_fields__)
+    option_fields = set(RayServeOptions.__dataclass_fields__)
+    unknown = set(args) - engine_fields - option_fields - {"model_name"}
+    if unknown:
+        raise ValueError(f"unknown app arguments: {sorted(unknown)}")
+    engine = {k: v for k, v in args.items() if k in engine_fields}
+    config = msgspec.convert(engine, EngineConfig, strict=False)
+    types = {"replicas": int, "num_cpus": float, "num_gpus": float, "ingress_num_cpus": float,
+             "max_ongoing_requests": int, "imbalance_threshold": int, "max_inflight": int,
+             "health_check_period_s": float, "health_check_timeout_s": float}
+    opts = {k: types[k](v) if k in types else v for k, v in args.items() if k in option_fields}
+    return build_app(config, RayServeOptions(**opts), args.get("model_name"))

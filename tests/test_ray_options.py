@@ -53,12 +53,3 @@ def test_app_builder_for_serve_run_converts_cli_strings():
     assert engine.num_replicas == 2 and engine.init_args[0].page_size == 8
     with pytest.raises(ValueError, match="unknown"):
         app_builder({"model": "tiny-random", "replica": "2"})
-
-
-def test_coalesced_deltas_merge_in_order():
-    from slipstream.outputs import StreamDelta
-    from slipstream.serve.ray_backend import merge_deltas
-
-    parts = [StreamDelta("r", "ab", [1, 2]), StreamDelta("r", "", [3]), StreamDelta("r", "c", [4], "length")]
-    assert merge_deltas(parts) == StreamDelta("r", "abc", [1, 2, 3, 4], "length")
-    assert merge_deltas(parts[:1]) is parts[0]

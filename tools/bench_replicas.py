@@ -75,8 +75,6 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--num-cpus", type=int, default=2)
-    ap.add_argument("--coalesce", choices=["on", "off", "both"], default="on",
-                    help="replicas send the deltas already waiting as one message (both: compare, same run)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -94,19 +92,15 @@ def main() -> int:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    modes = {"on": [True], "off": [False], "both": [True, False]}[args.coalesce]
-    variants = [(n, c) for n in args.replicas for c in modes]
-    results: dict[tuple[int, bool], list[tuple[float, int, float]]] = {v: [] for v in variants}
+    results: dict[int, list[tuple[float, int, float]]] = {n: [] for n in args.replicas}
     try:
         for rep in range(args.repeats):
-            for n, c in variants:
-                opts = RayServeOptions(replicas=n, num_cpus=1, coalesce_deltas=c)
-                serve.run(build_app(config, opts), name="bench", route_prefix="/")
+            for n in args.replicas:
+                serve.run(build_app(config, RayServeOptions(replicas=n, num_cpus=1)), name="bench", route_prefix="/")
                 asyncio.run(_round(url, 2 * n, 2 * n, 8, "warmup"))
-                results[(n, c)].append(asyncio.run(_round(url, args.requests, args.concurrency, args.max_tokens,
-                                                          f"r{rep}")))
-                print(f"repeat {rep} replicas {n} coalesce {c}: {results[(n, c)][-1][0]:.1f} tok/s",
-                      file=sys.stderr, flush=True)
+                results[n].append(asyncio.run(_round(url, args.requests, args.concurrency, args.max_tokens,
+                                                     f"r{rep}")))
+                print(f"repeat {rep} replicas {n}: {results[n][-1][0]:.1f} tok/s", file=sys.stderr, flush=True)
                 serve.delete("bench")
     finally:
         serve.shutdown()
@@ -115,18 +109,16 @@ def main() -> int:
     lines = [head, "", f"model {args.model}, {args.requests} streamed greedy requests x {args.max_tokens} tokens "
              f"(ignore_eos), {args.concurrency} at a time, distinct prompts; Ray cluster num_cpus={args.num_cpus}, "
              f"each replica num_cpus=1; {args.repeats} rounds per replica count, alternating", "",
-             "| replicas | coalesce | tokens/s median | mean | p90 | requests/s median | rounds (tok/s) |",
-             "|---:|---|---:|---:|---:|---:|---|"]
-    first = variants[0]
-    base = statistics.median(r[0] for r in results[first])
-    for (n, c), rs in results.items():
+             "| replicas | tokens/s median | mean | p90 | requests/s median | rounds (tok/s) |",
+             "|---:|---:|---:|---:|---:|---|"]
+    base = statistics.median(r[0] for r in results[args.replicas[0]])
+    for n, rs in results.items():
         tps = [r[0] for r in rs]
-        lines.append(f"| {n} | {'on' if c else 'off'} | {statistics.median(tps):.1f} | {statistics.mean(tps):.1f} | "
-                     f"{_p90(tps):.1f} | {statistics.median(r[2] for r in rs):.2f} | "
-                     f"{', '.join(f'{x:.1f}' for x in tps)} |")
-    for (n, c), rs in list(results.items())[1:]:
-        lines.append(f"\n{n} replica(s), coalesce {'on' if c else 'off'} vs {first[0]}, "
-                     f"{'on' if first[1] else 'off'} (medians): {statistics.median(r[0] for r in rs) / base:.2f}x")
+        lines.append(f"| {n} | {statistics.median(tps):.1f} | {statistics.mean(tps):.1f} | {_p90(tps):.1f} | "
+                     f"{statistics.median(r[2] for r in rs):.2f} | {', '.join(f'{x:.1f}' for x in tps)} |")
+    for n, rs in list(results.items())[1:]:
+        lines.append(f"\nspeed-up {n} vs {args.replicas[0]} replica(s) (medians): "
+                     f"{statistics.median(r[0] for r in rs) / base:.2f}x")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

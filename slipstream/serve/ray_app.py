@@ -42,7 +42,6 @@ class RayServeOptions:
     health_check_period_s: float = 2.0
     health_check_timeout_s: float = 10.0
     max_inflight: int = 1024  # the ingress's HTTP admission limit (429 past it)
-    coalesce_deltas: bool = True  # a replica sends the deltas already waiting as one message
     extra_actor_options: dict[str, Any] = field(default_factory=dict)  # e.g. runtime_env, resources
 
     def __post_init__(self) -> None:
@@ -55,9 +54,8 @@ class RayServeOptions:
 
 
 class SlipstreamIngress:
-    def __init__(self, engine_handle, model_name: str | None = None, max_inflight: int = 1024,
-                 coalesce_deltas: bool = True):
-        self.backend = RayBackend(engine_handle, model_name, coalesce=coalesce_deltas)
+    def __init__(self, engine_handle, model_name: str | None = None, max_inflight: int = 1024):
+        self.backend = RayBackend(engine_handle, model_name)
         self.max_inflight = max_inflight
 
     def __serve_build_asgi_app__(self):
@@ -86,8 +84,7 @@ def build_app(config: EngineConfig, options: RayServeOptions | None = None, mode
     options = options or RayServeOptions()
     ingress = serve.deployment(serve.ingress()(SlipstreamIngress), name=INGRESS_DEPLOYMENT,
                                ray_actor_options={"num_cpus": options.ingress_num_cpus})
-    return ingress.bind(engine_deployment(config, options, model_name), model_name, options.max_inflight,
-                        options.coalesce_deltas)
+    return ingress.bind(engine_deployment(config, options, model_name), model_name, options.max_inflight)
 
 
 def app_builder(args: dict[str, Any]):
@@ -103,7 +100,6 @@ def app_builder(args: dict[str, Any]):
     config = msgspec.convert(engine, EngineConfig, strict=False)
     types = {"replicas": int, "num_cpus": float, "num_gpus": float, "ingress_num_cpus": float,
              "max_ongoing_requests": int, "imbalance_threshold": int, "max_inflight": int,
-             "health_check_period_s": float, "health_check_timeout_s": float,
-             "coalesce_deltas": lambda v: str(v).lower() in ("1", "true", "yes", "on")}
+             "health_check_period_s": float, "health_check_timeout_s": float}
     opts = {k: types[k](v) if k in types else v for k, v in args.items() if k in option_fields}
     return build_app(config, RayServeOptions(**opts), args.get("model_name"))

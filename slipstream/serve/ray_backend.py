@@ -16,7 +16,6 @@ from prometheus_client import CollectorRegistry, generate_latest
 from ray import exceptions as rx
 
 from slipstream.errors import ReplicaUnavailableError, RequestFailedError, SlipstreamError
-from slipstream.outputs import StreamDelta
 
 log = structlog.get_logger(__name__)
 _REPLICA_PREFIX = "SERVE_REPLICA::"
@@ -32,14 +31,6 @@ def _translate(e: BaseException, request_id: str, replica: str | None) -> BaseEx
     if isinstance(e, rx.RayTaskError):
         return RequestFailedError(f"{where} failed request {request_id}: {e.cause!r}")
     return e
-
-
-def merge_deltas(deltas: list[StreamDelta]) -> StreamDelta:
-    """Several consecutive deltas of one request as one (text and tokens concatenated, the last finish)."""
-    if len(deltas) == 1:
-        return deltas[0]
-    return StreamDelta(deltas[0].request_id, "".join(d.text for d in deltas),
-                       [t for d in deltas for t in d.token_ids], deltas[-1].finish_reason)
 
 
 class _Families:
@@ -65,9 +56,8 @@ def merge_metrics(per_replica: list[list]) -> str:
 
 
 class RayBackend:
-    def __init__(self, handle, model_name: str | None = None, stats_timeout: float = 5.0, coalesce: bool = True):
+    def __init__(self, handle, model_name: str | None = None, stats_timeout: float = 5.0):
         self.handle = handle
-        self.coalesce = coalesce  # the replica sends the deltas waiting at once as one message
         self._model_name = model_name
         self.stats_timeout = stats_timeout
 
@@ -85,13 +75,13 @@ class RayBackend:
         pass  # Ray Serve owns the replicas
 
     async def stream(self, ids, params, request_id):
-        gen = self.handle.options(stream=True).generate.remote(ids, params, request_id, self.coalesce)
+        gen = self.handle.options(stream=True).generate.remote(ids, params, request_id)
         replica, done = None, False
         try:
             try:
                 replica = await gen.__anext__()
-                async for item in gen:
-                    yield merge_deltas(item) if isinstance(item, list) else item
+                async for delta in gen:
+                    yield delta
                 done = True
             except StopAsyncIteration:
                 done = True

@@ -9,7 +9,6 @@ calls it for /health and /metrics (engine metrics relabelled with `replica`).
 """
 from __future__ import annotations
 
-import asyncio
 from collections import Counter, deque
 
 import structlog
@@ -59,45 +58,17 @@ class EngineReplica:
         self.started_requests += 1
         self.recent.append(request_id)
 
-    async def generate(self, ids: list[int], params: SamplingParams, request_id: str, coalesce: bool = True):
-        """This replica's id, then the request's deltas: each item one StreamDelta, or with `coalesce`
-        a list of the deltas already waiting (one Ray message for several tokens when the consumer
-        falls behind the engine; never a wait for more)."""
+    async def generate(self, ids: list[int], params: SamplingParams, request_id: str):
         self._admit(request_id)
         yield self.replica_id
         stream = self.engine.stream(ids, params, request_id=request_id)
         finish = "abort"  # unless the engine says otherwise: cancelled or failed
-        pending = None
         try:
-            if not coalesce:
-                async for delta in stream:
-                    finish = delta.finish_reason or finish
-                    yield delta
-                return
-            pending = asyncio.ensure_future(stream.__anext__())
-            while pending is not None:
-                try:
-                    batch = [await pending]
-                except StopAsyncIteration:
-                    return
-                pending = None
-                while batch[-1].finish_reason is None:
-                    pending = asyncio.ensure_future(stream.__anext__())
-                    await asyncio.sleep(0)  # one loop pass: a delta already queued is taken now
-                    if not pending.done():
-                        break
-                    try:
-                        batch.append(pending.result())
-                    except StopAsyncIteration:
-                        break
-                    pending = None
-                finish = batch[-1].finish_reason or finish
-                yield batch
-                if batch[-1].finish_reason is not None:
-                    return
+            async for delta in stream:
+                if delta.finish_reason is not None:
+                    finish = delta.finish_reason
+                yield delta
         finally:
-            if pending is not None and not pending.done():
-                pending.cancel()
             await stream.aclose()  # aborts the request (frees its pages) if it has not finished
             self.finished[finish] += 1
 

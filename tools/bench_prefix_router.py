@@ -62,7 +62,7 @@ def main() -> int:
         big.record(block_hashes([i] * 16 * args.page_size, args.page_size), "r")
     per_entry = tracemalloc.get_traced_memory()[0] / len(big)
     tracemalloc.stop()
-    text = "\n".join([header(packages=("msgspec",)), "", "| operation | µs median | mean | p90 |", "|---|---:|---:|---:|",
+    text = "\n".join([header().rstrip("\n"), "", "| operation | µs median | mean | p90 |", "|---|---:|---:|---:|",
                       *rows, "", f"PrefixTable memory: {per_entry:.0f} bytes per entry ({len(big)} entries, "
                       "tracemalloc)"]) + "\n"
     print(text)

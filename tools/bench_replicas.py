@@ -86,7 +86,7 @@ def main() -> int:
     from slipstream.params import EngineConfig
     from slipstream.serve.ray_app import RayServeOptions, build_app
 
-    head = header(packages=("torch", "ray", "fastapi", "uvicorn", "httpx", "msgspec"))
+    head = header().rstrip("\n") + f"\nray: {importlib.metadata.version('ray')}"
     config = EngineConfig(model=args.model, max_batch_size=32, max_num_batched_tokens=256)
     ray.init(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
     port = _free_port()

@@ -25,6 +25,7 @@ def register(sub) -> None:
     p.add_argument("--max-inflight", type=int, default=1024, help="generation requests at once; more get 429")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM/SIGINT")
+    serve_ray.add_args(p)
     p.add_argument("--max-batch-size", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--kv-cache-tokens", type=int, default=None)
@@ -32,7 +33,6 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-json", action="store_true", help="structlog lines as JSON")
     add_engine_args(p)
-    serve_ray.add_args(p)
     p.set_defaults(func=_serve, log_level="info")
 
 

@@ -69,7 +69,7 @@ class RayBackend:
         self.page_size = info["page_size"]
         self.tokenizer, self.vocab_size = await asyncio.to_thread(load_tokenizer, info["model"])
         self.max_model_len = info["max_model_len"]
-        log.info("connected to engine replicas", deployment=self.handle.deployment_name, model=info["model"])
+        log.info("ray_replicas_connected", deployment=self.handle.deployment_name, model=info["model"])
 
     async def close(self) -> None:
         pass  # Ray Serve owns the replicas
@@ -88,7 +88,7 @@ class RayBackend:
             except (rx.RayError, rx.ActorUnavailableError) as e:
                 done = True
                 err = _translate(e, request_id, replica)
-                log.warning("replica request failed", request_id=request_id, replica=replica, error=repr(err))
+                log.warning("replica_request_failed", request_id=request_id, replica=replica, error=repr(err))
                 raise err from None
         finally:
             if not done:  # the client went away (or the stream was closed early): abort on the replica

@@ -47,7 +47,7 @@ class EngineReplica:
         self.finished: Counter[str] = Counter()  # finish_reason → count
         self.recent: deque[str] = deque(maxlen=RECENT)
         self.started_requests = 0
-        log.info("engine replica ready", replica=self.replica_id, model=self.config.model)
+        log.info("engine_replica_ready", replica=self.replica_id, model=self.config.model)
 
     def info(self) -> dict:
         return {"replica": self.replica_id, "model": self.config.model, "model_name": self.model_name,

@@ -55,7 +55,7 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         dropped = self.table.forget(replica_id)
-        log.warning("engine replica died; its prefixes are forgotten", replica=replica_id.unique_id,
+        log.warning("replica_prefixes_forgotten", replica=replica_id.unique_id,
                     prefixes=dropped)
 
     def update_replicas(self, replicas: List[RunningReplica]) -> None:

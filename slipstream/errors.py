@@ -131,3 +131,10 @@ class ProtocolVersionError(ProtocolError):
 
 class MessageTooLargeError(ProtocolError):
     """The message is larger than the worker's max_message_bytes."""
+
+
+# --- scale-out (slipstream serve --ray) ------------------------------------------------------
+
+
+class ReplicaUnavailableError(WorkerUnavailableError):
+    """An engine replica died or became unreachable (Ray Serve); its in-flight requests fail with this."""

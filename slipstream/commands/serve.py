@@ -1,7 +1,7 @@
 """`slipstream serve`: the OpenAI-compatible HTTP server (docs/serving.md).
 
 In-process engine by default; with --connect (repeatable) the HTTP front end spreads requests over
-running `slipstream worker`s. SIGTERM/SIGINT stop accepting, let in-flight requests finish (up to
+running `slipstream worker`s; with --ray --replicas N, engine replicas on Ray Serve (docs/scale-out.md). SIGTERM/SIGINT stop accepting, let in-flight requests finish (up to
 --shutdown-timeout), then close the engine or the worker connections.
 """
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import signal
 
 from slipstream.cli import add_engine_args, engine_config
+from slipstream.commands import serve_ray
 
 
 def register(sub) -> None:
@@ -24,6 +25,7 @@ def register(sub) -> None:
     p.add_argument("--max-inflight", type=int, default=1024, help="generation requests at once; more get 429")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM/SIGINT")
+    serve_ray.add_args(p)
     p.add_argument("--max-batch-size", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--kv-cache-tokens", type=int, default=None)
@@ -33,17 +35,22 @@ def register(sub) -> None:
     p.set_defaults(func=_serve)
 
 
+def _engine_config(args):
+    return engine_config(args, max_batch_size=args.max_batch_size, max_num_batched_tokens=args.max_num_batched_tokens,
+                         kv_cache_tokens=args.kv_cache_tokens, page_size=args.page_size, seed=args.seed)
+
+
 def build_backend(args):
     from slipstream.serve.backend import ClientsBackend, EngineBackend
 
     if args.connect:
         return ClientsBackend(args.connect, timeout=args.timeout, model_name=args.served_model_name)
-    config = engine_config(args, max_batch_size=args.max_batch_size, max_num_batched_tokens=args.max_num_batched_tokens,
-                           kv_cache_tokens=args.kv_cache_tokens, page_size=args.page_size, seed=args.seed)
-    return EngineBackend(config, model_name=args.served_model_name)
+    return EngineBackend(_engine_config(args), model_name=args.served_model_name)
 
 
 def _serve(args) -> int:
+    if args.ray:
+        return serve_ray.run(args, _engine_config(args))
     try:
         import uvicorn
 

@@ -6,6 +6,7 @@ starts and stops with the app's lifespan.
 """
 from __future__ import annotations
 
+import inspect
 from contextlib import asynccontextmanager
 
 import msgspec
@@ -85,6 +86,8 @@ def create_app(backend: Backend, max_inflight: int = 1024) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         text = backend.metrics_text() if state.ready else ""
+        if inspect.isawaitable(text):  # a remote backend gathers its replicas' registries (RayBackend)
+            text = await text
         text += generate_latest(state.metrics.registry).decode()
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 

@@ -34,7 +34,7 @@ class Backend(Protocol):
 
     async def stats(self) -> dict: ...
 
-    def metrics_text(self) -> str: ...  # Prometheus text of the engine's registry ("" if remote)
+    def metrics_text(self) -> str: ...  # Prometheus text of the engine's registry ("" if remote; may be async)
 
 
 class EngineBackend:

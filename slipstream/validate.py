@@ -76,7 +76,8 @@ def string_list(name: str, value: Any) -> list[str]:
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, (list, tuple)):
-        raise InvalidRequestError(f"{name} must be a string or a list of strings, got {_type_name(value)} {value!r:.80}",
+        raise InvalidRequestError(f"{name} must be a string or a list of strings, got {_type_name(value)} "
+                                  f"{value!r:.80}",
                                   param=name)
     return [text(f"{name}[{i}]", s) for i, s in enumerate(value)]
 

@@ -106,7 +106,8 @@ class Engine:
         if params is None:
             params = SamplingParams()
         elif not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}", param="params")
+            raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}",
+                                      param="params")
         request_id = check.request_id(request_id)
         ids = self._prompt_ids(prompt)
         if len(ids) + params.max_tokens > self.max_model_len:
@@ -124,7 +125,7 @@ class Engine:
         pool, page = self._parts.pool, self.config.page_size
         if ceil_div(len(ids) + max_tokens, page) > pool.total:
             raise InvalidRequestError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) needs more KV pages "
-                                      f"than the whole pool holds ({pool.total} pages of {page})")
+                                      f"than the whole pool holds ({pool.total} pages of {page})", param="max_tokens")
         eos = () if params.ignore_eos else tuple(self.tokenizer.eos_token_ids)
         seed = params.seed if params.seed is not None else self._rng.randrange(2**31)
         row = SamplingRow(temperature=float(params.temperature), top_k=max(params.top_k, 0), top_p=params.top_p,

@@ -215,7 +215,8 @@ class EngineLoop:
         now = time.perf_counter()
         return {
             "slots": [f"{s.index}:{s.state.value}:step={getattr(s, 'step_id', None)}" for s in self.runner.slots],
-            "inflight_steps": [f"{s.step_id}:{s.kind}:{len(s.seqs)} seqs:age={now - s.timings.get('t_launch', now):.3f}s"
+            "inflight_steps": [f"{s.step_id}:{s.kind}:{len(s.seqs)} seqs"
+                               f":age={now - s.timings.get('t_launch', now):.3f}s"
                                for s in self.pipeline.inflight],
             "sequences": [f"{q.request_id}:finalized={q.finalized}:inflight_refs={q.inflight_refs}"
                           f":pending_samples={q.pending_samples}" for q in self.planner.running[:64]],

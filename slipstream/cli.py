@@ -103,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what was asked, for provenance headers
 
     from slipstream.errors import DeviceUnavailableError, InvalidRequestError, ModelLoadError, SlipstreamError
     from slipstream.logging_setup import configure_logging, resolve_level

@@ -68,7 +68,7 @@ def _bench(args) -> int:
             bar.write(msg, file=sys.stderr)
 
     started = datetime.datetime.now().astimezone()
-    prov = provenance(["slipstream", *sys.argv[1:]])
+    prov = provenance(["slipstream", *args.argv])
     try:
         rows = asyncio.run(bench(args.model, args.device, args.streams, args.output_len, args.repeats,
                                  on_step=lambda step: bar.update(1), on_run=on_run, dtype=args.dtype,

@@ -1,6 +1,7 @@
 """slipstream: pipelined LLM inference — the GPU never waits for the CPU."""
 from slipstream.api.client import Client
 from slipstream.api.engine import Engine
+from slipstream.api.offline import LLM
 from slipstream.errors import (
     EngineClosedError,
     InvalidRequestError,
@@ -21,6 +22,7 @@ __all__ = [
     "EngineClosedError",
     "EngineConfig",
     "InvalidRequestError",
+    "LLM",
     "ModelLoadError",
     "OverloadedError",
     "RequestMetrics",

@@ -53,14 +53,35 @@ def add_engine_args(p: argparse.ArgumentParser, log_level: str = "warning") -> N
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model runs")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights and activations")
     p.add_argument("--pipeline-depth", type=int, default=2, choices=[1, 2], help="1: blocking, 2: pipelined")
+    p.add_argument("--kv-cache-tokens", type=int, default=None,
+                   help="KV pool in tokens (default: 32768 on the CPU, whose untouched pages take no memory; "
+                        "sized from free memory on CUDA)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for torch's kernels (default: torch's own choice, or OMP_NUM_THREADS)")
     add_log_args(p, log_level)
 
 
 def engine_config(args, **overrides):
     from slipstream.params import EngineConfig
 
-    return EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
-                        pipeline_depth=args.pipeline_depth, **overrides)
+    fields = dict(model=args.model, device=args.device, dtype=args.dtype, pipeline_depth=args.pipeline_depth,
+                  kv_cache_tokens=getattr(args, "kv_cache_tokens", None))
+    fields.update(overrides)
+    return EngineConfig(**fields)
+
+
+def apply_threads(args) -> None:
+    """--threads: torch's intra-op threads for this process (before any model work)."""
+    threads = getattr(args, "threads", None)
+    if threads is None:
+        return
+    from slipstream.errors import InvalidRequestError
+
+    if threads < 1:
+        raise InvalidRequestError(f"--threads must be >= 1, got {threads}", param="threads")
+    import torch
+
+    torch.set_num_threads(threads)
 
 
 def check_device(args) -> None:
@@ -112,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         args.log_level = resolve_level(getattr(args, "log_level", None), getattr(args, "default_log_level", "warning"))
         configure_logging(args.log_level, json=getattr(args, "log_json", False))
         check_device(args)
+        apply_threads(args)
         return args.func(args)
     except SlipstreamError as e:
         # one line, no traceback: 2 for what was asked that cannot be done here (bad value, missing

@@ -28,7 +28,6 @@ def register(sub) -> None:
     serve_ray.add_args(p)
     p.add_argument("--max-batch-size", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--kv-cache-tokens", type=int, default=None)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     add_engine_args(p, log_level="info")

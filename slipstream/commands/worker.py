@@ -21,8 +21,6 @@ def register(sub) -> None:
                    help="seconds in-flight requests get to finish after SIGTERM/SIGINT")
     p.add_argument("--max-batch-size", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--kv-cache-tokens", type=int, default=None,
-                   help="KV pool in tokens (default: 32768 on the CPU, sized from free memory on CUDA)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--metrics-port", type=int, default=None,

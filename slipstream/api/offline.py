@@ -1,0 +1,106 @@
+"""`LLM`: the synchronous API for scripts and notebooks (vLLM's `LLM.generate([...])` shape).
+
+An `Engine` needs its own event loop; here it gets one on a background thread, and every method
+blocks until the engine has answered. Calls may come from any thread, including one that runs an
+event loop of its own (a notebook): the engine's loop is never the caller's.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Sequence
+
+from slipstream.api.engine import Engine, Prompt
+from slipstream.errors import EngineClosedError, InvalidRequestError
+from slipstream.outputs import CompletionOutput
+from slipstream.params import EngineConfig, SamplingParams
+
+
+class LLM:
+    def __init__(self, config: EngineConfig | None = None, **overrides):
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="slipstream-llm", daemon=True)
+        self._thread.start()
+        self.engine = Engine(config, **overrides)
+        try:
+            self._call(self.engine.start())
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    # --- requests -------------------------------------------------------------------------------
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[CompletionOutput]:
+        """Complete one prompt or a list of them (all at once, batched by the engine); outputs in order.
+        A prompt is a string or a list of token ids; `params` is one SamplingParams or one per prompt."""
+        batch = [prompts] if _is_single(prompts) else list(prompts)
+        per_prompt = _per_prompt(params, len(batch))
+        return self._call(self._gather(self.engine.complete, batch, per_prompt))
+
+    def chat(self, conversations: list[dict] | Sequence[list[dict]],
+             params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[CompletionOutput]:
+        """Answer one conversation (a list of {"role", "content"} messages) or a list of them."""
+        single = isinstance(conversations, list) and (not conversations or isinstance(conversations[0], dict))
+        batch = [conversations] if single else list(conversations)
+        per_prompt = _per_prompt(params, len(batch))
+        return self._call(self._gather(self.engine.chat, batch, per_prompt))
+
+    def stats(self) -> dict:
+        return self._call(_async(self.engine.stats))
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        try:
+            self._call(self.engine.close())
+        finally:
+            self._stop_loop()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- internals ------------------------------------------------------------------------------
+
+    def _call(self, coro):
+        if self._loop.is_closed():
+            coro.close()
+            raise EngineClosedError("this LLM is closed")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    @staticmethod
+    async def _gather(method, inputs: list, params: list) -> list[CompletionOutput]:
+        return list(await asyncio.gather(*(method(x, p) for x, p in zip(inputs, params))))
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=30)
+        self._loop.close()
+
+
+def _is_single(prompts) -> bool:
+    """A str, or a list of token ids (ints), is one prompt; a list of those is a batch."""
+    if isinstance(prompts, str):
+        return True
+    return isinstance(prompts, (list, tuple)) and bool(prompts) and isinstance(prompts[0], int)
+
+
+def _per_prompt(params, n: int) -> list[SamplingParams | None]:
+    if params is None or isinstance(params, SamplingParams):
+        return [params] * n
+    if not isinstance(params, (list, tuple)):
+        raise InvalidRequestError(f"params must be a SamplingParams or a list of them, got {type(params).__name__}",
+                                  param="params")
+    params = list(params)
+    if len(params) != n:
+        raise InvalidRequestError(f"params: {len(params)} SamplingParams for {n} prompts", param="params")
+    return params
+
+
+async def _async(fn):
+    return fn()

@@ -115,7 +115,10 @@ async def test_abort_and_cancel_free_pages(worker):
         s3 = client.stream("third", long)
         await anext(s3)
         await s3.aclose()  # closing a stream early aborts it too
-        await wait_pages_free(client)
+        async for _ in client.stream("fourth", long, request_id="r4"):
+            break
+        assert "r4" not in client._pending  # freed at once, no loop pass in between
+        await wait_pages_free(client)  # and the worker aborted it
 
 
 async def test_client_disconnect_and_close_free_pages(worker, tmp_path):

@@ -18,7 +18,6 @@ import itertools
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
 import msgspec
 import structlog
@@ -28,6 +27,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from slipstream import errors
 from slipstream import validate as check
+from slipstream.api.client_stream import ClientStream
 from slipstream.api.protocol import (
     PROTOCOL_VERSION,
     Abort,
@@ -160,12 +160,12 @@ class Client:
         return await self._complete(request_id, params, messages=messages)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None,
-               request_id: str | None = None) -> AsyncIterator[StreamDelta]:
-        return self._stream(request_id, params, prompt=prompt)
+               request_id: str | None = None) -> "ClientStream":
+        return ClientStream(self, request_id, params, {"prompt": prompt})
 
     def chat_stream(self, messages: list[dict], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> AsyncIterator[StreamDelta]:
-        return self._stream(request_id, params, messages=messages)
+                    request_id: str | None = None) -> "ClientStream":
+        return ClientStream(self, request_id, params, {"messages": messages})
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request; its waiter gets finish_reason "abort". False if unknown or finished."""
@@ -187,22 +187,6 @@ class Client:
             if isinstance(item, BaseException):
                 raise item
             return item
-        finally:
-            self._forget(p, finished)
-
-    async def _stream(self, request_id, params, **prompt) -> AsyncIterator[StreamDelta]:
-        p = self._submit(request_id, params, True, prompt)
-        finished = False
-        try:
-            while True:
-                item = await p.queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finish_reason is not None
-                yield item
-                if finished:
-                    return
         finally:
             self._forget(p, finished)
 
@@ -407,4 +391,5 @@ class Client:
         for fut in self._calls.values():
             if not fut.done():
                 fut.set_exception(type(error)(*error.args))
+
 

@@ -131,12 +131,12 @@ class ModelRunner:
                 if want_logprobs:  # of the model's own distribution, before masks and temperature
                     raw = slot.logits.index_select(0, idx).log_softmax(-1)
                     slot.logprobs.index_copy_(0, idx, raw.gather(1, ids[:, None])[:, 0])
+                if final:  # the last group of a sampling step: proof that its sampling ran
+                    slot.stamp.fill_(step_id)
 
             compute.launch(sample_rows, "sample")
         if not final:
             return
-        if n:
-            compute.launch(lambda: slot.stamp.fill_(step_id))  # after every sampling group of the step
         slot.sample_done = compute.record()
         copy.wait(slot.sample_done)  # the copy waits for exactly this step's outputs
 

@@ -117,7 +117,7 @@ class Planner:
             seqs.append(seq)
             budget -= 1
         room = min(self.max_batch_size - len(works), budget)  # prompt chunks that can still join
-        prompts = [p for p in prompts if p.status is SeqStatus.RUNNING and not p.preempting][:max(room, 0)]
+        prompts = prompts[:max(room, 0)]  # (a decode row's victims are admitted after it: none of these)
         while not blocked and len(prompts) < room and self._admit():
             prompts.append(self.running[-1])
         shares = fair_shares([p.num_known - p.num_scheduled for p in prompts], budget)

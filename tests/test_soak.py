@@ -10,7 +10,7 @@ from soak import format_report, soak  # noqa: E402
 
 
 async def test_soak_500_requests_with_faults():
-    report = await soak(500, rounds=2, seed=3, log=lambda *_: None)
+    report = await soak(500, rounds=2, seed=3, log=lambda *_: None, armed={"forward": 1, "sample": 1})
     print(format_report(report))
     assert report.ok, format_report(report)
     assert report.lost == report.duplicated == report.leaked_pages == 0 and not report.untyped

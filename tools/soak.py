@@ -166,11 +166,15 @@ def rss_mb() -> float:
 
 
 async def soak(requests: int, rounds: int = 3, seed: int = 0, rates: dict | None = None,
-               deadline_s: float = 120.0, log=print) -> Report:
+               deadline_s: float = 120.0, log=print, armed: dict[str, int] | None = None) -> Report:
+    """`armed`: faults that fire for sure at their point's next checks (random rates may not fire
+    in a short run: how many checks happen depends on timing)."""
     rng = random.Random(seed)
     report = Report(requests=requests)
     started = time.perf_counter()
     faults = FaultInjector(FAULT_RATES if rates is None else rates, seed=seed)
+    for point, times in (armed or {}).items():
+        faults.arm(point, times)
     # the depth-1 reference engine lives beside the soaked one, so each round is checked and then
     # dropped: RSS measures the engine, not results kept by this tool
     async with Engine(engine_config(2)) as engine, Engine(engine_config(1)) as reference:

@@ -124,8 +124,8 @@ def test_output_text_costs_the_same_per_token_at_any_length():
             outputs.accept(s, 7)
         return (time.perf_counter() - t0) / n
 
-    early = per_token(2_000)
+    early = min(per_token(700) for _ in range(3))  # best of 3: a busy machine only adds time
     for _ in range(28_000):
         outputs.accept(s, 7)
-    late = per_token(2_000)  # the text is now 3 MB long: one copy per token would be ~100x slower
+    late = min(per_token(700) for _ in range(3))  # the text is now ~3 MB: a copy per token is ~100x slower
     assert late < 5 * early, (early, late)

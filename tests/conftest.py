@@ -3,6 +3,7 @@ import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("SLIPSTREAM_WEIGHT_CACHE", "0")  # tests never write the user's cache; cache tests opt in
+os.environ.setdefault("SLIPSTREAM_CHECK_INVARIANTS", "1")  # Sequence.check() on every row at every commit
 sys.path.insert(0, os.path.dirname(__file__))  # test helpers (fake_runner) import by name
 
 import pytest  # noqa: E402

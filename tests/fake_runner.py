@@ -141,6 +141,10 @@ class FakeRunner:
         self.slots = [FakeSlot(0), FakeSlot(1)]
         self.kv: dict[int, int] = {}  # flat slot -> token
         self.table: dict[int, int] = {}  # carry-over row -> token
+        self.dev_pages: dict[int, list[int]] = {}  # row -> page-table row, as the "device" has it
+        self.dev_pos: dict[int, int] = {}  # row -> next position, as the "device" has it
+        self.launch_pages: dict[int, list[int]] = {}  # the same tables as launch order has them
+        self.launch_pos: dict[int, int] = {}
         self.referee = Referee()
         self._rng = random.Random(seed)
         self._max_delay = max_delay
@@ -156,35 +160,60 @@ class FakeRunner:
         assert slot.state is SlotState.FREE, "slot reused while in flight"
         slot.state, slot.step_id = SlotState.IN_FLIGHT, step_id
         slot.host_result, slot.sampled = None, {}
-        n_seqs = len(packed.kv_lens)
-        pages = {p for table in packed.page_tables for p in table}
-        rows = {int(r) for r in packed.sample_rows} | {int(r) for r, d in zip(packed.carry_rows, packed.from_device) if d}
-        self.referee.steps[step_id] = (pages, rows)
-        # what the device will read when the forward runs: copies, as the real staging arena holds them
-        input_ids, from_device = packed.input_ids.copy(), packed.from_device.copy()
-        carry_rows, slot_mapping = packed.carry_rows.copy(), packed.slot_mapping.copy()
-        query_start, kv_lens = list(packed.query_start), list(packed.kv_lens)
-        page_tables = [list(t) for t in packed.page_tables]
-        sample_ends = set(packed.sample_indices[: packed.num_samples].tolist())
+        # the persistent batch as the host's launch order sees it (what the step will reference)
+        writes = [tuple(int(x) for x in w) for w in packed.page_writes]
+        for row, index, page in writes:
+            self._apply_page(self.launch_pages, row, index, page)
+        dec = [int(r) for r in packed.decode_rows]
+        seq_rows, kv_lens = [], []
+        for r in dec:
+            kv_lens.append(self.launch_pos.get(r, 0) + 1)
+            self.launch_pos[r] = kv_lens[-1]
+            seq_rows.append(r)
+        chunks = [(w.row, list(w.tokens), w.start_pos, w.sample) for w in packed.chunks]
+        for row, tokens, start, _ in chunks:
+            self.launch_pos[row] = start + len(tokens)
+            seq_rows.append(row)
+            kv_lens.append(start + len(tokens))
+        pages = set()
+        for r, kv in zip(seq_rows, kv_lens):
+            pages |= set(self.launch_pages[r][: -(-kv // self.page_size)])
+        self.referee.steps[step_id] = (pages, set(seq_rows))
 
-        def forward() -> None:
-            ids = [self.table[int(r)] if d else int(t) for t, d, r in zip(input_ids, from_device, carry_rows)]
-            for i in range(packed.num_tokens):
-                self.kv[int(slot_mapping[i])] = ids[i]
-            slot.contexts = []
-            for s in range(n_seqs):
-                if query_start[s + 1] - 1 in sample_ends:
-                    table = page_tables[s]
-                    slot.contexts.append([self.kv[table[p // self.page_size] * self.page_size + p % self.page_size]
-                                          for p in range(kv_lens[s])])
+        def forward() -> None:  # reads the row tables as they are when it runs (stream order)
+            for row, index, page in writes:
+                self._apply_page(self.dev_pages, row, index, page)
+            tokens_at = []  # (row, position, token)
+            for r in dec:
+                pos = self.dev_pos.get(r, 0)
+                tokens_at.append((r, pos, self.table[r]))
+                self.dev_pos[r] = pos + 1
+            for row, tokens, start, _ in chunks:
+                tokens_at += [(row, start + i, t) for i, t in enumerate(tokens)]
+                self.dev_pos[row] = start + len(tokens)
+            for row, pos, tok in tokens_at:
+                self.kv[self._slot(row, pos)] = tok
+            sampling = [(r, self.dev_pos[r]) for r in dec] + [(row, start + len(tokens))
+                                                              for row, tokens, start, sample in chunks if sample]
+            slot.contexts = [[self.kv[self._slot(r, p)] for p in range(kv)] for r, kv in sampling]
 
+        slot.sample_rows = [int(r) for r in packed.sample_rows]
         self.streams[0].launch(forward)
 
-    def launch_sampling(self, slot, packed, works, rows=None, bitmask=None, final=True) -> None:
+    def _slot(self, row: int, pos: int) -> int:
+        return self.dev_pages[row][pos // self.page_size] * self.page_size + pos % self.page_size
+
+    @staticmethod
+    def _apply_page(table: dict, row: int, index: int, page: int) -> None:
+        pages = table.setdefault(row, [])
+        pages.extend([0] * (index + 1 - len(pages)))
+        pages[index] = page
+
+    def launch_sampling(self, slot, packed, rows=None, bitmask=None, final=True) -> None:
         compute, copy = self.streams
         n = packed.num_samples
         rows = list(range(n)) if rows is None else list(rows)
-        carry = [int(r) for r in packed.sample_rows]
+        carry = slot.sample_rows
 
         def sample() -> None:
             for i in rows:

@@ -5,12 +5,13 @@ import asyncio
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import structlog
 import torch
 
 from slipstream import Engine, EngineConfig, SamplingParams
-from slipstream.runtime.batch import SeqWork, pack_step
+from slipstream.runtime.batch import pack_step
 from slipstream.runtime.buckets import make_buckets, pick_bucket
 from test_engine_tiny import mixed_requests
 
@@ -103,20 +104,28 @@ def test_graph_replay_equals_eager_forward():
             kv.v.normal_()
             runner.token_table.random_(3, 500)
             for n in (1, 3, 4, 9, 16):
-                works = [SeqWork(row=i, tokens=None, start_pos=5 + 7 * i, pages=[1 + 16 * i + j for j in range(16)],
-                                 sample=True) for i in range(n)]
-                packed = pack_step(works, kv.page_size)
+                rows = list(range(1, n + 1))
+                for i, r in enumerate(rows):  # row r: position 5 + 7i, pages 1 + 16i ...
+                    runner.rows.pages[r, :16] = torch.arange(1 + 16 * i, 17 + 16 * i)
+                positions = torch.tensor([5 + 7 * i for i in range(n)], device=kv.k.device)
+
+                def hold() -> None:  # every forward advances the rows' positions: reset them
+                    runner.rows.pos[1:n + 1] = positions
+
+                packed = pack_step(np.array(rows), [])
                 arena, compute = runner.arenas[0], runner.device.compute.stream
                 layout = arena.fill(packed)
                 arena.upload()
                 with torch.cuda.stream(compute):
-                    eager = runner.forward_from(arena.tensors(*layout))[:n].clone()
+                    hold()
+                    eager = runner.forward_from(arena.tensors(layout))[:n].clone()
                 torch.cuda.synchronize()
                 bucket, graph = runner.graphs.lookup(0, n)
                 assert bucket == pick_bucket(make_buckets(1, 4, 16), n)
-                arena.fill(packed, pad_seqs=bucket)
+                arena.fill(packed, pad_decode=bucket)
                 arena.upload()
                 with torch.cuda.stream(compute):
+                    hold()
                     replayed = graph.replay()[:n].clone()
                 torch.cuda.synchronize()
                 if bucket == n:

@@ -3,6 +3,7 @@ import asyncio
 import math
 import random
 
+import numpy as np
 import pytest
 
 from engine_util import run_staggered, wait_all_free
@@ -166,15 +167,15 @@ async def test_invalid_prompts_raise_before_scheduling():
 async def test_slot_reuse_guard_fires_when_misused():
     async with Engine(cfg(2)) as engine:
         runner = engine._parts.runner
-        works = [SeqWork(row=1, tokens=[5, 6, 7], start_pos=0, pages=[1], sample=True)]
-        packed = pack_step(works, 8, 4)
+        works = [SeqWork(row=1, tokens=[5, 6, 7], start_pos=0, sample=True)]
+        packed = pack_step(np.zeros(0, np.int64), works, np.array([[1, 0, 1]]), 4)
         slot = runner.slots[0]
         runner.launch_forward(slot, 1000, packed)
         with pytest.raises(SlotReuseError):
             runner.launch_forward(slot, 1001, packed)  # relaunch before its commit read the host buffer
         with pytest.raises(PipelineInvariantError):
             slot.read_host()  # reading before the copy was even enqueued
-        runner.launch_sampling(slot, packed, works)
+        runner.launch_sampling(slot, packed)
         ids, logprobs = await runner.read_sampled(slot)
         assert len(ids) == len(logprobs) == 1
         slot.release()

@@ -6,18 +6,18 @@ the CPU and must give the same tokens as the plain path.
 """
 import asyncio
 
+import numpy as np
 import pytest
 import structlog
 
 from engine_util import wait_all_free
 from slipstream import Engine, EngineConfig, InvalidRequestError, SamplingParams
-from slipstream.models.attention import AttentionMetadata
-from slipstream.runtime.batch import SeqWork, pack_step
+from slipstream.runtime.batch import SamplingRow, SeqWork, pack_step
 from slipstream.runtime.buckets import make_buckets, pick_bucket
 from slipstream.runtime.cpu_device import CPUDevice
 from slipstream.runtime.graphs import GraphCache
 from slipstream.runtime.memory import kv_pages_for_memory
-from slipstream.runtime.staging import StepArena
+from slipstream.runtime.staging import Layout, StepArena
 from test_engine_tiny import mixed_requests
 
 
@@ -94,24 +94,40 @@ def test_oversize_batch_falls_back_to_eager_and_warns_once():
     assert len(logs) == 1 and logs[0]["log_level"] == "warning" and logs[0]["event"] == "decode_batch_above_graph_buckets"
 
 
-def test_arena_pads_a_decode_step_to_its_bucket_with_inert_rows():
+def test_arena_pads_a_decode_step_to_its_bucket_with_the_scratch_row():
     dev = CPUDevice()
     try:
-        arena = StepArena(dev, max_tokens=16, max_seqs=8, max_pages=4, page_size=4)
-        works = [SeqWork(row=r, tokens=None, start_pos=p, pages=pages, sample=True)
-                 for r, p, pages in [(3, 5, [7, 9]), (5, 2, [11])]]
-        packed = pack_step(works, page_size=4)
-        n_tok, n_seq, n_smp, max_q = arena.fill(packed, pad_seqs=4)
-        t = arena.tensors(n_tok, n_seq, n_smp, max_q)
-        assert (n_tok, n_seq, n_smp, max_q) == (4, 4, 4, 1)
-        assert t.from_device.tolist() == [1, 1, 0, 0] and t.carry_rows.tolist() == [3, 5, 0, 0]
-        assert t.positions.tolist() == [5, 2, 0, 0]
-        assert t.slot_mapping.tolist() == [9 * 4 + 1, 11 * 4 + 2, 0, 0]  # padding writes the scratch page
-        assert t.query_start.tolist() == [0, 1, 2, 3, 4] and t.kv_lens.tolist() == [6, 3, 1, 1]
-        assert t.page_table[:, 0].tolist() == [7, 11, 0, 0] and t.page_table[0, 1] == 9
-        assert t.sample_indices.tolist() == [0, 1, 2, 3]
+        arena = StepArena(dev, max_tokens=16, max_seqs=8, max_pages=4)
+        packed = pack_step(np.array([3, 5]), [], np.array([[3, 1, 9], [5, 0, 11]]))
+        lay = arena.fill(packed, pad_decode=4)
+        assert lay == Layout(d=4, tc=0, c=0, n=4, n_pad=4, w=2, max_q_len=1)
+        t, u = arena.tensors(lay), arena.updates(lay)
+        assert t.decode_rows.tolist() == [3, 5, 0, 0]  # padding rows are row 0: page row all scratch
+        assert t.query_start.tolist() == [0, 1, 2, 3, 4] and t.sample_indices.tolist() == [0, 1, 2, 3]
+        assert t.sample_rows.tolist() == [3, 5, 0, 0] and t.chunk_ids.numel() == 0
+        assert u.page_writes.tolist() == [[3, 1, 9], [5, 0, 11]] and u.param_rows.numel() == 0
         with pytest.raises(ValueError, match="exceeds the staging layout"):
-            arena.fill(packed, pad_seqs=9)
+            arena.fill(packed, pad_decode=9)
+    finally:
+        dev.close()
+
+
+def test_arena_stages_chunks_after_the_decode_rows():
+    dev = CPUDevice()
+    try:
+        arena = StepArena(dev, max_tokens=16, max_seqs=8, max_pages=4)
+        chunks = [SeqWork(row=2, tokens=[7, 8, 9], start_pos=0, sample=True, output_index=0,
+                          sampling=SamplingRow(temperature=0.5, top_k=3, seed=11)),
+                  SeqWork(row=4, tokens=[5, 6], start_pos=4, sample=False)]
+        packed = pack_step(np.array([6]), chunks, None, row_multiple=4)
+        lay = arena.fill(packed)
+        t, u = arena.tensors(lay), arena.updates(lay)
+        assert t.decode_rows.tolist() == [6] and t.chunk_ids.tolist() == [7, 8, 9, 5, 6, 0, 0]  # padded to 8 tokens
+        assert t.chunk_pos.tolist() == [0, 1, 2, 4, 5, 0, 0] and t.chunk_token_rows.tolist() == [2, 2, 2, 4, 4, 0, 0]
+        assert t.query_start.tolist() == [0, 1, 4, 6] and t.chunk_ends.tolist() == [3, 6]
+        assert t.sample_indices.tolist() == [0, 3, 0, 0] and t.sample_rows.tolist() == [6, 2]  # (padded to 4)
+        assert u.param_rows.tolist() == [2, 4] and u.params_int[:, 0].tolist() == [3, 11, 0, 0]
+        assert u.params_float[:, 0].tolist() == [0.5, 1.0]
     finally:
         dev.close()
 
@@ -144,15 +160,10 @@ class EagerGraph:
         self.slot = runner.slots[slot]
 
     def replay(self):
-        b, h = self.bucket, self.arena.host_np
-        o = self.arena.offsets
-        qs = h[o["query_start"]: o["query_start"] + b + 1].tolist()
-        kv = h[o["kv_lens"]: o["kv_lens"] + b].tolist()
-        pt = h[o["page_table"]:].reshape(self.arena.max_seqs, -1)
-        pages = [pt[i, : -(-kv[i] // self.arena.page_size)].tolist() for i in range(b)]
-        self.log.append((b, self.slot.num_samples, kv))
-        meta = AttentionMetadata(qs, kv, pages, self.arena.page_size)
-        return self.runner.forward_from(self.arena.tensors(b, b, b, 1), meta)
+        tensors = self.arena.tensors(Layout.decode_bucket(self.bucket))
+        kv = (self.runner.rows.pos[tensors.decode_rows] + 1).tolist()  # what the forward will see
+        self.log.append((self.bucket, self.slot.num_samples, kv))
+        return self.runner.forward_from(tensors, host_attention=True)
 
 
 async def _run(graphs: bool, reqs):
@@ -199,7 +210,7 @@ def test_device_metadata_path_with_the_triton_kernel_matches_the_reference():
                 def capture(slot, b):
                     arena = runner.arenas[slot]
                     return type("Replay", (), {"replay": lambda self: replays.append(b) or
-                                               runner.forward_from(arena.tensors(b, b, b, 1))})()
+                                               runner.forward_from(arena.tensors(Layout.decode_bucket(b)))})()
 
                 runner.graphs = GraphCache(make_buckets(1, 2, 8), 2, capture)
             params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)

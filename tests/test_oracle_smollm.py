@@ -7,7 +7,7 @@ import torch
 from slipstream import Engine, EngineConfig, SamplingParams
 from slipstream.models.attention import AttentionMetadata
 from slipstream.models.llama import ForwardBatch, KVCache, LlamaForCausalLM
-from slipstream.runtime.batch import SeqWork, pack_step
+from slipstream.models.host_batch import Chunk, host_batch
 
 PROMPTS = [
     "The quick brown fox",
@@ -49,10 +49,7 @@ def test_last_position_logits_within_1e3(loaded, ours, hf_model, prompt_ids):
         n_pages = -(-len(ids) // page)
         pages = list(range(next_page + n_pages - 1, next_page - 1, -1))  # reversed: not contiguous
         next_page += n_pages
-        p = pack_step([SeqWork(row=1, tokens=ids, start_pos=0, pages=pages, sample=True)], page, 16)
-        batch = ForwardBatch(torch.from_numpy(p.input_ids), torch.from_numpy(p.positions),
-                             torch.from_numpy(p.slot_mapping), torch.from_numpy(p.sample_indices),
-                             AttentionMetadata(p.query_start, p.kv_lens, p.page_tables, page))
+        batch, _ = host_batch([Chunk(tokens=ids, start_pos=0, pages=pages)], page, 16)
         got = ours(batch, kv)[0]
         with torch.no_grad():
             want = hf_model(torch.tensor([ids])).logits[0, -1].float()

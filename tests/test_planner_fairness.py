@@ -32,12 +32,12 @@ def test_a_short_prompt_is_admitted_while_a_long_one_prefills():
     long = seq("long", 2048)
     planner.add(long)
     first = planner.plan(depth=1)
-    assert first.works[0].num_tokens == 64
+    assert first.chunks[0].num_tokens == 64
     long.inflight_refs, long.num_scheduled = 0, 64  # as if committed
     short = seq("short", 4)
     planner.add(short)
     step = planner.plan(depth=1)
-    by_id = {s.request_id: w for s, w in zip(step.seqs, step.works)}
+    by_id = {s.request_id: w for s, w in zip(step.chunk_seqs, step.chunks)}
     assert by_id["short"].num_tokens == 4 and by_id["short"].sample  # its whole prompt, this step
     assert by_id["long"].num_tokens == 60
 
@@ -121,11 +121,13 @@ def test_output_text_costs_the_same_per_token_at_any_length():
     def per_token(n):
         t0 = time.perf_counter()
         for _ in range(n):
-            outputs.accept(s, 7)
+            outputs.accept(s, 7)  # the tick
+            outputs.process_pending()  # the output stage: text and delivery
         return (time.perf_counter() - t0) / n
 
     early = min(per_token(700) for _ in range(3))  # best of 3: a busy machine only adds time
     for _ in range(28_000):
         outputs.accept(s, 7)
+        outputs.process_pending()
     late = min(per_token(700) for _ in range(3))  # the text is now ~3 MB: a copy per token is ~100x slower
     assert late < 5 * early, (early, late)

@@ -22,19 +22,17 @@ from slipstream.runtime.cpu_invariance import row_multiple_for  # noqa: E402
 from slipstream.models.attention import AttentionMetadata  # noqa: E402
 from slipstream.models.build import build_model  # noqa: E402
 from slipstream.models.llama import ForwardBatch, KVCache  # noqa: E402
-from slipstream.runtime.batch import SeqWork, pack_step  # noqa: E402
+from slipstream.models.host_batch import Chunk, host_batch  # noqa: E402
 
 
 def forward_ms(model, config, batch: int, context: int, repeats: int, warmup: int, row_multiple: int) -> list[float]:
     page = 16
     pages_per_seq = -(-(context + 1) // page)
     kv = KVCache(config, 1 + batch * pages_per_seq, page, next(model.parameters()).dtype, "cpu")
-    works = [SeqWork(row=i + 1, tokens=[100 + i], start_pos=context,
-                     pages=list(range(1 + i * pages_per_seq, 1 + (i + 1) * pages_per_seq)), sample=True)
+    works = [Chunk(tokens=[100 + i], start_pos=context,
+                   pages=list(range(1 + i * pages_per_seq, 1 + (i + 1) * pages_per_seq)))
              for i in range(batch)]
-    p = pack_step(works, page, row_multiple)
-    fb = ForwardBatch(torch.from_numpy(p.input_ids), torch.from_numpy(p.positions), torch.from_numpy(p.slot_mapping),
-                      torch.from_numpy(p.sample_indices), AttentionMetadata(p.query_start, p.kv_lens, p.page_tables, page))
+    fb, _ = host_batch(works, page, row_multiple)
     times = []
     for i in range(warmup + repeats):
         t0 = time.perf_counter()

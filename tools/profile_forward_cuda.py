@@ -14,6 +14,7 @@ import asyncio
 import statistics
 import sys
 
+import numpy as np
 import torch
 
 import os as _os
@@ -22,7 +23,7 @@ import sys as _sys
 _sys.path.insert(0, _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))))  # this checkout
 
 from slipstream import Engine, EngineConfig  # noqa: E402
-from slipstream.runtime.batch import SeqWork, pack_step  # noqa: E402
+from slipstream.runtime.batch import pack_step  # noqa: E402
 
 
 def event_ms(fn, repeats: int, warmup: int = 5) -> float:
@@ -72,24 +73,29 @@ async def main_async(args) -> None:
         print("|---:|---:|---:|---:|---:|---:|")
         details = []
         for n in args.batches:
-            works = [SeqWork(row=i, tokens=None, start_pos=args.context, sample=True,
-                             pages=[1 + pages * i + j for j in range(pages)]) for i in range(n)]
-            packed = pack_step(works, kv.page_size)
+            rows = torch.arange(1, n + 1, device=kv.k.device)
+            runner.rows.pages[1:n + 1, :pages] = (1 + pages * (rows[:, None] - 1)
+                                                  + torch.arange(pages, device=rows.device)[None, :])
+            packed = pack_step(np.arange(1, n + 1), [])
             arena = runner.arenas[0]
             layout = arena.fill(packed)
             arena.upload()
-            tensors = arena.tensors(*layout)
+            tensors = arena.tensors(layout)
+
+            def reset_positions() -> None:  # each forward advances them: hold every row at the context
+                runner.rows.pos[1:n + 1] = args.context
+
             with torch.cuda.stream(compute):
-                eager = lambda: runner.forward_from(tensors)  # noqa: E731
+                eager = lambda: reset_positions() or runner.forward_from(tensors)  # noqa: E731
                 eager_ms = event_ms(eager, args.repeats)
                 count, busy, ranked = kernel_profile(eager, args.top)
                 found = runner.graphs.lookup(0, n) if runner.graphs is not None else None
                 graph_ms = float("nan")
                 if found is not None:
                     bucket, graph = found
-                    arena.fill(packed, pad_seqs=bucket)
+                    arena.fill(packed, pad_decode=bucket)
                     arena.upload()
-                    graph_ms = event_ms(graph.replay, args.repeats)
+                    graph_ms = event_ms(lambda: reset_positions() or graph.replay(), args.repeats)
             print(f"| {n} | {graph_ms:.3f} | {eager_ms:.3f} | {eager_ms / graph_ms:.2f} | {count} | {busy:.3f} |")
             details.append((n, ranked))
         for n, ranked in details:

@@ -1,12 +1,19 @@
-"""Commit-side request logic: append a token, detokenise incrementally, check stops, emit deltas.
+"""Request-side output processing, split in two so the tick stays short.
 
-Runs on the event loop inside commit. Text is streamed as it becomes final: while stop strings
-are set, the last (longest stop - 1) characters are held back (`pending`), since they may turn out
-to be the start of a stop string that must not be shown. Emitted text is kept as a list of pieces
-and joined once at the end: appending to one growing string would copy it on every token.
+On the tick (`accept`, called by the commit for every live row): append the token, time it,
+advance the grammar matcher (the next mask depends on it), and end the request when a token id
+decides it — a stop token id, a finished grammar, max_tokens. Constant work, no text.
 
-A failure while processing one request (its detokeniser, its grammar matcher) fails only that
-request (`fail`); the batch goes on.
+Off the tick (`process_pending`, run by the output stage: a task beside the engine loop, or an
+explicit call): detokenise the tokens committed since the last pass, scan stop strings, stream
+one delta per request per pass and emit final outputs. A request with stop strings is ended here,
+by the text: a stop string found here ends the sequence a tick or more after its token was
+committed, so later tokens of it may already be in flight — zombies make that safe, and its output
+is cut back to the stop, so text and token ids equal what a blocking loop would give.
+
+Text is kept as streamed pieces plus a held-back tail (`pending`: while stop strings are set, the
+last longest-stop - 1 characters may start a stop string). A failure processing one request (its
+detokeniser, its grammar matcher) fails only that request.
 """
 from __future__ import annotations
 
@@ -19,6 +26,8 @@ from slipstream.outputs import CompletionOutput, RequestMetrics, StreamDelta
 from slipstream.params import SamplingParams
 from slipstream.scheduler.output_sink import Finish
 from slipstream.scheduler.sequence import Sequence
+
+STAGE_SLICE = 128  # requests processed between yields to the loop, so a tick is never held long
 
 
 @dataclass(eq=False)
@@ -37,6 +46,15 @@ class RequestState:
     output: CompletionOutput | None = None
     matcher: object | None = None  # grammar matcher (slipstream.grammar), advanced on each commit
     logprobs: list[float] = field(default_factory=list)
+    seq: Sequence | None = None  # set by the OutputProcessor at its first token
+    # output-stage bookkeeping
+    processed: int = 0  # output tokens the stage has turned into text
+    queued: bool = False  # in the stage's to-do list
+    end_at: int | None = None  # the tick ended the request after this many output tokens
+    end_reason: str | None = None
+    end_drops_text: bool = False  # the last token is a stop token: its text is not output
+    grammar_done_at: int | None = None  # output length at which the grammar completed
+    closed: bool = False  # final output (or error) delivered
 
     @property
     def text(self) -> str:
@@ -44,84 +62,199 @@ class RequestState:
 
 
 class OutputProcessor:
-    """The API layer's OutputSink (slipstream/scheduler/output_sink.py)."""
+    """The API layer's OutputSink (slipstream/scheduler/output_sink.py) and its output stage."""
 
     def __init__(self) -> None:
-        self._finalize: Finish | None = None  # Pipeline.finish, bound by the EngineLoop
+        self._finalize: Finish | None = None  # the EngineLoop's finish, bound by it
         self.faults = None  # tests only: a slipstream.faults.FaultInjector
+        self._todo: list[RequestState] = []
+        self._ready: asyncio.Event | None = None
+        self.passes = 0  # stage passes that processed something (stats)
 
     def bind(self, finish: Finish) -> None:
         self._finalize = finish
 
+    # --- on the tick ----------------------------------------------------------------------------
+
     def accept(self, seq: Sequence, token: int, logprob: float = 0.0) -> None:
         req: RequestState = seq.user
+        out = seq.output_ids
+        out.append(token)
         now = time.perf_counter()
-        seq.output_ids.append(token)
+        m = req.metrics
+        m.token_times.append(now)
+        if m.first_token is None:
+            m.first_token = now
+            req.seq = seq
         if req.params.logprobs:
             req.logprobs.append(logprob)
-        req.metrics.token_times.append(now)
-        if req.metrics.first_token is None:
-            req.metrics.first_token = now
-        reason, truncated = None, False
-        if req.matcher is not None:
+        matcher = req.matcher
+        if matcher is not None:
             try:
                 if self.faults is not None:
                     self.faults.check("matcher", req.request_id)
-                req.matcher.accept(token)
+                matcher.accept(token)
             except Exception as e:  # noqa: BLE001 - a plugin may raise anything; only its request fails
                 self.fail(seq, _as_grammar_error(req, e))
                 return
+            if req.grammar_done_at is None and matcher.is_terminated():
+                req.grammar_done_at = len(out)
+        if not req.queued:
+            req.queued = True
+            self._todo.append(req)
+            if self._ready is not None:
+                self._ready.set()
+        if req.params.stop:
+            return  # ended by the output stage, which sees the text
         if token in req.stop_token_ids:
-            reason = "stop"  # the stop token stays in token_ids; its text is not part of the output
-        else:
-            before = len(req.pending)
-            try:
-                if self.faults is not None:
-                    self.faults.check("detokenize", req.request_id)
-                req.pending += req.detok.push([token])
-            except Exception as e:  # noqa: BLE001 - a tokenizer bug must not stop the batch
-                self.fail(seq, _wrap(RequestFailedError, f"detokenising token {token} of request "
-                                                         f"{req.request_id} failed: {e!r}", e))
-                return
-            stops = req.params.stop
-            if stops:  # only the held-back tail can hold a new match: no rescan of the whole text
-                start = max(0, before - max(map(len, stops)) + 1)
-                hits = [i for i in (req.pending.find(s, start) for s in stops) if i >= 0]
-                if hits:
-                    req.pending, reason, truncated = req.pending[: min(hits)], "stop", True
-        if reason is None and req.matcher is not None and req.matcher.is_terminated():
-            reason = "stop"  # the grammar is complete: nothing more may follow
-        if reason is None and len(seq.output_ids) >= seq.max_tokens:
-            reason = "length"
-        if reason is None:
-            self._emit(req, [token], None)
-        else:
-            self._finish(seq, reason, [token], flush=not truncated)
+            self._end(seq, req, "stop", drops_text=True)  # the stop token stays in token_ids, not in the text
+        elif req.grammar_done_at is not None:
+            self._end(seq, req, "stop")  # the grammar is complete: nothing more may follow
+        elif len(out) >= seq.max_tokens:
+            self._end(seq, req, "length")
+
+    def _end(self, seq: Sequence, req: RequestState, reason: str, drops_text: bool = False) -> None:
+        req.end_at, req.end_reason, req.end_drops_text = len(seq.output_ids), reason, drops_text
+        self._finalize(seq, reason)
 
     def abort(self, seq: Sequence) -> None:
-        self._finish(seq, "abort", [], flush=True)
-
-    def fail(self, seq: Sequence, error: BaseException) -> None:
-        """Fail one request (its waiter raises `error`, a SlipstreamError); the batch goes on."""
-        if not self._finalize(seq, "abort"):
+        if seq.finalized:
             return
         req: RequestState = seq.user
+        req.seq = seq
+        self._end(seq, req, "abort")
+        if not req.queued:
+            req.queued = True
+            self._todo.append(req)
+            if self._ready is not None:
+                self._ready.set()
+
+    def fail(self, seq: Sequence, error: BaseException) -> None:
+        """Fail one request (its waiter raises `error`, a SlipstreamError); the batch goes on. A
+        request the tick already ended (its output complete, the stage yet to deliver it) keeps it."""
+        req: RequestState = seq.user
+        if req.closed or (seq.finalized and req.end_at is not None):
+            return
+        self._finalize(seq, "abort")
+        self._deliver_error(req, error)
+
+    def _deliver_error(self, req: RequestState, error: BaseException) -> None:
+        req.closed = True
         req.metrics.finished = time.perf_counter()
         if not isinstance(error, SlipstreamError):
             error = _wrap(RequestFailedError, f"request {req.request_id} failed: {error!r}", error)
         req.queue.put_nowait(error)
 
-    def _finish(self, seq: Sequence, reason: str, token_ids: list[int], flush: bool) -> None:
-        if seq.finalized:
+    # --- the output stage -----------------------------------------------------------------------
+
+    async def run_stage(self) -> None:
+        """The stage as a task on the engine's loop: a pass whenever commits left work, yielding to
+        the loop every STAGE_SLICE requests."""
+        self._ready = asyncio.Event()
+        if self._todo:
+            self._ready.set()
+        while True:
+            await self._ready.wait()
+            self._ready.clear()
+            todo, self._todo = self._todo, []
+            done = 0
+            try:
+                while done < len(todo):
+                    if done:
+                        await asyncio.sleep(0)
+                    for req in todo[done:done + STAGE_SLICE]:
+                        self._process(req)
+                    done += STAGE_SLICE
+            finally:  # cancelled between slices (the loop stopped): process_pending gets the rest
+                self._todo[:0] = todo[done:]
+            self.passes += 1
+
+    def process_pending(self) -> None:
+        """One synchronous pass (when the engine loop stops, for what the stage had not reached)."""
+        todo, self._todo = self._todo, []
+        for req in todo:
+            self._process(req)
+
+    def _process(self, req: RequestState) -> None:
+        req.queued = False
+        seq = req.seq
+        if req.closed or seq is None:
             return
-        req: RequestState = seq.user
+        try:
+            self._process_tokens(seq, req)
+        except _RequestFailed as f:
+            self._finalize(seq, "abort")
+            self._deliver_error(req, f.error)
+        except Exception as e:  # noqa: BLE001 - a bug processing one request must not stop the stage
+            self._finalize(seq, "abort")
+            self._deliver_error(req, _wrap(RequestFailedError, f"processing the output of request "
+                                                               f"{req.request_id} failed: {e!r}", e))
+
+    def _process_tokens(self, seq: Sequence, req: RequestState) -> None:
+        out = seq.output_ids
+        limit = len(out) if req.end_at is None else req.end_at
+        start = req.processed
+        if req.params.stop:
+            self._scan_stops(seq, req, start, limit)
+            return
+        self._push(req, out[start:limit - 1] if req.end_drops_text and limit > start else out[start:limit])
+        req.processed = limit
+        if req.end_at is not None:
+            self._close(seq, req, req.end_reason, out[start:limit], flush=True)
+        else:
+            self._emit(req, out[start:limit], None)
+
+    def _scan_stops(self, seq: Sequence, req: RequestState, start: int, limit: int) -> None:
+        """Token by token: the first of stop token, stop string, finished grammar, max_tokens ends it."""
+        out, stops = seq.output_ids, req.params.stop
+        longest = max(map(len, stops))
+        for i in range(start, limit):
+            token = out[i]
+            reason, truncated = None, False
+            if token in req.stop_token_ids:
+                reason = "stop"
+            else:
+                before = len(req.pending)
+                self._push(req, [token])
+                at = max(0, before - longest + 1)  # only the held-back tail can hold a new match
+                hits = [j for j in (req.pending.find(s, at) for s in stops) if j >= 0]
+                if hits:
+                    req.pending, reason, truncated = req.pending[:min(hits)], "stop", True
+            n = i + 1
+            if reason is None and (req.grammar_done_at == n or req.end_at == n):
+                reason = req.end_reason if req.end_at == n else "stop"
+            if reason is None and n >= seq.max_tokens:
+                reason = "length"
+            if reason is not None:
+                req.processed = n
+                self._finalize(seq, reason)  # (no-op if the tick or an abort ended it already)
+                del out[n:]  # tokens committed after the stop are not part of the output
+                del req.logprobs[n:]
+                del req.metrics.token_times[n:]
+                self._close(seq, req, reason, out[start:n], flush=not truncated)
+                return
+        req.processed = limit
+        self._emit(req, out[start:limit], None)
+
+    def _push(self, req: RequestState, tokens: list[int]) -> None:
+        if not tokens:
+            return
+        try:
+            if self.faults is not None:
+                self.faults.check("detokenize", req.request_id)
+            req.pending += req.detok.push(tokens)
+        except Exception as e:  # noqa: BLE001 - a tokenizer bug must not stop the batch
+            raise _RequestFailed(_wrap(RequestFailedError, f"detokenising tokens {tokens} of request "
+                                                           f"{req.request_id} failed: {e!r}", e)) from e
+
+    def _close(self, seq: Sequence, req: RequestState, reason: str, token_ids: list[int], flush: bool) -> None:
         if flush:
             try:
                 req.pending += req.detok.flush()
-            except Exception as e:  # noqa: BLE001 - as in accept: only this request fails
-                self.fail(seq, _wrap(RequestFailedError, f"detokenising request {req.request_id} failed: {e!r}", e))
-                return
-        self._finalize(seq, reason)
+            except Exception as e:  # noqa: BLE001 - as in _push: only this request fails
+                raise _RequestFailed(_wrap(RequestFailedError, f"detokenising request {req.request_id} "
+                                                               f"failed: {e!r}", e)) from e
+        req.closed = True
         req.metrics.finished = time.perf_counter()
         self._emit(req, token_ids, reason)
         req.output = CompletionOutput(
@@ -143,7 +276,12 @@ class OutputProcessor:
             delta, req.pending = req.pending[:cut], req.pending[cut:]
             req.pieces.append(delta)
         if delta or token_ids or finish_reason:
-            req.queue.put_nowait(StreamDelta(req.request_id, delta, token_ids, finish_reason))
+            req.queue.put_nowait(StreamDelta(req.request_id, delta, list(token_ids), finish_reason))
+
+
+class _RequestFailed(Exception):
+    def __init__(self, error: SlipstreamError):
+        self.error = error
 
 
 def _wrap(cls: type[SlipstreamError], message: str, cause: BaseException) -> SlipstreamError:

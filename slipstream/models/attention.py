@@ -28,7 +28,7 @@ class AttentionMetadata:
 
     query_start: list[int]
     kv_lens: list[int]
-    page_tables: list[list[int]]
+    page_tables: "list[list[int]] | torch.Tensor"  # a row per sequence (lists, or a [S, P] tensor)
     page_size: int
     on_device: "DeviceAttentionMetadata | None" = None  # what GPU kernels read (and graphs capture)
 
@@ -54,8 +54,9 @@ def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tens
     cache.index_copy_(0, slot_mapping, values)
 
 
-def gather_slots(pages: list[int], kv_len: int, page_size: int, device: torch.device) -> torch.Tensor:
-    page_idx = torch.tensor(pages[: (kv_len + page_size - 1) // page_size], dtype=torch.long, device=device)
+def gather_slots(pages, kv_len: int, page_size: int, device: torch.device) -> torch.Tensor:
+    """Flat KV slots of a sequence's first kv_len tokens; `pages` a list or a page-table tensor row."""
+    page_idx = torch.as_tensor(pages[: (kv_len + page_size - 1) // page_size], dtype=torch.long, device=device)
     offsets = torch.arange(page_size, dtype=torch.long, device=device)
     return (page_idx[:, None] * page_size + offsets).reshape(-1)[:kv_len]
 

@@ -1,8 +1,18 @@
 """What one step asks of the device, in plain Python (no torch), and how it is packed.
 
-The scheduler describes a step as a list of `SeqWork`; the runtime packs it into flat arrays for
-the model. Decode tokens are not known on the host when the step is planned: `SeqWork.tokens is
-None` means "one token, read on the device from the carry-over table at `row`".
+The batch is persistent: each admitted sequence owns a row of the runner's per-row device tables
+for its whole life (last sampled token, next position, page-table row, sampling parameters,
+output index). A step therefore names
+  * `decode_rows`: rows that feed one token each from the device and sample — nothing else about
+    them is sent, their inputs are gathered on the device from the row tables;
+  * `chunks`: host-known tokens (a prompt chunk, or a recompute after preemption) as `SeqWork`,
+    which also (re)write their row's position, sampling parameters and output index;
+  * `page_writes`: (row, index, page) entries added to page-table rows since the last step.
+So a step of N decoding sequences costs the host N row ids, not N rebuilt rows.
+
+Layout of a packed step (token order = sequence order = sampling-row order): the decode rows
+first, then the chunks; sampling rows are every decode row, then each chunk that ends at its
+sequence's newest known token.
 """
 from __future__ import annotations
 
@@ -12,9 +22,10 @@ import numpy as np
 
 from slipstream.intmath import round_up
 
-# Page 0 is never handed to a sequence: padding rows write their K/V there, so padded rows need
-# no masking of their writes.
+# Page 0 is never handed to a sequence and row 0 is never given to one: padding tokens belong to
+# row 0, whose page-table row stays all zeros, so they write their K/V to the scratch page.
 SCRATCH_PAGE = 0
+SCRATCH_ROW = 0
 
 
 @dataclass(frozen=True)
@@ -28,78 +39,108 @@ class SamplingRow:
 
 @dataclass
 class SeqWork:
-    row: int  # carry-over table row of this sequence (stable while it lives)
-    tokens: list[int] | None  # prefill chunk tokens; None = one decode token from the device
-    start_pos: int  # position of the first token of this work
-    pages: list[int]  # page-table row, long enough for start_pos + num_tokens
-    sample: bool  # this work ends at a position whose next token is sampled
-    output_index: int = 0  # index of the token being sampled in the request's output (for seeds)
+    """A chunk of host-known tokens of one sequence."""
+
+    row: int  # the sequence's row (stable while it is admitted)
+    tokens: list[int]
+    start_pos: int  # position of the first token
+    sample: bool  # the chunk ends at the sequence's newest known token: its next token is sampled
+    output_index: int = 0  # index in the request's output of the next sampled token (seeds)
     sampling: SamplingRow = field(default_factory=SamplingRow)
 
     @property
     def num_tokens(self) -> int:
-        return 1 if self.tokens is None else len(self.tokens)
+        return len(self.tokens)
+
+    @property
+    def end_pos(self) -> int:
+        return self.start_pos + len(self.tokens)
 
 
 @dataclass
 class PackedStep:
-    """Flat host arrays of one step (what gets copied host→device)."""
+    """Flat host arrays of one step (what is staged and copied host→device)."""
 
-    input_ids: np.ndarray  # [T] host tokens (0 where read from the device)
-    from_device: np.ndarray  # [T] bool, decode tokens
-    carry_rows: np.ndarray  # [T] carry-over row per token (0 for host tokens)
-    positions: np.ndarray  # [T]
-    slot_mapping: np.ndarray  # [T]
-    sample_indices: np.ndarray  # [N] token rows that sample (padded)
-    sample_rows: np.ndarray  # [n] carry-over rows receiving the sampled tokens (unpadded)
-    query_start: list[int]
-    kv_lens: list[int]
-    page_tables: list[list[int]]
-    num_tokens: int  # real tokens (T minus padding)
-    num_samples: int  # real samples (n)
+    decode_rows: np.ndarray  # [d] rows fed from the device
+    chunk_ids: np.ndarray  # [Tc] host tokens of the chunks, then padding (0)
+    chunk_pos: np.ndarray  # [Tc] their positions
+    chunk_token_rows: np.ndarray  # [Tc] their rows (SCRATCH_ROW for padding)
+    chunk_rows: np.ndarray  # [c] row per chunk
+    chunk_query_start: np.ndarray  # [c + 1] offsets of the chunks within the chunk tokens
+    chunk_ends: np.ndarray  # [c] kv length after each chunk
+    chunk_sample_index: np.ndarray  # [sc] token index (within the step) of each sampling chunk's last token
+    sample_rows: np.ndarray  # [n] rows receiving the sampled tokens: decode rows, then sampling chunks
+    page_writes: np.ndarray  # [w, 3] (row, index, page)
+    chunks: list[SeqWork]  # the chunks themselves (their sampling parameters, output indices)
+    num_tokens: int  # real tokens (decode + chunk tokens, without padding)
+    pad_tokens: int  # padding tokens appended after the chunk tokens (row_multiple)
+    pad_samples: int  # padding sampling rows (row_multiple)
+
+    @property
+    def num_decode(self) -> int:
+        return len(self.decode_rows)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.decode_rows) + len(self.chunk_rows)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.sample_rows)
+
+    @property
+    def decode_only(self) -> bool:
+        return not self.chunks
+
+    @property
+    def max_query_len(self) -> int:
+        q = np.diff(self.chunk_query_start)
+        return max(int(q.max()) if len(q) else 1, 1)
 
 
-def pack_step(works: list[SeqWork], page_size: int, row_multiple: int = 1) -> PackedStep:
-    """Flatten a step. Padding rows to `row_multiple` keeps matmul rows independent of batch size."""
-    n_tok = sum(w.num_tokens for w in works)
-    t_pad = round_up(n_tok, row_multiple)
-    input_ids = np.zeros(t_pad, np.int64)
-    from_device = np.zeros(t_pad, bool)
-    carry_rows = np.zeros(t_pad, np.int64)
-    positions = np.zeros(t_pad, np.int64)
-    slot_mapping = np.full(t_pad, SCRATCH_PAGE * page_size, np.int64)
-    query_start, kv_lens, sample_idx, sample_rows = [0], [], [], []
-    cur = 0
-    for w in works:
-        n = w.num_tokens
-        pos = np.arange(w.start_pos, w.start_pos + n)
-        if w.tokens is None:
-            from_device[cur] = True
-            carry_rows[cur] = w.row
-        else:
-            input_ids[cur : cur + n] = w.tokens
-        pages = np.asarray(w.pages, np.int64)
-        positions[cur : cur + n] = pos
-        slot_mapping[cur : cur + n] = pages[pos // page_size] * page_size + pos % page_size
-        cur += n
-        query_start.append(cur)
-        kv_lens.append(w.start_pos + n)
+_NO_WRITES = np.zeros((0, 3), np.int64)
+
+
+def pack_step(decode_rows: np.ndarray, chunks: list[SeqWork], page_writes: np.ndarray | None = None,
+              row_multiple: int = 1) -> PackedStep:
+    """Flatten a step. Padding tokens and sampling rows to `row_multiple` keeps CPU matmul rows
+    independent of the batch size (batch invariance)."""
+    d = len(decode_rows)
+    n_chunk_tok = sum(len(w.tokens) for w in chunks)
+    n_tok = d + n_chunk_tok
+    pad = round_up(n_tok, row_multiple) - n_tok
+    tc = n_chunk_tok + pad
+    chunk_ids = np.zeros(tc, np.int64)
+    chunk_pos = np.zeros(tc, np.int64)
+    chunk_token_rows = np.full(tc, SCRATCH_ROW, np.int64)
+    query_start = [0]
+    sample_index, sample_chunk_rows = [], []
+    at = 0
+    for w in chunks:
+        n = len(w.tokens)
+        chunk_ids[at:at + n] = w.tokens
+        chunk_pos[at:at + n] = np.arange(w.start_pos, w.start_pos + n)
+        chunk_token_rows[at:at + n] = w.row
+        at += n
+        query_start.append(at)
         if w.sample:
-            sample_idx.append(cur - 1)
-            sample_rows.append(w.row)
-    n_samples = len(sample_idx)
-    sample_idx += [0] * (round_up(n_samples, row_multiple) - n_samples)
+            sample_index.append(d + at - 1)
+            sample_chunk_rows.append(w.row)
+    decode_rows = np.asarray(decode_rows, np.int64)
+    n_samples = d + len(sample_index)
     return PackedStep(
-        input_ids=input_ids,
-        from_device=from_device,
-        carry_rows=carry_rows,
-        positions=positions,
-        slot_mapping=slot_mapping,
-        sample_indices=np.asarray(sample_idx, np.int64),
-        sample_rows=np.asarray(sample_rows, np.int64),
-        query_start=query_start,
-        kv_lens=kv_lens,
-        page_tables=[w.pages for w in works],
+        decode_rows=decode_rows,
+        chunk_ids=chunk_ids,
+        chunk_pos=chunk_pos,
+        chunk_token_rows=chunk_token_rows,
+        chunk_rows=np.asarray([w.row for w in chunks], np.int64),
+        chunk_query_start=np.asarray(query_start, np.int64),
+        chunk_ends=np.asarray([w.end_pos for w in chunks], np.int64),
+        chunk_sample_index=np.asarray(sample_index, np.int64),
+        sample_rows=np.concatenate([decode_rows, np.asarray(sample_chunk_rows, np.int64)]),
+        page_writes=_NO_WRITES if page_writes is None or not len(page_writes) else np.asarray(page_writes, np.int64),
+        chunks=chunks,
         num_tokens=n_tok,
-        num_samples=n_samples,
+        pad_tokens=pad,
+        pad_samples=round_up(n_samples, row_multiple) - n_samples,
     )

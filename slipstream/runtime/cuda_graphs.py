@@ -1,9 +1,11 @@
 """Capturing a slot's decode forward as a CUDA graph for one batch-size bucket.
 
-What is captured: carry-over token gather → embedding → layers (Triton paged attention) → final
-norm → lm_head, reading the slot's StepArena device views for that bucket and writing a logits
-tensor owned by the graph. Replay therefore needs only: fill + upload the arena (the upload
-stream, pinned), then `replay()` on the compute stream; addresses never change. Sampling stays
+What is captured: the gather of the decode rows' tokens, positions and page rows from the row
+tables → embedding → layers (Triton paged attention) → final norm → lm_head → positions advanced,
+reading the slot's StepArena device views for that bucket and writing a logits tensor owned by the
+graph. Replay therefore needs only: fill + upload the arena (the upload
+stream, pinned), the step's row-table writes, then `replay()` on the compute stream; addresses never
+change. Sampling stays
 eager (see model_runner.py). All graphs share one memory pool: they run one at a time on the
 compute stream, so their intermediates can overlap; each graph's logits stay alive (held here),
 so no later capture reuses them.
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from slipstream.runtime.batch import pack_step
@@ -36,9 +39,9 @@ def decode_graphs(runner, device, bucket_range: tuple[int, int, int]) -> GraphCa
 
     def capture(slot: int, bucket: int) -> CapturedDecode:
         arena = runner.arenas[slot]
-        layout = arena.fill(pack_step([], runner.kv.page_size), pad_seqs=bucket)  # all padding rows
+        layout = arena.fill(pack_step(np.zeros(0, np.int64), []), pad_decode=bucket)  # all padding rows
         arena.upload()
-        tensors = arena.tensors(*layout)
+        tensors = arena.tensors(layout)
         with torch.cuda.stream(stream):
             runner.forward_from(tensors)  # compiles kernels, creates handles: nothing of that in the graph
         torch.cuda.synchronize(device.torch_device)

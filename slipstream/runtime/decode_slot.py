@@ -22,8 +22,6 @@ from slipstream.grammar.bitmask import words_for
 
 POISON = -7
 MAX_GROUPS = 2
-GROUP_INT = ("rows", "carry", "top_k", "seed", "output_index")
-GROUP_FLOAT = ("temperature", "top_p")
 
 
 class SlotState(enum.Enum):
@@ -47,19 +45,18 @@ class DecodeSlot:
         self.logprobs = torch.zeros(max_samples, dtype=torch.float32, device=device.torch_device)
         self.host_logprobs = device.host_buffer((max_samples,), torch.float32)
         # Sampling groups (all rows at once, or unconstrained rows at launch and constrained rows at
-        # finalize): each stages its row indices, carry-over rows, per-row sampling parameters and
-        # packed allowed-token masks in host buffers of its own, uploaded in one go (pinned on CUDA;
-        # shared memory on the CPU). Integer fields: GROUP_INT rows; float fields: GROUP_FLOAT rows.
+        # finalize): each stages its sampling-row indices and packed allowed-token masks in host
+        # buffers of its own, uploaded in one go (pinned on CUDA; shared memory on the CPU). The
+        # rows' sampling parameters live in the runner's row tables, not here.
         words = words_for(vocab_size)
-        self.group_host = device.host_buffer((MAX_GROUPS, len(GROUP_INT), max_samples), torch.int64)
-        self.group_f_host = device.host_buffer((MAX_GROUPS, len(GROUP_FLOAT), max_samples), torch.float32)
+        self.group_host = device.host_buffer((MAX_GROUPS, max_samples), torch.int64)
         self.mask_host = device.host_buffer((MAX_GROUPS, max_samples, words), torch.int32)
         if device.unified_memory:
-            self.group_dev, self.group_f_dev, self.mask_dev = self.group_host, self.group_f_host, self.mask_host
+            self.group_dev, self.mask_dev = self.group_host, self.mask_host
         else:
             self.group_dev = torch.zeros_like(self.group_host, device=device.torch_device)
-            self.group_f_dev = torch.zeros_like(self.group_f_host, device=device.torch_device)
             self.mask_dev = torch.zeros(MAX_GROUPS, max_samples, words, dtype=torch.int32, device=device.torch_device)
+        self.sample_rows: torch.Tensor | None = None  # device view: the step's rows receiving samples
         self.groups = 0  # sampling groups launched for the current step
         self.logits: torch.Tensor | None = None  # written by the forward, read by sampling
         self.num_samples = 0
@@ -81,22 +78,14 @@ class DecodeSlot:
         self.sample_done = self.copy_done = None
         self.groups = 0
 
-    def stage_group(self, rows: list[int], carry_rows, bitmask, params: list, output_index: list[int]) -> int:
-        """Write one sampling group's inputs into its host buffers; returns the group index.
-        `params`: the rows' SamplingRow; `output_index`: each row's position in its output (seeds)."""
+    def stage_group(self, rows, bitmask) -> int:
+        """Write one sampling group's row indices (and masks) into its host buffers; returns the group."""
         g = self.groups
         if g >= MAX_GROUPS:
             raise PipelineInvariantError(f"slot {self.index}: more than {MAX_GROUPS} sampling groups in one step")
         self.groups += 1
         k = len(rows)
-        host, host_f = self.group_host[g].numpy(), self.group_f_host[g].numpy()
-        host[0, :k] = rows
-        host[1, :k] = carry_rows
-        host[2, :k] = [p.top_k for p in params]
-        host[3, :k] = [p.seed for p in params]
-        host[4, :k] = output_index
-        host_f[0, :k] = [p.temperature for p in params]
-        host_f[1, :k] = [p.top_p for p in params]
+        self.group_host[g].numpy()[:k] = rows
         if bitmask is not None:
             self.mask_host[g, :k].numpy()[:] = bitmask
         return g

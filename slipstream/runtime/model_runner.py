@@ -1,15 +1,24 @@
 """Runs steps on a device: forward on the compute stream, sampling after it, D2H on the copy stream.
 
-The runner knows nothing about requests. It owns the model, the KV cache, the two DecodeSlots and
-the carry-over table `token_table[row]`: sampling scatters each row's new token there, and the
-next forward gathers decode inputs from it on the device, so a sampled token never has to visit
-the host before it is fed back. Stream order (sampling of step t precedes the forward of t+1 on
-the compute stream) is what makes that read correct.
+The runner knows nothing about requests. It owns the model, the KV cache, the DecodeSlots and the
+persistent batch: per-row device tables indexed by the row a sequence holds for its whole life —
+  token_table[row]   the row's newest sampled token (sampling scatters it there; the next forward
+                     gathers it, so a sampled token never has to visit the host before it is fed back)
+  pos_table[row]     the position of the row's next input token (advanced on the device by each step)
+  page_table[row]    its KV pages (entries written as the host hands pages out)
+  temperature / top_p / top_k / seed / logprobs / out_index [row]   its sampling parameters and the
+                     index of its next output token (advanced on the device by each sample).
+A decode step uploads only its row ids; stream order (a step's table writes precede the next
+step's reads on the compute stream) keeps every read current at depth 1 and 2.
 
-Step inputs reach the device through the slot's StepArena (one pinned upload per step). With
-`graphs` set (CUDA), a decode-only step replays the captured graph of its slot and bucket:
-inputs → layers → logits. Sampling is outside the graph, eager: it varies per row (greedy,
-seeded, masked) and its row groups are decided after the forward was launched.
+Invariants, enforced by the scheduler and checked in tests (tests/fake_runner.py mirrors them):
+  * row 0 is never held by a sequence: padding tokens use it, its page row stays all zeros (the
+    scratch page), its position is reset to 0 by every step;
+  * a row is handed to a new sequence only when no launched step references it, and the new
+    sequence's first chunk rewrites its position, parameters and output index.
+
+With `graphs` set (CUDA), a decode-only step replays the captured graph of its slot and bucket
+(inputs gathered from the tables → layers → logits → positions advanced). Sampling is eager.
 """
 from __future__ import annotations
 
@@ -19,12 +28,50 @@ import torch
 from slipstream.intmath import round_up
 from slipstream.models.attention import AttentionMetadata, DeviceAttentionMetadata
 from slipstream.models.llama import ForwardBatch, KVCache, LlamaForCausalLM
-from slipstream.runtime.batch import PackedStep, SeqWork
+from slipstream.runtime.batch import SCRATCH_ROW, PackedStep
 from slipstream.runtime.decode_slot import DecodeSlot
 from slipstream.runtime.graphs import GraphCache
 from slipstream.runtime.runner_api import SampledTokens
 from slipstream.runtime.sampler import GroupFlags, apply_bitmask, sample
-from slipstream.runtime.staging import StepArena, StepTensors
+from slipstream.runtime.staging import RowUpdates, StepArena, StepTensors
+
+
+class RowTables:
+    """The persistent batch's per-row device state, plus host mirrors of what launch decisions need."""
+
+    def __init__(self, max_rows: int, max_pages: int, device: torch.device):
+        def z(*shape, dtype=torch.int64):
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        self.token = z(max_rows)
+        self.pos = z(max_rows)
+        self.pages = z(max_rows, max_pages)
+        self.top_k, self.seed, self.out_index, self.logprobs = z(max_rows), z(max_rows), z(max_rows), z(max_rows)
+        self.temperature, self.top_p = z(max_rows, dtype=torch.float32), z(max_rows, dtype=torch.float32)
+        # host mirrors (written at launch from the same chunk parameters): which rows are random,
+        # filtered, want logprobs — so a sampling group's flags need no device read
+        self.random = np.zeros(max_rows, bool)
+        self.filtered = np.zeros(max_rows, bool)
+        self.want_logprobs = np.zeros(max_rows, bool)
+
+    def mirror(self, packed: PackedStep) -> None:
+        for w in packed.chunks:
+            s = w.sampling
+            self.random[w.row] = s.temperature > 0
+            self.filtered[w.row] = s.temperature > 0 and (s.top_k > 0 or s.top_p < 1.0)
+            self.want_logprobs[w.row] = s.logprobs
+
+    def apply(self, u: RowUpdates) -> None:
+        """Device-side writes of a step, before its forward (on the compute stream)."""
+        if u.page_writes.shape[0]:
+            w = u.page_writes
+            self.pages[w[:, 0], w[:, 1]] = w[:, 2]
+        if u.param_rows.shape[0]:
+            rows = u.param_rows
+            for table, values in zip((self.top_k, self.seed, self.out_index, self.logprobs), u.params_int):
+                table.index_copy_(0, rows, values)
+            for table, values in zip((self.temperature, self.top_p), u.params_float):
+                table.index_copy_(0, rows, values)
 
 
 class ModelRunner:
@@ -34,22 +81,38 @@ class ModelRunner:
                  max_pages: int, num_slots: int = 2, row_multiple: int = 1):
         self.model, self.kv, self.device = model, kv, device
         self.row_multiple = row_multiple  # pad steps so CPU matmul rows do not depend on batch size
-        self.token_table = torch.zeros(max_rows, dtype=torch.int64, device=device.torch_device)
+        self.rows = RowTables(max_rows, max_pages, device.torch_device)
+        self.token_table = self.rows.token  # (tests read it by this name)
         self.slots = [DecodeSlot(i, device, max_rows, model.config.vocab_size) for i in range(num_slots)]
         max_tokens = round_up(max(max_tokens, max_rows), row_multiple)
-        self.arenas = [StepArena(device, max_tokens, max_rows, max_pages, kv.page_size) for _ in range(num_slots)]
+        self.arenas = [StepArena(device, max_tokens, max_rows, max_pages) for _ in range(num_slots)]
         self.vocab_size = model.config.vocab_size
         self.graphs: GraphCache | None = None  # CUDA graphs of decode steps (slipstream/runtime/cuda_graphs.py)
         self.faults = None  # tests only: a slipstream.faults.FaultInjector (None: no cost)
 
     # --- forward --------------------------------------------------------------------------------
 
-    def forward_from(self, t: StepTensors, host_meta: AttentionMetadata | None = None) -> torch.Tensor:
-        """The forward on staged inputs; also what a decode graph captures (then `host_meta` is None)."""
-        ids = torch.where(t.from_device.bool(), self.token_table[t.carry_rows], t.input_ids)
-        meta = host_meta or AttentionMetadata([], [], [], self.kv.page_size)
-        meta.on_device = DeviceAttentionMetadata(t.query_start, t.kv_lens, t.page_table, t.max_q_len)
-        batch = ForwardBatch(input_ids=ids, positions=t.positions, slot_mapping=t.slot_mapping,
+    def forward_from(self, t: StepTensors, host_attention: bool = False) -> torch.Tensor:
+        """The forward on staged inputs, gathering decode rows' state from the row tables and
+        advancing their positions; also what a decode graph captures."""
+        r, ps = self.rows, self.kv.page_size
+        dec = t.decode_rows
+        dec_pos = r.pos[dec]
+        ids = torch.cat([r.token[dec], t.chunk_ids])
+        positions = torch.cat([dec_pos, t.chunk_pos])
+        token_rows = torch.cat([dec, t.chunk_token_rows])
+        slot_mapping = r.pages[token_rows, positions // ps] * ps + positions % ps
+        kv_lens = torch.cat([dec_pos + 1, t.chunk_ends])
+        page_table = r.pages[torch.cat([dec, t.chunk_rows])]
+        r.pos.index_copy_(0, dec, dec_pos + 1)
+        r.pos.index_copy_(0, t.chunk_rows, t.chunk_ends)
+        r.pos[SCRATCH_ROW:SCRATCH_ROW + 1].zero_()  # padding rows use row 0: keep it at position 0
+        if host_attention:  # the reference attention loops over sequences on the host (CPU)
+            meta = AttentionMetadata(t.query_start.tolist(), kv_lens.tolist(), page_table, ps)
+        else:
+            meta = AttentionMetadata([], [], [], ps)
+        meta.on_device = DeviceAttentionMetadata(t.query_start, kv_lens, page_table, t.max_q_len)
+        batch = ForwardBatch(input_ids=ids, positions=positions, slot_mapping=slot_mapping,
                              sample_indices=t.sample_indices, attn=meta)
         return self.model(batch, self.kv)  # a non-final prefill chunk samples nothing but fills KV
 
@@ -58,40 +121,40 @@ class ModelRunner:
         slot.acquire(step_id)
         slot.num_samples = packed.num_samples
         arena = self.arenas[slot.index]
-        hit = self.graphs.lookup(slot.index, len(packed.kv_lens)) if self._graphable(packed) else None
+        self.rows.mirror(packed)
+        hit = self.graphs.lookup(slot.index, packed.num_decode) if self._graphable(packed) else None
+        lay = arena.fill(packed, pad_decode=hit[0] if hit is not None else 0)
+        arena.upload()
+        updates, rows = arena.updates(lay), self.rows
+        slot.sample_rows = arena.tensors(lay).sample_rows
         if hit is not None:
-            bucket, graph = hit
-            arena.fill(packed, pad_seqs=bucket)
-            arena.upload()
+            graph = hit[1]
 
             def forward() -> None:
                 if self.faults is not None:
                     self.faults.check("forward", step_id)
+                rows.apply(updates)
                 slot.logits = graph.replay()
         else:
-            layout = arena.fill(packed)
-            arena.upload()
-            tensors = arena.tensors(*layout)
-            host_meta = AttentionMetadata(packed.query_start, packed.kv_lens, packed.page_tables, self.kv.page_size)
+            tensors = arena.tensors(lay)
+            host_attention = self.device.unified_memory
 
             def forward() -> None:
                 if self.faults is not None:
                     self.faults.check("forward", step_id)
-                slot.logits = self.forward_from(tensors, host_meta)
+                rows.apply(updates)
+                slot.logits = self.forward_from(tensors, host_attention)
 
         self.device.compute.launch(forward, "forward")
 
     def _graphable(self, packed: PackedStep) -> bool:
-        """Decode-only: one device-fed token per sequence, each sampled (and no CPU row padding)."""
-        n = len(packed.kv_lens)
-        return (self.graphs is not None and self.row_multiple == 1 and n > 0
-                and packed.num_tokens == n == packed.num_samples and bool(packed.from_device[:n].all()))
+        """Decode-only steps (one device-fed, sampled token per row; no CPU row padding)."""
+        return self.graphs is not None and self.row_multiple == 1 and packed.num_decode > 0 and packed.decode_only
 
     # --- sampling (at launch for rows that need nothing from the host, at finalize for the rest) ---
 
-    def launch_sampling(self, slot: DecodeSlot, packed: PackedStep, works: list[SeqWork],
-                        rows: list[int] | None = None, bitmask: np.ndarray | None = None,
-                        final: bool = True) -> None:
+    def launch_sampling(self, slot: DecodeSlot, packed: PackedStep, rows: list[int] | None = None,
+                        bitmask: np.ndarray | None = None, final: bool = True) -> None:
         """Enqueue sampling of some of the step's sampling rows; with `final`, also the D2H copy.
 
         rows:    indices into the step's sampling rows (None: all of them). Each row is sampled
@@ -101,40 +164,45 @@ class ModelRunner:
                  uploaded on the upload stream; sampling waits on that upload, nothing else.
         final:   the last group of the step: the device→host copy of all its tokens follows,
                  anchored to an event recorded right after the last sampling.
+        Per-row parameters come from the row tables; the host only decides the group's flags
+        (from its mirrors, vectorised) and never loops over rows.
         """
         n = packed.num_samples
-        sampled_works = [w for w in works if w.sample]
-        rows = list(range(n)) if rows is None else rows
         compute, copy = self.device.compute, self.device.copy
         step_id = slot.step_id
-        if rows:
-            params = [sampled_works[i].sampling for i in rows]
-            out_idx = [sampled_works[i].output_index for i in rows]
-            want_logprobs = any(p.logprobs for p in params)
-            flags = GroupFlags(any_random=any(p.temperature > 0 for p in params),
-                               any_filter=any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1.0) for p in params))
-            k, masked = len(rows), bitmask is not None
-            g = slot.stage_group(rows, packed.sample_rows[rows], bitmask, params, out_idx)
+        k = n if rows is None else len(rows)
+        if k:
+            carry_host = packed.sample_rows if rows is None else packed.sample_rows[rows]
+            t = self.rows
+            want_logprobs = bool(t.want_logprobs[carry_host].any())
+            flags = GroupFlags(any_random=bool(t.random[carry_host].any()),
+                               any_filter=bool(t.filtered[carry_host].any()))
+            masked = bitmask is not None
+            g = slot.stage_group(np.arange(n) if rows is None else rows, bitmask)
             self._upload_group(slot, g, k, masked)
+            sample_rows = slot.sample_rows
 
-            def sample_rows() -> None:
+            def sample_group() -> None:
                 if self.faults is not None:
                     self.faults.check("sample", step_id)
-                idx, carry, top_k, seeds, positions = slot.group_dev[g, :, :k]
-                temperature, top_p = slot.group_f_dev[g, :, :k]
+                idx = slot.group_dev[g, :k]
+                carry = sample_rows.index_select(0, idx)
                 logits = slot.logits.index_select(0, idx)
                 if masked:
                     logits = apply_bitmask(logits, slot.mask_dev[g, :k])
-                ids = sample(logits, temperature, top_k, top_p, seeds, positions, flags)
+                out_index = t.out_index[carry]
+                ids = sample(logits, t.temperature[carry], t.top_k[carry], t.top_p[carry], t.seed[carry],
+                             out_index, flags)
+                t.out_index.index_copy_(0, carry, out_index + 1)
                 slot.sampled.index_copy_(0, idx, ids)
-                self.token_table.index_copy_(0, carry, ids)
+                t.token.index_copy_(0, carry, ids)
                 if want_logprobs:  # of the model's own distribution, before masks and temperature
                     raw = slot.logits.index_select(0, idx).log_softmax(-1)
                     slot.logprobs.index_copy_(0, idx, raw.gather(1, ids[:, None])[:, 0])
                 if final:  # the last group of a sampling step: proof that its sampling ran
                     slot.stamp.fill_(step_id)
 
-            compute.launch(sample_rows, "sample")
+            compute.launch(sample_group, "sample")
         if not final:
             return
         slot.sample_done = compute.record()
@@ -154,8 +222,7 @@ class ModelRunner:
         upload = self.device.upload
 
         def h2d() -> None:
-            slot.group_dev[g].copy_(slot.group_host[g], non_blocking=True)  # contiguous: plain DMAs
-            slot.group_f_dev[g].copy_(slot.group_f_host[g], non_blocking=True)
+            slot.group_dev[g, :k].copy_(slot.group_host[g, :k], non_blocking=True)
             if masked:
                 slot.mask_dev[g, :k].copy_(slot.mask_host[g, :k], non_blocking=True)
 

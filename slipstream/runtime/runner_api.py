@@ -10,7 +10,7 @@ from typing import NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
-from slipstream.runtime.batch import PackedStep, SeqWork
+from slipstream.runtime.batch import PackedStep
 
 
 class SampledTokens(NamedTuple):
@@ -36,7 +36,7 @@ class Runner(Protocol):
     def launch_forward(self, slot, step_id: int, packed: PackedStep) -> None:
         """Enqueue a step's forward into `slot`; returns at once."""
 
-    def launch_sampling(self, slot, packed: PackedStep, works: list[SeqWork], rows: list[int] | None = None,
+    def launch_sampling(self, slot, packed: PackedStep, rows: list[int] | None = None,
                         bitmask: np.ndarray | None = None, final: bool = True) -> None:
         """Enqueue sampling of some of the step's rows; with `final`, the device→host copy too."""
 

@@ -1,15 +1,16 @@
 """Step inputs staged through one host buffer per slot and uploaded with a single copy.
 
-Every integer array a step needs (token ids, carry-over rows, positions, KV slot mapping, sample
-rows, attention metadata, page tables) is written into the slot's host arena at fixed offsets,
-and one host→device copy of the used prefix moves it to the slot's device arena. Why:
-  - on CUDA the host arena is pinned, so the copy is background DMA on the upload stream; a copy
+What a step sends (slipstream/runtime/batch.py): the decode rows, the chunks' tokens/positions/
+rows, the step's per-sequence query offsets, its sample indices and rows, new page-table entries,
+and the chunks' sampling parameters. Each goes at a fixed offset of the slot's host arena (int64,
+plus a small float32 arena for parameters) and one host→device copy of the used prefix moves it.
+  - on CUDA the host arenas are pinned, so the copy is background DMA on the upload stream; a copy
     from pageable memory would make the host wait for the stream (a hidden sync);
-  - offsets never move, so a captured graph can read its inputs from the same addresses every
-    replay (views of the device arena are the graph's static inputs);
+  - offsets never move, so a captured graph reads its inputs from the same addresses every replay;
   - on the CPU, host and device arena are one tensor and nothing is copied.
-The arena belongs to its DecodeSlot, so it is rewritten only after the slot's previous step was
-committed — by then its upload has long been consumed by that step's forward.
+For a step of N decoding rows the host writes N row ids and N+1 query offsets (numpy slices, no
+Python per row). The arena belongs to its DecodeSlot, so it is rewritten only after the slot's
+previous step was committed — by then that step's forward has long consumed its upload.
 """
 from __future__ import annotations
 
@@ -18,113 +19,161 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from slipstream.runtime.batch import SCRATCH_PAGE, PackedStep
+from slipstream.runtime.batch import PackedStep
+
+INT_PARAMS = ("top_k", "seed", "output_index", "logprobs")
+FLOAT_PARAMS = ("temperature", "top_p")
 
 
 @dataclass(frozen=True)
 class StepTensors:
     """Device views of one step's inputs (shapes are the step's own, or its bucket's)."""
 
-    input_ids: torch.Tensor
-    from_device: torch.Tensor  # int64 0/1
-    carry_rows: torch.Tensor
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
-    sample_indices: torch.Tensor
-    query_start: torch.Tensor
-    kv_lens: torch.Tensor
-    page_table: torch.Tensor  # [seqs, max_pages]
+    decode_rows: torch.Tensor  # [d]
+    chunk_ids: torch.Tensor  # [Tc] (chunk tokens, then padding)
+    chunk_pos: torch.Tensor
+    chunk_token_rows: torch.Tensor
+    chunk_rows: torch.Tensor  # [c]
+    chunk_ends: torch.Tensor  # [c]
+    query_start: torch.Tensor  # [d + c + 1]
+    sample_indices: torch.Tensor  # [n + padding]
+    sample_rows: torch.Tensor  # [n]
     max_q_len: int
 
 
+@dataclass(frozen=True)
+class RowUpdates:
+    """Row-table writes a step applies before its forward: page-table entries, chunk parameters."""
+
+    page_writes: torch.Tensor  # [w, 3]
+    param_rows: torch.Tensor  # [c]
+    params_int: torch.Tensor  # [len(INT_PARAMS), c]
+    params_float: torch.Tensor  # [len(FLOAT_PARAMS), c]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Sizes of a staged step, padding included: what `tensors` and `updates` slice."""
+
+    d: int
+    tc: int
+    c: int
+    n: int
+    n_pad: int
+    w: int
+    max_q_len: int
+
+    @classmethod
+    def decode_bucket(cls, rows: int) -> "Layout":
+        """A decode-only step padded to `rows`: what a captured graph of that bucket reads."""
+        return cls(d=rows, tc=0, c=0, n=rows, n_pad=rows, w=0, max_q_len=1)
+
+
 class StepArena:
-    """Host + device int64 buffers of one slot, laid out for the largest step the engine plans."""
+    """Host + device buffers of one slot, laid out for the largest step the engine plans."""
 
-    FIELDS = ("input_ids", "from_device", "carry_rows", "positions", "slot_mapping")
-
-    def __init__(self, device, max_tokens: int, max_seqs: int, max_pages: int, page_size: int):
-        self.device, self.page_size = device, page_size
+    def __init__(self, device, max_tokens: int, max_seqs: int, max_pages: int):
+        self.device = device
         self.max_tokens, self.max_seqs, self.max_pages = max_tokens, max_seqs, max_pages
         t, s = max_tokens, max_seqs
+        sizes = [("decode_rows", s), ("chunk_ids", t), ("chunk_pos", t), ("chunk_token_rows", t),
+                 ("chunk_rows", s), ("chunk_ends", s), ("query_start", s + 1), ("sample_indices", t),
+                 ("sample_rows", t), ("params_int", len(INT_PARAMS) * s), ("page_writes", 3 * s * max_pages)]
         self.offsets: dict[str, int] = {}
         at = 0
-        for name, size in [(f, t) for f in self.FIELDS] + [("sample_indices", t), ("query_start", s + 1),
-                                                          ("kv_lens", s), ("page_table", s * max_pages)]:
+        for name, size in sizes:
             self.offsets[name] = at
             at += size
-        self.size = at
         self.host = device.host_buffer((at,), torch.int64)
         self.host.zero_()
         self.host_np = self.host.numpy()
+        self.host_f = device.host_buffer((len(FLOAT_PARAMS) * s,), torch.float32)
+        self.host_f_np = self.host_f.numpy()
         if device.unified_memory:
-            self.dev = self.host
+            self.dev, self.dev_f = self.host, self.host_f
         else:
             self.dev = torch.zeros(at, dtype=torch.int64, device=device.torch_device)
+            self.dev_f = torch.zeros_like(self.host_f, device=device.torch_device)
+        self._used = 0
+        self._used_f = 0
 
-    def _view(self, buf: np.ndarray | torch.Tensor, name: str, n: int):
+    def _put(self, name: str, values: np.ndarray, pad_to: int = 0, pad_value: int = 0) -> None:
         at = self.offsets[name]
-        return buf[at : at + n]
+        n = len(values)
+        self.host_np[at:at + n] = values
+        if pad_to > n:
+            self.host_np[at + n:at + pad_to] = pad_value
+        self._used = max(self._used, at + max(n, pad_to))
 
-    def fill(self, packed: PackedStep, pad_seqs: int = 0) -> tuple[int, int, int, int]:
-        """Write `packed` into the host arena; `pad_seqs` > 0 pads a decode step to that many one-token
-        sequences (a graph bucket). Returns (tokens, seqs, samples, max_q_len) as laid out, padding
-        included: the arguments of `tensors`."""
-        h = self.host_np
-        n_tok = len(packed.input_ids)
-        n_seq = len(packed.kv_lens)
-        n_smp = len(packed.sample_indices)
-        if pad_seqs:
-            n_tok = n_seq = n_smp = max(pad_seqs, n_seq)
-        if n_tok > self.max_tokens or n_seq > self.max_seqs or n_smp > self.max_tokens:
-            raise ValueError(f"step of {n_tok} tokens / {n_seq} sequences exceeds the staging layout "
-                             f"({self.max_tokens} / {self.max_seqs})")
-        for name in self.FIELDS:
-            view = self._view(h, name, n_tok)
-            src = getattr(packed, name)
-            view[: len(src)] = src
-            view[len(src):] = 0
-        slots = self._view(h, "slot_mapping", n_tok)
-        slots[len(packed.slot_mapping):] = SCRATCH_PAGE * self.page_size
-        smp = self._view(h, "sample_indices", n_smp)
-        smp[: len(packed.sample_indices)] = packed.sample_indices
-        smp[len(packed.sample_indices):] = np.arange(len(packed.sample_indices), n_smp) if pad_seqs else 0
-        qs = self._view(h, "query_start", n_seq + 1)
-        qs[: len(packed.query_start)] = packed.query_start
-        qs[len(packed.query_start):] = packed.query_start[-1] + np.arange(1, n_seq + 2 - len(packed.query_start))
-        kv = self._view(h, "kv_lens", n_seq)
-        kv[: len(packed.kv_lens)] = packed.kv_lens
-        kv[len(packed.kv_lens):] = 1  # padding sequences see one key: their own, on the scratch page
-        pt = self._view(h, "page_table", self.max_seqs * self.max_pages).reshape(self.max_seqs, self.max_pages)
-        for i, pages in enumerate(packed.page_tables):
-            if len(pages) > self.max_pages:
-                raise ValueError(f"sequence with {len(pages)} pages exceeds the staging layout ({self.max_pages})")
-            pt[i, : len(pages)] = pages
-        pt[len(packed.page_tables): n_seq, 0] = SCRATCH_PAGE
-        self._used = self.offsets["page_table"] + n_seq * self.max_pages
-        q = np.diff(packed.query_start)
-        return n_tok, n_seq, n_smp, int(q.max()) if len(q) else 1
+    def fill(self, packed: PackedStep, pad_decode: int = 0) -> Layout:
+        """Write `packed` into the host arenas; `pad_decode` > 0 pads a decode-only step to that many
+        rows (a graph bucket) with the scratch row. Returns the layout `tensors`/`updates` take."""
+        d = max(packed.num_decode, pad_decode)
+        tc, c = len(packed.chunk_ids), len(packed.chunk_rows)
+        n = packed.num_samples + (d - packed.num_decode)
+        n_pad = n + packed.pad_samples
+        w = len(packed.page_writes)
+        if d + tc > self.max_tokens or d + c > self.max_seqs or n_pad > self.max_tokens \
+                or w > self.max_seqs * self.max_pages:
+            raise ValueError(f"step of {d + tc} tokens / {d + c} sequences / {w} page writes exceeds the "
+                             f"staging layout ({self.max_tokens} / {self.max_seqs} / {self.max_seqs * self.max_pages})")
+        self._used = 0
+        self._put("decode_rows", packed.decode_rows, d)
+        self._put("chunk_ids", packed.chunk_ids)
+        self._put("chunk_pos", packed.chunk_pos)
+        self._put("chunk_token_rows", packed.chunk_token_rows)
+        self._put("chunk_rows", packed.chunk_rows)
+        self._put("chunk_ends", packed.chunk_ends)
+        self._put("query_start", np.concatenate([np.arange(d + 1), d + packed.chunk_query_start[1:]]))
+        sample_idx = np.concatenate([np.arange(d), packed.chunk_sample_index])
+        self._put("sample_indices", sample_idx, n_pad)
+        self._put("sample_rows", np.concatenate([packed.sample_rows[:packed.num_decode],
+                                                 np.zeros(d - packed.num_decode, np.int64),
+                                                 packed.sample_rows[packed.num_decode:]]))
+        if w:
+            self._put("page_writes", packed.page_writes.reshape(-1))
+        self._used_f = 0
+        if c:
+            ints = np.array([[w.sampling.top_k for w in packed.chunks], [w.sampling.seed for w in packed.chunks],
+                             [w.output_index for w in packed.chunks], [w.sampling.logprobs for w in packed.chunks]],
+                            np.int64)
+            self._put("params_int", ints.reshape(-1))
+            floats = np.array([[w.sampling.temperature for w in packed.chunks],
+                               [w.sampling.top_p for w in packed.chunks]], np.float32)
+            self.host_f_np[:floats.size] = floats.reshape(-1)
+            self._used_f = floats.size
+        return Layout(d, tc, c, n, n_pad, w, packed.max_query_len)
 
     def upload(self) -> None:
-        """Copy the used prefix host→device on the upload stream; the compute stream waits for it."""
+        """Copy the used prefixes host→device on the upload stream; the compute stream waits for it."""
         if self.device.unified_memory:
             return
-        n = self._used
+        n, nf = self._used, self._used_f
 
         def h2d() -> None:
             self.dev[:n].copy_(self.host[:n], non_blocking=True)
+            if nf:
+                self.dev_f[:nf].copy_(self.host_f[:nf], non_blocking=True)
 
         self.device.upload.launch(h2d, "h2d")
         self.device.compute.wait(self.device.upload.record())
 
-    def tensors(self, n_tok: int, n_seq: int, n_smp: int, max_q_len: int) -> StepTensors:
-        d = self.dev
-        return StepTensors(
-            *(self._view(d, f, n_tok) for f in self.FIELDS),
-            sample_indices=self._view(d, "sample_indices", n_smp),
-            query_start=self._view(d, "query_start", n_seq + 1),
-            kv_lens=self._view(d, "kv_lens", n_seq),
-            page_table=self._view(d, "page_table", self.max_seqs * self.max_pages)
-            .view(self.max_seqs, self.max_pages)[:n_seq],
-            max_q_len=max_q_len,
-        )
+    def _view(self, name: str, n: int) -> torch.Tensor:
+        at = self.offsets[name]
+        return self.dev[at:at + n]
 
+    def tensors(self, lay: Layout) -> StepTensors:
+        v = self._view
+        return StepTensors(
+            decode_rows=v("decode_rows", lay.d), chunk_ids=v("chunk_ids", lay.tc), chunk_pos=v("chunk_pos", lay.tc),
+            chunk_token_rows=v("chunk_token_rows", lay.tc), chunk_rows=v("chunk_rows", lay.c),
+            chunk_ends=v("chunk_ends", lay.c), query_start=v("query_start", lay.d + lay.c + 1),
+            sample_indices=v("sample_indices", lay.n_pad), sample_rows=v("sample_rows", lay.n),
+            max_q_len=lay.max_q_len)
+
+    def updates(self, lay: Layout) -> RowUpdates:
+        c = lay.c
+        return RowUpdates(page_writes=self._view("page_writes", 3 * lay.w).view(lay.w, 3),
+                          param_rows=self._view("chunk_rows", c),
+                          params_int=self._view("params_int", len(INT_PARAMS) * c).view(len(INT_PARAMS), c),
+                          params_float=self.dev_f[:len(FLOAT_PARAMS) * c].view(len(FLOAT_PARAMS), c))

@@ -27,21 +27,26 @@ class Constraints:
         self._fail = fail  # fails one request with an error; the batch goes on
         self.mask_build_s = 0.0  # host time spent building masks (benchmarks)
         self.faults = None  # tests only: a slipstream.faults.FaultInjector
+        self.live = 0  # submitted, unfinished sequences with a grammar: 0 means no step needs a mask
 
     @staticmethod
     def matcher(seq: Sequence):
         return getattr(seq.user, "matcher", None)
 
-    def split(self, seqs: list[Sequence], sample_flags: list[bool]) -> tuple[list[int], list[int]]:
-        """(early, late) sampling-row indices of a step, in sampling-row order."""
+    def on_submit(self, seq: Sequence) -> None:
+        if self.matcher(seq) is not None:
+            self.live += 1
+
+    def on_finish(self, seq: Sequence, reason: str) -> None:
+        if self.matcher(seq) is not None:
+            self.live -= 1
+
+    def split(self, sampling_seqs: list[Sequence]) -> tuple[list[int], list[int]]:
+        """(early, late) indices of a step's sampling rows (`sampling_seqs` in sampling-row order)."""
         early, late = [], []
-        i = 0
-        for seq, samples in zip(seqs, sample_flags):
-            if not samples:
-                continue
+        for i, seq in enumerate(sampling_seqs):
             m = self.matcher(seq)
             (late if m is not None and m.depends_on_previous_token else early).append(i)
-            i += 1
         return early, late
 
     def masks(self, sampling_seqs: list[Sequence], rows: list[int]) -> np.ndarray | None:

@@ -32,6 +32,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import numpy as np
+
 import structlog
 
 from slipstream.errors import EngineClosedError, PipelineInvariantError, StepFailedError, StepTimeoutError
@@ -40,7 +42,7 @@ from slipstream.runtime.runner_api import Runner
 from slipstream.scheduler.constraints import Constraints
 from slipstream.scheduler.output_sink import OutputSink
 from slipstream.scheduler.pipeline import InflightStep, Pipeline
-from slipstream.scheduler.planner import Planner
+from slipstream.scheduler.planner import PlannedStep, Planner
 from slipstream.scheduler.sequence import Sequence
 from slipstream.scheduler.watchdog import Watchdog
 
@@ -55,8 +57,9 @@ class EngineLoop:
         self.page_size, self.row_multiple = page_size, row_multiple
         self.pipeline = Pipeline(depth, planner)
         self.outputs = outputs
-        outputs.bind(self.pipeline.finish)
+        outputs.bind(self.finish)
         self.constraints = Constraints(vocab_width, eos_ids, self.outputs.fail)
+        self.pipeline.finish_observers.append(self.constraints.on_finish)
         self.num_steps = 0
         self.observers: list = []  # fn(step) after each commit: tracing, metrics (empty: no cost)
         self.idle_waits = 0  # times the loop slept for work: a step period never spans one
@@ -69,6 +72,7 @@ class EngineLoop:
     # --- requests -----------------------------------------------------------------------------
 
     def submit(self, seq: Sequence) -> None:
+        self.constraints.on_submit(seq)
         self.planner.add(seq)
         self._wake.set()
 
@@ -80,11 +84,20 @@ class EngineLoop:
         self._closing = True
         self._wake.set()
 
+    def finish(self, seq: Sequence, reason: str) -> bool:
+        """End a sequence (the sink's callback: the tick, an abort, or the output stage, which may end
+        a request while the loop sleeps — so it wakes the loop to reuse the row and pages)."""
+        if not self.pipeline.finish(seq, reason):
+            return False
+        self._wake.set()
+        return True
+
     # --- the loop -------------------------------------------------------------------------------
 
     async def run(self) -> None:
         watchdog = asyncio.create_task(Watchdog(self, self.step_timeout_s).run(asyncio.current_task()),
                                        name="slipstream-watchdog")
+        stage = asyncio.create_task(self.outputs.run_stage(), name="slipstream-output-stage")
         try:
             await self._run()
         except BaseException as e:
@@ -92,6 +105,8 @@ class EngineLoop:
             raise
         finally:
             watchdog.cancel()
+            stage.cancel()
+            self.outputs.process_pending()  # what the stage had not reached: nothing is left undelivered
 
     async def _run(self) -> None:
         while not self._closing:
@@ -126,25 +141,27 @@ class EngineLoop:
             self.finalize(launched)
         return launched is not None or committed
 
-    def launch(self, plan) -> InflightStep:
+    def launch(self, plan: PlannedStep) -> InflightStep:
         slot = next((s for s in self.runner.slots if s.is_free), None)
         if slot is None:
             raise PipelineInvariantError("no free DecodeSlot although fewer than depth steps are in flight")
-        packed = pack_step(plan.works, self.page_size, self.row_multiple)
-        step = InflightStep(self.num_steps, plan.works, plan.seqs, packed, plan.kind, slot)
+        rows = np.fromiter((seq.row for seq in plan.decode), np.int64, len(plan.decode))
+        packed = pack_step(rows, plan.chunks, np.asarray(plan.page_writes, np.int64).reshape(-1, 3),
+                           self.row_multiple)
+        step = InflightStep.of(self.num_steps, plan, packed, slot)
         self.num_steps += 1
         self.runner.launch_forward(slot, step.step_id, packed)
         self.pipeline.on_launch(step)
-        early, step.late_rows = self.constraints.split(plan.seqs, [w.sample for w in plan.works])
-        if early or not step.late_rows:
-            mask = self.constraints.masks(self._sampling_seqs(step), early)
-            self.runner.launch_sampling(slot, packed, plan.works, early, mask, final=not step.late_rows)
+        if self.constraints.live:  # some live request has a grammar: which rows need a mask, when
+            sampling = step.sampling_seqs()
+            early, step.late_rows = self.constraints.split(sampling)
+            if early or not step.late_rows:
+                mask = self.constraints.masks(sampling, early)
+                self.runner.launch_sampling(slot, packed, early, mask, final=not step.late_rows)
+        else:  # no grammar anywhere: every row samples right behind the forward, unmasked
+            self.runner.launch_sampling(slot, packed)
         step.timings["t_launch"] = time.perf_counter()
         return step
-
-    @staticmethod
-    def _sampling_seqs(step: InflightStep) -> list[Sequence]:
-        return [s for s, w in zip(step.seqs, step.works) if w.sample]
 
     async def commit(self, step: InflightStep) -> None:
         t0 = time.perf_counter()
@@ -167,8 +184,8 @@ class EngineLoop:
         t0 = time.perf_counter()
         step.timings["t_finalize"] = t0
         if step.late_rows:  # every step before this one is committed: matchers are current
-            mask = self.constraints.masks(self._sampling_seqs(step), step.late_rows)
-            self.runner.launch_sampling(step.slot, step.packed, step.works, step.late_rows, mask, final=True)
+            mask = self.constraints.masks(step.sampling_seqs(), step.late_rows)
+            self.runner.launch_sampling(step.slot, step.packed, step.late_rows, mask, final=True)
         step.timings["finalize"] = time.perf_counter() - t0
 
     # --- failure ----------------------------------------------------------------------------

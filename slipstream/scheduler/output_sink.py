@@ -1,8 +1,10 @@
 """What the tick needs from request-side output processing (implemented by the API layer).
 
-The scheduler hands each committed token to `accept`, and ends requests with `abort` or `fail`;
-the sink decides what a token means for the request (text, stops, streaming) and calls the
-`finish` callback it was bound to when the request is done. So the dependency points one way:
+The scheduler hands each committed token to `accept` (on the tick: keep it constant-time), and
+ends requests with `abort` or `fail`; the sink decides what a token means for the request and calls
+the `finish` callback it was bound to when the request is done — on the tick for what token ids
+decide, or later from its output stage (`run_stage`, a task the EngineLoop runs beside the tick)
+for what the text decides (stop strings). So the dependency points one way:
 api → scheduler → runtime → models.
 """
 from __future__ import annotations
@@ -28,3 +30,9 @@ class OutputSink(Protocol):
 
     def fail(self, seq: Sequence, error: BaseException) -> None:
         """End the request with an error (its waiter raises it); the batch goes on."""
+
+    async def run_stage(self) -> None:
+        """Output processing beside the tick (text, stop strings, delivery); runs while the loop runs."""
+
+    def process_pending(self) -> None:
+        """Finish what the stage has not processed yet (the loop is stopping)."""

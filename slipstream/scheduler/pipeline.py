@@ -13,26 +13,43 @@ Invariants, enforced here:
 """
 from __future__ import annotations
 
+import os
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from slipstream.errors import PipelineInvariantError
 from slipstream.runtime.batch import PackedStep, SeqWork
-from slipstream.scheduler.planner import Planner
+from slipstream.scheduler.planner import Planner, PlannedStep
 from slipstream.scheduler.sequence import Sequence, SeqStatus
 
 
 @dataclass
 class InflightStep:
     step_id: int
-    works: list[SeqWork]
-    seqs: list[Sequence]
+    decode: list[Sequence]  # one sampled, device-fed token each
+    chunks: list[SeqWork]  # host-token chunks, after the decode rows
+    chunk_seqs: list[Sequence]
     packed: PackedStep
-    kind: str
     slot: Any = None  # the runtime's DecodeSlot (opaque here)
     late_rows: list[int] = field(default_factory=list)  # sampling rows whose mask needs commit t-1
     timings: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, step_id: int, plan: PlannedStep, packed: PackedStep, slot: Any) -> "InflightStep":
+        return cls(step_id, plan.decode, plan.chunks, plan.chunk_seqs, packed, slot)
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        return self.decode + self.chunk_seqs
+
+    @property
+    def kind(self) -> str:
+        return "prefill" if self.chunks else "decode"
+
+    def sampling_seqs(self) -> list[Sequence]:
+        """Sequences in sampling-row order: every decode row, then chunks that sample."""
+        return self.decode + [s for s, w in zip(self.chunk_seqs, self.chunks) if w.sample]
 
 
 class Pipeline:
@@ -43,13 +60,23 @@ class Pipeline:
         self.zombie_commits = 0  # rows whose commit was skipped because the sequence had finished
         self.released = 0
         self.finish_observers: list = []  # fn(seq, reason) once per finished sequence (metrics)
+        # Sequence.check() on every decode row at every commit (tests set SLIPSTREAM_CHECK_INVARIANTS=1);
+        # chunk rows are always checked
+        self.check_every_row = os.environ.get("SLIPSTREAM_CHECK_INVARIANTS") == "1"
 
     def on_launch(self, step: InflightStep) -> None:
         if len(self.inflight) >= self.depth:
             raise PipelineInvariantError(f"launch with {len(self.inflight)} steps in flight at depth {self.depth}")
-        for seq, work in zip(step.seqs, step.works):
-            if seq.inflight_refs >= self.depth:
-                raise PipelineInvariantError(f"{seq.request_id}: inflight_refs would exceed depth {self.depth}")
+        depth = self.depth
+        for seq in step.decode:  # the hot loop: a few integer updates per row
+            if seq.inflight_refs >= depth:
+                raise PipelineInvariantError(f"{seq.request_id}: inflight_refs would exceed depth {depth}")
+            seq.inflight_refs += 1
+            seq.num_scheduled += 1
+            seq.pending_samples += 1
+        for seq, work in zip(step.chunk_seqs, step.chunks):
+            if seq.inflight_refs >= depth:
+                raise PipelineInvariantError(f"{seq.request_id}: inflight_refs would exceed depth {depth}")
             seq.inflight_refs += 1
             seq.num_scheduled += work.num_tokens
             seq.pending_samples += work.sample
@@ -61,36 +88,55 @@ class Pipeline:
 
     def on_commit(self, step: InflightStep, sampled: list[int], logprobs: list[float],
                   accept: Callable[[Sequence, int, float], None]) -> None:
-        """Apply a step's sampled tokens. `accept(seq, token, logprob)` appends and runs stop checks."""
+        """Apply a step's sampled tokens (sampling-row order: decode rows, then sampling chunks).
+        `accept(seq, token, logprob)` appends and runs the tick's stop checks."""
         if not self.inflight or self.inflight[0] is not step:
             raise PipelineInvariantError(f"step {step.step_id} committed out of launch order")
         self.inflight.popleft()
-        tokens, lps = iter(sampled), iter(logprobs)
-        for seq, work in zip(step.seqs, step.works):
+        d = len(step.decode)
+        n_chunk_samples = sum(w.sample for w in step.chunks)
+        if len(sampled) != d + n_chunk_samples:
+            raise PipelineInvariantError(f"step {step.step_id}: {len(sampled)} sampled tokens for "
+                                         f"{d + n_chunk_samples} sampling rows")
+        release, check = self.maybe_release, self.check_every_row
+        for seq, token, logprob in zip(step.decode, sampled, logprobs):  # the hot loop
             seq.inflight_refs -= 1
-            token, logprob = (next(tokens), next(lps)) if work.sample else (None, 0.0)
-            seq.pending_samples -= work.sample
+            seq.pending_samples -= 1
             if seq.finalized:
-                self.zombie_commits += work.sample
-            elif token is not None:
+                self.zombie_commits += 1
+            else:
                 accept(seq, token, logprob)
+                if check and not seq.finalized:
+                    seq.check()
+            if seq.finalized or seq.preempting:
+                release(seq)
+        at = d
+        for seq, work in zip(step.chunk_seqs, step.chunks):
+            seq.inflight_refs -= 1
+            if work.sample:
+                token, logprob = sampled[at], logprobs[at]
+                at += 1
+                seq.pending_samples -= 1
+                if seq.finalized:
+                    self.zombie_commits += 1
+                else:
+                    accept(seq, token, logprob)
             if not seq.finalized:  # a zombie's skipped token leaves its counts behind, by design
                 seq.check()
-            self.maybe_release(seq)
-        if next(tokens, None) is not None:
-            raise PipelineInvariantError(f"step {step.step_id}: more sampled tokens than sampling rows")
+            release(seq)
 
     def on_abandon(self, step: InflightStep) -> None:
         """Drop a failed step without tokens; every sequence in it must already be finalized."""
         if not self.inflight or self.inflight[0] is not step:
             raise PipelineInvariantError(f"step {step.step_id} abandoned out of launch order")
         self.inflight.popleft()
-        for seq, work in zip(step.seqs, step.works):
+        samples = [1] * len(step.decode) + [int(w.sample) for w in step.chunks]
+        for seq, sample in zip(step.seqs, samples):
             if not seq.finalized:
                 raise PipelineInvariantError(f"{seq.request_id}: its step {step.step_id} was abandoned "
                                              "but the request was not failed")
             seq.inflight_refs -= 1
-            seq.pending_samples -= work.sample
+            seq.pending_samples -= sample
             self.maybe_release(seq)
 
     def finish(self, seq: Sequence, reason: str) -> bool:

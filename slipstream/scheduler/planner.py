@@ -3,7 +3,8 @@
 Pure Python; sees only sequences and page counts. Rules:
   * A sequence is planned only while not finalized, not being preempted, and with fewer than
     `depth` steps in flight (so inflight_refs never exceeds the pipeline depth).
-  * Decode rows first (one token each, from the device: SeqWork.tokens is None); then the rest of
+  * Decode rows first (one token each, read on the device from the row tables: nothing is built
+    for them, the runner's persistent batch holds their state); then the rest of
     the step's token budget is shared among prompt chunks — running prompts and newly admitted
     ones — by water-filling: a short prompt gets all it needs, long prompts split what is left.
     So a long prompt never holds the whole budget while a short request waits behind it.
@@ -54,17 +55,25 @@ def fair_shares(needs: list[int], budget: int) -> list[int]:
 
 @dataclass
 class PlannedStep:
-    works: list[SeqWork]
-    seqs: list[Sequence]
+    """One step's batch: decode sequences (one device-fed token each, all sampled) first, then chunks
+    of host-known tokens; `page_writes` are the page-table entries handed out since the last step."""
+
+    decode: list[Sequence]
+    chunks: list[SeqWork]
+    chunk_seqs: list[Sequence]
+    page_writes: list[int]  # flat (row, index, page) triples
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        return self.decode + self.chunk_seqs
 
     @property
     def kind(self) -> str:
-        prefill = any(w.tokens is not None for w in self.works)  # prompt or recompute chunks
-        return "prefill" if prefill else "decode"
+        return "prefill" if self.chunks else "decode"  # prompt or recompute chunks
 
     @property
     def num_tokens(self) -> int:
-        return sum(w.num_tokens for w in self.works)
+        return len(self.decode) + sum(w.num_tokens for w in self.chunks)
 
 
 class Planner:
@@ -75,6 +84,7 @@ class Planner:
         self.num_waiting = 0  # entries of `waiting` still WAITING
         self.running: list[Sequence] = []  # admitted (holding a row), in admission order
         self._free_rows = list(range(max_batch_size, 0, -1))  # row 0 is never used
+        self._page_writes: list[int] = []  # (row, index, page) handed out, not yet in a step
         self.num_preemptions = 0
 
     def pages_for(self, num_tokens: int) -> int:
@@ -95,39 +105,46 @@ class Planner:
     # --- the plan -------------------------------------------------------------------------------
 
     def plan(self, depth: int) -> PlannedStep | None:
-        works: list[SeqWork] = []
-        seqs: list[Sequence] = []
+        """The hot loop touches each running sequence once with a few attribute reads; a decode row
+        builds nothing (its inputs live in the runner's row tables) unless it needs a new page."""
+        decode: list[Sequence] = []
         prompts: list[Sequence] = []  # sequences with host-known tokens to prefill (or recompute)
-        budget = self.max_step_tokens
+        budget, max_rows, page_size = self.max_step_tokens, self.max_batch_size, self.page_size
         blocked = False
-        for i, seq in enumerate(list(self.running)):
-            if seq.status is not SeqStatus.RUNNING or seq.finalized or seq.preempting or seq.inflight_refs >= depth:
+        running = list(self.running)  # (preemption removes victims from self.running)
+        for i, seq in enumerate(running):
+            if seq.finalized or seq.preempting or seq.inflight_refs >= depth or seq.row is None:
                 continue  # (a victim preempted earlier in this loop is already back in `waiting`)
-            if not self._decoding(seq):
-                if seq.num_scheduled < seq.num_known:
+            pending = seq.pending_samples
+            known = len(seq.prompt_ids) + len(seq.output_ids)
+            if not seq.carry_on_device or seq.num_scheduled != known + pending - 1:
+                if seq.num_scheduled < known:
                     prompts.append(seq)
                 continue
-            if len(works) >= self.max_batch_size or budget <= 0 or seq.samples_left() <= 0:
+            if len(decode) >= max_rows or budget <= 0 or seq.max_tokens - len(seq.output_ids) - pending <= 0:
                 continue
-            work = self._decode_work(seq)
-            if not self._reserve(seq, work, victims=self.running[i:]):
+            if seq.num_scheduled >= len(seq.pages) * page_size and not self._reserve(seq, seq.num_scheduled + 1,
+                                                                                    running[i:]):
                 blocked = True
                 continue
-            works.append(work)
-            seqs.append(seq)
+            decode.append(seq)
             budget -= 1
-        room = min(self.max_batch_size - len(works), budget)  # prompt chunks that can still join
+        room = min(max_rows - len(decode), budget)  # prompt chunks that can still join
         prompts = prompts[:max(room, 0)]  # (a decode row's victims are admitted after it: none of these)
         while not blocked and len(prompts) < room and self._admit():
             prompts.append(self.running[-1])
         shares = fair_shares([p.num_known - p.num_scheduled for p in prompts], budget)
+        chunks, chunk_seqs = [], []
         for seq, share in zip(prompts, shares):
             work = self._chunk_work(seq, share) if share > 0 else None
-            if work is None or not self._reserve(seq, work, victims=[]):
+            if work is None or not self._reserve(seq, work.end_pos, victims=[]):
                 continue
-            works.append(work)
-            seqs.append(seq)
-        return PlannedStep(works, seqs) if works else None
+            chunks.append(work)
+            chunk_seqs.append(seq)
+        if not decode and not chunks:
+            return None
+        writes, self._page_writes = self._page_writes, []
+        return PlannedStep(decode, chunks, chunk_seqs, writes)
 
     def _admit(self) -> bool:
         """Admit the first waiting sequence if a row and pages for its whole known prefix are free."""
@@ -140,21 +157,10 @@ class Planner:
         self.waiting.popleft()
         self.num_waiting -= 1
         seq.status, seq.row = SeqStatus.RUNNING, self._free_rows.pop()
-        seq.pages = self.pool.allocate(need)
+        seq.pages = []
+        self._give_pages(seq, need)
         self.running.append(seq)
         return True
-
-    @staticmethod
-    def _decoding(seq: Sequence) -> bool:
-        """Its next input is its newest sampled token, which is (or will be) on the device."""
-        return seq.carry_on_device and seq.num_scheduled == seq.num_known + seq.pending_samples - 1
-
-    @staticmethod
-    def _decode_work(seq: Sequence) -> SeqWork:
-        # read from the carry-over table on the device whether or not its step has been committed
-        # (the same path at depth 1 and 2)
-        return SeqWork(row=seq.row, tokens=None, start_pos=seq.num_scheduled, pages=seq.pages, sample=True,
-                       output_index=len(seq.output_ids) + seq.pending_samples, sampling=seq.sampling)
 
     @staticmethod
     def _chunk_work(seq: Sequence, budget: int) -> SeqWork | None:
@@ -164,25 +170,34 @@ class Planner:
         if reaches_end and seq.samples_left() <= 0:
             return None
         tokens = seq.known_tokens(seq.num_scheduled, seq.num_scheduled + n)
-        return SeqWork(row=seq.row, tokens=tokens, start_pos=seq.num_scheduled, pages=seq.pages,
-                       sample=reaches_end, output_index=len(seq.output_ids) + seq.pending_samples,
-                       sampling=seq.sampling)
+        return SeqWork(row=seq.row, tokens=tokens, start_pos=seq.num_scheduled, sample=reaches_end,
+                       output_index=len(seq.output_ids) + seq.pending_samples, sampling=seq.sampling)
 
-    def _reserve(self, seq: Sequence, work: SeqWork, victims: list[Sequence]) -> bool:
-        need = self.pages_for(work.start_pos + work.num_tokens) - len(seq.pages)
+    def _reserve(self, seq: Sequence, end_pos: int, victims: list[Sequence]) -> bool:
+        """Pages for positions up to `end_pos`, preempting the newest of `victims` if none are free."""
+        need = self.pages_for(end_pos) - len(seq.pages)
         while need > self.pool.num_free:
             if need <= self.pool.num_free + self.pages_pending_release():
                 return False  # in-flight victims and zombies will return enough: skip this step
-            victim = next((v for v in reversed(victims) if not v.finalized and not v.preempting), None)
+            victim = next((v for v in reversed(victims)
+                           if not v.finalized and not v.preempting and v.row is not None), None)
             if victim is None:
                 return False
             self.preempt(victim)
             if victim is seq:
                 return False
         if need > 0:
-            seq.pages.extend(self.pool.allocate(need))
-        work.pages = list(seq.pages)  # a snapshot: the step must not see later growth or release
+            self._give_pages(seq, need)
         return True
+
+    def _give_pages(self, seq: Sequence, n: int) -> None:
+        """Append n pages to the sequence's page row; the runner's table learns them with the next step."""
+        base = len(seq.pages)
+        new = self.pool.allocate(n)
+        seq.pages.extend(new)
+        writes = self._page_writes
+        for j, page in enumerate(new):
+            writes += (seq.row, base + j, page)
 
     def pages_pending_release(self) -> int:
         """Pages that finished or preempted sequences still in flight return at their commits."""

@@ -3,10 +3,9 @@
 What is captured: the gather of the decode rows' tokens, positions and page rows from the row
 tables → embedding → layers (Triton paged attention) → final norm → lm_head → positions advanced,
 reading the slot's StepArena device views for that bucket and writing a logits tensor owned by the
-graph. Replay therefore needs only: fill + upload the arena (the upload
-stream, pinned), the step's row-table writes, then `replay()` on the compute stream; addresses never
-change. Sampling stays
-eager (see model_runner.py). All graphs share one memory pool: they run one at a time on the
+graph. Replay therefore needs only: fill + upload the arena (the upload stream, pinned), the
+step's row-table writes, then `replay()` on the compute stream; addresses never change. Sampling
+stays eager (see model_runner.py). All graphs share one memory pool: they run one at a time on the
 compute stream, so their intermediates can overlap; each graph's logits stay alive (held here),
 so no later capture reuses them.
 """

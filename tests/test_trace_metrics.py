@@ -268,3 +268,20 @@ async def test_aborted_requests_are_counted_once():
         values = samples(engine.metrics_text())
     assert values["slipstream_requests_finished_total{finish_reason=abort}"] == 2
     assert values["slipstream_requests_finished_total{finish_reason=length}"] == 1
+
+
+def test_bulk_fold_counts_buckets_like_observe():
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from slipstream.metrics import _observe_many
+
+    values = [0.0, 0.001, 0.0010001, 0.0025, 0.3, 7.0, 1e-9, 0.05, 0.05, 2.5]  # edges included
+    bounds = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+    one, many = CollectorRegistry(), CollectorRegistry()
+    h1 = Histogram("x_seconds", "x", buckets=bounds, registry=one)
+    h2 = Histogram("x_seconds", "x", buckets=bounds, registry=many)
+    for v in values:
+        h1.observe(v)
+    _observe_many(h2, values)
+    strip = lambda text: [ln for ln in text.decode().splitlines() if "_created" not in ln]  # noqa: E731
+    assert strip(generate_latest(one)) == strip(generate_latest(many))

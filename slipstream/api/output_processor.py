@@ -70,6 +70,8 @@ class OutputProcessor:
         self._todo: list[RequestState] = []
         self._ready: asyncio.Event | None = None
         self.passes = 0  # stage passes that processed something (stats)
+        # fn(token_times, start, end, arrival, prompt_len) per request and pass (metrics), off the tick
+        self.token_observers: list = []
 
     def bind(self, finish: Finish) -> None:
         self._finalize = finish
@@ -180,8 +182,11 @@ class OutputProcessor:
         seq = req.seq
         if req.closed or seq is None:
             return
+        start = req.processed
         try:
             self._process_tokens(seq, req)
+            for observe in self.token_observers:
+                observe(req.metrics.token_times, start, req.processed, req.metrics.arrival, len(req.prompt_ids))
         except _RequestFailed as f:
             self._finalize(seq, "abort")
             self._deliver_error(req, f.error)

@@ -7,7 +7,7 @@ attributes such as `Engine.metrics` / `Engine.tokenizer` or `Client.info` / `Cli
 
 Streams (`stream`, `chat_stream`) are returned at once (not awaited) and are consumed with
 `async for`; leaving one early (break, an exception) aborts its request at once. What a stream
-yields (docs/streaming.md):
+yields (docs/api.md#streams):
   * every delta carries text, except possibly the last one, which carries the finish_reason;
   * tokens that produced no text yet (half of a multi-byte character, text held back while it may
     start a stop string) ride on the next delta: the `token_ids` of all deltas, concatenated, are

@@ -176,7 +176,8 @@ class Client(SkillMethods):
     async def chat_prompt(self, messages: Messages) -> str:
         """Rendered by the worker, with its model's chat template."""
         messages = check.messages(messages)
-        return (await self._call(ChatPromptRequest(v=PROTOCOL_VERSION, seq=next(self._seq), messages=messages))).prompt
+        reply = await self._call(ChatPromptRequest(v=PROTOCOL_VERSION, seq=next(self._seq), messages=messages))
+        return reply.prompt
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request; its waiter gets finish_reason "abort". False if unknown or finished."""

@@ -2,6 +2,7 @@
 never a trailing U+FFFD when the output stops inside a multi-byte character. Checked on tiny-random
 (byte-level ids, so a grammar can force the bytes of one character) through Engine.stream,
 Client.stream (a worker) and the HTTP SSE endpoint."""
+import asyncio
 import codecs
 
 import httpx
@@ -51,6 +52,28 @@ async def test_engine_stream():
             out = await engine.complete("hi", sp)
             assert (out.text, out.finish_reason) == (want, finish)
             assert [t for _, ids, _ in deltas for t in ids] == out.token_ids
+
+
+async def test_engine_stream_aborted_inside_a_character():
+    """Aborted after a number of steps that lands inside an emoji's bytes: the text ends on a whole
+    character (the cut emoji's first bytes are dropped), and no text delta is empty but the last."""
+    robots = "\U0001F916" * 40
+    cut_inside = 0
+    async with Engine(engine_config()) as engine:
+        for k, steps in enumerate((2, 3, 4, 6, 7, 8)):
+            start = (await engine.stats())["steps"]
+            stream = engine.stream("hi", _params(robots, 160, None), request_id=f"r{k}")
+            first = asyncio.create_task(anext(stream))
+            while (await engine.stats())["steps"] < start + steps:
+                await asyncio.sleep(0)
+            assert await engine.abort(f"r{k}")
+            deltas = [await first] + [d async for d in stream]
+            out_ids = [t for d in deltas for t in d.token_ids]
+            cut_inside += len(out_ids) % 4 != 0
+            text = "".join(d.text for d in deltas)
+            assert deltas[-1].finish_reason == "abort" and all(d.text for d in deltas[:-1])
+            assert text == robots[:len(out_ids) // 4]
+    assert cut_inside  # the case this test is about did happen
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """slipstream: pipelined LLM inference — the GPU never waits for the CPU."""
 from slipstream.api.client import Client
 from slipstream.api.engine import Engine
+from slipstream.api.interface import EngineAPI
 from slipstream.api.offline import LLM
 from slipstream.errors import (
     EngineClosedError,
@@ -19,6 +20,7 @@ __all__ = [
     "Client",
     "CompletionOutput",
     "Engine",
+    "EngineAPI",
     "EngineClosedError",
     "EngineConfig",
     "InvalidRequestError",

@@ -15,7 +15,7 @@ async def wait_all_free(engine, timeout=10.0):
     """Stats once every KV page is back (a zombie step may still be committing at first)."""
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
-        s = engine.stats()
+        s = await engine.stats()
         if s["kv_pages_free"] == s["kv_pages_total"] and s["running"] == 0:
             return s
         if asyncio.get_running_loop().time() > deadline:

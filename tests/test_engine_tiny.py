@@ -102,7 +102,7 @@ async def test_cancelling_mid_stream_frees_pages():
             if n == 3:
                 break
         await agen.aclose()
-        assert engine.stats()["running"] == 0
+        assert (await engine.stats())["running"] == 0
         await wait_all_free(engine)
 
 
@@ -110,7 +110,7 @@ async def test_cancelling_the_awaiting_task_aborts_and_frees_pages():
     async with Engine(cfg(2)) as engine:
         task = asyncio.create_task(engine.complete([7] * 40, SamplingParams(max_tokens=500, temperature=0.0,
                                                                            ignore_eos=True)))
-        while engine.stats()["steps"] < 4:
+        while (await engine.stats())["steps"] < 4:
             await asyncio.sleep(0.005)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -122,7 +122,7 @@ async def test_abort_by_request_id():
     async with Engine(cfg(2)) as engine:
         task = asyncio.create_task(engine.complete([9] * 10, SamplingParams(max_tokens=400, temperature=0.0,
                                                                            ignore_eos=True), request_id="r1"))
-        while engine.stats()["steps"] < 3:
+        while (await engine.stats())["steps"] < 3:
             await asyncio.sleep(0.005)
         assert await engine.abort("r1")
         out = await task
@@ -159,7 +159,7 @@ async def test_invalid_prompts_raise_before_scheduling():
             await engine.complete([5] * 64, SamplingParams())
         with pytest.raises(InvalidRequestError):
             await engine.complete([10**6], SamplingParams())
-        assert engine.stats()["steps"] == 0
+        assert (await engine.stats())["steps"] == 0
     with pytest.raises(InvalidRequestError):
         EngineConfig(pipeline_depth=3)
 

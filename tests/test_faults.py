@@ -137,7 +137,7 @@ async def test_watchdog_fails_a_stalled_step_and_logs_the_state(caplog):
             await engine.complete(PROMPTS[1], GREEDY)
         assert isinstance(closed.value.__cause__, StepTimeoutError)
         with pytest.raises(EngineClosedError):
-            engine.stats()
+            await engine.stats()
         await asyncio.sleep(1.0)  # let the stalled forward finish before the device closes
 
 

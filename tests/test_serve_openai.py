@@ -35,7 +35,7 @@ def reference():
             outs = await asyncio.gather(*(engine.complete(p, greedy) for p in PROMPTS))
             chat = await engine.chat(CHAT, SamplingParams(max_tokens=12, temperature=0.0))
             deltas = [(d.text, d.finish_reason) async for d in engine.stream(
-                engine.chat_prompt(CHAT), SamplingParams(max_tokens=12, temperature=0.0)) if d.text or d.finish_reason]
+                await engine.chat_prompt(CHAT), SamplingParams(max_tokens=12, temperature=0.0)) if d.text or d.finish_reason]
             return {"completions": [o.text for o in outs], "chat": chat, "chat_deltas": deltas}
     return asyncio.run(run())
 

@@ -141,12 +141,39 @@ def test_incremental_holds_back_split_characters(tok):
     assert deltas[:-1] == [""] * (len(ids) - 1) and deltas[-1] == "🤖" and tail == ""
 
 
-def test_incremental_flush_releases_incomplete_tail(tok):
-    ids = tok.encode("ok 🤖")[:-1]  # cut inside the emoji
+def test_incremental_flush_drops_a_cut_character(tok):
+    ids = tok.encode("ok 🤖")[:-1]  # cut inside the emoji (max_tokens, an abort)
+    assert tok.decode(ids, skip_special_tokens=True).endswith("\ufffd")
     deltas, tail = _stream(tok, ids)
-    assert "".join(deltas) == "ok"
-    assert "".join(deltas) + tail == tok.decode(ids, skip_special_tokens=True)
-    assert tail.endswith("\ufffd")
+    assert "".join(deltas) == "ok" and tail == " "  # the emoji's first bytes are dropped, not shown as U+FFFD
+
+
+@pytest.mark.parametrize("chunk", [1, 2])
+def test_incremental_flush_keeps_a_replacement_character_spelled_in_full(tok, chunk):
+    """U+FFFD is an ordinary character (bytes EF BF BD): a model that writes it keeps it."""
+    text = "bad byte: \ufffd"
+    ids = tok.encode(text)
+    deltas, tail = _stream(tok, ids, chunk)
+    assert "".join(deltas) + tail == text
+    deltas, tail = _stream(tok, tok.encode(text + "🤖")[:-2], chunk)  # ... then a cut character
+    assert "".join(deltas) + tail == text
+
+
+def test_incremental_flush_sentencepiece_byte_fallback():
+    """SentencePiece spells unknown characters as <0xNN> tokens; a cut one is dropped as well."""
+    from model_families import spm_vocab
+
+    v = spm_vocab()
+    spm = Tokenizer.from_gguf_fields({"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": v.tokens,
+                                      "tokenizer.ggml.scores": v.scores, "tokenizer.ggml.token_type": v.types,
+                                      "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2})
+    ids = spm.encode("the 🤖")[1:]  # without BOS
+    assert spm.id_to_token(ids[-1]) == "<0x96>"
+    deltas, tail = _stream(spm, ids[:-1], prompt_ids=[1])
+    assert spm.decode(ids[:-1], skip_special_tokens=True).endswith("\ufffd")
+    assert "\ufffd" not in "".join(deltas) + tail and ("".join(deltas) + tail).rstrip() == "the"
+    deltas, tail = _stream(spm, ids, prompt_ids=[1])
+    assert "".join(deltas) + tail == "the 🤖"
 
 
 def test_from_file_round_trip(tok, tmp_path):

@@ -128,7 +128,7 @@ async def test_metrics_text_and_endpoint(trace):
     async with Engine(_config(2, trace)) as engine:
         engine_outputs = await _run_mixed(engine)
         steps = engine.loop.num_steps
-        text = engine.metrics_text()
+        text = await engine.metrics_text()
         server, thread = serve_metrics(engine.metrics.registry, "127.0.0.1", 0)
         try:
             url = f"http://127.0.0.1:{server.server_port}/metrics"
@@ -265,7 +265,7 @@ async def test_aborted_requests_are_counted_once():
         waiting.cancel()
         await asyncio.gather(waiting, return_exceptions=True)
         await engine.complete([9, 9], SamplingParams(max_tokens=3, ignore_eos=True))
-        values = samples(engine.metrics_text())
+        values = samples(await engine.metrics_text())
     assert values["slipstream_requests_finished_total{finish_reason=abort}"] == 2
     assert values["slipstream_requests_finished_total{finish_reason=length}"] == 1
 

@@ -110,7 +110,7 @@ async def test_engine_entries_reject_bad_input_and_keep_serving(engine_cfg):
             assert field in str(e.value), (messages, str(e.value))
         out = await engine.complete("hello", SamplingParams(max_tokens=3, temperature=0.0, stop=None, seed=None))
         assert len(out.token_ids) == 3
-        assert engine.stats()["running"] == 0
+        assert (await engine.stats())["running"] == 0
 
 
 async def test_one_bad_stop_no_longer_kills_the_engine_for_everyone(engine_cfg):

@@ -30,7 +30,7 @@ async def run_once(model: str, depth: int, streams: int, length: int, fraction: 
     config = EngineConfig(model=model, pipeline_depth=depth, max_batch_size=streams, trace=True)
     n_constrained = round(streams * fraction)
     async with Engine(config) as engine:
-        prompt = engine.chat_prompt([{"role": "user", "content": "Write a long number."}])
+        prompt = await engine.chat_prompt([{"role": "user", "content": "Write a long number."}])
         await engine.complete(prompt, SamplingParams(max_tokens=2, temperature=0.0, regex="[0-9]{2}"))  # warm up
         loop = engine.loop
         tracer = engine.tracer

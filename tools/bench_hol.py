@@ -38,10 +38,10 @@ async def main(args) -> None:
             t0 = time.perf_counter()
             await engine.complete([5, 6, 7, 8 + r], short)
             t_alone = time.perf_counter() - t0
-            steps = engine.stats()["steps"]
+            steps = (await engine.stats())["steps"]
             t_long = time.perf_counter()
             long_task = asyncio.create_task(engine.complete(long_prompt, long_params))
-            while engine.stats()["steps"] < steps + 2:  # the long prompt is prefilling now
+            while (await engine.stats())["steps"] < steps + 2:  # the long prompt is prefilling now
                 await asyncio.sleep(0.0005)
             t0 = time.perf_counter()
             await engine.complete([5, 6, 7, 8 + r], short)

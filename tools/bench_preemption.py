@@ -28,7 +28,7 @@ async def run(depth: int, streams: int, pages: int, tokens: int) -> tuple[int, l
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     async with Engine(config) as engine:
         outs = await asyncio.gather(*(engine.complete([3 + (i * 5 + j) % 250 for j in range(args_prompt(i))], params) for i in range(streams)))
-        return engine.stats()["preemptions"], [o.token_ids for o in outs]
+        return (await engine.stats())["preemptions"], [o.token_ids for o in outs]
 
 
 async def main(args) -> None:

@@ -219,7 +219,7 @@ def _count(batch: list[Planned], results: dict, report: Report) -> None:
 async def _settle(engine: Engine, timeout: float = 30.0) -> dict:
     deadline = time.perf_counter() + timeout
     while True:
-        s = engine.stats()
+        s = await engine.stats()
         if (s["kv_pages_free"] == s["kv_pages_total"] and s["running"] == 0 and s["waiting"] == 0
                 and s["inflight_steps"] == 0) or time.perf_counter() > deadline:
             return s

@@ -1,4 +1,4 @@
-"""slipstream.Client: the Engine API (complete / stream / chat / abort / stats) served by a worker.
+"""slipstream.Client: the EngineAPI (slipstream/api/interface.py) served by a `slipstream worker`.
 
 One ZMQ DEALER socket per client; one pump task reads it, routes each message to the request or
 call that waits for it, and watches liveness. A call never hangs: request waits fail with
@@ -18,6 +18,7 @@ import itertools
 import secrets
 import time
 from dataclasses import dataclass, field
+from typing import Any, Self
 
 import msgspec
 import structlog
@@ -28,16 +29,22 @@ from zmq.utils.monitor import parse_monitor_message
 from slipstream import errors
 from slipstream import validate as check
 from slipstream.api.client_stream import ClientStream
+from slipstream.api.interface import DeltaStream, Messages, Prompt
+from slipstream.api.skills import SkillMethods
 from slipstream.api.protocol import (
     PROTOCOL_VERSION,
     Abort,
     AbortReply,
     Bye,
+    ChatPromptReply,
+    ChatPromptRequest,
     Delta,
     Error,
     Generate,
     HealthReply,
     HealthRequest,
+    MetricsReply,
+    MetricsRequest,
     Result,
     Shutdown,
     StatsReply,
@@ -54,8 +61,7 @@ log = structlog.get_logger(__name__)
 
 _monitor_ids = itertools.count()
 _EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
-
-Prompt = str | list[int]
+_REPLIES = AbortReply | StatsReply | HealthReply | ChatPromptReply | MetricsReply | Error
 
 
 @dataclass(eq=False)
@@ -65,7 +71,7 @@ class _Pending:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
 
 
-class Client:
+class Client(SkillMethods):
     def __init__(self, address: str, timeout: float = 30.0, connect_timeout: float | None = None):
         self.address = address
         self.timeout = timeout  # longest silence from the worker while a call waits on it
@@ -90,7 +96,7 @@ class Client:
 
     # --- lifecycle ------------------------------------------------------------------------------
 
-    async def start(self) -> "Client":
+    async def start(self) -> Self:
         """Connect and handshake; raises WorkerUnavailableError if no worker answers in time."""
         try:
             self._open_socket()
@@ -105,7 +111,7 @@ class Client:
             except TimeoutError:
                 raise WorkerUnavailableError(f"no worker answered at {self.address} within "
                                              f"{self.connect_timeout:g} s") from None
-            self.info = await self.health(timeout=max(0.0, deadline - time.perf_counter()))
+            self.info = await self._health(timeout=max(0.0, deadline - time.perf_counter()))
         except BaseException:
             await self.close()
             raise
@@ -142,7 +148,7 @@ class Client:
         if self._refresh is not None:  # the new worker's handshake: info describes it, not the old one
             await asyncio.gather(self._refresh, return_exceptions=True)
 
-    async def __aenter__(self) -> "Client":
+    async def __aenter__(self) -> Self:
         return await self.start()
 
     async def __aexit__(self, *exc) -> None:
@@ -154,29 +160,44 @@ class Client:
                        request_id: str | None = None) -> CompletionOutput:
         return await self._complete(request_id, params, prompt=prompt)
 
-    async def chat(self, messages: list[dict], params: SamplingParams | None = None,
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None,
+               request_id: str | None = None) -> DeltaStream:
+        return ClientStream(self, request_id, params, {"prompt": prompt})
+
+    async def chat(self, messages: Messages, params: SamplingParams | None = None,
                    request_id: str | None = None) -> CompletionOutput:
         """The worker applies its model's chat template (Engine.chat)."""
         return await self._complete(request_id, params, messages=messages)
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None,
-               request_id: str | None = None) -> "ClientStream":
-        return ClientStream(self, request_id, params, {"prompt": prompt})
-
-    def chat_stream(self, messages: list[dict], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> "ClientStream":
+    def chat_stream(self, messages: Messages, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> DeltaStream:
         return ClientStream(self, request_id, params, {"messages": messages})
+
+    async def chat_prompt(self, messages: Messages) -> str:
+        """Rendered by the worker, with its model's chat template."""
+        messages = check.messages(messages)
+        reply = await self._call(ChatPromptRequest(v=PROTOCOL_VERSION, seq=next(self._seq), messages=messages))
+        return reply.prompt
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request; its waiter gets finish_reason "abort". False if unknown or finished."""
         reply = await self._call(Abort(v=PROTOCOL_VERSION, seq=next(self._seq), request_id=request_id))
         return reply.aborted
 
-    async def stats(self) -> dict:
+    # --- introspection --------------------------------------------------------------------------
+
+    async def stats(self) -> dict[str, Any]:
         return (await self._call(StatsRequest(v=PROTOCOL_VERSION, seq=next(self._seq)))).stats
 
-    async def health(self, timeout: float | None = None) -> HealthReply:
+    async def health(self) -> HealthReply:
+        return await self._health()
+
+    async def _health(self, timeout: float | None = None) -> HealthReply:
         return await self._call(HealthRequest(v=PROTOCOL_VERSION, seq=next(self._seq)), timeout)
+
+    async def metrics_text(self) -> str:
+        """The worker engine's Prometheus text (what `slipstream worker --metrics-port` serves)."""
+        return (await self._call(MetricsRequest(v=PROTOCOL_VERSION, seq=next(self._seq)))).text
 
     async def _complete(self, request_id, params, **prompt) -> CompletionOutput:
         p = self._submit(request_id, params, False, prompt)
@@ -331,7 +352,7 @@ class Client:
 
     async def _rehandshake(self) -> None:
         try:
-            self.info = await self.health()
+            self.info = await self._health()
         except WorkerError as e:  # gone again: the next reconnection retries
             log.info("reconnect_handshake_failed", error=repr(e))
 
@@ -364,7 +385,7 @@ class Client:
                 p.queue.put_nowait(output_from_wire(msg.output, p.sent_at))
             else:
                 p.queue.put_nowait(error_from_wire(msg))
-        elif isinstance(msg, AbortReply | StatsReply | HealthReply | Error):
+        elif isinstance(msg, _REPLIES):
             fut = self._calls.get(msg.seq) if msg.seq is not None else None
             if fut is not None and not fut.done():
                 fut.set_exception(error_from_wire(msg)) if isinstance(msg, Error) else fut.set_result(msg)

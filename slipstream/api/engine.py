@@ -1,29 +1,33 @@
-"""The public async API: Engine(EngineConfig) with complete / stream / chat / abort / stats."""
+"""The public async API in this process: Engine(EngineConfig) implements EngineAPI (interface.py)."""
 from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import random
 import secrets
 import time
+from typing import Any, Self
 
 import structlog
 
 from slipstream import validate as check
 from slipstream.errors import EngineClosedError, InvalidRequestError, WrongEventLoopError
 from slipstream.intmath import ceil_div
-from slipstream.outputs import CompletionOutput, RequestMetrics, StreamDelta
+from slipstream.outputs import CompletionOutput, RequestMetrics
 from slipstream.params import EngineConfig, SamplingParams
 from slipstream.runtime.batch import SamplingRow
+from slipstream.api.interface import DeltaStream, Messages, Prompt
 from slipstream.api.output_processor import RequestState
+from slipstream.api.protocol import HealthReply
+from slipstream.api.request_stream import RequestStream
+from slipstream.api.skills import SkillMethods
 from slipstream.scheduler.sequence import Sequence
 
 log = structlog.get_logger(__name__)
 
-Prompt = str | list[int]
 
-
-class Engine:
+class Engine(SkillMethods):
     def __init__(self, config: EngineConfig | None = None, **overrides):
         self.config = config or EngineConfig(**overrides)
         self._loop_task: asyncio.Task | None = None
@@ -36,7 +40,7 @@ class Engine:
 
     # --- lifecycle ------------------------------------------------------------------------------
 
-    async def start(self) -> "Engine":
+    async def start(self) -> Self:
         from slipstream.api.assemble import assemble  # torch-heavy imports happen at start
 
         if not isinstance(self.config, EngineConfig):
@@ -77,7 +81,7 @@ class Engine:
         self._loop_task = None
         self._parts.close()
 
-    async def __aenter__(self) -> "Engine":
+    async def __aenter__(self) -> Self:
         return await self.start()
 
     async def __aexit__(self, *exc) -> None:
@@ -96,7 +100,7 @@ class Engine:
         try:
             running = asyncio.get_running_loop()
         except RuntimeError:
-            return  # plain synchronous code (stats() from a script): reads only
+            return  # plain synchronous code (the metrics property from a script): reads only
         if running is not self._owner:
             raise WrongEventLoopError("this Engine was started on another event loop; call it from that loop "
                                       "(asyncio.run_coroutine_threadsafe from other threads)")
@@ -176,44 +180,28 @@ class Engine:
             self._forget(seq, finished)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None,
-               request_id: str | None = None) -> "RequestStream":
+               request_id: str | None = None) -> DeltaStream:
         """Async iterator of StreamDelta; leaving it early (break, an exception) aborts the request at once."""
-        return RequestStream(self, prompt, params, request_id)
+        return RequestStream(self, request_id, params, {"prompt": prompt})
 
-    def chat_prompt(self, messages: list[dict]) -> str:
+    async def chat(self, messages: Messages, params: SamplingParams | None = None,
+                   request_id: str | None = None) -> CompletionOutput:
+        return await self.complete(self._chat_prompt(messages), params, request_id)
+
+    def chat_stream(self, messages: Messages, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> DeltaStream:
+        return RequestStream(self, request_id, params, {"messages": messages})
+
+    async def chat_prompt(self, messages: Messages) -> str:
+        return self._chat_prompt(messages)
+
+    def _chat_prompt(self, messages: Messages) -> str:
         messages = check.messages(messages)
+        self._check_running()
         try:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         except Exception as e:  # noqa: BLE001 - a template rejects what the caller sent
             raise InvalidRequestError(f"messages: the chat template failed on them: {e}") from e
-
-    async def chat(self, messages: list[dict], params: SamplingParams | None = None,
-                   request_id: str | None = None) -> CompletionOutput:
-        return await self.complete(self.chat_prompt(messages), params, request_id)
-
-    # --- spatial skills (Moondream-compatible dicts; see slipstream/api/skills.py) ------------------
-
-    async def point(self, prompt: str, object: str, max_objects: int = 16, params: SamplingParams | None = None):
-        from slipstream.api.skills import run_skill
-
-        return await run_skill(self, "point", prompt, object, max_objects, params)
-
-    async def detect(self, prompt: str, object: str, max_objects: int = 16, params: SamplingParams | None = None):
-        from slipstream.api.skills import run_skill
-
-        return await run_skill(self, "detect", prompt, object, max_objects, params)
-
-    async def segment(self, prompt: str, object: str, max_objects: int = 16, params: SamplingParams | None = None):
-        from slipstream.api.skills import run_skill
-
-        return await run_skill(self, "segment", prompt, object, max_objects, params)
-
-    def stream_skill(self, kind: str, prompt: str, object: str, max_objects: int = 16,
-                     params: SamplingParams | None = None):
-        """Async iterator of objects as they complete (point/detect), or the final dict (segment)."""
-        from slipstream.api.skills import stream_skill
-
-        return stream_skill(self, kind, prompt, object, max_objects, params)
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request; its waiter gets finish_reason "abort". False if unknown or finished."""
@@ -224,7 +212,11 @@ class Engine:
         self.loop.abort(seq)
         return True
 
-    def stats(self) -> dict:
+    async def stats(self) -> dict[str, Any]:
+        return self._stats()
+
+    def _stats(self) -> dict[str, Any]:
+        """stats() for synchronous callers inside the package (the worker's socket callbacks)."""
         self._check_running()
         planner, pipeline, pool = self.loop.planner, self.loop.pipeline, self._parts.pool
         return {
@@ -248,9 +240,22 @@ class Engine:
         self._check_running()
         return self._parts.metrics
 
-    def metrics_text(self) -> str:
+    async def metrics_text(self) -> str:
         """The Prometheus text exposition of this engine's metrics."""
         return self.metrics.text()
+
+    async def health(self) -> HealthReply:
+        """The same answer a worker gives a Client, for this process: never raises; ready is False
+        before start, after close, and once the loop died. heartbeat_s and max_message_bytes
+        describe a wire and are 0 here; seq is 0."""
+        try:
+            self._check_running()
+            ready = True
+        except EngineClosedError:
+            ready = False
+        return HealthReply(seq=0, ready=ready, draining=False, model=self.config.model, pid=os.getpid(),
+                           heartbeat_s=0.0, max_message_bytes=0,
+                           chat_template=bool(getattr(self.tokenizer, "chat_template", None)))
 
     @property
     def tracer(self):
@@ -258,46 +263,3 @@ class Engine:
         self._check_running()
         return self._parts.tracer
 
-
-class RequestStream:
-    """The deltas of one request (Engine.stream). Not an async generator: those are closed a loop
-    pass after the caller leaves them, so the request id and the pages stayed taken until then.
-    Here, leaving early (break, an exception, dropping the iterator) aborts the request at once."""
-
-    def __init__(self, engine: Engine, prompt: Prompt, params: SamplingParams | None, request_id: str | None):
-        self._engine, self._args = engine, (prompt, params, request_id)
-        self._seq: Sequence | None = None
-        self._done = False
-
-    def __aiter__(self) -> "RequestStream":
-        return self
-
-    async def __anext__(self) -> StreamDelta:
-        if self._done:
-            raise StopAsyncIteration
-        try:
-            if self._seq is None:
-                self._seq = await self._engine._submit(*self._args)
-            item = await self._engine._next(self._seq)
-        except BaseException:
-            self._close()
-            raise
-        if isinstance(item, CompletionOutput):
-            self._close()
-            raise StopAsyncIteration
-        return item
-
-    async def aclose(self) -> None:
-        self._close()
-
-    def _close(self) -> None:
-        if not self._done:
-            self._done = True
-            if self._seq is not None:
-                self._engine._forget(self._seq, finished=False)
-
-    def __del__(self) -> None:
-        try:
-            self._close()
-        except Exception:  # noqa: BLE001 - at interpreter exit the loop may be gone
-            pass

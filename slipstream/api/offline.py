@@ -47,7 +47,7 @@ class LLM:
         return self._call(self._gather(self.engine.chat, batch, per_prompt))
 
     def stats(self) -> dict:
-        return self._call(_async(self.engine.stats))
+        return self._call(self.engine.stats())
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -101,6 +101,3 @@ def _per_prompt(params, n: int) -> list[SamplingParams | None]:
         raise InvalidRequestError(f"params: {len(params)} SamplingParams for {n} prompts", param="params")
     return params
 
-
-async def _async(fn):
-    return fn()

@@ -47,11 +47,20 @@ class HealthRequest(_In, tag="health"):
     seq: int
 
 
+class ChatPromptRequest(_In, tag="chat_prompt"):
+    seq: int
+    messages: list[dict[str, str]]
+
+
+class MetricsRequest(_In, tag="metrics"):
+    seq: int
+
+
 class Bye(_In, tag="bye"):
     """The client is closing: abort its requests now rather than at the next failed send."""
 
 
-ClientMsg = Generate | Abort | StatsRequest | HealthRequest | Bye
+ClientMsg = Generate | Abort | StatsRequest | HealthRequest | ChatPromptRequest | MetricsRequest | Bye
 
 
 class Header(msgspec.Struct):
@@ -110,6 +119,16 @@ class HealthReply(_Out, tag="health_reply"):
     version: int = PROTOCOL_VERSION
 
 
+class ChatPromptReply(_Out, tag="chat_prompt_reply"):
+    seq: int
+    prompt: str  # the messages rendered by the model's chat template (Engine.chat_prompt)
+
+
+class MetricsReply(_Out, tag="metrics_reply"):
+    seq: int
+    text: str  # Prometheus text exposition of the worker's engine metrics
+
+
 class Heartbeat(_Out, tag="heartbeat"):
     inflight: int  # this client's unfinished requests, as the worker sees them
 
@@ -121,7 +140,8 @@ class Shutdown(_Out, tag="shutdown"):
     reason: str
 
 
-ServerMsg = Delta | Result | Error | AbortReply | StatsReply | HealthReply | Heartbeat | Shutdown
+ServerMsg = (Delta | Result | Error | AbortReply | StatsReply | HealthReply | ChatPromptReply | MetricsReply
+             | Heartbeat | Shutdown)
 
 
 class Frame(msgspec.Struct):

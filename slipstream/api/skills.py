@@ -1,8 +1,10 @@
-"""Spatial skills on top of Engine: point / detect / segment with Moondream-compatible results.
+"""Spatial skills on top of the EngineAPI: point / detect / segment with Moondream-compatible results.
 
 The grammar (slipstream/grammar/skills.py) forces the layout token by token; this module builds the
 prompt, sizes max_tokens from max_objects, and turns the text into the result dict. Streaming
-variants yield each object as soon as its line is complete.
+variants yield each object as soon as its line is complete. Written against the interface only
+(slipstream/api/interface.py), so an Engine and a Client run the same requests: the instruction goes
+through the model's chat template when it has one (`health().chat_template`), else as plain text.
 """
 from __future__ import annotations
 
@@ -10,12 +12,13 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 
 import msgspec
 
+from slipstream.errors import InvalidRequestError
 from slipstream.grammar.base import GrammarSpec
 from slipstream.grammar.skills import parse_skill_output
 from slipstream.params import SamplingParams
 
 if TYPE_CHECKING:
-    from slipstream.api.engine import Engine
+    from slipstream.api.interface import DeltaStream, EngineAPI
 
 # tokens per object line: values × (up to 4 digits + 1 separator)
 _VALUES = {"point": 2, "detect": 4, "segment": 2}
@@ -27,11 +30,13 @@ _INSTRUCTION = {
 }
 
 
-def skill_request(engine: "Engine", kind: str, prompt: str, obj: str, max_objects: int,
+def skill_request(kind: str, prompt: str, obj: str, max_objects: int,
                   params: SamplingParams | None) -> tuple[str, SamplingParams]:
+    """The instruction text (before any chat template) and the constrained SamplingParams."""
+    if kind not in _VALUES:
+        raise InvalidRequestError(f"kind: unknown skill {kind!r} (expected one of {', '.join(_VALUES)})",
+                                  param="kind")
     text = f"{prompt}\n\n{_INSTRUCTION[kind].format(obj=obj)}" if prompt else _INSTRUCTION[kind].format(obj=obj)
-    if getattr(engine.tokenizer, "chat_template", None):
-        text = engine.chat_prompt([{"role": "user", "content": text}])
     lines = max_objects + (1 if kind == "segment" else 0)
     budget = lines * _VALUES[kind] * 5 + 2 + (4 * 5 if kind == "segment" else 0)
     base = params or SamplingParams(temperature=0.0)
@@ -40,26 +45,58 @@ def skill_request(engine: "Engine", kind: str, prompt: str, obj: str, max_object
                                          grammar=spec, json_schema=None, regex=None, choice=None)
 
 
-async def run_skill(engine: "Engine", kind: str, prompt: str, obj: str, max_objects: int = 16,
+async def run_skill(api: "EngineAPI", kind: str, prompt: str, obj: str, max_objects: int = 16,
                     params: SamplingParams | None = None) -> dict[str, Any]:
-    text, sp = skill_request(engine, kind, prompt, obj, max_objects, params)
-    out = await engine.complete(text, sp)
+    text, sp = skill_request(kind, prompt, obj, max_objects, params)
+    if (await api.health()).chat_template:
+        out = await api.chat([{"role": "user", "content": text}], sp)
+    else:
+        out = await api.complete(text, sp)
     return parse_skill_output(kind, out.text)
 
 
-async def stream_skill(engine: "Engine", kind: str, prompt: str, obj: str, max_objects: int = 16,
+async def stream_skill(api: "EngineAPI", kind: str, prompt: str, obj: str, max_objects: int = 16,
                        params: SamplingParams | None = None) -> AsyncIterator[dict[str, Any]]:
     """point/detect: yields each object dict as its line completes. segment: yields the final dict."""
-    text, sp = skill_request(engine, kind, prompt, obj, max_objects, params)
+    text, sp = skill_request(kind, prompt, obj, max_objects, params)
+    deltas: DeltaStream
+    if (await api.health()).chat_template:
+        deltas = api.chat_stream([{"role": "user", "content": text}], sp)
+    else:
+        deltas = api.stream(text, sp)
     acc, done = "", 0
     key = {"point": "points", "detect": "objects"}.get(kind)
-    async for delta in engine.stream(text, sp):
-        acc += delta.text
-        if key is None or "\n" not in delta.text:
-            continue
-        objs = parse_skill_output(kind, acc)[key]
-        for o in objs[done:]:
-            yield o
-        done = len(objs)
+    try:
+        async for delta in deltas:
+            acc += delta.text
+            if key is None or "\n" not in delta.text:
+                continue
+            objs = parse_skill_output(kind, acc)[key]
+            for o in objs[done:]:
+                yield o
+            done = len(objs)
+    finally:
+        await deltas.aclose()  # the caller left early: abort the request now
     if key is None:
         yield parse_skill_output(kind, acc)
+
+
+class SkillMethods:
+    """point / detect / segment / stream_skill of the EngineAPI, for Engine and Client alike."""
+
+    async def point(self, prompt: str, object: str, max_objects: int = 16,
+                    params: SamplingParams | None = None) -> dict[str, Any]:
+        return await run_skill(self, "point", prompt, object, max_objects, params)
+
+    async def detect(self, prompt: str, object: str, max_objects: int = 16,
+                     params: SamplingParams | None = None) -> dict[str, Any]:
+        return await run_skill(self, "detect", prompt, object, max_objects, params)
+
+    async def segment(self, prompt: str, object: str, max_objects: int = 16,
+                      params: SamplingParams | None = None) -> dict[str, Any]:
+        return await run_skill(self, "segment", prompt, object, max_objects, params)
+
+    def stream_skill(self, kind: str, prompt: str, object: str, max_objects: int = 16,
+                     params: SamplingParams | None = None) -> AsyncIterator[dict[str, Any]]:
+        """Async iterator of objects as they complete (point/detect), or the final dict (segment)."""
+        return stream_skill(self, kind, prompt, object, max_objects, params)

@@ -23,12 +23,16 @@ from slipstream.api.protocol import (
     Abort,
     AbortReply,
     Bye,
+    ChatPromptReply,
+    ChatPromptRequest,
     Delta,
     Error,
     Generate,
     HealthReply,
     HealthRequest,
     Heartbeat,
+    MetricsReply,
+    MetricsRequest,
     Result,
     Shutdown,
     StatsReply,
@@ -140,7 +144,7 @@ class Worker:
                            max_unsent_frames=self.limits.max_unsent_frames)
         self.io.start()
         beat = asyncio.create_task(self._heartbeats(), name="slipstream-worker-heartbeat")
-        log.info("worker_ready", address=self.address, kv_pages=self.engine.stats()["kv_pages_total"],
+        log.info("worker_ready", address=self.address, kv_pages=(await self.engine.stats())["kv_pages_total"],
                  max_queued=self.limits.max_queued)
         await self._stop.wait()
         await self._shutdown()
@@ -198,6 +202,8 @@ class Worker:
             self.io.send(identity, StatsReply(seq=msg.seq, stats=self.stats()))
         elif isinstance(msg, HealthRequest):
             self.io.send(identity, self._health(msg.seq))
+        elif isinstance(msg, ChatPromptRequest | MetricsRequest):
+            self.io.send(identity, self._answer(msg))
         elif isinstance(msg, Bye):
             self._drop(session, "closed")
 
@@ -248,7 +254,7 @@ class Worker:
         rid, send, ident = msg.request_id, self.io.send, session.identity
         engine_id = f"{session.tag}/{rid}"  # unique across clients; the client sees its own id
         try:
-            prompt = msg.prompt if msg.messages is None else self._chat_prompt(msg.messages)
+            prompt = msg.prompt if msg.messages is None else await self.engine.chat_prompt(msg.messages)
             if msg.stream:
                 async for d in self.engine.stream(prompt, params, request_id=engine_id):
                     send(ident, Delta(request_id=rid, text=d.text, token_ids=d.token_ids,
@@ -270,14 +276,6 @@ class Worker:
             session.tasks.pop(rid, None)
             self._inflight -= 1
 
-    def _chat_prompt(self, messages: list[dict[str, str]]) -> str:
-        try:
-            return self.engine.chat_prompt(messages)
-        except SlipstreamError:
-            raise
-        except Exception as e:  # noqa: BLE001 - template errors come from the caller's messages
-            raise InvalidRequestError(f"chat template failed on these messages: {e}") from e
-
     async def _abort(self, session: _Session, msg: Abort) -> None:
         engine_id = f"{session.tag}/{msg.request_id}"
         aborted = await self.engine.abort(engine_id)
@@ -293,7 +291,7 @@ class Worker:
         while True:
             await asyncio.sleep(self.limits.heartbeat_s)
             try:
-                self.engine.stats()
+                await self.engine.stats()
             except EngineClosedError as e:
                 log.error("engine_loop_died", action="stopping the worker", error=str(e))
                 self.stop("engine died", 1)
@@ -305,7 +303,7 @@ class Worker:
 
     def stats(self) -> dict:
         try:
-            stats = self.engine.stats()
+            stats = self.engine._stats()
         except EngineClosedError:
             stats = {}
         stats.update(clients=len(self._sessions), inflight=self._inflight, requests=self.num_requests,
@@ -314,9 +312,21 @@ class Worker:
                      draining=self._draining)
         return stats
 
+    def _answer(self, msg: ChatPromptRequest | MetricsRequest) -> ChatPromptReply | MetricsReply | Error:
+        """Calls the engine answers at once, without generating: Client.chat_prompt / metrics_text."""
+        try:
+            if isinstance(msg, ChatPromptRequest):
+                return ChatPromptReply(seq=msg.seq, prompt=self.engine._chat_prompt(msg.messages))
+            return MetricsReply(seq=msg.seq, text=self.engine.metrics.text())
+        except SlipstreamError as e:
+            return error_to_wire(e, seq=msg.seq)
+        except Exception as e:  # noqa: BLE001 - answered as an error; the worker goes on
+            log.exception("call_failed", type=type(msg).__name__)
+            return Error(code="WorkerError", message=f"internal error: {e!r}", seq=msg.seq)
+
     def _health(self, seq: int) -> HealthReply:
         try:
-            running = self.engine.stats() is not None
+            running = self.engine._stats() is not None
         except EngineClosedError:
             running = False
         return HealthReply(seq=seq, ready=running and not self._draining, draining=self._draining,

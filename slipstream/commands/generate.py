@@ -75,9 +75,9 @@ async def _generate(args) -> int:
     async with Engine(engine_config(args)) as engine:
         prompt = args.prompt
         if not args.raw and getattr(engine.tokenizer, "chat_template", None):
-            prompt = engine.chat_prompt([{"role": "user", "content": args.prompt}])
+            prompt = await engine.chat_prompt([{"role": "user", "content": args.prompt}])
         summary = await _print_stream(engine.stream(prompt, params))
-        _report(args, summary, engine.stats() if args.verbose else None)
+        _report(args, summary, await engine.stats() if args.verbose else None)
     return 0
 
 

@@ -23,6 +23,10 @@ class ByteTokenizer:
         data = bytes(i - OFFSET for i in ids if OFFSET <= i < OFFSET + 256)
         return data.decode("utf-8", errors="replace")
 
+    def token_bytes(self, i: int) -> bytes:
+        """The byte an id stands for (b"" for specials): lets streaming drop a cut character."""
+        return bytes([i - OFFSET]) if OFFSET <= i < OFFSET + 256 else b""
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
         return text + ("assistant: " if add_generation_prompt else "")

@@ -21,6 +21,7 @@ from tokenizers import Tokenizer as _HFTokenizer
 
 from slipstream.errors import CorruptModelError, UnsupportedArchitectureError
 from slipstream.models.byte_bpe import _byte_alphabet, _byte_level_backend  # noqa: F401 (re-exported for tests)
+from slipstream.models.utf8_tail import drop_incomplete_char
 
 TOKEN_TYPE_UNKNOWN = 2  # SentencePiece's <unk>
 TOKEN_TYPE_CONTROL = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL: <|im_start|> and friends
@@ -222,8 +223,8 @@ class IncrementalDetokenizer:
 
     Output text skips special tokens (so <|im_end|> never shows). Text is held back while the
     window's decode ends in U+FFFD (an incomplete UTF-8 sequence split across tokens); `flush()`
-    releases whatever is left. The concatenation of all deltas equals
-    `tokenizer.decode(output_ids, skip_special_tokens=True)`.
+    releases whatever is left, except the bytes of a character cut at the end. The concatenation of
+    all deltas equals `tokenizer.decode(output_ids, skip_special_tokens=True)` less that cut character.
     """
 
     _CONTEXT = 5  # prompt tokens kept before the output, for decoders whose spacing depends on context
@@ -256,8 +257,10 @@ class IncrementalDetokenizer:
         return new_text[len(prefix_text):]
 
     def flush(self) -> str:
-        """Release held-back text at the end of the sequence (replacement characters included)."""
+        """Release held-back text at the end of the sequence. A character the output stops inside
+        of is dropped (utf8_tail.py); a U+FFFD the model spelled out in full is kept."""
         prefix_text = self._window(self.prefix_offset, self.read_offset)
         new_text = self._window(self.prefix_offset)
+        tail = drop_incomplete_char(self.tokenizer, self._ids[self.read_offset:], new_text[len(prefix_text):])
         self.prefix_offset = self.read_offset = len(self._ids)
-        return new_text[len(prefix_text):]
+        return tail

@@ -34,7 +34,7 @@ class Backend(Protocol):
 
     async def stats(self) -> dict: ...
 
-    def metrics_text(self) -> str: ...  # Prometheus text of the engine's registry ("" if remote; may be async)
+    async def metrics_text(self) -> str: ...  # Prometheus text of the engine's registry ("" if not served here)
 
 
 class EngineBackend:
@@ -62,10 +62,10 @@ class EngineBackend:
         return await self.engine.complete(ids, params, request_id=request_id)
 
     async def stats(self) -> dict:
-        return self.engine.stats()
+        return await self.engine.stats()
 
-    def metrics_text(self) -> str:
-        return self.engine.metrics_text()
+    async def metrics_text(self) -> str:
+        return await self.engine.metrics_text()
 
 
 class ClientsBackend:
@@ -127,5 +127,5 @@ class ClientsBackend:
         total = {k: sum(s.get(k, 0) for s in ok) for k in ("kv_pages_free", "kv_pages_total", "running", "waiting")}
         return {**total, "workers": [s if isinstance(s, dict) else {"error": repr(s)} for s in per]}
 
-    def metrics_text(self) -> str:
+    async def metrics_text(self) -> str:
         return ""  # each worker serves its own registry (`slipstream worker --metrics-port`)

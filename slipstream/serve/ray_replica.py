@@ -84,9 +84,9 @@ class EngineReplica:
 
     async def record_routing_stats(self) -> dict:
         """Engine stats, what this replica served, and its metric families (labelled `replica`)."""
-        return {"replica": self.replica_id, **self.engine.stats(), "requests_started": self.started_requests,
+        return {"replica": self.replica_id, **(await self.engine.stats()), "requests_started": self.started_requests,
                 "finished": dict(self.finished), "recent_request_ids": list(self.recent),
                 "metrics": relabel(self.engine.metrics.registry.collect(), self.replica_id)}
 
     async def check_health(self) -> None:
-        self.engine.stats()  # raises EngineClosedError once the engine has stopped
+        await self.engine.stats()  # raises EngineClosedError once the engine has stopped

@@ -1,0 +1,109 @@
+"""The one API that `Engine` (in this process) and `Client` (a `slipstream worker`) both implement.
+
+Every method here exists on both classes with the same parameters, defaults and async-ness, so
+code written against one runs against the other unchanged; tests/test_interface.py checks it.
+Each class may add things that only make sense for its transport (TRANSPORT_EXTRAS, and
+attributes such as `Engine.metrics` / `Engine.tokenizer` or `Client.info` / `Client.connected`).
+
+Streams (`stream`, `chat_stream`) are returned at once (not awaited) and are consumed with
+`async for`; leaving one early (break, an exception) aborts its request at once. What a stream
+yields (docs/api.md#streams):
+  * every delta carries text, except possibly the last one, which carries the finish_reason;
+  * tokens that produced no text yet (half of a multi-byte character, text held back while it may
+    start a stop string) ride on the next delta: the `token_ids` of all deltas, concatenated, are
+    the output's token ids;
+  * the concatenated text equals `CompletionOutput.text`; output cut inside a multi-byte character
+    (by max_tokens, an abort) ends without the incomplete bytes: never a trailing U+FFFD.
+"""
+from __future__ import annotations
+
+from typing import Any, AsyncIterator, Protocol, Self, runtime_checkable
+
+from slipstream.api.protocol import HealthReply
+from slipstream.outputs import CompletionOutput, StreamDelta
+from slipstream.params import SamplingParams
+
+Prompt = str | list[int]  # text, or token ids
+Messages = list[dict]  # chat messages: [{"role": "user", "content": "..."}, ...]
+
+# Public methods only one side has, because only its transport has the concept.
+TRANSPORT_EXTRAS = {"Engine": frozenset(), "Client": frozenset({"wait_connected"})}
+
+
+class DeltaStream(Protocol):
+    """What `stream` / `chat_stream` return: an async iterator of StreamDelta that can be closed."""
+
+    def __aiter__(self) -> DeltaStream: ...
+
+    async def __anext__(self) -> StreamDelta: ...
+
+    async def aclose(self) -> None:
+        """Stop early: aborts the request if it has not finished."""
+
+
+@runtime_checkable
+class EngineAPI(Protocol):
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> Self:
+        """Engine: load the model and start the loop. Client: connect and handshake."""
+
+    async def close(self) -> None:
+        """Abort what is unfinished and release everything; closing twice is a no-op."""
+
+    async def __aenter__(self) -> Self: ...
+
+    async def __aexit__(self, *exc) -> None: ...
+
+    # --- requests -----------------------------------------------------------------------------
+
+    async def complete(self, prompt: Prompt, params: SamplingParams | None = None,
+                       request_id: str | None = None) -> CompletionOutput:
+        """Generate from a prompt (text or token ids) until a stop, max_tokens, or an abort."""
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None,
+               request_id: str | None = None) -> DeltaStream:
+        """As `complete`, delta by delta (see the module docstring for what is yielded)."""
+
+    async def chat(self, messages: Messages, params: SamplingParams | None = None,
+                   request_id: str | None = None) -> CompletionOutput:
+        """`complete` on the model's chat template applied to `messages` (with a generation prompt)."""
+
+    def chat_stream(self, messages: Messages, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> DeltaStream:
+        """`stream` on the model's chat template applied to `messages`."""
+
+    async def chat_prompt(self, messages: Messages) -> str:
+        """The prompt text `chat` would generate from (InvalidRequestError if the template refuses)."""
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a request; its waiter gets finish_reason "abort". False if unknown or finished."""
+
+    # --- spatial skills (Moondream-compatible dicts; docs/grammars.md) ----------------------------
+
+    async def point(self, prompt: str, object: str, max_objects: int = 16,
+                    params: SamplingParams | None = None) -> dict[str, Any]:
+        """{"points": [{"x", "y"}, ...]}, coordinates in [0, 1]."""
+
+    async def detect(self, prompt: str, object: str, max_objects: int = 16,
+                     params: SamplingParams | None = None) -> dict[str, Any]:
+        """{"objects": [{"x_min", "y_min", "x_max", "y_max"}, ...]}."""
+
+    async def segment(self, prompt: str, object: str, max_objects: int = 16,
+                      params: SamplingParams | None = None) -> dict[str, Any]:
+        """{"path": "M ...", "bbox": {...}}."""
+
+    def stream_skill(self, kind: str, prompt: str, object: str, max_objects: int = 16,
+                     params: SamplingParams | None = None) -> AsyncIterator[dict[str, Any]]:
+        """point/detect: each object as its line completes; segment: the final dict."""
+
+    # --- introspection ------------------------------------------------------------------------
+
+    async def stats(self) -> dict[str, Any]:
+        """kv_pages_free, kv_pages_total, running, waiting, steps, ... (a worker adds its own counters)."""
+
+    async def health(self) -> HealthReply:
+        """ready, draining, model, pid, chat_template, ... Engine: a local answer (never raises)."""
+
+    async def metrics_text(self) -> str:
+        """The Prometheus text exposition of the engine's metrics."""

@@ -28,6 +28,7 @@ from zmq.utils.monitor import parse_monitor_message
 from slipstream import errors
 from slipstream import validate as check
 from slipstream.api.client_stream import ClientStream
+from slipstream.api.fanout import fan_out, wants_fan_out
 from slipstream.api.protocol import (
     PROTOCOL_VERSION,
     Abort,
@@ -151,12 +152,17 @@ class Client:
     # --- requests -------------------------------------------------------------------------------
 
     async def complete(self, prompt: Prompt, params: SamplingParams | None = None,
-                       request_id: str | None = None) -> CompletionOutput:
+                       request_id: str | None = None) -> CompletionOutput | list[CompletionOutput]:
+        """One CompletionOutput; with params.n > 1, a list of n (fanned out here: slipstream/api/fanout.py)."""
+        if wants_fan_out(params):
+            return await fan_out(lambda p, rid: self._complete(rid, p, prompt=prompt), params, request_id)
         return await self._complete(request_id, params, prompt=prompt)
 
     async def chat(self, messages: list[dict], params: SamplingParams | None = None,
-                   request_id: str | None = None) -> CompletionOutput:
+                   request_id: str | None = None) -> CompletionOutput | list[CompletionOutput]:
         """The worker applies its model's chat template (Engine.chat)."""
+        if wants_fan_out(params):
+            return await fan_out(lambda p, rid: self._complete(rid, p, messages=messages), params, request_id)
         return await self._complete(request_id, params, messages=messages)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None,

@@ -13,8 +13,9 @@ from slipstream import validate as check
 from slipstream.errors import EngineClosedError, InvalidRequestError, WrongEventLoopError
 from slipstream.intmath import ceil_div
 from slipstream.outputs import CompletionOutput, RequestMetrics, StreamDelta
-from slipstream.params import EngineConfig, SamplingParams
+from slipstream.params import EngineConfig, SamplingParams, refuse_unsupported
 from slipstream.runtime.batch import SamplingRow
+from slipstream.api.fanout import fan_out, wants_fan_out
 from slipstream.api.output_processor import RequestState
 from slipstream.scheduler.sequence import Sequence
 
@@ -108,6 +109,9 @@ class Engine:
         elif not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}",
                                       param="params")
+        if params.n > 1:  # complete/chat fan out before this; a stream cannot (slipstream/api/fanout.py)
+            raise InvalidRequestError("n > 1 cannot be streamed; use complete() or chat()", param="n")
+        refuse_unsupported(params)
         request_id = check.request_id(request_id)
         ids = self._prompt_ids(prompt)
         if len(ids) + params.max_tokens > self.max_model_len:
@@ -163,7 +167,10 @@ class Engine:
             del self._requests[seq.request_id]
 
     async def complete(self, prompt: Prompt, params: SamplingParams | None = None,
-                       request_id: str | None = None) -> CompletionOutput:
+                       request_id: str | None = None) -> CompletionOutput | list[CompletionOutput]:
+        """One CompletionOutput; with params.n > 1, a list of n (slipstream/api/fanout.py)."""
+        if wants_fan_out(params):
+            return await fan_out(lambda p, rid: self.complete(prompt, p, rid), params, request_id)
         seq = await self._submit(prompt, params, request_id)
         finished = False
         try:
@@ -188,7 +195,7 @@ class Engine:
             raise InvalidRequestError(f"messages: the chat template failed on them: {e}") from e
 
     async def chat(self, messages: list[dict], params: SamplingParams | None = None,
-                   request_id: str | None = None) -> CompletionOutput:
+                   request_id: str | None = None) -> CompletionOutput | list[CompletionOutput]:
         return await self.complete(self.chat_prompt(messages), params, request_id)
 
     # --- spatial skills (Moondream-compatible dicts; see slipstream/api/skills.py) ------------------

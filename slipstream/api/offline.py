@@ -33,7 +33,8 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[CompletionOutput]:
         """Complete one prompt or a list of them (all at once, batched by the engine); outputs in order.
-        A prompt is a string or a list of token ids; `params` is one SamplingParams or one per prompt."""
+        A prompt is a string or a list of token ids; `params` is one SamplingParams or one per prompt.
+        A prompt whose params have n > 1 gets a list of n outputs in its place."""
         batch = [prompts] if _is_single(prompts) else list(prompts)
         per_prompt = _per_prompt(params, len(batch))
         return self._call(self._gather(self.engine.complete, batch, per_prompt))

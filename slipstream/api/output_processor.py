@@ -37,6 +37,7 @@ class RequestState:
     output: CompletionOutput | None = None
     matcher: object | None = None  # grammar matcher (slipstream.grammar), advanced on each commit
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)  # SamplingParams.top_logprobs > 0
 
     @property
     def text(self) -> str:
@@ -53,12 +54,15 @@ class OutputProcessor:
     def bind(self, finish: Finish) -> None:
         self._finalize = finish
 
-    def accept(self, seq: Sequence, token: int, logprob: float = 0.0) -> None:
+    def accept(self, seq: Sequence, token: int, logprob: float = 0.0, top: dict[int, float] | None = None) -> None:
+        """top: the step's SamplingParams.top_logprobs alternatives {token id: logprob}, most likely first."""
         req: RequestState = seq.user
         now = time.perf_counter()
         seq.output_ids.append(token)
         if req.params.logprobs:
             req.logprobs.append(logprob)
+        if req.params.top_logprobs:
+            req.top_logprobs.append(top or {})
         req.metrics.token_times.append(now)
         if req.metrics.first_token is None:
             req.metrics.first_token = now
@@ -84,7 +88,7 @@ class OutputProcessor:
                                                          f"{req.request_id} failed: {e!r}", e))
                 return
             stops = req.params.stop
-            if stops:  # only the held-back tail can hold a new match: no rescan of the whole text
+            if stops and len(seq.output_ids) >= req.params.min_tokens:  # as vLLM: none before min_tokens  # only the held-back tail can hold a new match: no rescan of the whole text
                 start = max(0, before - max(map(len, stops)) + 1)
                 hits = [i for i in (req.pending.find(s, start) for s in stops) if i >= 0]
                 if hits:
@@ -132,6 +136,7 @@ class OutputProcessor:
             prompt_token_ids=req.prompt_ids,
             metrics=req.metrics,
             logprobs=list(req.logprobs) if req.params.logprobs else None,
+            top_logprobs=list(req.top_logprobs) if req.params.top_logprobs else None,
         )
         req.queue.put_nowait(req.output)
 

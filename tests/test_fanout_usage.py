@@ -120,3 +120,70 @@ def test_llm_generate_puts_n_outputs_in_the_prompts_place():
         outs = llm.generate(["a", "b"], [SamplingParams(n=2, seed=3, max_tokens=4), SamplingParams(max_tokens=4)])
         assert isinstance(outs[0], list) and [o.index for o in outs[0]] == [0, 1]
         assert isinstance(outs[1], CompletionOutput) and outs[1].usage.completion_tokens <= 4
+
+
+class _CharDetok:
+    """Token t is the character chr(t): enough for the output processor's stop logic."""
+
+    def push(self, ids):
+        return "".join(map(chr, ids))
+
+    def flush(self):
+        return ""
+
+
+def _run_processor(params, tokens, tops=None):
+    from slipstream.api.output_processor import OutputProcessor, RequestState
+    from slipstream.runtime.batch import SamplingRow
+    from slipstream.scheduler.sequence import Sequence
+
+    def finish(seq, reason):
+        if seq.finalized:
+            return False
+        seq.finalized, seq.finish_reason = True, reason
+        return True
+
+    proc = OutputProcessor()
+    proc.bind(finish)
+    req = RequestState("r", [1, 2], params, _CharDetok(), frozenset(), RequestMetrics(0.0))
+    seq = Sequence("r", [1, 2], params.max_tokens, SamplingRow(), user=req)
+    for i, t in enumerate(tokens):
+        if not seq.finalized:
+            proc.accept(seq, t, -0.5, None if tops is None else tops[i])
+    return req.output
+
+
+async def test_stop_strings_wait_for_min_tokens_and_top_logprobs_reach_the_output():
+    text = [ord(c) for c in "abXcdXef"]
+    out = _run_processor(SamplingParams(max_tokens=8, stop=["X"]), text)
+    assert (out.text, out.finish_reason) == ("ab", "stop")
+    out = _run_processor(SamplingParams(max_tokens=8, stop=["X"], min_tokens=4), text)
+    assert (out.text, out.finish_reason) == ("abXcd", "stop")  # the first X came before the 4th token
+    tops = [{t: -0.5, 7: -2.0} for t in text[:3]]
+    out = _run_processor(SamplingParams(max_tokens=3, top_logprobs=2), text[:3], tops)
+    assert out.top_logprobs == tops and out.logprobs == [-0.5] * 3 and out.usage.completion_tokens == 3
+    assert _run_processor(SamplingParams(max_tokens=3), text[:3]).top_logprobs is None
+
+
+def test_http_rendering_of_top_logprobs_and_n_usage():
+    from slipstream.serve import render
+
+    class Tok:
+        def decode(self, ids):
+            return "".join(chr(96 + t) for t in ids)
+
+    a = CompletionOutput("r-0", "ab", [1, 2], "length", [5, 5, 5], RequestMetrics(0.0), logprobs=[-0.1, -0.2],
+                         top_logprobs=[{1: -0.1, 3: -2.5}, {2: -0.2, 4: -1.9}])
+    b = CompletionOutput("r-1", "c", [3], "stop", [5, 5, 5], RequestMetrics(0.0), logprobs=[-0.3],
+                         top_logprobs=[{3: -0.3, 1: -1.0}], index=1)
+    chat = render.chat("r", 0, "m", [a, b], [render.chat_logprobs(Tok(), o) for o in (a, b)])
+    assert chat["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    assert [c["index"] for c in chat["choices"]] == [0, 1]
+    first = chat["choices"][0]["logprobs"]["content"][0]
+    assert (first["token"], first["logprob"]) == ("a", -0.1)
+    assert [(t["token"], t["logprob"]) for t in first["top_logprobs"]] == [("a", -0.1), ("c", -2.5)]
+    legacy = render.completion_logprobs(Tok(), a)
+    assert legacy["top_logprobs"] == [{"a": -0.1, "c": -2.5}, {"b": -0.2, "d": -1.9}]
+    plain = CompletionOutput("p", "a", [1], "length", [5], RequestMetrics(0.0), logprobs=[-0.1])
+    assert render.chat_logprobs(Tok(), plain)["content"][0]["top_logprobs"] == []
+    assert render.completion_logprobs(Tok(), plain)["top_logprobs"] is None

@@ -174,4 +174,6 @@ async def test_n_fans_out_on_the_client_like_the_engine(worker):
         chats = await client.chat([{"role": "user", "content": "hi"}], params)
         assert [o.index for o in chats] == [0, 1, 2]
         with pytest.raises(InvalidRequestError):  # the worker takes one completion per Generate
+            await client._complete(None, SamplingParams(n=2, max_tokens=2), prompt="x")  # as a raw client would
+        with pytest.raises(InvalidRequestError):
             [d async for d in client.stream("x", SamplingParams(n=2))]

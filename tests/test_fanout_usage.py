@@ -159,6 +159,8 @@ async def test_stop_strings_wait_for_min_tokens_and_top_logprobs_reach_the_outpu
     assert (out.text, out.finish_reason) == ("ab", "stop")
     out = _run_processor(SamplingParams(max_tokens=8, stop=["X"], min_tokens=4), text)
     assert (out.text, out.finish_reason) == ("abXcd", "stop")  # the first X came before the 4th token
+    out = _run_processor(SamplingParams(max_tokens=8, stop=["X"], min_tokens=3), text)
+    assert (out.text, out.token_ids) == ("ab", text[:3])  # X is the 3rd token: min_tokens reached, it stops
     tops = [{t: -0.5, 7: -2.0} for t in text[:3]]
     out = _run_processor(SamplingParams(max_tokens=3, top_logprobs=2), text[:3], tops)
     assert out.top_logprobs == tops and out.logprobs == [-0.5] * 3 and out.usage.completion_tokens == 3

@@ -8,8 +8,12 @@ import torch
 from transformers import (MinNewTokensLengthLogitsProcessor, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
                           TemperatureLogitsWarper)
 
-from slipstream.runtime.logits_process import (apply_penalties, flat_rows, min_p_filter, record_sampled, reset_rows,
-                                               suppress_stop_tokens, top_logprobs)
+from slipstream.params import SamplingParams
+from slipstream.runtime.logits_process import (ProcessFlags, apply_penalties, flat_rows, min_p_filter, process_flags,
+                                               process_logits, record_sampled, reset_rows, suppress_stop_tokens,
+                                               top_logprobs)
+from slipstream.runtime.row_tables import RowTables
+from slipstream.runtime.sampler import GroupFlags, sample
 
 V = 97
 
@@ -27,16 +31,10 @@ def _histories(n, seed, prompt_len=12, out_len=9):
 
 def _tables(prompts, outputs, stops=None, vocab=V):
     n = len(prompts)
-    counts = torch.zeros(n + 2, vocab, dtype=torch.int32)  # more table rows than the batch uses
-    prompt_mask = torch.zeros(n + 2, vocab, dtype=torch.bool)
-    stop_mask = torch.zeros(n + 2, vocab, dtype=torch.bool)
+    tables = RowTables(n + 2, vocab, "cpu")  # more table rows than the batch uses
     rows = list(range(1, n + 1))
-    p_ids, p_rows = flat_rows(rows, prompts)
-    o_ids, o_rows = flat_rows(rows, outputs)
-    s_ids, s_rows = flat_rows(rows, stops or [[] for _ in prompts])
-    reset_rows(counts, prompt_mask, stop_mask, torch.tensor(rows), p_ids, p_rows, o_ids, o_rows, s_ids, s_rows)
-    idx = torch.tensor(rows)
-    return counts[idx], prompt_mask[idx], stop_mask[idx]
+    tables.admit(rows, prompts, outputs, stops or [[] for _ in prompts])
+    return tables.gather(torch.tensor(rows))
 
 
 def test_repetition_penalty_matches_transformers_per_row():
@@ -190,3 +188,88 @@ def test_reset_rows_clears_what_the_previous_owner_left():
     assert prompt_mask[2].nonzero().flatten().tolist() == [3, 5]
     assert stop_mask[2].nonzero().flatten().tolist() == [0]
     assert bool(counts[[0, 1, 3]].eq(1).all() and prompt_mask[[0, 1, 3]].all())  # other rows untouched
+
+
+def test_flags_say_which_steps_a_group_needs():
+    plain = SamplingParams()
+    assert process_flags([plain, SamplingParams(temperature=0.0)], [0, 3]) == ProcessFlags(False, False, False, 0)
+    assert process_flags([plain, SamplingParams(repetition_penalty=1.1)], [0, 0]).penalties
+    assert process_flags([SamplingParams(presence_penalty=-0.5)], [0]).penalties
+    assert process_flags([SamplingParams(frequency_penalty=0.1)], [0]).penalties
+    assert process_flags([SamplingParams(min_tokens=3)], [2]).min_tokens
+    assert not process_flags([SamplingParams(min_tokens=3)], [3]).min_tokens  # reached
+    assert not process_flags([SamplingParams(min_p=0.2, temperature=0.0)], [0]).min_p  # greedy: no effect
+    assert process_flags([SamplingParams(min_p=0.2)], [0]).min_p
+    assert process_flags([SamplingParams(top_logprobs=3), SamplingParams(top_logprobs=5)], [0, 0]).top_logprobs == 5
+
+
+def _logits_at(step, n):
+    """A fixed 'model': logits that favour a few tokens, so penalties change the choices."""
+    base = torch.randn(n, V, generator=_gen(100 + step))
+    base[:, :4] += 6.0
+    return base
+
+
+def test_decode_steps_with_persistent_tables_match_a_per_row_history_loop():
+    """Tables kept across steps (admit once, record after each sampling) give what recomputing the
+    penalties from each row's full history gives: the wiring the runner uses, step by step."""
+    n, steps = 4, 12
+    prompts = [[1, 2], [0], [3, 3, 5], [9]]
+    presence = torch.tensor([0.0, 1.0, 0.5, 0.0])
+    frequency = torch.tensor([0.0, 0.5, 0.0, 2.0])
+    repetition = torch.tensor([1.0, 1.0, 1.5, 1.2])
+    params = [SamplingParams(temperature=0.0, presence_penalty=float(p), frequency_penalty=float(f),
+                             repetition_penalty=float(r)) for p, f, r in zip(presence, frequency, repetition)]
+    tables = RowTables(8, V, "cpu")
+    rows = torch.tensor([5, 0, 7, 2])  # table rows are not batch positions
+    tables.admit(rows.tolist(), prompts, [[] for _ in prompts], [[] for _ in prompts])
+    outputs = [[] for _ in range(n)]
+    zero = torch.zeros(n)
+    for step in range(steps):
+        logits = _logits_at(step, n)
+        counts, prompt_mask, stop_mask = tables.gather(rows)
+        flags = process_flags(params, [step] * n)
+        x = process_logits(logits, flags, counts, prompt_mask, stop_mask, presence, frequency, repetition,
+                           torch.full((n,), step), torch.zeros(n, dtype=torch.int64), zero, zero)
+        ids = sample(x, zero, torch.zeros(n, dtype=torch.int64), torch.ones(n), torch.zeros(n, dtype=torch.int64),
+                     torch.full((n,), step), GroupFlags(any_random=False, any_filter=False))
+        tables.record(rows, ids)
+        for i in range(n):  # the reference: from the row's whole history, token by token
+            want = logits[i].clone()
+            for t in range(V):
+                c = outputs[i].count(t)
+                if c or t in prompts[i]:
+                    r = float(repetition[i])
+                    want[t] = want[t] / r if want[t] > 0 else want[t] * r
+                want[t] -= float(frequency[i]) * c + (float(presence[i]) if c else 0.0)
+            assert int(ids[i]) == int(want.argmax()), (step, i)
+            outputs[i].append(int(ids[i]))
+    assert outputs[0] == [int(_logits_at(s, n)[0].argmax()) for s in range(steps)]  # neutral row: plain greedy
+    assert len(set(outputs[3])) > 1  # the frequency penalty moved row 3 off its favourite
+
+
+@pytest.mark.cuda
+def test_the_same_results_on_cuda():
+    n = 6
+    prompts, outputs = _histories(n, 40)
+    logits = torch.randn(n, V, generator=_gen(41)) * 3
+    args = dict(presence=torch.tensor([0.0, 0.5, 0, 1, 0, -1]), frequency=torch.tensor([0.0, 0, 0.3, 1, 0, 0]),
+                repetition=torch.tensor([1.0, 1, 1, 1.3, 0.8, 1]))
+    counts, prompt_mask, stop_mask = _tables(prompts, outputs, stops=[[0, 1]] * n)
+    cpu = apply_penalties(logits, counts, prompt_mask, **args)
+    cuda = apply_penalties(logits.cuda(), counts.cuda(), prompt_mask.cuda(), **{k: v.cuda() for k, v in args.items()})
+    torch.testing.assert_close(cuda.cpu(), cpu)
+    t, mp = torch.tensor([1.0, 0.5, 0, 2, 1, 1]), torch.tensor([0.1, 0.2, 0.5, 0, 1, 0.05])
+    assert torch.equal(torch.isinf(min_p_filter(logits.cuda(), t.cuda(), mp.cuda()).cpu()),
+                       torch.isinf(min_p_filter(logits, t, mp)))
+    idx, mt = torch.arange(n), torch.full((n,), 3)
+    assert torch.equal(suppress_stop_tokens(logits.cuda(), stop_mask.cuda(), idx.cuda(), mt.cuda()).cpu(),
+                       suppress_stop_tokens(logits, stop_mask, idx, mt))
+    tables = RowTables(8, V, "cuda")
+    tables.admit([3], [[1, 1, 2]], [[4]], [[0]])
+    tables.record(torch.tensor([3], device="cuda"), torch.tensor([4], device="cuda"))
+    assert tables.output_counts[3, 4].item() == 2 and tables.prompt_mask[3].sum().item() == 2
+    values, ids = top_logprobs(logits.cuda(), 4)
+    ref_values, ref_ids = top_logprobs(logits, 4)
+    assert torch.equal(ids.cpu(), ref_ids)
+    torch.testing.assert_close(values.cpu(), ref_values)

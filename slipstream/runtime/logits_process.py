@@ -21,9 +21,38 @@ draw). As in vLLM, penalties come before the temperature and min_p before top-k 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Iterable
+
 import torch
 
 NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class ProcessFlags:
+    """What the host knows about a sampling group at launch: which steps any of its rows needs.
+    A group with none of them launches nothing here (and stays bit-identical)."""
+
+    penalties: bool  # some row has presence / frequency != 0 or repetition != 1
+    min_tokens: bool  # some row samples a token before its min_tokens
+    min_p: bool  # some sampled row (temperature > 0) has min_p > 0
+    top_logprobs: int  # the largest top_logprobs in the group (0: none)
+
+    @property
+    def any_logits_change(self) -> bool:
+        return self.penalties or self.min_tokens or self.min_p
+
+
+def process_flags(params: Iterable, output_index: Iterable[int]) -> ProcessFlags:
+    """From the group's per-row parameters (anything with SamplingParams' field names, e.g.
+    SamplingParams itself) and the output index of the token each row samples."""
+    params, output_index = list(params), list(output_index)
+    return ProcessFlags(
+        penalties=any(p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1 for p in params),
+        min_tokens=any(i < p.min_tokens for p, i in zip(params, output_index)),
+        min_p=any(p.temperature > 0 and p.min_p > 0 for p in params),
+        top_logprobs=max((p.top_logprobs for p in params), default=0))
 
 
 def apply_penalties(logits: torch.Tensor, output_counts: torch.Tensor, prompt_mask: torch.Tensor,
@@ -107,3 +136,19 @@ def flat_rows(rows: list[int], token_lists: list[list[int]], device: torch.devic
     owner = [r for r, tokens in zip(rows, token_lists) for _ in tokens]
     return (torch.tensor(ids, dtype=torch.int64, device=device),
             torch.tensor(owner, dtype=torch.int64, device=device))
+
+
+def process_logits(logits: torch.Tensor, flags: ProcessFlags, output_counts: torch.Tensor, prompt_mask: torch.Tensor,
+                   stop_mask: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor, repetition: torch.Tensor,
+                   output_index: torch.Tensor, min_tokens: torch.Tensor, temperature: torch.Tensor,
+                   min_p: torch.Tensor) -> torch.Tensor:
+    """Penalties, min_tokens and min_p in that order, each only when `flags` says a row needs it.
+    logits [n, V] already carry the grammar mask; the tables are the group's rows ([n, V], e.g.
+    `table.index_select(0, rows)`); the result goes to sampler.sample."""
+    if flags.penalties:
+        logits = apply_penalties(logits, output_counts, prompt_mask, presence, frequency, repetition)
+    if flags.min_tokens:
+        logits = suppress_stop_tokens(logits, stop_mask, output_index, min_tokens)
+    if flags.min_p:
+        logits = min_p_filter(logits, temperature, min_p)
+    return logits

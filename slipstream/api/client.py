@@ -153,7 +153,7 @@ class Client:
 
     async def complete(self, prompt: Prompt, params: SamplingParams | None = None,
                        request_id: str | None = None) -> CompletionOutput | list[CompletionOutput]:
-        """One CompletionOutput; with params.n > 1, a list of n (fanned out here: slipstream/api/fanout.py)."""
+        """One CompletionOutput; with params.n > 1, a list of n (fanned out here: api/fanout.py)."""
         if wants_fan_out(params):
             return await fan_out(lambda p, rid: self._complete(rid, p, prompt=prompt), params, request_id)
         return await self._complete(request_id, params, prompt=prompt)

@@ -88,7 +88,9 @@ class OutputProcessor:
                                                          f"{req.request_id} failed: {e!r}", e))
                 return
             stops = req.params.stop
-            if stops and len(seq.output_ids) >= req.params.min_tokens:  # as vLLM: none before min_tokens  # only the held-back tail can hold a new match: no rescan of the whole text
+            # only the held-back tail can hold a new match (no rescan of the whole text); as in vLLM,
+            # stop strings end nothing before min_tokens
+            if stops and len(seq.output_ids) >= req.params.min_tokens:
                 start = max(0, before - max(map(len, stops)) + 1)
                 hits = [i for i in (req.pending.find(s, start) for s in stops) if i >= 0]
                 if hits:

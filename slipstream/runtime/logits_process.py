@@ -11,9 +11,10 @@ need lives in per-row tables the runner can keep on the device for the life of a
 
 `RowTables` (slipstream/runtime/row_tables.py) holds them. `reset_rows` fills a row's tables at
 admission (and rebuilds them after a preemption, from the prompt and the output so far);
-`record_sampled` adds a step's sampled tokens to the counts, after sampling, on the same stream. Every function is exact at the neutral value of its parameter:
-a row with presence = frequency = 0, repetition = 1, min_p = 0 and min_tokens = 0 comes out
-bit-identical, so greedy rows without penalties pick the same tokens as before.
+`record_sampled` adds a step's sampled tokens to the counts, after sampling, on the same stream.
+Every function is exact at the neutral value of its parameter: a row with presence = frequency = 0,
+repetition = 1, min_p = 0 and min_tokens = 0 comes out bit-identical, so greedy rows without
+penalties pick the same tokens as before.
 
 Order within a step: raw logits → (top-k logprobs and the sampled token's logprob read the raw
 logits) → penalties → grammar bitmask → min_tokens → min_p → sampler (temperature, top-k, top-p,

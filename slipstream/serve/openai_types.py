@@ -2,7 +2,8 @@
 
 Ranges are declared with `Meta` so a bad value fails here, where msgspec knows the field's path,
 rather than later in SamplingParams. Fields OpenAI defines but slipstream cannot honour are
-accepted when they ask for nothing (no logit_bias, no tools, no echo) and refused otherwise; fields nobody defines are ignored, as the OpenAI server does. See docs/serving.md.
+accepted when they ask for nothing (no logit_bias, no tools, no echo) and refused otherwise;
+fields nobody defines are ignored, as the OpenAI server does. See docs/serving.md.
 """
 from __future__ import annotations
 

@@ -41,7 +41,8 @@ def _chat_entry(tokenizer: Any, token: str, logprob: float) -> dict:
 def chat_logprobs(tokenizer: Any, out: CompletionOutput) -> dict:
     tops = out.top_logprobs or [{} for _ in out.token_ids]
     return {"content": [{**_chat_entry(tokenizer, t, lp),
-                         "top_logprobs": [_chat_entry(tokenizer, tokenizer.decode([a]), alp) for a, alp in alts.items()]}
+                         "top_logprobs": [_chat_entry(tokenizer, tokenizer.decode([a]), alp)
+                                          for a, alp in alts.items()]}
                         for t, lp, alts in zip(token_strings(tokenizer, out.token_ids), out.logprobs or [], tops)]}
 
 

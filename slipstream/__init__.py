@@ -13,7 +13,7 @@ from slipstream.errors import (
     WorkerUnavailableError,
 )
 from slipstream.logging_setup import install_library_defaults
-from slipstream.outputs import CompletionOutput, RequestMetrics, StreamDelta
+from slipstream.outputs import CompletionOutput, RequestMetrics, StreamDelta, Usage
 from slipstream.params import EngineConfig, SamplingParams
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "SamplingParams",
     "SlipstreamError",
     "StreamDelta",
+    "Usage",
     "WorkerError",
     "WorkerUnavailableError",
 ]

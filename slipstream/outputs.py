@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
+
 
 @dataclass
 class RequestMetrics:
@@ -21,6 +23,14 @@ class RequestMetrics:
         return [b - a for a, b in zip(t, t[1:])]
 
 
+class Usage(msgspec.Struct, frozen=True):
+    """Token counts of one completion, as OpenAI's `usage` (the stop token, if sampled, counts)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
 @dataclass
 class CompletionOutput:
     request_id: str
@@ -30,6 +40,15 @@ class CompletionOutput:
     prompt_token_ids: list[int]
     metrics: RequestMetrics
     logprobs: list[float] | None = None
+    # per output token, SamplingParams.top_logprobs {token id: logprob}, most likely first
+    top_logprobs: list[dict[int, float]] | None = None
+    index: int = 0  # which of the request's SamplingParams.n completions this is
+    usage: Usage | None = None  # filled from the token lists when not given (also on decoding from the wire)
+
+    def __post_init__(self) -> None:
+        if self.usage is None:
+            p, c = len(self.prompt_token_ids), len(self.token_ids)
+            self.usage = Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
 
 
 @dataclass

@@ -13,6 +13,8 @@ from slipstream.validate import CheckedStructMeta
 
 MIN_TEMPERATURE = 1e-5  # below this, logits / temperature overflow float32 (0 means greedy)
 MAX_SEED = 2**63 - 1
+MAX_N = 128  # completions per request (each is a request of its own in the batch)
+MAX_TOP_LOGPROBS = 20  # as OpenAI
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, metaclass=CheckedStructMeta):
@@ -28,6 +30,14 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, m
     stop_token_ids: list[int] | None = None  # normalised to a list
     ignore_eos: bool = False
     logprobs: bool = False  # return the log-probability of each sampled token
+    top_logprobs: int = 0  # also the k most likely tokens at each step, with their logprobs (> 0 implies logprobs)
+    n: int = 1  # independent completions of the prompt (slipstream/api/fanout.py)
+    # penalties and filters (vLLM semantics; docs/sampling.md). The neutral values change nothing.
+    presence_penalty: float = 0.0  # [-2, 2]: subtracted once from each token already in the output
+    frequency_penalty: float = 0.0  # [-2, 2]: subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # > 0: tokens in the prompt or output: positive logits / it, negative * it
+    min_p: float = 0.0  # [0, 1]: drop tokens whose probability (after temperature) < min_p * the top one's
+    min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many output tokens
     # constrained decoding (at most one): see docs/grammars.md
     json_schema: dict | str | None = None  # a JSON schema (dict or JSON text)
     regex: str | None = None  # the whole output must match
@@ -59,6 +69,21 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, m
         self.stop_token_ids = check.int_list("stop_token_ids", self.stop_token_ids)
         check.boolean("ignore_eos", self.ignore_eos)
         check.boolean("logprobs", self.logprobs)
+        if check.integer("top_logprobs", self.top_logprobs, minimum=0, maximum=MAX_TOP_LOGPROBS):
+            self.logprobs = True  # alternatives come with the sampled token's own logprob
+        check.integer("n", self.n, minimum=1, maximum=MAX_N)
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= check.number(name, getattr(self, name)) <= 2.0:
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}", param=name)
+        if check.number("repetition_penalty", self.repetition_penalty) <= 0:
+            raise InvalidRequestError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty!r}",
+                                      param="repetition_penalty")
+        if not 0.0 <= check.number("min_p", self.min_p) <= 1.0:
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p!r}", param="min_p")
+        check.integer("min_tokens", self.min_tokens, minimum=0)
+        if self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
+                                      param="min_tokens")
         given = [n for n in ("json_schema", "regex", "choice", "grammar") if getattr(self, n) is not None]
         if len(given) > 1:
             raise InvalidRequestError(f"give at most one of json_schema, regex, choice, grammar (got {given})")
@@ -74,6 +99,21 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, m
         if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
             raise InvalidRequestError(f"grammar must be a GrammarSpec, got {type(self.grammar).__name__}",
                                       param="grammar")
+
+
+# Knobs the device math implements (slipstream/runtime/logits_process.py) but the runner does not
+# apply yet, with their neutral values. Refused rather than silently ignored.
+# TODO(lead): remove this table and `refuse_unsupported` once the runner applies logits_process.
+NOT_WIRED_YET = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0,
+                 "min_tokens": 0, "top_logprobs": 0}
+
+
+def refuse_unsupported(params: SamplingParams) -> None:
+    """InvalidRequestError naming the first knob set away from neutral that the engine cannot honour yet."""
+    for name, neutral in NOT_WIRED_YET.items():
+        if getattr(params, name) != neutral:
+            raise InvalidRequestError(f"{name} is not supported by this engine build yet (the device code exists; "
+                                      f"the runner does not apply it): leave it at {neutral!r}", param=name)
 
 
 EVENT_WAITS = ("auto", "host_func", "thread", "poll")

@@ -151,12 +151,36 @@ async def test_seed_reproducible(server):
     assert a.choices[0].text != c.choices[0].text  # 16 tokens at T=1 from a random model: a collision is ~impossible
 
 
+async def test_n_choices_with_summed_usage(server):
+    async with client(server) as oa:
+        one = await oa.completions.create(model="m", prompt="count", max_tokens=6, temperature=1.0, seed=5,
+                                          extra_body={"ignore_eos": True})
+        r = await oa.completions.create(model="m", prompt="count", max_tokens=6, temperature=1.0, seed=5, n=3,
+                                        extra_body={"ignore_eos": True})
+        assert [c.index for c in r.choices] == [0, 1, 2]
+        assert r.choices[0].text == one.choices[0].text  # choice 0 keeps the seed
+        assert len({c.text for c in r.choices}) == 3
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (one.usage.prompt_tokens, 18)
+        assert r.usage.total_tokens == r.usage.prompt_tokens + 18
+        chat = await oa.chat.completions.create(model="m", messages=CHAT, max_tokens=5, n=2, temperature=0,
+                                                logprobs=True)
+        assert [c.index for c in chat.choices] == [0, 1] and chat.choices[0].message.content == \
+            chat.choices[1].message.content  # greedy: n identical answers
+        assert chat.usage.completion_tokens == sum(len(c.logprobs.content) for c in chat.choices)
+
+
 @pytest.mark.parametrize("kw, param", [
     ({"max_tokens": "many"}, "max_tokens"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"temperature": 3.5}, "temperature"),
     ({"top_p": 0}, "top_p"),
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
+    ({"n": 2, "stream": True}, "n"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),  # valid, refused until the runner applies it
+    ({"top_logprobs": 2}, "top_logprobs"),  # needs logprobs: true
+    ({"extra_body": {"min_p": 2}}, "min_p"),
+    ({"extra_body": {"min_tokens": 9}}, "min_tokens"),  # > max_tokens
     ({"seed": -1}, "seed"),
     ({"stop": [""]}, "stop"),
     ({"extra_body": {"top_k": "x"}}, "top_k"),

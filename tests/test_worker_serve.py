@@ -161,3 +161,19 @@ async def test_generate_connect_uses_the_worker(worker):
     assert proc.returncode == 0, err
     assert out.decode() == want.text + "\n"
     assert "finish: length" in err.decode() and "kv_pages_free" in err.decode()
+
+
+async def test_n_fans_out_on_the_client_like_the_engine(worker):
+    params = SamplingParams(n=3, seed=99, temperature=1.0, max_tokens=8, ignore_eos=True)
+    async with Engine(engine_config()) as engine:
+        want = await engine.complete("fan", params)
+    async with Client(worker.address, timeout=10) as client:
+        got = await client.complete("fan", params, request_id="f")
+        assert [(o.request_id, o.index, o.token_ids, o.usage) for o in got] == \
+            [(f"f-{i}", i, w.token_ids, w.usage) for i, w in enumerate(want)]
+        chats = await client.chat([{"role": "user", "content": "hi"}], params)
+        assert [o.index for o in chats] == [0, 1, 2]
+        with pytest.raises(InvalidRequestError):  # the worker takes one completion per Generate
+            await client._complete(None, SamplingParams(n=2, max_tokens=2), prompt="x")  # as a raw client would
+        with pytest.raises(InvalidRequestError):
+            [d async for d in client.stream("x", SamplingParams(n=2))]

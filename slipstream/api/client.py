@@ -31,6 +31,7 @@ from slipstream import validate as check
 from slipstream.api.client_stream import ClientStream
 from slipstream.api.interface import DeltaStream, Messages, Prompt
 from slipstream.api.skills import SkillMethods
+from slipstream.api.fanout import fan_out, wants_fan_out
 from slipstream.api.protocol import (
     PROTOCOL_VERSION,
     Abort,
@@ -157,7 +158,10 @@ class Client(SkillMethods):
     # --- requests -------------------------------------------------------------------------------
 
     async def complete(self, prompt: Prompt, params: SamplingParams | None = None,
-                       request_id: str | None = None) -> CompletionOutput:
+                       request_id: str | None = None) -> CompletionOutput | list[CompletionOutput]:
+        """One CompletionOutput; with params.n > 1, a list of n (fanned out here: api/fanout.py)."""
+        if wants_fan_out(params):
+            return await fan_out(lambda p, rid: self._complete(rid, p, prompt=prompt), params, request_id)
         return await self._complete(request_id, params, prompt=prompt)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None,
@@ -165,8 +169,10 @@ class Client(SkillMethods):
         return ClientStream(self, request_id, params, {"prompt": prompt})
 
     async def chat(self, messages: Messages, params: SamplingParams | None = None,
-                   request_id: str | None = None) -> CompletionOutput:
+                   request_id: str | None = None) -> CompletionOutput | list[CompletionOutput]:
         """The worker applies its model's chat template (Engine.chat)."""
+        if wants_fan_out(params):
+            return await fan_out(lambda p, rid: self._complete(rid, p, messages=messages), params, request_id)
         return await self._complete(request_id, params, messages=messages)
 
     def chat_stream(self, messages: Messages, params: SamplingParams | None = None,

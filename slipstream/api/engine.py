@@ -15,9 +15,10 @@ from slipstream import validate as check
 from slipstream.errors import EngineClosedError, InvalidRequestError, WrongEventLoopError
 from slipstream.intmath import ceil_div
 from slipstream.outputs import CompletionOutput, RequestMetrics
-from slipstream.params import EngineConfig, SamplingParams
+from slipstream.params import EngineConfig, SamplingParams, refuse_unsupported
 from slipstream.runtime.batch import SamplingRow
 from slipstream.api.interface import DeltaStream, Messages, Prompt
+from slipstream.api.fanout import fan_out, wants_fan_out
 from slipstream.api.output_processor import RequestState
 from slipstream.api.protocol import HealthReply
 from slipstream.api.request_stream import RequestStream
@@ -112,6 +113,9 @@ class Engine(SkillMethods):
         elif not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}",
                                       param="params")
+        if params.n > 1:  # complete/chat fan out before this; a stream cannot (slipstream/api/fanout.py)
+            raise InvalidRequestError("n > 1 cannot be streamed; use complete() or chat()", param="n")
+        refuse_unsupported(params)
         request_id = check.request_id(request_id)
         ids = self._prompt_ids(prompt)
         if len(ids) + params.max_tokens > self.max_model_len:
@@ -167,7 +171,10 @@ class Engine(SkillMethods):
             del self._requests[seq.request_id]
 
     async def complete(self, prompt: Prompt, params: SamplingParams | None = None,
-                       request_id: str | None = None) -> CompletionOutput:
+                       request_id: str | None = None) -> CompletionOutput | list[CompletionOutput]:
+        """One CompletionOutput; with params.n > 1, a list of n (slipstream/api/fanout.py)."""
+        if wants_fan_out(params):
+            return await fan_out(lambda p, rid: self.complete(prompt, p, rid), params, request_id)
         seq = await self._submit(prompt, params, request_id)
         finished = False
         try:
@@ -185,7 +192,7 @@ class Engine(SkillMethods):
         return RequestStream(self, request_id, params, {"prompt": prompt})
 
     async def chat(self, messages: Messages, params: SamplingParams | None = None,
-                   request_id: str | None = None) -> CompletionOutput:
+                   request_id: str | None = None) -> CompletionOutput | list[CompletionOutput]:
         return await self.complete(self._chat_prompt(messages), params, request_id)
 
     def chat_stream(self, messages: Messages, params: SamplingParams | None = None,

@@ -58,15 +58,16 @@ class EngineAPI(Protocol):
     # --- requests -----------------------------------------------------------------------------
 
     async def complete(self, prompt: Prompt, params: SamplingParams | None = None,
-                       request_id: str | None = None) -> CompletionOutput:
-        """Generate from a prompt (text or token ids) until a stop, max_tokens, or an abort."""
+                       request_id: str | None = None) -> CompletionOutput | list[CompletionOutput]:
+        """Generate from a prompt (text or token ids) until a stop, max_tokens, or an abort; with
+        params.n > 1, a list of n completions (slipstream/api/fanout.py)."""
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None,
                request_id: str | None = None) -> DeltaStream:
         """As `complete`, delta by delta (see the module docstring for what is yielded)."""
 
     async def chat(self, messages: Messages, params: SamplingParams | None = None,
-                   request_id: str | None = None) -> CompletionOutput:
+                   request_id: str | None = None) -> CompletionOutput | list[CompletionOutput]:
         """`complete` on the model's chat template applied to `messages` (with a generation prompt)."""
 
     def chat_stream(self, messages: Messages, params: SamplingParams | None = None,

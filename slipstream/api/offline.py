@@ -31,16 +31,19 @@ class LLM:
     # --- requests -------------------------------------------------------------------------------
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[CompletionOutput]:
+                 params: SamplingParams | Sequence[SamplingParams] | None = None
+                 ) -> list[CompletionOutput | list[CompletionOutput]]:
         """Complete one prompt or a list of them (all at once, batched by the engine); outputs in order.
-        A prompt is a string or a list of token ids; `params` is one SamplingParams or one per prompt."""
+        A prompt is a string or a list of token ids; `params` is one SamplingParams or one per prompt.
+        A prompt whose params have n > 1 gets a list of n outputs in its place."""
         batch = [prompts] if _is_single(prompts) else list(prompts)
         per_prompt = _per_prompt(params, len(batch))
         return self._call(self._gather(self.engine.complete, batch, per_prompt))
 
     def chat(self, conversations: list[dict] | Sequence[list[dict]],
-             params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[CompletionOutput]:
-        """Answer one conversation (a list of {"role", "content"} messages) or a list of them."""
+             params: SamplingParams | Sequence[SamplingParams] | None = None
+             ) -> list[CompletionOutput | list[CompletionOutput]]:
+        """Answer one conversation (a list of {"role", "content"} messages) or a list of them (n > 1: as generate)."""
         single = isinstance(conversations, list) and (not conversations or isinstance(conversations[0], dict))
         batch = [conversations] if single else list(conversations)
         per_prompt = _per_prompt(params, len(batch))
@@ -74,7 +77,7 @@ class LLM:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     @staticmethod
-    async def _gather(method, inputs: list, params: list) -> list[CompletionOutput]:
+    async def _gather(method, inputs: list, params: list) -> list:
         return list(await asyncio.gather(*(method(x, p) for x, p in zip(inputs, params))))
 
     def _stop_loop(self) -> None:

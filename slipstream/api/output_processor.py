@@ -55,6 +55,7 @@ class RequestState:
     end_drops_text: bool = False  # the last token is a stop token: its text is not output
     grammar_done_at: int | None = None  # output length at which the grammar completed
     closed: bool = False  # final output (or error) delivered
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)  # SamplingParams.top_logprobs > 0
 
     @property
     def text(self) -> str:
@@ -78,7 +79,8 @@ class OutputProcessor:
 
     # --- on the tick ----------------------------------------------------------------------------
 
-    def accept(self, seq: Sequence, token: int, logprob: float = 0.0) -> None:
+    def accept(self, seq: Sequence, token: int, logprob: float = 0.0, top: dict[int, float] | None = None) -> None:
+        """top: the step's SamplingParams.top_logprobs alternatives {token id: logprob}, most likely first."""
         req: RequestState = seq.user
         out = seq.output_ids
         out.append(token)
@@ -90,6 +92,8 @@ class OutputProcessor:
             req.seq = seq
         if req.params.logprobs:
             req.logprobs.append(logprob)
+            if req.params.top_logprobs:
+                req.top_logprobs.append(top or {})
         matcher = req.matcher
         if matcher is not None:
             try:
@@ -223,7 +227,7 @@ class OutputProcessor:
                 self._push(req, [token])
                 at = max(0, before - longest + 1)  # only the held-back tail can hold a new match
                 hits = [j for j in (req.pending.find(s, at) for s in stops) if j >= 0]
-                if hits:
+                if hits and i + 1 >= req.params.min_tokens:  # as in vLLM: none ends the output earlier
                     req.pending, reason, truncated = req.pending[:min(hits)], "stop", True
             n = i + 1
             if reason is None and (req.grammar_done_at == n or req.end_at == n):
@@ -235,6 +239,7 @@ class OutputProcessor:
                 self._finalize(seq, reason)  # (no-op if the tick or an abort ended it already)
                 del out[n:]  # tokens committed after the stop are not part of the output
                 del req.logprobs[n:]
+                del req.top_logprobs[n:]
                 del req.metrics.token_times[n:]
                 self._close(seq, req, reason, out[start:n], flush=not truncated)
                 return
@@ -270,6 +275,7 @@ class OutputProcessor:
             prompt_token_ids=req.prompt_ids,
             metrics=req.metrics,
             logprobs=list(req.logprobs) if req.params.logprobs else None,
+            top_logprobs=list(req.top_logprobs) if req.params.top_logprobs else None,
         )
         req.queue.put_nowait(req.output)
 

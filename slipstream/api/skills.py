@@ -40,6 +40,8 @@ def skill_request(kind: str, prompt: str, obj: str, max_objects: int,
     lines = max_objects + (1 if kind == "segment" else 0)
     budget = lines * _VALUES[kind] * 5 + 2 + (4 * 5 if kind == "segment" else 0)
     base = params or SamplingParams(temperature=0.0)
+    if base.n != 1:
+        raise InvalidRequestError("a skill returns one result: n must be 1 (call it n times)", param="n")
     spec = GrammarSpec(kind, obj, max_objects)
     return text, msgspec.structs.replace(base, max_tokens=min(base.max_tokens, budget) if params else budget,
                                          grammar=spec, json_schema=None, regex=None, choice=None)

@@ -238,6 +238,8 @@ class Worker:
             error = WorkerShuttingDownError("the worker is shutting down and admits no new request")
         elif rid in session.tasks:
             error = InvalidRequestError(f"request id {rid!r} is already in use")
+        elif params.n > 1:  # one Generate is one completion; slipstream.Client fans n out itself
+            error = InvalidRequestError("n > 1: send n requests with n=1 (slipstream.Client does)", param="n")
         elif self._inflight >= self.config.max_batch_size + self.limits.max_queued:
             self.num_overloaded += 1
             error = OverloadedError(f"{self._inflight} requests in flight; the worker queues at most "

@@ -10,6 +10,7 @@ import structlog
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from slipstream.api.fanout import fan_out, wants_fan_out
 from slipstream.errors import SlipstreamError
 from slipstream.serve import render, sse
 from slipstream.serve.api_errors import ApiError, from_decode_error, from_slipstream, invalid
@@ -86,6 +87,8 @@ async def handle(state: ServerState, request: Request, chat: bool) -> Response:
     req = decode_body(await request.body(), chat)
     if req.stream and req.logprobs:
         raise invalid("logprobs are not available on streamed responses yet; use stream=false", "logprobs")
+    if req.stream and req.n > 1:
+        raise invalid("n > 1 is not available on streamed responses; use stream=false", "n")
     want_logprobs = bool(req.logprobs) or (not chat and req.logprobs == 0)
     ids, _ = prompt_ids(state, req)
     params, grammar_param = sampling_params(req, want_logprobs, len(ids), state.backend.max_model_len)
@@ -103,16 +106,17 @@ async def handle(state: ServerState, request: Request, chat: bool) -> Response:
             return StreamingResponse(body, media_type="text/event-stream",
                                      headers={"x-request-id": rid, "cache-control": "no-cache"})
         try:
-            out = await until_disconnect(request, state.backend.complete(ids, params, rid))
+            outs = await until_disconnect(request, _complete(state, ids, params, rid))
         except SlipstreamError as e:
             raise from_slipstream(e, grammar_param) from None
         tok = state.backend.tokenizer
         if chat:
-            body = render.chat(rid, created, model, out, render.chat_logprobs(tok, out) if want_logprobs else None)
+            lps = [render.chat_logprobs(tok, o) if want_logprobs else None for o in outs]
+            body = render.chat(rid, created, model, outs, lps)
         else:
-            lp = render.completion_logprobs(tok, out) if want_logprobs else None
-            body = render.completion(rid, created, model, out, lp)
-        _done(state, rid, endpoint, 200, t0, len(ids), len(out.token_ids), out.finish_reason)
+            lps = [render.completion_logprobs(tok, o) if want_logprobs else None for o in outs]
+            body = render.completion(rid, created, model, outs, lps)
+        _done(state, rid, endpoint, 200, t0, len(ids), body["usage"]["completion_tokens"], outs[0].finish_reason)
         return Response(_encode(body), media_type="application/json", headers={"x-request-id": rid})
     except ClientGone:
         _done(state, rid, endpoint, 499, t0, len(ids), 0, "abort")
@@ -120,6 +124,14 @@ async def handle(state: ServerState, request: Request, chat: bool) -> Response:
     finally:
         if not released:
             state.release()
+
+
+async def _complete(state: ServerState, ids: list[int], params, rid: str) -> list:
+    """The request's completions, one per choice: n > 1 fans out here, so every backend sees n=1
+    (children are `{rid}-{i}`, slipstream/api/fanout.py)."""
+    if wants_fan_out(params):
+        return await fan_out(lambda p, child: state.backend.complete(ids, p, child), params, rid)
+    return [await state.backend.complete(ids, params, rid)]
 
 
 async def _first(request: Request, deltas: AsyncIterator, grammar_param: str | None):

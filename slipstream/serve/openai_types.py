@@ -2,8 +2,8 @@
 
 Ranges are declared with `Meta` so a bad value fails here, where msgspec knows the field's path,
 rather than later in SamplingParams. Fields OpenAI defines but slipstream cannot honour are
-accepted when they ask for nothing (n=1, penalties 0, no logit_bias, no tools) and refused
-otherwise; fields nobody defines are ignored, as the OpenAI server does. See docs/serving.md.
+accepted when they ask for nothing (no logit_bias, no tools, no echo) and refused otherwise;
+fields nobody defines are ignored, as the OpenAI server does. See docs/serving.md.
 """
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
+
+from slipstream.params import MAX_N, MAX_TOP_LOGPROBS
 
 PositiveInt = Annotated[int, Meta(ge=1)]
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
@@ -52,18 +54,21 @@ class _Sampling(msgspec.Struct, kw_only=True):
     max_tokens: PositiveInt | None = None
     temperature: Temperature = 1.0
     top_p: TopP = 1.0
-    n: Annotated[int, Meta(ge=1, le=1)] = 1  # the engine returns one choice per request
+    n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1  # choices, fanned out by the server (not streamed)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: Annotated[str, Meta(min_length=1)] | StopList | None = None
     seed: Seed | None = None
-    presence_penalty: Annotated[float, Meta(ge=0.0, le=0.0)] = 0.0
-    frequency_penalty: Annotated[float, Meta(ge=0.0, le=0.0)] = 0.0
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
     logit_bias: Annotated[dict[str, float], Meta(max_length=0)] | None = None
     user: str | None = None
     response_format: ResponseFormat | None = None
     # --- slipstream / vLLM extras (extra_body in the OpenAI SDK) ---
     top_k: Annotated[int, Meta(ge=-1)] = 0
+    repetition_penalty: Annotated[float, Meta(gt=0.0)] = 1.0
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
+    min_tokens: Annotated[int, Meta(ge=0)] = 0
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] = []
     regex: Annotated[str, Meta(min_length=1)] | None = None
@@ -99,7 +104,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Meta(ge=0, le=0)] | None = None  # the engine has no alternatives
+    top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None  # needs logprobs: true
     tools: Annotated[list[Any], Meta(max_length=0)] | None = None
     tool_choice: Literal["none"] | None = None
     parallel_tool_calls: bool | None = None

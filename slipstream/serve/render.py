@@ -13,6 +13,11 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+def usage_of(outs: list[CompletionOutput]) -> dict:
+    """One request's usage over its n completions: the prompt counted once (as OpenAI does)."""
+    return usage(outs[0].usage.prompt_tokens, sum(o.usage.completion_tokens for o in outs))
+
+
 def token_strings(tokenizer: Any, ids: list[int]) -> list[str]:
     return [tokenizer.decode([t]) for t in ids]
 
@@ -23,26 +28,38 @@ def completion_logprobs(tokenizer: Any, out: CompletionOutput) -> dict:
     for t in toks:
         offsets.append(at)
         at += len(t)
-    return {"tokens": toks, "token_logprobs": list(out.logprobs or []), "top_logprobs": None, "text_offset": offsets}
+    top = None
+    if out.top_logprobs is not None:  # legacy shape: {token string: logprob} per position
+        top = [{tokenizer.decode([t]): lp for t, lp in alts.items()} for alts in out.top_logprobs]
+    return {"tokens": toks, "token_logprobs": list(out.logprobs or []), "top_logprobs": top, "text_offset": offsets}
+
+
+def _chat_entry(tokenizer: Any, token: str, logprob: float) -> dict:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
 
 
 def chat_logprobs(tokenizer: Any, out: CompletionOutput) -> dict:
-    return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")), "top_logprobs": []}
-                        for t, lp in zip(token_strings(tokenizer, out.token_ids), out.logprobs or [])]}
+    tops = out.top_logprobs or [{} for _ in out.token_ids]
+    return {"content": [{**_chat_entry(tokenizer, t, lp),
+                         "top_logprobs": [_chat_entry(tokenizer, tokenizer.decode([a]), alp)
+                                          for a, alp in alts.items()]}
+                        for t, lp, alts in zip(token_strings(tokenizer, out.token_ids), out.logprobs or [], tops)]}
 
 
-def completion(rid: str, created: int, model: str, out: CompletionOutput, logprobs: dict | None) -> dict:
+def completion(rid: str, created: int, model: str, outs: list[CompletionOutput], logprobs: list[dict | None]) -> dict:
+    """One choice per completion (SamplingParams.n), choice i from outs[i]."""
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": out.text, "logprobs": logprobs,
-                         "finish_reason": FINISH[out.finish_reason]}],
-            "usage": usage(len(out.prompt_token_ids), len(out.token_ids))}
+            "choices": [{"index": i, "text": out.text, "logprobs": lp, "finish_reason": FINISH[out.finish_reason]}
+                        for i, (out, lp) in enumerate(zip(outs, logprobs))],
+            "usage": usage_of(outs)}
 
 
-def chat(rid: str, created: int, model: str, out: CompletionOutput, logprobs: dict | None) -> dict:
+def chat(rid: str, created: int, model: str, outs: list[CompletionOutput], logprobs: list[dict | None]) -> dict:
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
-                         "logprobs": logprobs, "finish_reason": FINISH[out.finish_reason]}],
-            "usage": usage(len(out.prompt_token_ids), len(out.token_ids))}
+            "choices": [{"index": i, "message": {"role": "assistant", "content": out.text},
+                         "logprobs": lp, "finish_reason": FINISH[out.finish_reason]}
+                        for i, (out, lp) in enumerate(zip(outs, logprobs))],
+            "usage": usage_of(outs)}
 
 
 def completion_chunk(rid: str, created: int, model: str, text: str, finish: str | None) -> dict:

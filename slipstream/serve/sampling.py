@@ -59,9 +59,17 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, logprobs: bo
     grammar, grammar_param = grammar_fields(req)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     try:
+        # completions' legacy `logprobs: k` asks for k alternatives too: it maps to the sampled token's
+        # logprob only until the runner applies top_logprobs (TODO(lead): top_logprobs=k there)
+        top = (req.top_logprobs or 0) if isinstance(req, ChatCompletionRequest) else 0
+        if top and not logprobs:
+            raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
         params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                                 seed=req.seed, stop=stop, stop_token_ids=list(req.stop_token_ids),
-                                ignore_eos=req.ignore_eos, logprobs=logprobs, **grammar)
+                                ignore_eos=req.ignore_eos, logprobs=logprobs, top_logprobs=top, n=req.n,
+                                presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                                repetition_penalty=req.repetition_penalty, min_p=req.min_p,
+                                min_tokens=req.min_tokens, **grammar)
     except (InvalidRequestError, TypeError) as e:  # the body's types and ranges were checked already
-        raise invalid(str(e)) from e
+        raise invalid(str(e), getattr(e, "param", None)) from e
     return params, grammar_param

@@ -1,0 +1,55 @@
+"""The OpenAI/vLLM sampling fields of SamplingParams: types and ranges checked at construction,
+and the knobs the runner does not apply yet refused by the engine rather than ignored."""
+import msgspec
+import pytest
+
+from slipstream import InvalidRequestError, SamplingParams
+from slipstream.params import NOT_WIRED_YET, refuse_unsupported
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(n=0), "n"), (dict(n=1.0), "n"), (dict(n=True), "n"), (dict(n=129), "n"),
+    (dict(presence_penalty=2.5), "presence_penalty"), (dict(presence_penalty="1"), "presence_penalty"),
+    (dict(frequency_penalty=-2.01), "frequency_penalty"), (dict(frequency_penalty=float("nan")), "frequency_penalty"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(repetition_penalty=-1), "repetition_penalty"),
+    (dict(repetition_penalty=None), "repetition_penalty"),
+    (dict(min_p=-0.1), "min_p"), (dict(min_p=1.5), "min_p"), (dict(min_p=True), "min_p"),
+    (dict(min_tokens=-1), "min_tokens"), (dict(min_tokens=2.0), "min_tokens"),
+    (dict(max_tokens=4, min_tokens=5), "min_tokens"),
+    (dict(top_logprobs=21), "top_logprobs"), (dict(top_logprobs=-1), "top_logprobs"),
+    (dict(top_logprobs=1.0), "top_logprobs"),
+])
+def test_bad_values_raise_naming_the_field(kwargs, field):
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(**kwargs)
+    assert e.value.param == field
+
+
+def test_edges_of_the_ranges_are_accepted():
+    p = SamplingParams(n=128, presence_penalty=-2, frequency_penalty=2.0, repetition_penalty=0.01, min_p=1,
+                       max_tokens=3, min_tokens=3, top_logprobs=20)
+    assert p.n == 128 and p.min_tokens == 3
+    assert SamplingParams(min_p=0.0, top_logprobs=0).logprobs is False
+
+
+def test_top_logprobs_implies_logprobs():
+    assert SamplingParams(top_logprobs=3).logprobs is True
+    assert SamplingParams(top_logprobs=3, logprobs=False).logprobs is True
+
+
+def test_the_new_fields_travel_through_msgpack_like_the_worker_decodes_them():
+    p = SamplingParams(n=2, presence_penalty=0.5, min_p=0.1, min_tokens=2, top_logprobs=2)
+    back = msgspec.msgpack.decode(msgspec.msgpack.encode(p), type=SamplingParams)
+    assert back == p
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.msgpack.decode(msgspec.msgpack.encode({"n": "2"}), type=SamplingParams)
+
+
+def test_defaults_are_neutral_and_each_unwired_knob_is_refused_by_name():
+    refuse_unsupported(SamplingParams(n=4, logprobs=True))  # n and logprobs are served
+    for name, neutral in NOT_WIRED_YET.items():
+        value = {"repetition_penalty": 1.2, "min_tokens": 1, "top_logprobs": 2}.get(name, 0.5)
+        assert getattr(SamplingParams(), name) == neutral
+        with pytest.raises(InvalidRequestError) as e:
+            refuse_unsupported(SamplingParams(**{name: value}))
+        assert e.value.param == name

@@ -93,7 +93,7 @@ async def test_n_is_refused_on_streams_and_unwired_knobs_by_name():
             with pytest.raises(InvalidRequestError) as e:
                 await engine.complete("x", SamplingParams(max_tokens=2, **kw))
             assert e.value.param == next(iter(kw))
-        assert engine.stats()["running"] == 0
+        assert (await engine.stats())["running"] == 0
 
 
 async def test_a_child_id_in_use_fails_the_request_and_frees_the_others():
@@ -103,7 +103,7 @@ async def test_a_child_id_in_use_fails_the_request_and_frees_the_others():
         await asyncio.sleep(0.05)
         with pytest.raises(InvalidRequestError):
             await engine.complete("y", SamplingParams(n=3, max_tokens=200, ignore_eos=True), request_id="job")
-        assert engine.stats()["running"] <= 1
+        assert (await engine.stats())["running"] <= 1
         busy.cancel()
         await asyncio.gather(busy, return_exceptions=True)
         await wait_all_free(engine)
@@ -152,7 +152,8 @@ def _run_processor(params, tokens, tops=None):
     seq = Sequence("r", [1, 2], params.max_tokens, SamplingRow(), user=req)
     for i, t in enumerate(tokens):
         if not seq.finalized:
-            proc.accept(seq, t, -0.5, None if tops is None else tops[i])
+            proc.accept(seq, t, -0.5, None if tops is None else tops[i])  # the tick
+            proc.process_pending()  # the output stage
     return req.output
 
 

@@ -101,21 +101,6 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, m
                                       param="grammar")
 
 
-# Knobs the device math implements (slipstream/runtime/logits_process.py) but the runner does not
-# apply yet, with their neutral values. Refused rather than silently ignored.
-# TODO(lead): remove this table and `refuse_unsupported` once the runner applies logits_process.
-NOT_WIRED_YET = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0,
-                 "min_tokens": 0, "top_logprobs": 0}
-
-
-def refuse_unsupported(params: SamplingParams) -> None:
-    """InvalidRequestError naming the first knob set away from neutral that the engine cannot honour yet."""
-    for name, neutral in NOT_WIRED_YET.items():
-        if getattr(params, name) != neutral:
-            raise InvalidRequestError(f"{name} is not supported by this engine build yet (the device code exists; "
-                                      f"the runner does not apply it): leave it at {neutral!r}", param=name)
-
-
 EVENT_WAITS = ("auto", "host_func", "thread", "poll")
 
 

@@ -12,7 +12,7 @@ from slipstream.params import SamplingParams
 from slipstream.runtime.logits_process import (ProcessFlags, apply_penalties, flat_rows, min_p_filter, process_flags,
                                                process_logits, record_sampled, reset_rows, suppress_stop_tokens,
                                                top_logprobs)
-from slipstream.runtime.row_tables import RowTables
+from slipstream.runtime.row_tables import HistoryTables
 from slipstream.runtime.sampler import GroupFlags, sample
 
 V = 97
@@ -31,7 +31,7 @@ def _histories(n, seed, prompt_len=12, out_len=9):
 
 def _tables(prompts, outputs, stops=None, vocab=V):
     n = len(prompts)
-    tables = RowTables(n + 2, vocab, "cpu")  # more table rows than the batch uses
+    tables = HistoryTables(n + 2, vocab, "cpu")  # more table rows than the batch uses
     rows = list(range(1, n + 1))
     tables.admit(rows, prompts, outputs, stops or [[] for _ in prompts])
     return tables.gather(torch.tensor(rows))
@@ -220,7 +220,7 @@ def test_decode_steps_with_persistent_tables_match_a_per_row_history_loop():
     repetition = torch.tensor([1.0, 1.0, 1.5, 1.2])
     params = [SamplingParams(temperature=0.0, presence_penalty=float(p), frequency_penalty=float(f),
                              repetition_penalty=float(r)) for p, f, r in zip(presence, frequency, repetition)]
-    tables = RowTables(8, V, "cpu")
+    tables = HistoryTables(8, V, "cpu")
     rows = torch.tensor([5, 0, 7, 2])  # table rows are not batch positions
     tables.admit(rows.tolist(), prompts, [[] for _ in prompts], [[] for _ in prompts])
     outputs = [[] for _ in range(n)]
@@ -265,7 +265,7 @@ def test_the_same_results_on_cuda():
     idx, mt = torch.arange(n), torch.full((n,), 3)
     assert torch.equal(suppress_stop_tokens(logits.cuda(), stop_mask.cuda(), idx.cuda(), mt.cuda()).cpu(),
                        suppress_stop_tokens(logits, stop_mask, idx, mt))
-    tables = RowTables(8, V, "cuda")
+    tables = HistoryTables(8, V, "cuda")
     tables.admit([3], [[1, 1, 2]], [[4]], [[0]])
     tables.record(torch.tensor([3], device="cuda"), torch.tensor([4], device="cuda"))
     assert tables.output_counts[3, 4].item() == 2 and tables.prompt_mask[3].sum().item() == 2

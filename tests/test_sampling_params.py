@@ -4,7 +4,6 @@ import msgspec
 import pytest
 
 from slipstream import InvalidRequestError, SamplingParams
-from slipstream.params import NOT_WIRED_YET, refuse_unsupported
 
 
 @pytest.mark.parametrize("kwargs, field", [
@@ -45,11 +44,7 @@ def test_the_new_fields_travel_through_msgpack_like_the_worker_decodes_them():
         msgspec.msgpack.decode(msgspec.msgpack.encode({"n": "2"}), type=SamplingParams)
 
 
-def test_defaults_are_neutral_and_each_unwired_knob_is_refused_by_name():
-    refuse_unsupported(SamplingParams(n=4, logprobs=True))  # n and logprobs are served
-    for name, neutral in NOT_WIRED_YET.items():
-        value = {"repetition_penalty": 1.2, "min_tokens": 1, "top_logprobs": 2}.get(name, 0.5)
-        assert getattr(SamplingParams(), name) == neutral
-        with pytest.raises(InvalidRequestError) as e:
-            refuse_unsupported(SamplingParams(**{name: value}))
-        assert e.value.param == name
+def test_defaults_are_neutral():
+    p = SamplingParams()
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_p, p.min_tokens,
+            p.top_logprobs, p.n) == (0.0, 0.0, 1.0, 0.0, 0, 0, 1)

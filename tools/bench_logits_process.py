@@ -23,7 +23,7 @@ from provenance import header  # noqa: E402
 
 from slipstream.runtime.logits_process import (ProcessFlags, apply_penalties, min_p_filter, process_logits,  # noqa: E402
                                                suppress_stop_tokens, top_logprobs)
-from slipstream.runtime.row_tables import RowTables  # noqa: E402
+from slipstream.runtime.row_tables import HistoryTables  # noqa: E402
 from slipstream.runtime.sampler import GroupFlags, sample  # noqa: E402
 
 
@@ -62,7 +62,7 @@ def main() -> None:
     for n in args.rows:
         g = torch.Generator(device=device).manual_seed(n)
         logits = torch.randn(n, args.vocab, generator=g, device=device) * 3
-        tables = RowTables(n, args.vocab, device)
+        tables = HistoryTables(n, args.vocab, device)
         hist = torch.randint(0, args.vocab, (n, 64), generator=g, device=device).tolist()
         tables.admit(list(range(n)), hist, [h[:32] for h in hist], [[0, 1]] * n)
         rows = torch.arange(n, device=device)

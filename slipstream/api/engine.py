@@ -15,7 +15,7 @@ from slipstream import validate as check
 from slipstream.errors import EngineClosedError, InvalidRequestError, WrongEventLoopError
 from slipstream.intmath import ceil_div
 from slipstream.outputs import CompletionOutput, RequestMetrics
-from slipstream.params import EngineConfig, SamplingParams, refuse_unsupported
+from slipstream.params import EngineConfig, SamplingParams
 from slipstream.runtime.batch import SamplingRow
 from slipstream.api.interface import DeltaStream, Messages, Prompt
 from slipstream.api.fanout import fan_out, wants_fan_out
@@ -115,7 +115,6 @@ class Engine(SkillMethods):
                                       param="params")
         if params.n > 1:  # complete/chat fan out before this; a stream cannot (slipstream/api/fanout.py)
             raise InvalidRequestError("n > 1 cannot be streamed; use complete() or chat()", param="n")
-        refuse_unsupported(params)
         request_id = check.request_id(request_id)
         ids = self._prompt_ids(prompt)
         if len(ids) + params.max_tokens > self.max_model_len:
@@ -137,7 +136,11 @@ class Engine(SkillMethods):
         eos = () if params.ignore_eos else tuple(self.tokenizer.eos_token_ids)
         seed = params.seed if params.seed is not None else self._rng.randrange(2**31)
         row = SamplingRow(temperature=float(params.temperature), top_k=max(params.top_k, 0), top_p=params.top_p,
-                          seed=seed, logprobs=params.logprobs)
+                          seed=seed, logprobs=params.logprobs or params.top_logprobs > 0,
+                          presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+                          repetition_penalty=params.repetition_penalty, min_p=params.min_p,
+                          min_tokens=params.min_tokens, top_logprobs=params.top_logprobs,
+                          stop_ids=tuple(sorted(frozenset(eos) | frozenset(params.stop_token_ids))))
         from slipstream.models.tokenizer import IncrementalDetokenizer
 
         req = RequestState(request_id, ids, params, IncrementalDetokenizer(self.tokenizer, ids),

@@ -30,11 +30,30 @@ SCRATCH_ROW = 0
 
 @dataclass(frozen=True)
 class SamplingRow:
+    """A sequence's sampling parameters as the runner's row tables hold them (slipstream/params.py
+    documents each; runtime/logits_process.py applies the penalties, min_p and min_tokens)."""
+
     temperature: float = 0.0
     top_k: int = 0  # 0: no top-k
     top_p: float = 1.0
     seed: int = 0  # a request seed or one drawn at admission; combined with the output index
     logprobs: bool = False  # also return the sampled token's log-probability
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    top_logprobs: int = 0  # also the k most likely tokens with their logprobs
+    stop_ids: tuple[int, ...] = ()  # EOS (unless ignored) and stop_token_ids: what min_tokens holds back
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def needs_history(self) -> bool:
+        """Its row needs the per-row token tables (counts, prompt and stop masks)."""
+        return self.penalized or self.min_tokens > 0
 
 
 @dataclass
@@ -47,6 +66,9 @@ class SeqWork:
     sample: bool  # the chunk ends at the sequence's newest known token: its next token is sampled
     output_index: int = 0  # index in the request's output of the next sampled token (seeds)
     sampling: SamplingRow = field(default_factory=SamplingRow)
+    # (prompt ids, output ids so far) on a sequence's first chunk when its sampling needs the row's
+    # token tables (penalties, min_tokens): they are rebuilt from it (admission, or a recompute)
+    history: tuple[list[int], list[int]] | None = None
 
     @property
     def num_tokens(self) -> int:

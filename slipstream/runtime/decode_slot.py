@@ -22,6 +22,7 @@ from slipstream.grammar.bitmask import words_for
 
 POISON = -7
 MAX_GROUPS = 2
+MAX_TOP = 20  # the largest SamplingParams.top_logprobs (slipstream/params.py: MAX_TOP_LOGPROBS)
 
 
 class SlotState(enum.Enum):
@@ -44,6 +45,13 @@ class DecodeSlot:
         self.host_sampled_and_stamp.fill_(POISON)
         self.logprobs = torch.zeros(max_samples, dtype=torch.float32, device=device.torch_device)
         self.host_logprobs = device.host_buffer((max_samples,), torch.float32)
+        # top_logprobs alternatives (SamplingParams.top_logprobs): copied only for steps that want them
+        self.top_values = torch.zeros(max_samples, MAX_TOP, dtype=torch.float32, device=device.torch_device)
+        self.top_ids = torch.zeros(max_samples, MAX_TOP, dtype=torch.int64, device=device.torch_device)
+        self.host_top_values = device.host_buffer((max_samples, MAX_TOP), torch.float32)
+        self.host_top_ids = device.host_buffer((max_samples, MAX_TOP), torch.int64)
+        self.top_k = 0  # the largest top_logprobs of the current step's rows (0: none)
+        self.sample_rows_host = None  # the current step's sampling rows (numpy)
         # Sampling groups (all rows at once, or unconstrained rows at launch and constrained rows at
         # finalize): each stages its sampling-row indices and packed allowed-token masks in host
         # buffers of its own, uploaded in one go (pinned on CUDA; shared memory on the CPU). The
@@ -77,6 +85,7 @@ class DecodeSlot:
         self.step_id = step_id
         self.sample_done = self.copy_done = None
         self.groups = 0
+        self.top_k = 0
 
     def stage_group(self, rows, bitmask) -> int:
         """Write one sampling group's row indices (and masks) into its host buffers; returns the group."""

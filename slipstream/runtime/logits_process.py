@@ -9,7 +9,7 @@ need lives in per-row tables the runner can keep on the device for the life of a
     prompt_mask   [R, V] bool    which tokens occur in the row's prompt
     stop_mask     [R, V] bool    the row's EOS / stop_token_ids (what min_tokens holds back)
 
-`RowTables` (slipstream/runtime/row_tables.py) holds them. `reset_rows` fills a row's tables at
+`HistoryTables` (slipstream/runtime/row_tables.py) holds them. `reset_rows` fills a row's tables at
 admission (and rebuilds them after a preemption, from the prompt and the output so far);
 `record_sampled` adds a step's sampled tokens to the counts, after sampling, on the same stream.
 Every function is exact at the neutral value of its parameter: a row with presence = frequency = 0,

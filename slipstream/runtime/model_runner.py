@@ -31,47 +31,12 @@ from slipstream.models.llama import ForwardBatch, KVCache, LlamaForCausalLM
 from slipstream.runtime.batch import SCRATCH_ROW, PackedStep
 from slipstream.runtime.decode_slot import DecodeSlot
 from slipstream.runtime.graphs import GraphCache
+from slipstream.runtime.logits_process import (ProcessFlags, apply_penalties, min_p_filter, suppress_stop_tokens,
+                                               top_logprobs)
+from slipstream.runtime.row_tables import RowTables
 from slipstream.runtime.runner_api import SampledTokens
 from slipstream.runtime.sampler import GroupFlags, apply_bitmask, sample
-from slipstream.runtime.staging import RowUpdates, StepArena, StepTensors
-
-
-class RowTables:
-    """The persistent batch's per-row device state, plus host mirrors of what launch decisions need."""
-
-    def __init__(self, max_rows: int, max_pages: int, device: torch.device):
-        def z(*shape, dtype=torch.int64):
-            return torch.zeros(*shape, dtype=dtype, device=device)
-
-        self.token = z(max_rows)
-        self.pos = z(max_rows)
-        self.pages = z(max_rows, max_pages)
-        self.top_k, self.seed, self.out_index, self.logprobs = z(max_rows), z(max_rows), z(max_rows), z(max_rows)
-        self.temperature, self.top_p = z(max_rows, dtype=torch.float32), z(max_rows, dtype=torch.float32)
-        # host mirrors (written at launch from the same chunk parameters): which rows are random,
-        # filtered, want logprobs — so a sampling group's flags need no device read
-        self.random = np.zeros(max_rows, bool)
-        self.filtered = np.zeros(max_rows, bool)
-        self.want_logprobs = np.zeros(max_rows, bool)
-
-    def mirror(self, packed: PackedStep) -> None:
-        for w in packed.chunks:
-            s = w.sampling
-            self.random[w.row] = s.temperature > 0
-            self.filtered[w.row] = s.temperature > 0 and (s.top_k > 0 or s.top_p < 1.0)
-            self.want_logprobs[w.row] = s.logprobs
-
-    def apply(self, u: RowUpdates) -> None:
-        """Device-side writes of a step, before its forward (on the compute stream)."""
-        if u.page_writes.shape[0]:
-            w = u.page_writes
-            self.pages[w[:, 0], w[:, 1]] = w[:, 2]
-        if u.param_rows.shape[0]:
-            rows = u.param_rows
-            for table, values in zip((self.top_k, self.seed, self.out_index, self.logprobs), u.params_int):
-                table.index_copy_(0, rows, values)
-            for table, values in zip((self.temperature, self.top_p), u.params_float):
-                table.index_copy_(0, rows, values)
+from slipstream.runtime.staging import StepArena, StepTensors
 
 
 class ModelRunner:
@@ -81,7 +46,7 @@ class ModelRunner:
                  max_pages: int, num_slots: int = 2, row_multiple: int = 1):
         self.model, self.kv, self.device = model, kv, device
         self.row_multiple = row_multiple  # pad steps so CPU matmul rows do not depend on batch size
-        self.rows = RowTables(max_rows, max_pages, device.torch_device)
+        self.rows = RowTables(max_rows, max_pages, model.config.vocab_size, device.torch_device)
         self.token_table = self.rows.token  # (tests read it by this name)
         self.slots = [DecodeSlot(i, device, max_rows, model.config.vocab_size) for i in range(num_slots)]
         max_tokens = round_up(max(max_tokens, max_rows), row_multiple)
@@ -127,13 +92,14 @@ class ModelRunner:
         arena.upload()
         updates, rows = arena.updates(lay), self.rows
         slot.sample_rows = arena.tensors(lay).sample_rows
+        slot.sample_rows_host = packed.sample_rows
         if hit is not None:
             graph = hit[1]
 
             def forward() -> None:
                 if self.faults is not None:
                     self.faults.check("forward", step_id)
-                rows.apply(updates)
+                rows.apply(updates, packed)
                 slot.logits = graph.replay()
         else:
             tensors = arena.tensors(lay)
@@ -142,7 +108,7 @@ class ModelRunner:
             def forward() -> None:
                 if self.faults is not None:
                     self.faults.check("forward", step_id)
-                rows.apply(updates)
+                rows.apply(updates, packed)
                 slot.logits = self.forward_from(tensors, host_attention)
 
         self.device.compute.launch(forward, "forward")
@@ -177,6 +143,11 @@ class ModelRunner:
             want_logprobs = bool(t.want_logprobs[carry_host].any())
             flags = GroupFlags(any_random=bool(t.random[carry_host].any()),
                                any_filter=bool(t.filtered[carry_host].any()))
+            extra = ProcessFlags(penalties=bool(t.penalized[carry_host].any()),
+                                 min_tokens=bool(t.min_tokens[carry_host].any()),
+                                 min_p=bool(t.min_p[carry_host].any()),
+                                 top_logprobs=int(t.top_logprobs[carry_host].max()))
+            slot.top_k = max(slot.top_k, extra.top_logprobs)
             masked = bitmask is not None
             g = slot.stage_group(np.arange(n) if rows is None else rows, bitmask)
             self._upload_group(slot, g, k, masked)
@@ -187,18 +158,36 @@ class ModelRunner:
                     self.faults.check("sample", step_id)
                 idx = slot.group_dev[g, :k]
                 carry = sample_rows.index_select(0, idx)
-                logits = slot.logits.index_select(0, idx)
+                raw = slot.logits.index_select(0, idx)
+                temperature, top_p, top_k, seed, out_index = t.gather(
+                    ("temperature", "top_p", "top_k", "seed", "output_index"), carry)
+                logits = raw  # order: penalties → grammar mask → min_tokens → min_p → sample
+                if extra.any_logits_change:
+                    presence, frequency, repetition, min_p, min_tokens = t.gather(
+                        ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens"), carry)
+                    if extra.penalties or extra.min_tokens:
+                        counts, prompt_mask, stop_mask = t.history.gather(carry)
+                    if extra.penalties:
+                        logits = apply_penalties(logits, counts, prompt_mask, presence, frequency, repetition)
                 if masked:
                     logits = apply_bitmask(logits, slot.mask_dev[g, :k])
-                out_index = t.out_index[carry]
-                ids = sample(logits, t.temperature[carry], t.top_k[carry], t.top_p[carry], t.seed[carry],
-                             out_index, flags)
+                if extra.min_tokens:
+                    logits = suppress_stop_tokens(logits, stop_mask, out_index, min_tokens)
+                if extra.min_p:
+                    logits = min_p_filter(logits, temperature, min_p)
+                ids = sample(logits, temperature, top_k, top_p, seed, out_index, flags)
                 t.out_index.index_copy_(0, carry, out_index + 1)
                 slot.sampled.index_copy_(0, idx, ids)
                 t.token.index_copy_(0, carry, ids)
-                if want_logprobs:  # of the model's own distribution, before masks and temperature
-                    raw = slot.logits.index_select(0, idx).log_softmax(-1)
-                    slot.logprobs.index_copy_(0, idx, raw.gather(1, ids[:, None])[:, 0])
+                if extra.penalties and t.history is not None:  # what the next step's penalties count
+                    t.history.record(carry, ids)
+                if want_logprobs:  # of the model's own distribution, before penalties, masks and temperature
+                    lp = raw.log_softmax(-1)
+                    slot.logprobs.index_copy_(0, idx, lp.gather(1, ids[:, None])[:, 0])
+                    if extra.top_logprobs:
+                        values, top_ids = top_logprobs(raw, extra.top_logprobs)
+                        slot.top_values[idx, :extra.top_logprobs] = values
+                        slot.top_ids[idx, :extra.top_logprobs] = top_ids
                 if final:  # the last group of a sampling step: proof that its sampling ran
                     slot.stamp.fill_(step_id)
 
@@ -207,11 +196,15 @@ class ModelRunner:
             return
         slot.sample_done = compute.record()
         copy.wait(slot.sample_done)  # the copy waits for exactly this step's outputs
+        top = slot.top_k
 
         def copy_out() -> None:
             if n:
                 slot.host_sampled_and_stamp.copy_(slot.sampled_and_stamp, non_blocking=True)
                 slot.host_logprobs[:n].copy_(slot.logprobs[:n], non_blocking=True)
+                if top:
+                    slot.host_top_values[:n, :top].copy_(slot.top_values[:n, :top], non_blocking=True)
+                    slot.host_top_ids[:n, :top].copy_(slot.top_ids[:n, :top], non_blocking=True)
 
         copy.launch(copy_out, "d2h")
         slot.copy_done = copy.record()
@@ -235,7 +228,14 @@ class ModelRunner:
         """Await the step's copy event without blocking the loop, then read tokens and logprobs.
         Raises what launched work of the step (on any stream) raised."""
         await slot.copy_done.wait_async()
-        return SampledTokens(*slot.read_host())
+        ids, logprobs = slot.read_host()
+        top = None
+        if slot.top_k:  # rows that asked for top_logprobs: {token id: logprob}, most likely first
+            rows = slot.sample_rows_host
+            want = self.rows.top_logprobs[rows]
+            values, top_ids = slot.host_top_values[:len(ids)].tolist(), slot.host_top_ids[:len(ids)].tolist()
+            top = {i: dict(zip(top_ids[i][:k], values[i][:k])) for i, k in enumerate(want.tolist()) if k}
+        return SampledTokens(ids, logprobs, top)
 
     # --- failure --------------------------------------------------------------------------------
 

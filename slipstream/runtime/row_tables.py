@@ -1,34 +1,101 @@
-"""The per-row device tables logit processing reads (slipstream/runtime/logits_process.py).
+"""The persistent batch's per-row device state, indexed by the row a sequence holds for its life.
 
-One row per batch row (the runner's carry-over row), kept on the device for the life of the
-sequence that owns it:
+`RowTables` (always there):
+  token[row]      the row's newest sampled token (sampling scatters it; the next forward gathers it)
+  pos[row]        the position of its next input token (advanced on the device by every step)
+  pages[row]      its KV page-table row (entries written as the host hands pages out)
+  sampling parameters and out_index[row] (the index of its next output token, advanced by each
+  sample), written from a chunk's `SamplingRow` (staging.INT_PARAMS / FLOAT_PARAMS)
+and host mirrors of what a launch decides from (which rows are random, penalised, ...), so the
+host chooses a sampling group's kernels with one vectorised lookup, never a loop over rows.
 
-    output_counts [R, V] int32   tokens sampled so far, counted (frequency / presence / repetition)
-    prompt_mask   [R, V] bool    tokens of the prompt (repetition)
-    stop_mask     [R, V] bool    EOS and stop_token_ids (min_tokens)
-
-Memory: R × V × 6 bytes (32 rows × 49,152 tokens: 9.4 MB; 256 × 152,064: 234 MB), so a runner
-may allocate them on first use. `admit` writes a row when a sequence takes it (or comes back
-after a preemption, with its output so far); `record` runs right after sampling on the same
-stream, so the next step's penalties see the token just drawn without a host round trip.
+`HistoryTables` (allocated when the first row needs them: R × V × 6 bytes):
+  output_counts [R, V] int32   tokens sampled so far (presence / frequency / repetition penalties)
+  prompt_mask   [R, V] bool    tokens of the prompt (repetition)
+  stop_mask     [R, V] bool    EOS and stop_token_ids (min_tokens)
+rebuilt from a chunk's `history` (admission, or the recompute after a preemption) and counted
+after each sampling on the same stream, so step t+1 sees token t without a host round trip.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from slipstream.runtime.batch import PackedStep
 from slipstream.runtime.logits_process import flat_rows, record_sampled, reset_rows
+from slipstream.runtime.staging import FLOAT_PARAMS, INT_PARAMS, RowUpdates
 
 
 class RowTables:
+    def __init__(self, max_rows: int, max_pages: int, vocab_size: int, device: torch.device):
+        def z(*shape, dtype=torch.int64):
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        self.device, self.max_rows, self.vocab_size = device, max_rows, vocab_size
+        self.token = z(max_rows)
+        self.pos = z(max_rows)
+        self.pages = z(max_rows, max_pages)
+        self.ints = {name: z(max_rows) for name in INT_PARAMS}  # top_k, seed, output_index, ...
+        self.floats = {name: z(max_rows, dtype=torch.float32) for name in FLOAT_PARAMS}
+        self.out_index = self.ints["output_index"]
+        self.history: HistoryTables | None = None
+        # host mirrors, written at launch from the same chunk parameters
+        self.random = np.zeros(max_rows, bool)  # temperature > 0
+        self.filtered = np.zeros(max_rows, bool)  # random with top-k or top-p
+        self.want_logprobs = np.zeros(max_rows, bool)
+        self.penalized = np.zeros(max_rows, bool)
+        self.min_tokens = np.zeros(max_rows, bool)  # min_tokens > 0
+        self.min_p = np.zeros(max_rows, bool)  # random with min_p > 0
+        self.top_logprobs = np.zeros(max_rows, np.int64)
+
+    def mirror(self, packed: PackedStep) -> None:
+        for w in packed.chunks:
+            s, r = w.sampling, w.row
+            self.random[r] = s.temperature > 0
+            self.filtered[r] = s.temperature > 0 and (s.top_k > 0 or s.top_p < 1.0)
+            self.want_logprobs[r] = s.logprobs or s.top_logprobs > 0
+            self.penalized[r] = s.penalized
+            self.min_tokens[r] = s.min_tokens > 0
+            self.min_p[r] = s.temperature > 0 and s.min_p > 0
+            self.top_logprobs[r] = s.top_logprobs
+            if w.history is not None and self.history is None:
+                self.history = HistoryTables(self.max_rows, self.vocab_size, self.device)
+
+    def apply(self, u: RowUpdates, packed: PackedStep) -> None:
+        """Device-side writes of a step, before its forward (on the compute stream)."""
+        if u.page_writes.shape[0]:
+            w = u.page_writes
+            self.pages[w[:, 0], w[:, 1]] = w[:, 2]
+        if u.param_rows.shape[0]:
+            rows = u.param_rows
+            for name, values in zip(INT_PARAMS, u.params_int):
+                self.ints[name].index_copy_(0, rows, values)
+            for name, values in zip(FLOAT_PARAMS, u.params_float):
+                self.floats[name].index_copy_(0, rows, values)
+        rebuild = [w for w in packed.chunks if w.history is not None]
+        if rebuild:
+            self.history.rebuild(rebuild)
+
+    def gather(self, names: tuple[str, ...], rows: torch.Tensor) -> list[torch.Tensor]:
+        return [(self.ints.get(n) if n in self.ints else self.floats[n])[rows] for n in names]
+
+
+class HistoryTables:
     def __init__(self, max_rows: int, vocab_size: int, device: torch.device | str):
-        self.device = torch.device(device)
-        self.output_counts = torch.zeros(max_rows, vocab_size, dtype=torch.int32, device=self.device)
-        self.prompt_mask = torch.zeros(max_rows, vocab_size, dtype=torch.bool, device=self.device)
-        self.stop_mask = torch.zeros(max_rows, vocab_size, dtype=torch.bool, device=self.device)
+        device = torch.device(device)
+        self.output_counts = torch.zeros(max_rows, vocab_size, dtype=torch.int32, device=device)
+        self.prompt_mask = torch.zeros(max_rows, vocab_size, dtype=torch.bool, device=device)
+        self.stop_mask = torch.zeros(max_rows, vocab_size, dtype=torch.bool, device=device)
+        self.device = device
+
+    def rebuild(self, chunks) -> None:
+        """Rows whose sequence starts (or restarts) with these chunks: cleared, then filled."""
+        self.admit([w.row for w in chunks], [w.history[0] for w in chunks], [w.history[1] for w in chunks],
+                   [list(w.sampling.stop_ids) for w in chunks])
 
     def admit(self, rows: list[int], prompts: list[list[int]], outputs: list[list[int]],
               stops: list[list[int]]) -> None:
-        """Rows taken by sequences (host lists; one small upload per list): clear, then fill."""
+        """Rows taken by sequences: cleared, then filled from their prompts, outputs so far, stop ids."""
         p_ids, p_rows = flat_rows(rows, prompts, self.device)
         o_ids, o_rows = flat_rows(rows, outputs, self.device)
         s_ids, s_rows = flat_rows(rows, stops, self.device)
@@ -41,6 +108,5 @@ class RowTables:
         record_sampled(self.output_counts, rows, tokens)
 
     def gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The group's rows of (output_counts, prompt_mask, stop_mask), [n, V] each."""
         return (self.output_counts.index_select(0, rows), self.prompt_mask.index_select(0, rows),
                 self.stop_mask.index_select(0, rows))

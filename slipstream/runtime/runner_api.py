@@ -14,10 +14,12 @@ from slipstream.runtime.batch import PackedStep
 
 
 class SampledTokens(NamedTuple):
-    """What a committed step hands back: one id (and its log-probability) per sampling row."""
+    """What a committed step hands back: one id (and its log-probability) per sampling row, and for
+    the rows that asked for top_logprobs, their alternatives {token id: logprob} by sampling row."""
 
     ids: list[int]
     logprobs: list[float]
+    top: dict[int, dict[int, float]] | None = None
 
 
 class Slot(Protocol):

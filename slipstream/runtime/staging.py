@@ -21,8 +21,8 @@ import torch
 
 from slipstream.runtime.batch import PackedStep
 
-INT_PARAMS = ("top_k", "seed", "output_index", "logprobs")
-FLOAT_PARAMS = ("temperature", "top_p")
+INT_PARAMS = ("top_k", "seed", "output_index", "logprobs", "min_tokens")
+FLOAT_PARAMS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
 
 
 @dataclass(frozen=True)
@@ -134,12 +134,10 @@ class StepArena:
             self._put("page_writes", packed.page_writes.reshape(-1))
         self._used_f = 0
         if c:
-            ints = np.array([[w.sampling.top_k for w in packed.chunks], [w.sampling.seed for w in packed.chunks],
-                             [w.output_index for w in packed.chunks], [w.sampling.logprobs for w in packed.chunks]],
-                            np.int64)
+            ints = np.array([[w.output_index if f == "output_index" else getattr(w.sampling, f) for w in packed.chunks]
+                             for f in INT_PARAMS], np.int64)
             self._put("params_int", ints.reshape(-1))
-            floats = np.array([[w.sampling.temperature for w in packed.chunks],
-                               [w.sampling.top_p for w in packed.chunks]], np.float32)
+            floats = np.array([[getattr(w.sampling, f) for w in packed.chunks] for f in FLOAT_PARAMS], np.float32)
             self.host_f_np[:floats.size] = floats.reshape(-1)
             self._used_f = floats.size
         return Layout(d, tc, c, n, n_pad, w, packed.max_query_len)

@@ -166,7 +166,7 @@ class EngineLoop:
     async def commit(self, step: InflightStep) -> None:
         t0 = time.perf_counter()
         try:
-            sampled, logprobs = await self.runner.read_sampled(step.slot)
+            result = await self.runner.read_sampled(step.slot)
         except PipelineInvariantError:
             raise
         except Exception as e:  # noqa: BLE001 - launched work of this step raised on some stream
@@ -174,7 +174,7 @@ class EngineLoop:
             return
         t1 = time.perf_counter()
         step.slot.release()  # the host buffer has been read: the slot may take a new step
-        self.pipeline.on_commit(step, sampled, logprobs, self._accept)
+        self.pipeline.on_commit(step, result.ids, result.logprobs, self._accept, result.top)
         t2 = time.perf_counter()
         step.timings.update(commit_wait=t1 - t0, commit=t2 - t1, t_committed=t2)
         for observe in self.observers:
@@ -190,9 +190,9 @@ class EngineLoop:
 
     # --- failure ----------------------------------------------------------------------------
 
-    def _accept(self, seq: Sequence, token: int, logprob: float) -> None:
+    def _accept(self, seq: Sequence, token: int, logprob: float, top: dict[int, float] | None = None) -> None:
         try:
-            self.outputs.accept(seq, token, logprob)
+            self.outputs.accept(seq, token, logprob, top)
         except PipelineInvariantError:
             raise
         except Exception as e:  # noqa: BLE001 - one request's processing failed: only it fails

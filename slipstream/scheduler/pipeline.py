@@ -87,9 +87,10 @@ class Pipeline:
         return self.inflight[0]
 
     def on_commit(self, step: InflightStep, sampled: list[int], logprobs: list[float],
-                  accept: Callable[[Sequence, int, float], None]) -> None:
+                  accept: Callable[..., None], top: dict[int, dict[int, float]] | None = None) -> None:
         """Apply a step's sampled tokens (sampling-row order: decode rows, then sampling chunks).
-        `accept(seq, token, logprob)` appends and runs the tick's stop checks."""
+        `accept(seq, token, logprob[, alternatives])` appends and runs the tick's stop checks; `top`
+        holds the top_logprobs alternatives of the sampling rows that asked for them."""
         if not self.inflight or self.inflight[0] is not step:
             raise PipelineInvariantError(f"step {step.step_id} committed out of launch order")
         self.inflight.popleft()
@@ -99,13 +100,15 @@ class Pipeline:
             raise PipelineInvariantError(f"step {step.step_id}: {len(sampled)} sampled tokens for "
                                          f"{d + n_chunk_samples} sampling rows")
         release, check = self.maybe_release, self.check_every_row
-        for seq, token, logprob in zip(step.decode, sampled, logprobs):  # the hot loop
+        for i, (seq, token, logprob) in enumerate(zip(step.decode, sampled, logprobs)):  # the hot loop
             seq.inflight_refs -= 1
             seq.pending_samples -= 1
             if seq.finalized:
                 self.zombie_commits += 1
-            else:
+            elif top is None:
                 accept(seq, token, logprob)
+            else:
+                accept(seq, token, logprob, top.get(i))
                 if check and not seq.finalized:
                     seq.check()
             if seq.finalized or seq.preempting:
@@ -119,8 +122,10 @@ class Pipeline:
                 seq.pending_samples -= 1
                 if seq.finalized:
                     self.zombie_commits += 1
-                else:
+                elif top is None:
                     accept(seq, token, logprob)
+                else:
+                    accept(seq, token, logprob, top.get(at - 1))
             if not seq.finalized:  # a zombie's skipped token leaves its counts behind, by design
                 seq.check()
             release(seq)

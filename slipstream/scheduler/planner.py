@@ -170,8 +170,11 @@ class Planner:
         if reaches_end and seq.samples_left() <= 0:
             return None
         tokens = seq.known_tokens(seq.num_scheduled, seq.num_scheduled + n)
+        history = ((seq.prompt_ids, list(seq.output_ids))
+                   if seq.num_scheduled == 0 and seq.sampling.needs_history else None)
         return SeqWork(row=seq.row, tokens=tokens, start_pos=seq.num_scheduled, sample=reaches_end,
-                       output_index=len(seq.output_ids) + seq.pending_samples, sampling=seq.sampling)
+                       output_index=len(seq.output_ids) + seq.pending_samples, sampling=seq.sampling,
+                       history=history)
 
     def _reserve(self, seq: Sequence, end_pos: int, victims: list[Sequence]) -> bool:
         """Pages for positions up to `end_pos`, preempting the newest of `victims` if none are free."""

@@ -78,7 +78,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
 
 class CompletionRequest(_Sampling, kw_only=True):
     prompt: Annotated[str, Meta(min_length=1)] | Annotated[list[TokenId], Meta(min_length=1)]
-    logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None  # sampled-token logprob only (docs)
+    logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None  # the sampled token's logprob and k alternatives
     echo: Literal[False] = False
     suffix: None = None
     best_of: Annotated[int, Meta(ge=1, le=1)] | None = None

@@ -59,9 +59,8 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, logprobs: bo
     grammar, grammar_param = grammar_fields(req)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     try:
-        # completions' legacy `logprobs: k` asks for k alternatives too: it maps to the sampled token's
-        # logprob only until the runner applies top_logprobs (TODO(lead): top_logprobs=k there)
-        top = (req.top_logprobs or 0) if isinstance(req, ChatCompletionRequest) else 0
+        # chat: top_logprobs (with logprobs: true); completions' legacy `logprobs: k`: k alternatives
+        top = (req.top_logprobs or 0) if isinstance(req, ChatCompletionRequest) else (req.logprobs or 0)
         if top and not logprobs:
             raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
         params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,

@@ -26,6 +26,7 @@ scraper's thread, or by the loop once a queue gets long. Gauges are read at scra
 """
 from __future__ import annotations
 
+import operator
 from collections import deque
 
 import numpy as np
@@ -195,9 +196,7 @@ class EngineMetrics:
             self.ttft.queue.append(token_times[0] - arrival)
             self.prompt_tokens.queue.append(prompt_len)
             start = 1
-        itl = self.itl.queue.append
-        for i in range(start, end):
-            itl(token_times[i] - token_times[i - 1])
+        self.itl.queue.extend(map(operator.sub, token_times[start:end], token_times[start - 1:end - 1]))
 
     def on_step(self, rec) -> None:
         if rec.contiguous:

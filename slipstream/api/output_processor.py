@@ -69,6 +69,7 @@ class OutputProcessor:
         self._finalize: Finish | None = None  # the EngineLoop's finish, bound by it
         self.faults = None  # tests only: a slipstream.faults.FaultInjector
         self._todo: list[RequestState] = []
+        self.commit_time = 0.0  # set by the EngineLoop before each commit: the time of every token in it
         self._ready: asyncio.Event | None = None
         self.passes = 0  # stage passes that processed something (stats)
         # fn(token_times, start, end, arrival, prompt_len) per request and pass (metrics), off the tick
@@ -84,7 +85,7 @@ class OutputProcessor:
         req: RequestState = seq.user
         out = seq.output_ids
         out.append(token)
-        now = time.perf_counter()
+        now = self.commit_time
         m = req.metrics
         m.token_times.append(now)
         if m.first_token is None:

@@ -18,6 +18,7 @@ Finish = Callable[[Sequence, str], bool]  # Pipeline.finish: mark finished, rele
 
 class OutputSink(Protocol):
     faults: object  # tests only: a slipstream.faults.FaultInjector, or None
+    commit_time: float  # perf_counter of the commit being applied (set by the EngineLoop): token times
     token_observers: list  # fn(token_times, start, end, arrival, prompt_len) per processed range (metrics)
 
     def bind(self, finish: Finish) -> None:

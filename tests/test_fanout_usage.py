@@ -188,3 +188,26 @@ def test_http_rendering_of_top_logprobs_and_n_usage():
     plain = CompletionOutput("p", "a", [1], "length", [5], RequestMetrics(0.0), logprobs=[-0.1])
     assert render.chat_logprobs(Tok(), plain)["content"][0]["top_logprobs"] == []
     assert render.completion_logprobs(Tok(), plain)["top_logprobs"] is None
+
+
+def test_a_stop_string_found_a_pass_late_cuts_the_tokens_committed_after_it():
+    """The output stage may see a stop string after the tick committed more tokens of the request
+    (depth 2 keeps sampling until the sequence is finalized): the output ends at the stop anyway."""
+    from slipstream.api.output_processor import OutputProcessor, RequestState
+    from slipstream.runtime.batch import SamplingRow
+    from slipstream.scheduler.sequence import Sequence
+
+    ended = []
+    proc = OutputProcessor()
+    proc.bind(lambda seq, reason: ended.append(reason) or setattr(seq, "finalized", True) or True)
+    params = SamplingParams(max_tokens=20, stop=["X"], logprobs=True)
+    req = RequestState("r", [1], params, _CharDetok(), frozenset(), RequestMetrics(0.0))
+    seq = Sequence("r", [1], 20, SamplingRow(), user=req)
+    for t in [ord(c) for c in "abXcde"]:  # six commits before the stage runs once
+        proc.accept(seq, t, -0.25)
+    assert not seq.finalized  # a stop string is the stage's to find
+    proc.process_pending()
+    out = req.output
+    assert (out.text, out.finish_reason, ended) == ("ab", "stop", ["stop"])
+    assert out.token_ids == [ord(c) for c in "abX"] and out.logprobs == [-0.25] * 3
+    assert len(out.metrics.token_times) == 3

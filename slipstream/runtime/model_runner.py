@@ -33,7 +33,8 @@ from slipstream.runtime.decode_slot import DecodeSlot
 from slipstream.runtime.graphs import GraphCache
 from slipstream.runtime.logits_process import (ProcessFlags, apply_penalties, min_p_filter, suppress_stop_tokens,
                                                top_logprobs)
-from slipstream.runtime.row_tables import RowTables
+from slipstream.runtime.row_tables import (FILTERED, LOGPROBS, MIN_P, MIN_TOKENS, PENALIZED, RANDOM, TOP_LOGPROBS,
+                                           RowTables)
 from slipstream.runtime.runner_api import SampledTokens
 from slipstream.runtime.sampler import GroupFlags, apply_bitmask, sample
 from slipstream.runtime.staging import StepArena, StepTensors
@@ -140,13 +141,12 @@ class ModelRunner:
         if k:
             carry_host = packed.sample_rows if rows is None else packed.sample_rows[rows]
             t = self.rows
-            want_logprobs = bool(t.want_logprobs[carry_host].any())
-            flags = GroupFlags(any_random=bool(t.random[carry_host].any()),
-                               any_filter=bool(t.filtered[carry_host].any()))
-            extra = ProcessFlags(penalties=bool(t.penalized[carry_host].any()),
-                                 min_tokens=bool(t.min_tokens[carry_host].any()),
-                                 min_p=bool(t.min_p[carry_host].any()),
-                                 top_logprobs=int(t.top_logprobs[carry_host].max()))
+            bits = t.group_flags(carry_host)
+            want_logprobs = bool(bits & LOGPROBS)
+            flags = GroupFlags(any_random=bool(bits & RANDOM), any_filter=bool(bits & FILTERED))
+            extra = ProcessFlags(penalties=bool(bits & PENALIZED), min_tokens=bool(bits & MIN_TOKENS),
+                                 min_p=bool(bits & MIN_P),
+                                 top_logprobs=int(t.top_logprobs[carry_host].max()) if bits & TOP_LOGPROBS else 0)
             slot.top_k = max(slot.top_k, extra.top_logprobs)
             masked = bitmask is not None
             g = slot.stage_group(np.arange(n) if rows is None else rows, bitmask)

@@ -25,6 +25,9 @@ from slipstream.runtime.batch import PackedStep
 from slipstream.runtime.logits_process import flat_rows, record_sampled, reset_rows
 from slipstream.runtime.staging import FLOAT_PARAMS, INT_PARAMS, RowUpdates
 
+# RowTables.flags bits
+RANDOM, FILTERED, LOGPROBS, PENALIZED, MIN_TOKENS, MIN_P, TOP_LOGPROBS = (1 << i for i in range(7))
+
 
 class RowTables:
     def __init__(self, max_rows: int, max_pages: int, vocab_size: int, device: torch.device):
@@ -39,27 +42,26 @@ class RowTables:
         self.floats = {name: z(max_rows, dtype=torch.float32) for name in FLOAT_PARAMS}
         self.out_index = self.ints["output_index"]
         self.history: HistoryTables | None = None
-        # host mirrors, written at launch from the same chunk parameters
-        self.random = np.zeros(max_rows, bool)  # temperature > 0
-        self.filtered = np.zeros(max_rows, bool)  # random with top-k or top-p
-        self.want_logprobs = np.zeros(max_rows, bool)
-        self.penalized = np.zeros(max_rows, bool)
-        self.min_tokens = np.zeros(max_rows, bool)  # min_tokens > 0
-        self.min_p = np.zeros(max_rows, bool)  # random with min_p > 0
+        # host mirrors, written at launch from the same chunk parameters: a bit per property
+        # (one gather and one OR-reduce tell a sampling group which kernels it needs)
+        self.flags = np.zeros(max_rows, np.uint8)
         self.top_logprobs = np.zeros(max_rows, np.int64)
 
     def mirror(self, packed: PackedStep) -> None:
         for w in packed.chunks:
-            s, r = w.sampling, w.row
-            self.random[r] = s.temperature > 0
-            self.filtered[r] = s.temperature > 0 and (s.top_k > 0 or s.top_p < 1.0)
-            self.want_logprobs[r] = s.logprobs or s.top_logprobs > 0
-            self.penalized[r] = s.penalized
-            self.min_tokens[r] = s.min_tokens > 0
-            self.min_p[r] = s.temperature > 0 and s.min_p > 0
-            self.top_logprobs[r] = s.top_logprobs
+            s = w.sampling
+            random = s.temperature > 0
+            self.flags[w.row] = ((RANDOM if random else 0) | (FILTERED if random and (s.top_k > 0 or s.top_p < 1.0) else 0)
+                                 | (LOGPROBS if s.logprobs or s.top_logprobs > 0 else 0)
+                                 | (PENALIZED if s.penalized else 0) | (MIN_TOKENS if s.min_tokens > 0 else 0)
+                                 | (MIN_P if random and s.min_p > 0 else 0) | (TOP_LOGPROBS if s.top_logprobs > 0 else 0))
+            self.top_logprobs[w.row] = s.top_logprobs
             if w.history is not None and self.history is None:
                 self.history = HistoryTables(self.max_rows, self.vocab_size, self.device)
+
+    def group_flags(self, rows: np.ndarray) -> int:
+        """The OR of the rows' flag bits."""
+        return int(np.bitwise_or.reduce(self.flags[rows])) if len(rows) else 0
 
     def apply(self, u: RowUpdates, packed: PackedStep) -> None:
         """Device-side writes of a step, before its forward (on the compute stream)."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from collections import deque
+from itertools import repeat
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -100,15 +101,14 @@ class Pipeline:
             raise PipelineInvariantError(f"step {step.step_id}: {len(sampled)} sampled tokens for "
                                          f"{d + n_chunk_samples} sampling rows")
         release, check = self.maybe_release, self.check_every_row
-        for i, (seq, token, logprob) in enumerate(zip(step.decode, sampled, logprobs)):  # the hot loop
+        alternatives = repeat(None) if top is None else [top.get(i) for i in range(d)]
+        for seq, token, logprob, alt in zip(step.decode, sampled, logprobs, alternatives):  # the hot loop
             seq.inflight_refs -= 1
             seq.pending_samples -= 1
             if seq.finalized:
                 self.zombie_commits += 1
-            elif top is None:
-                accept(seq, token, logprob)
             else:
-                accept(seq, token, logprob, top.get(i))
+                accept(seq, token, logprob, alt)
                 if check and not seq.finalized:
                     seq.check()
             if seq.finalized or seq.preempting:
@@ -122,10 +122,8 @@ class Pipeline:
                 seq.pending_samples -= 1
                 if seq.finalized:
                     self.zombie_commits += 1
-                elif top is None:
-                    accept(seq, token, logprob)
                 else:
-                    accept(seq, token, logprob, top.get(at - 1))
+                    accept(seq, token, logprob, None if top is None else top.get(at - 1))
             if not seq.finalized:  # a zombie's skipped token leaves its counts behind, by design
                 seq.check()
             release(seq)

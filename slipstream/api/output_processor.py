@@ -107,10 +107,7 @@ class OutputProcessor:
             if req.grammar_done_at is None and matcher.is_terminated():
                 req.grammar_done_at = len(out)
         if not req.queued:
-            req.queued = True
-            self._todo.append(req)
-            if self._ready is not None:
-                self._ready.set()
+            self._queue(req)
         if req.params.stop:
             return  # ended by the output stage, which sees the text
         if token in req.stop_token_ids:
@@ -131,10 +128,14 @@ class OutputProcessor:
         req.seq = seq
         self._end(seq, req, "abort")
         if not req.queued:
-            req.queued = True
-            self._todo.append(req)
-            if self._ready is not None:
-                self._ready.set()
+            self._queue(req)
+
+    def _queue(self, req: RequestState) -> None:
+        """Put a request on the output stage's to-do list (once until the stage processes it)."""
+        req.queued = True
+        self._todo.append(req)
+        if self._ready is not None:
+            self._ready.set()
 
     def fail(self, seq: Sequence, error: BaseException) -> None:
         """Fail one request (its waiter raises `error`, a SlipstreamError); the batch goes on. A

@@ -102,6 +102,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, m
 
 
 EVENT_WAITS = ("auto", "host_func", "thread", "poll")
+OUTPUT_STAGES = ("loop", "thread")
 
 
 class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, metaclass=CheckedStructMeta):
@@ -127,6 +128,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, met
     graph_batch_sizes: tuple[int, int, int] | None = None  # (min, step, max) buckets; None: (1, 16, max_batch_size)
     warmup: bool = True  # capture every bucket at start; False: capture each on first use
     event_wait: str = "auto"  # how the loop awaits GPU events: auto | host_func | thread | poll
+    output_stage: str = "loop"  # where detokenising and stop strings run: "loop" (a task beside the
+    #                             tick) | "thread" (a worker thread; delivery stays on the loop)
 
     def __post_init__(self) -> None:
         check.text("model", self.model)
@@ -154,6 +157,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, met
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise InvalidRequestError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}",
                                       param="gpu_memory_utilization")
+        if self.output_stage not in OUTPUT_STAGES:
+            raise InvalidRequestError(f"output_stage must be one of {OUTPUT_STAGES}, got {self.output_stage!r}",
+                                      param="output_stage")
         if self.event_wait not in EVENT_WAITS:
             raise InvalidRequestError(f"event_wait must be one of {EVENT_WAITS}, got {self.event_wait!r}",
                                       param="event_wait")

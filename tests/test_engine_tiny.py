@@ -200,3 +200,16 @@ def test_engine_runs_on_uvloop():
 
     out = uvloop.run(main())
     assert len(out.token_ids) == 5 and out.finish_reason == "length"
+
+
+async def test_the_threaded_output_stage_gives_the_same_outputs():
+    """EngineConfig(output_stage="thread"): the text phase (detokenise, stop strings) on a worker
+    thread while the loop ticks on; outputs equal the loop stage's (stops, stop strings included)."""
+    reqs = mixed_requests(40, seed=5)
+    outs = {}
+    for stage in ("loop", "thread"):
+        async with Engine(cfg(2, output_stage=stage, batch_invariant=True)) as engine:
+            outs[stage] = await run_all(engine, reqs)
+            await wait_all_free(engine)
+    assert summary(outs["thread"]) == summary(outs["loop"])
+    assert {o.finish_reason for o in outs["loop"]} >= {"stop", "length"}

@@ -54,6 +54,7 @@ def test_openai_style_nones_mean_none():
     (dict(max_batch_size="8"), "max_batch_size"), (dict(pipeline_depth=True), "pipeline_depth"),
     (dict(kv_cache_tokens=1.5), "kv_cache_tokens"), (dict(trace="yes"), "trace"),
     (dict(step_timeout_s=0), "step_timeout_s"), (dict(modle="x"), "'modle'"), (dict(model=None), "model"),
+    (dict(output_stage="process"), "output_stage"),
 ])
 def test_bad_engine_config_raises_naming_the_field(kwargs, field):
     with pytest.raises(InvalidRequestError) as e:

@@ -195,14 +195,16 @@ async def run_once(engine, n: int, length: int) -> tuple[list[StepRecord], float
     return records, (time.perf_counter() - t0) / length
 
 
-async def bench(streams: list[int], length: int, repeats: int, depth: int, on_run=None) -> list[NResult]:
+async def bench(streams: list[int], length: int, repeats: int, depth: int, on_run=None,
+                output_stage: str | None = None) -> list[NResult]:
     from slipstream.api.engine import Engine
     from slipstream.params import EngineConfig
 
     top = max(streams)
+    extra = {} if output_stage is None else {"output_stage": output_stage}  # (older checkouts lack it)
     config = EngineConfig(model="tiny-random", device="cpu", pipeline_depth=depth, batch_invariant=False,
                           max_batch_size=top, max_num_batched_tokens=max(512, top * PROMPT_LEN),
-                          kv_cache_tokens=2 * top * (PROMPT_LEN + length + 16))
+                          kv_cache_tokens=2 * top * (PROMPT_LEN + length + 16), **extra)
     with null_model(max_rows=top + 1):  # a step samples at most one row per sequence
         engine = await Engine(config).start()
     results = []
@@ -320,7 +322,8 @@ def format_header(meta: dict, args) -> str:
              f"# versions: python {meta['python']}, torch {meta['torch']} ({meta['torch_threads']} threads), "
              f"uvloop {meta['uvloop']}",
              f"# workload: null model (tiny-random config, byte tokenizer), CPU device, depth {args.depth}, "
-             f"L={args.length}, {args.repeats} repeat(s) per N after one warm-up run, greedy, ignore_eos"]
+             f"L={args.length}, {args.repeats} repeat(s) per N after one warm-up run, greedy, ignore_eos, "
+             f"output stage {args.output_stage or 'default'}"]
     lines += [f"# note:     {line}" for line in args.note]
     return "\n".join(lines) + "\n"
 
@@ -349,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--len", type=int, default=128, dest="length", help="output tokens per stream (ignore_eos)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--depth", type=int, default=2, choices=[1, 2])
+    ap.add_argument("--output-stage", choices=["loop", "thread"], default=None,
+                    help="EngineConfig.output_stage (default: the engine's default)")
     ap.add_argument("--json-out", metavar="PATH", help="also write every interval and the fit as JSON")
     ap.add_argument("--quiet", action="store_true", help="no per-run progress on stderr")
     ap.add_argument("--note", action="append", default=[], help="a line for the output's header (repeatable)")
@@ -370,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     import uvloop  # the engine's loop of choice, as in the CLI
 
-    results = uvloop.run(bench(sorted(set(args.streams)), args.length, args.repeats, args.depth, on_run))
+    results = uvloop.run(bench(sorted(set(args.streams)), args.length, args.repeats, args.depth, on_run,
+                               args.output_stage))
     meta.update(seconds=round(time.perf_counter() - t0, 1), load_avg_end=os.getloadavg(), uvloop=uvloop.__version__,
                 note=args.note)
     print(format_header(meta, args), flush=True)

@@ -77,7 +77,7 @@ def assemble(config: EngineConfig) -> EngineParts:
             runner.graphs.warmup()
     pool = PagePool(num_pages)
     planner = Planner(pool, config.page_size, config.max_batch_size, config.max_num_batched_tokens)
-    loop = EngineLoop(runner, planner, OutputProcessor(), config.pipeline_depth, config.page_size, row_multiple,
+    loop = EngineLoop(runner, planner, OutputProcessor(text_thread=config.output_stage == "thread"), config.pipeline_depth, config.page_size, row_multiple,
                       vocab_width=mcfg.vocab_size, eos_ids=tuple(tokenizer.eos_token_ids),
                       step_timeout_s=config.step_timeout_s)
     tracer = Tracer().attach(loop, runner, device) if config.trace else None

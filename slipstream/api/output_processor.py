@@ -4,12 +4,17 @@ On the tick (`accept`, called by the commit for every live row): append the toke
 advance the grammar matcher (the next mask depends on it), and end the request when a token id
 decides it — a stop token id, a finished grammar, max_tokens. Constant work, no text.
 
-Off the tick (`process_pending`, run by the output stage: a task beside the engine loop, or an
-explicit call): detokenise the tokens committed since the last pass, scan stop strings, stream
+Off the tick (the output stage: `run_stage`, a task beside the engine loop; `process_pending`
+when the loop stops): detokenise the tokens committed since the last pass, scan stop strings, stream
 one delta per request per pass and emit final outputs. A request with stop strings is ended here,
 by the text: a stop string found here ends the sequence a tick or more after its token was
 committed, so later tokens of it may already be in flight — zombies make that safe, and its output
 is cut back to the stop, so text and token ids equal what a blocking loop would give.
+
+A pass has two phases: the text phase (`_texts`: detokenise, scan stops; it touches only the
+request's text state) and the delivery phase (`_apply`: end the sequence, cut, stream, finish).
+With EngineConfig(output_stage="thread") the text phase of a whole pass runs on a worker thread
+while the loop goes on ticking; delivery always runs on the loop (asyncio queues, scheduler state).
 
 Text is kept as streamed pieces plus a held-back tail (`pending`: while stop strings are set, the
 last longest-stop - 1 characters may start a stop string). A failure processing one request (its
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from slipstream.errors import GrammarError, GrammarMatchError, RequestFailedError, SlipstreamError
@@ -65,8 +71,10 @@ class RequestState:
 class OutputProcessor:
     """The API layer's OutputSink (slipstream/scheduler/output_sink.py) and its output stage."""
 
-    def __init__(self) -> None:
+    def __init__(self, text_thread: bool = False) -> None:
         self._finalize: Finish | None = None  # the EngineLoop's finish, bound by it
+        # EngineConfig(output_stage="thread"): the text phase of each pass runs on this thread
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="slipstream-output") if text_thread else None
         self.faults = None  # tests only: a slipstream.faults.FaultInjector
         self._todo: list[RequestState] = []
         self.commit_time = 0.0  # set by the EngineLoop before each commit: the time of every token in it
@@ -164,6 +172,9 @@ class OutputProcessor:
         while True:
             await self._ready.wait()
             self._ready.clear()
+            if self._pool is not None:
+                await self._threaded_pass()
+                continue
             todo, self._todo = self._todo, []
             done = 0
             try:
@@ -177,6 +188,28 @@ class OutputProcessor:
                 self._todo[:0] = todo[done:]
             self.passes += 1
 
+    async def _threaded_pass(self) -> None:
+        """The text phase of every queued request on the worker thread, then delivery here. While the
+        thread works the tick goes on (appending tokens, ending requests): each request's outcome
+        covers the tokens it saw, later ones wait for the next pass."""
+        todo, self._todo = self._todo, []
+        live = []
+        for req in todo:
+            req.queued = False
+            if not req.closed and req.seq is not None:
+                live.append(req)
+        future = self._pool.submit(lambda: [self._texts(req) for req in live])
+        try:
+            outcomes = await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            outcomes = future.result()  # the loop is stopping: finish the pass, deliver, then stop
+            for req, outcome in zip(live, outcomes):
+                self._apply(req, outcome)
+            raise
+        for req, outcome in zip(live, outcomes):
+            self._apply(req, outcome)
+        self.passes += 1
+
     def process_pending(self) -> None:
         """One synchronous pass (when the engine loop stops, for what the stage had not reached)."""
         todo, self._todo = self._todo, []
@@ -185,37 +218,59 @@ class OutputProcessor:
 
     def _process(self, req: RequestState) -> None:
         req.queued = False
-        seq = req.seq
-        if req.closed or seq is None:
+        if req.closed or req.seq is None:
             return
+        self._apply(req, self._texts(req))
+
+    def _texts(self, req: RequestState) -> "_Outcome":
+        """Text phase: detokenise the new tokens and find what ends the request, if anything. Touches
+        only the request's text state (so it may run in a thread: EngineConfig.output_stage)."""
+        seq = req.seq
+        out = seq.output_ids
+        end_at = req.end_at
+        limit = len(out) if end_at is None else end_at
         start = req.processed
         try:
-            self._process_tokens(seq, req)
-            for observe in self.token_observers:
-                observe(req.metrics.token_times, start, req.processed, req.metrics.arrival, len(req.prompt_ids))
+            if req.params.stop:
+                return self._scan_stops(seq, req, start, limit)
+            self._push(req, out[start:limit - 1] if req.end_drops_text and limit > start else out[start:limit])
+            return _Outcome(start, limit, req.end_reason if end_at is not None else None, flush=True)
+        except _RequestFailed as f:
+            return _Outcome(start, start, error=f.error)
+        except Exception as e:  # noqa: BLE001 - a bug processing one request must not stop the stage
+            return _Outcome(start, start, error=_wrap(RequestFailedError, f"processing the output of request "
+                                                                          f"{req.request_id} failed: {e!r}", e))
+
+    def _apply(self, req: RequestState, o: "_Outcome") -> None:
+        """Delivery phase (on the loop): end the sequence if the text decided it, stream, finish."""
+        if req.closed:
+            return
+        seq = req.seq
+        if o.error is not None:
+            self._finalize(seq, "abort")
+            self._deliver_error(req, o.error)
+            return
+        req.processed = o.end
+        out = seq.output_ids
+        try:
+            if o.reason is None:
+                self._emit(req, out[o.start:o.end], None)
+            else:
+                self._finalize(seq, o.reason)  # (no-op if the tick or an abort ended it already)
+                if len(out) > o.end:  # tokens committed after a stop string are not part of the output
+                    del out[o.end:]
+                    del req.logprobs[o.end:]
+                    del req.top_logprobs[o.end:]
+                    del req.metrics.token_times[o.end:]
+                self._close(seq, req, o.reason, out[o.start:o.end], flush=o.flush)
         except _RequestFailed as f:
             self._finalize(seq, "abort")
             self._deliver_error(req, f.error)
-        except Exception as e:  # noqa: BLE001 - a bug processing one request must not stop the stage
-            self._finalize(seq, "abort")
-            self._deliver_error(req, _wrap(RequestFailedError, f"processing the output of request "
-                                                               f"{req.request_id} failed: {e!r}", e))
-
-    def _process_tokens(self, seq: Sequence, req: RequestState) -> None:
-        out = seq.output_ids
-        limit = len(out) if req.end_at is None else req.end_at
-        start = req.processed
-        if req.params.stop:
-            self._scan_stops(seq, req, start, limit)
             return
-        self._push(req, out[start:limit - 1] if req.end_drops_text and limit > start else out[start:limit])
-        req.processed = limit
-        if req.end_at is not None:
-            self._close(seq, req, req.end_reason, out[start:limit], flush=True)
-        else:
-            self._emit(req, out[start:limit], None)
+        for observe in self.token_observers:
+            observe(req.metrics.token_times, o.start, o.end, req.metrics.arrival, len(req.prompt_ids))
 
-    def _scan_stops(self, seq: Sequence, req: RequestState, start: int, limit: int) -> None:
+    def _scan_stops(self, seq: Sequence, req: RequestState, start: int, limit: int) -> "_Outcome":
         """Token by token: the first of stop token, stop string, finished grammar, max_tokens ends it."""
         out, stops = seq.output_ids, req.params.stop
         longest = max(map(len, stops))
@@ -237,16 +292,8 @@ class OutputProcessor:
             if reason is None and n >= seq.max_tokens:
                 reason = "length"
             if reason is not None:
-                req.processed = n
-                self._finalize(seq, reason)  # (no-op if the tick or an abort ended it already)
-                del out[n:]  # tokens committed after the stop are not part of the output
-                del req.logprobs[n:]
-                del req.top_logprobs[n:]
-                del req.metrics.token_times[n:]
-                self._close(seq, req, reason, out[start:n], flush=not truncated)
-                return
-        req.processed = limit
-        self._emit(req, out[start:limit], None)
+                return _Outcome(start, n, reason, flush=not truncated)
+        return _Outcome(start, limit, None)
 
     def _push(self, req: RequestState, tokens: list[int]) -> None:
         if not tokens:
@@ -290,6 +337,17 @@ class OutputProcessor:
             req.pieces.append(delta)
         if delta or token_ids or finish_reason:
             req.queue.put_nowait(StreamDelta(req.request_id, delta, list(token_ids), finish_reason))
+
+
+@dataclass
+class _Outcome:
+    """What the text phase found for one request: tokens start..end processed, and what ends it."""
+
+    start: int
+    end: int
+    reason: str | None = None  # the request ends after token `end`
+    flush: bool = True  # flush the detokeniser at the end (not after a stop string cut the text)
+    error: SlipstreamError | None = None
 
 
 class _RequestFailed(Exception):

@@ -106,7 +106,8 @@ class Engine(SkillMethods):
             raise WrongEventLoopError("this Engine was started on another event loop; call it from that loop "
                                       "(asyncio.run_coroutine_threadsafe from other threads)")
 
-    async def _submit(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None) -> Sequence:
+    async def _submit(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None,
+                      streaming: bool = True) -> Sequence:
         self._check_running()
         if params is None:
             params = SamplingParams()
@@ -145,7 +146,7 @@ class Engine(SkillMethods):
 
         req = RequestState(request_id, ids, params, IncrementalDetokenizer(self.tokenizer, ids),
                            frozenset(eos) | frozenset(params.stop_token_ids), RequestMetrics(time.perf_counter()),
-                           matcher=matcher)
+                           matcher=matcher, streaming=streaming)
         seq = Sequence(request_id, ids, max_tokens, row, user=req)
         self._requests[request_id] = seq
         self.loop.submit(seq)
@@ -178,7 +179,7 @@ class Engine(SkillMethods):
         """One CompletionOutput; with params.n > 1, a list of n (slipstream/api/fanout.py)."""
         if wants_fan_out(params):
             return await fan_out(lambda p, rid: self.complete(prompt, p, rid), params, request_id)
-        seq = await self._submit(prompt, params, request_id)
+        seq = await self._submit(prompt, params, request_id, streaming=False)  # deltas are not read: none queued
         finished = False
         try:
             while True:

@@ -27,6 +27,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from slipstream.api.mailbox import Mailbox
 from slipstream.errors import GrammarError, GrammarMatchError, RequestFailedError, SlipstreamError
 from slipstream.outputs import CompletionOutput, RequestMetrics, StreamDelta
 from slipstream.params import SamplingParams
@@ -46,7 +47,8 @@ class RequestState:
     detok: object  # IncrementalDetokenizer
     stop_token_ids: frozenset[int]
     metrics: RequestMetrics
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    queue: Mailbox = field(default_factory=Mailbox)
+    streaming: bool = True  # someone reads the deltas (Engine.stream); complete() waits for the output only
     pieces: list[str] = field(default_factory=list)  # text already streamed, in order
     pending: str = ""  # decoded text not streamed yet (held back while it may start a stop string)
     output: CompletionOutput | None = None
@@ -335,7 +337,7 @@ class OutputProcessor:
             cut = len(req.pending) - hold
             delta, req.pending = req.pending[:cut], req.pending[cut:]
             req.pieces.append(delta)
-        if delta or token_ids or finish_reason:
+        if req.streaming and (delta or token_ids or finish_reason):
             req.queue.put_nowait(StreamDelta(req.request_id, delta, list(token_ids), finish_reason))
 
 

@@ -69,13 +69,17 @@ class ModelRunner:
         token_rows = torch.cat([dec, t.chunk_token_rows])
         slot_mapping = r.pages[token_rows, positions // ps] * ps + positions % ps
         kv_lens = torch.cat([dec_pos + 1, t.chunk_ends])
-        page_table = r.pages[torch.cat([dec, t.chunk_rows])]
+        seq_rows = torch.cat([dec, t.chunk_rows])
         r.pos.index_copy_(0, dec, dec_pos + 1)
         r.pos.index_copy_(0, t.chunk_rows, t.chunk_ends)
         r.pos[SCRATCH_ROW:SCRATCH_ROW + 1].zero_()  # padding rows use row 0: keep it at position 0
         if host_attention:  # the reference attention loops over sequences on the host (CPU)
-            meta = AttentionMetadata(t.query_start.tolist(), kv_lens.tolist(), page_table, ps)
+            kv_host = kv_lens.tolist()
+            # only the columns the longest sequence uses (the device path keeps the static width)
+            page_table = r.pages[seq_rows, :-(-max(kv_host, default=1) // ps)]
+            meta = AttentionMetadata(t.query_start.tolist(), kv_host, page_table, ps)
         else:
+            page_table = r.pages[seq_rows]
             meta = AttentionMetadata([], [], [], ps)
         meta.on_device = DeviceAttentionMetadata(t.query_start, kv_lens, page_table, t.max_q_len)
         batch = ForwardBatch(input_ids=ids, positions=positions, slot_mapping=slot_mapping,

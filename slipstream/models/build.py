@@ -62,6 +62,12 @@ def _load_packed(spec: str, seed: int):
     return config, weights, packed, tokenizer
 
 
+def forget_loaded() -> None:
+    """Drop the process's shared loads (dense and packed): the next build loads afresh."""
+    _load_cached.cache_clear()
+    _load_packed.cache_clear()
+
+
 def build_model(spec: str, dtype: str, device: torch.device, seed: int = 0, pack: bool = False):
     """Returns (model, tokenizer, ModelConfig). `pack`: on the CPU in float32, the projections run
     through oneDNN with prepacked weights (slipstream/models/cpu_linear.py); elsewhere ignored."""

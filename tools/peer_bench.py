@@ -263,10 +263,14 @@ def main(argv: list[str] | None = None) -> int:
 
     for system in systems:
         gc.collect()
+        load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
         if fresh:
             res[system], settings[system] = measure_fresh(system, args, _strip(child_argv), log)
         else:
             res[system], settings[system] = measure_system(system, spec, args, log)
+        # the 1-minute load average around each system's rows: on shared cores, which rows ran crowded
+        if load_before is not None:
+            settings[system] = {**settings[system], "load_1min_before_after": (load_before, os.getloadavg()[0])}
         save(complete=False)
     save(complete=True)
     print(header(prov))

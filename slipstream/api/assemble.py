@@ -53,8 +53,10 @@ def kv_pages(config: EngineConfig, model, mcfg, device, max_model_len: int) -> i
 
 
 def assemble(config: EngineConfig) -> EngineParts:
-    device = make_device(config.device, config.event_wait)
-    invariant = config.batch_invariant and device.kind == "cpu"
+    invariant = config.batch_invariant and config.device == "cpu"
+    # Invariance's row padding is probed at torch's thread count: its forward keeps that count.
+    device = make_device(config.device, config.event_wait,
+                         cpu_forward_threads=torch.get_num_threads() if invariant else None)
     # Invariance is calibrated against torch's default kernels, so it keeps the dense model.
     model, tokenizer, mcfg = build_model(config.model, config.dtype, device.torch_device, config.seed,
                                          pack=not invariant)

@@ -58,6 +58,9 @@ def add_engine_args(p: argparse.ArgumentParser, log_level: str = "warning") -> N
                         "sized from free memory on CUDA)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for torch's kernels (default: torch's own choice, or OMP_NUM_THREADS)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="CPU: results independent of batch composition and pipeline depth (row padding, "
+                        "float64 attention; slower: docs/architecture.md)")
     add_log_args(p, log_level)
 
 
@@ -65,7 +68,8 @@ def engine_config(args, **overrides):
     from slipstream.params import EngineConfig
 
     fields = dict(model=args.model, device=args.device, dtype=args.dtype, pipeline_depth=args.pipeline_depth,
-                  kv_cache_tokens=getattr(args, "kv_cache_tokens", None))
+                  kv_cache_tokens=getattr(args, "kv_cache_tokens", None),
+                  batch_invariant=getattr(args, "batch_invariant", False))
     fields.update(overrides)
     return EngineConfig(**fields)
 

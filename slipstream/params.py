@@ -117,7 +117,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, met
     kv_cache_tokens: int | None = None  # KV pool in tokens (rounded up to pages); None: 32768 on
     #                                     the CPU, gpu_memory_utilization of free memory on CUDA
     max_model_len: int | None = None  # default: the model's context length
-    batch_invariant: bool = True  # pad CPU matmuls so results do not depend on batch size
+    batch_invariant: bool = False  # True: CPU results independent of batch composition (tests; slower)
     seed: int = 0  # seeds requests that give none
     trace: bool = False  # keep per-step host timings and device spans (benchmarks, timelines)
     grammar_timeout_s: float = 10.0  # compile timeout of a constraint grammar

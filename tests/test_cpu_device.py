@@ -71,3 +71,26 @@ async def test_errors_in_launched_work_surface_through_events(dev):
 def test_make_device_rejects_unknown_kinds():
     with pytest.raises(ValueError):
         make_device("tpu")
+
+
+def test_compute_stream_threads_are_its_own():
+    """The forward's intra-op threads are set on the compute stream only: the creating thread and
+    threads started later keep torch's process setting (a library must not change it)."""
+    import torch
+
+    before = torch.get_num_threads()
+    d = CPUDevice(forward_threads=1)
+    try:
+        seen = {}
+        d.compute.launch(lambda: seen.setdefault("compute", torch.get_num_threads()))
+        d.copy.launch(lambda: seen.setdefault("copy", torch.get_num_threads()))
+        d.compute.record().synchronize()
+        d.copy.record().synchronize()
+        fresh = []
+        t = threading.Thread(target=lambda: fresh.append(torch.get_num_threads()))
+        t.start()
+        t.join()
+        assert seen == {"compute": 1, "copy": before} and fresh == [before] and torch.get_num_threads() == before
+    finally:
+        d.close()
+    assert make_device("cpu").forward_threads == max(1, before - 1)  # the default leaves the loop a core

@@ -5,7 +5,8 @@ import random
 import pytest
 
 from engine_util import run_staggered, wait_all_free
-from slipstream import Engine, EngineConfig, SamplingParams
+from invariance import invariant_config
+from slipstream import Engine, SamplingParams
 
 TOPICS = ["the ocean", "a small robot", "prime numbers", "Paris in spring", "how bread is made", "the moon",
           "a chess opening", "volcanoes", "the history of tea", "binary search", "a rainy day", "owls"]
@@ -32,7 +33,7 @@ def requests_64(seed=7):
 
 
 async def run(depth, reqs):
-    async with Engine(EngineConfig(model="smollm2-135m", pipeline_depth=depth, max_batch_size=32)) as engine:
+    async with Engine(invariant_config(model="smollm2-135m", pipeline_depth=depth, max_batch_size=32)) as engine:
         outs = await run_staggered(engine, reqs)
         return outs, await wait_all_free(engine)
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from engine_util import run_staggered, wait_all_free
+from invariance import invariant_config
 from slipstream import Engine, EngineConfig, InvalidRequestError, SamplingParams
 from slipstream.errors import PipelineInvariantError, SlotReuseError
 from slipstream.runtime.batch import SeqWork, pack_step
@@ -16,7 +17,7 @@ def cfg(depth, **kw):
     base = dict(model="tiny-random", pipeline_depth=depth, max_batch_size=16, max_num_batched_tokens=64,
                 kv_cache_tokens=4096, page_size=8)
     base.update(kw)
-    return EngineConfig(**base)
+    return invariant_config(**base)  # outputs are compared across depths and batchings
 
 
 def mixed_requests(n=64, seed=0):

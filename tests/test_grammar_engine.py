@@ -12,6 +12,7 @@ import jsonschema
 import pytest
 
 from engine_util import run_staggered, wait_all_free
+from invariance import invariant_config
 from slipstream import Engine, EngineConfig, SamplingParams
 from slipstream.errors import GrammarCompileError, GrammarError
 from slipstream.grammar import GrammarSpec, parse_skill_output, register_grammar, unregister_grammar
@@ -77,7 +78,7 @@ def validate(kind, params, out):
 
 
 async def run(depth, reqs):
-    async with Engine(EngineConfig(model="smollm2-135m", pipeline_depth=depth, max_batch_size=32)) as engine:
+    async with Engine(invariant_config(model="smollm2-135m", pipeline_depth=depth, max_batch_size=32)) as engine:
         outs = await run_staggered(engine, [(prompt, params, delay) for _, prompt, params, delay in reqs])
         return outs, await wait_all_free(engine)
 

@@ -1,12 +1,16 @@
-"""The paged, flat-batch decoder equals transformers' LlamaForCausalLM on identical weights."""
+"""The paged, flat-batch decoder equals transformers' LlamaForCausalLM on identical weights, both with
+torch's dense linear layers and with the CPU fast path (oneDNN-packed projections, cpu_linear.py)."""
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import dataclasses
 
 import pytest
 import torch
 
 from slipstream.models.config import tiny_config
+from slipstream.models.cpu_linear import PackedLinear, onednn_available, pack_weights
 from slipstream.models.hf_oracle import random_hf_llama
 from slipstream.models.llama import ForwardBatch, KVCache, LlamaForCausalLM
 from slipstream.models.host_batch import Chunk, host_batch
@@ -19,12 +23,43 @@ def run(model, kv, works, row_multiple=1):
     return model(batch, kv)[:n]
 
 
-@pytest.fixture(scope="module")
-def pair():
+def build(cfg, weights, layout):
+    if layout == "dense":
+        return LlamaForCausalLM.from_weights(cfg, weights, torch.float32, "cpu")
+    if not onednn_available():
+        pytest.skip("this torch build has no oneDNN")
+    rest = dict(weights)
+    model = LlamaForCausalLM.from_packed(cfg, rest, pack_weights(cfg, rest))
+    assert isinstance(model.model.layers[0].mlp.up_proj, PackedLinear)
+    return model
+
+
+@pytest.fixture(scope="module", params=["dense", "packed"])
+def pair(request):
     cfg = tiny_config()
     hf, weights = random_hf_llama(cfg, seed=0)
-    ours = LlamaForCausalLM.from_weights(cfg, weights, torch.float32, "cpu")
-    return cfg, hf, ours
+    return cfg, hf, build(cfg, weights, request.param)
+
+
+@pytest.mark.parametrize("layout", ["dense", "packed"])
+def test_untied_lm_head_and_batched_decode_of_unequal_contexts(layout):
+    """Three sequences decode in one step (one batched attention call over padded keys) with
+    contexts 5, 11 and 2; each row equals transformers on its own sequence."""
+    cfg = dataclasses.replace(tiny_config(), tie_word_embeddings=False)
+    hf, weights = random_hf_llama(cfg, seed=3)
+    ours = build(cfg, weights, layout)
+    if layout == "packed":
+        assert isinstance(ours.lm_head, PackedLinear)
+    kv = KVCache(cfg, num_pages=16, page_size=PAGE, dtype=torch.float32, device="cpu")
+    kv.k.fill_(float("nan"))  # the pool is uninitialised: attention must never read an unwritten slot
+    kv.v.fill_(float("nan"))
+    seqs = {1: ([7, 8, 9, 10, 11], [4, 9]), 2: (list(range(20, 31)), [1, 12, 6]), 3: ([40, 41], [3])}
+    firsts = run(ours, kv, [SeqWork(row=r, tokens=t, start_pos=0, pages=p, sample=True) for r, (t, p) in seqs.items()])
+    nexts = [int(x.argmax()) for x in firsts]
+    out = run(ours, kv, [SeqWork(row=r, tokens=[n], start_pos=len(t), pages=p, sample=True)
+                         for (r, (t, p)), n in zip(seqs.items(), nexts)])
+    for row, ((t, _), n) in enumerate(zip(seqs.values(), nexts)):
+        torch.testing.assert_close(out[row], hf_logits(hf, t + [n])[-1], atol=1e-4, rtol=0)
 
 
 def hf_logits(hf, ids):

@@ -3,10 +3,13 @@ import asyncio
 
 import pytest
 
+from invariance import INVARIANT
 from slipstream import LLM, Engine, EngineConfig, InvalidRequestError, SamplingParams
 from slipstream.errors import EngineClosedError
 
-CFG = dict(model="tiny-random", max_batch_size=8, max_num_batched_tokens=64, kv_cache_tokens=2048, page_size=8)
+# LLM.generate batches what the reference runs one by one: the comparison needs invariance
+CFG = dict(model="tiny-random", max_batch_size=8, max_num_batched_tokens=64, kv_cache_tokens=2048, page_size=8,
+           **INVARIANT)
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 PROMPTS = ["hello", "the sky is", [5, 6, 7, 8]]
 

@@ -5,7 +5,8 @@ import asyncio
 import pytest
 import torch
 
-from slipstream import Engine, EngineConfig, SamplingParams
+from invariance import invariant_config
+from slipstream import Engine, SamplingParams
 from slipstream.runtime.sampler import GroupFlags, sample, uniforms, row_keys
 
 RANDOM = GroupFlags(any_random=True, any_filter=True)
@@ -66,8 +67,8 @@ def test_a_rows_tokens_do_not_depend_on_its_batch():
 
 
 def cfg(depth):
-    return EngineConfig(model="tiny-random", pipeline_depth=depth, max_batch_size=32, max_num_batched_tokens=256,
-                        kv_cache_tokens=8192, page_size=8)
+    return invariant_config(model="tiny-random", pipeline_depth=depth, max_batch_size=32,  # alone == in a batch
+                            max_num_batched_tokens=256, kv_cache_tokens=8192, page_size=8)
 
 
 @pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (40, 0.9)])

@@ -9,6 +9,7 @@ import urllib.request
 
 import pytest
 
+from invariance import invariant_config
 from slipstream.api.engine import Engine
 from slipstream.params import EngineConfig, SamplingParams
 from slipstream.trace import covered
@@ -35,7 +36,7 @@ def samples(text: str, model: str = "tiny-random") -> dict:
 
 
 def _config(depth: int, trace: bool) -> EngineConfig:
-    return EngineConfig(model="tiny-random", pipeline_depth=depth, trace=trace, max_batch_size=8)
+    return invariant_config(model="tiny-random", pipeline_depth=depth, trace=trace, max_batch_size=8)  # traced == untraced
 
 
 async def _run_mixed(engine: Engine) -> list:

@@ -82,7 +82,11 @@ def test_damaged_entry_is_detected_and_rebuilt(gguf_file, cache, monkeypatch, da
         data = bytearray(os.urandom(4096))
     else:
         data = bytearray()
-    entry.write_bytes(bytes(data))
+    # A new file in its place, as a later start would find it: `good` still maps the old one (an
+    # in-place truncation under a live mapping would kill this process with SIGBUS, hit or not).
+    damaged = entry.with_name(entry.name + ".damaged")
+    damaged.write_bytes(bytes(data))
+    os.replace(damaged, entry)
     with capture_logs() as logs:
         rebuilt, converted = load_counting(gguf_file, monkeypatch)
     assert converted and "weight_cache_corrupt" in events(logs) and "weight_cache_stored" in events(logs)
@@ -153,15 +157,15 @@ def test_generate_no_weight_cache_flag(gguf_file, cache, monkeypatch, capsys):
         return args.func(args)
 
     argv = ["generate", "Hello", "--raw", "--max-tokens", "2", "--model", str(gguf_file)]
-    from slipstream.models.build import _load_cached
+    from slipstream.models.build import forget_loaded
 
-    _load_cached.cache_clear()  # engines in one process share a load; this test needs two
+    forget_loaded()  # engines in one process share a load; this test needs two
     assert main(argv + ["--no-weight-cache"]) == 0
     assert not cache.exists()
     monkeypatch.setenv("SLIPSTREAM_WEIGHT_CACHE", "1")  # the flag sets it to 0 for the rest of the process
-    _load_cached.cache_clear()
+    forget_loaded()
     assert main(argv) == 0  # without the flag the same run fills the cache
-    _load_cached.cache_clear()
+    forget_loaded()
     assert len(list((cache / "weights").iterdir())) == 1
 
 

@@ -20,7 +20,9 @@ from slipstream import EngineConfig
 from slipstream.api.protocol import PROTOCOL_VERSION, HealthRequest
 
 # The same engine settings on both sides, so the worker's results can be compared with Engine's.
-ENGINE = dict(model="tiny-random", max_batch_size=16, max_num_batched_tokens=64, kv_cache_tokens=4096, page_size=8)
+# Batch-invariant on both sides: the worker batches requests the reference ran alone.
+ENGINE = dict(model="tiny-random", max_batch_size=16, max_num_batched_tokens=64, kv_cache_tokens=4096, page_size=8,
+              batch_invariant=True)
 
 
 def engine_config(**kw) -> EngineConfig:
@@ -73,7 +75,8 @@ def start_worker(address: str, log_dir: Path, *extra: str, ready_timeout: float 
     """Start `python -m slipstream.cli worker` and wait for its 'worker_ready' log line."""
     args = [sys.executable, "-m", "slipstream.cli", "worker", "--bind", address, "--heartbeat", "0.2"]
     for k, v in ENGINE.items():
-        args += [f"--{k.replace('_', '-')}", str(v)]
+        flag = f"--{k.replace('_', '-')}"
+        args += ([flag] if v else []) if isinstance(v, bool) else [flag, str(v)]
     log_path = log_dir / f"worker-{time.monotonic_ns()}.log"
     with open(log_path, "w") as log:  # a file, not a pipe: a full pipe would block the worker
         proc = subprocess.Popen([*args, *extra], stdout=log, stderr=subprocess.STDOUT,

@@ -23,7 +23,7 @@ sequence per step. Garbage collection is left on (it is part of the host's cost)
     python tools/bench_host.py --streams 1 4 --repeats 1 --len 16
 
 The seam (what this tool depends on, so it survives refactors of the scheduler and runtime):
-  * `slipstream.api.assemble.build_model(spec, dtype, torch_device, seed) -> (model, tokenizer,
+  * `slipstream.api.assemble.build_model(spec, dtype, torch_device, seed, pack=...) -> (model, tokenizer,
     ModelConfig)`, patched for the duration of `Engine.start()` to return a NullModel;
   * the model contract: called as `model(batch, kv)` with `batch.sample_indices` (one row per
     sampled token) and returns logits [len(sample_indices), vocab]; `model.config.vocab_size`
@@ -103,7 +103,7 @@ def null_model(max_rows: int):
         raise RuntimeError("slipstream.api.assemble.build_model is gone: move the seam of tools/bench_host.py")
     real = assemble.build_model
 
-    def build(spec: str, dtype: str, device: torch.device, seed: int = 0):
+    def build(spec: str, dtype: str, device: torch.device, seed: int = 0, pack: bool = False):
         config = RANDOM[spec]()
         return NullModel(config, max_rows, device), ByteTokenizer(config.vocab_size), config
 

@@ -1,7 +1,8 @@
 """Cold start with and without the converted-weights cache: first start (empty cache) vs second start.
 
 Each start is a fresh Python process, timed from the parent (interpreter start and imports included):
-  weights  - `build_model(spec)`: the model is built and ready for a forward (the cache's target)
+  weights  - `build_model(spec, pack=True)`: the model is built as the engine builds it on the CPU by
+             default (projections packed for oneDNN) and ready for a forward
   generate - `slipstream generate PROMPT --max-tokens 1`: a whole CLI run to the first token
 Peak RSS is each child's own (os.wait4).
 The cache lives in a temporary directory (SLIPSTREAM_CACHE_DIR), emptied before every first start, so
@@ -31,7 +32,7 @@ t0 = time.perf_counter()
 import torch
 from slipstream.models.build import build_model
 t1 = time.perf_counter()
-build_model({spec!r}, "float32", torch.device("cpu"))
+build_model({spec!r}, "float32", torch.device("cpu"), pack=True)  # the engine's default CPU build
 print(json.dumps({{"import_s": t1 - t0, "build_s": time.perf_counter() - t1}}))
 """
 

@@ -215,6 +215,8 @@ def parse(argv: list[str] | None):
     ap.add_argument("--fresh-process", action=argparse.BooleanOptionalAction, default=None,
                     help="each system in a process of its own (default: on CUDA)")
     ap.add_argument("--no-agreement", action="store_true", help="skip the float32 greedy agreement check")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch intra-op threads for every system (default: torch's choice, the core count)")
     ap.add_argument("--json-out", metavar="PATH")
     return ap.parse_args(argv)
 
@@ -231,6 +233,11 @@ def main(argv: list[str] | None = None) -> int:
         print("peer_bench: --concurrency >= 1, --output-len >= 2, --prompt-len >= 1, --repeats >= 1, "
               "--batch-tokens >= the largest concurrency", file=sys.stderr)
         return 2
+    if args.threads is not None:
+        if args.threads < 1:
+            print("peer_bench: --threads >= 1", file=sys.stderr)
+            return 2
+        torch.set_num_threads(args.threads)
     spec = ARCHS[args.arch]
     # transformers' generate() compiles once per batch size: slowest, so last
     systems = args.systems or ([hf_system_name(c) for c in args.hf_configs if c in CB_CONFIGS] + list(SLIPSTREAM)
@@ -256,15 +263,20 @@ def main(argv: list[str] | None = None) -> int:
 
     for system in systems:
         gc.collect()
+        load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
         if fresh:
             res[system], settings[system] = measure_fresh(system, args, _strip(child_argv), log)
         else:
             res[system], settings[system] = measure_system(system, spec, args, log)
+        # the 1-minute load average around each system's rows: on shared cores, which rows ran crowded
+        if load_before is not None:
+            settings[system] = {**settings[system], "load_1min_before_after": (load_before, os.getloadavg()[0])}
         save(complete=False)
     save(complete=True)
     print(header(prov))
     print(f"{spec} ({args.dtype}) on {device}; prompt {args.prompt_len}, output {args.output_len} tokens, "
-          f"{args.repeats} repeats after one warm-up; {'a fresh process per system' if fresh else 'one process'}\n")
+          f"{args.repeats} repeats after one warm-up; {'a fresh process per system' if fresh else 'one process'}; "
+          f"torch threads {torch.get_num_threads()}\n")
     print(table(res, args.concurrency, systems))
     print("\nsettings per system:")
     for system in systems:

@@ -53,8 +53,13 @@ def kv_pages(config: EngineConfig, model, mcfg, device, max_model_len: int) -> i
 
 
 def assemble(config: EngineConfig) -> EngineParts:
-    device = make_device(config.device, config.event_wait)
-    model, tokenizer, mcfg = build_model(config.model, config.dtype, device.torch_device, config.seed)
+    invariant = config.batch_invariant and config.device == "cpu"
+    # Invariance's row padding is probed at torch's thread count: its forward keeps that count.
+    device = make_device(config.device, config.event_wait,
+                         cpu_forward_threads=torch.get_num_threads() if invariant else None)
+    # Invariance is calibrated against torch's default kernels, so it keeps the dense model.
+    model, tokenizer, mcfg = build_model(config.model, config.dtype, device.torch_device, config.seed,
+                                         pack=not invariant)
     if device.kind == "cuda":
         model.set_kernel_backend("triton")
     max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
@@ -62,7 +67,7 @@ def assemble(config: EngineConfig) -> EngineParts:
     kv = KVCache(mcfg, num_pages, config.page_size, DTYPES[config.dtype], device.torch_device)
     log.info("kv_cache_allocated", pages=num_pages, page_size=config.page_size, gib=round(kv.bytes() / 1024**3, 2))
     row_multiple = 1
-    if config.batch_invariant and device.kind == "cpu":
+    if invariant:  # the probe (seconds at start) runs only here
         row_multiple = row_multiple_for(mcfg)
         model.set_attention_dtype(torch.float64)
     runner = ModelRunner(model, kv, device, max_rows=config.max_batch_size + 1,

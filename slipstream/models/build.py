@@ -39,9 +39,47 @@ def _load_cached(spec: str):
     return load_model(spec, dtype=torch.float32)
 
 
-def build_model(spec: str, dtype: str, device: torch.device, seed: int = 0):
-    """Returns (model, tokenizer, ModelConfig)."""
+@functools.lru_cache(maxsize=1)
+def _load_packed(spec: str, seed: int):
+    """(config, dense rest, packed projections, tokenizer) for the CPU fast path, shared by the
+    engines of one process like _load_cached; holds no dense copy of what it packed."""
+    from slipstream.models.cpu_linear import pack_weights
+
+    if spec in RANDOM:
+        from slipstream.models.byte_tokenizer import ByteTokenizer
+
+        config = RANDOM[spec]()
+        weights, tokenizer = random_weights(config, seed), ByteTokenizer(config.vocab_size)
+    else:
+        from slipstream.models.loader import load_model
+
+        loaded = load_model(spec, dtype=torch.float32)
+        config, weights, tokenizer = loaded.config, dict(loaded.weights), loaded.tokenizer
+        del loaded  # its dict must not keep the dense matrices alive
     t0 = time.perf_counter()
+    packed = pack_weights(config, weights)
+    log.info("weights_packed", model=spec, layers=len(packed), seconds=round(time.perf_counter() - t0, 2))
+    return config, weights, packed, tokenizer
+
+
+def forget_loaded() -> None:
+    """Drop the process's shared loads (dense and packed): the next build loads afresh."""
+    _load_cached.cache_clear()
+    _load_packed.cache_clear()
+
+
+def build_model(spec: str, dtype: str, device: torch.device, seed: int = 0, pack: bool = False):
+    """Returns (model, tokenizer, ModelConfig). `pack`: on the CPU in float32, the projections run
+    through oneDNN with prepacked weights (slipstream/models/cpu_linear.py); elsewhere ignored."""
+    t0 = time.perf_counter()
+    from slipstream.models.cpu_linear import can_pack
+
+    if pack and can_pack(DTYPES[dtype], device):
+        config, weights, packed, tokenizer = _load_packed(spec, seed if spec in RANDOM else 0)
+        model = LlamaForCausalLM.from_packed(config, weights, packed)
+        log.info("model_ready", model=spec, layers=config.num_layers, vocab=config.vocab_size, dtype=dtype,
+                 device=str(device), packed=True, seconds=round(time.perf_counter() - t0, 2))
+        return model, tokenizer, config
     if spec in RANDOM:
         from slipstream.models.byte_tokenizer import ByteTokenizer
 

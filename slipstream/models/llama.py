@@ -184,6 +184,19 @@ class LlamaForCausalLM(nn.Module):
                               strict=True, assign=True)
         return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
+    @classmethod
+    def from_packed(cls, config: ModelConfig, weights: dict[str, torch.Tensor], packed: dict[str, nn.Module]
+                    ) -> "LlamaForCausalLM":
+        """A CPU model whose projections are slipstream.models.cpu_linear.PackedLinear layers (`packed`,
+        by module name, from pack_weights) and whose other weights (embedding, norms) are `weights`."""
+        with torch.device("meta"):
+            model = cls(config)
+        for name, layer in packed.items():  # replaces the (meta) nn.Linear of that name
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, attr, layer)
+        model.load_state_dict({k: v for k, v in weights.items() if k != "lm_head.weight"}, strict=True, assign=True)
+        return model.eval().requires_grad_(False)
+
     def set_attention_dtype(self, dtype: torch.dtype | None) -> None:
         for layer in self.model.layers:
             layer.self_attn.compute_dtype = dtype
@@ -204,6 +217,12 @@ class LlamaForCausalLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        head = getattr(self, "lm_head", None)
+        if head is not None and not isinstance(head, nn.Linear):  # packed (from_packed), tied or not
+            return head(x)
+        return F.linear(x, self.lm_head_weight())
+
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         """Returns float32 logits [N, vocab] for batch.sample_indices."""
         x = self.model.embed_tokens(batch.input_ids)
@@ -211,4 +230,4 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             x = layer(x, batch, kv, rotate)
         x = self.model.norm(x.index_select(0, batch.sample_indices))
-        return F.linear(x, self.lm_head_weight()).float()
+        return self.logits(x).float()

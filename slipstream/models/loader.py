@@ -13,7 +13,7 @@ from slipstream.models.gguf_loader import load_gguf
 from slipstream.models.hf_loader import load_hf_folder
 from slipstream.models.hub import hf_cache_dir, resolve_hf_id
 from slipstream.models.tokenizer import Tokenizer
-from slipstream.models.weight_cache import cache_enabled, entry_path, load_entry, store_entry
+from slipstream.models.weight_cache import cache_enabled, entry_path, load_entry, reopen_mapped, store_entry
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -82,6 +82,8 @@ def _load_gguf_cached(path: Path, dtype: torch.dtype):
         return hit
     config, weights, tokenizer = load_gguf(path, dtype)
     store_entry(entry, config, weights, tokenizer, source=path)
+    if entry.is_file():  # serve from the file, like a hit: its pages can be released (weight_cache.py)
+        weights = reopen_mapped(entry, weights)
     return config, weights, tokenizer
 
 

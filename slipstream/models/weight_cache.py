@@ -158,3 +158,25 @@ def store_entry(entry: Path, config: ModelConfig, weights: dict[str, torch.Tenso
     finally:
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
+
+
+def reopen_mapped(entry: Path, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The entry just stored, as tensors backed by its file mapping, in place of `weights`.
+
+    Right after a first start's conversion the weights sit in anonymous memory; served from the
+    file instead, pages nobody reads (a packed layer's dense source, the embedding rows no prompt
+    uses) can be released, as on a cache hit. `weights` is returned unchanged if the entry cannot be
+    read back or differs from it in names, shapes or dtypes."""
+    from safetensors import safe_open
+
+    try:
+        mapped = {}
+        with safe_open(str(entry), framework="pt") as f:
+            for name in f.keys():
+                mapped[name] = f.get_tensor(name)
+    except Exception as exc:  # noqa: BLE001 - the in-memory weights are as good, only larger
+        log.warning("weight_cache_reopen_failed", path=str(entry), error=f"{type(exc).__name__}: {exc}")
+        return weights
+    same = mapped.keys() == weights.keys() and all(
+        mapped[n].shape == t.shape and mapped[n].dtype == t.dtype for n, t in weights.items())
+    return mapped if same else weights

@@ -66,19 +66,34 @@ _STOP = object()
 
 
 class CPUStream:
-    """FIFO worker thread. Work items are callables; events complete in launch order."""
+    """FIFO worker thread. Work items are callables; events complete in launch order.
 
-    def __init__(self, name: str, busy_hook: Callable[[str, str, float, float], None] | None = None):
+    `threads`: torch intra-op threads for work run on this stream (None: torch's setting)."""
+
+    def __init__(self, name: str, busy_hook: Callable[[str, str, float, float], None] | None = None,
+                 threads: int | None = None):
         self.name = name
+        self.threads = threads
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._error: BaseException | None = None
         self.busy_hook = busy_hook  # tracing: (stream, label, start, end), set by the tracer
+        self._threads_set = threading.Event()
+        before = torch.get_num_threads()
         self._thread = threading.Thread(target=self._run, name=f"slipstream-{name}", daemon=True)
         self._thread.start()
+        if threads is not None:
+            # torch.set_num_threads on the stream's thread also changes the process default that
+            # threads without a setting of their own pick up: restore it once the stream has its own.
+            self._threads_set.wait()
+            torch.set_num_threads(before)
 
     def _run(self) -> None:
         import time
 
+        if self.threads is not None:
+            torch.get_num_threads()  # torch's lazy per-thread init first, or it would override the setting
+            torch.set_num_threads(self.threads)  # this thread's OpenMP team (see __init__)
+        self._threads_set.set()
         while True:
             item = self._queue.get()
             if item is _STOP:
@@ -138,13 +153,24 @@ class _EventOp:
         self.fn()
 
 
+def default_forward_threads() -> int:
+    """One intra-op thread fewer than torch's setting (at least 1): the asyncio loop is the host half
+    of the pipeline and needs a core of its own. A decode forward is bound by memory bandwidth, which
+    one thread of oneDNN's packed GEMV nearly saturates, and an OpenMP team that spans every core
+    stalls at each barrier whenever the loop (or another process) takes one of them: on the 2-core
+    development machine 1 thread decoded faster than 2 in every paired run (docs/benchmarks.md,
+    "CPU decode vs transformers (issue 18)")."""
+    return max(1, torch.get_num_threads() - 1)
+
+
 class CPUDevice:
     kind = "cpu"
     unified_memory = True  # step inputs and masks are read where the host wrote them: no upload
 
-    def __init__(self) -> None:
+    def __init__(self, forward_threads: int | None = None) -> None:
         self.torch_device = torch.device("cpu")
-        self.compute = CPUStream("compute")
+        self.forward_threads = forward_threads or default_forward_threads()
+        self.compute = CPUStream("compute", threads=self.forward_threads)
         self.copy = CPUStream("copy")
         self.upload = self.copy  # unused while memory is unified; kept so the interface is whole
 

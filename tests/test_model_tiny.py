@@ -54,10 +54,10 @@ def test_untied_lm_head_and_batched_decode_of_unequal_contexts(layout):
     kv.k.fill_(float("nan"))  # the pool is uninitialised: attention must never read an unwritten slot
     kv.v.fill_(float("nan"))
     seqs = {1: ([7, 8, 9, 10, 11], [4, 9]), 2: (list(range(20, 31)), [1, 12, 6]), 3: ([40, 41], [3])}
-    firsts = run(ours, kv, [SeqWork(row=r, tokens=t, start_pos=0, pages=p, sample=True) for r, (t, p) in seqs.items()])
+    firsts = run(ours, kv, [Chunk(tokens=t, start_pos=0, pages=p) for t, p in seqs.values()])
     nexts = [int(x.argmax()) for x in firsts]
-    out = run(ours, kv, [SeqWork(row=r, tokens=[n], start_pos=len(t), pages=p, sample=True)
-                         for (r, (t, p)), n in zip(seqs.items(), nexts)])
+    out = run(ours, kv, [Chunk(tokens=[n], start_pos=len(t), pages=p)
+                         for (t, p), n in zip(seqs.values(), nexts)])
     for row, ((t, _), n) in enumerate(zip(seqs.values(), nexts)):
         torch.testing.assert_close(out[row], hf_logits(hf, t + [n])[-1], atol=1e-4, rtol=0)
 

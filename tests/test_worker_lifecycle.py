@@ -11,6 +11,8 @@ from slipstream import Client, OverloadedError, SamplingParams, WorkerUnavailabl
 from slipstream.errors import WorkerShuttingDownError
 
 LONG = SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True)
+# far beyond what tiny-random decodes in a 1.5 s shutdown deadline (the host path runs ~1000 tok/s alone)
+PAST_DEADLINE = SamplingParams(max_tokens=3500, temperature=0.0, ignore_eos=True)
 
 
 async def start_pending(client, n_streams=3, n_completes=2):
@@ -75,7 +77,7 @@ async def test_sigterm_drains_then_exits_and_overload_is_refused(tmp_path):
             assert (await client.stats())["overloaded"] == 3
 
             short = asyncio.create_task(client.complete("short", SamplingParams(max_tokens=20, temperature=0)))
-            long = client.stream("long", LONG)  # cannot finish within the 1.5 s deadline
+            long = client.stream("long", PAST_DEADLINE)  # cannot finish within the 1.5 s deadline
             await asyncio.wait_for(anext(long), 10)
             w.signal(signal.SIGTERM)
             for _ in range(100):

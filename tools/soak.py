@@ -230,8 +230,8 @@ def _record_submissions(engine: Engine) -> list:
     """Keep every submitted sequence, to look into its result queue once the round is over."""
     seqs, submit = [], engine._submit
 
-    async def recording(*args):
-        seq = await submit(*args)
+    async def recording(*args, **kwargs):
+        seq = await submit(*args, **kwargs)
         seqs.append(seq)
         return seq
 
@@ -246,7 +246,7 @@ def _duplicates(engine: Engine, seqs: list, results: dict) -> int:
 
     bad = len(engine._requests)
     for q in seqs:
-        left = sum(isinstance(item, (CompletionOutput, BaseException)) for item in q.user.queue._queue)
+        left = sum(isinstance(item, (CompletionOutput, BaseException)) for item in q.user.queue.pending())
         read = 0 if results.get(q.request_id) == "cancelled" else 1
         bad += (left + read != 1 and not (read == 0 and left == 0)) or not q.finalized
     seqs.clear()

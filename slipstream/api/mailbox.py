@@ -31,6 +31,10 @@ class Mailbox:
             await self._waiter
         return self._items.popleft()
 
+    def pending(self) -> list:
+        """The items not read yet, oldest first (a copy)."""
+        return list(self._items)
+
     def qsize(self) -> int:
         return len(self._items)
 

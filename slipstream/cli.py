@@ -57,7 +57,8 @@ def add_engine_args(p: argparse.ArgumentParser, log_level: str = "warning") -> N
                    help="KV pool in tokens (default: 32768 on the CPU, whose untouched pages take no memory; "
                         "sized from free memory on CUDA)")
     p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads for torch's kernels (default: torch's own choice, or OMP_NUM_THREADS)")
+                   help="CPU threads for torch's kernels; the CPU forward runs on one fewer (at least 1), leaving "
+                        "the engine loop a core (default: torch's own choice, or OMP_NUM_THREADS)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="CPU: results independent of batch composition and pipeline depth (row padding, "
                         "float64 attention; slower: docs/architecture.md)")

@@ -70,8 +70,12 @@ async def test_chat_streamed_and_not(server, reference):
     assert "".join(c.choices[0].delta.content or "" for c in content) == want.text
     finishes = [c.choices[0].finish_reason for c in content]
     assert finishes[-1] == want.finish_reason and all(f is None for f in finishes[:-1])
-    # one chunk per engine delta, finish_reason riding on the last content chunk (no empty extra chunk)
-    assert [(c.choices[0].delta.content, c.choices[0].finish_reason) for c in content[1:]] == reference["chat_deltas"]
+    # one chunk per engine delta, finish_reason riding on the last content chunk (no empty extra chunk).
+    # How many tokens a delta carries depends on when the output stage ran, so the boundaries may
+    # differ from the reference stream's; the text and the shape may not.
+    deltas = [(c.choices[0].delta.content, c.choices[0].finish_reason) for c in content[1:]]
+    assert all(text for text, _ in deltas[:-1]) and deltas[-1][1] == reference["chat_deltas"][-1][1]
+    assert "".join(text or "" for text, _ in deltas) == "".join(text for text, _ in reference["chat_deltas"])
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want.token_ids)
     assert chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
     assert len({c.id for c in chunks}) == 1

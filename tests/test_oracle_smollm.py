@@ -5,8 +5,7 @@ import pytest
 import torch
 
 from slipstream import Engine, EngineConfig, SamplingParams
-from slipstream.models.attention import AttentionMetadata
-from slipstream.models.llama import ForwardBatch, KVCache, LlamaForCausalLM
+from slipstream.models.llama import KVCache, LlamaForCausalLM
 from slipstream.models.host_batch import Chunk, host_batch
 
 PROMPTS = [

@@ -13,7 +13,7 @@ from starlette.responses import Response, StreamingResponse
 from slipstream.api.fanout import fan_out, wants_fan_out
 from slipstream.errors import SlipstreamError
 from slipstream.serve import render, sse
-from slipstream.serve.api_errors import ApiError, from_decode_error, from_slipstream, invalid
+from slipstream.serve.api_errors import from_decode_error, from_slipstream, invalid
 from slipstream.serve.openai_types import ChatCompletionRequest, CompletionRequest
 from slipstream.serve.sampling import sampling_params
 from slipstream.serve.state import ServerState, new_request_id, now_s

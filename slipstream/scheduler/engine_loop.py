@@ -3,7 +3,8 @@
   plan      choose the next batch (Planner) — only sequences with < depth steps in flight
   launch    enqueue its forward into a free DecodeSlot; decode inputs are read on the device
   commit    await the oldest finalized step's copy event, apply its tokens (zombies skipped),
-            stop checks, stream deltas, release slots and pages
+            end what token ids decide, release slots and pages; text, stop strings and stream
+            deltas are the output sink's stage, beside the tick (OutputSink.run_stage)
   finalize  enqueue sampling of the rows whose grammar mask depends on the token committed at t
             (mask built from committed state, uploaded on the copy stream), then the step's
             device→host copy. Rows that need nothing from the host (unconstrained ones) were

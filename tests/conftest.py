@@ -1,17 +1,8 @@
-import atexit
 import os
-import shutil
 import sys
-import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# The converted-weights cache on, in a directory of this test session (never the user's): the
-# SmolLM tests then dequantise the GGUF once, not at every engine start (worker processes inherit
-# it). Cache tests set their own directory.
-if "SLIPSTREAM_CACHE_DIR" not in os.environ:
-    os.environ["SLIPSTREAM_CACHE_DIR"] = tempfile.mkdtemp(prefix="slipstream-test-cache-")
-    atexit.register(shutil.rmtree, os.environ["SLIPSTREAM_CACHE_DIR"], True)
-os.environ.setdefault("SLIPSTREAM_WEIGHT_CACHE", "1")
+os.environ.setdefault("SLIPSTREAM_WEIGHT_CACHE", "0")  # tests never write the user's cache; cache tests opt in
 os.environ.setdefault("SLIPSTREAM_CHECK_INVARIANTS", "1")  # Sequence.check() on every row at every commit
 sys.path.insert(0, os.path.dirname(__file__))  # test helpers (fake_runner) import by name
 

@@ -214,3 +214,16 @@ async def test_the_threaded_output_stage_gives_the_same_outputs():
             await wait_all_free(engine)
     assert summary(outs["thread"]) == summary(outs["loop"])
     assert {o.finish_reason for o in outs["loop"]} >= {"stop", "length"}
+
+
+async def test_aborting_a_stop_string_request_before_its_first_token_ends_it():
+    """A request with stop strings is ended by the output stage; an abort that leaves it no token to
+    scan must still deliver its final output (the soak found it waiting until its deadline)."""
+    async with Engine(cfg(2)) as engine:
+        params = SamplingParams(max_tokens=15, temperature=0.9, stop=["f"])
+        task = asyncio.ensure_future(engine.complete([40] * 70, params, request_id="stop-abort"))
+        await asyncio.sleep(0)
+        assert await engine.abort("stop-abort")
+        out = await asyncio.wait_for(task, 10)
+        assert out.finish_reason == "abort" and out.token_ids == []
+        await wait_all_free(engine)

@@ -295,6 +295,8 @@ class OutputProcessor:
                 reason = "length"
             if reason is not None:
                 return _Outcome(start, n, reason, flush=not truncated)
+        if req.end_at is not None and req.end_at <= limit:  # ended (an abort) with nothing left to scan
+            return _Outcome(start, limit, req.end_reason)
         return _Outcome(start, limit, None)
 
     def _push(self, req: RequestState, tokens: list[int]) -> None:

@@ -4,7 +4,7 @@ import inspect
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from worker_util import engine_config, ipc_address, start_worker, wait_pages_free
+from worker_util import engine_config, wait_pages_free, worker  # noqa: F401 (fixture)
 
 from slipstream import Client, Engine, InvalidRequestError, SamplingParams
 from slipstream.api.interface import TRANSPORT_EXTRAS, EngineAPI
@@ -53,14 +53,6 @@ async def test_engine_health_before_start_is_not_ready():
 
 
 # --- the Client's new methods, against a worker, answer like the Engine -------------------------------
-
-
-@pytest.fixture(scope="module")
-def worker(tmp_path_factory):
-    d = tmp_path_factory.mktemp("worker")
-    w = start_worker(ipc_address(d), d)
-    yield w
-    w.stop()
 
 
 MESSAGES = [{"role": "user", "content": "Where is the car?"}]

@@ -8,7 +8,7 @@ import codecs
 import httpx
 import pytest
 from serve_util import ThreadServer
-from worker_util import engine_config, ipc_address, start_worker
+from worker_util import engine_config, worker  # noqa: F401 (fixture)
 
 from slipstream import Client, Engine, SamplingParams
 from slipstream.models.byte_tokenizer import ByteTokenizer
@@ -74,14 +74,6 @@ async def test_engine_stream_aborted_inside_a_character():
             assert deltas[-1].finish_reason == "abort" and all(d.text for d in deltas[:-1])
             assert text == robots[:len(out_ids) // 4]
     assert cut_inside  # the case this test is about did happen
-
-
-@pytest.fixture(scope="module")
-def worker(tmp_path_factory):
-    d = tmp_path_factory.mktemp("worker")
-    w = start_worker(ipc_address(d), d)
-    yield w
-    w.stop()
 
 
 async def test_client_stream(worker):

@@ -8,18 +8,10 @@ import msgspec
 import pytest
 import zmq
 import zmq.asyncio
-from worker_util import engine_config, ipc_address, start_worker, wait_pages_free
+from worker_util import engine_config, wait_pages_free, worker  # noqa: F401 (fixture)
 
 from slipstream import Client, Engine, InvalidRequestError, SamplingParams, WorkerUnavailableError
 from slipstream.api.protocol import PROTOCOL_VERSION, Generate
-
-
-@pytest.fixture(scope="module")
-def worker(tmp_path_factory):
-    d = tmp_path_factory.mktemp("worker")
-    w = start_worker(ipc_address(d), d)
-    yield w
-    w.stop()
 
 
 def requests_for(client_no: int, n: int = 25):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
+import pytest
 import zmq
 
 from slipstream import EngineConfig
@@ -147,3 +148,12 @@ def start_stub_worker(address: str) -> subprocess.Popen:
         proc.kill()
         raise RuntimeError(f"stub worker did not start (rc={proc.wait()})")
     return proc
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    """One default worker per test module (import this fixture into the module to use it)."""
+    d = tmp_path_factory.mktemp("worker")
+    w = start_worker(ipc_address(d), d)
+    yield w
+    w.stop()

@@ -35,8 +35,3 @@ class Mailbox:
         """The items not read yet, oldest first (a copy)."""
         return list(self._items)
 
-    def qsize(self) -> int:
-        return len(self._items)
-
-    def empty(self) -> bool:
-        return not self._items

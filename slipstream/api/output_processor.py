@@ -81,7 +81,6 @@ class OutputProcessor:
         self._todo: list[RequestState] = []
         self.commit_time = 0.0  # set by the EngineLoop before each commit: the time of every token in it
         self._ready: asyncio.Event | None = None
-        self.passes = 0  # stage passes that processed something (stats)
         # fn(token_times, start, end, arrival, prompt_len) per request and pass (metrics), off the tick
         self.token_observers: list = []
 
@@ -188,7 +187,6 @@ class OutputProcessor:
                     done += STAGE_SLICE
             finally:  # cancelled between slices (the loop stopped): process_pending gets the rest
                 self._todo[:0] = todo[done:]
-            self.passes += 1
 
     async def _threaded_pass(self) -> None:
         """The text phase of every queued request on the worker thread, then delivery here. While the
@@ -201,16 +199,15 @@ class OutputProcessor:
             if not req.closed and req.seq is not None:
                 live.append(req)
         future = self._pool.submit(lambda: [self._texts(req) for req in live])
+        cancelled = False
         try:
             outcomes = await asyncio.wrap_future(future)
-        except asyncio.CancelledError:
-            outcomes = future.result()  # the loop is stopping: finish the pass, deliver, then stop
-            for req, outcome in zip(live, outcomes):
-                self._apply(req, outcome)
-            raise
+        except asyncio.CancelledError:  # the loop is stopping: finish the pass, deliver, then stop
+            outcomes, cancelled = future.result(), True
         for req, outcome in zip(live, outcomes):
             self._apply(req, outcome)
-        self.passes += 1
+        if cancelled:
+            raise asyncio.CancelledError
 
     def process_pending(self) -> None:
         """One synchronous pass (when the engine loop stops, for what the stage had not reached)."""

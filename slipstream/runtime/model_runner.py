@@ -95,8 +95,8 @@ class ModelRunner:
         hit = self.graphs.lookup(slot.index, packed.num_decode) if self._graphable(packed) else None
         lay = arena.fill(packed, pad_decode=hit[0] if hit is not None else 0)
         arena.upload()
-        updates, rows = arena.updates(lay), self.rows
-        slot.sample_rows = arena.tensors(lay).sample_rows
+        updates, rows, tensors = arena.updates(lay), self.rows, arena.tensors(lay)
+        slot.sample_rows = tensors.sample_rows
         slot.sample_rows_host = packed.sample_rows
         if hit is not None:
             graph = hit[1]
@@ -107,7 +107,6 @@ class ModelRunner:
                 rows.apply(updates, packed)
                 slot.logits = graph.replay()
         else:
-            tensors = arena.tensors(lay)
             host_attention = self.device.unified_memory
 
             def forward() -> None:

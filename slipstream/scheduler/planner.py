@@ -63,18 +63,6 @@ class PlannedStep:
     chunk_seqs: list[Sequence]
     page_writes: list[int]  # flat (row, index, page) triples
 
-    @property
-    def seqs(self) -> list[Sequence]:
-        return self.decode + self.chunk_seqs
-
-    @property
-    def kind(self) -> str:
-        return "prefill" if self.chunks else "decode"  # prompt or recompute chunks
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.decode) + sum(w.num_tokens for w in self.chunks)
-
 
 class Planner:
     def __init__(self, pool: PagePool, page_size: int, max_batch_size: int, max_step_tokens: int):

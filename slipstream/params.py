@@ -121,6 +121,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, met
     seed: int = 0  # seeds requests that give none
     trace: bool = False  # keep per-step host timings and device spans (benchmarks, timelines)
     grammar_timeout_s: float = 10.0  # compile timeout of a constraint grammar
+    freeze_gc: bool = True  # gc.freeze() what exists at start: collections skip the model and libraries
     step_timeout_s: float = 300.0  # watchdog: a launched step not done by then fails the engine, with its state logged
     # --- CUDA only (docs/cuda.md) ---
     gpu_memory_utilization: float = 0.9  # share of free memory (after weights + a profiling forward) for KV
@@ -145,7 +146,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, met
         check.integer("kv_cache_tokens", self.kv_cache_tokens, minimum=1, optional=True)
         check.integer("max_model_len", self.max_model_len, minimum=2, optional=True)
         check.integer("seed", self.seed, minimum=0)
-        for name in ("batch_invariant", "trace", "cuda_graphs", "warmup"):
+        for name in ("batch_invariant", "trace", "cuda_graphs", "warmup", "freeze_gc"):
             check.boolean(name, getattr(self, name))
         for name in ("grammar_timeout_s", "step_timeout_s"):
             if check.number(name, getattr(self, name)) <= 0:

@@ -9,6 +9,10 @@ sys.path.insert(0, os.path.dirname(__file__))  # test helpers (fake_runner) impo
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+import slipstream.gc_freeze  # noqa: E402
+
+slipstream.gc_freeze.COLLECT_FIRST = False  # hundreds of engine starts: no full collection at each
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

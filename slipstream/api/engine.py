@@ -11,11 +11,13 @@ from typing import Any, Self
 
 import structlog
 
+from slipstream import gc_freeze
 from slipstream import validate as check
 from slipstream.errors import EngineClosedError, InvalidRequestError, WrongEventLoopError
 from slipstream.intmath import ceil_div
 from slipstream.outputs import CompletionOutput, RequestMetrics
 from slipstream.params import EngineConfig, SamplingParams
+from slipstream.models.byte_stream import byte_table, make_detokenizer
 from slipstream.runtime.batch import SamplingRow
 from slipstream.api.interface import DeltaStream, Messages, Prompt
 from slipstream.api.fanout import fan_out, wants_fan_out
@@ -38,6 +40,7 @@ class Engine(SkillMethods):
         self._owner: asyncio.AbstractEventLoop | None = None
         self._rng = random.Random(self.config.seed)
         self.tokenizer = None
+        self._gc_frozen = False
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -50,6 +53,7 @@ class Engine(SkillMethods):
         self._owner = asyncio.get_running_loop()
         self._parts = await asyncio.to_thread(assemble, self.config)
         self.tokenizer, self.model_config = self._parts.tokenizer, self._parts.model_config
+        await asyncio.to_thread(byte_table, self.tokenizer)  # built once here, not on the first request
         self.loop = self._parts.loop
         self.max_model_len = self._parts.max_model_len
         from slipstream.grammar.base import GrammarCompiler
@@ -57,6 +61,9 @@ class Engine(SkillMethods):
         self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
                                          timeout_s=self.config.grammar_timeout_s)
         self._loop_task = asyncio.create_task(self._run_loop(), name="slipstream-engine-loop")
+        if self.config.freeze_gc:  # (close() releases it: the loop task exists from here on)
+            gc_freeze.hold()
+            self._gc_frozen = True
         log.info("engine_started", model=self.config.model, device=self.config.device,
                  pipeline_depth=self.config.pipeline_depth, kv_pages=self._parts.pool.total)
         return self
@@ -78,9 +85,12 @@ class Engine(SkillMethods):
         try:
             await self._loop_task
         except BaseException:  # noqa: BLE001 - already reported by _run_loop
-            pass
+            gc_freeze.release()
         self._loop_task = None
         self._parts.close()
+        if self._gc_frozen:
+            self._gc_frozen = False
+            gc_freeze.release()
 
     async def __aenter__(self) -> Self:
         return await self.start()
@@ -142,9 +152,7 @@ class Engine(SkillMethods):
                           repetition_penalty=params.repetition_penalty, min_p=params.min_p,
                           min_tokens=params.min_tokens, top_logprobs=params.top_logprobs,
                           stop_ids=tuple(sorted(frozenset(eos) | frozenset(params.stop_token_ids))))
-        from slipstream.models.tokenizer import IncrementalDetokenizer
-
-        req = RequestState(request_id, ids, params, IncrementalDetokenizer(self.tokenizer, ids),
+        req = RequestState(request_id, ids, params, make_detokenizer(self.tokenizer, ids),
                            frozenset(eos) | frozenset(params.stop_token_ids), RequestMetrics(time.perf_counter()),
                            matcher=matcher, streaming=streaming)
         seq = Sequence(request_id, ids, max_tokens, row, user=req)

@@ -44,7 +44,7 @@ class RequestState:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    detok: object  # IncrementalDetokenizer
+    detok: object  # IncrementalDetokenizer or ByteStreamDetokenizer (models/byte_stream.py)
     stop_token_ids: frozenset[int]
     metrics: RequestMetrics
     queue: Mailbox = field(default_factory=Mailbox)
@@ -156,7 +156,7 @@ class OutputProcessor:
         self._deliver_error(req, error)
 
     def _deliver_error(self, req: RequestState, error: BaseException) -> None:
-        req.closed = True
+        req.closed, req.seq = True, None  # (seq.user points back here: no cycle left for the collector)
         req.metrics.finished = time.perf_counter()
         if not isinstance(error, SlipstreamError):
             error = _wrap(RequestFailedError, f"request {req.request_id} failed: {error!r}", error)
@@ -314,7 +314,7 @@ class OutputProcessor:
             except Exception as e:  # noqa: BLE001 - as in _push: only this request fails
                 raise _RequestFailed(_wrap(RequestFailedError, f"detokenising request {req.request_id} "
                                                                f"failed: {e!r}", e)) from e
-        req.closed = True
+        req.closed, req.seq = True, None  # (seq.user points back here: no cycle left for the collector)
         req.metrics.finished = time.perf_counter()
         self._emit(req, token_ids, reason)
         req.output = CompletionOutput(

@@ -10,6 +10,7 @@ OFFSET = 3
 
 class ByteTokenizer:
     chat_template = None
+    decodes_by_bytes = True  # decode(ids) is the UTF-8 decoding of token_bytes joined (byte_stream.py)
 
     def __init__(self, vocab_size: int = 512):
         self.vocab_size = vocab_size

@@ -159,7 +159,7 @@ class FakeRunner:
     def launch_forward(self, slot, step_id, packed) -> None:
         assert slot.state is SlotState.FREE, "slot reused while in flight"
         slot.state, slot.step_id = SlotState.IN_FLIGHT, step_id
-        slot.host_result, slot.sampled = None, {}
+        slot.host_result, slot.sampled, slot.copied = None, {}, None
         # the persistent batch as the host's launch order sees it (what the step will reference)
         writes = [tuple(int(x) for x in w) for w in packed.page_writes]
         for row, index, page in writes:
@@ -231,6 +231,9 @@ class FakeRunner:
                 slot.copied.set()
 
             copy.launch(copy_out)
+
+    def is_done(self, slot) -> bool:
+        return slot.copied is not None and slot.copied.is_set()
 
     async def read_sampled(self, slot) -> SampledTokens:
         await slot.copied.wait()

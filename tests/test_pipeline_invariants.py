@@ -7,18 +7,15 @@ handed out while an in-flight step still references it (early release).
 """
 import asyncio
 
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fake_runner import EOS, FakeRunner, RefereedPool, RefereedRows, make_prompt, reference
-from slipstream.models.byte_tokenizer import ByteTokenizer
 from slipstream.outputs import CompletionOutput, RequestMetrics
 from slipstream.params import SamplingParams
 from slipstream.runtime.batch import SamplingRow
 from slipstream.scheduler.engine_loop import EngineLoop
 from slipstream.api.output_processor import OutputProcessor, RequestState
-from slipstream.scheduler.page_pool import PagePool
 from slipstream.scheduler.planner import Planner
 from slipstream.scheduler.sequence import Sequence
 
@@ -47,9 +44,11 @@ def make_seq(rid, prompt, max_tokens):
     return Sequence(rid, prompt, max_tokens, SamplingRow(), user=req)
 
 
-async def run_workload(depth, requests, num_pages=64, max_batch=4, step_tokens=16, seed=0):
+async def run_workload(depth, requests, num_pages=64, max_batch=4, step_tokens=16, seed=0, instrument=None):
     """requests: list of (prompt, max_tokens, arrive_after_yields, abort_after_yields|None)."""
     loop, pool = make_loop(depth, num_pages, max_batch, step_tokens, seed)
+    if instrument is not None:
+        instrument(loop)
     task = asyncio.create_task(loop.run())
     results = {}
 
@@ -101,6 +100,41 @@ def test_zombie_commit_is_skipped_and_pages_released_once():
         assert loop.pipeline.zombie_commits == zombies
         assert loop.pipeline.released == 1  # PagePool raises on a double free
         check_results(reqs, results, loop, pool)
+
+
+def test_a_step_already_done_is_committed_before_the_next_launch():
+    """Depth 2 launches t+1 before committing t only while t is still running: a step whose tokens
+    are on the host already is committed first (an expensive launch must not delay its tokens)."""
+    events = []
+
+    def instrument(loop):
+        runner = loop.runner
+        runner._max_delay = 0  # a device that keeps up: steps are often done before the next tick
+        is_done, launch, read = runner.is_done, runner.launch_forward, runner.read_sampled
+
+        def logged_is_done(slot):
+            done = is_done(slot)
+            events.append(("done?", slot.step_id, done))
+            return done
+
+        async def logged_read(slot):
+            events.append(("commit", slot.step_id))
+            return await read(slot)
+
+        runner.is_done, runner.read_sampled = logged_is_done, logged_read
+        runner.launch_forward = lambda slot, step_id, packed: events.append(("launch", step_id)) or launch(
+            slot, step_id, packed)
+
+    reqs = [(make_prompt(5 + s, None, s), 12, 3 * s, None) for s in range(6)]
+    results, loop, pool = asyncio.run(run_workload(2, reqs, seed=3, instrument=instrument))
+    check_results(reqs, results, loop, pool)
+    asked = [i for i, e in enumerate(events) if e[0] == "done?"]
+    done = [i for i in asked if events[i][2]]
+    assert done and len(done) < len(asked)  # both cases happened
+    for i in done:
+        assert events[i + 1] == ("commit", events[i][1])
+    overlapped = [i for i in asked if not events[i][2] and events[i + 1][0] == "launch"]
+    assert overlapped  # and a running step still has the next one launched behind it
 
 
 def test_length_cap_makes_no_zombie():

@@ -227,6 +227,9 @@ class ModelRunner:
 
     # --- commit ---------------------------------------------------------------------------------
 
+    def is_done(self, slot: DecodeSlot) -> bool:
+        return slot.copy_done is not None and slot.copy_done.query()
+
     async def read_sampled(self, slot: DecodeSlot) -> SampledTokens:
         """Await the step's copy event without blocking the loop, then read tokens and logprobs.
         Raises what launched work of the step (on any stream) raised."""

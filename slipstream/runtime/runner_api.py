@@ -42,6 +42,10 @@ class Runner(Protocol):
                         bitmask: np.ndarray | None = None, final: bool = True) -> None:
         """Enqueue sampling of some of the step's rows; with `final`, the device→host copy too."""
 
+    def is_done(self, slot) -> bool:
+        """Whether the step in `slot` has its tokens on the host already (its device→host copy
+        completed); never blocks. False while its final sampling is not launched."""
+
     async def read_sampled(self, slot) -> SampledTokens:
         """Await the step's copy without blocking the loop; raises what its launched work raised."""
 

@@ -12,7 +12,9 @@
             now, sample later, only where a mask makes it necessary.
 
 With depth 1 a step is committed before the next is planned (the blocking baseline); with depth 2
-the forward of t+1 is launched before step t is committed. Nothing else differs.
+the forward of t+1 is launched before step t is committed — while t still runs. A step already
+done when a tick starts is committed first at either depth (nothing on the device to keep busy;
+its tokens need not wait out the next launch). Nothing else differs.
 
 Failures (docs/reliability.md):
   * work launched for a step raised on a stream (forward, sampling, copy): its commit raises;
@@ -128,15 +130,23 @@ class EngineLoop:
 
     async def tick(self) -> bool:
         launched = None
+        inflight = self.pipeline.inflight
+        # Commit first when the oldest step's tokens are on the host already: the device has no
+        # work behind it to keep busy, and its first tokens would otherwise wait out the next
+        # launch (an eager prefill launch costs the host tens of ms on CUDA). Period unchanged:
+        # a host-bound loop does the same commit + launch per step in either order.
+        committed = bool(inflight) and self.runner.is_done(inflight[0].slot)
+        if committed:
+            await self.commit(inflight[0])
         t0 = time.perf_counter()
-        plan = self.planner.plan(self.depth) if len(self.pipeline.inflight) < self.depth else None
+        plan = self.planner.plan(self.depth) if len(inflight) < self.depth else None
         t1 = time.perf_counter()
         if plan is not None:
             launched = self.launch(plan)
             launched.timings.update(plan=t1 - t0, launch=time.perf_counter() - t1)
-        oldest = self.pipeline.inflight[0] if self.pipeline.inflight else None
-        committed = oldest is not None and oldest is not launched
-        if committed:
+        oldest = inflight[0] if inflight else None
+        if not committed and oldest is not None and oldest is not launched:
+            committed = True
             await self.commit(oldest)
         if launched is not None and launched in self.pipeline.inflight:  # (not abandoned by a failure)
             self.finalize(launched)

@@ -18,7 +18,11 @@ NullModel on the CPU device and two emulated costs taken from that H100 table:
 Three orders: depth 1; depth 2 launching before committing (the order before the fix, restored by
 making `runner.is_done` always False); depth 2 committing first when the oldest step's tokens are
 already on the host (EngineLoop.tick). TTFT is measured at the client: submission to the first
-streamed token; all requests arrive at once.
+streamed token; all requests arrive at once. (The loop's other TTFT fix, yielding once per tick so
+a host-bound loop cannot starve the output stage, is in all three: its effect needs a device that
+is ahead of the host without the GIL, which this CPU emulation is not; the test
+tests/test_pipeline_invariants.py::test_a_host_bound_loop_still_lets_streams_and_the_output_stage_run
+shows it with a device that completes at once.)
 """
 from __future__ import annotations
 

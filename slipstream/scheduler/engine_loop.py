@@ -124,6 +124,11 @@ class EngineLoop:
                 self._wake.clear()
                 self.idle_waits += 1
                 await self._wake.wait()
+                continue
+            # A commit whose step is already done does not suspend: a host-bound loop (the device
+            # ahead of it) would otherwise never let the output stage, stream consumers or new
+            # requests run until it idled — first tokens delivered at the end of a generation.
+            await asyncio.sleep(0)
         # drain: never leave a step uncommitted (its slot and pages would leak)
         while self.pipeline.inflight:
             await self.commit(self.pipeline.oldest())

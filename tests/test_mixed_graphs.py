@@ -7,21 +7,120 @@ nothing of a step may be baked into the capture except its bucket, so refilling 
 another step of the same bucket must give that step's answer. The cuda-marked tests capture real
 graphs.
 """
+import asyncio
+
 import numpy as np
 import pytest
 import structlog
 import torch
 
-pytest.importorskip("triton")
+from slipstream import Engine, EngineConfig, InvalidRequestError, SamplingParams
+from slipstream.runtime.buckets import pick_bucket, token_buckets
+from slipstream.runtime.graphs import MIXED, GraphCache
 
-from slipstream.models.build import build_model  # noqa: E402
-from slipstream.models.llama import KVCache  # noqa: E402
-from slipstream.runtime.batch import SamplingRow, SeqWork, pack_step  # noqa: E402
-from slipstream.runtime.buckets import token_buckets  # noqa: E402
-from slipstream.runtime.cpu_device import CPUDevice  # noqa: E402
-from slipstream.runtime.graphs import MIXED, GraphCache  # noqa: E402
-from slipstream.runtime.model_runner import ModelRunner  # noqa: E402
-from slipstream.runtime.static_step import static_tensors  # noqa: E402
+from slipstream.models.build import build_model
+from slipstream.models.llama import KVCache
+from slipstream.runtime.batch import SamplingRow, SeqWork, pack_step
+from slipstream.runtime.cpu_device import CPUDevice
+from slipstream.runtime.model_runner import ModelRunner
+from slipstream.runtime.static_step import fill_static, static_tensors
+from test_engine_tiny import mixed_requests
+
+try:
+    import triton  # noqa: F401
+except ImportError:
+    triton = None
+needs_triton = pytest.mark.skipif(triton is None, reason="needs triton (its interpreter runs the GPU kernels here)")
+
+
+# --- buckets, the cache, the config ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("args, expected", [
+    ((16, 512), [16, 32, 64, 128, 256, 512]),
+    ((16, 600), [16, 32, 64, 128, 256, 512, 600]),  # max off the power-of-two ladder is still a bucket
+    ((16, 16), [16]),
+    ((1, 5), [1, 2, 4, 5]),
+])
+def test_token_buckets(args, expected):
+    assert token_buckets(*args) == expected
+
+
+@pytest.mark.parametrize("args", [(0, 16), (32, 16)])
+def test_bad_token_bucket_ranges_are_rejected(args):
+    with pytest.raises(InvalidRequestError):
+        token_buckets(*args)
+
+
+def test_mixed_graph_cache_logs_by_tokens_captures_on_first_use_and_falls_back_above_the_top():
+    captured = []
+    cache = GraphCache(token_buckets(16, 64), 2, lambda s, t: captured.append((s, t)) or (s, t), kind=MIXED)
+    with structlog.testing.capture_logs() as logs:
+        assert cache.lookup(0, 17) == (32, (0, 32))
+        assert cache.lookup(0, 32) == (32, (0, 32))
+        assert cache.lookup(1, 3) == (16, (1, 16))
+        assert cache.lookup(1, 65) is None and cache.lookup(0, 900) is None
+    assert captured == [(0, 32), (1, 16)] and cache.eager_steps == 2
+    assert [(e["event"], e["kind"], e["tokens"], e.get("slot")) for e in logs] == [
+        ("cuda_graph_captured_on_first_use", "mixed", 32, 0), ("cuda_graph_captured_on_first_use", "mixed", 16, 1),
+        ("mixed_step_above_graph_buckets", "mixed", 65, None)]
+    assert all("seconds" in e for e in logs[:2]) and logs[2]["log_level"] == "warning"
+    with structlog.testing.capture_logs() as logs:
+        cache.warmup()
+    assert sorted(captured) == sorted([(0, 32), (1, 16)] + [(0, 16), (0, 64), (1, 32), (1, 64)])
+    assert [e["tokens"] for e in logs if e["event"] == "cuda_graph_warmup"] == [64, 64, 32, 32, 16, 16]
+    assert logs[-1]["event"] == "cuda_graphs_captured" and logs[-1]["kind"] == "mixed"
+
+
+def test_mixed_graph_knobs_are_validated():
+    assert EngineConfig(max_num_batched_tokens=512).token_bucket_range() == (16, 512)
+    assert EngineConfig(max_batch_size=8, max_num_batched_tokens=8).token_bucket_range() == (8, 8)
+    assert EngineConfig(graph_token_sizes=[32, 256]).token_bucket_range() == (32, 256)
+    for bad in [(0, 64), (64, 32), (16, 1024), (16,), "16-64", (16.0, 64)]:
+        with pytest.raises(InvalidRequestError) as err:
+            EngineConfig(graph_token_sizes=bad)
+        assert err.value.param.startswith("graph_token_sizes")
+    with pytest.raises(InvalidRequestError):
+        EngineConfig(mixed_graphs="yes")
+
+
+# --- the fixed-shape layout --------------------------------------------------------------------
+
+
+def test_static_layout_pads_tokens_sequences_and_samples_to_the_bucket():
+    dev = CPUDevice()
+    try:
+        from slipstream.runtime.staging import StepArena
+
+        arena = StepArena(dev, max_tokens=64, max_seqs=6, max_pages=4)
+        packed = pack_step(np.array([3, 5]), [SeqWork(row=2, tokens=[7, 8, 9], start_pos=4, sample=True),
+                                              SeqWork(row=4, tokens=[6] * 17, start_pos=0, sample=False)])
+        arena.fill(packed)
+        fill_static(arena, packed, 32)
+        t = static_tensors(arena, 32)
+        assert t.token_ids.tolist() == [0, 0, 7, 8, 9] + [6] * 17 + [0] * 10
+        assert t.token_pos.tolist() == [0, 0, 4, 5, 6] + list(range(17)) + [0] * 10
+        assert t.token_rows.tolist() == [3, 5, 2, 2, 2] + [4] * 17 + [0] * 10  # padding: scratch row
+        assert t.token_fed.tolist() == [1, 1] + [0] * 30
+        assert t.seq_rows.tolist() == [3, 5, 2, 4, 0, 0] and t.seq_fed.tolist() == [1, 1, 0, 0, 0, 0]
+        assert t.seq_ends.tolist() == [0, 0, 7, 17, 0, 0]
+        assert t.query_start.tolist() == [0, 1, 2, 5, 22, 22, 22]  # padding sequences: q_len 0
+        assert t.sample_indices.tolist() == [0, 1, 4, 0, 0, 0]  # min(T, S) rows; the tail is never sampled
+        assert t.blocks.shape == (2, 32 // 16 + 6)
+        assert t.blocks[0].tolist()[:5] == [0, 1, 2, 3, 3] and t.blocks[1].tolist()[:5] == [0, 0, 0, 0, 16]
+        assert (t.blocks[1, 5:] >= 1 << 30).all()
+        small = pack_step(np.array([1]), [])
+        arena.fill(small)
+        fill_static(arena, small, 32)  # a smaller step in the same bucket rewrites every entry
+        assert t.token_ids.tolist() == [0] * 32 and t.token_rows.tolist() == [1] + [0] * 31
+        assert t.query_start.tolist() == [0] + [1] * 6 and t.seq_ends.tolist() == [0] * 6
+        with pytest.raises(ValueError, match="does not fit"):
+            fill_static(arena, packed, 16)
+    finally:
+        dev.close()
+
+
+# --- static steps through the runner, Triton kernels interpreted --------------------------------
 
 PAGE, PAGES_PER_ROW = 8, 6
 PROMPTS = {r: [(7 * r + 3 * i) % 500 + 3 for i in range(n)] for r, n in {1: 10, 2: 30, 3: 5, 4: 30, 5: 12, 6: 20}.items()}
@@ -68,10 +167,12 @@ def _runner(dev):
     return ModelRunner(model, kv, dev, max_rows=8, max_tokens=64, max_pages=PAGES_PER_ROW)
 
 
-def _run(runner, steps):
-    """Logits and final hidden states (the lm_head's input) of each step's sampled rows."""
+def _run(runner, steps, hidden_states=True):
+    """Logits and final hidden states (the lm_head's input; None without `hidden_states`, e.g. under
+    graph replay, which runs no Python hook) of each step's sampled rows."""
     logits, hidden = [], []
-    runner.model.model.norm.register_forward_hook(lambda m, args, out: hidden.append(out))
+    if hidden_states:
+        runner.model.model.norm.register_forward_hook(lambda m, args, out: hidden.append(out))
     for i, (decode, chunks, new_rows) in enumerate(steps):
         packed = pack_step(np.array(decode, np.int64), chunks, _pages(*new_rows) if new_rows else None)
         slot = runner.slots[i % 2]
@@ -79,7 +180,7 @@ def _run(runner, steps):
         runner.device.compute.record().synchronize()
         n = packed.num_samples
         got = slot.logits[:n].clone()
-        logits.append((got, hidden[-1][:n].clone()))
+        logits.append((got, hidden[-1][:n].clone() if hidden_states else None))
         runner.rows.token[torch.from_numpy(packed.sample_rows)] = got.argmax(-1)  # stands in for sampling
         slot.release()
     return logits
@@ -90,6 +191,7 @@ def _tables(runner):
     return {"pos": r.pos, "pages": r.pages, "token": r.token, **r.ints, **r.floats}
 
 
+@needs_triton
 def test_static_mixed_steps_equal_the_eager_steps_and_leave_the_same_row_tables():
     dev_e, dev_g = CPUDevice(), CPUDevice()
     try:
@@ -119,3 +221,89 @@ def test_static_mixed_steps_equal_the_eager_steps_and_leave_the_same_row_tables(
     finally:
         dev_e.close()
         dev_g.close()
+
+
+@needs_triton
+def test_engine_with_stand_in_mixed_graphs_gives_the_eager_tokens():
+    """Through the whole engine (depth 2, both slots): prefill and mixed steps of up to 32 tokens go
+    to a stand-in graph of their (slot, token bucket), larger ones and decode-only steps run eagerly,
+    and the tokens equal the eager engine's."""
+    prompts = [[(5 + 7 * i + 3 * j) % 250 + 3 for j in range(n)] for i, n in enumerate([20, 20, 20, 8, 4, 6])]
+    params = [SamplingParams(max_tokens=3 + i, temperature=0.0, ignore_eos=True) for i in range(len(prompts))]
+
+    async def run(graphs: bool):
+        cfg = EngineConfig(model="tiny-random", max_batch_size=4, max_num_batched_tokens=48, kv_cache_tokens=1024,
+                           page_size=8, batch_invariant=False)
+        async with Engine(cfg) as engine:
+            runner = engine._parts.runner
+            runner.model.set_kernel_backend("triton")
+            replays = []
+            if graphs:
+                runner.mixed_graphs = GraphCache(token_buckets(16, 32), 2,
+                                                 lambda s, t: ReplayAgain(runner, s, t, replays), kind=MIXED)
+            outs = await asyncio.gather(*(engine.complete(p, sp) for p, sp in zip(prompts, params)))
+            return [o.token_ids for o in outs], replays, runner.mixed_graphs
+
+    eager, _, _ = asyncio.run(run(False))
+    graphed, replays, cache = asyncio.run(run(True))
+    assert graphed == eager
+    assert {t for _, t in replays} == {16, 32} and {s for s, _ in replays} == {0, 1}
+    assert cache.eager_steps > 0  # the 48-token first step is above the largest bucket
+
+
+# --- on a GPU: real captures ------------------------------------------------------------------
+
+
+def _cuda_cfg(**kw):
+    base = dict(model="tiny-random", device="cuda", max_batch_size=7, max_num_batched_tokens=64,
+                kv_cache_tokens=8192, page_size=PAGE, graph_batch_sizes=(1, 4, 7))
+    base.update(kw)
+    return EngineConfig(**base)
+
+
+async def _cuda_steps(**kw):
+    async with Engine(_cuda_cfg(**kw)) as engine:
+        runner = engine._parts.runner
+        logits = _run(runner, STEPS, hidden_states=False)
+        tables = {k: v.cpu() for k, v in _tables(runner).items()}
+        kv = runner.kv.k[:, PAGE:PAGE * 40].float().cpu(), runner.kv.v[:, PAGE:PAGE * 40].float().cpu()
+        return [w for w, _ in logits], tables, kv, runner.mixed_graphs
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-5), ("bfloat16", 3e-2)])
+def test_cuda_mixed_graph_replay_equals_eager(dtype, tol):
+    """Real graphs of buckets 16, 32 and 64 (chunks only; decode rows + final and non-final chunks;
+    one capture replayed for two different steps) against the eager forward of the same steps."""
+    want, t_want, kv_want, _ = asyncio.run(_cuda_steps(dtype=dtype, mixed_graphs=False))
+    got, t_got, kv_got, cache = asyncio.run(_cuda_steps(dtype=dtype, warmup=False))
+    assert sorted(cache.graphs) == [(0, 32), (0, 64), (1, 16), (1, 32)]
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w, rtol=tol, atol=tol)  # other matmul row counts may round differently
+        assert torch.equal(g.argmax(-1), w.argmax(-1)) or dtype != "float32"
+    for name in t_want:
+        if name in ("pos", "pages", "top_k", "seed", "output_index", "temperature"):
+            assert torch.equal(t_got[name], t_want[name]), name
+    torch.testing.assert_close(kv_got, kv_want, rtol=tol, atol=tol)
+
+
+@pytest.mark.cuda
+def test_cuda_engine_with_mixed_graphs_gives_the_eager_tokens_and_replays_them():
+    reqs = [(p, SamplingParams(max_tokens=sp.max_tokens, temperature=0.0), d) for p, sp, d in mixed_requests(24, 5)]
+
+    async def run(**kw):
+        async with Engine(_cuda_cfg(max_batch_size=16, graph_batch_sizes=(1, 4, 16), **kw)) as engine:
+            outs = await asyncio.gather(*(engine.complete(p, sp) for p, sp, _ in reqs))
+            return [o.token_ids for o in outs], engine._parts.runner.mixed_graphs
+
+    eager, _ = asyncio.run(run(mixed_graphs=False))
+    graphed, cache = asyncio.run(run(warmup=False))
+    assert graphed == eager
+    assert cache.graphs and {t for _, t in cache.graphs} <= {16, 32, 64}
+
+
+@pytest.mark.cuda
+def test_cuda_mixed_graph_buckets_pick_the_smallest_holding_the_step():
+    buckets = token_buckets(*_cuda_cfg().token_bucket_range())
+    assert buckets == [16, 32, 64]
+    assert [pick_bucket(buckets, n) for n in (1, 16, 17, 33, 64, 65)] == [16, 16, 32, 64, 64, None]

@@ -71,7 +71,7 @@ class GraphCache(Generic[G]):
             self.eager_steps += 1
             if not self.oversize_warned:
                 self.oversize_warned = True
-                log.warning(self.kind.oversize_event, largest_bucket=self.buckets[-1],
+                log.warning(self.kind.oversize_event, kind=self.kind.name, largest_bucket=self.buckets[-1],
                             effect="such steps run eagerly (logged once)", **{self.kind.size_field: size})
             return None
         if (slot, bucket) not in self.graphs:  # warmup was skipped

@@ -307,3 +307,21 @@ def test_cuda_mixed_graph_buckets_pick_the_smallest_holding_the_step():
     buckets = token_buckets(*_cuda_cfg().token_bucket_range())
     assert buckets == [16, 32, 64]
     assert [pick_bucket(buckets, n) for n in (1, 16, 17, 33, 64, 65)] == [16, 16, 32, 64, 64, None]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the exit without a GPU")
+def test_profile_tool_parses_its_arguments_and_exits_2_without_a_gpu(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "tools" / "profile_mixed_cuda.py"
+    spec = importlib.util.spec_from_file_location("profile_mixed_cuda", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.main(["--tokens", "128", "512", "2048", "--repeats", "3"]) == 2
+    assert "needs a GPU" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as bad:
+        tool.main(["--tokens", "8", "--decode", "16"])
+    assert bad.value.code == 2
+    packed, last_row = tool.mixed_step(512, 16, 256, np.random.default_rng(0))
+    assert packed.num_tokens == 512 and packed.num_decode == 16 and last_row == 16 + 2

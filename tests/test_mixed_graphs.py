@@ -120,6 +120,44 @@ def test_static_layout_pads_tokens_sequences_and_samples_to_the_bucket():
         dev.close()
 
 
+class _SeparateMemory:
+    """A device whose arena has distinct host and device tensors (as on CUDA), streams run at once."""
+
+    unified_memory, torch_device = False, torch.device("cpu")
+
+    class _Stream:
+        def launch(self, fn, label=""):
+            fn()
+
+        def record(self):
+            return None
+
+        def wait(self, event):
+            pass
+
+    upload = compute = _Stream()
+
+    def host_buffer(self, shape, dtype):
+        return torch.zeros(shape, dtype=dtype)
+
+
+def test_upload_carries_the_static_regions_only_for_a_static_step():
+    from slipstream.runtime.staging import StepArena
+
+    arena = StepArena(_SeparateMemory(), max_tokens=64, max_seqs=6, max_pages=4)
+    packed = pack_step(np.array([3]), [SeqWork(row=2, tokens=[7, 8, 9], start_pos=4, sample=True)])
+    arena.fill(packed)
+    fill_static(arena, packed, 16)
+    arena.upload()
+    t = static_tensors(arena, 16)
+    assert t.token_ids.tolist() == [0, 7, 8, 9] + [0] * 12 and t.query_start.tolist() == [0, 1, 4, 4, 4, 4, 4]
+    assert t.blocks[:, :2].tolist() == [[0, 1], [0, 0]]
+    arena.fill(pack_step(np.array([5]), []))  # a decode step: its upload leaves the static regions alone
+    arena.host_region("s_token_ids", 16)[:] = 42
+    arena.upload()
+    assert t.token_ids.tolist() == [0, 7, 8, 9] + [0] * 12
+
+
 # --- static steps through the runner, Triton kernels interpreted --------------------------------
 
 PAGE, PAGES_PER_ROW = 8, 6
@@ -181,7 +219,11 @@ def _run(runner, steps, hidden_states=True):
         n = packed.num_samples
         got = slot.logits[:n].clone()
         logits.append((got, hidden[-1][:n].clone() if hidden_states else None))
-        runner.rows.token[torch.from_numpy(packed.sample_rows)] = got.argmax(-1)  # stands in for sampling
+        # stands in for sampling: the same tokens in every run, so runs compare step by step even
+        # where near-ties could sample differently (bfloat16 on a GPU)
+        sampled = torch.from_numpy((packed.sample_rows * 7 + i) % 500 + 3).to(runner.rows.token.device)
+        runner.rows.token[sampled.new_tensor(packed.sample_rows)] = sampled
+        runner.device.compute.record().synchronize()
         slot.release()
     return logits
 
@@ -224,30 +266,52 @@ def test_static_mixed_steps_equal_the_eager_steps_and_leave_the_same_row_tables(
 
 
 @needs_triton
-def test_engine_with_stand_in_mixed_graphs_gives_the_eager_tokens():
-    """Through the whole engine (depth 2, both slots): prefill and mixed steps of up to 32 tokens go
-    to a stand-in graph of their (slot, token bucket), larger ones and decode-only steps run eagerly,
-    and the tokens equal the eager engine's."""
+def test_engine_with_stand_in_graphs_of_both_kinds_gives_the_eager_tokens(monkeypatch):
+    """Through the whole engine (depth 2, both slots) with the CUDA wiring (cuda_graphs.install_graphs:
+    both caches, warmup, each capture staging an all-padding step of its bucket) and only the capture
+    itself replaced by a stand-in replaying the staged views: prefill and mixed steps of up to 32
+    tokens replay a mixed stand-in, decode steps a decode stand-in, a larger step runs eagerly, and
+    the tokens equal the eager engine's."""
+    from slipstream.runtime import cuda_graphs
+
+    replays = []
+
+    def stand_in(runner, device, pool, stage):
+        tensors = stage()
+        kind = "mixed" if hasattr(tensors, "blocks") else "decode"
+
+        class Replay:
+            def replay(self):
+                replays.append(kind)
+                return runner.forward_from(tensors)
+
+        return Replay()
+
+    monkeypatch.setattr(cuda_graphs, "_capture", stand_in)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
     prompts = [[(5 + 7 * i + 3 * j) % 250 + 3 for j in range(n)] for i, n in enumerate([20, 20, 20, 8, 4, 6])]
     params = [SamplingParams(max_tokens=3 + i, temperature=0.0, ignore_eos=True) for i in range(len(prompts))]
 
     async def run(graphs: bool):
         cfg = EngineConfig(model="tiny-random", max_batch_size=4, max_num_batched_tokens=48, kv_cache_tokens=1024,
-                           page_size=8, batch_invariant=False)
+                           page_size=8, batch_invariant=False, graph_token_sizes=(16, 32))
         async with Engine(cfg) as engine:
             runner = engine._parts.runner
             runner.model.set_kernel_backend("triton")
-            replays = []
             if graphs:
-                runner.mixed_graphs = GraphCache(token_buckets(16, 32), 2,
-                                                 lambda s, t: ReplayAgain(runner, s, t, replays), kind=MIXED)
+                with structlog.testing.capture_logs() as logs:
+                    cuda_graphs.install_graphs(runner, engine._parts.device, cfg)
+                warm = [(e["kind"], e.get("tokens", e.get("batch_size"))) for e in logs
+                        if e["event"] == "cuda_graph_warmup"]
+                assert warm == [("mixed", 32)] * 2 + [("mixed", 16)] * 2 + [("decode", b) for b in (4, 4, 2, 2, 1, 1)]
             outs = await asyncio.gather(*(engine.complete(p, sp) for p, sp in zip(prompts, params)))
-            return [o.token_ids for o in outs], replays, runner.mixed_graphs
+            return [o.token_ids for o in outs], runner.mixed_graphs
 
-    eager, _, _ = asyncio.run(run(False))
-    graphed, replays, cache = asyncio.run(run(True))
+    eager, _ = asyncio.run(run(False))
+    graphed, cache = asyncio.run(run(True))
     assert graphed == eager
-    assert {t for _, t in replays} == {16, 32} and {s for s, _ in replays} == {0, 1}
+    assert replays.count("mixed") >= 3 and replays.count("decode") >= 3
     assert cache.eager_steps > 0  # the 48-token first step is above the largest bucket
 
 
@@ -264,9 +328,12 @@ def _cuda_cfg(**kw):
 async def _cuda_steps(**kw):
     async with Engine(_cuda_cfg(**kw)) as engine:
         runner = engine._parts.runner
+        runner.kv.k.zero_()  # (the pool is uninitialised: pages no step fills must compare equal)
+        runner.kv.v.zero_()
         logits = _run(runner, STEPS, hidden_states=False)
         tables = {k: v.cpu() for k, v in _tables(runner).items()}
-        kv = runner.kv.k[:, PAGE:PAGE * 40].float().cpu(), runner.kv.v[:, PAGE:PAGE * 40].float().cpu()
+        used = slice(PAGE, PAGE * (1 + PAGES_PER_ROW * 6))  # every row's pages, not the scratch page
+        kv = runner.kv.k[:, used].float().cpu(), runner.kv.v[:, used].float().cpu()
         return [w for w, _ in logits], tables, kv, runner.mixed_graphs
 
 
@@ -280,7 +347,6 @@ def test_cuda_mixed_graph_replay_equals_eager(dtype, tol):
     assert sorted(cache.graphs) == [(0, 32), (0, 64), (1, 16), (1, 32)]
     for w, g in zip(want, got):
         torch.testing.assert_close(g, w, rtol=tol, atol=tol)  # other matmul row counts may round differently
-        assert torch.equal(g.argmax(-1), w.argmax(-1)) or dtype != "float32"
     for name in t_want:
         if name in ("pos", "pages", "top_k", "seed", "output_index", "temperature"):
             assert torch.equal(t_got[name], t_want[name]), name

@@ -4,11 +4,11 @@
                                        [--decode 16] [--chunk 256] [--context 128] [--repeats 30]
 
 Builds an Engine on the GPU (mixed graphs on, captured lazily for the token buckets asked for) and,
-for each T, stages one step into slot 0's arena: --decode decoding rows at --context tokens, then
-prompt chunks of at most --chunk tokens (fresh sequences, each sampled) filling the step to T
-tokens. Per repeat it times, on the host (perf_counter): staging (arena fill, the static layout,
-the upload enqueue), the eager forward's launch, the graph replay's launch; and on the device (CUDA
-events) each forward. Every forward advances the decode rows' positions, so they are reset
+for each T, builds one step: --decode decoding rows at --context tokens, then prompt chunks of at
+most --chunk tokens (fresh sequences, each sampled) filling the step to T tokens. Per repeat it
+times, on the host (perf_counter): the runner's whole `launch_forward` (staging, upload, row-table
+writes, then the eager forward or the graph replay: what the tick pays), and the bare eager
+forward's and replay's launches; on the device (CUDA events) the bare forward and replay. Every forward advances the decode rows' positions, so they are reset
 (outside the host timing) before each. Prints median / mean / p90 per column. Needs a GPU: without
 one it exits with code 2 after parsing its arguments.
 """
@@ -28,7 +28,7 @@ sys.path.insert(0, _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))
 
 from slipstream import Engine, EngineConfig  # noqa: E402
 from slipstream.runtime.batch import SeqWork, pack_step  # noqa: E402
-from slipstream.runtime.static_step import fill_static, static_tensors  # noqa: E402
+from slipstream.runtime.static_step import fill_static  # noqa: E402
 
 
 def stats(xs: list[float]) -> str:
@@ -48,6 +48,7 @@ def mixed_step(tokens: int, decode: int, chunk: int, rng: np.random.Generator):
 
 
 def timed(fn, host: list[float], device: list[float], before=None) -> None:
+    """Run `fn` on the current stream: host µs around the call, device ms between events around it."""
     if before is not None:
         before()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -80,47 +81,62 @@ async def main_async(args) -> None:
         print(f"{args.model} ({args.dtype}) on {torch.cuda.get_device_name()}, torch {torch.__version__}; "
               f"{args.decode} decode rows at context {args.context}, chunks of <= {args.chunk} tokens; "
               f"{args.repeats} repeats after {args.warmup} warm-up runs\n")
-        print("| T | real tokens | seqs | staging host µs | eager launch host µs | graph launch host µs "
-              "| eager device ms | graph device ms |")
-        print("|---:|---:|---:|---:|---:|---:|---:|---:|")
-        print("| | | | median / mean / p90 | median / mean / p90 | median / mean / p90 | median / mean / p90 "
-              "| median / mean / p90 |")
-        arena = runner.arenas[0]
+        print("| T | real tokens | seqs | launch_forward host µs, eager | launch_forward host µs, graph "
+              "| forward launch host µs, eager | replay launch host µs | forward device ms, eager "
+              "| replay device ms |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        arena, slot = runner.arenas[0], runner.slots[0]
+        step_id = 0
         for t in args.tokens:
             packed, _ = mixed_step(t, args.decode, args.chunk, rng)
             found = runner.mixed_graphs.lookup(0, packed.num_tokens)
             if found is None:
-                print(f"| {t} | {packed.num_tokens} | {packed.num_seqs} | above the largest token bucket | | | | |")
+                print(f"| {t} | {packed.num_tokens} | {packed.num_seqs} | above the largest token bucket "
+                      "| | | | | |")
                 continue
             bucket, graph = found
+            graphs = runner.mixed_graphs
 
             def reset() -> None:  # every forward advances the decode rows: hold them at the context
                 runner.rows.pos[1:args.decode + 1] = args.context
 
-            def stage() -> None:
-                lay = arena.fill(packed)
-                fill_static(arena, packed, bucket)
-                arena.upload()
-                return lay
+            def whole_launch(use_graph: bool, out: list[float]) -> None:
+                """What the engine's tick pays: staging, upload, row-table writes, forward or replay."""
+                nonlocal step_id
+                step_id += 1
+                runner.mixed_graphs = graphs if use_graph else None
+                with torch.cuda.stream(compute):
+                    reset()
+                t0 = time.perf_counter()
+                runner.launch_forward(slot, step_id, packed)
+                out.append((time.perf_counter() - t0) * 1e6)
+                runner.device.compute.record().synchronize()
+                slot.release()
+                runner.mixed_graphs = graphs
 
-            stage_us: list[float] = []
+            lay = arena.fill(packed)
+            fill_static(arena, packed, bucket)
+            arena.upload()
+            eager_tensors = arena.tensors(lay)
+            whole = {True: [], False: []}
             host = {"eager": [], "graph": []}
             device = {"eager": [], "graph": []}
-            with torch.cuda.stream(compute):
-                lay = stage()
-                eager_tensors, graph_tensors = arena.tensors(lay), static_tensors(arena, bucket)
-                for i in range(args.warmup + args.repeats):
-                    keep = i >= args.warmup
-                    t0 = time.perf_counter()
-                    stage()
-                    if keep:
-                        stage_us.append((time.perf_counter() - t0) * 1e6)
-                    torch.cuda.synchronize()
+            for i in range(args.warmup + args.repeats):
+                keep = i >= args.warmup
+                for use_graph in (False, True):
+                    whole_launch(use_graph, whole[use_graph] if keep else [])
+                arena.fill(packed)  # launch_forward rewrote the same step: stage it again for the bare forwards
+                fill_static(arena, packed, bucket)
+                arena.upload()
+                with torch.cuda.stream(compute):
                     for name, fn in (("eager", lambda: runner.forward_from(eager_tensors)), ("graph", graph.replay)):
-                        h, d = ([], []) if not keep else (host[name], device[name])
+                        h, d = (host[name], device[name]) if keep else ([], [])
                         timed(fn, h, d, before=reset)
-            print(f"| {t} | {packed.num_tokens} | {packed.num_seqs} | {stats(stage_us)} | {stats(host['eager'])} "
-                  f"| {stats(host['graph'])} | {stats(device['eager'])} | {stats(device['graph'])} |", flush=True)
+            print(f"| {t} | {packed.num_tokens} | {packed.num_seqs} | {stats(whole[False])} | {stats(whole[True])} "
+                  f"| {stats(host['eager'])} | {stats(host['graph'])} | {stats(device['eager'])} "
+                  f"| {stats(device['graph'])} |", flush=True)
+        print("\nmedian / mean / p90 of each column; host µs: perf_counter around the call; device ms: CUDA "
+              "events around the forward alone")
 
 
 def main(argv: list[str] | None = None) -> int:

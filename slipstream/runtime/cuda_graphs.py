@@ -44,9 +44,6 @@ class CapturedForward:
         return self.logits
 
 
-CapturedDecode = CapturedForward  # (its name before mixed graphs)
-
-
 def _capture(runner, device, pool, stage: Callable[[], object]) -> CapturedForward:
     """Stage an all-padding step (rows 0, the scratch page), run it once eagerly (kernels compile,
     handles are created: nothing of that belongs in the graph), then capture the same forward."""

@@ -15,14 +15,14 @@ import structlog
 import torch
 
 from slipstream import Engine, EngineConfig, InvalidRequestError, SamplingParams
-from slipstream.runtime.buckets import pick_bucket, token_buckets
-from slipstream.runtime.graphs import MIXED, GraphCache
-
 from slipstream.models.build import build_model
 from slipstream.models.llama import KVCache
 from slipstream.runtime.batch import SamplingRow, SeqWork, pack_step
+from slipstream.runtime.buckets import pick_bucket, token_buckets
 from slipstream.runtime.cpu_device import CPUDevice
+from slipstream.runtime.graphs import MIXED, GraphCache
 from slipstream.runtime.model_runner import ModelRunner
+from slipstream.runtime.staging import StepArena
 from slipstream.runtime.static_step import fill_static, static_tensors
 from test_engine_tiny import mixed_requests
 
@@ -90,8 +90,6 @@ def test_mixed_graph_knobs_are_validated():
 def test_static_layout_pads_tokens_sequences_and_samples_to_the_bucket():
     dev = CPUDevice()
     try:
-        from slipstream.runtime.staging import StepArena
-
         arena = StepArena(dev, max_tokens=64, max_seqs=6, max_pages=4)
         packed = pack_step(np.array([3, 5]), [SeqWork(row=2, tokens=[7, 8, 9], start_pos=4, sample=True),
                                               SeqWork(row=4, tokens=[6] * 17, start_pos=0, sample=False)])
@@ -142,8 +140,6 @@ class _SeparateMemory:
 
 
 def test_upload_carries_the_static_regions_only_for_a_static_step():
-    from slipstream.runtime.staging import StepArena
-
     arena = StepArena(_SeparateMemory(), max_tokens=64, max_seqs=6, max_pages=4)
     packed = pack_step(np.array([3]), [SeqWork(row=2, tokens=[7, 8, 9], start_pos=4, sample=True)])
     arena.fill(packed)

@@ -127,7 +127,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, met
     gpu_memory_utilization: float = 0.9  # share of free memory (after weights + a profiling forward) for KV
     cuda_graphs: bool = True  # replay decode steps from graphs captured per slot and batch-size bucket
     graph_batch_sizes: tuple[int, int, int] | None = None  # (min, step, max) buckets; None: (1, 16, max_batch_size)
-    warmup: bool = True  # capture every bucket at start; False: capture each on first use
+    mixed_graphs: bool = True  # also replay steps with prefill chunks, per slot and token bucket
+    graph_token_sizes: tuple[int, int] | None = None  # (min, max) token buckets of mixed graphs (powers of
+    #                                                    two from min, then max); None: (16, max_num_batched_tokens)
+    warmup: bool = True  # capture every bucket (both kinds) at start; False: capture each on first use
     event_wait: str = "auto"  # how the loop awaits GPU events: auto | host_func | thread | poll
     output_stage: str = "loop"  # where detokenising and stop strings run: "loop" (a task beside the
     #                             tick) | "thread" (a worker thread; delivery stays on the loop)
@@ -146,7 +149,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, met
         check.integer("kv_cache_tokens", self.kv_cache_tokens, minimum=1, optional=True)
         check.integer("max_model_len", self.max_model_len, minimum=2, optional=True)
         check.integer("seed", self.seed, minimum=0)
-        for name in ("batch_invariant", "trace", "cuda_graphs", "warmup", "freeze_gc"):
+        for name in ("batch_invariant", "trace", "cuda_graphs", "mixed_graphs", "warmup", "freeze_gc"):
             check.boolean(name, getattr(self, name))
         for name in ("grammar_timeout_s", "step_timeout_s"):
             if check.number(name, getattr(self, name)) <= 0:
@@ -175,6 +178,22 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, met
             if make_buckets(*self.graph_batch_sizes)[-1] > self.max_batch_size:
                 raise InvalidRequestError(f"graph_batch_sizes max ({self.graph_batch_sizes[2]}) exceeds "
                                           f"max_batch_size ({self.max_batch_size})")
+
+        if self.graph_token_sizes is not None:
+            if not isinstance(self.graph_token_sizes, (tuple, list)) or len(self.graph_token_sizes) != 2:
+                raise InvalidRequestError(f"graph_token_sizes must be (min, max), got {self.graph_token_sizes!r}",
+                                          param="graph_token_sizes")
+            lo, hi = (check.integer(f"graph_token_sizes[{i}]", v, minimum=1)
+                      for i, v in enumerate(self.graph_token_sizes))
+            if lo > hi or hi > self.max_num_batched_tokens:
+                raise InvalidRequestError(f"graph_token_sizes must satisfy min <= max <= max_num_batched_tokens "
+                                          f"({self.max_num_batched_tokens}), got ({lo}, {hi})",
+                                          param="graph_token_sizes")
+            self.graph_token_sizes = (lo, hi)
+
+    def token_bucket_range(self) -> tuple[int, int]:
+        """(min, max) of the mixed-step graph buckets, in tokens."""
+        return self.graph_token_sizes or (min(16, self.max_num_batched_tokens), self.max_num_batched_tokens)
 
     def buckets(self) -> tuple[int, int, int]:
         """(min, step, max) of the decode graph buckets."""

@@ -134,6 +134,34 @@ def test_random_batches_interpreted(seed):
     assert (got[meta.query_start[-1]:] == SENTINEL).all()
 
 
+def test_query_blocks_table():
+    table = at.query_blocks([1, 0, 17, 16, 33], at.num_query_programs(67, 5))
+    assert at.num_query_programs(67, 5) == 67 // at.BLOCK_M + 5 == 9
+    assert table[0].tolist() == [0, 2, 2, 3, 4, 4, 4, 0, 0]
+    assert table[1].tolist() == [0, 0, 16, 0, 0, 16, 32, at.PAST_END, at.PAST_END]
+    worst = [1] * 7 + [at.BLOCK_M + 1] * 2  # the bound is tight: every sequence ends one past a block
+    assert at.query_blocks(worst, at.num_query_programs(sum(worst), len(worst)))[1, -1] != at.PAST_END
+    with pytest.raises(ValueError, match="exceed"):
+        at.query_blocks([17], 1)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_block_table_grid_equals_the_sequence_grid_interpreted(case):
+    """The flat grid of a mixed-step graph (programs from a device table, sized by the token count:
+    padding sequences and unused entries past the last block included) gives bitwise the same output
+    as the (sequence, head, block) grid, and the reference's."""
+    _, q_lens, kv_lens, heads, kv_heads, head_dim, page_size, pad = case
+    q, k, v, meta, dev = _make(q_lens, kv_lens, heads, kv_heads, head_dim, page_size, pad, torch.float32, 17)
+    grid_out, _ = _check(q, k, v, meta, dev, torch.float32)
+    tokens, seqs = q.shape[0] + 20, len(q_lens) + 2  # a bucket larger than the step: unused programs
+    blocks = torch.tensor(at.query_blocks(q_lens, at.num_query_programs(tokens, seqs)), dtype=dev["kv_lens"].dtype)
+    assert (blocks[1] == at.PAST_END).any()
+    out = torch.full(q.shape, SENTINEL, dtype=torch.float32)
+    at.paged_attention_triton(q, k, v, dev["query_start"], dev["kv_lens"], dev["page_table"], page_size, 0, out,
+                              blocks=blocks)
+    assert torch.equal(out.double(), grid_out)
+
+
 def test_loose_max_q_len_and_strided_q():
     """max_q_len is only a bound (extra programs must exit cleanly); q may be a strided view."""
     q, k, v, meta, dev = _make([3, 18], [10, 25], 4, 2, 48, 16, 2, torch.float32, 7, q_strided=True)
@@ -169,6 +197,8 @@ def test_rejects_bad_input():
         call(q, k, v, qs, kl, pt.float(), 8, 2, out)
     with pytest.raises(ValueError, match="contiguous last"):
         call(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, qs, kl, pt, 8, 2, out)
+    with pytest.raises(ValueError, match=r"\[2, P\] int32/int64"):
+        call(q, k, v, qs, kl, pt, 8, 2, out, blocks=torch.zeros(3, 4, dtype=torch.int64))
 
 
 def test_clear_error_without_triton(monkeypatch):
@@ -214,3 +244,35 @@ def test_cuda_graph_replay_follows_metadata():
         torch.testing.assert_close(out.cpu().double(), _reference(q, k, v, meta), atol=TOL[dtype][0],
                                    rtol=TOL[dtype][1])
 
+
+
+@pytest.mark.cuda
+def test_cuda_graph_with_block_table_replays_other_mixes_of_the_same_token_bucket():
+    """A mixed-step graph: captured once for (T tokens, S sequences), replayed for other mixes whose
+    query lengths, context lengths and block tables are rewritten in place."""
+    dtype, tokens, seqs, ps = torch.bfloat16, 64, 4, 16
+    mixes = [([1, 1, 30, 0], [20, 9, 50, 0]), ([40, 0, 0, 0], [40, 0, 0, 0]), ([1, 17, 16, 1], [64, 17, 33, 2])]
+    q, k, v, meta, dev = _make([16] * seqs, [80] * seqs, 9, 3, 64, ps, 0, dtype, 5, device="cuda")
+    programs = at.num_query_programs(tokens, seqs)
+    blocks = torch.zeros(2, programs, dtype=torch.int64, device="cuda")
+    out = torch.full(q.shape, SENTINEL, dtype=dtype, device="cuda")
+    args = (q, k, v, dev["query_start"], dev["kv_lens"], dev["page_table"], ps, 0, out)
+    blocks.copy_(torch.from_numpy(at.query_blocks([16] * seqs, programs)))
+    at.paged_attention_triton(*args, blocks=blocks)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        at.paged_attention_triton(*args, blocks=blocks)
+    for q_lens, kv_lens in mixes:
+        starts = [0]
+        for n in q_lens:
+            starts.append(starts[-1] + n)
+        meta.query_start, meta.kv_lens = starts, kv_lens
+        dev["query_start"].copy_(torch.tensor(starts))
+        dev["kv_lens"].copy_(torch.tensor(kv_lens))
+        blocks.copy_(torch.from_numpy(at.query_blocks(q_lens, programs)))
+        out.fill_(SENTINEL)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = _reference(q, k, v, meta)
+        torch.testing.assert_close(out.cpu().double(), ref, atol=TOL[dtype][0], rtol=TOL[dtype][1])

@@ -6,7 +6,7 @@
 #      and llama-server bf16 tables; slipstream bench (mean/p90 idle, the prediction from depth 1)
 #   2. bash tools/gpu_check.sh peer             # slipstream d1/d2 vs transformers' configurations, fresh processes
 # If call 1's build ate the budget and `bench` was skipped, a third call: `bash tools/gpu_check.sh bench tests`.
-# Stages: tests peer bench llamacpp profile events bench-thread smoke (default: tests peer bench).
+# Stages: tests peer bench llamacpp profile profile-mixed events bench-thread smoke (default: tests peer bench).
 # Each stage has its own time limit, cut to what is left of $BUDGET seconds (default 570), so a hang costs one
 # stage and the logs always come back. Every raw table starts with a provenance header (slipstream/provenance.py).
 set -uo pipefail
@@ -81,6 +81,9 @@ for stage in $stages; do
     profile)
         timeout $(limit 60) python3 tools/profile_forward_cuda.py > "$LOGS/profile.md" 2>"$LOGS/profile.err"; rc=$?
         show+=("$LOGS/profile.md") ;;
+    profile-mixed)  # issue 15: host launch cost of mixed steps, eager vs mixed-graph replay
+        timeout $(limit 120) python3 tools/profile_mixed_cuda.py > "$LOGS/profile-mixed.md" 2>"$LOGS/profile-mixed.err"; rc=$?
+        show+=("$LOGS/profile-mixed.md") ;;
     smoke)
         timeout $(limit 100) python3 -m slipstream.cli bench --device cuda --model random-smollm2-135m --dtype bfloat16 \
             --streams 1 8 --len 32 --repeats 1 --no-progress > "$LOGS/smoke-bench.md" 2>"$LOGS/smoke-bench.err"; rc=$?

@@ -75,11 +75,9 @@ def assemble(config: EngineConfig) -> EngineParts:
                          max_pages=ceil_div(max_model_len, config.page_size), row_multiple=row_multiple,
                          num_slots=config.pipeline_depth)  # depth 1 never uses a second slot (nor its graphs)
     if device.kind == "cuda" and config.cuda_graphs:
-        from slipstream.runtime.cuda_graphs import decode_graphs
+        from slipstream.runtime.cuda_graphs import install_graphs
 
-        runner.graphs = decode_graphs(runner, device, config.buckets())
-        if config.warmup:
-            runner.graphs.warmup()
+        install_graphs(runner, device, config)
     pool = PagePool(num_pages)
     planner = Planner(pool, config.page_size, config.max_batch_size, config.max_num_batched_tokens)
     loop = EngineLoop(runner, planner, OutputProcessor(text_thread=config.output_stage == "thread"), config.pipeline_depth, config.page_size, row_multiple,

@@ -80,12 +80,15 @@ def cpu_plan(meta: AttentionMetadata, device: torch.device, batched: bool) -> CP
 class DeviceAttentionMetadata:
     """The same description as device tensors: query_start [S+1], kv_lens [S], page_table [S, P].
 
-    `max_q_len` is a host bound on chunk lengths, used only to size a kernel grid."""
+    `max_q_len` is a host bound on chunk lengths, used only to size a kernel grid; `blocks`, when set,
+    is the attention kernel's [2, programs] table of query blocks (attention_triton.query_blocks),
+    which sizes the grid instead, by the step's token bucket: what a graph of mixed steps needs."""
 
     query_start: torch.Tensor
     kv_lens: torch.Tensor
     page_table: torch.Tensor
     max_q_len: int
+    blocks: torch.Tensor | None = None
 
 
 def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:

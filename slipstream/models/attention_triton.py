@@ -13,17 +13,28 @@ head): it walks the context in blocks of BLOCK_N keys, resolving each key's slot
 table, with an online (flash-attention) softmax accumulated in fp32, and stops at the causal limit
 of its query block.
 
-Why it is graph-capturable: the wrapper reads only shapes and host ints (S, heads, max_q_len) to
-size the grid and never a device value; sequence boundaries, context lengths and pages are read by
+Two grids. By default a program is (sequence, head, query block) and the grid is
+(S, heads, ceil(max_q_len / BLOCK_M)): `max_q_len` is a host int, fine for eager steps and for
+decode graphs (always 1), but a graph of mixed steps would bake one step's longest chunk into every
+replay. With `blocks` (a [2, P] device table: row 0 the sequence, row 1 the first query of each
+program's block; built on the host by `query_blocks`, uploaded with the step) the grid is
+(P, heads) with P = `num_query_programs(T, S)`, a bound that depends only on the token and
+sequence counts: a graph captured for T tokens serves every step of at most T tokens. Both grids
+cut each sequence into the same query blocks, so their outputs are bitwise equal.
+
+Why it is graph-capturable: the wrapper reads only shapes and host ints to size the grid and
+never a device value; sequence boundaries, context lengths, pages and the block table are read by
 the kernel itself, so a captured launch replays correctly after the metadata tensors are updated
 in place. It allocates nothing. Programs past a sequence's q_len (padding sequences with q_len 0,
-the tail of max_q_len) exit without writing, so rows past query_start[S] stay untouched.
+the tail of max_q_len, table entries past the last block) exit without writing, so rows past
+query_start[S] stay untouched.
 
 On CPU tensors the kernel runs in Triton's interpreter (numpy), which is how the tests check it
 without a GPU.
 """
 import math
 
+import numpy as np
 import torch
 
 from slipstream.models.triton_jit import MAX_COMBINE, SUM_COMBINE, interpreted, jitted, require_triton, tl, triton
@@ -32,20 +43,48 @@ BLOCK_M = 16  # queries per program; tl.dot needs every dim >= 16
 _LOG2E = 1.4426950408889634
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INDEX_DTYPES = (torch.int32, torch.int64)
+PAST_END = 1 << 30  # block start of an unused program-table entry: past any q_len, so it exits
+
+
+def num_query_programs(tokens: int, seqs: int) -> int:
+    """Programs (per head) that cover every query block of any step of <= `tokens` tokens in <= `seqs`
+    sequences: sum(ceil(q_s / B)) <= sum(floor(q_s / B)) + #(q_s > 0) <= tokens // B + seqs."""
+    return tokens // BLOCK_M + seqs
+
+
+def query_blocks(q_lens: np.ndarray, num_programs: int) -> np.ndarray:
+    """The [2, num_programs] int64 program table for sequences of these query lengths: (sequence,
+    first query) of each BLOCK_M block in order, then unused entries (sequence 0, PAST_END)."""
+    q_lens = np.asarray(q_lens, np.int64)
+    per_seq = -(-q_lens // BLOCK_M)
+    total = int(per_seq.sum())
+    if total > num_programs:
+        raise ValueError(f"{total} query blocks exceed the {num_programs} programs of the table")
+    table = np.empty((2, num_programs), np.int64)
+    table[0, total:], table[1, total:] = 0, PAST_END
+    table[0, :total] = np.repeat(np.arange(len(q_lens)), per_seq)
+    first_of_seq = np.repeat(np.cumsum(per_seq) - per_seq, per_seq)
+    table[1, :total] = (np.arange(total) - first_of_seq) * BLOCK_M
+    return table
 
 if triton is not None:
     _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
     def _paged_attention_kernel(
-        Q, K, V, O, QS, KVL, PT,
+        Q, K, V, O, QS, KVL, PT, BT,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_pt,
-        qk_scale, page_size,
+        stride_bt, qk_scale, page_size,
         HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, FLAT: tl.constexpr,
     ):
-        s = tl.program_id(0)
         h = tl.program_id(1)
-        m_start = tl.program_id(2) * BLOCK_M
+        if FLAT:  # program p -> (sequence, first query) from the block table
+            p = tl.program_id(0)
+            s = tl.load(BT + p).to(tl.int64)
+            m_start = tl.load(BT + stride_bt + p).to(tl.int64)
+        else:
+            s = tl.program_id(0)
+            m_start = tl.program_id(2) * BLOCK_M
         q_lo = tl.load(QS + s).to(tl.int64)
         q_len = tl.load(QS + s + 1).to(tl.int64) - q_lo
         kv_len = tl.load(KVL + s).to(tl.int64)
@@ -89,11 +128,12 @@ if triton is not None:
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start: torch.Tensor,
                            kv_lens: torch.Tensor, page_table: torch.Tensor, page_size: int, max_q_len: int,
-                           out: torch.Tensor) -> torch.Tensor:
+                           out: torch.Tensor, blocks: torch.Tensor | None = None) -> torch.Tensor:
     """Write attention for every query token into `out` (see the module docstring) and return it.
 
     Only shapes, dtypes and devices are checked here (never values: this must stay graph-capturable);
-    `max_q_len` must bound every q_len, and q_len <= kv_len must hold for each sequence."""
+    `max_q_len` must bound every q_len, and q_len <= kv_len must hold for each sequence. `blocks`:
+    the [2, P] program table of `query_blocks` (then `max_q_len` is not used)."""
     require_triton("paged_attention_triton")
     if q.dim() != 3 or out.shape != q.shape or k_cache.dim() != 3 or v_cache.shape != k_cache.shape:
         raise ValueError(f"expected q, out [T, heads, head_dim] and k/v caches [slots, kv_heads, head_dim]; got "
@@ -116,11 +156,16 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                          f"{tuple(kv_lens.shape)}, {tuple(page_table.shape)}")
     if any(t.dtype not in _INDEX_DTYPES for t in (query_start, kv_lens, page_table)):
         raise TypeError("query_start, kv_lens and page_table must be int32 or int64")
-    if any(t.device != q.device for t in (k_cache, v_cache, out, query_start, kv_lens, page_table)):
+    if blocks is not None and (blocks.dim() != 2 or blocks.shape[0] != 2 or blocks.dtype not in _INDEX_DTYPES
+                               or blocks.stride(1) != 1):
+        raise ValueError(f"blocks must be a [2, P] int32/int64 table with contiguous rows, got "
+                         f"{tuple(blocks.shape)} {blocks.dtype}")
+    if any(t.device != q.device for t in (k_cache, v_cache, out, query_start, kv_lens, page_table)
+           ) or (blocks is not None and blocks.device != q.device):
         raise ValueError("all tensors must be on q's device")
     if page_size <= 0 or max_q_len < 0:
         raise ValueError(f"page_size must be positive and max_q_len non-negative; got {page_size}, {max_q_len}")
-    if num_seqs == 0 or max_q_len == 0 or q.shape[0] == 0:
+    if num_seqs == 0 or q.shape[0] == 0 or (max_q_len == 0 if blocks is None else blocks.shape[1] == 0):
         return out
     interpret = interpreted(q)
     kernel = jitted(_paged_attention_kernel, interpret)
@@ -131,14 +176,18 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     # the K/V gathers hold a whole [BLOCK_N, BLOCK_D] tile per step in registers; these sizes compile
     # for sm_90 without spills (checked with cuobjdump -res-usage for head dims 64/128/256)
     block_n = 64 if q.dtype != torch.float32 and block_d <= 128 else 32
-    grid = (num_seqs, heads, triton.cdiv(max_q_len, BLOCK_M))
+    if blocks is None:
+        grid = (num_seqs, heads, triton.cdiv(max_q_len, BLOCK_M))
+    else:
+        grid = (blocks.shape[1], heads, 1)
     kernel[grid](
-        q, k_cache, v_cache, out, query_start, kv_lens, page_table,
+        q, k_cache, v_cache, out, query_start, kv_lens, page_table, page_table if blocks is None else blocks,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        out.stride(0), out.stride(1), page_table.stride(0),
+        out.stride(0), out.stride(1), page_table.stride(0), 0 if blocks is None else blocks.stride(0),
         _LOG2E / math.sqrt(head_dim), page_size,
         HEAD_DIM=head_dim, GROUP=heads // kv_heads, DOT_DTYPE=dot_dtype,
         PRECISION="ieee" if q.dtype == torch.float32 else None,  # exact fp32, not tf32
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4 if block_d <= 64 else 8,
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_D=block_d, FLAT=blocks is not None,
+        num_warps=4 if block_d <= 64 else 8,
     )
     return out

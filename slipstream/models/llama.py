@@ -125,7 +125,7 @@ class Attention(nn.Module):
 
             m = batch.attn.on_device
             paged_attention_triton(q, k_cache, v_cache, m.query_start, m.kv_lens, m.page_table, kv.page_size,
-                                   m.max_q_len, out)
+                                   m.max_q_len, out, blocks=m.blocks)
         else:
             paged_attention_reference(q, k_cache, v_cache, batch.attn, out, self.compute_dtype)
         return self.o_proj(out.view(t, self.heads * self.head_dim))

@@ -1,4 +1,8 @@
-"""Batch-size buckets for captured decode graphs: which sizes exist and which one a batch uses.
+"""Buckets for captured graphs: which sizes exist and which one a step uses.
+
+Decode graphs are bucketed by batch size (`make_buckets`), mixed/prefill graphs by token count
+(`token_buckets`: powers of two from `min`, then `max`, e.g. (16, 512) -> 16, 32, ..., 512 and
+(16, 600) -> 16, ..., 512, 600), so a step pads at most to twice its tokens.
 
 Buckets come from (min, step, max): `min` doubles while below `step` (the ramp-up, where padding
 a small batch to the next multiple of `step` would waste most of the step), then every multiple
@@ -37,3 +41,16 @@ def pick_bucket(buckets: list[int], n: int) -> int | None:
     """The smallest bucket holding `n` rows, or None when `n` is above the largest."""
     i = bisect.bisect_left(buckets, n)
     return buckets[i] if i < len(buckets) else None
+
+
+def token_buckets(min_tokens: int, max_tokens: int) -> list[int]:
+    if min_tokens < 1 or max_tokens < min_tokens:
+        raise InvalidRequestError(
+            f"token buckets need 1 <= min <= max, got min={min_tokens} max={max_tokens}", param="graph_token_sizes")
+    buckets = []
+    size = min_tokens
+    while size < max_tokens:
+        buckets.append(size)
+        size *= 2
+    buckets.append(max_tokens)
+    return buckets

@@ -1,53 +1,115 @@
-"""Capturing a slot's decode forward as a CUDA graph for one batch-size bucket.
+"""Capturing a slot's forward as CUDA graphs: decode steps per batch-size bucket, mixed/prefill
+steps per token bucket.
 
-What is captured: the gather of the decode rows' tokens, positions and page rows from the row
-tables → embedding → layers (Triton paged attention) → final norm → lm_head → positions advanced,
-reading the slot's StepArena device views for that bucket and writing a logits tensor owned by the
-graph. Replay therefore needs only: fill + upload the arena (the upload stream, pinned), the
-step's row-table writes, then `replay()` on the compute stream; addresses never change. Sampling
-stays eager (see model_runner.py). All graphs share one memory pool: they run one at a time on the
-compute stream, so their intermediates can overlap; each graph's logits stay alive (held here),
-so no later capture reuses them.
+Decode graph: the gather of the decode rows' tokens, positions and page rows from the row tables →
+embedding → layers (Triton paged attention) → final norm → lm_head → positions advanced, reading
+the slot's StepArena device views for that bucket and writing a logits tensor owned by the graph.
+Mixed graph: the same forward on the fixed-shape layout of its token bucket
+(slipstream/runtime/static_step.py): decode tokens gathered from the row tables, chunk tokens from
+the arena, padding tokens on the scratch page, attention over a device block table; logits of
+min(T, S) rows, of which the step samples its own.
+
+Replay therefore needs only: fill + upload the arena (the upload stream, pinned), the step's
+row-table writes, then `replay()` on the compute stream; addresses never change. Sampling stays
+eager (see model_runner.py). All graphs of both kinds share one memory pool: they run one at a
+time on the compute stream, so their intermediates can overlap; each graph's logits stay alive
+(held here), so no later capture reuses them. Mixed graphs are captured first at warmup: the
+largest token bucket needs the largest intermediates, and the pool is then sized once.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
+import structlog
 import torch
 
 from slipstream.runtime.batch import pack_step
-from slipstream.runtime.buckets import make_buckets
-from slipstream.runtime.graphs import GraphCache
+from slipstream.runtime.buckets import make_buckets, token_buckets
+from slipstream.runtime.graphs import DECODE, MIXED, GraphCache
+from slipstream.runtime.static_step import fill_static, static_tensors
+
+log = structlog.get_logger(__name__)
+GiB = 1024**3
 
 
 @dataclass
-class CapturedDecode:
+class CapturedForward:
     graph: torch.cuda.CUDAGraph
-    logits: torch.Tensor  # [bucket, vocab], rewritten by every replay
+    logits: torch.Tensor  # [bucket rows, vocab], rewritten by every replay
 
     def replay(self) -> torch.Tensor:
         self.graph.replay()
         return self.logits
 
 
-def decode_graphs(runner, device, bucket_range: tuple[int, int, int]) -> GraphCache[CapturedDecode]:
-    """A GraphCache whose captures record `runner.forward_from` on the compute stream."""
-    pool = torch.cuda.graph_pool_handle()
+def _capture(runner, device, pool, stage: Callable[[], object]) -> CapturedForward:
+    """Stage an all-padding step (rows 0, the scratch page), run it once eagerly (kernels compile,
+    handles are created: nothing of that belongs in the graph), then capture the same forward."""
     stream = device.compute.stream
+    tensors = stage()
+    with torch.cuda.stream(stream):
+        runner.forward_from(tensors)
+    torch.cuda.synchronize(device.torch_device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
+        logits = runner.forward_from(tensors)
+    torch.cuda.synchronize(device.torch_device)
+    return CapturedForward(graph, logits)
 
-    def capture(slot: int, bucket: int) -> CapturedDecode:
+
+def _empty_step():
+    return pack_step(np.zeros(0, np.int64), [])
+
+
+def decode_graphs(runner, device, bucket_range: tuple[int, int, int], pool=None) -> GraphCache[CapturedForward]:
+    """A GraphCache of decode steps whose captures record `runner.forward_from` on the compute stream."""
+    pool = torch.cuda.graph_pool_handle() if pool is None else pool
+
+    def capture(slot: int, bucket: int) -> CapturedForward:
         arena = runner.arenas[slot]
-        layout = arena.fill(pack_step(np.zeros(0, np.int64), []), pad_decode=bucket)  # all padding rows
-        arena.upload()
-        tensors = arena.tensors(layout)
-        with torch.cuda.stream(stream):
-            runner.forward_from(tensors)  # compiles kernels, creates handles: nothing of that in the graph
-        torch.cuda.synchronize(device.torch_device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=stream):
-            logits = runner.forward_from(tensors)
-        torch.cuda.synchronize(device.torch_device)
-        return CapturedDecode(graph, logits)
 
-    return GraphCache(make_buckets(*bucket_range), len(runner.slots), capture, device.free_memory)
+        def stage():
+            layout = arena.fill(_empty_step(), pad_decode=bucket)  # all padding rows
+            arena.upload()
+            return arena.tensors(layout)
+
+        return _capture(runner, device, pool, stage)
+
+    return GraphCache(make_buckets(*bucket_range), len(runner.slots), capture, device.free_memory, DECODE)
+
+
+def mixed_graphs(runner, device, token_range: tuple[int, int], pool=None) -> GraphCache[CapturedForward]:
+    """A GraphCache of mixed/prefill steps by token bucket (static_step.py's fixed-shape layout)."""
+    pool = torch.cuda.graph_pool_handle() if pool is None else pool
+
+    def capture(slot: int, tokens: int) -> CapturedForward:
+        arena = runner.arenas[slot]
+
+        def stage():
+            arena.fill(_empty_step())
+            fill_static(arena, _empty_step(), tokens)  # padding tokens and q_len-0 sequences only
+            arena.upload()
+            return static_tensors(arena, tokens)
+
+        return _capture(runner, device, pool, stage)
+
+    return GraphCache(token_buckets(*token_range), len(runner.slots), capture, device.free_memory, MIXED)
+
+
+def install_graphs(runner, device, config) -> None:
+    """Give `runner` its decode (and, with config.mixed_graphs, mixed) graph caches sharing one pool;
+    with config.warmup capture them all now (mixed first), logging the time and the memory taken."""
+    pool = torch.cuda.graph_pool_handle()
+    runner.graphs = decode_graphs(runner, device, config.buckets(), pool)
+    if config.mixed_graphs:
+        runner.mixed_graphs = mixed_graphs(runner, device, config.token_bucket_range(), pool)
+    if not config.warmup:
+        return
+    for cache in (runner.mixed_graphs, runner.graphs):
+        if cache is not None:
+            before = torch.cuda.memory_reserved(device.torch_device)
+            seconds = cache.warmup()
+            log.info("cuda_graphs_memory", kind=cache.kind.name, seconds=round(seconds, 2),
+                     reserved_gib=round((torch.cuda.memory_reserved(device.torch_device) - before) / GiB, 3))

@@ -18,7 +18,10 @@ Invariants, enforced by the scheduler and checked in tests (tests/fake_runner.py
     sequence's first chunk rewrites its position, parameters and output index.
 
 With `graphs` set (CUDA), a decode-only step replays the captured graph of its slot and bucket
-(inputs gathered from the tables → layers → logits → positions advanced). Sampling is eager.
+(inputs gathered from the tables → layers → logits → positions advanced). With `mixed_graphs`
+set, a step with prefill chunks of at most the largest token bucket replays the graph of its slot
+and token bucket, reading the fixed-shape layout of slipstream/runtime/static_step.py. Any other
+step, and every step of a model on the host (reference) attention, runs eagerly. Sampling is eager.
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ from slipstream.runtime.row_tables import (FILTERED, LOGPROBS, MIN_P, MIN_TOKENS
 from slipstream.runtime.runner_api import SampledTokens
 from slipstream.runtime.sampler import GroupFlags, apply_bitmask, sample
 from slipstream.runtime.staging import StepArena, StepTensors
+from slipstream.runtime.static_step import StaticStepTensors, fill_static, static_inputs
 
 
 class ModelRunner:
@@ -54,13 +58,21 @@ class ModelRunner:
         self.arenas = [StepArena(device, max_tokens, max_rows, max_pages) for _ in range(num_slots)]
         self.vocab_size = model.config.vocab_size
         self.graphs: GraphCache | None = None  # CUDA graphs of decode steps (slipstream/runtime/cuda_graphs.py)
+        self.mixed_graphs: GraphCache | None = None  # ... of mixed/prefill steps, by token bucket
         self.faults = None  # tests only: a slipstream.faults.FaultInjector (None: no cost)
 
     # --- forward --------------------------------------------------------------------------------
 
-    def forward_from(self, t: StepTensors, host_attention: bool = False) -> torch.Tensor:
+    def forward_from(self, t: StepTensors | StaticStepTensors, host_attention: bool = False) -> torch.Tensor:
         """The forward on staged inputs, gathering decode rows' state from the row tables and
-        advancing their positions; also what a decode graph captures."""
+        advancing their positions; also what a graph captures (decode: a bucket-padded StepTensors;
+        mixed: StaticStepTensors, which needs the device attention)."""
+        if isinstance(t, StaticStepTensors):
+            if host_attention:
+                raise ValueError("a static (graph-shaped) step needs the device attention backend")
+            ids, positions, slot_mapping, meta = static_inputs(self.rows, t, self.kv.page_size)
+            return self.model(ForwardBatch(input_ids=ids, positions=positions, slot_mapping=slot_mapping,
+                                           sample_indices=t.sample_indices, attn=meta), self.kv)
         r, ps = self.rows, self.kv.page_size
         dec = t.decode_rows
         dec_pos = r.pos[dec]
@@ -93,7 +105,11 @@ class ModelRunner:
         arena = self.arenas[slot.index]
         self.rows.mirror(packed)
         hit = self.graphs.lookup(slot.index, packed.num_decode) if self._graphable(packed) else None
+        mixed = self.mixed_graphs.lookup(slot.index, packed.num_tokens) if self._mixed_graphable(packed) else None
         lay = arena.fill(packed, pad_decode=hit[0] if hit is not None else 0)
+        if mixed is not None:
+            fill_static(arena, packed, mixed[0])
+            hit = mixed
         arena.upload()
         updates, rows, tensors = arena.updates(lay), self.rows, arena.tensors(lay)
         slot.sample_rows = tensors.sample_rows
@@ -120,6 +136,12 @@ class ModelRunner:
     def _graphable(self, packed: PackedStep) -> bool:
         """Decode-only steps (one device-fed, sampled token per row; no CPU row padding)."""
         return self.graphs is not None and self.row_multiple == 1 and packed.num_decode > 0 and packed.decode_only
+
+    def _mixed_graphable(self, packed: PackedStep) -> bool:
+        """Steps with prefill chunks, when the model reads device attention metadata (a graph cannot
+        hold the host-side reference attention) and no CPU row padding is asked for."""
+        return (self.mixed_graphs is not None and self.row_multiple == 1 and not packed.decode_only
+                and self.model.model.layers[0].self_attn.backend == "triton")
 
     # --- sampling (at launch for rows that need nothing from the host, at finalize for the rest) ---
 

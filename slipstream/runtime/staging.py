@@ -7,7 +7,9 @@ plus a small float32 arena for parameters) and one host→device copy of the use
   - on CUDA the host arenas are pinned, so the copy is background DMA on the upload stream; a copy
     from pageable memory would make the host wait for the stream (a hidden sync);
   - offsets never move, so a captured graph reads its inputs from the same addresses every replay;
-  - on the CPU, host and device arena are one tensor and nothing is copied.
+  - on the CPU, host and device arena are one tensor and nothing is copied;
+  - a step replayed by a mixed graph also fills the fixed-shape regions of its token bucket
+    (slipstream/runtime/static_step.py), which sit after the rest and travel as a second copy.
 For a step of N decoding rows the host writes N row ids and N+1 query offsets (numpy slices, no
 Python per row). The arena belongs to its DecodeSlot, so it is rewritten only after the slot's
 previous step was committed — by then that step's forward has long consumed its upload.
@@ -20,6 +22,7 @@ import numpy as np
 import torch
 
 from slipstream.runtime.batch import PackedStep
+from slipstream.runtime.static_step import static_regions
 
 INT_PARAMS = ("top_k", "seed", "output_index", "logprobs", "min_tokens")
 FLOAT_PARAMS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
@@ -79,6 +82,9 @@ class StepArena:
         sizes = [("decode_rows", s), ("chunk_ids", t), ("chunk_pos", t), ("chunk_token_rows", t),
                  ("chunk_rows", s), ("chunk_ends", s), ("query_start", s + 1), ("sample_indices", t),
                  ("sample_rows", t), ("params_int", len(INT_PARAMS) * s), ("page_writes", 3 * s * max_pages)]
+        # the fixed-shape layout of mixed-step graphs (static_step.py), uploaded as a second range
+        static = static_regions(max_tokens, max_seqs)
+        sizes += static
         self.offsets: dict[str, int] = {}
         at = 0
         for name, size in sizes:
@@ -96,6 +102,20 @@ class StepArena:
             self.dev_f = torch.zeros_like(self.host_f, device=device.torch_device)
         self._used = 0
         self._used_f = 0
+        self._static_range = (self.offsets[static[0][0]], at)
+        self._static_used = False
+
+    def host_region(self, name: str, n: int) -> np.ndarray:
+        at = self.offsets[name]
+        return self.host_np[at:at + n]
+
+    def dev_region(self, name: str, n: int) -> torch.Tensor:
+        at = self.offsets[name]
+        return self.dev[at:at + n]
+
+    def mark_static_used(self) -> None:
+        """The static regions were written for this step: `upload` copies them too."""
+        self._static_used = True
 
     def _put(self, name: str, values: np.ndarray, pad_to: int = 0, pad_value: int = 0) -> None:
         at = self.offsets[name]
@@ -118,6 +138,7 @@ class StepArena:
             raise ValueError(f"step of {d + tc} tokens / {d + c} sequences / {w} page writes exceeds the "
                              f"staging layout ({self.max_tokens} / {self.max_seqs} / {self.max_seqs * self.max_pages})")
         self._used = 0
+        self._static_used = False
         self._put("decode_rows", packed.decode_rows, d)
         self._put("chunk_ids", packed.chunk_ids)
         self._put("chunk_pos", packed.chunk_pos)
@@ -147,9 +168,12 @@ class StepArena:
         if self.device.unified_memory:
             return
         n, nf = self._used, self._used_f
+        lo, hi = self._static_range if self._static_used else (0, 0)
 
         def h2d() -> None:
             self.dev[:n].copy_(self.host[:n], non_blocking=True)
+            if hi:
+                self.dev[lo:hi].copy_(self.host[lo:hi], non_blocking=True)
             if nf:
                 self.dev_f[:nf].copy_(self.host_f[:nf], non_blocking=True)
 

@@ -1,0 +1,166 @@
+"""Host launch cost of a mixed (prefill + decode) step: eager forward vs mixed-graph replay.
+
+    python tools/profile_mixed_cuda.py [--model random-smollm2-135m] [--dtype bfloat16] [--tokens 128 512 2048]
+                                       [--decode 16] [--chunk 256] [--context 128] [--repeats 30]
+
+Builds an Engine on the GPU (mixed graphs on, captured lazily for the token buckets asked for) and,
+for each T, builds one step: --decode decoding rows at --context tokens, then prompt chunks of at
+most --chunk tokens (fresh sequences, each sampled) filling the step to T tokens. Per repeat it
+times, on the host (perf_counter): the runner's whole `launch_forward` (staging, upload, row-table
+writes, then the eager forward or the graph replay: what the tick pays), and the bare eager
+forward's and replay's launches; on the device (CUDA events) the bare forward and replay. Every forward advances the decode rows' positions, so they are reset
+(outside the host timing) before each. Prints median / mean / p90 per column. Needs a GPU: without
+one it exits with code 2 after parsing its arguments.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os as _os
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))))  # this checkout
+
+from slipstream import Engine, EngineConfig  # noqa: E402
+from slipstream.runtime.batch import SeqWork, pack_step  # noqa: E402
+from slipstream.runtime.static_step import fill_static  # noqa: E402
+
+
+def stats(xs: list[float]) -> str:
+    xs = sorted(xs)
+    p90 = xs[min(len(xs) - 1, int(round(0.9 * (len(xs) - 1))))]
+    return f"{statistics.median(xs):.1f} / {statistics.mean(xs):.1f} / {p90:.1f}"
+
+
+def mixed_step(tokens: int, decode: int, chunk: int, rng: np.random.Generator):
+    """Rows 1..decode decode; rows after them take prompt chunks up to `tokens` tokens in all."""
+    chunks, row, left = [], decode + 1, tokens - decode
+    while left > 0:
+        n = min(chunk, left)
+        chunks.append(SeqWork(row=row, tokens=rng.integers(3, 1000, n).tolist(), start_pos=0, sample=True))
+        row, left = row + 1, left - n
+    return pack_step(np.arange(1, decode + 1), chunks), row - 1
+
+
+def timed(fn, host: list[float], device: list[float], before=None) -> None:
+    """Run `fn` on the current stream: host µs around the call, device ms between events around it."""
+    if before is not None:
+        before()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    t0 = time.perf_counter()
+    fn()
+    host.append((time.perf_counter() - t0) * 1e6)
+    end.record()
+    end.synchronize()
+    device.append(start.elapsed_time(end))
+
+
+async def main_async(args) -> None:
+    top = max(args.tokens)
+    rows_needed = args.decode + sum(-(-(t - args.decode) // args.chunk) for t in [top])
+    per_row_pages = -(-(max(args.context, args.chunk) + 2) // 16)
+    cfg = EngineConfig(model=args.model, device="cuda", dtype=args.dtype, max_batch_size=max(rows_needed, 1),
+                       max_num_batched_tokens=top, kv_cache_tokens=(rows_needed + 1) * per_row_pages * 16,
+                       page_size=16, warmup=False)
+    rng = np.random.default_rng(0)
+    async with Engine(cfg) as engine:
+        runner = engine._parts.runner
+        kv, compute = runner.kv, runner.device.compute.stream
+        kv.k.normal_()
+        kv.v.normal_()
+        runner.token_table.random_(3, 1000)
+        rows = torch.arange(1, rows_needed + 1, device=kv.k.device)
+        runner.rows.pages[1:rows_needed + 1, :per_row_pages] = (
+            1 + per_row_pages * (rows[:, None] - 1) + torch.arange(per_row_pages, device=rows.device)[None, :])
+        print(f"{args.model} ({args.dtype}) on {torch.cuda.get_device_name()}, torch {torch.__version__}; "
+              f"{args.decode} decode rows at context {args.context}, chunks of <= {args.chunk} tokens; "
+              f"{args.repeats} repeats after {args.warmup} warm-up runs\n")
+        print("| T | real tokens | seqs | launch_forward host µs, eager | launch_forward host µs, graph "
+              "| forward launch host µs, eager | replay launch host µs | forward device ms, eager "
+              "| replay device ms |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        arena, slot = runner.arenas[0], runner.slots[0]
+        step_id = 0
+        for t in args.tokens:
+            packed, _ = mixed_step(t, args.decode, args.chunk, rng)
+            found = runner.mixed_graphs.lookup(0, packed.num_tokens)
+            if found is None:
+                print(f"| {t} | {packed.num_tokens} | {packed.num_seqs} | above the largest token bucket "
+                      "| | | | | |")
+                continue
+            bucket, graph = found
+            graphs = runner.mixed_graphs
+
+            def reset() -> None:  # every forward advances the decode rows: hold them at the context
+                runner.rows.pos[1:args.decode + 1] = args.context
+
+            def whole_launch(use_graph: bool, out: list[float]) -> None:
+                """What the engine's tick pays: staging, upload, row-table writes, forward or replay."""
+                nonlocal step_id
+                step_id += 1
+                runner.mixed_graphs = graphs if use_graph else None
+                with torch.cuda.stream(compute):
+                    reset()
+                t0 = time.perf_counter()
+                runner.launch_forward(slot, step_id, packed)
+                out.append((time.perf_counter() - t0) * 1e6)
+                runner.device.compute.record().synchronize()
+                slot.release()
+                runner.mixed_graphs = graphs
+
+            lay = arena.fill(packed)
+            fill_static(arena, packed, bucket)
+            arena.upload()
+            eager_tensors = arena.tensors(lay)
+            whole = {True: [], False: []}
+            host = {"eager": [], "graph": []}
+            device = {"eager": [], "graph": []}
+            for i in range(args.warmup + args.repeats):
+                keep = i >= args.warmup
+                for use_graph in (False, True):
+                    whole_launch(use_graph, whole[use_graph] if keep else [])
+                arena.fill(packed)  # launch_forward rewrote the same step: stage it again for the bare forwards
+                fill_static(arena, packed, bucket)
+                arena.upload()
+                with torch.cuda.stream(compute):
+                    for name, fn in (("eager", lambda: runner.forward_from(eager_tensors)), ("graph", graph.replay)):
+                        h, d = (host[name], device[name]) if keep else ([], [])
+                        timed(fn, h, d, before=reset)
+            print(f"| {t} | {packed.num_tokens} | {packed.num_seqs} | {stats(whole[False])} | {stats(whole[True])} "
+                  f"| {stats(host['eager'])} | {stats(host['graph'])} | {stats(device['eager'])} "
+                  f"| {stats(device['graph'])} |", flush=True)
+        print("\nmedian / mean / p90 of each column; host µs: perf_counter around the call; device ms: CUDA "
+              "events around the forward alone")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="random-smollm2-135m")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[128, 512, 2048], help="step sizes T (token buckets)")
+    ap.add_argument("--decode", type=int, default=16, help="decoding rows in each step")
+    ap.add_argument("--chunk", type=int, default=256, help="largest prompt chunk")
+    ap.add_argument("--context", type=int, default=128, help="context of the decoding rows")
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    args = ap.parse_args(argv)
+    if min(args.tokens) <= args.decode or args.decode < 0 or args.chunk < 1 or args.repeats < 1:
+        ap.error("need --tokens > --decode >= 0, --chunk >= 1, --repeats >= 1")
+    from slipstream.provenance import header, provenance
+
+    print(header(provenance()), flush=True)
+    if not torch.cuda.is_available():
+        print("profile_mixed_cuda: needs a GPU (none found)", file=sys.stderr)
+        return 2
+    asyncio.run(main_async(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -315,6 +315,35 @@ def test_engine_with_stand_in_graphs_of_both_kinds_gives_the_eager_tokens(monkey
     assert cache.eager_steps > 0  # the 48-token first step is above the largest bucket
 
 
+@needs_triton
+def test_a_failed_mixed_capture_leaves_eager_prefill_and_the_decode_graphs(monkeypatch):
+    from slipstream.runtime import cuda_graphs
+
+    def stand_in(runner, device, pool, stage):
+        tensors = stage()
+        if hasattr(tensors, "blocks"):
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return object()
+
+    monkeypatch.setattr(cuda_graphs, "_capture", stand_in)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+
+    async def run():
+        cfg = EngineConfig(model="tiny-random", max_batch_size=4, max_num_batched_tokens=48, kv_cache_tokens=1024,
+                           page_size=8, batch_invariant=False, graph_token_sizes=(16, 32))
+        async with Engine(cfg) as engine:
+            runner = engine._parts.runner
+            with structlog.testing.capture_logs() as logs:
+                cuda_graphs.install_graphs(runner, engine._parts.device, cfg)
+            return runner, logs
+
+    runner, logs = asyncio.run(run())
+    assert runner.mixed_graphs is None and len(runner.graphs.graphs) == 2 * 3  # decode: 2 slots × buckets 1, 2, 4
+    assert [e["event"] for e in logs if e.get("log_level") == "error"] == ["mixed_graph_capture_failed"]
+
+
 # --- on a GPU: real captures ------------------------------------------------------------------
 
 

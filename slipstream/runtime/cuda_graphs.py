@@ -110,6 +110,16 @@ def install_graphs(runner, device, config) -> None:
     for cache in (runner.mixed_graphs, runner.graphs):
         if cache is not None:
             before = torch.cuda.memory_reserved(device.torch_device)
-            seconds = cache.warmup()
+            if cache is runner.mixed_graphs:
+                try:
+                    seconds = cache.warmup()
+                except Exception as e:  # noqa: BLE001 - newer than decode graphs: eager steps still work
+                    torch.cuda.synchronize(device.torch_device)
+                    runner.mixed_graphs = None
+                    log.error("mixed_graph_capture_failed", effect="prefill and mixed steps run eagerly",
+                              error=repr(e), fix="report it; EngineConfig(mixed_graphs=False) skips the attempt")
+                    continue
+            else:
+                seconds = cache.warmup()
             log.info("cuda_graphs_memory", kind=cache.kind.name, seconds=round(seconds, 2),
                      reserved_gib=round((torch.cuda.memory_reserved(device.torch_device) - before) / GiB, 3))

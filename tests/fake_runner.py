@@ -156,7 +156,7 @@ class FakeRunner:
             self._streams = (FakeStream(self._rng, self._max_delay), FakeStream(self._rng, self._max_delay))
         return self._streams
 
-    def launch_forward(self, slot, step_id, packed) -> None:
+    def launch_forward(self, slot, step_id, packed, unmasked=False) -> None:
         assert slot.state is SlotState.FREE, "slot reused while in flight"
         slot.state, slot.step_id = SlotState.IN_FLIGHT, step_id
         slot.host_result, slot.sampled, slot.copied = None, {}, None

@@ -168,7 +168,7 @@ def test_warmup_logs_every_bucket_and_skipping_it_captures_on_first_use():
     assert {e["batch_size"] for e in lines} == set(buckets)
     mixed = [e["tokens"] for e in logs if e["event"] == "cuda_graph_warmup" and e["kind"] == "mixed"]
     assert mixed == [64, 64, 32, 32, 16, 16]  # mixed graphs first, largest first
-    assert [e["kind"] for e in logs if e["event"] == "cuda_graphs_memory"] == ["mixed", "decode"]
+    assert [e["kind"] for e in logs if e["event"] == "cuda_graphs_memory"] == ["mixed", "decode", "greedy"]
     with structlog.testing.capture_logs() as logs:
         asyncio.run(_complete_all(cuda_cfg(warmup=False), one))
     events = [e["event"] for e in logs]

@@ -20,6 +20,7 @@ from slipstream.models.llama import KVCache
 from slipstream.runtime.batch import SamplingRow, SeqWork, pack_step
 from slipstream.runtime.buckets import pick_bucket, token_buckets
 from slipstream.runtime.cpu_device import CPUDevice
+from slipstream.runtime.decode_slot import DecodeSlot
 from slipstream.runtime.graphs import MIXED, GraphCache
 from slipstream.runtime.model_runner import ModelRunner
 from slipstream.runtime.staging import StepArena
@@ -272,14 +273,15 @@ def test_engine_with_stand_in_graphs_of_both_kinds_gives_the_eager_tokens(monkey
 
     replays = []
 
-    def stand_in(runner, device, pool, stage):
+    def stand_in(runner, device, pool, stage, forward=None):
         tensors = stage()
-        kind = "mixed" if hasattr(tensors, "blocks") else "decode"
+        kind = "mixed" if hasattr(tensors, "blocks") else "decode" if forward is None else "greedy"
+        forward = runner.forward_from if forward is None else forward
 
         class Replay:
             def replay(self):
                 replays.append(kind)
-                return runner.forward_from(tensors)
+                return forward(tensors)
 
         return Replay()
 
@@ -302,16 +304,24 @@ def test_engine_with_stand_in_graphs_of_both_kinds_gives_the_eager_tokens(monkey
                     cuda_graphs.install_graphs(runner, engine._parts.device, cfg)
                 warm = [(e["kind"], e.get("tokens", e.get("batch_size"))) for e in logs
                         if e["event"] == "cuda_graph_warmup"]
-                assert warm == [("mixed", 32)] * 2 + [("mixed", 16)] * 2 + [("decode", b) for b in (4, 4, 2, 2, 1, 1)]
+                assert warm == [("mixed", 32)] * 2 + [("mixed", 16)] * 2 + [
+                    (kind, b) for kind in ("decode", "greedy") for b in (4, 4, 2, 2, 1, 1)]
+            stage_group = DecodeSlot.stage_group
+            monkeypatch.setattr(DecodeSlot, "stage_group", lambda *a: staged.append(1) or stage_group(*a))
             outs = await asyncio.gather(*(engine.complete(p, sp) for p, sp in zip(prompts, params)))
-            return [(o.token_ids, o.logprobs) for o in outs], runner.mixed_graphs
+            monkeypatch.setattr(DecodeSlot, "stage_group", stage_group)
+            return [(o.token_ids, o.logprobs) for o in outs], runner.mixed_graphs, engine.loop.num_steps
 
-    eager, _ = asyncio.run(run(False))
-    graphed, cache = asyncio.run(run(True))
+    staged = []
+    eager, _, _ = asyncio.run(run(False))
+    staged.clear()
+    graphed, cache, steps = asyncio.run(run(True))
     assert [t for t, _ in graphed] == [t for t, _ in eager]
     for (_, got), (_, want) in zip(graphed, eager):  # the lm_head ran on more rows: last-bit rounding
         assert (got is None) == (want is None) and (got is None or np.allclose(got, want, rtol=0, atol=1e-5))
-    assert replays.count("mixed") >= 3 and replays.count("decode") >= 3
+    # decode steps with the penalised or the seeded random row sample eagerly; the rest in the graph
+    assert replays.count("mixed") >= 3 and replays.count("decode") >= 3 and replays.count("greedy") >= 3
+    assert len(staged) == steps - replays.count("greedy")  # a greedy-graph step stages no sampling group
     assert cache.eager_steps > 0  # the 48-token first step is above the largest bucket
 
 
@@ -319,7 +329,7 @@ def test_engine_with_stand_in_graphs_of_both_kinds_gives_the_eager_tokens(monkey
 def test_a_failed_mixed_capture_leaves_eager_prefill_and_the_decode_graphs(monkeypatch):
     from slipstream.runtime import cuda_graphs
 
-    def stand_in(runner, device, pool, stage):
+    def stand_in(runner, device, pool, stage, forward=None):
         tensors = stage()
         if hasattr(tensors, "blocks"):
             raise RuntimeError("operation not permitted when stream is capturing")
@@ -341,6 +351,7 @@ def test_a_failed_mixed_capture_leaves_eager_prefill_and_the_decode_graphs(monke
 
     runner, logs = asyncio.run(run())
     assert runner.mixed_graphs is None and len(runner.graphs.graphs) == 2 * 3  # decode: 2 slots × buckets 1, 2, 4
+    assert len(runner.greedy_graphs.graphs) == 2 * 3
     assert [e["event"] for e in logs if e.get("log_level") == "error"] == ["mixed_graph_capture_failed"]
 
 

@@ -121,8 +121,8 @@ def test_a_step_already_done_is_committed_before_the_next_launch():
             return await read(slot)
 
         runner.is_done, runner.read_sampled = logged_is_done, logged_read
-        runner.launch_forward = lambda slot, step_id, packed: events.append(("launch", step_id)) or launch(
-            slot, step_id, packed)
+        runner.launch_forward = lambda slot, step_id, packed, **kw: events.append(("launch", step_id)) or launch(
+            slot, step_id, packed, **kw)
 
     reqs = [(make_prompt(5 + s, None, s), 12, 3 * s, None) for s in range(6)]
     done = overlapped = 0

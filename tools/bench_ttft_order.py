@@ -69,10 +69,10 @@ async def run_order(order: str, concurrency: int, args) -> list[float]:
         runner = engine._parts.runner
         real_launch = runner.launch_forward
 
-        def launch_forward(slot, step_id, packed):
+        def launch_forward(slot, step_id, packed, **kw):
             if len(packed.chunk_rows):
                 _busy(args.prefill_launch_ms)
-            return real_launch(slot, step_id, packed)
+            return real_launch(slot, step_id, packed, **kw)
 
         runner.launch_forward = launch_forward
         if order == "depth 2, launch first":

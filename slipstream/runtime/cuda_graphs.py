@@ -9,9 +9,13 @@ Mixed graph: the same forward on the fixed-shape layout of its token bucket
 the arena, padding tokens on the scratch page, attention over a device block table; logits of
 min(T, S) rows, of which the step samples its own.
 
+Greedy decode graph: the decode graph plus the sampling of a step whose rows are all plain greedy
+(ModelRunner.forward_greedy: argmax, token table, output indices, the slot's sampled ids), chosen
+per step from the rows' flag mirrors when no grammar mask is live; its launch_sampling only stamps
+the step. Every other step samples eagerly after the replay (see model_runner.py).
+
 Replay therefore needs only: fill + upload the arena (the upload stream, pinned), the step's
-row-table writes, then `replay()` on the compute stream; addresses never change. Sampling stays
-eager (see model_runner.py). All graphs of both kinds share one memory pool: they run one at a
+row-table writes, then `replay()` on the compute stream; addresses never change. All graphs of both kinds share one memory pool: they run one at a
 time on the compute stream, so their intermediates can overlap; each graph's logits stay alive
 (held here), so no later capture reuses them. Mixed graphs are captured first at warmup: the
 largest token bucket needs the largest intermediates, and the pool is then sized once.
@@ -27,7 +31,7 @@ import torch
 
 from slipstream.runtime.batch import pack_step
 from slipstream.runtime.buckets import make_buckets, token_buckets
-from slipstream.runtime.graphs import DECODE, MIXED, GraphCache
+from slipstream.runtime.graphs import DECODE, GREEDY, MIXED, GraphCache
 from slipstream.runtime.static_step import fill_static, static_tensors
 
 log = structlog.get_logger(__name__)
@@ -44,17 +48,19 @@ class CapturedForward:
         return self.logits
 
 
-def _capture(runner, device, pool, stage: Callable[[], object]) -> CapturedForward:
+def _capture(runner, device, pool, stage: Callable[[], object], forward=None) -> CapturedForward:
     """Stage an all-padding step (rows 0, the scratch page), run it once eagerly (kernels compile,
-    handles are created: nothing of that belongs in the graph), then capture the same forward."""
+    handles are created: nothing of that belongs in the graph), then capture the same forward.
+    `forward(tensors)` is what is captured (default: runner.forward_from)."""
+    forward = runner.forward_from if forward is None else forward
     stream = device.compute.stream
     tensors = stage()
     with torch.cuda.stream(stream):
-        runner.forward_from(tensors)
+        forward(tensors)
     torch.cuda.synchronize(device.torch_device)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool, stream=stream):
-        logits = runner.forward_from(tensors)
+        logits = forward(tensors)
     torch.cuda.synchronize(device.torch_device)
     return CapturedForward(graph, logits)
 
@@ -63,8 +69,10 @@ def _empty_step():
     return pack_step(np.zeros(0, np.int64), [])
 
 
-def decode_graphs(runner, device, bucket_range: tuple[int, int, int], pool=None) -> GraphCache[CapturedForward]:
-    """A GraphCache of decode steps whose captures record `runner.forward_from` on the compute stream."""
+def decode_graphs(runner, device, bucket_range: tuple[int, int, int], pool=None,
+                  greedy: bool = False) -> GraphCache[CapturedForward]:
+    """A GraphCache of decode steps whose captures record `runner.forward_from` on the compute stream
+    (`greedy`: runner.forward_greedy, which also samples every row greedily)."""
     pool = torch.cuda.graph_pool_handle() if pool is None else pool
 
     def capture(slot: int, bucket: int) -> CapturedForward:
@@ -75,9 +83,11 @@ def decode_graphs(runner, device, bucket_range: tuple[int, int, int], pool=None)
             arena.upload()
             return arena.tensors(layout)
 
-        return _capture(runner, device, pool, stage)
+        forward = (lambda tensors: runner.forward_greedy(tensors, runner.slots[slot])) if greedy else None
+        return _capture(runner, device, pool, stage, forward)
 
-    return GraphCache(make_buckets(*bucket_range), len(runner.slots), capture, device.free_memory, DECODE)
+    return GraphCache(make_buckets(*bucket_range), len(runner.slots), capture, device.free_memory,
+                      GREEDY if greedy else DECODE)
 
 
 def mixed_graphs(runner, device, token_range: tuple[int, int], pool=None) -> GraphCache[CapturedForward]:
@@ -99,15 +109,16 @@ def mixed_graphs(runner, device, token_range: tuple[int, int], pool=None) -> Gra
 
 
 def install_graphs(runner, device, config) -> None:
-    """Give `runner` its decode (and, with config.mixed_graphs, mixed) graph caches sharing one pool;
-    with config.warmup capture them all now (mixed first), logging the time and the memory taken."""
+    """Give `runner` its decode, greedy decode (and, with config.mixed_graphs, mixed) graph caches sharing
+    one pool; with config.warmup capture them all now (mixed first), logging the time and memory taken."""
     pool = torch.cuda.graph_pool_handle()
     runner.graphs = decode_graphs(runner, device, config.buckets(), pool)
+    runner.greedy_graphs = decode_graphs(runner, device, config.buckets(), pool, greedy=True)
     if config.mixed_graphs:
         runner.mixed_graphs = mixed_graphs(runner, device, config.token_bucket_range(), pool)
     if not config.warmup:
         return
-    for cache in (runner.mixed_graphs, runner.graphs):
+    for cache in (runner.mixed_graphs, runner.graphs, runner.greedy_graphs):
         if cache is not None:
             before = torch.cuda.memory_reserved(device.torch_device)
             if cache is runner.mixed_graphs:

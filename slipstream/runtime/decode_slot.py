@@ -70,6 +70,7 @@ class DecodeSlot:
         self.num_samples = 0
         self.sample_done = None  # events of the step currently in this slot
         self.copy_done = None
+        self.sampled_in_graph = False  # its decode graph sampled every row (ModelRunner.forward_greedy)
 
     @property
     def is_free(self) -> bool:
@@ -84,6 +85,7 @@ class DecodeSlot:
         self.state = SlotState.IN_FLIGHT
         self.step_id = step_id
         self.sample_done = self.copy_done = None
+        self.sampled_in_graph = False
         self.groups = 0
         self.top_k = 0
 

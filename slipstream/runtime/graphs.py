@@ -1,7 +1,7 @@
 """Captured graphs per (slot, bucket): warmup, lazy capture, eager fallback above the top.
 
-Two kinds share this bookkeeping: decode graphs, bucketed by batch size, and mixed/prefill graphs,
-bucketed by token count (slipstream/runtime/buckets.py). It is device-agnostic; what a capture is
+Three kinds share this bookkeeping: decode graphs and greedy decode graphs (which also sample),
+bucketed by batch size, and mixed/prefill graphs, bucketed by token count (slipstream/runtime/buckets.py). It is device-agnostic; what a capture is
 comes from the `capture` callable (slipstream/runtime/cuda_graphs.py on CUDA, a fake in the CPU
 tests). Invariants enforced here:
   - a (slot, bucket) is captured at most once, at warmup or on first use (with a log line and
@@ -30,12 +30,13 @@ GiB = 1024**3
 
 @dataclass(frozen=True)
 class GraphKind:
-    name: str  # "decode" | "mixed" (the `kind` field of log lines)
+    name: str  # "decode" | "greedy" | "mixed" (the `kind` field of log lines)
     size_field: str  # what a bucket counts, as logged: "batch_size" | "tokens"
     oversize_event: str  # the once-per-cache warning when a step exceeds the largest bucket
 
 
 DECODE = GraphKind("decode", "batch_size", "decode_batch_above_graph_buckets")
+GREEDY = GraphKind("greedy", "batch_size", "decode_batch_above_graph_buckets")  # decode + greedy sampling
 MIXED = GraphKind("mixed", "tokens", "mixed_step_above_graph_buckets")
 
 

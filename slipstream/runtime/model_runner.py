@@ -28,6 +28,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from slipstream.errors import PipelineInvariantError
 from slipstream.intmath import round_up
 from slipstream.models.attention import AttentionMetadata, DeviceAttentionMetadata
 from slipstream.models.llama import ForwardBatch, KVCache, LlamaForCausalLM
@@ -59,6 +60,7 @@ class ModelRunner:
         self.vocab_size = model.config.vocab_size
         self.graphs: GraphCache | None = None  # CUDA graphs of decode steps (slipstream/runtime/cuda_graphs.py)
         self.mixed_graphs: GraphCache | None = None  # ... of mixed/prefill steps, by token bucket
+        self.greedy_graphs: GraphCache | None = None  # decode graphs that also sample (all rows plain greedy)
         self.faults = None  # tests only: a slipstream.faults.FaultInjector (None: no cost)
 
     # --- forward --------------------------------------------------------------------------------
@@ -98,13 +100,33 @@ class ModelRunner:
                              sample_indices=t.sample_indices, attn=meta)
         return self.model(batch, self.kv)  # a non-final prefill chunk samples nothing but fills KV
 
-    def launch_forward(self, slot: DecodeSlot, step_id: int, packed: PackedStep) -> None:
-        """Enqueue the forward of one step into `slot`; returns at once."""
+    def forward_greedy(self, t: StepTensors, slot: DecodeSlot) -> torch.Tensor:
+        """forward_from plus the sampling of a decode step whose rows are all plain greedy (no
+        temperature, logprobs, penalties, min_p/min_tokens, grammar mask): argmax, the token
+        table, the output indices and the slot's sampled ids — what a greedy decode graph
+        captures, so such a step launches no sampling kernels. Padding rows (row 0) write row 0."""
+        logits = self.forward_from(t)
+        ids = logits.argmax(dim=-1)
+        r, carry = self.rows, t.sample_rows
+        r.out_index.index_copy_(0, carry, r.out_index.index_select(0, carry) + 1)
+        r.token.index_copy_(0, carry, ids)
+        slot.sampled[:ids.shape[0]].copy_(ids)
+        return logits
+
+    def launch_forward(self, slot: DecodeSlot, step_id: int, packed: PackedStep, unmasked: bool = False) -> None:
+        """Enqueue the forward of one step into `slot`; returns at once. `unmasked`: no sampling
+        group of this step will carry a grammar mask, so a decode step whose rows are all plain
+        greedy may replay the graph that samples too (launch_sampling then only stamps it)."""
         slot.acquire(step_id)
         slot.num_samples = packed.num_samples
         arena = self.arenas[slot.index]
         self.rows.mirror(packed)
-        hit = self.graphs.lookup(slot.index, packed.num_decode) if self._graphable(packed) else None
+        hit = None
+        if self._graphable(packed):
+            greedy = (unmasked and self.greedy_graphs is not None
+                      and self.rows.group_flags(packed.sample_rows) == 0)
+            hit = (self.greedy_graphs if greedy else self.graphs).lookup(slot.index, packed.num_decode)
+            slot.sampled_in_graph = greedy and hit is not None
         mixed = self.mixed_graphs.lookup(slot.index, packed.num_tokens) if self._mixed_graphable(packed) else None
         lay = arena.fill(packed, pad_decode=hit[0] if hit is not None else 0)
         if mixed is not None:
@@ -163,7 +185,17 @@ class ModelRunner:
         compute, copy = self.device.compute, self.device.copy
         step_id = slot.step_id
         k = n if rows is None else len(rows)
-        if k:
+        if slot.sampled_in_graph:  # the greedy decode graph sampled every row already
+            if rows is not None or bitmask is not None or not final:
+                raise PipelineInvariantError(f"step {step_id} was sampled in its graph; got a sampling group")
+
+            def stamp() -> None:
+                if self.faults is not None:
+                    self.faults.check("sample", step_id)
+                slot.stamp.fill_(step_id)
+
+            compute.launch(stamp, "sample")
+        elif k:
             carry_host = packed.sample_rows if rows is None else packed.sample_rows[rows]
             t = self.rows
             bits = t.group_flags(carry_host)

@@ -35,8 +35,9 @@ class Slot(Protocol):
 class Runner(Protocol):
     slots: list
 
-    def launch_forward(self, slot, step_id: int, packed: PackedStep) -> None:
-        """Enqueue a step's forward into `slot`; returns at once."""
+    def launch_forward(self, slot, step_id: int, packed: PackedStep, unmasked: bool = False) -> None:
+        """Enqueue a step's forward into `slot`; returns at once. `unmasked`: no sampling group of
+        the step will carry a grammar mask (a runner may then sample plain greedy rows with it)."""
 
     def launch_sampling(self, slot, packed: PackedStep, rows: list[int] | None = None,
                         bitmask: np.ndarray | None = None, final: bool = True) -> None:

@@ -166,7 +166,7 @@ class EngineLoop:
                            self.row_multiple)
         step = InflightStep.of(self.num_steps, plan, packed, slot)
         self.num_steps += 1
-        self.runner.launch_forward(slot, step.step_id, packed)
+        self.runner.launch_forward(slot, step.step_id, packed, unmasked=not self.constraints.live)
         self.pipeline.on_launch(step)
         if self.constraints.live:  # some live request has a grammar: which rows need a mask, when
             sampling = step.sampling_seqs()

@@ -6,6 +6,10 @@
 #      and llama-server bf16 tables; slipstream bench (mean/p90 idle, the prediction from depth 1)
 #   2. bash tools/gpu_check.sh peer             # slipstream d1/d2 vs transformers' configurations, fresh processes
 # If call 1's build ate the budget and `bench` was skipped, a third call: `bash tools/gpu_check.sh bench tests`.
+# Issues 14 and 15 (host path at 256 streams; kernels and mixed graphs), two calls:
+#   1. bash tools/gpu_check.sh tests bench profile profile-mixed   # cuda tests; idle mean/p90 at 1..256 streams,
+#      host vs forward; kernels/step + replay at batch 1/32/128/256; mixed-step host launch eager vs graph
+#   2. bash tools/gpu_check.sh peer                                # tokens/s and TTFT, depth 1 vs 2
 # Stages: tests peer bench llamacpp profile profile-mixed events bench-thread smoke (default: tests peer bench).
 # Each stage has its own time limit, cut to what is left of $BUDGET seconds (default 570), so a hang costs one
 # stage and the logs always come back. Every raw table starts with a provenance header (slipstream/provenance.py).
@@ -42,7 +46,7 @@ for stage in $stages; do
         show+=("$LOGS/event-wait.md") ;;
     bench)  # mean/p90 idle, the prediction from depth 1 made before depth 2 runs, the accounting identity
         timeout $(limit 170) python3 -m slipstream.cli bench --device cuda --model random-smollm2-135m --dtype bfloat16 \
-            --streams 1 8 32 128 --len 128 --repeats 3 --no-progress --json-out "$LOGS/bench.json" \
+            --streams 1 8 32 128 256 --len 128 --repeats 3 --no-progress --json-out "$LOGS/bench.json" \
             > "$LOGS/bench.md" 2>"$LOGS/bench.err"; rc=$?
         show+=("$LOGS/bench.md") ;;
     bench-thread)  # the same, with the loop woken by a pool thread instead of a host function

@@ -85,7 +85,7 @@ class Engine(SkillMethods):
         try:
             await self._loop_task
         except BaseException:  # noqa: BLE001 - already reported by _run_loop
-            gc_freeze.release()
+            pass
         self._loop_task = None
         self._parts.close()
         if self._gc_frozen:

@@ -87,10 +87,12 @@ class Engine(SkillMethods):
         except BaseException:  # noqa: BLE001 - already reported by _run_loop
             pass
         self._loop_task = None
-        self._parts.close()
-        if self._gc_frozen:
-            self._gc_frozen = False
-            gc_freeze.release()
+        try:
+            self._parts.close()
+        finally:
+            if self._gc_frozen:
+                self._gc_frozen = False
+                gc_freeze.release()
 
     async def __aenter__(self) -> Self:
         return await self.start()

@@ -180,7 +180,10 @@ def two_steps(model, cfg, dtype, device):
 
 def build(cfg, dtype, backend, fuse=True, device="cpu", seed=0):
     model = LlamaForCausalLM.from_weights(cfg, random_weights(cfg, seed), dtype, device)
-    model.set_kernel_backend(backend, fuse=fuse)
+    if fuse:
+        model.set_kernel_backend(backend)  # as the engine calls it (slipstream/api/assemble.py)
+    else:
+        model.set_kernel_backend(backend, fuse=False)
     return model
 
 

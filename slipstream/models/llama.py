@@ -6,13 +6,15 @@ through per-sequence page tables, and computes logits only for the rows that sam
 Weights use Hugging Face Llama names so checkpoints and the transformers oracle line up.
 
 Two paths compute the same function: the reference backend (PyTorch ops, attention per sequence
-over host metadata; the CPU path) and the "triton" backend (the GPU path, `forward_triton`
-methods), built for few kernel launches per layer: one QKV and one gate-up matmul, the residual
-add folded into RMSNorm, the KV write folded into rotary, SiLU·up in one kernel (docs/cuda.md).
+over host metadata; the CPU path) and the "triton" backend (the GPU path), built for few
+kernel launches per layer: one QKV and one gate-up matmul, the residual
+add folded into RMSNorm, the KV write folded into rotary, SiLU·up in the gate-up matmul
+(llama_triton.py, docs/cuda.md).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +22,9 @@ from torch import nn
 
 from slipstream.models.attention import AttentionMetadata, paged_attention_reference, write_kv
 from slipstream.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from slipstream.models.llama_triton import TritonOptions
 
 
 @dataclass
@@ -114,39 +119,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.heads * self.head_dim, h, bias=False)
         self.compute_dtype: torch.dtype | None = None  # float64: batch/chunk-invariant results
-        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fused (weight, bias): fuse_projections
-
-    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [T, H, D], k and v [T, KVH, D]: column views of one fused matmul's output when fused."""
-        t, hd, kvd = x.shape[0], self.heads * self.head_dim, self.kv_heads * self.head_dim
-        if self.qkv is not None:
-            qkv = F.linear(x, *self.qkv)
-            q, k, v = qkv[:, :hd], qkv[:, hd:hd + kvd], qkv[:, hd + kvd:]
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        return (q.view(t, self.heads, self.head_dim), k.view(t, self.kv_heads, self.head_dim),
-                v.view(t, self.kv_heads, self.head_dim))
-
-    def forward_triton(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache, rope: "RotaryEmbedding"
-                       ) -> torch.Tensor:
-        """The GPU path: fused QKV matmul, one rotary + KV-write kernel, paged attention, o_proj."""
-        from slipstream.models.attention_triton import paged_attention_triton
-        from slipstream.models.rotary_kv_triton import rotary_kv_triton
-
-        q, k, v = self.project_qkv(x)
-        k_cache, v_cache = kv.k[self.layer], kv.v[self.layer]
-        rotary_kv_triton(q, k, v, batch.positions, rope.cos, rope.sin, k_cache, v_cache, batch.slot_mapping)
-        # No zero-fill: the kernel writes every token row of every sequence in query_start, which on
-        # the GPU is every row (decode buckets pad with q_len-1 sequences on the scratch page; steps
-        # are padded only on the CPU's invariant path, which runs the reference backend). A row past
-        # query_start[S] would hold garbage, but harmlessly: every op after it is row-independent,
-        # its K/V land on the scratch page that no sequence reads, and no sample index points at it.
-        t = x.shape[0]
-        out = torch.empty(t, self.heads, self.head_dim, dtype=q.dtype, device=q.device)
-        m = batch.attn.on_device
-        paged_attention_triton(q, k_cache, v_cache, m.query_start, m.kv_lens, m.page_table, kv.page_size,
-                               m.max_q_len, out)
-        return self.o_proj(out.view(t, self.heads * self.head_dim))
+        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fused (weight, bias): llama_triton.py
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache, rotate) -> torch.Tensor:
         """The reference path (PyTorch ops, attention over host metadata)."""
@@ -169,21 +142,10 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=False)
         self.up_proj = nn.Linear(h, i, bias=False)
         self.down_proj = nn.Linear(i, h, bias=False)
-        self.gate_up: torch.Tensor | None = None  # fused [2 * intermediate, hidden]: fuse_projections
+        self.gate_up: torch.Tensor | None = None  # fused [2 * intermediate, hidden]: llama_triton.py
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-    def forward_triton(self, x: torch.Tensor) -> torch.Tensor:
-        from slipstream.models.silu_mul_triton import silu_mul_triton
-
-        if self.gate_up is not None:
-            gate_up = F.linear(x, self.gate_up)
-            i = gate_up.shape[1] // 2
-            gate, up = gate_up[:, :i], gate_up[:, i:]
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(silu_mul_triton(gate, up))
 
 
 class DecoderLayer(nn.Module):
@@ -197,18 +159,6 @@ class DecoderLayer(nn.Module):
     def forward(self, x, batch: ForwardBatch, kv: KVCache, rotate) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), batch, kv, rotate)
         return x + self.mlp(self.post_attention_layernorm(x))
-
-    def forward_triton(self, delta: torch.Tensor | None, residual: torch.Tensor, batch: ForwardBatch, kv: KVCache,
-                       rope: "RotaryEmbedding") -> torch.Tensor:
-        """The GPU path. The previous layer's MLP output `delta` (None in the first layer) is added to
-        `residual` (in place) by the kernel that normalises the sum, and likewise the attention
-        output: no standalone add. Returns this layer's MLP output, which the next norm adds."""
-        from slipstream.models.add_norm_triton import add_rms_norm_triton
-
-        h = add_rms_norm_triton(delta, residual, self.input_layernorm.weight, self.input_layernorm.eps)
-        attn = self.self_attn.forward_triton(h, batch, kv, rope)
-        h = add_rms_norm_triton(attn, residual, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
-        return self.mlp.forward_triton(h)
 
 
 class _Body(nn.Module):
@@ -229,6 +179,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = _Body(config)
         self.rope = RotaryEmbedding(config)
         self.backend = "reference"
+        self.triton_options = None  # llama_triton.TritonOptions, on the triton backend
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
@@ -257,32 +208,19 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.compute_dtype = dtype
 
-    def set_kernel_backend(self, backend: str, fuse: bool = True) -> None:
+    def set_kernel_backend(self, backend: str, options: "TritonOptions | None" = None) -> None:
         """"reference" (PyTorch ops; attention per sequence over host metadata) or "triton" (the GPU
-        path: graph-capturable Triton kernels for paged attention, residual add + RMSNorm, rotary +
-        KV write and SiLU·up; with `fuse`, also one QKV and one gate-up matmul, see fuse_projections)."""
+        path, slipstream/models/llama_triton.py: few graph-capturable launches per layer; `options`
+        default to llama_triton.TRITON_DEFAULTS). Fusing projections happens here, after loading."""
         if backend not in ("reference", "triton"):
             raise ValueError(f"kernel backend must be 'reference' or 'triton', got {backend!r}")
         self.backend = backend
-        if backend == "triton" and fuse:
-            self.fuse_projections()
+        if backend == "triton":
+            from slipstream.models import llama_triton
 
-    def fuse_projections(self) -> int:
-        """Stack each layer's q/k/v and gate/up weights into one matrix each (fused_projections.py);
-        dense nn.Linear layers only (PackedLinear stays unfused). Call after loading and after the
-        model reached its device and dtype. Returns how many layers were fused (idempotent)."""
-        from slipstream.models.fused_projections import fuse_linears
-
-        done = 0
-        for layer in self.model.layers:
-            a, m = layer.self_attn, layer.mlp
-            if a.qkv is None:
-                a.qkv = fuse_linears([a.q_proj, a.k_proj, a.v_proj])
-            if m.gate_up is None:
-                fused = fuse_linears([m.gate_proj, m.up_proj])
-                m.gate_up = None if fused is None else fused[0]  # the MLP has no biases
-            done += a.qkv is not None and m.gate_up is not None
-        return done
+            self.triton_options = options or llama_triton.TRITON_DEFAULTS
+            if self.triton_options.fuse_projections:
+                llama_triton.fuse_projections(self)
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
@@ -296,14 +234,10 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         """Returns float32 logits [N, vocab] for batch.sample_indices."""
         x = self.model.embed_tokens(batch.input_ids)
-        if self.backend == "triton":  # x is the residual stream, updated in place by the norms
-            delta = None
-            for layer in self.model.layers:
-                delta = layer.forward_triton(delta, x, batch, kv, self.rope)
-            from slipstream.models.add_norm_triton import add_rms_norm_triton
+        if self.backend == "triton":
+            from slipstream.models.llama_triton import forward_triton
 
-            x = add_rms_norm_triton(delta, x, self.model.norm.weight, self.model.norm.eps, rows=batch.sample_indices)
-            return self.logits(x).float()
+            return forward_triton(self, x, batch, kv)
         rotate = self.rope.for_positions(batch.positions, x.dtype)
         for layer in self.model.layers:
             x = layer(x, batch, kv, rotate)

@@ -83,9 +83,10 @@ def gate_up_silu_triton(x: torch.Tensor, gate_up_weight: torch.Tensor) -> torch.
         dot_dtype = tl.float32 if interpret and x.dtype == torch.bfloat16 else _TL_DTYPES[x.dtype]
         block_m = 16 if t <= 16 else 32 if t <= 32 else 64  # tl.dot needs every dim >= 16
         block_n = 32 if t <= 32 else 64  # few rows: more, narrower programs to spread the weight reads
-        block_k = max(16, min(128, triton.next_power_of_2(k)))
+        # two pipeline stages of one x tile and two weight tiles: at most 96 KB of shared memory
+        block_k = max(16, min(64 if x.dtype == torch.float32 else 128, triton.next_power_of_2(k)))
         kernel[(triton.cdiv(t, block_m), triton.cdiv(n, block_n))](
             x, gate_up_weight, out, t, n, k, x.stride(0), gate_up_weight.stride(0), out.stride(0),
             DOT_DTYPE=dot_dtype, PRECISION="ieee" if x.dtype == torch.float32 else None,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=2)
     return out

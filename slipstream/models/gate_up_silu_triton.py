@@ -57,6 +57,15 @@ if triton is not None:
                  mask=m_mask[:, None] & n_mask[None, :])
 
 
+def launch_config(rows: int, hidden: int, dtype: torch.dtype) -> dict:
+    """Tile sizes, warps and stages for `rows` token rows; spill-free on sm_90 with at most 24 KB
+    of shared memory (tools/kernel_resources.py, cuobjdump -res-usage); timings pending a GPU."""
+    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64  # tl.dot needs every dim >= 16
+    block_n = 32 if rows <= 32 else 64  # few rows: more, narrower programs to spread the weight reads
+    block_k = max(16, min(32 if dtype == torch.float32 and block_m == 64 else 64, triton.next_power_of_2(hidden)))
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=8 if block_m == 64 else 4, num_stages=2)
+
+
 def gate_up_silu_reference(x: torch.Tensor, gate_up_weight: torch.Tensor) -> torch.Tensor:
     """What the reference MLP computes before its down projection, from the fused weight."""
     gate, up = F.linear(x, gate_up_weight).chunk(2, dim=-1)
@@ -81,12 +90,8 @@ def gate_up_silu_triton(x: torch.Tensor, gate_up_weight: torch.Tensor) -> torch.
         kernel = jitted(_gate_up_silu_kernel, interpret)
         # numpy has no bf16: the interpreter's dot would multiply raw bits, so upcast there (exact)
         dot_dtype = tl.float32 if interpret and x.dtype == torch.bfloat16 else _TL_DTYPES[x.dtype]
-        block_m = 16 if t <= 16 else 32 if t <= 32 else 64  # tl.dot needs every dim >= 16
-        block_n = 32 if t <= 32 else 64  # few rows: more, narrower programs to spread the weight reads
-        # two pipeline stages of one x tile and two weight tiles: at most 96 KB of shared memory
-        block_k = max(16, min(64 if x.dtype == torch.float32 else 128, triton.next_power_of_2(k)))
-        kernel[(triton.cdiv(t, block_m), triton.cdiv(n, block_n))](
+        cfg = launch_config(t, k, x.dtype)
+        kernel[(triton.cdiv(t, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))](
             x, gate_up_weight, out, t, n, k, x.stride(0), gate_up_weight.stride(0), out.stride(0),
-            DOT_DTYPE=dot_dtype, PRECISION="ieee" if x.dtype == torch.float32 else None,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=2)
+            DOT_DTYPE=dot_dtype, PRECISION="ieee" if x.dtype == torch.float32 else None, **cfg)
     return out

@@ -52,3 +52,37 @@ def test_launches_without_the_mlp_gemm_or_fused_projections():
     assert no_gemm.count("_silu_mul_kernel") == 1 and no_gemm.count("mm") == 5
     unfused = decode_launches(1, UNFUSED)
     assert len(unfused) - len(no_gemm) == 3 and unfused.count("mm") == 8
+
+
+def test_options_are_validated():
+    from slipstream.models.llama_triton import TritonOptions
+
+    with pytest.raises(ValueError, match="mlp_gemm_max_rows"):
+        TritonOptions(mlp_gemm_max_rows=-1)
+    model = build(tiny_config(), torch.float32, "reference")
+    with pytest.raises(TypeError, match="TritonOptions"):
+        model.set_kernel_backend("triton", {"fuse_projections": False})
+
+
+@pytest.mark.cuda
+def test_gpu_profiler_sees_the_same_launches_per_layer():
+    """The CPU count against torch.profiler's CUDA kernels: one more layer costs len(LAYER)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    from torch.profiler import ProfilerActivity, profile
+
+    def gpu_kernels(num_layers: int) -> list[str]:
+        cfg = dataclasses.replace(tiny_config(), num_layers=num_layers)
+        model = build(cfg, torch.bfloat16, "triton", device="cuda")
+        kv = KVCache(cfg, num_pages=8, page_size=4, dtype=torch.bfloat16, device="cuda")
+        batch, _ = host_batch([Chunk([5], 0, [1]), Chunk([6], 0, [2]), Chunk([7], 0, [3])], 4, device="cuda")
+        batch = with_device_metadata(batch)
+        model(batch, kv)  # compile outside the profile
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            model(batch, kv)
+            torch.cuda.synchronize()
+        return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+    two, three = gpu_kernels(2), gpu_kernels(3)
+    assert len(three) - len(two) == len(LAYER), (two, three)

@@ -211,13 +211,16 @@ class LlamaForCausalLM(nn.Module):
     def set_kernel_backend(self, backend: str, options: "TritonOptions | None" = None) -> None:
         """"reference" (PyTorch ops; attention per sequence over host metadata) or "triton" (the GPU
         path, slipstream/models/llama_triton.py: few graph-capturable launches per layer; `options`
-        default to llama_triton.TRITON_DEFAULTS). Fusing projections happens here, after loading."""
+        default to llama_triton.TRITON_DEFAULTS). Projections are fused here, after loading, and stay
+        fused (fuse_projections=False only skips fusing)."""
         if backend not in ("reference", "triton"):
             raise ValueError(f"kernel backend must be 'reference' or 'triton', got {backend!r}")
         self.backend = backend
         if backend == "triton":
             from slipstream.models import llama_triton
 
+            if options is not None and not isinstance(options, llama_triton.TritonOptions):
+                raise TypeError(f"options must be a llama_triton.TritonOptions, got {type(options).__name__}")
             self.triton_options = options or llama_triton.TRITON_DEFAULTS
             if self.triton_options.fuse_projections:
                 llama_triton.fuse_projections(self)

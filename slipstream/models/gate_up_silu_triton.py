@@ -58,12 +58,20 @@ if triton is not None:
 
 
 def launch_config(rows: int, hidden: int, dtype: torch.dtype) -> dict:
-    """Tile sizes, warps and stages for `rows` token rows; spill-free on sm_90 with at most 24 KB
-    of shared memory (tools/kernel_resources.py, cuobjdump -res-usage); timings pending a GPU."""
-    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64  # tl.dot needs every dim >= 16
-    block_n = 32 if rows <= 32 else 64  # few rows: more, narrower programs to spread the weight reads
-    block_k = max(16, min(32 if dtype == torch.float32 and block_m == 64 else 64, triton.next_power_of_2(hidden)))
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=8 if block_m == 64 else 4, num_stages=2)
+    """Tile sizes, warps and stages for `rows` token rows, all spill-free on sm_90 with at most
+    24 KB of shared memory (tools/kernel_resources.py, cuobjdump -res-usage). Decode (<= 16 rows)
+    is a weight-streaming problem: narrow column tiles give many programs to spread the weight
+    reads over the SMs (96 for SmolLM2's 1536 columns), and long K tiles with three stages keep
+    few dependent round trips to memory per program. Timings are pending a GPU."""
+    f32 = dtype == torch.float32
+    if rows <= 16:  # tl.dot needs every tile dim >= 16
+        block_m, block_n, block_k, warps, stages = 16, 16, 64 if f32 else 128, 4, 3
+    elif rows <= 32:
+        block_m, block_n, block_k, warps, stages = 32, 32, 64, 4, 2
+    else:
+        block_m, block_n, block_k, warps, stages = 64, 64, 32 if f32 else 64, 8, 2
+    block_k = max(16, min(block_k, triton.next_power_of_2(hidden)))
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
 
 
 def gate_up_silu_reference(x: torch.Tensor, gate_up_weight: torch.Tensor) -> torch.Tensor:

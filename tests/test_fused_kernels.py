@@ -133,6 +133,8 @@ def test_kernels_refuse_bad_shapes():
         add_rms_norm_triton(torch.randn(2, 5), torch.randn(2, 4), torch.ones(4), 1e-5)
     with pytest.raises(ValueError, match="rows must be"):
         add_rms_norm_triton(None, torch.randn(2, 4), torch.ones(4), 1e-5, rows=torch.zeros(2))
+    with pytest.raises(ValueError, match="rows must be"):
+        add_rms_norm_triton(None, torch.randn(2, 4), torch.ones(4), 1e-5, rows=torch.zeros(4, dtype=torch.long)[::2])
     with pytest.raises(ValueError, match="expected gate"):
         silu_mul_triton(torch.randn(2, 4), torch.randn(2, 5))
     with pytest.raises(ValueError, match="gate-up weight"):
@@ -145,6 +147,8 @@ def test_kernels_refuse_bad_shapes():
         rotary_kv_triton(q, kv, kv, pos, cos, cos, cache[:, :, :4], cache, pos)
     with pytest.raises(TypeError, match="one dtype"):
         rotary_kv_triton(q, kv, kv, pos, cos, cos, cache.double(), cache.double(), pos)
+    with pytest.raises(ValueError, match="must be contiguous"):
+        rotary_kv_triton(q, kv, kv, torch.zeros(4, dtype=torch.long)[::2], cos, cos, cache, cache, pos)
 
 
 def test_fuse_linears_views_one_copy_and_leaves_packed_alone():

@@ -77,10 +77,10 @@ def add_rms_norm_triton(x: torch.Tensor | None, residual: torch.Tensor, weight: 
                           or x.device != residual.device):
         raise ValueError(f"x must match residual (shape, dtype, device, contiguous last dim); got x "
                          f"{tuple(x.shape)} {x.dtype}, residual {tuple(residual.shape)} {residual.dtype}")
-    if rows is not None and (rows.dim() != 1 or rows.device != residual.device
+    if rows is not None and (rows.dim() != 1 or rows.device != residual.device or rows.stride(0) not in (0, 1)
                              or rows.dtype not in (torch.int32, torch.int64)):
-        raise ValueError(f"rows must be a 1-d int32/int64 index tensor on residual's device; got {tuple(rows.shape)} "
-                         f"{rows.dtype}")
+        raise ValueError(f"rows must be a contiguous 1-d int32/int64 index tensor on residual's device; got "
+                         f"{tuple(rows.shape)} {rows.dtype}")
     n = residual.shape[0] if rows is None else rows.shape[0]
     out = torch.empty(n, residual.shape[1], dtype=residual.dtype, device=residual.device)
     if n:

@@ -86,6 +86,8 @@ def rotary_kv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
                         f"{k_cache.dtype}, {v_cache.dtype}")
     if any(x.stride(-1) != 1 for x in (q, k, v, k_cache, v_cache, cos)) or sin.stride() != cos.stride():
         raise ValueError("q, k, v, the caches and cos/sin need a contiguous last dimension (cos, sin one layout)")
+    if t > 1 and (positions.stride(0) != 1 or slot_mapping.stride(0) != 1):
+        raise ValueError("positions and slot_mapping must be contiguous")
     if any(x.device != q.device for x in (k, v, positions, cos, sin, k_cache, v_cache, slot_mapping)):
         raise ValueError("all tensors must be on q's device")
     if t:

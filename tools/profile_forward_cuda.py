@@ -1,11 +1,17 @@
 """Where a decode step's GPU time goes: graph replay vs eager forward, kernels per step, top kernels.
 
     python tools/profile_forward_cuda.py [--model random-smollm2-135m] [--dtype bfloat16] [--batches 1 32 128]
+                                         [--variants fused no-mlp-gemm unfused]
 
 Builds an Engine on the GPU, takes its model runner, and for each batch size stages one decode step
 (every sequence with --context tokens of random KV) into slot 0's arena. Times the captured graph's
 replay and the eager forward with CUDA events (medians of --repeats after warm-up), then profiles one
 eager forward with torch.profiler: number of kernels and the kernels with the most GPU time.
+
+`--variants` runs the same table for several settings of the triton backend's fusions
+(slipstream/models/llama_triton.py TritonOptions), one Engine each, so they compare in one run:
+`fused` (the default), `no-mlp-gemm` (gate-up on cuBLAS + the SiLU·up kernel), `unfused` (separate
+q/k/v and gate/up matmuls as well).
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ import sys as _sys
 _sys.path.insert(0, _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))))  # this checkout
 
 from slipstream import Engine, EngineConfig  # noqa: E402
+from slipstream.models import llama_triton  # noqa: E402
 from slipstream.runtime.batch import pack_step  # noqa: E402
 
 
@@ -56,7 +63,21 @@ def kernel_profile(fn, top: int) -> tuple[int, float, list[tuple[str, float, int
     return len(kernels), sum(e.device_time for e in kernels) / 1e3, ranked[:top]
 
 
+VARIANTS = {
+    "fused": llama_triton.TritonOptions(),
+    "no-mlp-gemm": llama_triton.TritonOptions(mlp_gemm_max_rows=0),
+    "unfused": llama_triton.TritonOptions(fuse_projections=False, mlp_gemm_max_rows=0),
+}
+
+
 async def main_async(args) -> None:
+    for variant in args.variants:
+        llama_triton.TRITON_DEFAULTS = VARIANTS[variant]  # what the engine's set_kernel_backend applies
+        print(f"\n## variant `{variant}`: {VARIANTS[variant]}\n")
+        await profile_variant(args)
+
+
+async def profile_variant(args) -> None:
     top = max(args.batches)
     cfg = EngineConfig(model=args.model, device="cuda", dtype=args.dtype, max_batch_size=top,
                        kv_cache_tokens=top * (args.context + 32), max_num_batched_tokens=max(512, top))
@@ -112,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--top", type=int, default=10)
+    ap.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=["fused"])
     args = ap.parse_args(argv)
     from slipstream.provenance import header, provenance  # noqa: E402
 

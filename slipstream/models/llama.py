@@ -4,10 +4,17 @@ One forward takes a flat batch of tokens from many sequences (prefill chunks and
 tokens mixed), writes each token's K/V into a paged cache through a slot mapping, reads context
 through per-sequence page tables, and computes logits only for the rows that sample.
 Weights use Hugging Face Llama names so checkpoints and the transformers oracle line up.
+
+Two paths compute the same function: the reference backend (PyTorch ops, attention per sequence
+over host metadata; the CPU path) and the "triton" backend (the GPU path), built for few
+kernel launches per layer: one QKV and one gate-up matmul, the residual
+add folded into RMSNorm, the KV write folded into rotary, SiLU·up in the gate-up matmul
+(llama_triton.py, docs/cuda.md).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +22,9 @@ from torch import nn
 
 from slipstream.models.attention import AttentionMetadata, paged_attention_reference, write_kv
 from slipstream.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from slipstream.models.llama_triton import TritonOptions
 
 
 @dataclass
@@ -109,9 +119,10 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.heads * self.head_dim, h, bias=False)
         self.compute_dtype: torch.dtype | None = None  # float64: batch/chunk-invariant results
-        self.backend = "reference"  # or "triton": the GPU kernel over device metadata
+        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fused (weight, bias): llama_triton.py
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache, rotate) -> torch.Tensor:
+        """The reference path (PyTorch ops, attention over host metadata)."""
         t = x.shape[0]
         q, k = rotate(self.q_proj(x).view(t, self.heads, self.head_dim),
                       self.k_proj(x).view(t, self.kv_heads, self.head_dim))
@@ -119,15 +130,8 @@ class Attention(nn.Module):
         k_cache, v_cache = kv.k[self.layer], kv.v[self.layer]
         write_kv(k_cache, batch.slot_mapping, k)
         write_kv(v_cache, batch.slot_mapping, v)
-        out = torch.zeros_like(q)
-        if self.backend == "triton":
-            from slipstream.models.attention_triton import paged_attention_triton  # needs triton (GPU)
-
-            m = batch.attn.on_device
-            paged_attention_triton(q, k_cache, v_cache, m.query_start, m.kv_lens, m.page_table, kv.page_size,
-                                   m.max_q_len, out, blocks=m.blocks)
-        else:
-            paged_attention_reference(q, k_cache, v_cache, batch.attn, out, self.compute_dtype)
+        out = torch.zeros_like(q)  # the reference leaves padding rows untouched: keep them finite
+        paged_attention_reference(q, k_cache, v_cache, batch.attn, out, self.compute_dtype)
         return self.o_proj(out.view(t, self.heads * self.head_dim))
 
 
@@ -138,6 +142,7 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=False)
         self.up_proj = nn.Linear(h, i, bias=False)
         self.down_proj = nn.Linear(i, h, bias=False)
+        self.gate_up: torch.Tensor | None = None  # fused [2 * intermediate, hidden]: llama_triton.py
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -173,6 +178,8 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = _Body(config)
         self.rope = RotaryEmbedding(config)
+        self.backend = "reference"
+        self.triton_options = None  # llama_triton.TritonOptions, on the triton backend
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
@@ -201,18 +208,22 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.compute_dtype = dtype
 
-    def set_kernel_backend(self, backend: str) -> None:
-        """"reference" (PyTorch ops; attention per sequence over host metadata) or "triton" (one
-        graph-capturable Triton kernel each for paged attention, RMSNorm and rotary: the GPU path)."""
+    def set_kernel_backend(self, backend: str, options: "TritonOptions | None" = None) -> None:
+        """"reference" (PyTorch ops; attention per sequence over host metadata) or "triton" (the GPU
+        path, slipstream/models/llama_triton.py: few graph-capturable launches per layer; `options`
+        default to llama_triton.TRITON_DEFAULTS). Projections are fused here, after loading, and stay
+        fused (fuse_projections=False only skips fusing)."""
         if backend not in ("reference", "triton"):
             raise ValueError(f"kernel backend must be 'reference' or 'triton', got {backend!r}")
-        fused = backend == "triton"
-        self.rope.fused = fused
-        for m in self.modules():
-            if isinstance(m, RMSNorm):
-                m.fused = fused
-        for layer in self.model.layers:
-            layer.self_attn.backend = backend
+        self.backend = backend
+        if backend == "triton":
+            from slipstream.models import llama_triton
+
+            if options is not None and not isinstance(options, llama_triton.TritonOptions):
+                raise TypeError(f"options must be a llama_triton.TritonOptions, got {type(options).__name__}")
+            self.triton_options = options or llama_triton.TRITON_DEFAULTS
+            if self.triton_options.fuse_projections:
+                llama_triton.fuse_projections(self)
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
@@ -226,6 +237,10 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         """Returns float32 logits [N, vocab] for batch.sample_indices."""
         x = self.model.embed_tokens(batch.input_ids)
+        if self.backend == "triton":
+            from slipstream.models.llama_triton import forward_triton
+
+            return forward_triton(self, x, batch, kv)
         rotate = self.rope.for_positions(batch.positions, x.dtype)
         for layer in self.model.layers:
             x = layer(x, batch, kv, rotate)

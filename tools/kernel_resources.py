@@ -1,0 +1,100 @@
+"""Compile the triton backend's fused kernels for a GPU architecture without a GPU, and report
+registers, spills (stack) and shared memory per kernel and launch configuration.
+
+    python tools/kernel_resources.py [--arch 90] [--model random-smollm2-135m] [--out FILE]
+
+Triton's wheel bundles ptxas and cuobjdump, so the whole path (Triton → PTX → cubin) runs on a CPU
+machine: a kernel that does not compile, spills registers or asks for too much shared memory shows
+here before a GPU is lent. Shapes are the model's (hidden size, heads, head dim, intermediate
+size); the gate-up GEMM is compiled at each of its row tiles (launch_config for 1, 32 and 256 rows).
+Says nothing about speed.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+
+_sys_path = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _sys_path)  # this checkout
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from slipstream.models import add_norm_triton, gate_up_silu_triton, rotary_kv_triton, silu_mul_triton  # noqa: E402
+from slipstream.models.build import RANDOM  # noqa: E402
+
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+PTR = {torch.bfloat16: "*bf16", torch.float32: "*fp32"}
+TL = {torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+def compile_kernel(fn, signature: dict, constexprs: dict, arch: int, **options):
+    full = dict(signature)
+    full.update({name: "constexpr" for name in constexprs})
+    return triton.compile(ASTSource(triton.jit(fn), full, constexprs), target=GPUTarget("cuda", arch, 32),
+                          options=options)
+
+
+def resource_usage(compiled) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        out = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    fields = dict(part.split(":", 1) for line in out.splitlines() if "REG:" in line for part in line.split())
+    return f"{fields.get('REG', '?')} | {fields.get('STACK', '?')} | {compiled.metadata.shared}"
+
+
+def cases(cfg, dtype):
+    p, i32 = PTR[dtype], "i32"
+    norm_sig = dict(X=p, R=p, W=p, Y=p, ROWS="*i64", stride_x=i32, stride_r=i32, stride_y=i32, n_cols=i32, eps="fp32")
+    block = triton.next_power_of_2(cfg.hidden_size)
+    for has_x, has_rows in ((True, False), (False, False), (True, True)):
+        yield (add_norm_triton._add_rms_norm_kernel, norm_sig, dict(HAS_X=has_x, HAS_ROWS=has_rows, BLOCK=block),
+               dict(num_warps=4 if block <= 2048 else 8))
+    strides = ("stride_qt stride_qh stride_kt stride_kh stride_vt stride_vh stride_kct stride_kch stride_vct "
+               "stride_vch stride_c").split()
+    rot_sig = dict(Q=p, K=p, V=p, KC=p, VC=p, POS="*i64", SLOT="*i64", COS="*fp32", SIN="*fp32", **{s: i32 for s in strides})
+    half = cfg.head_dim // 2
+    yield (rotary_kv_triton._rotary_kv_kernel, rot_sig,
+           dict(HEADS=cfg.num_heads, KV_HEADS=cfg.num_kv_heads, HALF=half, BLOCK=triton.next_power_of_2(half)),
+           dict(num_warps=1))
+    silu_sig = dict(G=p, U=p, Y=p, stride_g=i32, stride_u=i32, stride_y=i32, n_cols=i32)
+    yield (silu_mul_triton._silu_mul_kernel, silu_sig,
+           dict(BLOCK=min(silu_mul_triton.BLOCK, triton.next_power_of_2(cfg.intermediate_size))), dict(num_warps=4))
+    gemm_sig = dict(X=p, W=p, Y=p, M=i32, N=i32, K=i32, stride_xm=i32, stride_wn=i32, stride_ym=i32)
+    for rows in (1, 32, 256):
+        launch = gate_up_silu_triton.launch_config(rows, cfg.hidden_size, dtype)
+        tiles = {k: v for k, v in launch.items() if k.startswith("BLOCK")}
+        yield (gate_up_silu_triton._gate_up_silu_kernel, gemm_sig,
+               dict(DOT_DTYPE=TL[dtype], PRECISION="ieee" if dtype == torch.float32 else None, **tiles),
+               {k: v for k, v in launch.items() if not k.startswith("BLOCK")})
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (H100/H200)")
+    ap.add_argument("--model", default="random-smollm2-135m", choices=sorted(RANDOM))
+    args = ap.parse_args(argv)
+    from slipstream.provenance import header, provenance
+
+    cfg = RANDOM[args.model]()
+    print(header(provenance()))
+    print(f"sm_{args.arch}, shapes of {args.model}\n")
+    print("| kernel | dtype | constexprs | launch | registers | stack (spill) bytes | shared bytes |")
+    print("|---|---|---|---|---:|---:|---:|")
+    for dtype in (torch.bfloat16, torch.float32):
+        for fn, sig, consts, options in cases(cfg, dtype):
+            shown = {k: v for k, v in consts.items() if k not in ("DOT_DTYPE", "PRECISION")}
+            usage = resource_usage(compile_kernel(fn, sig, consts, args.arch, **options))
+            print(f"| `{fn.__name__}` | {str(dtype)[6:]} | {shown} | {options} | {usage} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

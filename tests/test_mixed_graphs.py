@@ -206,8 +206,9 @@ def _run(runner, steps, hidden_states=True):
     """Logits and final hidden states (the lm_head's input; None without `hidden_states`, e.g. under
     graph replay, which runs no Python hook) of each step's sampled rows."""
     logits, hidden = [], []
-    if hidden_states:
-        runner.model.model.norm.register_forward_hook(lambda m, args, out: hidden.append(out))
+    if hidden_states:  # the lm_head's input (the triton forward fuses the final norm: no module hook)
+        logits_of = runner.model.logits
+        runner.model.logits = lambda x: hidden.append(x) or logits_of(x)
     for i, (decode, chunks, new_rows) in enumerate(steps):
         packed = pack_step(np.array(decode, np.int64), chunks, _pages(*new_rows) if new_rows else None)
         slot = runner.slots[i % 2]

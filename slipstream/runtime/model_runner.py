@@ -163,7 +163,7 @@ class ModelRunner:
         """Steps with prefill chunks, when the model reads device attention metadata (a graph cannot
         hold the host-side reference attention) and no CPU row padding is asked for."""
         return (self.mixed_graphs is not None and self.row_multiple == 1 and not packed.decode_only
-                and self.model.model.layers[0].self_attn.backend == "triton")
+                and self.model.backend == "triton")
 
     # --- sampling (at launch for rows that need nothing from the host, at finalize for the rest) ---
 

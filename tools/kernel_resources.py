@@ -26,7 +26,8 @@ import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from slipstream.models import add_norm_triton, gate_up_silu_triton, rotary_kv_triton, silu_mul_triton  # noqa: E402
+from slipstream.models import (add_norm_triton, attention_triton, gate_up_silu_triton, rotary_kv_triton,  # noqa: E402
+                               silu_mul_triton)
 from slipstream.models.build import RANDOM  # noqa: E402
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -67,6 +68,16 @@ def cases(cfg, dtype):
     silu_sig = dict(G=p, U=p, Y=p, stride_g=i32, stride_u=i32, stride_y=i32, n_cols=i32)
     yield (silu_mul_triton._silu_mul_kernel, silu_sig,
            dict(BLOCK=min(silu_mul_triton.BLOCK, triton.next_power_of_2(cfg.intermediate_size))), dict(num_warps=4))
+    attn_strides = "stride_qt stride_qh stride_kt stride_kh stride_vt stride_vh stride_ot stride_oh stride_pt stride_bt"
+    attn_sig = dict(Q=p, K=p, V=p, O=p, QS="*i64", KVL="*i64", PT="*i64", BT="*i64",
+                    **{s: i32 for s in attn_strides.split()}, qk_scale="fp32", page_size=i32)
+    block_d = triton.next_power_of_2(cfg.head_dim)
+    for flat in (False, True):  # the eager/decode grid and the block-table grid of mixed graphs
+        yield (attention_triton._paged_attention_kernel, attn_sig,
+               dict(HEAD_DIM=cfg.head_dim, GROUP=cfg.num_heads // cfg.num_kv_heads, DOT_DTYPE=TL[dtype],
+                    PRECISION="ieee" if dtype == torch.float32 else None, BLOCK_M=attention_triton.BLOCK_M,
+                    BLOCK_N=64 if dtype != torch.float32 and block_d <= 128 else 32, BLOCK_D=block_d, FLAT=flat),
+               dict(num_warps=4 if block_d <= 64 else 8))
     gemm_sig = dict(X=p, W=p, Y=p, M=i32, N=i32, K=i32, stride_xm=i32, stride_wn=i32, stride_ym=i32)
     for rows in (1, 32, 256):
         launch = gate_up_silu_triton.launch_config(rows, cfg.hidden_size, dtype)

@@ -78,10 +78,11 @@ if triton is not None:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, FLAT: tl.constexpr,
     ):
         h = tl.program_id(1)
-        if FLAT:  # program p -> (sequence, first query) from the block table
-            p = tl.program_id(0)
-            s = tl.load(BT + p).to(tl.int64)
-            m_start = tl.load(BT + stride_bt + p).to(tl.int64)
+        if FLAT:  # program -> (sequence, first query) from the block table
+            # (not `p`: the loop below reuses that name for a tile, which the compiler rejects)
+            prog = tl.program_id(0)
+            s = tl.load(BT + prog).to(tl.int64)
+            m_start = tl.load(BT + stride_bt + prog).to(tl.int64)
         else:
             s = tl.program_id(0)
             m_start = tl.program_id(2) * BLOCK_M

@@ -197,14 +197,14 @@ class OutputProcessor:
         for req in todo:
             req.queued = False
             if not req.closed and req.seq is not None:
-                live.append(req)
-        future = self._pool.submit(lambda: [self._texts(req) for req in live])
+                live.append((req, req.seq))  # (the loop may close req, dropping req.seq, meanwhile)
+        future = self._pool.submit(lambda: [self._texts(req, seq) for req, seq in live])
         cancelled = False
         try:
             outcomes = await asyncio.wrap_future(future)
         except asyncio.CancelledError:  # the loop is stopping: finish the pass, deliver, then stop
             outcomes, cancelled = future.result(), True
-        for req, outcome in zip(live, outcomes):
+        for (req, _), outcome in zip(live, outcomes):
             self._apply(req, outcome)
         if cancelled:
             raise asyncio.CancelledError
@@ -219,12 +219,11 @@ class OutputProcessor:
         req.queued = False
         if req.closed or req.seq is None:
             return
-        self._apply(req, self._texts(req))
+        self._apply(req, self._texts(req, req.seq))
 
-    def _texts(self, req: RequestState) -> "_Outcome":
+    def _texts(self, req: RequestState, seq: Sequence) -> "_Outcome":
         """Text phase: detokenise the new tokens and find what ends the request, if anything. Touches
         only the request's text state (so it may run in a thread: EngineConfig.output_stage)."""
-        seq = req.seq
         out = seq.output_ids
         end_at = req.end_at
         limit = len(out) if end_at is None else end_at

@@ -15,6 +15,7 @@ import structlog
 import torch
 
 from slipstream import Engine, EngineConfig, InvalidRequestError, SamplingParams
+from slipstream.errors import PipelineInvariantError
 from slipstream.models.build import build_model
 from slipstream.models.llama import KVCache
 from slipstream.runtime.batch import SamplingRow, SeqWork, pack_step
@@ -432,3 +433,41 @@ def test_profile_tool_parses_its_arguments_and_exits_2_without_a_gpu(capsys):
     assert bad.value.code == 2
     packed, last_row = tool.mixed_step(512, 16, 256, np.random.default_rng(0))
     assert packed.num_tokens == 512 and packed.num_decode == 16 and last_row == 16 + 2
+
+
+@needs_triton
+def test_a_mixed_capture_failing_on_first_use_leaves_the_step_eager():
+    dev = CPUDevice()
+    try:
+        runner = _runner(dev)
+
+        def capture(slot, tokens):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+        runner.mixed_graphs = GraphCache(token_buckets(16, 32), 2, capture, kind=MIXED)
+        with structlog.testing.capture_logs() as logs:
+            got = _run(runner, STEPS[:2], hidden_states=False)
+        assert runner.mixed_graphs is None and len(got) == 2
+        assert [e["event"] for e in logs if e["log_level"] == "error"] == ["mixed_graph_capture_failed"]
+    finally:
+        dev.close()
+
+
+@needs_triton
+def test_a_graph_replay_while_the_other_slot_is_unsampled_is_refused():
+    """Graphs share a memory pool: a replay may overwrite the other slot's logits, so the other
+    slot's sampling must already be enqueued (the engine loop always does; a caller that does not
+    gets an error, not corrupted tokens)."""
+    dev = CPUDevice()
+    try:
+        runner = _runner(dev)
+        runner.mixed_graphs = GraphCache(token_buckets(16, 32), 2, lambda s, t: ReplayAgain(runner, s, t, []),
+                                         kind=MIXED)
+        runner.launch_forward(runner.slots[0], 0, pack_step(np.array([], np.int64), [_chunk(1, 0, 10, True)],
+                                                              _pages(1)))
+        with pytest.raises(PipelineInvariantError, match="sampling is not launched"):
+            runner.launch_forward(runner.slots[1], 1, pack_step(np.array([], np.int64), [_chunk(2, 0, 20, True)],
+                                                                  _pages(2)))
+        runner.device.compute.record().synchronize()
+    finally:
+        dev.close()

@@ -80,12 +80,12 @@ def attention(attn, x: torch.Tensor, batch, kv, rope) -> torch.Tensor:
     q, k, v = project_qkv(attn, x)
     k_cache, v_cache = kv.k[attn.layer], kv.v[attn.layer]
     rotary_kv_triton(q, k, v, batch.positions, rope.cos, rope.sin, k_cache, v_cache, batch.slot_mapping)
-    # No zero-fill. The kernel writes every query row of every sequence in query_start; on the GPU
-    # that is every row (decode buckets pad with q_len-1 sequences on the scratch page, and only
-    # the CPU's batch-invariant path pads steps with extra rows, on the reference backend). A row
-    # past query_start[S] would hold garbage, harmlessly: every later op is row-independent (matmuls,
-    # norms, elementwise), its K/V land on the scratch page, which no sequence's attention reads,
-    # and no sample index points at it.
+    # No zero-fill. The kernel writes every query row of every sequence in query_start; rows past
+    # query_start[S] (the padding tokens of a mixed graph's bucket) keep garbage, harmlessly: every
+    # later op is row-independent (matmuls, norms, elementwise), their K/V land on the scratch page,
+    # and no sample index points at them. The scratch page is read only by padding rows (decode
+    # buckets pad with q_len-1 sequences of row 0 there), whose outputs may then be garbage too:
+    # they are never sampled, and a greedy graph writes their argmax to row 0, which no sequence holds.
     t = x.shape[0]
     out = torch.empty(t, attn.heads, attn.head_dim, dtype=q.dtype, device=q.device)
     m = batch.attn.on_device

@@ -15,10 +15,15 @@ per step from the rows' flag mirrors when no grammar mask is live; its launch_sa
 the step. Every other step samples eagerly after the replay (see model_runner.py).
 
 Replay therefore needs only: fill + upload the arena (the upload stream, pinned), the step's
-row-table writes, then `replay()` on the compute stream; addresses never change. All graphs of both kinds share one memory pool: they run one at a
-time on the compute stream, so their intermediates can overlap; each graph's logits stay alive
-(held here), so no later capture reuses them. Mixed graphs are captured first at warmup: the
-largest token bucket needs the largest intermediates, and the pool is then sized once.
+row-table writes, then `replay()` on the compute stream; addresses never change. All graphs share
+one memory pool: they run one at a time on the compute stream, so their intermediates can overlap.
+Each graph's output stays alive (held here), so no later capture reuses it, but a later graph's
+output may sit where an earlier graph keeps intermediates: a replay can overwrite another graph's
+logits. That is safe because every step's sampling is enqueued (the tick finalizes the step it
+launched) before the next step is launched, so stream order consumes the logits first; the runner
+checks it before each replay (`ModelRunner._check_other_slots_sampled`). Mixed graphs are captured
+first at warmup: the largest token bucket needs the largest intermediates, and the pool is then
+sized once.
 """
 from __future__ import annotations
 
@@ -41,11 +46,11 @@ GiB = 1024**3
 @dataclass
 class CapturedForward:
     graph: torch.cuda.CUDAGraph
-    logits: torch.Tensor  # [bucket rows, vocab], rewritten by every replay
+    output: torch.Tensor  # logits [bucket rows, vocab] (greedy graphs: the sampled ids), rewritten by every replay
 
     def replay(self) -> torch.Tensor:
         self.graph.replay()
-        return self.logits
+        return self.output
 
 
 def _capture(runner, device, pool, stage: Callable[[], object], forward=None) -> CapturedForward:
@@ -60,9 +65,9 @@ def _capture(runner, device, pool, stage: Callable[[], object], forward=None) ->
     torch.cuda.synchronize(device.torch_device)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool, stream=stream):
-        logits = forward(tensors)
+        output = forward(tensors)
     torch.cuda.synchronize(device.torch_device)
-    return CapturedForward(graph, logits)
+    return CapturedForward(graph, output)
 
 
 def _empty_step():

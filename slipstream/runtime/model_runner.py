@@ -26,6 +26,7 @@ step, and every step of a model on the host (reference) attention, runs eagerly.
 from __future__ import annotations
 
 import numpy as np
+import structlog
 import torch
 
 from slipstream.errors import PipelineInvariantError
@@ -33,7 +34,7 @@ from slipstream.intmath import round_up
 from slipstream.models.attention import AttentionMetadata, DeviceAttentionMetadata
 from slipstream.models.llama import ForwardBatch, KVCache, LlamaForCausalLM
 from slipstream.runtime.batch import SCRATCH_ROW, PackedStep
-from slipstream.runtime.decode_slot import DecodeSlot
+from slipstream.runtime.decode_slot import DecodeSlot, SlotState
 from slipstream.runtime.graphs import GraphCache
 from slipstream.runtime.logits_process import (ProcessFlags, apply_penalties, min_p_filter, suppress_stop_tokens,
                                                top_logprobs)
@@ -43,6 +44,9 @@ from slipstream.runtime.runner_api import SampledTokens
 from slipstream.runtime.sampler import GroupFlags, apply_bitmask, sample
 from slipstream.runtime.staging import StepArena, StepTensors
 from slipstream.runtime.static_step import StaticStepTensors, fill_static, static_inputs
+
+
+log = structlog.get_logger(__name__)
 
 
 class ModelRunner:
@@ -104,14 +108,14 @@ class ModelRunner:
         """forward_from plus the sampling of a decode step whose rows are all plain greedy (no
         temperature, logprobs, penalties, min_p/min_tokens, grammar mask): argmax, the token
         table, the output indices and the slot's sampled ids — what a greedy decode graph
-        captures, so such a step launches no sampling kernels. Padding rows (row 0) write row 0."""
-        logits = self.forward_from(t)
-        ids = logits.argmax(dim=-1)
+        captures, so such a step launches no sampling kernels. Padding rows (row 0) write row 0.
+        Returns the ids: a graph holding them keeps no [bucket, vocab] logits alive."""
+        ids = self.forward_from(t).argmax(dim=-1)
         r, carry = self.rows, t.sample_rows
         r.out_index.index_copy_(0, carry, r.out_index.index_select(0, carry) + 1)
         r.token.index_copy_(0, carry, ids)
         slot.sampled[:ids.shape[0]].copy_(ids)
-        return logits
+        return ids
 
     def launch_forward(self, slot: DecodeSlot, step_id: int, packed: PackedStep, unmasked: bool = False) -> None:
         """Enqueue the forward of one step into `slot`; returns at once. `unmasked`: no sampling
@@ -121,13 +125,12 @@ class ModelRunner:
         slot.num_samples = packed.num_samples
         arena = self.arenas[slot.index]
         self.rows.mirror(packed)
-        hit = None
-        if self._graphable(packed):
-            greedy = (unmasked and self.greedy_graphs is not None
-                      and self.rows.group_flags(packed.sample_rows) == 0)
-            hit = (self.greedy_graphs if greedy else self.graphs).lookup(slot.index, packed.num_decode)
-            slot.sampled_in_graph = greedy and hit is not None
-        mixed = self.mixed_graphs.lookup(slot.index, packed.num_tokens) if self._mixed_graphable(packed) else None
+        hit = self.graphs.lookup(slot.index, packed.num_decode) if self._graphable(packed) else None
+        if hit is not None and unmasked and self.greedy_graphs is not None \
+                and self.rows.group_flags(packed.sample_rows) == 0:
+            hit = self.greedy_graphs.lookup(slot.index, packed.num_decode)  # (same buckets: never None)
+            slot.sampled_in_graph = True
+        mixed = self._mixed_graph(slot, packed) if self._mixed_graphable(packed) else None
         lay = arena.fill(packed, pad_decode=hit[0] if hit is not None else 0)
         if mixed is not None:
             fill_static(arena, packed, mixed[0])
@@ -137,13 +140,15 @@ class ModelRunner:
         slot.sample_rows = tensors.sample_rows
         slot.sample_rows_host = packed.sample_rows
         if hit is not None:
-            graph = hit[1]
+            graph, sampled_in_graph = hit[1], slot.sampled_in_graph
+            self._check_other_slots_sampled(slot)
 
             def forward() -> None:
                 if self.faults is not None:
                     self.faults.check("forward", step_id)
                 rows.apply(updates, packed)
-                slot.logits = graph.replay()
+                out = graph.replay()
+                slot.logits = None if sampled_in_graph else out
         else:
             host_attention = self.device.unified_memory
 
@@ -154,6 +159,25 @@ class ModelRunner:
                 slot.logits = self.forward_from(tensors, host_attention)
 
         self.device.compute.launch(forward, "forward")
+
+    def _check_other_slots_sampled(self, slot: DecodeSlot) -> None:
+        """All graphs share one memory pool: a replay may overwrite memory that holds another
+        graph's logits. Safe because a step's sampling is all enqueued (the tick finalizes it)
+        before the next step is launched, so stream order runs it before this replay."""
+        for other in self.slots:
+            if other is not slot and other.state is SlotState.IN_FLIGHT and other.sample_done is None:
+                raise PipelineInvariantError(f"step {slot.step_id} replays a graph while step {other.step_id}'s "
+                                             "sampling is not launched: the replay could overwrite its logits")
+
+    def _mixed_graph(self, slot: DecodeSlot, packed: PackedStep):
+        """The mixed graph of this step's token bucket, or None (eager). A capture that fails on first
+        use turns mixed graphs off: eager prefill steps still work."""
+        try:
+            return self.mixed_graphs.lookup(slot.index, packed.num_tokens)
+        except Exception as e:  # noqa: BLE001 - newer than decode graphs; logged, not silent
+            self.mixed_graphs = None
+            log.error("mixed_graph_capture_failed", effect="prefill and mixed steps run eagerly", error=repr(e))
+            return None
 
     def _graphable(self, packed: PackedStep) -> bool:
         """Decode-only steps (one device-fed, sampled token per row; no CPU row padding)."""

@@ -53,6 +53,10 @@ class WrongEventLoopError(SlipstreamError, RuntimeError):
     """An Engine was called from an event loop other than the one it was started on."""
 
 
+class EngineAlreadyStartedError(SlipstreamError, RuntimeError):
+    """Engine.start() on an engine that is running (close() it first)."""
+
+
 class RequestFailedError(SlipstreamError):
     """The engine failed while processing this request (e.g. detokenising its output); only it is affected."""
 

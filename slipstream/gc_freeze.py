@@ -14,6 +14,7 @@ EngineConfig(freeze_gc=False) opts out.
 from __future__ import annotations
 
 import gc
+import threading
 import time
 
 import structlog
@@ -21,6 +22,7 @@ import structlog
 log = structlog.get_logger(__name__)
 
 _holders = 0
+_lock = threading.Lock()  # engines may start and stop on different threads' loops
 COLLECT_FIRST = True  # the test suite turns it off: ~0.15 s per engine start, hundreds of starts
 
 
@@ -29,17 +31,19 @@ def hold() -> None:
     this engine's own objects join the frozen set)."""
     global _holders
     t0 = time.perf_counter()
-    if COLLECT_FIRST:  # garbage frozen now would stay until release()
-        gc.collect()
-    gc.freeze()
-    _holders += 1
+    with _lock:
+        if COLLECT_FIRST:  # garbage frozen now would stay until release()
+            gc.collect()
+        gc.freeze()
+        _holders += 1
     log.info("gc_frozen", objects=gc.get_freeze_count(), seconds=round(time.perf_counter() - t0, 3))
 
 
 def release() -> None:
     global _holders
-    if _holders == 0:
-        return
-    _holders -= 1
-    if _holders == 0:
-        gc.unfreeze()
+    with _lock:
+        if _holders == 0:
+            return
+        _holders -= 1
+        if _holders == 0:
+            gc.unfreeze()

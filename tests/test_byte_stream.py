@@ -72,3 +72,12 @@ def test_an_added_token_off_the_byte_rule_disables_the_fast_path(smollm2):
     assert byte_table(smollm2) is not None
     assert byte_table(odd) is None
     assert isinstance(make_detokenizer(odd), IncrementalDetokenizer)
+
+
+def test_a_tokenizer_whose_table_cannot_be_built_keeps_the_window_detokenizer(smollm2):
+    class Broken(Tokenizer):
+        def decode(self, ids, skip_special_tokens=False):
+            raise RuntimeError("decoder bug")
+
+    broken = Broken(smollm2.backend, bos_token_id=1, eos_token_ids=[2], chat_template=None)
+    assert byte_table(broken) is None  # logged, not raised: the engine still starts

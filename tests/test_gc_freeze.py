@@ -45,3 +45,12 @@ def test_freeze_gc_is_validated():
 
     with pytest.raises(InvalidRequestError, match="freeze_gc"):
         EngineConfig(model="tiny-random", freeze_gc="yes")
+
+
+async def test_starting_a_running_engine_again_is_refused_and_holds_nothing():
+    from slipstream.errors import EngineAlreadyStartedError
+
+    async with Engine(EngineConfig(model="tiny-random", device="cpu")) as engine:
+        with pytest.raises(EngineAlreadyStartedError, match="already started"):
+            await engine.start()
+    assert gc.get_freeze_count() == 0

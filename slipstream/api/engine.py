@@ -13,7 +13,7 @@ import structlog
 
 from slipstream import gc_freeze
 from slipstream import validate as check
-from slipstream.errors import EngineClosedError, InvalidRequestError, WrongEventLoopError
+from slipstream.errors import EngineAlreadyStartedError, EngineClosedError, InvalidRequestError, WrongEventLoopError
 from slipstream.intmath import ceil_div
 from slipstream.outputs import CompletionOutput, RequestMetrics
 from slipstream.params import EngineConfig, SamplingParams
@@ -50,6 +50,8 @@ class Engine(SkillMethods):
         if not isinstance(self.config, EngineConfig):
             raise InvalidRequestError(f"config must be an EngineConfig, got {type(self.config).__name__}",
                                       param="config")
+        if self._loop_task is not None:
+            raise EngineAlreadyStartedError("engine already started: close() it before starting it again")
         self._owner = asyncio.get_running_loop()
         self._parts = await asyncio.to_thread(assemble, self.config)
         self.tokenizer, self.model_config = self._parts.tokenizer, self._parts.model_config

@@ -20,7 +20,11 @@ import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import structlog
+
 from slipstream.models.utf8_tail import token_bytes_of
+
+log = structlog.get_logger(__name__)
 
 _TABLES: "weakref.WeakKeyDictionary[Any, list[bytes] | None]" = weakref.WeakKeyDictionary()
 
@@ -29,11 +33,17 @@ def byte_table(tokenizer: Any) -> list[bytes] | None:
     """Each id's bytes in decoded output (b"" for special tokens), or None when the tokenizer's decode
     is not a plain concatenation of bytes. Built once per tokenizer and checked against its decode."""
     try:
-        if tokenizer not in _TABLES:
-            _TABLES[tokenizer] = _build(tokenizer)
-        return _TABLES[tokenizer]
+        if tokenizer in _TABLES:
+            return _TABLES[tokenizer]
     except TypeError:  # a tokenizer object that cannot be weakly referenced or hashed: no fast path
         return None
+    try:
+        table = _build(tokenizer)
+    except Exception as e:  # noqa: BLE001 - an unusual tokenizer keeps the window detokenizer
+        log.warning("byte_stream_detokenizer_unavailable", effect="window detokenizer", error=repr(e))
+        table = None
+    _TABLES[tokenizer] = table
+    return table
 
 
 def _build(tokenizer: Any) -> list[bytes] | None:
@@ -51,7 +61,7 @@ def _build(tokenizer: Any) -> list[bytes] | None:
     # Added tokens are where a backend may differ from the byte rule: check each against decode.
     added = getattr(getattr(tokenizer, "backend", None), "get_added_tokens_decoder", dict)()
     for i in added:
-        if i < len(table) and table[i].decode("utf-8", "replace") != tokenizer.decode([i], skip_special_tokens=True):
+        if i >= len(table) or table[i].decode("utf-8", "replace") != tokenizer.decode([i], skip_special_tokens=True):
             return None
     return table
 

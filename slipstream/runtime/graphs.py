@@ -32,12 +32,11 @@ GiB = 1024**3
 class GraphKind:
     name: str  # "decode" | "greedy" | "mixed" (the `kind` field of log lines)
     size_field: str  # what a bucket counts, as logged: "batch_size" | "tokens"
-    oversize_event: str  # the once-per-cache warning when a step exceeds the largest bucket
 
 
-DECODE = GraphKind("decode", "batch_size", "decode_batch_above_graph_buckets")
-GREEDY = GraphKind("greedy", "batch_size", "decode_batch_above_graph_buckets")  # decode + greedy sampling
-MIXED = GraphKind("mixed", "tokens", "mixed_step_above_graph_buckets")
+DECODE = GraphKind("decode", "batch_size")
+GREEDY = GraphKind("greedy", "batch_size")  # decode + greedy sampling (looked up only below DECODE's top)
+MIXED = GraphKind("mixed", "tokens")
 
 
 class GraphCache(Generic[G]):
@@ -72,8 +71,12 @@ class GraphCache(Generic[G]):
             self.eager_steps += 1
             if not self.oversize_warned:
                 self.oversize_warned = True
-                log.warning(self.kind.oversize_event, kind=self.kind.name, largest_bucket=self.buckets[-1],
-                            effect="such steps run eagerly (logged once)", **{self.kind.size_field: size})
+                fields = dict(kind=self.kind.name, largest_bucket=self.buckets[-1],
+                              effect="such steps run eagerly (logged once)", **{self.kind.size_field: size})
+                if self.kind.size_field == "tokens":  # (event names are literals: docs/logging.md lists them)
+                    log.warning("mixed_step_above_graph_buckets", **fields)
+                else:
+                    log.warning("decode_batch_above_graph_buckets", **fields)
             return None
         if (slot, bucket) not in self.graphs:  # warmup was skipped
             t0 = time.perf_counter()

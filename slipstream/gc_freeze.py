@@ -1,8 +1,8 @@
 """Keeping the cycle collector off the heap that exists when an engine starts.
 
 A full (generation-2) collection walks every tracked object: with torch, transformers and the
-model loaded that is ~180k objects and ~0.1 s of CPU per collection, paid inside a serving step
-(measured: docs/benchmarks.md, "Host-only cost per step"). What exists at start (modules, the
+model loaded that is ~190–200k objects and ~0.1 s of CPU per collection, paid inside a serving step
+(`tools/bench_gc.py`; docs/benchmarks.md, "Host-only cost per step (issue 14, session 6)"). What exists at start (modules, the
 model, the tokenizer) lives until the engine stops, so `gc.freeze()` moves it out of the
 collector's sight; collections then walk only what serving creates.
 

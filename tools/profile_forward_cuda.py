@@ -1,6 +1,6 @@
 """Where a decode step's GPU time goes: graph replay vs eager forward, kernels per step, top kernels.
 
-    python tools/profile_forward_cuda.py [--model random-smollm2-135m] [--dtype bfloat16] [--batches 1 32 128]
+    python tools/profile_forward_cuda.py [--model random-smollm2-135m] [--dtype bfloat16] [--batches 1 32 128 256]
                                          [--variants fused no-mlp-gemm unfused]
 
 Builds an Engine on the GPU, takes its model runner, and for each batch size stages one decode step
@@ -77,6 +77,22 @@ async def main_async(args) -> None:
         await profile_variant(args)
 
 
+def copy_bandwidth() -> float:
+    """Bytes per second this GPU moves in a large device-to-device copy (each byte read and written)."""
+    x = torch.empty(256 * 2**20, dtype=torch.float32, device="cuda")
+    y = torch.empty_like(x)
+    ms = event_ms(lambda: y.copy_(x), 20)
+    return 2 * x.numel() * x.element_size() / (ms / 1e3)
+
+
+def step_bytes(runner, n: int, context: int) -> int:
+    """What a decode step must read at least: every weight once, and each sequence's K and V."""
+    weights = sum(p.numel() * p.element_size() for p in {id(p): p for p in runner.model.parameters()}.values())
+    k = runner.kv.k
+    per_token = 2 * k.shape[0] * k.shape[2] * k.shape[3] * k.element_size()  # K and V, every layer
+    return weights + n * (context + 1) * per_token
+
+
 async def profile_variant(args) -> None:
     top = max(args.batches)
     cfg = EngineConfig(model=args.model, device="cuda", dtype=args.dtype, max_batch_size=top,
@@ -90,8 +106,12 @@ async def profile_variant(args) -> None:
         pages = -(-(args.context + 1) // kv.page_size)
         print(f"{args.model} ({args.dtype}) on {torch.cuda.get_device_name()}, context {args.context}, "
               f"torch {torch.__version__}\n")
-        print("| batch | graph replay ms | eager forward ms | eager ÷ graph | kernels/step | kernel time ms |")
-        print("|---:|---:|---:|---:|---:|---:|")
+        bandwidth = copy_bandwidth()
+        print(f"floor: bytes a step must read (weights once + K/V of every sequence) ÷ the measured copy bandwidth "
+              f"({bandwidth / 1e12:.2f} TB/s)\n")
+        print("| batch | graph replay ms | floor ms | replay ÷ floor | eager forward ms | eager ÷ graph | kernels/step "
+              "| kernel time ms |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|")
         details = []
         for n in args.batches:
             rows = torch.arange(1, n + 1, device=kv.k.device)
@@ -117,7 +137,9 @@ async def profile_variant(args) -> None:
                     arena.fill(packed, pad_decode=bucket)
                     arena.upload()
                     graph_ms = event_ms(lambda: reset_positions() or graph.replay(), args.repeats)
-            print(f"| {n} | {graph_ms:.3f} | {eager_ms:.3f} | {eager_ms / graph_ms:.2f} | {count} | {busy:.3f} |")
+            floor_ms = step_bytes(runner, n, args.context) / bandwidth * 1e3
+            print(f"| {n} | {graph_ms:.3f} | {floor_ms:.3f} | {graph_ms / floor_ms:.1f} | {eager_ms:.3f} | "
+                  f"{eager_ms / graph_ms:.2f} | {count} | {busy:.3f} |")
             details.append((n, ranked))
         for n, ranked in details:
             print(f"\nbatch {n}: kernels with the most GPU time (eager forward)\n\n| kernel | ms | launches |\n|---|---:|---:|")
@@ -129,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="random-smollm2-135m")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 32, 128])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 32, 128, 256])
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--top", type=int, default=10)

@@ -57,13 +57,8 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.fused = False  # True: one Triton kernel (the GPU backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused:
-            from slipstream.models.norm_rope_triton import rms_norm_triton
-
-            return rms_norm_triton(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -93,15 +88,10 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
-        self.fused = False  # True: one Triton kernel rotates q and k in place (the GPU backend)
 
     def for_positions(self, positions: torch.Tensor, dtype: torch.dtype):
         """A function rotating (q [T, H, D], k [T, KVH, D]) at these token positions. The tables are
         gathered here, once per forward, not once per layer."""
-        if self.fused:
-            from slipstream.models.norm_rope_triton import rotary_triton
-
-            return lambda q, k: rotary_triton(q, k, positions, self.cos, self.sin)
         cos = self.cos[positions].unsqueeze(1).to(dtype)
         sin = self.sin[positions].unsqueeze(1).to(dtype)
         return lambda q, k: (rotate_half_reference(q, cos, sin), rotate_half_reference(k, cos, sin))

@@ -9,9 +9,9 @@ the cache only.
 
 q, k and v may be strided views of one fused QKV projection output ([T, (H + 2 KVH) * D] split by
 columns), so every tensor is addressed through its own strides; only the head dim must be
-contiguous. Rounding: as `rotary_triton` (norm_rope_triton.py), cos/sin are rounded to the
-activation dtype like the reference, and each rotated element is computed in fp32 and rounded once,
-where the reference also rounds the two products (bf16/fp16 only; fp32 differs by order alone).
+contiguous. Rounding: cos/sin are rounded to the activation dtype like the reference, and each
+rotated element is computed in fp32 and rounded once, where the reference also rounds the two
+products (bf16/fp16 only; fp32 differs by order alone).
 Graph-capturable: reads no device value on the host and allocates nothing.
 """
 from __future__ import annotations

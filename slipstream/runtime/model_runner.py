@@ -33,7 +33,7 @@ from slipstream.errors import PipelineInvariantError
 from slipstream.intmath import round_up
 from slipstream.models.attention import AttentionMetadata, DeviceAttentionMetadata
 from slipstream.models.llama import ForwardBatch, KVCache, LlamaForCausalLM
-from slipstream.runtime.batch import SCRATCH_ROW, PackedStep
+from slipstream.runtime.batch import PackedStep
 from slipstream.runtime.decode_slot import DecodeSlot, SlotState
 from slipstream.runtime.graphs import GraphCache
 from slipstream.runtime.row_tables import RowTables
@@ -81,12 +81,10 @@ class ModelRunner(SamplingLauncher):
         ids = torch.cat([r.token[dec], t.chunk_ids])
         positions = torch.cat([dec_pos, t.chunk_pos])
         token_rows = torch.cat([dec, t.chunk_token_rows])
-        slot_mapping = r.pages[token_rows, positions // ps] * ps + positions % ps
+        slot_mapping = r.kv_slots(token_rows, positions, ps)
         kv_lens = torch.cat([dec_pos + 1, t.chunk_ends])
         seq_rows = torch.cat([dec, t.chunk_rows])
-        r.pos.index_copy_(0, dec, dec_pos + 1)
-        r.pos.index_copy_(0, t.chunk_rows, t.chunk_ends)
-        r.pos[SCRATCH_ROW:SCRATCH_ROW + 1].zero_()  # padding rows use row 0: keep it at position 0
+        r.set_positions(seq_rows, kv_lens)  # each sequence's next position is its context length
         if host_attention:  # the reference attention loops over sequences on the host (CPU)
             kv_host = kv_lens.tolist()
             # only the columns the longest sequence uses (the device path keeps the static width)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from slipstream.runtime.batch import PackedStep
+from slipstream.runtime.batch import SCRATCH_ROW, PackedStep
 from slipstream.runtime.logits_process import flat_rows, record_sampled, reset_rows
 from slipstream.runtime.staging import FLOAT_PARAMS, INT_PARAMS, RowUpdates
 
@@ -77,6 +77,16 @@ class RowTables:
         rebuild = [w for w in packed.chunks if w.history is not None]
         if rebuild:
             self.history.rebuild(rebuild)
+
+    def kv_slots(self, token_rows: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
+        """The flat KV slot each token writes: its row's page for the position, and the offset in it."""
+        return self.pages[token_rows, positions // page_size] * page_size + positions % page_size
+
+    def set_positions(self, rows: torch.Tensor, positions: torch.Tensor) -> None:
+        """pos[rows] = positions (the step's context lengths), then the scratch row back to 0: padding
+        rows and sequences use row 0, which must start every step at position 0."""
+        self.pos.index_copy_(0, rows, positions)
+        self.pos[SCRATCH_ROW:SCRATCH_ROW + 1].zero_()
 
     def gather(self, names: tuple[str, ...], rows: torch.Tensor) -> list[torch.Tensor]:
         return [(self.ints.get(n) if n in self.ints else self.floats[n])[rows] for n in names]

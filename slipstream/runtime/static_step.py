@@ -112,10 +112,9 @@ def static_inputs(rows, t: StaticStepTensors, page_size: int):
     fed = t.token_fed != 0
     ids = torch.where(fed, rows.token[t.token_rows], t.token_ids)
     positions = torch.where(fed, rows.pos[t.token_rows], t.token_pos)
-    slot_mapping = rows.pages[t.token_rows, positions // page_size] * page_size + positions % page_size
+    slot_mapping = rows.kv_slots(t.token_rows, positions, page_size)
     kv_lens = torch.where(t.seq_fed != 0, rows.pos[t.seq_rows] + 1, t.seq_ends)
-    rows.pos.index_copy_(0, t.seq_rows, kv_lens)  # padding sequences write 0 to row 0
-    rows.pos[SCRATCH_ROW:SCRATCH_ROW + 1].zero_()
+    rows.set_positions(t.seq_rows, kv_lens)  # padding sequences write 0 to row 0
     meta = AttentionMetadata([], [], [], page_size)
     meta.on_device = DeviceAttentionMetadata(t.query_start, kv_lens, rows.pages[t.seq_rows], t.tokens, t.blocks)
     return ids, positions, slot_mapping, meta

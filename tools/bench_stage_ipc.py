@@ -8,7 +8,7 @@ measures the process variant's unavoidable part before building it: one pass of 
 one new token each (SmolLM2's tokenizer, ByteStreamDetokenizer), pickled to a child process that
 detokenises and sends the texts back over a pipe. Columns: the text phase run in the loop (CPU
 µs), the loop's own CPU for the process variant (pickle out + unpickle back), and the round trip
-(how late the texts would be). Medians / means of 250 passes after 50 warm-up passes.
+(how late the texts would be). Medians / means / p90 of 250 passes after 50 warm-up passes.
 """
 import multiprocessing as mp
 import pickle
@@ -37,7 +37,7 @@ if __name__ == "__main__":
     from slipstream.provenance import header, provenance
 
     print(header(provenance()), flush=True)
-    print("| N requests × 1 token | text phase in the loop: CPU µs median / mean | process stage: loop CPU µs "
+    print("| N requests × 1 token | text phase in the loop: CPU µs median / mean / p90 | process stage: loop CPU µs "
           "(pickle out + unpickle in) | process stage: round trip µs |\n|---:|---:|---:|---:|")
     tok = load_gguf_tokenizer(resolve_model_path("smollm2-135m"))
     table = byte_table(tok)
@@ -61,5 +61,6 @@ if __name__ == "__main__":
             texts = [(r, local[r].push(t)) for r, t in work]
             inproc.append((time.thread_time() - c0) * 1e6)
         a.send_bytes(b""); p.join()
-        s = lambda xs: f"{statistics.median(xs[50:]):.0f} / {statistics.fmean(xs[50:]):.0f}"
+        s = lambda xs: (f"{statistics.median(xs[50:]):.0f} / {statistics.fmean(xs[50:]):.0f} / "  # noqa: E731
+                        f"{statistics.quantiles(xs[50:], n=10)[8]:.0f}")
         print(f"| {n} | {s(inproc)} | {s(loop_cpu)} | {s(rt)} |")

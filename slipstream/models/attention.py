@@ -81,7 +81,7 @@ class DeviceAttentionMetadata:
     """The same description as device tensors: query_start [S+1], kv_lens [S], page_table [S, P].
 
     `max_q_len` is a host bound on chunk lengths, used only to size a kernel grid; `blocks`, when set,
-    is the attention kernel's [2, programs] table of query blocks (attention_triton.query_blocks),
+    is the attention kernel's [2, programs] table of query blocks (attention_blocks.query_blocks),
     which sizes the grid instead, by the step's token bucket: what a graph of mixed steps needs."""
 
     query_start: torch.Tensor

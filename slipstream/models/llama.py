@@ -205,6 +205,10 @@ class LlamaForCausalLM(nn.Module):
         fused (fuse_projections=False only skips fusing)."""
         if backend not in ("reference", "triton"):
             raise ValueError(f"kernel backend must be 'reference' or 'triton', got {backend!r}")
+        if backend == "triton":  # refused now, not at the first forward
+            from slipstream.models.triton_jit import require_triton
+
+            require_triton("the triton kernel backend")
         self.backend = backend
         if backend == "triton":
             from slipstream.models import llama_triton

@@ -5,10 +5,17 @@ compiled for CUDA tensors, interpreted (numpy) for CPU tensors, which is how the
 GPU kernels without a GPU. Kernels use builtins only: tl.sum/tl.max are themselves jitted
 functions fixed to one mode at import, so reductions go through `tl.reduce` with the combine
 functions below, which the interpreter recognises.
+
+Only the triton backend imports this module (models/llama.py imports llama_triton when the backend
+is chosen), so the reference path never touches triton. Without triton every kernel module still
+imports (its kernels undefined, the combine functions None) and a kernel call raises
+DeviceUnavailableError through `require_triton`.
 """
 from __future__ import annotations
 
 import torch
+
+from slipstream.errors import DeviceUnavailableError
 
 try:
     import triton
@@ -17,6 +24,7 @@ except ImportError:  # the reference paths need no triton; complain only when a 
     triton = None
     tl = None
 
+MAX_COMBINE = SUM_COMBINE = None  # the kernel modules import them by name, with or without triton
 if triton is not None:
     MAX_COMBINE = getattr(tl.standard, "_elementwise_max", None)
     SUM_COMBINE = getattr(tl.standard, "_sum_combine", None)
@@ -34,7 +42,8 @@ _JITTED: dict[tuple[object, bool], object] = {}
 
 def require_triton(what: str) -> None:
     if triton is None:
-        raise RuntimeError(f"{what} needs the `triton` package; use the reference backend")
+        raise DeviceUnavailableError(f"{what} needs the `triton` package (pip install 'slipstream[gpu]'); "
+                                     "the reference backend needs none")
 
 
 def interpreted(t: torch.Tensor) -> bool:

@@ -2,7 +2,7 @@
 
 A captured graph replays fixed kernels on fixed buffers, so every shape it reads, and every grid,
 must depend only on its bucket, never on the step. For a bucket of T tokens, with S the arena's
-sequence capacity, N = min(T, S) sampling rows and P = attention_triton.num_query_programs(T, S):
+sequence capacity, N = min(T, S) sampling rows and P = attention_blocks.num_query_programs(T, S):
   token_ids / token_pos / token_rows / token_fed  [T]
       the step's tokens (decode rows first, then the chunks' tokens, as in batch.py), then padding
       tokens: id 0, position 0, row 0, so they write their K/V to the scratch page and belong to no
@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from slipstream.models.attention import AttentionMetadata, DeviceAttentionMetadata
-from slipstream.models.attention_triton import num_query_programs, query_blocks
+from slipstream.models.attention_blocks import num_query_programs, query_blocks
 from slipstream.runtime.batch import SCRATCH_ROW, PackedStep
 
 

@@ -1,0 +1,108 @@
+"""A base install (torch + `pip install -e .`, no extras) imports every module and answers a prompt.
+
+Each check runs in a fresh interpreter whose first act is to install a finder that refuses the
+optional packages, as if they were not installed (the test venv has them all). The finder records
+what was asked for, so a path can be held to "never even tries".
+"""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import slipstream
+
+ROOT = pathlib.Path(slipstream.__file__).parent
+
+# not in the base dependencies: the extras of pyproject.toml and what they pull in
+OPTIONAL = ("triton", "cupy", "fastapi", "starlette", "uvicorn", "ray", "matplotlib", "openai", "httpx",
+            "transformers", "accelerate", "jsonschema", "hypothesis")
+
+# modules that exist for one extra (their command says which extra to install when it is missing)
+EXTRA_MODULES = {
+    "slipstream.serve.app": {"fastapi", "starlette"},
+    "slipstream.serve.generation": {"starlette"},
+    "slipstream.serve.ray_app": {"ray"},
+    "slipstream.serve.ray_backend": {"ray"},
+    "slipstream.serve.ray_router": {"ray"},
+}
+
+HIDE = """
+import sys
+HIDDEN, ASKED = set({hidden!r}), []
+class Hide:
+    def find_spec(self, name, path=None, target=None):
+        top = name.partition(".")[0]
+        if top in HIDDEN:
+            ASKED.append(name)
+            raise ImportError(f"No module named {{name!r}} (hidden by the test)", name=top)
+sys.meta_path.insert(0, Hide())
+"""
+
+
+def run_hidden(body: str, hidden=OPTIONAL) -> dict:
+    """Runs `body` (which sets `result`) with `hidden` refused; returns result plus what was asked for."""
+    script = HIDE.format(hidden=tuple(hidden)) + body + "\nimport json; print(json.dumps({**result, 'asked': ASKED}))\n"
+    env = {**os.environ, "PYTHONPATH": str(ROOT.parent), "HF_HUB_OFFLINE": "1", "SLIPSTREAM_WEIGHT_CACHE": "0"}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def all_modules() -> list[str]:
+    """Every module under slipstream/, from the files (a package that fails to import hides nothing)."""
+    names = []
+    for path in sorted(ROOT.rglob("*.py")):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return names
+
+
+def test_every_module_imports_without_the_optional_packages():
+    modules = all_modules()
+    assert set(EXTRA_MODULES) <= set(modules)  # the table names modules that exist
+    result = run_hidden(f"""
+import importlib
+failed = {{}}
+for name in {modules!r}:
+    try:
+        importlib.import_module(name)
+    except ImportError as e:
+        failed[name] = [getattr(e, "name", None) or "", repr(e)]
+result = {{"failed": failed}}
+""")
+    failed = result["failed"]
+    base_failures = {m: why for m, (_, why) in failed.items() if m not in EXTRA_MODULES}
+    assert not base_failures, base_failures
+    for m, (missing, why) in failed.items():  # an extra's module may miss only that extra's packages
+        assert missing.partition(".")[0] in EXTRA_MODULES[m], (m, why)
+
+
+def test_generate_on_the_reference_path_never_tries_triton():
+    result = run_hidden("""
+import contextlib, io
+from slipstream.cli import main
+out = io.StringIO()
+with contextlib.redirect_stdout(out):
+    status = main(["generate", "--model", "tiny-random", "--max-tokens", "4", "--raw", "-q", "Hello"])
+result = {"status": status, "text": out.getvalue()}
+""")
+    assert result["status"] == 0
+    assert result["text"].strip()  # tiny-random answers something (random weights)
+    assert not [m for m in result["asked"] if m.partition(".")[0] in ("triton", "cupy")], result["asked"]
+
+
+def test_the_triton_backend_is_refused_clearly_without_triton():
+    result = run_hidden("""
+from slipstream.errors import DeviceUnavailableError
+import torch
+from slipstream.models.build import build_model
+model, _, _ = build_model("tiny-random", "float32", torch.device("cpu"), 0)
+try:
+    model.set_kernel_backend("triton")
+    result = {"error": None}
+except DeviceUnavailableError as e:
+    result = {"error": str(e), "backend": model.backend}
+""", hidden=("triton",))
+    assert result["error"] and "needs the `triton` package" in result["error"], result
+    assert result["backend"] == "reference"  # left as it was

@@ -103,6 +103,14 @@ try:
     result = {"error": None}
 except DeviceUnavailableError as e:
     result = {"error": str(e), "backend": model.backend}
+import contextlib, io
+from slipstream.cli import main
+torch.cuda.is_available = lambda: True  # a GPU machine without triton: refused before loading anything
+err = io.StringIO()
+with contextlib.redirect_stderr(err):
+    result["cli"] = [main(["generate", "--device", "cuda", "Hello"]), err.getvalue()]
 """, hidden=("triton",))
     assert result["error"] and "needs the `triton` package" in result["error"], result
     assert result["backend"] == "reference"  # left as it was
+    status, stderr = result["cli"]
+    assert status == 2 and "--device cuda needs the `triton` package" in stderr, result["cli"]

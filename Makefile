@@ -1,5 +1,7 @@
 # `make run`: set up .venv, install slipstream + the default model, answer one prompt.
 # `make test`: install what the tests need and run them (what CI runs).
+# VENV picks the venv (default .venv): .ci/run checks `make run VENV=.venv-run`, the base install
+# alone (no test extras, so no triton), before `make test`.
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin

@@ -101,7 +101,7 @@ def check_device(args) -> None:
         raise DeviceUnavailableError(f"--device cuda: no CUDA GPU is usable here (torch {torch.__version__}, "
                                      "torch.cuda.is_available() is False); use --device cpu")
     try:
-        import triton  # noqa: F401  the CUDA forward is the triton backend: needed a minute from now anyway
+        importlib.import_module("triton")  # the CUDA forward is the triton backend: needed a minute from now anyway
     except ImportError as e:
         raise DeviceUnavailableError(f"--device cuda needs the `triton` package ({e}): "
                                      "pip install 'slipstream[gpu]'") from None

@@ -11,10 +11,13 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
-import uvicorn
+import pytest
 
-from slipstream.serve.app import create_app
+# each module that imports this one is skipped where the `serve` extra (or httpx) is missing
+httpx = pytest.importorskip("httpx")
+uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("fastapi")
+from slipstream.serve.app import create_app  # noqa: E402
 
 
 def free_port() -> int:

@@ -14,6 +14,7 @@ triton = pytest.importorskip("triton")
 
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402  (not an attribute before import)
 
+from slipstream.models import attention_blocks as ab  # noqa: E402
 from slipstream.models import attention_triton as at  # noqa: E402
 from slipstream.models.triton_jit import jitted  # noqa: E402
 from slipstream.models.attention import AttentionMetadata, paged_attention_reference  # noqa: E402
@@ -135,14 +136,14 @@ def test_random_batches_interpreted(seed):
 
 
 def test_query_blocks_table():
-    table = at.query_blocks([1, 0, 17, 16, 33], at.num_query_programs(67, 5))
-    assert at.num_query_programs(67, 5) == 67 // at.BLOCK_M + 5 == 9
+    table = ab.query_blocks([1, 0, 17, 16, 33], ab.num_query_programs(67, 5))
+    assert ab.num_query_programs(67, 5) == 67 // ab.BLOCK_M + 5 == 9
     assert table[0].tolist() == [0, 2, 2, 3, 4, 4, 4, 0, 0]
-    assert table[1].tolist() == [0, 0, 16, 0, 0, 16, 32, at.PAST_END, at.PAST_END]
-    worst = [1] * 7 + [at.BLOCK_M + 1] * 2  # the bound is tight: every sequence ends one past a block
-    assert at.query_blocks(worst, at.num_query_programs(sum(worst), len(worst)))[1, -1] != at.PAST_END
+    assert table[1].tolist() == [0, 0, 16, 0, 0, 16, 32, ab.PAST_END, ab.PAST_END]
+    worst = [1] * 7 + [ab.BLOCK_M + 1] * 2  # the bound is tight: every sequence ends one past a block
+    assert ab.query_blocks(worst, ab.num_query_programs(sum(worst), len(worst)))[1, -1] != ab.PAST_END
     with pytest.raises(ValueError, match="exceed"):
-        at.query_blocks([17], 1)
+        ab.query_blocks([17], 1)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
@@ -154,8 +155,8 @@ def test_block_table_grid_equals_the_sequence_grid_interpreted(case):
     q, k, v, meta, dev = _make(q_lens, kv_lens, heads, kv_heads, head_dim, page_size, pad, torch.float32, 17)
     grid_out, _ = _check(q, k, v, meta, dev, torch.float32)
     tokens, seqs = q.shape[0] + 20, len(q_lens) + 2  # a bucket larger than the step: unused programs
-    blocks = torch.tensor(at.query_blocks(q_lens, at.num_query_programs(tokens, seqs)), dtype=dev["kv_lens"].dtype)
-    assert (blocks[1] == at.PAST_END).any()
+    blocks = torch.tensor(ab.query_blocks(q_lens, ab.num_query_programs(tokens, seqs)), dtype=dev["kv_lens"].dtype)
+    assert (blocks[1] == ab.PAST_END).any()
     out = torch.full(q.shape, SENTINEL, dtype=torch.float32)
     at.paged_attention_triton(q, k, v, dev["query_start"], dev["kv_lens"], dev["page_table"], page_size, 0, out,
                               blocks=blocks)
@@ -253,11 +254,11 @@ def test_cuda_graph_with_block_table_replays_other_mixes_of_the_same_token_bucke
     dtype, tokens, seqs, ps = torch.bfloat16, 64, 4, 16
     mixes = [([1, 1, 30, 0], [20, 9, 50, 0]), ([40, 0, 0, 0], [40, 0, 0, 0]), ([1, 17, 16, 1], [64, 17, 33, 2])]
     q, k, v, meta, dev = _make([16] * seqs, [80] * seqs, 9, 3, 64, ps, 0, dtype, 5, device="cuda")
-    programs = at.num_query_programs(tokens, seqs)
+    programs = ab.num_query_programs(tokens, seqs)
     blocks = torch.zeros(2, programs, dtype=torch.int64, device="cuda")
     out = torch.full(q.shape, SENTINEL, dtype=dtype, device="cuda")
     args = (q, k, v, dev["query_start"], dev["kv_lens"], dev["page_table"], ps, 0, out)
-    blocks.copy_(torch.from_numpy(at.query_blocks([16] * seqs, programs)))
+    blocks.copy_(torch.from_numpy(ab.query_blocks([16] * seqs, programs)))
     at.paged_attention_triton(*args, blocks=blocks)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -270,7 +271,7 @@ def test_cuda_graph_with_block_table_replays_other_mixes_of_the_same_token_bucke
         meta.query_start, meta.kv_lens = starts, kv_lens
         dev["query_start"].copy_(torch.tensor(starts))
         dev["kv_lens"].copy_(torch.tensor(kv_lens))
-        blocks.copy_(torch.from_numpy(at.query_blocks(q_lens, programs)))
+        blocks.copy_(torch.from_numpy(ab.query_blocks(q_lens, programs)))
         out.fill_(SENTINEL)
         graph.replay()
         torch.cuda.synchronize()

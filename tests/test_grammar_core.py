@@ -10,8 +10,6 @@ import numpy as np
 import pytest
 import torch
 from grammar_helpers import allowed, drive, mask_of, smollm_tokenizer
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from slipstream.errors import (
     GrammarCompileError,
@@ -34,6 +32,10 @@ from slipstream.grammar import (
 )
 from slipstream.grammar.bitmask import clear_from
 from slipstream.models.byte_tokenizer import ByteTokenizer
+
+pytest.importorskip("hypothesis")
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 BT = ByteTokenizer()  # ids 3..258 = bytes, EOS = 2, vocab 512
 BT_EOS = 2

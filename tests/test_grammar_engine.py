@@ -8,7 +8,6 @@ import json
 import random
 import re
 
-import jsonschema
 import pytest
 
 from engine_util import run_staggered, wait_all_free
@@ -16,6 +15,8 @@ from invariance import invariant_config
 from slipstream import Engine, EngineConfig, SamplingParams
 from slipstream.errors import GrammarCompileError, GrammarError
 from slipstream.grammar import GrammarSpec, parse_skill_output, register_grammar, unregister_grammar
+
+jsonschema = pytest.importorskip("jsonschema")
 
 SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import json
 
-import jsonschema
 import pytest
 from grammar_helpers import allowed, drive, mask_of, smollm_tokenizer
 
 from slipstream.errors import GrammarCompileError, GrammarMatchError
 from slipstream.grammar import GrammarCompiler, GrammarSpec, allowed_ids, words_for
 from slipstream.models.byte_tokenizer import ByteTokenizer
+
+jsonschema = pytest.importorskip("jsonschema")
 
 V = 49152 + 64  # logits width with padding columns past the tokenizer's 49152 ids
 EOS = 2

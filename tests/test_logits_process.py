@@ -5,8 +5,6 @@ import math
 
 import pytest
 import torch
-from transformers import (MinNewTokensLengthLogitsProcessor, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
-                          TemperatureLogitsWarper)
 
 from slipstream.params import SamplingParams
 from slipstream.runtime.logits_process import (ProcessFlags, apply_penalties, flat_rows, min_p_filter, process_flags,
@@ -14,6 +12,10 @@ from slipstream.runtime.logits_process import (ProcessFlags, apply_penalties, fl
                                                top_logprobs)
 from slipstream.runtime.row_tables import HistoryTables
 from slipstream.runtime.sampler import GroupFlags, sample
+
+pytest.importorskip("transformers")
+from transformers import (MinNewTokensLengthLogitsProcessor, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,  # noqa: E402
+                          TemperatureLogitsWarper)
 
 V = 97
 

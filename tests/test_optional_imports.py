@@ -35,7 +35,7 @@ class Hide:
         top = name.partition(".")[0]
         if top in HIDDEN:
             ASKED.append(name)
-            raise ImportError(f"No module named {{name!r}} (hidden by the test)", name=top)
+            raise ModuleNotFoundError(f"No module named {{name!r}} (hidden by the test)", name=top)
 sys.meta_path.insert(0, Hide())
 """
 

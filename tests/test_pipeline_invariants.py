@@ -7,8 +7,7 @@ handed out while an in-flight step still references it (early release).
 """
 import asyncio
 
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+import pytest
 
 from fake_runner import EOS, FakeRunner, RefereedPool, RefereedRows, make_prompt, reference
 from slipstream.outputs import CompletionOutput, RequestMetrics
@@ -18,6 +17,10 @@ from slipstream.scheduler.engine_loop import EngineLoop
 from slipstream.api.output_processor import OutputProcessor, RequestState
 from slipstream.scheduler.planner import Planner
 from slipstream.scheduler.sequence import Sequence
+
+pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 PAGE = 4
 

@@ -5,11 +5,12 @@ import asyncio
 import os
 from pathlib import Path
 
-import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from serve_util import free_port
 from worker_util import engine_config
+
+httpx = pytest.importorskip("httpx")
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")

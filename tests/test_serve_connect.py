@@ -5,13 +5,15 @@ import asyncio
 import signal
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
-from openai import AsyncOpenAI
 from serve_util import ServeProc, wait_pages_free
 from worker_util import engine_config, ipc_address, start_worker
 
 from slipstream import Engine, SamplingParams
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("openai")
+from openai import AsyncOpenAI  # noqa: E402
 
 PROMPTS = [f"remote {i}: tell me" for i in range(200)]
 CHAT = [{"role": "user", "content": "Hello there"}]

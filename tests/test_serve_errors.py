@@ -1,7 +1,6 @@
 """Error paths of the HTTP layer with a scripted backend (no model): engine and worker errors map to
 OpenAI-shaped 400/429/503, a failure after the stream started arrives as an SSE error event, and
 request ids reach the response."""
-import httpx
 import pytest
 from serve_util import ThreadServer
 
@@ -9,6 +8,8 @@ from slipstream import errors
 from slipstream.models.byte_tokenizer import ByteTokenizer
 from slipstream.outputs import CompletionOutput, RequestMetrics, StreamDelta
 from slipstream.serve.sse import parse
+
+httpx = pytest.importorskip("httpx")
 
 
 class ScriptedBackend:

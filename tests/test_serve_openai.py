@@ -2,17 +2,18 @@
 import asyncio
 import json
 
-import httpx
-import jsonschema
-import openai
 import pytest
-from openai import AsyncOpenAI
 from serve_util import ThreadServer, wait_pages_free
 from worker_util import engine_config
 
 from slipstream import Engine, SamplingParams
 from slipstream.serve import EngineBackend
 from slipstream.serve.sse import parse
+
+httpx = pytest.importorskip("httpx")
+jsonschema = pytest.importorskip("jsonschema")
+openai = pytest.importorskip("openai")
+from openai import AsyncOpenAI  # noqa: E402
 
 PROMPTS = [f"client {i} says hello" for i in range(200)]
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]

@@ -5,7 +5,6 @@ Client.stream (a worker) and the HTTP SSE endpoint."""
 import asyncio
 import codecs
 
-import httpx
 import pytest
 from serve_util import ThreadServer
 from worker_util import engine_config, worker  # noqa: F401 (fixture)
@@ -15,6 +14,8 @@ from slipstream.models.byte_tokenizer import ByteTokenizer
 from slipstream.models.tokenizer import IncrementalDetokenizer
 from slipstream.serve import EngineBackend
 from slipstream.serve.sse import parse
+
+httpx = pytest.importorskip("httpx")
 
 ROBOT = "ab\U0001F916!"  # the emoji is 4 bytes: tokens 3..6
 CASES = [  # (forced text, max_tokens, stop, want text, want finish)

@@ -7,12 +7,14 @@ import msgspec
 import pytest
 import zmq
 import zmq.asyncio
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 from worker_util import engine_config, free_tcp_address, start_worker, wait_pages_free
 
 from slipstream import Client, Engine, SamplingParams
 from slipstream.api.protocol import PROTOCOL_VERSION, Frame, Generate, Heartbeat, frame_decoder
+
+pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 MAX_BYTES = 4096  # the worker under test refuses bigger messages
 

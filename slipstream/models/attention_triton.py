@@ -36,8 +36,8 @@ import math
 
 import torch
 
-# the program table's layout, shared with the fixed-shape step layout (which must not need triton)
-from slipstream.models.attention_blocks import BLOCK_M, PAST_END, num_query_programs, query_blocks  # noqa: F401
+# the program table (attention_blocks.query_blocks) is built on the host, by code that must not need triton
+from slipstream.models.attention_blocks import BLOCK_M
 from slipstream.models.triton_jit import MAX_COMBINE, SUM_COMBINE, interpreted, jitted, require_triton, tl, triton
 
 _LOG2E = 1.4426950408889634

@@ -1,18 +1,14 @@
 """A base install (torch + `pip install -e .`, no extras) imports every module and answers a prompt.
 
-Each check runs in a fresh interpreter whose first act is to install a finder that refuses the
-optional packages, as if they were not installed (the test venv has them all). The finder records
-what was asked for, so a path can be held to "never even tries".
+Each check runs in a fresh interpreter whose first act is to refuse the optional packages, as if
+they were not installed (tests/hidden_packages.py; the test venv has them all). What was refused is
+recorded, so a path can be held to "never even tries".
 """
 import json
-import os
-import pathlib
-import subprocess
-import sys
 
-import slipstream
+from hidden_packages import REPO, hider, run_python
 
-ROOT = pathlib.Path(slipstream.__file__).parent
+ROOT = REPO / "slipstream"
 
 # not in the base dependencies: the extras of pyproject.toml and what they pull in
 OPTIONAL = ("triton", "cupy", "fastapi", "starlette", "uvicorn", "ray", "matplotlib", "openai", "httpx",
@@ -27,24 +23,10 @@ EXTRA_MODULES = {
     "slipstream.serve.ray_router": {"ray"},
 }
 
-HIDE = """
-import sys
-HIDDEN, ASKED = set({hidden!r}), []
-class Hide:
-    def find_spec(self, name, path=None, target=None):
-        top = name.partition(".")[0]
-        if top in HIDDEN:
-            ASKED.append(name)
-            raise ModuleNotFoundError(f"No module named {{name!r}} (hidden by the test)", name=top)
-sys.meta_path.insert(0, Hide())
-"""
-
 
 def run_hidden(body: str, hidden=OPTIONAL) -> dict:
     """Runs `body` (which sets `result`) with `hidden` refused; returns result plus what was asked for."""
-    script = HIDE.format(hidden=tuple(hidden)) + body + "\nimport json; print(json.dumps({**result, 'asked': ASKED}))\n"
-    env = {**os.environ, "PYTHONPATH": str(ROOT.parent), "HF_HUB_OFFLINE": "1", "SLIPSTREAM_WEIGHT_CACHE": "0"}
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    proc = run_python(hider(hidden) + body + "\nimport json; print(json.dumps({**result, 'asked': ASKED}))\n")
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

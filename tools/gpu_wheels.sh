@@ -2,6 +2,10 @@
 # Download, here, the wheels a lent GPU machine lacks (its image has torch, triton, cupy,
 # transformers, uvloop, pytest, hypothesis, tqdm, jinja2, prometheus-client, but none of these),
 # for its Python 3.12, into .whl/ (in .gitignore), to be carried with `run(carry=[".whl"])`.
+# Not carried: the `serve` extra and the OpenAI client (fastapi, starlette, pydantic, pydantic-core, uvicorn,
+# httptools, websockets, openai, ... : 15 wheels, 6.9 MB on 2026-11-25) nor ray. No GPU stage serves HTTP, their
+# pins against the image's anyio/typing-extensions are untried there, and the tests that need them skip
+# (tests/test_gpu_image_collect.py checks that every cuda test is still collected without them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .whl

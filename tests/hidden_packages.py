@@ -28,8 +28,20 @@ def hider(names) -> str:
     return HIDER.format(hidden=tuple(sorted(names)))
 
 
-def run_python(source: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def start_python(source: str) -> subprocess.Popen:
     """`python -c source` in the repository root, this checkout first on the path."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "SLIPSTREAM_WEIGHT_CACHE": "0"}
-    return subprocess.run([sys.executable, "-c", source], capture_output=True, text=True, env=env, cwd=REPO,
-                          timeout=timeout)
+    return subprocess.Popen([sys.executable, "-c", source], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, cwd=REPO)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 300) -> subprocess.CompletedProcess:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        proc.kill()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def run_python(source: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return finish(start_python(source), timeout)

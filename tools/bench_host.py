@@ -335,17 +335,17 @@ def format_report(results: list[NResult]) -> str:
                          + f" | {total:.0f} | {med['commit_wait']:.0f} | {r.stats()[0] - total:.0f} |")
         lines += ["", "wall median − sum: the step's time outside the four phases (stream consumers, the asyncio "
                       "loop, the commit wait, this tool's observer)"]
-    lines += ["", "whole runs and the output stage (means of the repeats; per step: steady steps pooled)", "",
+    lines += ["", "whole runs and the output stage (per run: mean of the repeats, (min–max) with several; per step: "
+                  "steady steps pooled)", "",
               "| N | CPU µs / token | loop-thread CPU µs / token | passes / step median | passes / step mean "
               "| passes / step p90 | passes / step (run) | tokens / delta |",
               "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         med, mean, p90 = (statistics.median(r.passes), statistics.fmean(r.passes), _p90(r.passes)) if r.passes \
             else (float("nan"),) * 3
-        lines.append(f"| {r.streams} | {statistics.fmean(r.per_run('cpu_per_token_us')):.1f} | "
-                     f"{statistics.fmean(r.per_run('loop_cpu_per_token_us')):.1f} | {med:.0f} | {mean:.1f} | "
-                     f"{p90:.0f} | {statistics.fmean(r.per_run('passes_per_step')):.1f} | "
-                     f"{statistics.fmean(r.per_run('tokens_per_delta')):.2f} |")
+        cpu, loop, runs, delta = (_spread(r.per_run(w), d) for w, d in (
+            ("cpu_per_token_us", 1), ("loop_cpu_per_token_us", 1), ("passes_per_step", 1), ("tokens_per_delta", 2)))
+        lines.append(f"| {r.streams} | {cpu} | {loop} | {med:.0f} | {mean:.1f} | {p90:.0f} | {runs} | {delta} |")
     lines += ["", "CPU µs / token: the run's process CPU time (all threads; loop-thread: the asyncio loop's "
                   "thread alone), submission to the last token, ÷ its N × L output tokens; a pass: the output "
                   "stage turning one request's new tokens into text and delivering them; passes / step: in each "
@@ -353,6 +353,12 @@ def format_report(results: list[NResult]) -> str:
                   "tokens / delta: output tokens ÷ the stream deltas the consumers received (1.0: a delta every "
                   "step; more: the stage batches steps, the loop is bursty)"]
     return "\n".join(lines)
+
+
+def _spread(xs: list[float], digits: int) -> str:
+    """Mean, and the repeats' range when there are several (a bursty loop differs run to run)."""
+    mean = f"{statistics.fmean(xs):.{digits}f}"
+    return mean if len(xs) < 2 else f"{mean} ({min(xs):.{digits}f}–{max(xs):.{digits}f})"
 
 
 def provenance(argv: list[str]) -> dict:
@@ -434,7 +440,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  N={n} repeat {rep + 1}/{args.repeats}: {len(rows)} steady steps, wall median "
                   f"{statistics.median(wall):.0f} µs, mean {statistics.fmean(wall):.0f} µs; run wall / L "
                   f"{totals.wall_s * 1e6 / args.length:.0f} µs, CPU {totals.cpu_s * 1e6 / totals.tokens:.1f} µs "
-                  f"per token, {totals.passes / totals.steps:.1f} passes per step", file=sys.stderr, flush=True)
+                  f"per token, {totals.passes / totals.steps:.1f} passes per step, "
+                  f"{totals.tokens / max(totals.deltas, 1):.2f} tokens per delta", file=sys.stderr, flush=True)
 
     t0 = time.perf_counter()
     import uvloop  # the engine's loop of choice, as in the CLI

@@ -39,7 +39,7 @@ The seam (what this tool depends on, so it survives refactors of the scheduler a
   * the public API: Engine, EngineConfig (max_batch_size, max_num_batched_tokens,
     kv_cache_tokens, batch_invariant, pipeline_depth), SamplingParams, `engine.stream`;
   * `engine.loop.outputs.token_observers` (called once per request and output-stage pass, with
-    (token_times, start, end, arrival, prompt_len)); without it the pass columns are blank;
+    (token_times, start, end, arrival, prompt_len)); without it the pass columns read 0;
   * `engine.loop.observers` (called with each committed step) and, on the step, `step_id`,
     `kind`, `seqs` and the `timings` dict (plan / launch / commit / commit_wait / finalize seconds);
     missing timing keys only blank the breakdown columns, the per-step figure does not use them.

@@ -1,28 +1,75 @@
-"""Every Triton kernel of the GPU path compiles for sm_90 (H100/H200) on this CPU machine.
+"""Every Triton kernel of the GPU path compiles for sm_90 (H100/H200) on this CPU machine, with the
+GPU image's triton, at the shapes of SmolLM2, Llama-3 and Qwen2 (and head dim 256), in bf16, fp16
+and fp32, with the argument types the runtime passes (tests/test_kernel_runtime_dtypes.py).
 
 The CPU tests run kernels in Triton's interpreter, which skips the compiler's type checks: a kernel
 can pass them all and still not compile for a GPU (a loop-carried variable changing type did, in the
 mixed-graph attention grid). Triton's wheel bundles ptxas, so the whole Triton → PTX → cubin path
-runs here (tools/kernel_resources.py has the cases, with the model's shapes)."""
+runs here (tools/kernel_resources.py has the cases).
+
+Two compilers: the triton installed here (newer; its interpreter runs the other CPU tests, and
+triton 3.6.0's interpreter fails on numpy >= 2.4) compiles SmolLM2's bf16 cases in this process
+(a newer triton still compiles them); the GPU image's triton (GPU_IMAGE_TRITON, installed on first use into a cache folder, without dependencies)
+compiles every case in a subprocess."""
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 triton = pytest.importorskip("triton")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
 
 import kernel_resources  # noqa: E402
-from slipstream.models.build import RANDOM  # noqa: E402
 
-CASES = [(dtype, case) for dtype in (torch.bfloat16, torch.float32)
-         for case in kernel_resources.cases(RANDOM["random-smollm2-135m"](), dtype)]
+GPU_IMAGE_TRITON = "3.6.0"  # the GPU machines' image (docs/cuda.md): what compiles the kernels there
+DTYPES = ["bfloat16", "float16", "float32"]
+LOCAL = kernel_resources.unique_cases(["random-smollm2-135m"], [torch.bfloat16])  # the GPU's default dtype
 
 
-@pytest.mark.parametrize("dtype,case", CASES, ids=[f"{c[0].__name__}-{str(d)[6:]}-{i}" for i, (d, c) in enumerate(CASES)])
-def test_kernel_compiles_for_sm90(dtype, case):
+@pytest.mark.parametrize("name,dtype,case", LOCAL,
+                         ids=[f"{c[0].__name__}-{str(d)[6:]}-{i}" for i, (_, d, c) in enumerate(LOCAL)])
+def test_kernel_compiles_for_sm90(name, dtype, case):
     fn, signature, constexprs, options = case
     compiled = kernel_resources.compile_kernel(fn, signature, constexprs, 90, **options)
     assert compiled.asm["cubin"]
-    assert compiled.metadata.shared <= 227 * 1024  # what an H100 block may use
+    assert compiled.metadata.shared <= kernel_resources.SHARED_LIMIT
+
+
+def gpu_image_triton() -> Path | None:
+    """A folder holding triton==GPU_IMAGE_TRITON (SLIPSTREAM_GPU_TRITON_DIR, or a cache folder
+    filled with pip on first use); None when the installed triton is that version."""
+    if triton.__version__ == GPU_IMAGE_TRITON:
+        return None
+    given = os.environ.get("SLIPSTREAM_GPU_TRITON_DIR")
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "slipstream"
+    folder = Path(given) if given else cache / f"triton-{GPU_IMAGE_TRITON}"
+    if not (folder / "triton" / "__init__.py").exists():
+        if given:
+            pytest.fail(f"SLIPSTREAM_GPU_TRITON_DIR={given} holds no triton")
+        partial = folder.with_name(folder.name + f".partial-{os.getpid()}")
+        pip = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target",
+                              str(partial), f"triton=={GPU_IMAGE_TRITON}"], capture_output=True, text=True)
+        if pip.returncode:
+            pytest.fail(f"could not install triton=={GPU_IMAGE_TRITON} into {partial} (set SLIPSTREAM_GPU_TRITON_DIR "
+                        f"to a folder made with `pip install --target DIR --no-deps triton=={GPU_IMAGE_TRITON}`):\n"
+                        f"{pip.stderr[-2000:]}")
+        partial.rename(folder)  # whole or not at all
+    return folder
+
+
+def test_every_case_compiles_with_the_gpu_image_triton():
+    folder = gpu_image_triton()
+    everything = kernel_resources.unique_cases(list(kernel_resources.SHAPES),
+                                               [kernel_resources.DTYPES[d] for d in DTYPES])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(p) for p in (folder, ROOT) if p is not None]))
+    run = subprocess.run([sys.executable, str(ROOT / "tools" / "kernel_resources.py"), "--model", "all",
+                          "--dtype", *DTYPES, "--no-usage"], capture_output=True, text=True, env=env, timeout=900)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
+    assert f"{len(everything)} of {len(everything)} compiled for sm_90 with triton {GPU_IMAGE_TRITON}" in run.stdout
+    for shape in kernel_resources.SHAPES:  # each shape's cases are in the table
+        assert f"| {shape} |" in run.stdout
+    assert torch.float16 in {d for _, d, _ in everything}

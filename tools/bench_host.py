@@ -19,6 +19,12 @@ machine the two agree; on a shared machine other processes inflate the wall, not
 Least-squares lines through the per-N medians and means give intercept µs + slope µs per extra
 sequence per step. Garbage collection is left on (it is part of the host's cost).
 
+A per-step median can misdescribe a bursty loop: when the output stage falls behind, one pass
+delivers several tokens per request and the steps between passes look cheap. So beside the
+per-step figures: the whole run's CPU time (process, and the loop's thread) ÷ its output tokens
+(N × L, prefill and drain included), and the output stage's request-passes (one request's new
+tokens turned into text and delivered) per step, with the tokens per delta a consumer received.
+
     python tools/bench_host.py                      # N = 1 8 32 128 256 512, L = 128, 3 repeats
     python tools/bench_host.py --streams 1 4 --repeats 1 --len 16
 
@@ -32,6 +38,8 @@ The seam (what this tool depends on, so it survives refactors of the scheduler a
     `slipstream.models.byte_tokenizer.ByteTokenizer` / `OFFSET`;
   * the public API: Engine, EngineConfig (max_batch_size, max_num_batched_tokens,
     kv_cache_tokens, batch_invariant, pipeline_depth), SamplingParams, `engine.stream`;
+  * `engine.loop.outputs.token_observers` (called once per request and output-stage pass, with
+    (token_times, start, end, arrival, prompt_len)); without it the pass columns read 0;
   * `engine.loop.observers` (called with each committed step) and, on the step, `step_id`,
     `kind`, `seqs` and the `timings` dict (plan / launch / commit / commit_wait / finalize seconds);
     missing timing keys only blank the breakdown columns, the per-step figure does not use them.
@@ -125,6 +133,19 @@ class StepRecord:
     cpu_commit: float  # process CPU time (every thread) at the same moment
     loop_cpu_commit: float  # CPU time of the loop's own thread (the observer runs on it)
     phases: dict[str, float]
+    passes: int = 0  # the output stage's request-passes so far in the run, at this commit
+
+
+@dataclass
+class RunTotals:
+    """One run from submission to the last stream's end (prefill and drain included)."""
+    wall_s: float
+    cpu_s: float  # process CPU time (every thread)
+    loop_cpu_s: float  # the loop thread's CPU time
+    tokens: int  # output tokens (N × L)
+    steps: int  # steps committed
+    passes: int  # output-stage request-passes
+    deltas: int  # stream deltas the consumers received
 
 
 @dataclass
@@ -135,6 +156,16 @@ class NResult:
     loop_cpu_us: list[float] = field(default_factory=list)  # the loop thread's CPU time over them
     phase_us: dict[str, list[float]] = field(default_factory=dict)
     run_wall_per_token_us: list[float] = field(default_factory=list)  # per repeat: run wall / L (public API only)
+    passes: list[float] = field(default_factory=list)  # output-stage request-passes in each steady interval
+    runs: list[dict] = field(default_factory=list)  # per repeat: RunTotals as a dict
+
+    def per_run(self, what: str) -> list[float]:
+        """Per repeat: cpu_per_token_us, loop_cpu_per_token_us, passes_per_step or tokens_per_delta."""
+        div = {"cpu_per_token_us": lambda r: 1e6 * r["cpu_s"] / r["tokens"],
+               "loop_cpu_per_token_us": lambda r: 1e6 * r["loop_cpu_s"] / r["tokens"],
+               "passes_per_step": lambda r: r["passes"] / r["steps"],
+               "tokens_per_delta": lambda r: r["tokens"] / r["deltas"]}[what]
+        return [div(r) for r in self.runs]
 
     def stats(self, cpu: bool = False) -> tuple[float, float, float]:
         xs = self.cpu_us if cpu else self.step_us
@@ -160,22 +191,27 @@ def steady(records: list[StepRecord], n: int) -> list[tuple[StepRecord, float, f
         if full[i - 1] and full[i] and full[i + 1] and consecutive:
             prev, cur = records[i - 1], records[i]
             out.append((cur, cur.t_commit - prev.t_commit, cur.cpu_commit - prev.cpu_commit,
-                        cur.loop_cpu_commit - prev.loop_cpu_commit))
+                        cur.loop_cpu_commit - prev.loop_cpu_commit, cur.passes - prev.passes))
     return out
 
 
-async def run_once(engine, n: int, length: int) -> tuple[list[StepRecord], float]:
-    """N streams of `length` tokens; returns the committed steps and the run's wall ÷ L (submission to
-    the last stream's end, prefill and drain included: a public-API cross-check, an upper bound)."""
+async def run_once(engine, n: int, length: int) -> tuple[list[StepRecord], RunTotals]:
+    """N streams of `length` tokens; returns the committed steps and the run's totals (submission to
+    the last stream's end, prefill and drain included: its wall ÷ L is a public-API cross-check)."""
     from slipstream.params import SamplingParams
 
     records: list[StepRecord] = []
+    passes = [0]
+    deltas = [0]
 
     def observe(step) -> None:
         tm = getattr(step, "timings", {}) or {}
         records.append(StepRecord(step.step_id, step.kind, len(step.seqs), time.perf_counter(), time.process_time(),
                                   time.thread_time(),
-                                  {p: tm[p] for p in PHASES if p in tm}))
+                                  {p: tm[p] for p in PHASES if p in tm}, passes[0]))
+
+    def on_pass(token_times, start, end, arrival, prompt_len) -> None:
+        passes[0] += 1
 
     params = SamplingParams(max_tokens=length, temperature=0.0, ignore_eos=True)
 
@@ -183,16 +219,24 @@ async def run_once(engine, n: int, length: int) -> tuple[list[StepRecord], float
         got = 0
         async for delta in engine.stream(prompt, params):
             got += len(delta.token_ids)
+            deltas[0] += bool(delta.token_ids)
         if got != length:
             raise AssertionError(f"a stream got {got} tokens, expected {length}")
 
+    stage = getattr(engine.loop.outputs, "token_observers", None)
     engine.loop.observers.append(observe)
-    t0 = time.perf_counter()
+    if stage is not None:
+        stage.append(on_pass)
+    t0, cpu0, loop0 = time.perf_counter(), time.process_time(), time.thread_time()  # (this runs on the loop)
     try:
         await asyncio.gather(*(consume(p) for p in prompts(n)))
     finally:
         engine.loop.observers.remove(observe)
-    return records, (time.perf_counter() - t0) / length
+        if stage is not None:
+            stage.remove(on_pass)
+    totals = RunTotals(time.perf_counter() - t0, time.process_time() - cpu0, time.thread_time() - loop0,
+                       n * length, len(records), passes[0] if stage is not None else 0, deltas[0])
+    return records, totals
 
 
 async def bench(streams: list[int], length: int, repeats: int, depth: int, on_run=None,
@@ -214,17 +258,19 @@ async def bench(streams: list[int], length: int, repeats: int, depth: int, on_ru
             res = NResult(n, phase_us={p: [] for p in PHASES})
             await run_once(engine, n, length)  # warm-up at this N
             for rep in range(repeats):
-                records, per_token = await run_once(engine, n, length)
+                records, totals = await run_once(engine, n, length)
                 rows = steady(records, n)
                 res.step_us += [_us(row[1]) for row in rows]
                 res.cpu_us += [_us(row[2]) for row in rows]
                 res.loop_cpu_us += [_us(row[3]) for row in rows]
+                res.passes += [row[4] for row in rows]
                 for r, *_ in rows:
                     for p, v in r.phases.items():
                         res.phase_us[p].append(_us(v))
-                res.run_wall_per_token_us.append(_us(per_token))
+                res.run_wall_per_token_us.append(_us(totals.wall_s / length))
+                res.runs.append({k: round(v, 6) if isinstance(v, float) else v for k, v in asdict(totals).items()})
                 if on_run is not None:
-                    on_run(n, rep, rows, per_token)
+                    on_run(n, rep, rows, totals)
             if not res.step_us:
                 raise RuntimeError(f"no steady-state decode steps at N={n}: raise --len")
             results.append(res)
@@ -289,7 +335,30 @@ def format_report(results: list[NResult]) -> str:
                          + f" | {total:.0f} | {med['commit_wait']:.0f} | {r.stats()[0] - total:.0f} |")
         lines += ["", "wall median − sum: the step's time outside the four phases (stream consumers, the asyncio "
                       "loop, the commit wait, this tool's observer)"]
+    lines += ["", "whole runs and the output stage (per run: mean of the repeats, (min–max) with several; per step: "
+                  "steady steps pooled)", "",
+              "| N | CPU µs / token | loop-thread CPU µs / token | passes / step median | passes / step mean "
+              "| passes / step p90 | passes / step (run) | tokens / delta |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        med, mean, p90 = (statistics.median(r.passes), statistics.fmean(r.passes), _p90(r.passes)) if r.passes \
+            else (float("nan"),) * 3
+        cpu, loop, runs, delta = (_spread(r.per_run(w), d) for w, d in (
+            ("cpu_per_token_us", 1), ("loop_cpu_per_token_us", 1), ("passes_per_step", 1), ("tokens_per_delta", 2)))
+        lines.append(f"| {r.streams} | {cpu} | {loop} | {med:.0f} | {mean:.1f} | {p90:.0f} | {runs} | {delta} |")
+    lines += ["", "CPU µs / token: the run's process CPU time (all threads; loop-thread: the asyncio loop's "
+                  "thread alone), submission to the last token, ÷ its N × L output tokens; a pass: the output "
+                  "stage turning one request's new tokens into text and delivering them; passes / step: in each "
+                  "steady interval (median, mean, p90) and over the whole run (its passes ÷ its steps); "
+                  "tokens / delta: output tokens ÷ the stream deltas the consumers received (1.0: a delta every "
+                  "step; more: the stage batches steps, the loop is bursty)"]
     return "\n".join(lines)
+
+
+def _spread(xs: list[float], digits: int) -> str:
+    """Mean, and the repeats' range when there are several (a bursty loop differs run to run)."""
+    mean = f"{statistics.fmean(xs):.{digits}f}"
+    return mean if len(xs) < 2 else f"{mean} ({min(xs):.{digits}f}–{max(xs):.{digits}f})"
 
 
 def provenance(argv: list[str]) -> dict:
@@ -365,12 +434,14 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging("warning")
     meta = provenance(argv)
 
-    def on_run(n, rep, rows, api) -> None:
+    def on_run(n, rep, rows, totals) -> None:
         if not args.quiet:
             wall = [row[1] * 1e6 for row in rows] or [float("nan")]
             print(f"  N={n} repeat {rep + 1}/{args.repeats}: {len(rows)} steady steps, wall median "
                   f"{statistics.median(wall):.0f} µs, mean {statistics.fmean(wall):.0f} µs; run wall / L "
-                  f"{api * 1e6:.0f} µs", file=sys.stderr, flush=True)
+                  f"{totals.wall_s * 1e6 / args.length:.0f} µs, CPU {totals.cpu_s * 1e6 / totals.tokens:.1f} µs "
+                  f"per token, {totals.passes / totals.steps:.1f} passes per step, "
+                  f"{totals.tokens / max(totals.deltas, 1):.2f} tokens per delta", file=sys.stderr, flush=True)
 
     t0 = time.perf_counter()
     import uvloop  # the engine's loop of choice, as in the CLI

@@ -1,17 +1,22 @@
 """Compile the triton backend's fused kernels for a GPU architecture without a GPU, and report
 registers, spills (stack) and shared memory per kernel and launch configuration.
 
-    python tools/kernel_resources.py [--arch 90] [--model random-smollm2-135m] [--out FILE]
+    python tools/kernel_resources.py [--arch 90] [--model random-smollm2-135m | all] [--dtype bfloat16 ...]
 
 Triton's wheel bundles ptxas and cuobjdump, so the whole path (Triton → PTX → cubin) runs on a CPU
 machine: a kernel that does not compile, spills registers or asks for too much shared memory shows
-here before a GPU is lent. Shapes are the model's (hidden size, heads, head dim, intermediate
-size); the gate-up GEMM is compiled at each of its row tiles (launch_config for 1, 32 and 256 rows).
-Says nothing about speed.
+here before a GPU is lent. Shapes are a model's (hidden size, heads, head dim, intermediate
+size: SHAPES, real configurations of SmolLM2, Llama-3 and Qwen2, and one at head dim 256); the
+gate-up GEMM is compiled at each of its row tiles (launch_config for 1, 32 and 256 rows). The
+argument types are those the runtime passes (tests/test_kernel_runtime_dtypes.py records them at
+the real call sites): every floating tensor, the rotary cos/sin tables included, in the model's
+dtype, index tensors int64. tests/test_kernels_compile.py compiles these cases with the GPU
+image's triton. Says nothing about speed.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import subprocess
 import sys
@@ -30,9 +35,30 @@ from slipstream.models import (add_norm_triton, attention_triton, gate_up_silu_t
                                silu_mul_triton)
 from slipstream.models.build import RANDOM  # noqa: E402
 
+SHARED_LIMIT = 227 * 1024  # the most shared memory one block may use on sm_90 (H100/H200)
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-PTR = {torch.bfloat16: "*bf16", torch.float32: "*fp32"}
-TL = {torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+PTR = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
+TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def _shape(name, hidden, intermediate, heads, kv_heads, head_dim, architecture="llama"):
+    """Only what the kernels' shapes depend on is real; the rest is SmolLM2's."""
+    return lambda: dataclasses.replace(RANDOM["random-smollm2-135m"](), name=name, hidden_size=hidden,
+                                       intermediate_size=intermediate, num_heads=heads, num_kv_heads=kv_heads,
+                                       head_dim=head_dim, architecture=architecture,
+                                       attention_bias=architecture == "qwen2")
+
+
+# from each model's config.json (hidden, intermediate, heads, kv heads, head dim)
+SHAPES = {
+    "random-smollm2-135m": RANDOM["random-smollm2-135m"],  # head dim 64, GQA 3
+    "llama-3-8b": _shape("llama-3-8b", 4096, 14336, 32, 8, 128),  # head dim 128, GQA 4
+    "qwen2-0.5b": _shape("qwen2-0.5b", 896, 4864, 14, 2, 64, "qwen2"),  # head dim 64, GQA 7
+    "qwen2-7b": _shape("qwen2-7b", 3584, 18944, 28, 4, 128, "qwen2"),  # head dim 128, GQA 7
+    # no Llama or Qwen2 model has it, but the attention kernel has a branch for it (BLOCK_N 32)
+    "head-dim-256": _shape("head-dim-256", 3072, 24576, 16, 8, 256),
+}
 
 
 def compile_kernel(fn, signature: dict, constexprs: dict, arch: int, **options):
@@ -56,11 +82,12 @@ def cases(cfg, dtype):
     norm_sig = dict(X=p, R=p, W=p, Y=p, ROWS="*i64", stride_x=i32, stride_r=i32, stride_y=i32, n_cols=i32, eps="fp32")
     block = triton.next_power_of_2(cfg.hidden_size)
     for has_x, has_rows in ((True, False), (False, False), (True, True)):
-        yield (add_norm_triton._add_rms_norm_kernel, norm_sig, dict(HAS_X=has_x, HAS_ROWS=has_rows, BLOCK=block),
+        sig = dict(norm_sig, ROWS="*i64" if has_rows else p)  # without rows the caller passes the residual
+        yield (add_norm_triton._add_rms_norm_kernel, sig, dict(HAS_X=has_x, HAS_ROWS=has_rows, BLOCK=block),
                dict(num_warps=4 if block <= 2048 else 8))
     strides = ("stride_qt stride_qh stride_kt stride_kh stride_vt stride_vh stride_kct stride_kch stride_vct "
                "stride_vch stride_c").split()
-    rot_sig = dict(Q=p, K=p, V=p, KC=p, VC=p, POS="*i64", SLOT="*i64", COS="*fp32", SIN="*fp32", **{s: i32 for s in strides})
+    rot_sig = dict(Q=p, K=p, V=p, KC=p, VC=p, POS="*i64", SLOT="*i64", COS=p, SIN=p, **{s: i32 for s in strides})
     half = cfg.head_dim // 2
     yield (rotary_kv_triton._rotary_kv_kernel, rot_sig,
            dict(HEADS=cfg.num_heads, KV_HEADS=cfg.num_kv_heads, HALF=half, BLOCK=triton.next_power_of_2(half)),
@@ -87,24 +114,51 @@ def cases(cfg, dtype):
                {k: v for k, v in launch.items() if not k.startswith("BLOCK")})
 
 
+def unique_cases(shapes, dtypes) -> list[tuple[str, torch.dtype, tuple]]:
+    """(shape name, dtype, case) for each distinct compilation of cases() over shapes × dtypes
+    (a kernel whose constexprs and launch are the same for two shapes compiles once)."""
+    seen, out = set(), []
+    for dtype in dtypes:
+        for name in shapes:
+            for case in cases(SHAPES[name](), dtype):
+                fn, sig, consts, options = case
+                key = (fn, tuple(sig.items()), repr(sorted(consts.items())), tuple(sorted(options.items())))
+                if key not in seen:
+                    seen.add(key)
+                    out.append((name, dtype, case))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (H100/H200)")
-    ap.add_argument("--model", default="random-smollm2-135m", choices=sorted(RANDOM))
+    ap.add_argument("--model", default="random-smollm2-135m", choices=[*SHAPES, "all"],
+                    help="whose shapes (all: every one of SHAPES, each distinct compilation once)")
+    ap.add_argument("--dtype", nargs="+", default=["bfloat16", "float32"], choices=list(DTYPES))
+    ap.add_argument("--no-usage", action="store_true", help="compile only (no cuobjdump)")
     args = ap.parse_args(argv)
     from slipstream.provenance import header, provenance
 
-    cfg = RANDOM[args.model]()
+    shapes = list(SHAPES) if args.model == "all" else [args.model]
     print(header(provenance()))
-    print(f"sm_{args.arch}, shapes of {args.model}\n")
-    print("| kernel | dtype | constexprs | launch | registers | stack (spill) bytes | shared bytes |")
-    print("|---|---|---|---|---:|---:|---:|")
-    for dtype in (torch.bfloat16, torch.float32):
-        for fn, sig, consts, options in cases(cfg, dtype):
-            shown = {k: v for k, v in consts.items() if k not in ("DOT_DTYPE", "PRECISION")}
-            usage = resource_usage(compile_kernel(fn, sig, consts, args.arch, **options))
-            print(f"| `{fn.__name__}` | {str(dtype)[6:]} | {shown} | {options} | {usage} |", flush=True)
-    return 0
+    print(f"sm_{args.arch}, triton {triton.__version__}, shapes of {', '.join(shapes)}\n")
+    print("| kernel | shapes of | dtype | constexprs | launch | registers | stack (spill) bytes | shared bytes |")
+    print("|---|---|---|---|---|---:|---:|---:|")
+    failed = 0
+    todo = unique_cases(shapes, [DTYPES[d] for d in args.dtype])
+    for name, dtype, (fn, sig, consts, options) in todo:
+        shown = {k: v for k, v in consts.items() if k not in ("DOT_DTYPE", "PRECISION")}
+        try:
+            compiled = compile_kernel(fn, sig, consts, args.arch, **options)
+            if not compiled.asm["cubin"] or compiled.metadata.shared > SHARED_LIMIT:
+                raise RuntimeError(f"no cubin, or {compiled.metadata.shared} bytes of shared memory")
+            usage = f"? | ? | {compiled.metadata.shared}" if args.no_usage else resource_usage(compiled)
+        except Exception as e:  # noqa: BLE001 - list every case that fails, then fail
+            failed += 1
+            usage = f"FAILED: {str(e).strip().splitlines()[0] if str(e).strip() else repr(e)} | | "
+        print(f"| `{fn.__name__}` | {name} | {str(dtype)[6:]} | {shown} | {options} | {usage} |", flush=True)
+    print(f"\n{len(todo) - failed} of {len(todo)} compiled for sm_{args.arch} with triton {triton.__version__}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

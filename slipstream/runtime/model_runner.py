@@ -131,8 +131,6 @@ class ModelRunner(SamplingLauncher):
         if mixed is not None:
             fill_static(arena, packed, mixed[0])
             cache, hit = self.mixed_graphs, mixed
-        if hit is not None:
-            cache.replays[slot.index, hit[0]] += 1
         arena.upload()
         updates, rows, tensors = arena.updates(lay), self.rows, arena.tensors(lay)
         slot.sample_rows = tensors.sample_rows
@@ -140,6 +138,7 @@ class ModelRunner(SamplingLauncher):
         if hit is not None:
             graph, sampled_in_graph = hit[1], slot.sampled_in_graph
             self._check_other_slots_sampled(slot)
+            cache.replays[slot.index, hit[0]] += 1
 
             def forward() -> None:
                 if self.faults is not None:

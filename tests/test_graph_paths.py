@@ -70,8 +70,8 @@ def run(reqs, graphs, depth=2, inspect=None, **kw):
 
 @needs_triton
 def test_logits_sampled_after_replays_in_both_slots_equal_eager(shared_pool_graphs):
-    """Rows with logprobs or seeded random sampling replay decode graphs and sample eagerly; plain
-    greedy rows replay greedy graphs. (Mutant: a greedy graph for any row set, ignoring the rows'
+    """Rows with logprobs or seeded random sampling replay decode graphs (never greedy ones) and
+    sample eagerly. (Mutant: a greedy graph for any row set, ignoring the rows'
     flags, loses the logprobs and the random draws.)"""
     reqs = [(p, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=True)) for p in SHORT[:2]]
     reqs += [(p, SamplingParams(max_tokens=5, temperature=0.9, top_k=30, seed=i, ignore_eos=True))
@@ -81,11 +81,7 @@ def test_logits_sampled_after_replays_in_both_slots_equal_eager(shared_pool_grap
     assert tokens(graphed) == tokens(eager)
     for g, w in zip(graphed[:2], eager[:2]):
         np.testing.assert_allclose(g.logprobs, w.logprobs, rtol=0, atol=1e-5)
-    assert {slot for slot, _ in runner.graphs.replays} == {0, 1}
-    plain = [(p, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)) for p in SHORT[:4]]
-    graphed, runner, _ = run(plain, graphs=True)
-    assert tokens(graphed) == tokens(run(plain, graphs=False)[0])
-    assert sum(runner.greedy_graphs.replays.values()) > 0 and not runner.graphs.replays
+    assert {slot for slot, _ in runner.graphs.replays} == {0, 1} and not runner.greedy_graphs.replays
 
 
 @needs_triton

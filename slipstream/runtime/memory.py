@@ -42,7 +42,7 @@ def kv_pages_for_memory(free_bytes: int, utilization: float, bytes_per_page: int
 
 
 # Peak temporaries of eagerly sampling one [n, V] group with every feature on (penalties, mask,
-# min_tokens, min_p, top-k/top-p sort, the int64 hash noise, logprobs), in bytes per logit: 44
+# min_tokens, min_p, top-k/top-p sort, the int64 hash noise, logprobs), in bytes per logit: 45
 # measured on the CPU (tests/test_memory_budget.py), with room for the GPU sort's double buffers.
 SAMPLING_BYTES_PER_LOGIT = 64
 

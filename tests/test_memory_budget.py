@@ -118,3 +118,60 @@ def test_kv_sizing_subtracts_the_reserve_and_names_it_when_nothing_fits():
     assert kv_pages_for_memory(10_000, 0.5, 100, 1, reserved_bytes=4_000) == 30
     with pytest.raises(InvalidRequestError, match="reserved for graphs and sampling"):
         kv_pages_for_memory(10_000, 0.9, 100, 2, reserved_bytes=12_000)
+
+
+def test_engine_kv_sizing_subtracts_the_reserve_and_logs_it(monkeypatch):
+    """assemble.kv_pages on a CUDA-kind device (the profiling forward stubbed): the reserve for this
+    config is taken off the free memory before gpu_memory_utilization applies."""
+    import structlog
+
+    from slipstream.api import assemble
+    from slipstream.models.config import smollm2_135m_config
+    from slipstream.runtime import memory
+
+    mcfg = smollm2_135m_config()
+    cfg = EngineConfig(model="random-smollm2-135m", device="cuda", dtype="bfloat16", max_batch_size=256,
+                       max_num_batched_tokens=512)
+    free = 40 * 2**30
+    monkeypatch.setattr(memory, "profile_free_memory", lambda *a: free)
+    device = types.SimpleNamespace(kind="cuda")
+    with structlog.testing.capture_logs() as logs:
+        pages = assemble.kv_pages(cfg, None, mcfg, device, max_model_len=8192)
+    r = engine_reserve(cfg, mcfg, torch.bfloat16)
+    per_page = memory.kv_bytes_per_page(mcfg, cfg.page_size, torch.bfloat16)
+    assert pages == int((free - r.total) * 0.9) // per_page
+    assert r.decode_graph_logits > 800 * 2**20  # 256 rows x 49k vocabulary: 0.86 GB of decode graph logits alone
+    logged = next(e for e in logs if e["event"] == "memory_reserved_before_kv")
+    assert logged["total"] == round(r.total / 2**30, 3) and logged["decode_graph_logits"] == 0.802  # GiB
+
+
+@pytest.mark.cuda
+def test_cuda_reserve_covers_the_measured_graph_and_sampling_memory():
+    """On a GPU: the pool growth warmup logs for all graphs, and the peak a sampled workload of
+    max_batch_size rows adds, stay within the parts of the reserve that predict them."""
+    import structlog
+
+    from slipstream.models.config import smollm2_135m_config
+
+    cfg = EngineConfig(model="random-smollm2-135m", device="cuda", dtype="bfloat16", max_batch_size=32,
+                       max_num_batched_tokens=128, kv_cache_tokens=8192, page_size=16)
+    r = engine_reserve(cfg, smollm2_135m_config(), torch.bfloat16)
+    params = [SamplingParams(max_tokens=8, temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, seed=i,
+                             presence_penalty=0.5, min_tokens=2, logprobs=True, top_logprobs=5, ignore_eos=True)
+              for i in range(32)]
+
+    async def run():
+        async with Engine(cfg) as engine:
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            await asyncio.gather(*(engine.complete([5 + i, 6, 7], p) for i, p in enumerate(params)))
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated() - base
+
+    with structlog.testing.capture_logs() as logs:
+        peak = asyncio.run(run())
+    grown = sum(e["reserved_gib"] for e in logs if e["event"] == "cuda_graphs_memory") * 2**30
+    graphs = r.decode_graph_logits + r.greedy_graph_ids + r.mixed_graph_logits + r.graph_temporaries
+    assert 0 < grown <= graphs + 64 * 2**20  # (+ the allocator's segment rounding)
+    assert peak <= r.sampling + r.eager_logits + r.history + 64 * 2**20, (peak, r.gib())

@@ -106,3 +106,25 @@ def test_history_tables_are_allocated_on_the_compute_stream(monkeypatch):
     outs = asyncio.run(_complete([SamplingParams(max_tokens=4, temperature=0.0, frequency_penalty=0.5)] * 2))
     assert all(len(o.token_ids) == 4 for o in outs)
     assert where == ["slipstream-compute"]
+
+
+def test_a_preempted_penalised_request_is_readmitted_with_its_output_so_far():
+    """The recompute after a preemption re-admits the row from the prompt and the output so far (the
+    staged array carries both): penalised outputs equal the run without preemption. (Mutant: the
+    staged outputs dropped at admission.)"""
+    import msgspec
+
+    from test_engine_tiny import mixed_requests
+
+    reqs = [(p, msgspec.structs.replace(sp, max_tokens=20, temperature=0.0, stop=None, stop_token_ids=None,
+                                        frequency_penalty=0.7 if i % 2 == 0 else 0.0))
+            for i, (p, sp, _) in enumerate(mixed_requests(12, seed=3))]
+
+    async def run(**kw):
+        async with Engine(EngineConfig(**{**CFG, "batch_invariant": True, **kw})) as engine:
+            outs = await asyncio.gather(*(engine.complete(p, sp) for p, sp in reqs))
+            return [o.token_ids for o in outs], engine._parts.loop.planner.num_preemptions
+
+    want, _ = asyncio.run(run())
+    got, preemptions = asyncio.run(run(kv_cache_tokens=160))
+    assert preemptions > 0 and got == want

@@ -59,7 +59,10 @@ def test_depth2_equals_depth1_on_gpu_64_mixed_requests():
     d1, _ = asyncio.run(_complete_all(cuda_cfg(1), reqs))
     d2, engine = asyncio.run(_complete_all(cuda_cfg(2), reqs))
     assert d2 == d1
-    assert engine._parts.runner.graphs.graphs  # decode steps did replay graphs
+    runner = engine._parts.runner  # (warmup captured every bucket: count the replays, not the graphs)
+    decode_steps = runner.graphs.replays + runner.greedy_graphs.replays
+    assert {slot for slot, _ in decode_steps} == {0, 1} and sum(decode_steps.values()) >= 20
+    assert sum(runner.mixed_graphs.replays.values()) > 0
 
 
 def _hf_twin(dtype):
@@ -136,25 +139,59 @@ def test_graph_replay_equals_eager_forward():
     asyncio.run(run())
 
 
+def _no_sync_workload():
+    """Greedy rows, and one row of each path that moves data between host and device differently:
+    seeded random sampling with top-k/top-p/min_p, penalties and min_tokens (history admission),
+    logprobs and top_logprobs < 20 on several rows (the copy-back), a grammar row (mask upload,
+    late sampling)."""
+    from test_cuda_paths import _Alternating
+
+    from slipstream.grammar import GrammarSpec, register_grammar, unregister_grammar
+
+    try:
+        register_grammar("alternating", _Alternating)
+    except ValueError:  # registered by an earlier test of this process
+        pass
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    special = [SamplingParams(max_tokens=24, temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, seed=7, ignore_eos=True),
+               SamplingParams(max_tokens=24, temperature=0.0, presence_penalty=1.0, repetition_penalty=1.2,
+                              ignore_eos=True),
+               SamplingParams(max_tokens=24, temperature=0.0, min_tokens=4, stop_token_ids=[5]),
+               SamplingParams(max_tokens=24, temperature=0.0, logprobs=True, top_logprobs=3, ignore_eos=True),
+               SamplingParams(max_tokens=24, temperature=0.0, logprobs=True, top_logprobs=5, ignore_eos=True),
+               SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                              grammar=GrammarSpec("alternating", "x"))]
+    return [greedy] * 2 + special, lambda: unregister_grammar("alternating")
+
+
 @pytest.mark.cuda
-def test_steady_state_tick_has_no_hidden_sync_and_no_device_allocation():
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "every-sampling-path"])
+def test_steady_state_tick_has_no_hidden_sync_and_no_device_allocation(sampled):
     prompts = [[3 + i] * 6 for i in range(8)]
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)] * 8
+    done = lambda: None  # noqa: E731
+    if sampled:
+        params, done = _no_sync_workload()
 
     async def run():
         async with Engine(cuda_cfg()) as engine:
-            await asyncio.gather(*(engine.complete(p, params) for p in prompts))  # warm every shape once
+            await asyncio.gather(*(engine.complete(p, sp) for p, sp in zip(prompts, params)))  # warm every shape once
             allocs = torch.cuda.memory_stats().get("num_device_alloc")
             torch.cuda.set_sync_debug_mode("error")  # any synchronising call in the loop now raises
             try:
-                outs = await asyncio.gather(*(engine.complete(p, params) for p in prompts))
+                outs = await asyncio.gather(*(engine.complete(p, sp) for p, sp in zip(prompts, params)))
             finally:
                 torch.cuda.set_sync_debug_mode(0)
-            assert all(len(o.token_ids) == 24 for o in outs)
+            assert all(len(o.token_ids) >= 4 for o in outs) and len(outs[0].token_ids) == 24
+            if sampled:
+                assert [len(a) for a in outs[5].top_logprobs] == [3] * 24
             if allocs is not None:
                 assert torch.cuda.memory_stats()["num_device_alloc"] == allocs
 
-    asyncio.run(run())
+    try:
+        asyncio.run(run())
+    finally:
+        done()
 
 
 @pytest.mark.cuda

@@ -182,9 +182,8 @@ def test_reset_rows_clears_what_the_previous_owner_left():
     counts = torch.ones(4, V, dtype=torch.int32)
     prompt_mask = torch.ones(4, V, dtype=torch.bool)
     stop_mask = torch.ones(4, V, dtype=torch.bool)
-    p_ids, p_rows = flat_rows([2], [[3, 3, 5]])
-    o_ids, o_rows = flat_rows([2], [[8, 8, 8]])
-    s_ids, s_rows = flat_rows([2], [[0]])
+    p_ids, p_rows, o_ids, o_rows, s_ids, s_rows = (torch.from_numpy(a) for lists in ([[3, 3, 5]], [[8, 8, 8]], [[0]])
+                                                   for a in flat_rows([2], lists))
     reset_rows(counts, prompt_mask, stop_mask, torch.tensor([2]), p_ids, p_rows, o_ids, o_rows, s_ids, s_rows)
     assert counts[2].sum().item() == 3 and counts[2, 8].item() == 3
     assert prompt_mask[2].nonzero().flatten().tolist() == [3, 5]

@@ -44,12 +44,14 @@ def kv_pages(config: EngineConfig, model, mcfg, device, max_model_len: int) -> i
     """Pages in the pool, the scratch page included: from kv_cache_tokens, or from free GPU memory."""
     if config.kv_cache_tokens is not None or device.kind != "cuda":
         return ceil_div(config.kv_cache_tokens or CPU_KV_TOKENS, config.page_size) + 1
-    from slipstream.runtime.memory import kv_bytes_per_page, kv_pages_for_memory, profile_free_memory
+    from slipstream.runtime.memory import engine_reserve, kv_bytes_per_page, kv_pages_for_memory, profile_free_memory
 
     dtype = DTYPES[config.dtype]
     free = profile_free_memory(model, mcfg, device, config.max_num_batched_tokens, config.page_size, dtype)
+    reserve = engine_reserve(config, mcfg, dtype)  # graphs, sampling and tables come after the KV pool
+    log.info("memory_reserved_before_kv", **reserve.gib())
     return kv_pages_for_memory(free, config.gpu_memory_utilization, kv_bytes_per_page(mcfg, config.page_size, dtype),
-                               min_pages=ceil_div(max_model_len, config.page_size) + 1)
+                               min_pages=ceil_div(max_model_len, config.page_size) + 1, reserved_bytes=reserve.total)
 
 
 def assemble(config: EngineConfig) -> EngineParts:

@@ -15,6 +15,7 @@ that must survive while the other slot's step runs.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Generic, TypeVar
 
@@ -50,6 +51,7 @@ class GraphCache(Generic[G]):
         self.graphs: dict[tuple[int, int], G] = {}
         self.oversize_warned = False
         self.eager_steps = 0  # steps too large for any bucket
+        self.replays: Counter[tuple[int, int]] = Counter()  # steps the runner replayed, by (slot, bucket)
 
     def warmup(self) -> float:
         """Capture every (slot, bucket), largest first so the shared pool is sized once. Returns seconds."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
+import numpy as np
 import torch
 
 NEG_INF = float("-inf")
@@ -130,13 +131,12 @@ def reset_rows(output_counts: torch.Tensor, prompt_mask: torch.Tensor, stop_mask
     record_sampled(output_counts, output_rows, output_ids)
 
 
-def flat_rows(rows: list[int], token_lists: list[list[int]], device: torch.device | str = "cpu"
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Host helper for reset_rows: ([ids...], [row of each id...]) as int64 tensors on `device`."""
-    ids = [t for tokens in token_lists for t in tokens]
-    owner = [r for r, tokens in zip(rows, token_lists) for _ in tokens]
-    return (torch.tensor(ids, dtype=torch.int64, device=device),
-            torch.tensor(owner, dtype=torch.int64, device=device))
+def flat_rows(rows: list[int], token_lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Host helper for reset_rows: ([ids...], [row of each id...]) as int64 arrays (the caller
+    uploads them without a blocking copy: HistoryTables.admit)."""
+    ids = np.fromiter((t for tokens in token_lists for t in tokens), np.int64)
+    owner = np.repeat(np.asarray(rows, np.int64), [len(tokens) for tokens in token_lists])
+    return ids, owner
 
 
 def process_logits(logits: torch.Tensor, flags: ProcessFlags, output_counts: torch.Tensor, prompt_mask: torch.Tensor,

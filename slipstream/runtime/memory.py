@@ -2,15 +2,19 @@
 
 Order at start: weights are loaded, then one profiling forward of the largest step the planner
 can emit (max_num_batched_tokens prompt tokens) runs on a throwaway cache, so the allocator
-reserves its peak activations. What the driver still reports free after that is the budget:
-`utilization` of it goes to KV pages; the rest stays for graphs and fragmentation.
+reserves its peak activations. What the driver still reports free after that, less what the
+graphs, sampling and the runner's tables will take (`RuntimeReserve`, all allocated after the KV
+pool), is the budget: `utilization` of it goes to KV pages; the rest stays for fragmentation.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass, fields
 
 import structlog
 import torch
 
 from slipstream.errors import InvalidRequestError
+from slipstream.grammar.bitmask import words_for
 from slipstream.intmath import ceil_div
 from slipstream.models.attention import AttentionMetadata, DeviceAttentionMetadata
 from slipstream.models.llama import ForwardBatch, KVCache
@@ -23,15 +27,71 @@ def kv_bytes_per_page(config, page_size: int, dtype: torch.dtype) -> int:
     return 2 * config.num_layers * page_size * config.num_kv_heads * config.head_dim * dtype.itemsize
 
 
-def kv_pages_for_memory(free_bytes: int, utilization: float, bytes_per_page: int, min_pages: int) -> int:
-    """Pages (the scratch page included) that fit in `utilization` of `free_bytes`."""
-    pages = int(free_bytes * utilization) // bytes_per_page
+def kv_pages_for_memory(free_bytes: int, utilization: float, bytes_per_page: int, min_pages: int,
+                        reserved_bytes: int = 0) -> int:
+    """Pages (the scratch page included) that fit in `utilization` of `free_bytes` less `reserved_bytes`
+    (what graphs and sampling take later: RuntimeReserve)."""
+    pages = max(0, int((free_bytes - reserved_bytes) * utilization) // bytes_per_page)
     if pages < min_pages:
         raise InvalidRequestError(
-            f"KV cache: {free_bytes / GiB:.2f} GiB free x gpu_memory_utilization {utilization} holds {pages} "
-            f"pages of {bytes_per_page} bytes, fewer than the {min_pages} one longest request needs; "
-            "raise gpu_memory_utilization or lower max_model_len")
+            f"KV cache: {free_bytes / GiB:.2f} GiB free, less {reserved_bytes / GiB:.2f} GiB reserved for graphs and "
+            f"sampling, x gpu_memory_utilization {utilization} holds {pages} pages of {bytes_per_page} bytes, fewer "
+            f"than the {min_pages} one longest request needs; raise gpu_memory_utilization, lower max_model_len, "
+            "or lower max_batch_size / the graph buckets")
     return pages
+
+
+# Peak temporaries of eagerly sampling one [n, V] group with every feature on (penalties, mask,
+# min_tokens, min_p, top-k/top-p sort, the int64 hash noise, logprobs), in bytes per logit: 45
+# measured on the CPU (tests/test_memory_budget.py), with room for the GPU sort's double buffers.
+SAMPLING_BYTES_PER_LOGIT = 64
+
+
+@dataclass(frozen=True)
+class RuntimeReserve:
+    """Device bytes the runner allocates after the KV pool is sized (see `runtime_reserve`)."""
+
+    decode_graph_logits: int  # each (slot, bucket) decode graph keeps its [bucket, V] fp32 logits
+    greedy_graph_ids: int  # each greedy decode graph keeps its [bucket] ids
+    mixed_graph_logits: int  # each (slot, token bucket) mixed graph keeps [min(T, S), V] fp32 logits
+    graph_temporaries: int  # the graph pool's scratch: the largest graph's lm_head output in the
+    #                         model dtype and the greedy graph's fp32 logits, plus its activations
+    eager_logits: int  # the logits of eager steps, one per slot in flight: [S, V] fp32 (+ model dtype)
+    sampling: int  # one sampling group of S rows (SAMPLING_BYTES_PER_LOGIT)
+    history: int  # HistoryTables: R x V int32 + 2 bool (penalties, min_tokens)
+    slot_buffers: int  # DecodeSlot device buffers: sampled ids, logprobs, top_logprobs, groups, masks
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+    def gib(self) -> dict[str, float]:
+        return {f.name: round(getattr(self, f.name) / GiB, 3) for f in fields(self)} | {"total": round(self.total / GiB, 3)}
+
+
+def runtime_reserve(config, vocab_size: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
+                    decode_buckets: list[int], token_buckets: list[int]) -> RuntimeReserve:
+    """What graphs, sampling and the runner's tables need beyond the weights, the KV pool and the
+    profiled forward. `config`: the EngineConfig (max_batch_size, pipeline_depth, cuda_graphs,
+    mixed_graphs); the bucket lists as the graph caches build them (empty: no such graphs)."""
+    from slipstream.runtime.decode_slot import MAX_GROUPS, MAX_TOP
+
+    V, S, slots = vocab_size, config.max_batch_size + 1, config.pipeline_depth  # S: the runner's rows
+    model_logits = 0 if dtype == torch.float32 else dtype.itemsize  # the lm_head's output before .float()
+    decode = decode_buckets if config.cuda_graphs else []
+    mixed = token_buckets if config.cuda_graphs and config.mixed_graphs else []
+    graph_rows = max([*decode, *(min(t, S) for t in mixed)], default=0)
+    graph_tokens = max([*decode, *mixed], default=0)
+    return RuntimeReserve(
+        decode_graph_logits=slots * sum(decode) * V * 4,
+        greedy_graph_ids=slots * sum(decode) * 8,
+        mixed_graph_logits=slots * sum(min(t, S) for t in mixed) * V * 4,
+        graph_temporaries=graph_rows * V * (4 + model_logits)
+        + graph_tokens * (4 * hidden_size + 3 * intermediate_size) * dtype.itemsize,
+        eager_logits=slots * S * V * (4 + model_logits),
+        sampling=S * V * SAMPLING_BYTES_PER_LOGIT,
+        history=S * V * 6,
+        slot_buffers=slots * (8 + S * (8 + 4 + MAX_TOP * 12 + MAX_GROUPS * (8 + 4 * words_for(V)))))
 
 
 def profile_free_memory(model, config, device, num_tokens: int, page_size: int, dtype: torch.dtype) -> int:
@@ -54,3 +114,11 @@ def profile_free_memory(model, config, device, num_tokens: int, page_size: int, 
     log.info("memory_profiled", tokens=n, peak_gib=round(torch.cuda.max_memory_allocated(dev) / GiB, 2),
              free_gib=round(free / GiB, 2))
     return free
+
+
+def engine_reserve(config, mcfg, dtype: torch.dtype) -> RuntimeReserve:
+    """runtime_reserve for an EngineConfig and a model config, with the engine's own buckets."""
+    from slipstream.runtime.buckets import make_buckets, token_buckets
+
+    return runtime_reserve(config, mcfg.vocab_size, mcfg.hidden_size, mcfg.intermediate_size, dtype,
+                           make_buckets(*config.buckets()), token_buckets(*config.token_bucket_range()))

@@ -119,16 +119,18 @@ class ModelRunner(SamplingLauncher):
         slot.num_samples = packed.num_samples
         arena = self.arenas[slot.index]
         self.rows.mirror(packed)
-        hit = self.graphs.lookup(slot.index, packed.num_decode) if self._graphable(packed) else None
+        cache = self.graphs
+        hit = cache.lookup(slot.index, packed.num_decode) if self._graphable(packed) else None
         if hit is not None and unmasked and self.greedy_graphs is not None \
                 and self.rows.group_flags(packed.sample_rows) == 0:
-            hit = self.greedy_graphs.lookup(slot.index, packed.num_decode)  # (same buckets: never None)
+            cache = self.greedy_graphs
+            hit = cache.lookup(slot.index, packed.num_decode)  # (same buckets: never None)
             slot.sampled_in_graph = True
         mixed = self._mixed_graph(slot, packed) if self._mixed_graphable(packed) else None
         lay = arena.fill(packed, pad_decode=hit[0] if hit is not None else 0)
         if mixed is not None:
             fill_static(arena, packed, mixed[0])
-            hit = mixed
+            cache, hit = self.mixed_graphs, mixed
         arena.upload()
         updates, rows, tensors = arena.updates(lay), self.rows, arena.tensors(lay)
         slot.sample_rows = tensors.sample_rows
@@ -136,6 +138,7 @@ class ModelRunner(SamplingLauncher):
         if hit is not None:
             graph, sampled_in_graph = hit[1], slot.sampled_in_graph
             self._check_other_slots_sampled(slot)
+            cache.replays[slot.index, hit[0]] += 1
 
             def forward() -> None:
                 if self.faults is not None:

@@ -9,7 +9,9 @@
 and host mirrors of what a launch decides from (which rows are random, penalised, ...), so the
 host chooses a sampling group's kernels with one vectorised lookup, never a loop over rows.
 
-`HistoryTables` (allocated when the first row needs them: R × V × 6 bytes):
+`HistoryTables` (allocated when the first row needs them, R × V × 6 bytes, inside the step's
+apply on the compute stream: created outside it, the zero-fill would run on the legacy default
+stream, which the engine's non-blocking streams do not wait for):
   output_counts [R, V] int32   tokens sampled so far (presence / frequency / repetition penalties)
   prompt_mask   [R, V] bool    tokens of the prompt (repetition)
   stop_mask     [R, V] bool    EOS and stop_token_ids (min_tokens)
@@ -22,6 +24,7 @@ import numpy as np
 import torch
 
 from slipstream.runtime.batch import SCRATCH_ROW, PackedStep
+from slipstream.runtime.host_copy import upload_array
 from slipstream.runtime.logits_process import flat_rows, record_sampled, reset_rows
 from slipstream.runtime.staging import FLOAT_PARAMS, INT_PARAMS, RowUpdates
 
@@ -56,8 +59,6 @@ class RowTables:
                                  | (PENALIZED if s.penalized else 0) | (MIN_TOKENS if s.min_tokens > 0 else 0)
                                  | (MIN_P if random and s.min_p > 0 else 0) | (TOP_LOGPROBS if s.top_logprobs > 0 else 0))
             self.top_logprobs[w.row] = s.top_logprobs
-            if w.history is not None and self.history is None:
-                self.history = HistoryTables(self.max_rows, self.vocab_size, self.device)
 
     def group_flags(self, rows: np.ndarray) -> int:
         """The OR of the rows' flag bits."""
@@ -76,6 +77,8 @@ class RowTables:
                 self.floats[name].index_copy_(0, rows, values)
         rebuild = [w for w in packed.chunks if w.history is not None]
         if rebuild:
+            if self.history is None:  # here, on the compute stream: its zero-fill is ordered before every use
+                self.history = HistoryTables(self.max_rows, self.vocab_size, self.device)
             self.history.rebuild(rebuild)
 
     def kv_slots(self, token_rows: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -107,11 +110,14 @@ class HistoryTables:
 
     def admit(self, rows: list[int], prompts: list[list[int]], outputs: list[list[int]],
               stops: list[list[int]]) -> None:
-        """Rows taken by sequences: cleared, then filled from their prompts, outputs so far, stop ids."""
-        p_ids, p_rows = flat_rows(rows, prompts, self.device)
-        o_ids, o_rows = flat_rows(rows, outputs, self.device)
-        s_ids, s_rows = flat_rows(rows, stops, self.device)
-        index = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        """Rows taken by sequences: cleared, then filled from their prompts, outputs so far, stop ids.
+        Everything travels in one array, staged in pinned memory and copied on the current (compute)
+        stream without blocking the host (host_copy.upload_array)."""
+        parts = [np.asarray(rows, np.int64)]
+        for lists in (prompts, outputs, stops):
+            parts += flat_rows(rows, lists)
+        flat = upload_array(np.concatenate(parts), self.device)
+        index, p_ids, p_rows, o_ids, o_rows, s_ids, s_rows = flat.split([len(p) for p in parts])
         reset_rows(self.output_counts, self.prompt_mask, self.stop_mask, index, p_ids, p_rows, o_ids, o_rows,
                    s_ids, s_rows)
 

@@ -12,6 +12,7 @@ import numpy as np
 from slipstream.errors import PipelineInvariantError
 from slipstream.runtime.batch import PackedStep
 from slipstream.runtime.decode_slot import DecodeSlot
+from slipstream.runtime.host_copy import copy_to_device, copy_to_host
 from slipstream.runtime.logits_process import (ProcessFlags, apply_penalties, min_p_filter, suppress_stop_tokens,
                                                top_logprobs)
 from slipstream.runtime.row_tables import FILTERED, LOGPROBS, MIN_P, MIN_TOKENS, PENALIZED, RANDOM, TOP_LOGPROBS
@@ -111,11 +112,11 @@ class SamplingLauncher:
 
         def copy_out() -> None:
             if n:
-                slot.host_sampled_and_stamp.copy_(slot.sampled_and_stamp, non_blocking=True)
-                slot.host_logprobs[:n].copy_(slot.logprobs[:n], non_blocking=True)
-                if top:
-                    slot.host_top_values[:n, :top].copy_(slot.top_values[:n, :top], non_blocking=True)
-                    slot.host_top_ids[:n, :top].copy_(slot.top_ids[:n, :top], non_blocking=True)
+                copy_to_host(slot.host_sampled_and_stamp, slot.sampled_and_stamp)
+                copy_to_host(slot.host_logprobs[:n], slot.logprobs[:n])
+                if top:  # whole rows: [:n, :top] would be a strided view (host_copy.py)
+                    copy_to_host(slot.host_top_values[:n], slot.top_values[:n])
+                    copy_to_host(slot.host_top_ids[:n], slot.top_ids[:n])
 
         copy.launch(copy_out, "d2h")
         slot.copy_done = copy.record()
@@ -126,9 +127,9 @@ class SamplingLauncher:
         upload = self.device.upload
 
         def h2d() -> None:
-            slot.group_dev[g, :k].copy_(slot.group_host[g, :k], non_blocking=True)
+            copy_to_device(slot.group_dev[g, :k], slot.group_host[g, :k])
             if masked:
-                slot.mask_dev[g, :k].copy_(slot.mask_host[g, :k], non_blocking=True)
+                copy_to_device(slot.mask_dev[g, :k], slot.mask_host[g, :k])
 
         upload.launch(h2d, "h2d")
         self.device.compute.wait(upload.record())

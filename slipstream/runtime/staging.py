@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from slipstream.runtime.batch import PackedStep
+from slipstream.runtime.host_copy import copy_to_device
 from slipstream.runtime.static_step import static_regions
 
 INT_PARAMS = ("top_k", "seed", "output_index", "logprobs", "min_tokens")
@@ -171,11 +172,11 @@ class StepArena:
         lo, hi = self._static_range if self._static_used else (0, 0)
 
         def h2d() -> None:
-            self.dev[:n].copy_(self.host[:n], non_blocking=True)
+            copy_to_device(self.dev[:n], self.host[:n])
             if hi:
-                self.dev[lo:hi].copy_(self.host[lo:hi], non_blocking=True)
+                copy_to_device(self.dev[lo:hi], self.host[lo:hi])
             if nf:
-                self.dev_f[:nf].copy_(self.host_f[:nf], non_blocking=True)
+                copy_to_device(self.dev_f[:nf], self.host_f[:nf])
 
         self.device.upload.launch(h2d, "h2d")
         self.device.compute.wait(self.device.upload.record())

@@ -1,0 +1,177 @@
+"""The memory reserved before KV sizing (runtime/memory.py: runtime_reserve) against the buffers it
+predicts, built by the real allocation code on the CPU: graph outputs from the capture path (with a
+stand-in capture that runs the forward once, as the real one does), slot buffers, history tables,
+and the measured peak temporaries of the real sampling launch."""
+import asyncio
+import types
+
+import pytest
+import torch
+from live_bytes import LiveBytes
+from test_mixed_graphs import needs_triton
+
+from slipstream import Engine, EngineConfig, SamplingParams
+from slipstream.errors import InvalidRequestError
+from slipstream.runtime import cuda_graphs
+from slipstream.runtime.decode_slot import DecodeSlot
+from slipstream.runtime.memory import SAMPLING_BYTES_PER_LOGIT, engine_reserve, kv_pages_for_memory
+from slipstream.runtime.row_tables import HistoryTables
+
+CFG = dict(model="tiny-random", max_batch_size=4, max_num_batched_tokens=48, kv_cache_tokens=1024, page_size=8,
+           graph_token_sizes=(16, 32))
+
+
+def _nbytes(*tensors):
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@needs_triton
+def test_graph_outputs_are_what_the_reserve_predicts(monkeypatch):
+    held = {"decode": [], "greedy": [], "mixed": []}
+
+    def stand_in(runner, device, pool, stage, forward=None):
+        tensors = stage()
+        kind = "mixed" if hasattr(tensors, "blocks") else "decode" if forward is None else "greedy"
+        out = (runner.forward_from if forward is None else forward)(tensors)  # the output a graph keeps
+        held[kind].append(out)
+        return types.SimpleNamespace(replay=lambda: out)
+
+    monkeypatch.setattr(cuda_graphs, "_capture", stand_in)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    cfg = EngineConfig(**CFG)
+
+    async def run():
+        async with Engine(cfg) as engine:
+            runner = engine._parts.runner
+            runner.model.set_kernel_backend("triton")
+            cuda_graphs.install_graphs(runner, engine._parts.device, cfg)
+            return engine._parts.model_config
+
+    mcfg = asyncio.run(run())
+    r = engine_reserve(cfg, mcfg, torch.float32)
+    assert len(held["decode"]) == len(held["greedy"]) == 2 * 3 and len(held["mixed"]) == 2 * 2  # buckets 1,2,4; 16,32
+    assert _nbytes(*held["decode"]) == r.decode_graph_logits
+    assert _nbytes(*held["greedy"]) == r.greedy_graph_ids
+    assert _nbytes(*held["mixed"]) == r.mixed_graph_logits
+    assert r.graph_temporaries >= max(_nbytes(t) for t in held["mixed"] + held["decode"])
+    off = engine_reserve(EngineConfig(**CFG, cuda_graphs=False), mcfg, torch.float32)
+    assert off.decode_graph_logits == off.mixed_graph_logits == off.graph_temporaries == 0
+    assert engine_reserve(EngineConfig(**CFG, mixed_graphs=False), mcfg, torch.float32).mixed_graph_logits == 0
+
+
+def test_slot_buffers_and_history_tables_are_what_the_reserve_predicts():
+    from slipstream.models.config import tiny_config
+
+    mcfg = tiny_config(vocab_size=1000)
+    cfg = EngineConfig(**CFG)
+    r = engine_reserve(cfg, mcfg, torch.bfloat16)
+    device = types.SimpleNamespace(torch_device=torch.device("cpu"), unified_memory=False,
+                                   host_buffer=lambda shape, dtype: torch.empty(shape, dtype=dtype))
+    rows = cfg.max_batch_size + 1  # what the runner allocates (row 0 is the scratch row)
+    slot = DecodeSlot(0, device, rows, mcfg.vocab_size)
+    on_device = _nbytes(slot.sampled_and_stamp, slot.logprobs, slot.top_values, slot.top_ids, slot.group_dev,
+                        slot.mask_dev)
+    assert r.slot_buffers == cfg.pipeline_depth * on_device
+    h = HistoryTables(rows, mcfg.vocab_size, "cpu")
+    assert r.history == _nbytes(h.output_counts, h.prompt_mask, h.stop_mask)
+    # bfloat16: the lm_head's output before .float() is one more [rows, V] in the graph pool and per eager step
+    f32 = engine_reserve(cfg, mcfg, torch.float32)
+    assert r.eager_logits - f32.eager_logits == cfg.pipeline_depth * rows * mcfg.vocab_size * 2
+
+
+def test_sampling_peak_temporaries_stay_under_the_reserved_bytes_per_logit(monkeypatch):
+    """The real launch_sampling of a group whose rows use every feature, measured on the compute
+    thread: its peak temporaries per logit are under SAMPLING_BYTES_PER_LOGIT, and not far under."""
+    peaks = []
+
+    async def run():
+        async with Engine(EngineConfig(**CFG, batch_invariant=False)) as engine:
+            compute = engine._parts.device.compute
+            launch = compute.launch
+
+            def measured(fn, label=""):
+                if label != "sample":
+                    return launch(fn, label)
+
+                def run_measured():
+                    with LiveBytes() as m:
+                        fn()
+                    peaks.append(m.peak)
+                return launch(run_measured, label)
+
+            monkeypatch.setattr(compute, "launch", measured)
+            params = [SamplingParams(max_tokens=4, temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, seed=i,
+                                     presence_penalty=0.5, frequency_penalty=0.2, repetition_penalty=1.1,
+                                     min_tokens=2, logprobs=True, top_logprobs=5, ignore_eos=True) for i in range(4)]
+            await asyncio.gather(*(engine.complete([5 + i, 6, 7], p) for i, p in enumerate(params)))
+            return engine._parts.model_config.vocab_size
+
+    vocab = asyncio.run(run())
+    per_logit = max(peaks) / (4 * vocab)  # the decode steps sample all 4 rows in one group
+    print(f"sampling peak: {per_logit:.1f} bytes per logit")
+    assert 0.5 * SAMPLING_BYTES_PER_LOGIT < per_logit <= SAMPLING_BYTES_PER_LOGIT, per_logit
+
+
+def test_kv_sizing_subtracts_the_reserve_and_names_it_when_nothing_fits():
+    assert kv_pages_for_memory(10_000, 0.5, 100, 1) == 50
+    assert kv_pages_for_memory(10_000, 0.5, 100, 1, reserved_bytes=4_000) == 30
+    with pytest.raises(InvalidRequestError, match="reserved for graphs and sampling"):
+        kv_pages_for_memory(10_000, 0.9, 100, 2, reserved_bytes=12_000)
+
+
+def test_engine_kv_sizing_subtracts_the_reserve_and_logs_it(monkeypatch):
+    """assemble.kv_pages on a CUDA-kind device (the profiling forward stubbed): the reserve for this
+    config is taken off the free memory before gpu_memory_utilization applies."""
+    import structlog
+
+    from slipstream.api import assemble
+    from slipstream.models.config import smollm2_135m_config
+    from slipstream.runtime import memory
+
+    mcfg = smollm2_135m_config()
+    cfg = EngineConfig(model="random-smollm2-135m", device="cuda", dtype="bfloat16", max_batch_size=256,
+                       max_num_batched_tokens=512)
+    free = 40 * 2**30
+    monkeypatch.setattr(memory, "profile_free_memory", lambda *a: free)
+    device = types.SimpleNamespace(kind="cuda")
+    with structlog.testing.capture_logs() as logs:
+        pages = assemble.kv_pages(cfg, None, mcfg, device, max_model_len=8192)
+    r = engine_reserve(cfg, mcfg, torch.bfloat16)
+    per_page = memory.kv_bytes_per_page(mcfg, cfg.page_size, torch.bfloat16)
+    assert pages == int((free - r.total) * 0.9) // per_page
+    assert r.decode_graph_logits > 800 * 2**20  # 256 rows x 49k vocabulary: 0.86 GB of decode graph logits alone
+    logged = next(e for e in logs if e["event"] == "memory_reserved_before_kv")
+    assert logged["total"] == round(r.total / 2**30, 3) and logged["decode_graph_logits"] == 0.802  # GiB
+
+
+@pytest.mark.cuda
+def test_cuda_reserve_covers_the_measured_graph_and_sampling_memory():
+    """On a GPU: the pool growth warmup logs for all graphs, and the peak a sampled workload of
+    max_batch_size rows adds, stay within the parts of the reserve that predict them."""
+    import structlog
+
+    from slipstream.models.config import smollm2_135m_config
+
+    cfg = EngineConfig(model="random-smollm2-135m", device="cuda", dtype="bfloat16", max_batch_size=32,
+                       max_num_batched_tokens=128, kv_cache_tokens=8192, page_size=16)
+    r = engine_reserve(cfg, smollm2_135m_config(), torch.bfloat16)
+    params = [SamplingParams(max_tokens=8, temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, seed=i,
+                             presence_penalty=0.5, min_tokens=2, logprobs=True, top_logprobs=5, ignore_eos=True)
+              for i in range(32)]
+
+    async def run():
+        async with Engine(cfg) as engine:
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            await asyncio.gather(*(engine.complete([5 + i, 6, 7], p) for i, p in enumerate(params)))
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated() - base
+
+    with structlog.testing.capture_logs() as logs:
+        peak = asyncio.run(run())
+    grown = sum(e["reserved_gib"] for e in logs if e["event"] == "cuda_graphs_memory") * 2**30
+    graphs = r.decode_graph_logits + r.greedy_graph_ids + r.mixed_graph_logits + r.graph_temporaries
+    assert 0 < grown <= graphs + 64 * 2**20  # (+ the allocator's segment rounding)
+    assert peak <= r.sampling + r.eager_logits + r.history + 64 * 2**20, (peak, r.gib())

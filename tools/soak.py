@@ -349,7 +349,9 @@ def main() -> int:
     from slipstream.logging_setup import configure_logging
 
     configure_logging("error")  # injected faults log errors by design; the report says what matters
-    print(f"# command: {' '.join(sys.argv)}")
+    from slipstream.provenance import header, provenance
+
+    print(header(provenance()), flush=True)  # command, commit (dirty?), versions, date, machine load
     report = uvloop.run(soak(args.requests, args.rounds, args.seed, {} if args.no_faults else None,
                              output_stage=args.output_stage, slow_detok_s=args.slow_detok_ms / 1e3))
     print(format_report(report))

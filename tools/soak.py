@@ -37,6 +37,7 @@ from slipstream.errors import SlipstreamError
 from slipstream.faults import FaultInjector, install
 
 FAULT_RATES = {"forward": 0.002, "sample": 0.002, "matcher": 0.02, "detokenize": 0.001}
+STOP_IDS = [0.15, 4]  # share of requests with stop_token_ids, and how many (--stop-ids)
 
 
 @dataclass
@@ -61,6 +62,7 @@ class Report:
     compared: int = 0
     mismatches: list[str] = field(default_factory=list)
     texts_checked: int = 0
+    stop_token_ended: int = 0  # of them, outputs ended by a stop token (its text must not show)
     text_mismatches: list[str] = field(default_factory=list)  # text != its token ids' text
     preemptions: int = 0
     failed_steps: int = 0
@@ -113,8 +115,8 @@ def random_request(rng: random.Random, rid: str, delay: float) -> Planned:
         kw.update(temperature=1.0)  # unseeded: not comparable, still must end cleanly
     if rng.random() < 0.15:
         kw["stop"] = [chr(rng.randrange(97, 123)) for _ in range(rng.randint(1, 2))]
-    if rng.random() < 0.15:
-        kw["stop_token_ids"] = [rng.randrange(3, 259) for _ in range(4)]
+    if rng.random() < STOP_IDS[0]:
+        kw["stop_token_ids"] = [rng.randrange(3, 259) for _ in range(STOP_IDS[1])]
     if rng.random() < 0.1:
         kw["ignore_eos"] = True
     if rng.random() < 0.06:
@@ -279,6 +281,7 @@ def _check_texts(engine: Engine, seqs: list, report: Report) -> None:
         ids = list(out.token_ids)
         if out.finish_reason == "stop" and ids and ids[-1] in req.stop_token_ids:
             ids.pop()
+            report.stop_token_ended += 1
         detok = make_detokenizer(engine.tokenizer, req.prompt_ids)
         want = detok.push(ids) + detok.flush()
         cuts = [i for i in (want.find(s) for s in req.params.stop) if i >= 0]
@@ -321,7 +324,8 @@ def format_report(r: Report) -> str:
         f"outcomes {dict(sorted(r.outcomes.items()))}",
         f"lost {r.lost}  duplicated {r.duplicated}  untyped errors {len(r.untyped)}  leaked pages {r.leaked_pages}",
         f"greedy/seeded compared with depth 1: {r.compared}, mismatches {len(r.mismatches)}",
-        f"texts checked against their token ids: {r.texts_checked}, differing {len(r.text_mismatches)}",
+        f"texts checked against their token ids: {r.texts_checked} ({r.stop_token_ended} ended by a stop token), "
+        f"differing {len(r.text_mismatches)}",
         f"preemptions {r.preemptions}  failed steps {r.failed_steps}  faults fired {dict(sorted(r.faults.items()))}",
         f"rss per round (MB) {r.rss_mb}  growth after round 1: {r.rss_growth_mb:+.1f} MB",
         "PASS" if r.ok else "FAIL",
@@ -341,7 +345,10 @@ def main() -> int:
                     help="the soaked engine's EngineConfig.output_stage")
     ap.add_argument("--slow-detok-ms", type=float, default=0.0, help="sleep per detokeniser call (soaked engine)")
     ap.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval (s): shake the GIL")
+    ap.add_argument("--stop-ids", type=float, nargs=2, default=STOP_IDS, metavar=("SHARE", "COUNT"),
+                    help="share of requests given stop_token_ids, and how many (more requests end by a stop token)")
     args = ap.parse_args()
+    STOP_IDS[:] = args.stop_ids[0], int(args.stop_ids[1])
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     import uvloop

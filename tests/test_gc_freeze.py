@@ -54,3 +54,40 @@ async def test_starting_a_running_engine_again_is_refused_and_holds_nothing():
         with pytest.raises(EngineAlreadyStartedError, match="already started"):
             await engine.start()
     assert gc.get_freeze_count() == 0
+
+
+async def test_a_closed_engine_is_freed_while_another_runs():
+    """Issue 27, defect 4: the second engine's start froze everything alive, the first engine too;
+    its loop is in reference cycles, so once closed its KV cache stayed until the last engine stopped."""
+    import weakref
+
+    gc.unfreeze()
+    a = await Engine(EngineConfig(model="tiny-random", device="cpu")).start()
+    kv = weakref.ref(a._parts.runner.kv.k)
+    await a.complete("hi", SamplingParams(max_tokens=2))
+    async with Engine(EngineConfig(model="tiny-random", device="cpu")) as b:
+        await a.close()
+        del a
+        gc.collect()
+        freed = kv() is None
+        assert freed  # while b runs
+        assert (await b.complete("hi", SamplingParams(max_tokens=2))).finish_reason == "length"
+        assert gc.get_freeze_count() > 0  # b keeps the start-time heap frozen
+    assert gc.get_freeze_count() == 0
+
+
+async def test_an_application_gc_freeze_survives_an_engine():
+    """Issue 27, defect 3: release() called gc.unfreeze(), undoing the application's own freeze
+    (pre-fork servers freeze on purpose)."""
+    gc.unfreeze()
+    kept = [[i] for i in range(20_000)]  # the application's heap
+    gc.freeze()
+    try:
+        before = gc.get_freeze_count()
+        async with Engine(EngineConfig(model="tiny-random", device="cpu")) as engine:
+            await engine.complete("hi", SamplingParams(max_tokens=2))
+            assert gc.get_freeze_count() >= before - 1000  # (frozen objects that die leave the count)
+        assert before - 1000 <= gc.get_freeze_count() <= before  # as the application left it
+        del kept
+    finally:
+        gc.unfreeze()

@@ -12,12 +12,12 @@ async def test_a_request_failed_during_its_threaded_text_phase_does_not_stop_the
         in_thread, failed = threading.Event(), threading.Event()
         armed = [True]
 
-        def slow_texts(self, req, seq):
+        def slow_texts(self, *work):
             if armed[0]:
                 armed[0] = False
                 in_thread.set()
                 failed.wait(5)  # meanwhile the loop fails this request (a matcher error, a failed step)
-            return texts(self, req, seq)
+            return texts(self, *work)
 
         monkeypatch.setattr(op.OutputProcessor, "_texts", slow_texts)
         victim = asyncio.create_task(engine.complete("victim", SamplingParams(max_tokens=50, ignore_eos=True)))

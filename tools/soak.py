@@ -2,6 +2,8 @@
 
     python tools/soak.py --requests 5000 --seed 1          # the figure in docs/reliability.md
     python tools/soak.py --requests 500 --rounds 2         # what `make test` runs (tests/test_soak.py)
+    python tools/soak.py --requests 10000 --output-stage thread --slow-detok-ms 0.3 --switch-interval 1e-6
+                                                           # the threaded stage shaken (issue 27)
 
 One depth-2 engine (tiny-random, a KV pool small enough to force preemption) serves rounds of
 requests: random arrivals and bursts of 200, prompt lengths, max_tokens, stop strings and ids,
@@ -10,8 +12,11 @@ three kinds (cancel the task awaiting complete(), break out of stream(), engine.
 Faults are injected at random into forwards, sampling, grammar matchers and detokenisation.
 Checked: every request ends exactly once, with a result or a typed SlipstreamError, before its
 deadline; no queue holds anything after the end; every page comes back; every greedy or seeded
-request that finished equals a depth-1 engine's answer (without faults); RSS stays flat after
-the first round.
+request that finished equals a depth-1 engine's answer (without faults); every output's text
+equals its token ids' text (decoded afresh, less a final stop token, cut at a stop string); RSS
+stays flat after the first round. --output-stage / --slow-detok-ms / --switch-interval soak the
+threaded output stage (the reference engine keeps the loop stage): a detokeniser that sleeps per
+call, and the interpreter switching threads every microsecond.
 """
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ from slipstream.errors import SlipstreamError
 from slipstream.faults import FaultInjector, install
 
 FAULT_RATES = {"forward": 0.002, "sample": 0.002, "matcher": 0.02, "detokenize": 0.001}
+STOP_IDS = [0.15, 4]  # share of requests with stop_token_ids, and how many (--stop-ids)
 
 
 @dataclass
@@ -55,6 +61,9 @@ class Report:
     leaked_pages: int = 0
     compared: int = 0
     mismatches: list[str] = field(default_factory=list)
+    texts_checked: int = 0
+    stop_token_ended: int = 0  # of them, outputs ended by a stop token (its text must not show)
+    text_mismatches: list[str] = field(default_factory=list)  # text != its token ids' text
     preemptions: int = 0
     failed_steps: int = 0
     faults: Counter = field(default_factory=Counter)
@@ -69,12 +78,13 @@ class Report:
     @property
     def ok(self) -> bool:
         return not (self.lost or self.duplicated or self.untyped or self.leaked_pages or self.mismatches
+                    or self.text_mismatches
                     or self.rss_growth_mb > 64 or self.outcomes["EngineClosedError"])  # the engine must go on
 
 
-def engine_config(depth: int) -> EngineConfig:
+def engine_config(depth: int, output_stage: str = "loop") -> EngineConfig:
     return EngineConfig(model="tiny-random", pipeline_depth=depth, max_batch_size=16, max_num_batched_tokens=64,
-                        kv_cache_tokens=512, page_size=8, seed=7)
+                        kv_cache_tokens=512, page_size=8, seed=7, output_stage=output_stage)
 
 
 def plan_round(rng: random.Random, n: int, round_no: int) -> list[Planned]:
@@ -105,8 +115,8 @@ def random_request(rng: random.Random, rid: str, delay: float) -> Planned:
         kw.update(temperature=1.0)  # unseeded: not comparable, still must end cleanly
     if rng.random() < 0.15:
         kw["stop"] = [chr(rng.randrange(97, 123)) for _ in range(rng.randint(1, 2))]
-    if rng.random() < 0.15:
-        kw["stop_token_ids"] = [rng.randrange(3, 259) for _ in range(4)]
+    if rng.random() < STOP_IDS[0]:
+        kw["stop_token_ids"] = [rng.randrange(3, 259) for _ in range(STOP_IDS[1])]
     if rng.random() < 0.1:
         kw["ignore_eos"] = True
     if rng.random() < 0.06:
@@ -169,9 +179,11 @@ def rss_mb() -> float:
 
 
 async def soak(requests: int, rounds: int = 3, seed: int = 0, rates: dict | None = None,
-               deadline_s: float = 120.0, log=print, armed: dict[str, int] | None = None) -> Report:
+               deadline_s: float = 120.0, log=print, armed: dict[str, int] | None = None,
+               output_stage: str = "loop", slow_detok_s: float = 0.0) -> Report:
     """`armed`: faults that fire for sure at their point's next checks (random rates may not fire
-    in a short run: how many checks happen depends on timing)."""
+    in a short run: how many checks happen depends on timing). `slow_detok_s`: each detokeniser
+    call of the soaked engine sleeps that long first (the GIL released, as a slow tokenizer might)."""
     rng = random.Random(seed)
     report = Report(requests=requests)
     started = time.perf_counter()
@@ -180,9 +192,9 @@ async def soak(requests: int, rounds: int = 3, seed: int = 0, rates: dict | None
         faults.arm(point, times)
     # the depth-1 reference engine lives beside the soaked one, so each round is checked and then
     # dropped: RSS measures the engine, not results kept by this tool
-    async with Engine(engine_config(2)) as engine, Engine(engine_config(1)) as reference:
+    async with Engine(engine_config(2, output_stage)) as engine, Engine(engine_config(1)) as reference:
         install(engine, faults)
-        submitted = _record_submissions(engine)
+        submitted = _record_submissions(engine, slow_detok_s)
         per_round = -(-requests // rounds)
         for r in range(rounds):
             batch = plan_round(rng, min(per_round, requests - r * per_round), r)
@@ -191,6 +203,7 @@ async def soak(requests: int, rounds: int = 3, seed: int = 0, rates: dict | None
             await asyncio.gather(*(run_one(engine, p, t0, deadline_s, report, results) for p in batch))
             stats = await _settle(engine)
             report.leaked_pages = max(report.leaked_pages, stats["kv_pages_total"] - stats["kv_pages_free"])
+            _check_texts(engine, submitted, report)
             report.duplicated += _duplicates(engine, submitted, results)
             _count(batch, results, report)
             await _compare_with_depth1(reference, batch, results, report)
@@ -229,17 +242,55 @@ async def _settle(engine: Engine, timeout: float = 30.0) -> dict:
         await asyncio.sleep(0.01)
 
 
-def _record_submissions(engine: Engine) -> list:
+class _SlowDetok:
+    def __init__(self, inner, seconds: float):
+        self.inner, self.seconds = inner, seconds
+
+    def push(self, ids):
+        time.sleep(self.seconds)
+        return self.inner.push(ids)
+
+    def flush(self):
+        return self.inner.flush()
+
+
+def _record_submissions(engine: Engine, slow_detok_s: float = 0.0) -> list:
     """Keep every submitted sequence, to look into its result queue once the round is over."""
     seqs, submit = [], engine._submit
 
     async def recording(*args, **kwargs):
         seq = await submit(*args, **kwargs)
+        if slow_detok_s:  # (no token is committed before this: the submission does not yield)
+            seq.user.detok = _SlowDetok(seq.user.detok, slow_detok_s)
         seqs.append(seq)
         return seq
 
     engine._submit = recording
     return seqs
+
+
+def _check_texts(engine: Engine, seqs: list, report: Report) -> None:
+    """Every output's text against its token ids decoded afresh: less a final stop token (its text
+    is not output), cut at the first stop string."""
+    from slipstream.models.byte_stream import make_detokenizer
+
+    for q in seqs:
+        req, out = q.user, q.user.output
+        if out is None:
+            continue
+        ids = list(out.token_ids)
+        if out.finish_reason == "stop" and ids and ids[-1] in req.stop_token_ids:
+            ids.pop()
+            report.stop_token_ended += 1
+        detok = make_detokenizer(engine.tokenizer, req.prompt_ids)
+        want = detok.push(ids) + detok.flush()
+        cuts = [i for i in (want.find(s) for s in req.params.stop) if i >= 0]
+        if cuts:
+            want = want[:min(cuts)]
+        report.texts_checked += 1
+        if out.text != want:
+            report.text_mismatches.append(f"{q.request_id}: text {out.text!r}, its tokens' text {want!r} "
+                                          f"({out.finish_reason}, ids {out.token_ids})")
 
 
 def _duplicates(engine: Engine, seqs: list, results: dict) -> int:
@@ -273,11 +324,14 @@ def format_report(r: Report) -> str:
         f"outcomes {dict(sorted(r.outcomes.items()))}",
         f"lost {r.lost}  duplicated {r.duplicated}  untyped errors {len(r.untyped)}  leaked pages {r.leaked_pages}",
         f"greedy/seeded compared with depth 1: {r.compared}, mismatches {len(r.mismatches)}",
+        f"texts checked against their token ids: {r.texts_checked} ({r.stop_token_ended} ended by a stop token), "
+        f"differing {len(r.text_mismatches)}",
         f"preemptions {r.preemptions}  failed steps {r.failed_steps}  faults fired {dict(sorted(r.faults.items()))}",
         f"rss per round (MB) {r.rss_mb}  growth after round 1: {r.rss_growth_mb:+.1f} MB",
         "PASS" if r.ok else "FAIL",
     ]
     lines += [f"  untyped: {u}" for u in r.untyped[:10]] + [f"  mismatch: {m}" for m in r.mismatches[:10]]
+    lines += [f"  text: {t}" for t in r.text_mismatches[:10]]
     return "\n".join(lines)
 
 
@@ -287,14 +341,26 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-faults", action="store_true")
+    ap.add_argument("--output-stage", default="loop", choices=["loop", "thread"],
+                    help="the soaked engine's EngineConfig.output_stage")
+    ap.add_argument("--slow-detok-ms", type=float, default=0.0, help="sleep per detokeniser call (soaked engine)")
+    ap.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval (s): shake the GIL")
+    ap.add_argument("--stop-ids", type=float, nargs=2, default=STOP_IDS, metavar=("SHARE", "COUNT"),
+                    help="share of requests given stop_token_ids, and how many (more requests end by a stop token)")
     args = ap.parse_args()
+    STOP_IDS[:] = args.stop_ids[0], int(args.stop_ids[1])
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     import uvloop
 
     from slipstream.logging_setup import configure_logging
 
     configure_logging("error")  # injected faults log errors by design; the report says what matters
-    print(f"# command: {' '.join(sys.argv)}")
-    report = uvloop.run(soak(args.requests, args.rounds, args.seed, {} if args.no_faults else None))
+    from slipstream.provenance import header, provenance
+
+    print(header(provenance()), flush=True)  # command, commit (dirty?), versions, date, machine load
+    report = uvloop.run(soak(args.requests, args.rounds, args.seed, {} if args.no_faults else None,
+                             output_stage=args.output_stage, slow_detok_s=args.slow_detok_ms / 1e3))
     print(format_report(report))
     return 0 if report.ok else 1
 

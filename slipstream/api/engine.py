@@ -40,7 +40,7 @@ class Engine(SkillMethods):
         self._owner: asyncio.AbstractEventLoop | None = None
         self._rng = random.Random(self.config.seed)
         self.tokenizer = None
-        self._gc_frozen = False
+        self._gc_held = False  # gc_freeze.hold() called, release() not yet
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -53,19 +53,25 @@ class Engine(SkillMethods):
         if self._loop_task is not None:
             raise EngineAlreadyStartedError("engine already started: close() it before starting it again")
         self._owner = asyncio.get_running_loop()
-        self._parts = await asyncio.to_thread(assemble, self.config)
-        self.tokenizer, self.model_config = self._parts.tokenizer, self._parts.model_config
-        await asyncio.to_thread(byte_table, self.tokenizer)  # built once here, not on the first request
-        self.loop = self._parts.loop
-        self.max_model_len = self._parts.max_model_len
-        from slipstream.grammar.base import GrammarCompiler
+        # before the parts exist: only the libraries and what the application had are frozen, never
+        # an engine (gc_freeze.py); counted for every engine, so none freezes while another runs
+        gc_freeze.hold(self.config.freeze_gc)
+        self._gc_held = True
+        try:
+            self._parts = await asyncio.to_thread(assemble, self.config)
+            self.tokenizer, self.model_config = self._parts.tokenizer, self._parts.model_config
+            await asyncio.to_thread(byte_table, self.tokenizer)  # built once here, not on the first request
+            self.loop = self._parts.loop
+            self.max_model_len = self._parts.max_model_len
+            from slipstream.grammar.base import GrammarCompiler
 
-        self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
-                                         timeout_s=self.config.grammar_timeout_s)
-        self._loop_task = asyncio.create_task(self._run_loop(), name="slipstream-engine-loop")
-        if self.config.freeze_gc:  # (close() releases it: the loop task exists from here on)
-            gc_freeze.hold()
-            self._gc_frozen = True
+            self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                             timeout_s=self.config.grammar_timeout_s)
+            self._loop_task = asyncio.create_task(self._run_loop(), name="slipstream-engine-loop")
+        except BaseException:  # (from here on close() releases it)
+            self._gc_held = False
+            gc_freeze.release()
+            raise
         log.info("engine_started", model=self.config.model, device=self.config.device,
                  pipeline_depth=self.config.pipeline_depth, kv_pages=self._parts.pool.total)
         return self
@@ -92,8 +98,8 @@ class Engine(SkillMethods):
         try:
             self._parts.close()
         finally:
-            if self._gc_frozen:
-                self._gc_frozen = False
+            if self._gc_held:
+                self._gc_held = False
                 gc_freeze.release()
 
     async def __aenter__(self) -> Self:

@@ -11,10 +11,16 @@ by the text: a stop string found here ends the sequence a tick or more after its
 committed, so later tokens of it may already be in flight — zombies make that safe, and its output
 is cut back to the stop, so text and token ids equal what a blocking loop would give.
 
-A pass has two phases: the text phase (`_texts`: detokenise, scan stops; it touches only the
-request's text state) and the delivery phase (`_apply`: end the sequence, cut, stream, finish).
-With EngineConfig(output_stage="thread") the text phase of a whole pass runs on a worker thread
-while the loop goes on ticking; delivery always runs on the loop (asyncio queues, scheduler state).
+A pass has two phases: the text phase (`_texts`: detokenise, scan stops) and the delivery phase
+(`_apply`: end the sequence, cut, stream, finish). The text phase reads the tick's state only
+through a `_Work` snapshot the loop takes when the pass starts (the token ids it covers, end_at,
+the stop-token flag, grammar_done_at), and writes only the request's text state (detokeniser,
+`pending`), which nothing else touches until the pass is delivered. With
+EngineConfig(output_stage="thread") the text phase of a whole pass runs on a worker thread while
+the loop goes on ticking; delivery always runs on the loop (asyncio queues, scheduler state). When
+the loop stops, `process_pending` first delivers the thread's pass in flight (waiting for it, or
+running it on the loop if the thread never started it), then processes the rest: no request is
+detokenised twice and no pass is dropped.
 
 Text is kept as streamed pieces plus a held-back tail (`pending`: while stop strings are set, the
 last longest-stop - 1 characters may start a stop string). A failure processing one request (its
@@ -24,7 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from slipstream.api.mailbox import Mailbox
@@ -79,6 +85,7 @@ class OutputProcessor:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="slipstream-output") if text_thread else None
         self.faults = None  # tests only: a slipstream.faults.FaultInjector
         self._todo: list[RequestState] = []
+        self._inflight: tuple[list[_Work], Future] | None = None  # the thread's pass, not delivered yet
         self.commit_time = 0.0  # set by the EngineLoop before each commit: the time of every token in it
         self._ready: asyncio.Event | None = None
         # fn(token_times, start, end, arrival, prompt_len) per request and pass (metrics), off the tick
@@ -176,63 +183,84 @@ class OutputProcessor:
             if self._pool is not None:
                 await self._threaded_pass()
                 continue
-            todo, self._todo = self._todo, []
-            done = 0
-            try:
-                while done < len(todo):
-                    if done:
-                        await asyncio.sleep(0)
-                    for req in todo[done:done + STAGE_SLICE]:
-                        self._process(req)
-                    done += STAGE_SLICE
-            finally:  # cancelled between slices (the loop stopped): process_pending gets the rest
-                self._todo[:0] = todo[done:]
+            # (work stays in self._todo until processed: if the loop stops between slices,
+            # process_pending finds it there)
+            while self._todo:
+                todo, self._todo = self._todo[:STAGE_SLICE], self._todo[STAGE_SLICE:]
+                for req in todo:
+                    self._process(req)
+                if self._todo:
+                    await asyncio.sleep(0)
 
     async def _threaded_pass(self) -> None:
         """The text phase of every queued request on the worker thread, then delivery here. While the
         thread works the tick goes on (appending tokens, ending requests): each request's outcome
-        covers the tokens it saw, later ones wait for the next pass."""
+        covers the snapshot it was given, later tokens wait for the next pass."""
         todo, self._todo = self._todo, []
-        live = []
+        work = []
         for req in todo:
             req.queued = False
             if not req.closed and req.seq is not None:
-                live.append((req, req.seq))  # (the loop may close req, dropping req.seq, meanwhile)
-        future = self._pool.submit(lambda: [self._texts(req, seq) for req, seq in live])
-        cancelled = False
+                work.append(self._snapshot(req, req.seq))
+        future = self._pool.submit(self._texts_of, work)
+        self._inflight = (work, future)
         try:
-            outcomes = await asyncio.wrap_future(future)
-        except asyncio.CancelledError:  # the loop is stopping: finish the pass, deliver, then stop
-            outcomes, cancelled = future.result(), True
-        for (req, _), outcome in zip(live, outcomes):
-            self._apply(req, outcome)
-        if cancelled:
-            raise asyncio.CancelledError
+            await asyncio.wrap_future(future)
+        finally:  # also when cancelled (the loop is stopping): deliver the pass, never drop it
+            self._deliver_inflight()
+
+    def _texts_of(self, work: list["_Work"]) -> list["_Outcome"]:
+        return [self._texts(*w) for w in work]
+
+    def _deliver_inflight(self) -> None:
+        """Deliver the thread's pass on the loop, once (the stage or process_pending, whichever comes first)."""
+        if self._inflight is None:
+            return
+        work, future = self._inflight
+        self._inflight = None
+        # cancel() succeeds only if the thread never started it: then the loop runs the text phase
+        outcomes = self._texts_of(work) if future.cancel() else future.result()
+        for w, outcome in zip(work, outcomes):
+            self._apply(w[0], outcome)
 
     def process_pending(self) -> None:
-        """One synchronous pass (when the engine loop stops, for what the stage had not reached)."""
+        """One synchronous pass (when the engine loop stops, for what the stage had not reached). The
+        thread's pass in flight goes first: its requests' next tokens start where it ended."""
+        self._deliver_inflight()
         todo, self._todo = self._todo, []
         for req in todo:
             self._process(req)
 
     def _process(self, req: RequestState) -> None:
+        """Both phases on the loop. The snapshot is passed as arguments, not built as a _Work (as
+        _snapshot does for the thread): the tuple and the call through it cost a 512-request pass
+        10–15% (tools/bench_stage_pass.py)."""
         req.queued = False
-        if req.closed or req.seq is None:
+        seq = req.seq
+        if req.closed or seq is None:
             return
-        self._apply(req, self._texts(req, req.seq))
+        out, end_at, start = seq.output_ids, req.end_at, req.processed
+        self._apply(req, self._texts(req, start, out[start:len(out) if end_at is None else end_at], end_at,
+                                     req.end_reason, req.end_drops_text, req.grammar_done_at, seq.max_tokens))
 
-    def _texts(self, req: RequestState, seq: Sequence) -> "_Outcome":
-        """Text phase: detokenise the new tokens and find what ends the request, if anything. Touches
-        only the request's text state (so it may run in a thread: EngineConfig.output_stage)."""
-        out = seq.output_ids
-        end_at = req.end_at
-        limit = len(out) if end_at is None else end_at
-        start = req.processed
+    @staticmethod
+    def _snapshot(req: RequestState, seq: Sequence) -> "_Work":
+        """On the loop, between commits: what the text phase may know of the tick's state (the
+        arguments of _texts, as _process passes them)."""
+        out, end_at, start = seq.output_ids, req.end_at, req.processed
+        return (req, start, out[start:len(out) if end_at is None else end_at], end_at, req.end_reason,
+                req.end_drops_text, req.grammar_done_at, seq.max_tokens)
+
+    def _texts(self, req: RequestState, start: int, tokens: list[int], end_at: int | None, end_reason: str | None,
+               drops_text: bool, grammar_done_at: int | None, max_tokens: int) -> "_Outcome":
+        """Text phase: detokenise the snapshot's tokens (output tokens from `start`) and find what
+        ends the request, if anything. Reads only its arguments and writes only the request's text
+        state (so it may run in a thread: EngineConfig.output_stage)."""
         try:
             if req.params.stop:
-                return self._scan_stops(seq, req, start, limit)
-            self._push(req, out[start:limit - 1] if req.end_drops_text and limit > start else out[start:limit])
-            return _Outcome(start, limit, req.end_reason if end_at is not None else None, flush=True)
+                return self._scan_stops(req, start, tokens, end_at, end_reason, grammar_done_at, max_tokens)
+            self._push(req, tokens[:-1] if drops_text and tokens else tokens)
+            return _Outcome(start, start + len(tokens), end_reason if end_at is not None else None, flush=True)
         except _RequestFailed as f:
             return _Outcome(start, start, error=f.error)
         except Exception as e:  # noqa: BLE001 - a bug processing one request must not stop the stage
@@ -268,12 +296,12 @@ class OutputProcessor:
         for observe in self.token_observers:
             observe(req.metrics.token_times, o.start, o.end, req.metrics.arrival, len(req.prompt_ids))
 
-    def _scan_stops(self, seq: Sequence, req: RequestState, start: int, limit: int) -> "_Outcome":
+    def _scan_stops(self, req: RequestState, start: int, tokens: list[int], end_at: int | None, end_reason: str | None,
+                    grammar_done_at: int | None, max_tokens: int) -> "_Outcome":
         """Token by token: the first of stop token, stop string, finished grammar, max_tokens ends it."""
-        out, stops = seq.output_ids, req.params.stop
+        stops = req.params.stop
         longest = max(map(len, stops))
-        for i in range(start, limit):
-            token = out[i]
+        for i, token in enumerate(tokens, start):
             reason, truncated = None, False
             if token in req.stop_token_ids:
                 reason = "stop"
@@ -285,14 +313,15 @@ class OutputProcessor:
                 if hits and i + 1 >= req.params.min_tokens:  # as in vLLM: none ends the output earlier
                     req.pending, reason, truncated = req.pending[:min(hits)], "stop", True
             n = i + 1
-            if reason is None and (req.grammar_done_at == n or req.end_at == n):
-                reason = req.end_reason if req.end_at == n else "stop"
-            if reason is None and n >= seq.max_tokens:
+            if reason is None and (grammar_done_at == n or end_at == n):
+                reason = end_reason if end_at == n else "stop"
+            if reason is None and n >= max_tokens:
                 reason = "length"
             if reason is not None:
                 return _Outcome(start, n, reason, flush=not truncated)
-        if req.end_at is not None and req.end_at <= limit:  # ended (an abort) with nothing left to scan
-            return _Outcome(start, limit, req.end_reason)
+        limit = start + len(tokens)
+        if end_at is not None and end_at <= limit:  # ended (an abort) with nothing left to scan
+            return _Outcome(start, limit, end_reason)
         return _Outcome(start, limit, None)
 
     def _push(self, req: RequestState, tokens: list[int]) -> None:
@@ -337,6 +366,16 @@ class OutputProcessor:
             req.pieces.append(delta)
         if req.streaming and (delta or token_ids or finish_reason):
             req.queue.put_nowait(StreamDelta(req.request_id, delta, list(token_ids), finish_reason))
+
+
+# One request's share of a pass, taken on the loop when the pass starts: (request, start, tokens,
+# end_at, end_reason, drops_text, grammar_done_at, max_tokens) — the output tokens from `start` to
+# process (a copy: the tick appends to the original) and the tick's end marks as they were then.
+# The tick goes on appending tokens and ending requests meanwhile; the text phase sees none of it
+# (a field read live could show a stop token appended but not yet marked: its text would leak into
+# the output). A plain tuple: a pass builds one per request, and a frozen dataclass doubled the
+# cost of a 512-request pass (_process, the loop stage, passes the same fields as arguments).
+_Work = tuple
 
 
 @dataclass

@@ -17,17 +17,23 @@ MAX_N = 128  # completions per request (each is a request of its own in the batc
 MAX_TOP_LOGPROBS = 20  # as OpenAI
 
 
-class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, metaclass=CheckedStructMeta):
+class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True,
+                     metaclass=CheckedStructMeta):
     """Names follow OpenAI/vLLM. temperature 0 is greedy. Every field is type-checked at construction
-    (InvalidRequestError naming the field); None for stop / stop_token_ids / seed means "none"."""
+    (InvalidRequestError naming the field); None for stop / stop_token_ids / seed means "none".
+
+    Frozen, and the sequences are normalised to tuples: a value checked here cannot change before
+    the engine reads it (`p.max_tokens = 0` raises AttributeError). Change a field with
+    `msgspec.structs.replace(p, ...)`, which checks again. The Engine re-runs `check()` at
+    submission, for values forced in behind the Struct's back."""
 
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: disabled
     seed: int | None = None
-    stop: list[str] | str | None = None  # normalised to a list of strings
-    stop_token_ids: list[int] | None = None  # normalised to a list
+    stop: tuple[str, ...] | str | None = None  # normalised to a tuple of strings ("ab" is one stop string)
+    stop_token_ids: tuple[int, ...] | None = None  # normalised to a tuple
     ignore_eos: bool = False
     logprobs: bool = False  # return the log-probability of each sampled token
     top_logprobs: int = 0  # also the k most likely tokens at each step, with their logprobs (> 0 implies logprobs)
@@ -41,7 +47,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, m
     # constrained decoding (at most one): see docs/grammars.md
     json_schema: dict | str | None = None  # a JSON schema (dict or JSON text)
     regex: str | None = None  # the whole output must match
-    choice: list[str] | None = None  # the output is exactly one of these strings
+    choice: tuple[str, ...] | None = None  # the output is exactly one of these strings
     grammar: GrammarSpec | None = None  # any registered kind: skills, plugins
 
     def grammar_spec(self) -> GrammarSpec | None:
@@ -51,10 +57,15 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, m
         if self.regex is not None:
             return GrammarSpec("regex", self.regex)
         if self.choice is not None:
-            return GrammarSpec("choice", json.dumps(self.choice))
+            return GrammarSpec("choice", json.dumps(list(self.choice)))
         return self.grammar
 
     def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> "SamplingParams":
+        """Every field's type and range (InvalidRequestError naming it); normalises in place, idempotent."""
+        force = msgspec.structs.force_setattr
         check.integer("max_tokens", self.max_tokens, minimum=1)
         temperature = check.number("temperature", self.temperature)
         if temperature < 0 or 0 < temperature < MIN_TEMPERATURE:
@@ -65,12 +76,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, m
             raise InvalidRequestError(f"top_p must be in (0, 1], got {top_p!r}", param="top_p")
         check.integer("top_k", self.top_k, minimum=-1)
         check.integer("seed", self.seed, minimum=0, maximum=MAX_SEED, optional=True)
-        self.stop = check.string_list("stop", self.stop)
-        self.stop_token_ids = check.int_list("stop_token_ids", self.stop_token_ids)
+        force(self, "stop", tuple(check.string_list("stop", self.stop)))
+        force(self, "stop_token_ids", tuple(check.int_list("stop_token_ids", self.stop_token_ids)))
         check.boolean("ignore_eos", self.ignore_eos)
         check.boolean("logprobs", self.logprobs)
         if check.integer("top_logprobs", self.top_logprobs, minimum=0, maximum=MAX_TOP_LOGPROBS):
-            self.logprobs = True  # alternatives come with the sampled token's own logprob
+            force(self, "logprobs", True)  # alternatives come with the sampled token's own logprob
         check.integer("n", self.n, minimum=1, maximum=MAX_N)
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= check.number(name, getattr(self, name)) <= 2.0:
@@ -86,7 +97,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, m
                                       param="min_tokens")
         given = [n for n in ("json_schema", "regex", "choice", "grammar") if getattr(self, n) is not None]
         if len(given) > 1:
-            raise InvalidRequestError(f"give at most one of json_schema, regex, choice, grammar (got {given})")
+            raise InvalidRequestError(f"give at most one of json_schema, regex, choice, grammar (got {given})",
+                                      param=given[1])
         if self.json_schema is not None and not isinstance(self.json_schema, (dict, str)):
             raise InvalidRequestError(f"json_schema must be a dict or JSON text, got {type(self.json_schema).__name__}",
                                       param="json_schema")
@@ -95,10 +107,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, m
         if self.choice is not None:
             if not isinstance(self.choice, (list, tuple)) or not self.choice:
                 raise InvalidRequestError("choice must be a non-empty list of non-empty strings", param="choice")
-            self.choice = [check.text(f"choice[{i}]", c) for i, c in enumerate(self.choice)]
+            force(self, "choice", tuple(check.text(f"choice[{i}]", c) for i, c in enumerate(self.choice)))
         if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
             raise InvalidRequestError(f"grammar must be a GrammarSpec, got {type(self.grammar).__name__}",
                                       param="grammar")
+        return self
 
 
 EVENT_WAITS = ("auto", "host_func", "thread", "poll")

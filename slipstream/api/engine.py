@@ -128,6 +128,7 @@ class Engine(SkillMethods):
         elif not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}",
                                       param="params")
+        params.check()  # again: a value forced in after construction never reaches the tick
         if params.n > 1:  # complete/chat fan out before this; a stream cannot (slipstream/api/fanout.py)
             raise InvalidRequestError("n > 1 cannot be streamed; use complete() or chat()", param="n")
         request_id = check.request_id(request_id)

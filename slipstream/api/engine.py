@@ -32,6 +32,9 @@ log = structlog.get_logger(__name__)
 
 class Engine(SkillMethods):
     def __init__(self, config: EngineConfig | None = None, **overrides):
+        if config is not None and not isinstance(config, EngineConfig):
+            raise InvalidRequestError(f"config must be an EngineConfig, got {type(config).__name__} (keywords: "
+                                      "Engine(model=...) or Engine(EngineConfig(...)))", param="config")
         self.config = config or EngineConfig(**overrides)
         self._loop_task: asyncio.Task | None = None
         self._requests: dict[str, Sequence] = {}

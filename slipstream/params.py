@@ -15,6 +15,7 @@ MIN_TEMPERATURE = 1e-5  # below this, logits / temperature overflow float32 (0 m
 MAX_SEED = 2**63 - 1
 MAX_N = 128  # completions per request (each is a request of its own in the batch)
 MAX_TOP_LOGPROBS = 20  # as OpenAI
+DEFAULT_MAX_PROMPT_CHARS = 1_000_000  # EngineConfig.max_prompt_chars; also the HTTP server's without an engine
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True,
@@ -145,6 +146,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, met
     #                                                    two from min, then max); None: (16, max_num_batched_tokens)
     warmup: bool = True  # capture every bucket (both kinds) at start; False: capture each on first use
     event_wait: str = "auto"  # how the loop awaits GPU events: auto | host_func | thread | poll
+    max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS  # a longer prompt (str) is refused before it is tokenized
     output_stage: str = "loop"  # where detokenising and stop strings run: "loop" (a task beside the
     #                             tick) | "thread" (a worker thread; delivery stays on the loop)
 
@@ -157,7 +159,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, met
         if self.pipeline_depth not in (1, 2) or isinstance(self.pipeline_depth, bool):
             raise InvalidRequestError(f"pipeline_depth must be 1 or 2, got {self.pipeline_depth!r}",
                                       param="pipeline_depth")
-        for name in ("max_batch_size", "max_num_batched_tokens", "page_size"):
+        for name in ("max_batch_size", "max_num_batched_tokens", "page_size", "max_prompt_chars"):
             check.integer(name, getattr(self, name), minimum=1)
         check.integer("kv_cache_tokens", self.kv_cache_tokens, minimum=1, optional=True)
         check.integer("max_model_len", self.max_model_len, minimum=2, optional=True)

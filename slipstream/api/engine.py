@@ -21,6 +21,7 @@ from slipstream.models.byte_stream import byte_table, make_detokenizer
 from slipstream.runtime.batch import SamplingRow
 from slipstream.api.interface import DeltaStream, Messages, Prompt
 from slipstream.api.fanout import fan_out, wants_fan_out
+from slipstream.api.encode import encode_off_loop
 from slipstream.api.output_processor import RequestState
 from slipstream.api.protocol import HealthReply
 from slipstream.api.request_stream import RequestStream
@@ -135,7 +136,7 @@ class Engine(SkillMethods):
         if params.n > 1:  # complete/chat fan out before this; a stream cannot (slipstream/api/fanout.py)
             raise InvalidRequestError("n > 1 cannot be streamed; use complete() or chat()", param="n")
         request_id = check.request_id(request_id)
-        ids = self._prompt_ids(prompt)
+        ids = await self._prompt_ids(prompt)
         if len(ids) + params.max_tokens > self.max_model_len:
             raise InvalidRequestError(f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
                                       f"exceeds the model context of {self.max_model_len} tokens; lower max_tokens "
@@ -168,9 +169,12 @@ class Engine(SkillMethods):
         self.loop.submit(seq)
         return seq
 
-    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+    async def _prompt_ids(self, prompt: Prompt) -> list[int]:
         prompt = check.prompt(prompt, self.model_config.vocab_size)
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if isinstance(prompt, str):
+            ids = await encode_off_loop(self.tokenizer, prompt, self.config.max_prompt_chars)
+        else:
+            ids = list(prompt)
         if not ids:
             raise InvalidRequestError("prompt is empty", param="prompt")
         if len(ids) >= self.max_model_len:
@@ -225,6 +229,11 @@ class Engine(SkillMethods):
     def _chat_prompt(self, messages: Messages) -> str:
         messages = check.messages(messages)
         self._check_running()
+        chars = sum(len(m["content"]) for m in messages)  # capped before the template renders them
+        if chars > self.config.max_prompt_chars:
+            raise InvalidRequestError(f"messages have {chars:,} characters of content; this engine takes at most "
+                                      f"{self.config.max_prompt_chars:,} (EngineConfig.max_prompt_chars)",
+                                      param="messages")
         try:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         except Exception as e:  # noqa: BLE001 - a template rejects what the caller sent

@@ -1,0 +1,145 @@
+"""The HTTP edge against what an outside probe sent (issue 27, defects 7-9): size limits before any
+decode or tokenizing, bodies msgspec cannot read, unknown routes, and the error counter — every
+answer a 4xx in OpenAI's shape. A scripted backend: no model."""
+import pytest
+
+pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("uvicorn")
+
+from serve_util import ThreadServer  # noqa: E402
+
+from slipstream.models.byte_tokenizer import ByteTokenizer  # noqa: E402
+from slipstream.outputs import CompletionOutput, RequestMetrics, StreamDelta  # noqa: E402
+
+MAX_BODY, MAX_CHARS = 64 * 1024, 1000
+
+
+class CountingTokenizer(ByteTokenizer):
+    encodes = 0
+
+    def encode(self, text):
+        CountingTokenizer.encodes += 1
+        return super().encode(text)
+
+
+class Backend:
+    model_name, vocab_size, max_model_len, max_prompt_chars = "edge-model", 512, 4096, MAX_CHARS
+
+    def __init__(self):
+        self.tokenizer = CountingTokenizer(512)
+
+    async def start(self):
+        pass
+
+    async def close(self):
+        pass
+
+    async def stream(self, ids, params, request_id):
+        yield StreamDelta(request_id, "a", [100], "length")
+
+    async def complete(self, ids, params, request_id):
+        return CompletionOutput(request_id, "a", [100], "length", list(ids), RequestMetrics(0.0))
+
+    async def stats(self):
+        return {"kv_pages_free": 1, "kv_pages_total": 1, "running": 0}
+
+    def metrics_text(self):
+        return ""
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ThreadServer(Backend(), max_body_bytes=MAX_BODY) as s:
+        yield s
+
+
+def _openai_error(r, status, param="unset"):
+    assert r.status_code == status, (r.status_code, r.text)
+    assert r.headers["content-type"].startswith("application/json")
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param != "unset":
+        assert err["param"] == param, err
+    return err
+
+
+def test_a_body_over_the_limit_is_413_before_it_is_read(server):
+    before = CountingTokenizer.encodes
+    with httpx.Client(base_url=server.url) as http:
+        big = b'{"prompt": "' + b"x" * (2 * MAX_BODY) + b'", "max_tokens": 2}'
+        err = _openai_error(http.post("/v1/completions", content=big,
+                                      headers={"content-type": "application/json"}), 413)
+        assert err["code"] == "request_too_large"
+
+        def chunks():  # no Content-Length: refused once the bytes received pass the limit
+            yield big[:MAX_BODY // 2]
+            yield big[MAX_BODY // 2:]
+
+        _openai_error(http.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"}),
+                      413)
+        _openai_error(http.post("/tokenize", content=big), 413)
+    assert CountingTokenizer.encodes == before
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": "y" * (MAX_CHARS + 1), "max_tokens": 2}, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "y" * (MAX_CHARS + 1)}]}, "messages"),
+    ("/tokenize", {"prompt": "y" * (MAX_CHARS + 1)}, "prompt"),
+])
+def test_a_prompt_over_max_prompt_chars_is_400_before_it_is_tokenized(server, path, body, param):
+    before = CountingTokenizer.encodes
+    with httpx.Client(base_url=server.url) as http:
+        err = _openai_error(http.post(path, json=body), 400, param)
+    assert "characters" in err["message"] and CountingTokenizer.encodes == before
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"prompt": "ab\xff\xfecd", "max_tokens": 2}',  # invalid UTF-8 inside a JSON string
+    b'{"prompt": "hi", "messages": [], "response_format": {"type": "json_schema", "json_schema": {"schema": '
+    b'{"a": ' + b"[" * 3000 + b"]" * 3000 + b"}}}}",  # nested 3,000 deep where any JSON is welcome
+    b'{"prompt": "hi", "messages": [], "tools": ' + b'[{"a":' * 3000 + b"1" + b"}]" * 3000 + b"}",
+    b"\xff\xfe",
+])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"])
+def test_bodies_msgspec_cannot_read_are_400(server, path, raw):
+    with httpx.Client(base_url=server.url) as http:
+        _openai_error(http.post(path, content=raw, headers={"content-type": "application/json"}), 400)
+
+
+def test_an_unknown_chat_role_is_400_naming_it(server):
+    with httpx.Client(base_url=server.url) as http:
+        r = http.post("/v1/chat/completions", json={"messages": [{"role": "alien", "content": "hi"}]})
+    assert _openai_error(r, 400)["param"] == "messages[0].role"
+
+
+def test_unknown_routes_and_methods_answer_in_openais_shape(server):
+    with httpx.Client(base_url=server.url) as http:
+        assert _openai_error(http.get("/v1/nothing"), 404)["code"] == "not_found"
+        r = http.get("/v1/completions")
+        _openai_error(r, 405)
+        assert "POST" in r.headers.get("allow", "")
+        assert http.get("/v1/models/edge-model").json() == {**http.get("/v1/models").json()["data"][0],
+                                                            "created": http.get("/v1/models/edge-model")
+                                                            .json()["created"]}
+        assert _openai_error(http.get("/v1/models/gpt-4"), 404, "model")["code"] == "model_not_found"
+
+
+def _count(text, endpoint, status):
+    for line in text.splitlines():
+        if line.startswith("slipstream_http_requests_total{") and f'endpoint="{endpoint}"' in line \
+                and f'status="{status}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_refusals_are_counted_in_the_requests_counter(server):
+    with httpx.Client(base_url=server.url) as http:
+        before = http.get("/metrics").text
+        http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 0})
+        http.post("/v1/chat/completions", content=b"\xff")
+        http.get("/v1/nothing")
+        after = http.get("/metrics").text
+    assert _count(after, "completions", 400) == _count(before, "completions", 400) + 1
+    assert _count(after, "chat", 400) == _count(before, "chat", 400) + 1
+    assert _count(after, "other", 404) == _count(before, "other", 404) + 1

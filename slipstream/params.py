@@ -51,9 +51,17 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, f
     choice: tuple[str, ...] | None = None  # the output is exactly one of these strings
     grammar: GrammarSpec | None = None  # any registered kind: skills, plugins
 
+    def grammar_field(self) -> str | None:
+        """The field the constraint came from (what a GrammarCompileError's `param` names)."""
+        return next((n for n in ("json_schema", "regex", "choice", "grammar") if getattr(self, n) is not None), None)
+
     def grammar_spec(self) -> GrammarSpec | None:
         if self.json_schema is not None:
-            value = self.json_schema if isinstance(self.json_schema, str) else json.dumps(self.json_schema)
+            try:
+                value = self.json_schema if isinstance(self.json_schema, str) else json.dumps(self.json_schema)
+            except (RecursionError, TypeError, ValueError) as e:  # nested too deeply, or not JSON
+                raise InvalidRequestError(f"json_schema cannot be written as JSON: {type(e).__name__}: {e}",
+                                          param="json_schema") from None
             return GrammarSpec("json_schema", value)
         if self.regex is not None:
             return GrammarSpec("regex", self.regex)

@@ -13,7 +13,8 @@ import structlog
 
 from slipstream import gc_freeze
 from slipstream import validate as check
-from slipstream.errors import EngineAlreadyStartedError, EngineClosedError, InvalidRequestError, WrongEventLoopError
+from slipstream.errors import (EngineAlreadyStartedError, EngineClosedError, GrammarError, InvalidRequestError,
+                               WrongEventLoopError)
 from slipstream.intmath import ceil_div
 from slipstream.outputs import CompletionOutput, RequestMetrics
 from slipstream.params import EngineConfig, SamplingParams
@@ -143,7 +144,14 @@ class Engine(SkillMethods):
                                       f"to at most {self.max_model_len - len(ids)}", param="max_tokens")
         spec = params.grammar_spec()
         # compiled off the tick (a thread, under a timeout); a bad grammar fails only this call
-        matcher = (await self._grammars.compile_async(spec)).matcher() if spec is not None else None
+        try:
+            matcher = (await self._grammars.compile_async(spec)).matcher() if spec is not None else None
+        except GrammarError as e:
+            e.param = params.grammar_field()
+            raise
+        except RecursionError:  # a schema nested deeper than the compiler's recursion
+            raise InvalidRequestError(f"{params.grammar_field()} is nested too deeply to compile",
+                                      param=params.grammar_field()) from None
         if request_id is None:
             request_id = f"{self._id_prefix}{next(self._ids)}"
         if request_id in self._requests:

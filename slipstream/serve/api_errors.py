@@ -54,7 +54,7 @@ def from_slipstream(e: errors.SlipstreamError, grammar_param: str | None = None)
     if isinstance(e, (errors.EngineClosedError, errors.WorkerUnavailableError)):
         return ApiError(503, str(e), "service_unavailable", None, code)
     if isinstance(e, (errors.GrammarCompileError, errors.GrammarTimeoutError)):
-        return invalid(str(e), grammar_param, code)
+        return invalid(str(e), grammar_param or e.param, code)
     if isinstance(e, (errors.InvalidRequestError, errors.ProtocolError)):
         return invalid(str(e), getattr(e, "param", None), code)
     return ApiError(500, str(e), "server_error", None, code)

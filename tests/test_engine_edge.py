@@ -1,0 +1,34 @@
+"""Engine-level cases of the outside probe (issue 27, defects 8-9): a schema nested too deeply, a
+grammar error naming its field, a failed start that leaks nothing."""
+import pytest
+
+from slipstream import Engine, EngineConfig, InvalidRequestError, SamplingParams
+from slipstream.errors import GrammarCompileError
+
+CFG = dict(model="tiny-random", max_batch_size=4, max_num_batched_tokens=32, kv_cache_tokens=1024, page_size=8,
+           max_model_len=64)
+
+
+def _deep_schema(depth):
+    d = {"type": "string"}
+    for _ in range(depth):
+        d = {"type": "array", "items": d}
+    return d
+
+
+async def test_a_deep_schema_and_a_bad_grammar_are_typed_and_name_their_field():
+    async with Engine(EngineConfig(**CFG)) as engine:
+        with pytest.raises(InvalidRequestError) as e:
+            await engine.complete("x", SamplingParams(json_schema=_deep_schema(1500), max_tokens=4))
+        assert e.value.param == "json_schema"
+        with pytest.raises((InvalidRequestError, GrammarCompileError)) as e:  # as text: the compiler refuses it
+            await engine.complete("x", SamplingParams(json_schema='{"type":"array","items":' * 1500 +
+                                                      '{"type":"string"}' + "}" * 1500, max_tokens=4))
+        assert e.value.param == "json_schema"
+        with pytest.raises(GrammarCompileError) as e:
+            await engine.complete("x", SamplingParams(regex="(", max_tokens=4))
+        assert e.value.param == "regex"
+        with pytest.raises(GrammarCompileError) as e:
+            await engine.complete("x", SamplingParams(json_schema='{"type": 5}', max_tokens=4))
+        assert e.value.param == "json_schema"
+        assert len((await engine.complete("x", SamplingParams(max_tokens=2))).token_ids) == 2

@@ -32,3 +32,20 @@ async def test_a_deep_schema_and_a_bad_grammar_are_typed_and_name_their_field():
             await engine.complete("x", SamplingParams(json_schema='{"type": 5}', max_tokens=4))
         assert e.value.param == "json_schema"
         assert len((await engine.complete("x", SamplingParams(max_tokens=2))).token_ids) == 2
+
+
+async def test_a_failed_start_leaves_no_threads_behind():
+    import threading
+
+    from slipstream.errors import ModelNotFoundError
+
+    async def attempt():
+        with pytest.raises(ModelNotFoundError):
+            await Engine(EngineConfig(**{**CFG, "model": "no-such-model-anywhere"})).start()
+
+    await attempt()  # (the first may start the loop's default executor)
+    before = {t for t in threading.enumerate() if not t.name.startswith("asyncio_")}
+    for _ in range(3):
+        await attempt()
+    after = {t for t in threading.enumerate() if not t.name.startswith("asyncio_")}
+    assert after <= before, sorted(t.name for t in after - before)

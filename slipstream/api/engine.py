@@ -59,14 +59,18 @@ class Engine(SkillMethods):
             raise EngineAlreadyStartedError("engine already started: close() it before starting it again")
         self._owner = asyncio.get_running_loop()
         self._parts = await asyncio.to_thread(assemble, self.config)
-        self.tokenizer, self.model_config = self._parts.tokenizer, self._parts.model_config
-        await asyncio.to_thread(byte_table, self.tokenizer)  # built once here, not on the first request
-        self.loop = self._parts.loop
-        self.max_model_len = self._parts.max_model_len
-        from slipstream.grammar.base import GrammarCompiler
+        try:
+            self.tokenizer, self.model_config = self._parts.tokenizer, self._parts.model_config
+            await asyncio.to_thread(byte_table, self.tokenizer)  # built once here, not on the first request
+            self.loop = self._parts.loop
+            self.max_model_len = self._parts.max_model_len
+            from slipstream.grammar.base import GrammarCompiler
 
-        self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
-                                         timeout_s=self.config.grammar_timeout_s)
+            self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                             timeout_s=self.config.grammar_timeout_s)
+        except BaseException:  # a failed start leaves no device threads behind
+            self._parts.close()
+            raise
         self._loop_task = asyncio.create_task(self._run_loop(), name="slipstream-engine-loop")
         if self.config.freeze_gc:  # (close() releases it: the loop task exists from here on)
             gc_freeze.hold()

@@ -49,3 +49,33 @@ async def test_a_failed_start_leaves_no_threads_behind():
         await attempt()
     after = {t for t in threading.enumerate() if not t.name.startswith("asyncio_")}
     assert after <= before, sorted(t.name for t in after - before)
+
+
+CRASHING_APP = """
+import asyncio
+from slipstream import Engine, SamplingParams
+
+async def main():
+    engine = await Engine(model="tiny-random").start()
+    for _ in range(8):
+        asyncio.ensure_future(engine.complete("hello", SamplingParams(max_tokens=500, ignore_eos=True)))
+    await asyncio.sleep(0.3)
+    raise RuntimeError("the application failed")
+
+asyncio.run(main())
+"""
+
+
+def test_an_exception_escaping_asyncio_run_with_requests_in_flight_exits_cleanly(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "app.py"
+    script.write_text(CRASHING_APP)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    for _ in range(2):  # (it aborted every time before)
+        proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+        assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])
+        assert "RuntimeError: the application failed" in proc.stderr
+        assert "terminate called" not in proc.stderr

@@ -82,6 +82,12 @@ class Engine(SkillMethods):
     async def _run_loop(self) -> None:
         try:
             await self.loop.run()
+        except asyncio.CancelledError:
+            # cancelled, not closed: asyncio.run() tearing down after the application raised. The
+            # device's threads stop now, before the interpreter does (a thread still inside torch
+            # when it finalizes aborts the process: "terminate called without an active exception")
+            self._parts.close()
+            raise
         except Exception as e:  # the loop already failed every waiter with it
             log.error("engine_loop_died", error=repr(e))
             raise

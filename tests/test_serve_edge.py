@@ -143,3 +143,21 @@ def test_refusals_are_counted_in_the_requests_counter(server):
     assert _count(after, "completions", 400) == _count(before, "completions", 400) + 1
     assert _count(after, "chat", 400) == _count(before, "chat", 400) + 1
     assert _count(after, "other", 404) == _count(before, "other", 404) + 1
+
+
+@pytest.mark.parametrize("logprobs", [0, 1, 5])
+def test_streamed_completion_logprobs_are_refused_alike(server, logprobs):
+    with httpx.Client(base_url=server.url) as http:
+        r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "stream": True, "logprobs": logprobs})
+    _openai_error(r, 400, "logprobs")
+
+
+def test_legacy_top_logprobs_keep_byte_tokens_apart():
+    from slipstream.serve.render import completion_logprobs
+
+    tok = ByteTokenizer(512)
+    out = CompletionOutput("r", "e", [104], "length", [5], RequestMetrics(0.0), logprobs=[-0.5],
+                           top_logprobs=[{104: -0.5, 200: -1.0, 201: -2.0, 202: -3.0}])
+    top = completion_logprobs(tok, out)["top_logprobs"][0]
+    assert len(top) == 4 and top["e"] == -0.5
+    assert {k for k in top if k != "e"} == {"bytes:\\xc5", "bytes:\\xc6", "bytes:\\xc7"}

@@ -113,7 +113,8 @@ async def handle(state: ServerState, request: Request, chat: bool) -> Response:
     t0 = time.perf_counter()
     rid = new_request_id("chatcmpl" if chat else "cmpl", request.headers.get("x-request-id"))
     req = decode_body(await read_body(request, state.max_body_bytes), chat)
-    if req.stream and req.logprobs:
+    # completions' logprobs: 0 asks for the sampled tokens' logprobs (as OpenAI): refused like >= 1
+    if req.stream and (req.logprobs if chat else req.logprobs is not None):
         raise invalid("logprobs are not available on streamed responses yet; use stream=false", "logprobs")
     if req.stream and req.n > 1:
         raise invalid("n > 1 is not available on streamed responses; use stream=false", "n")

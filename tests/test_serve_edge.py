@@ -161,3 +161,12 @@ def test_legacy_top_logprobs_keep_byte_tokens_apart():
     top = completion_logprobs(tok, out)["top_logprobs"][0]
     assert len(top) == 4 and top["e"] == -0.5
     assert {k for k in top if k != "e"} == {"bytes:\\xc5", "bytes:\\xc6", "bytes:\\xc7"}
+
+
+def test_a_response_format_schema_nested_too_deeply_is_400(server):
+    schema = b'{"type":"array","items":' * 1500 + b'{"type":"string"}' + b"}" * 1500  # msgspec reads it; json won't
+    body = (b'{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", '
+            b'"json_schema": {"schema": ' + schema + b"}}}")
+    with httpx.Client(base_url=server.url) as http:
+        r = http.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert _openai_error(r, 400)["param"] in (None, "response_format.json_schema.schema")

@@ -170,3 +170,74 @@ def test_a_response_format_schema_nested_too_deeply_is_400(server):
     with httpx.Client(base_url=server.url) as http:
         r = http.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
     assert _openai_error(r, 400)["param"] in (None, "response_format.json_schema.schema")
+
+
+# --- idle and slow-dripping connections (raw sockets, 127.0.0.1 only, bounded) ---------------
+READ_TIMEOUT = 0.5
+
+
+@pytest.fixture(scope="module")
+def timed_server():
+    with ThreadServer(Backend(), read_timeout_s=READ_TIMEOUT) as s:
+        yield s
+
+
+def _closed_within(sock, seconds):
+    """True if the server closes `sock` within `seconds` (what it sends first is ignored)."""
+    import socket as _socket
+    import time
+
+    deadline = time.monotonic() + seconds
+    sock.settimeout(0.1)
+    while time.monotonic() < deadline:
+        try:
+            if sock.recv(4096) == b"":
+                return True
+        except _socket.timeout:
+            continue
+        except OSError:
+            return True
+    return False
+
+
+def test_an_idle_connection_is_closed(timed_server):
+    import socket
+
+    with socket.create_connection(("127.0.0.1", timed_server.port), timeout=5) as s:
+        assert _closed_within(s, READ_TIMEOUT + 3)
+
+
+def test_a_slow_dripping_request_is_closed(timed_server):
+    import socket
+    import time
+
+    with socket.create_connection(("127.0.0.1", timed_server.port), timeout=5) as s:
+        t0 = time.monotonic()
+        closed = False
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n" + b" " * 100
+        for byte in head[:40]:  # a byte every 0.1 s: 4 s in all, far past the deadline
+            try:
+                s.sendall(bytes([byte]))
+            except OSError:
+                closed = True
+                break
+            s.settimeout(0.1)
+            try:
+                if s.recv(4096) == b"":
+                    closed = True
+                    break
+            except socket.timeout:
+                pass
+        assert closed and time.monotonic() - t0 < READ_TIMEOUT + 2
+
+
+def test_a_prompt_request_and_keep_alive_still_work(timed_server):
+    import time
+
+    with httpx.Client(base_url=timed_server.url) as http:
+        for _ in range(2):  # the second request on the same connection, after a pause under the timeout
+            r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 200
+            time.sleep(READ_TIMEOUT / 2)
+        r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "stream": True})
+        assert r.status_code == 200 and "[DONE]" in r.text

@@ -28,6 +28,9 @@ def register(sub) -> None:
                         "--max-prompt-chars before they are tokenized)")
     p.add_argument("--max-prompt-chars", type=int, default=None,
                    help="longer prompts get 400 before they are tokenized (default: EngineConfig's, 1,000,000)")
+    p.add_argument("--request-read-timeout", type=float, default=30.0,
+                   help="seconds a client gets to send a whole request (headers and body) from when it connects "
+                        "or starts the request; a slower or idle connection is closed")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM/SIGINT")
     serve_ray.add_args(p)
@@ -63,7 +66,10 @@ def _serve(args) -> int:
     except ImportError as e:
         raise SystemExit(f"slipstream serve needs the `serve` extra ({e}): pip install 'slipstream[serve]'") from None
     app = create_app(build_backend(args), max_inflight=args.max_inflight, max_body_bytes=args.max_body_bytes)
-    config = uvicorn.Config(app, host=args.host, port=args.port, loop="uvloop", http="httptools",
+    from slipstream.serve.read_timeout import read_timeout_protocol
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, loop="uvloop",
+                            http=read_timeout_protocol(args.request_read_timeout),
                             log_level=args.log_level, access_log=False, timeout_graceful_shutdown=args.shutdown_timeout)
     server = uvicorn.Server(config)
     # uvicorn re-raises the signal that stopped it once it has drained; a no-op handler turns that

@@ -241,3 +241,45 @@ def test_a_prompt_request_and_keep_alive_still_work(timed_server):
             time.sleep(READ_TIMEOUT / 2)
         r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "stream": True})
         assert r.status_code == 200 and "[DONE]" in r.text
+
+
+# --- shutdown: a stream past the graceful timeout ends with an SSE error event ----------------
+class EndlessBackend(Backend):
+    async def stream(self, ids, params, request_id):
+        import asyncio
+
+        yield StreamDelta(request_id, "a", [100])
+        await asyncio.sleep(3600)  # a stream that would outlive any shutdown timeout
+
+
+def test_a_stream_past_the_shutdown_timeout_gets_an_error_event():
+    import threading
+    import time
+
+    server = ThreadServer(EndlessBackend(), shutdown_timeout=1.0).__enter__()
+    lines, done = [], threading.Event()
+
+    def read():
+        try:
+            with httpx.Client(base_url=server.url, timeout=30) as http:
+                with http.stream("POST", "/v1/completions", json={"prompt": "hi", "stream": True}) as r:
+                    for line in r.iter_lines():
+                        if line:
+                            lines.append(line)
+        finally:
+            done.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 10
+    while not lines and time.monotonic() < deadline:
+        time.sleep(0.01)
+    t0 = time.monotonic()
+    server.__exit__(None, None, None)  # as SIGTERM: should_exit, then uvicorn's graceful shutdown
+    assert done.wait(10)
+    assert time.monotonic() - t0 < 5
+    import json
+
+    assert lines[-1] == "data: [DONE]", lines
+    err = json.loads(lines[-2].removeprefix("data: "))["error"]
+    assert err["code"] == "shutting_down" and err["type"] == "service_unavailable"

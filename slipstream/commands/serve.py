@@ -71,7 +71,9 @@ def _serve(args) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, loop="uvloop",
                             http=read_timeout_protocol(args.request_read_timeout),
                             log_level=args.log_level, access_log=False, timeout_graceful_shutdown=args.shutdown_timeout)
-    server = uvicorn.Server(config)
+    from slipstream.serve.server import Server
+
+    server = Server(config)
     # uvicorn re-raises the signal that stopped it once it has drained; a no-op handler turns that
     # into a clean exit status (0) after a graceful shutdown instead of death by SIGTERM
     for sig in (signal.SIGTERM, signal.SIGINT):

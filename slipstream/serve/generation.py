@@ -14,7 +14,7 @@ from slipstream.api.fanout import fan_out, wants_fan_out
 from slipstream.api.encode import encode_off_loop
 from slipstream.errors import InvalidRequestError, SlipstreamError
 from slipstream.serve import render, sse
-from slipstream.serve.api_errors import from_decode_error, from_slipstream, invalid
+from slipstream.serve.api_errors import ApiError, from_decode_error, from_slipstream, invalid
 from slipstream.serve.body import read_body
 from slipstream.serve.openai_types import ChatCompletionRequest, CompletionRequest
 from slipstream.serve.sampling import sampling_params
@@ -177,6 +177,8 @@ async def _stream_body(state: ServerState, rid: str, created: int, model: str, c
                        first, deltas: AsyncIterator, include_usage: bool, t0: float, endpoint: str):
     n_out, status, finish = 0, 200, None
     chunk = render.chat_chunk if chat else render.completion_chunk
+    task = asyncio.current_task()
+    state.streams.add(task)
     try:
         if chat:
             yield sse.event(render.chat_chunk(rid, created, model, {"role": "assistant", "content": ""}, None))
@@ -199,10 +201,21 @@ async def _stream_body(state: ServerState, rid: str, created: int, model: str, c
         log.warning("stream_failed", request_id=rid, error=repr(e))
         yield sse.event(err.body())
         yield sse.DONE
-    except BaseException:  # cancelled: the client went away
+    except asyncio.CancelledError:
+        if not state.ending_streams:  # the client went away
+            status, finish = 499, "abort"
+            raise
+        task.uncancel()  # the server is shutting down (ServerState.end_streams): say so, then end
+        status, finish = 503, "abort"
+        err = ApiError(503, "the server is shutting down; this stream ran past its --shutdown-timeout",
+                       "service_unavailable", None, "shutting_down")
+        yield sse.event(err.body())
+        yield sse.DONE
+    except BaseException:
         status, finish = 499, "abort"
         raise
     finally:
+        state.streams.discard(task)
         await deltas.aclose()  # aborts the request (frees its pages) if it has not finished
         state.release()
         _done(state, rid, endpoint, status, t0, prompt_tokens, n_out, finish)

@@ -36,6 +36,15 @@ class ServerState:
     draining: bool = False
     inflight: int = 0
     metrics: HttpMetrics = field(default_factory=HttpMetrics)
+    streams: set = field(default_factory=set)  # the tasks sending SSE bodies (end_streams cancels them)
+    ending_streams: bool = False
+
+    def end_streams(self) -> None:
+        """Shutdown's deadline (slipstream/serve/server.py): each running stream is cancelled and
+        answers with an SSE error event."""
+        self.ending_streams = True
+        for task in list(self.streams):
+            task.cancel()
 
     @property
     def max_prompt_chars(self) -> int:

@@ -10,7 +10,8 @@ measured). /health is polled every 10 ms meanwhile. With the defaults a 10 MB bo
 --max-body-bytes (413), 5 MB is under it but over max_prompt_chars (400 before tokenizing) and
 900 KB is tokenized (off the loop) and then refused as longer than the model context.
 Prints a markdown table with a provenance header; the goal (issue 27) is a stall under 50 ms in the
-column "max gap while it was outstanding" (from sending it until 50 ms after its answer). The whole
+column "max gap while it was outstanding" (from sending it until 50 ms after its answer; 0.0: no
+chunk arrived in that window, which is shorter than one decode step), and in /health's. The whole
 stream's max gap is given too: on tiny-random/CPU every stream has one ~0.3-0.8 s gap near its 46th
 token, with or without a big request (seen in-process too; not this tool's doing).
 """

@@ -62,7 +62,7 @@ def send_raw(port: int, data: bytes, result: dict) -> None:
 
 async def stream_gaps(http: httpx.AsyncClient, tokens: int, big: bytes | None, port: int) -> dict:
     """Inter-chunk gaps of one stream; with `big`, sent once 20 chunks have arrived."""
-    gaps, last, sent, result, health = [], None, None, {}, []
+    gaps, last, sent, result, health, thread = [], None, None, {}, [], None
     stop_health = asyncio.Event()
 
     async def poll_health():
@@ -83,14 +83,14 @@ async def stream_gaps(http: httpx.AsyncClient, tokens: int, big: bytes | None, p
             now = time.perf_counter()
             if last is not None:
                 gaps.append(now - last)
-                if sent is not None and (thread.is_alive() or now - sent < 0.05 + result.get("seconds", 0)):
+                if thread is not None and (thread.is_alive() or now - sent < 0.05 + result.get("seconds", 0)):
                     window.append(now - last)
             last, n = now, n + 1
             if big is not None and n == 20:
                 thread = threading.Thread(target=send_raw, args=(port, big, result))
                 sent = time.perf_counter()
                 thread.start()
-    if big is not None:
+    if thread is not None:
         thread.join()
     stop_health.set()
     await poller

@@ -42,3 +42,24 @@ async def test_a_clients_errors_name_the_field_the_worker_checked(worker):  # no
         assert e.value.param == "request_id"
         first.cancel()
         await asyncio.gather(first, return_exceptions=True)
+
+
+async def test_raw_params_refused_by_the_worker_name_their_field(worker):  # noqa: F811
+    """A raw client's params that SamplingParams refuses on the worker: the refusal keeps its field."""
+    import msgspec
+    import zmq
+    import zmq.asyncio
+
+    from slipstream.api.protocol import PROTOCOL_VERSION, Generate, frame_decoder
+
+    raw = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    raw.connect(worker.address)
+    try:
+        enc = msgspec.msgpack.Encoder()
+        bad = msgspec.Raw(enc.encode({"top_p": 0.0, "max_tokens": 2}))
+        await raw.send(enc.encode(Generate(v=PROTOCOL_VERSION, request_id="raw-1", prompt="hi", params=bad)))
+        reply = frame_decoder().decode(await asyncio.wait_for(raw.recv(), 10))
+        error = error_from_wire(reply.msgs[0])
+        assert isinstance(error, InvalidRequestError) and error.param == "top_p", reply
+    finally:
+        raw.close(linger=0)

@@ -91,7 +91,10 @@ class PipelineInvariantError(SlipstreamError, AssertionError):
 
 
 class GrammarError(SlipstreamError):
-    """A grammar-constrained request failed; only that request is affected."""
+    """A grammar-constrained request failed; only that request is affected. `param`: the request
+    field the grammar came from ("json_schema", "regex", "choice", "grammar") where known."""
+
+    param: str | None = None
 
 
 class GrammarCompileError(GrammarError):

@@ -15,19 +15,26 @@ MIN_TEMPERATURE = 1e-5  # below this, logits / temperature overflow float32 (0 m
 MAX_SEED = 2**63 - 1
 MAX_N = 128  # completions per request (each is a request of its own in the batch)
 MAX_TOP_LOGPROBS = 20  # as OpenAI
+DEFAULT_MAX_PROMPT_CHARS = 1_000_000  # EngineConfig.max_prompt_chars; also the HTTP server's without an engine
 
 
-class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, metaclass=CheckedStructMeta):
+class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True,
+                     metaclass=CheckedStructMeta):
     """Names follow OpenAI/vLLM. temperature 0 is greedy. Every field is type-checked at construction
-    (InvalidRequestError naming the field); None for stop / stop_token_ids / seed means "none"."""
+    (InvalidRequestError naming the field); None for stop / stop_token_ids / seed means "none".
+
+    Frozen, and the sequences are normalised to tuples: a value checked here cannot change before
+    the engine reads it (`p.max_tokens = 0` raises AttributeError). Change a field with
+    `msgspec.structs.replace(p, ...)`, which checks again. The Engine re-runs `check()` at
+    submission, for values forced in behind the Struct's back."""
 
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: disabled
     seed: int | None = None
-    stop: list[str] | str | None = None  # normalised to a list of strings
-    stop_token_ids: list[int] | None = None  # normalised to a list
+    stop: tuple[str, ...] | str | None = None  # normalised to a tuple of strings ("ab" is one stop string)
+    stop_token_ids: tuple[int, ...] | None = None  # normalised to a tuple
     ignore_eos: bool = False
     logprobs: bool = False  # return the log-probability of each sampled token
     top_logprobs: int = 0  # also the k most likely tokens at each step, with their logprobs (> 0 implies logprobs)
@@ -41,20 +48,33 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, m
     # constrained decoding (at most one): see docs/grammars.md
     json_schema: dict | str | None = None  # a JSON schema (dict or JSON text)
     regex: str | None = None  # the whole output must match
-    choice: list[str] | None = None  # the output is exactly one of these strings
+    choice: tuple[str, ...] | None = None  # the output is exactly one of these strings
     grammar: GrammarSpec | None = None  # any registered kind: skills, plugins
+
+    def grammar_field(self) -> str | None:
+        """The field the constraint came from (what a GrammarCompileError's `param` names)."""
+        return next((n for n in ("json_schema", "regex", "choice", "grammar") if getattr(self, n) is not None), None)
 
     def grammar_spec(self) -> GrammarSpec | None:
         if self.json_schema is not None:
-            value = self.json_schema if isinstance(self.json_schema, str) else json.dumps(self.json_schema)
+            try:
+                value = self.json_schema if isinstance(self.json_schema, str) else json.dumps(self.json_schema)
+            except (RecursionError, TypeError, ValueError) as e:  # nested too deeply, or not JSON
+                raise InvalidRequestError(f"json_schema cannot be written as JSON: {type(e).__name__}: {e}",
+                                          param="json_schema") from None
             return GrammarSpec("json_schema", value)
         if self.regex is not None:
             return GrammarSpec("regex", self.regex)
         if self.choice is not None:
-            return GrammarSpec("choice", json.dumps(self.choice))
+            return GrammarSpec("choice", json.dumps(list(self.choice)))
         return self.grammar
 
     def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> "SamplingParams":
+        """Every field's type and range (InvalidRequestError naming it); normalises in place, idempotent."""
+        force = msgspec.structs.force_setattr
         check.integer("max_tokens", self.max_tokens, minimum=1)
         temperature = check.number("temperature", self.temperature)
         if temperature < 0 or 0 < temperature < MIN_TEMPERATURE:
@@ -65,12 +85,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, m
             raise InvalidRequestError(f"top_p must be in (0, 1], got {top_p!r}", param="top_p")
         check.integer("top_k", self.top_k, minimum=-1)
         check.integer("seed", self.seed, minimum=0, maximum=MAX_SEED, optional=True)
-        self.stop = check.string_list("stop", self.stop)
-        self.stop_token_ids = check.int_list("stop_token_ids", self.stop_token_ids)
+        force(self, "stop", tuple(check.string_list("stop", self.stop)))
+        force(self, "stop_token_ids", tuple(check.int_list("stop_token_ids", self.stop_token_ids)))
         check.boolean("ignore_eos", self.ignore_eos)
         check.boolean("logprobs", self.logprobs)
         if check.integer("top_logprobs", self.top_logprobs, minimum=0, maximum=MAX_TOP_LOGPROBS):
-            self.logprobs = True  # alternatives come with the sampled token's own logprob
+            force(self, "logprobs", True)  # alternatives come with the sampled token's own logprob
         check.integer("n", self.n, minimum=1, maximum=MAX_N)
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= check.number(name, getattr(self, name)) <= 2.0:
@@ -86,7 +106,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, m
                                       param="min_tokens")
         given = [n for n in ("json_schema", "regex", "choice", "grammar") if getattr(self, n) is not None]
         if len(given) > 1:
-            raise InvalidRequestError(f"give at most one of json_schema, regex, choice, grammar (got {given})")
+            raise InvalidRequestError(f"give at most one of json_schema, regex, choice, grammar (got {given})",
+                                      param=given[1])
         if self.json_schema is not None and not isinstance(self.json_schema, (dict, str)):
             raise InvalidRequestError(f"json_schema must be a dict or JSON text, got {type(self.json_schema).__name__}",
                                       param="json_schema")
@@ -95,10 +116,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, m
         if self.choice is not None:
             if not isinstance(self.choice, (list, tuple)) or not self.choice:
                 raise InvalidRequestError("choice must be a non-empty list of non-empty strings", param="choice")
-            self.choice = [check.text(f"choice[{i}]", c) for i, c in enumerate(self.choice)]
+            force(self, "choice", tuple(check.text(f"choice[{i}]", c) for i, c in enumerate(self.choice)))
         if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
             raise InvalidRequestError(f"grammar must be a GrammarSpec, got {type(self.grammar).__name__}",
                                       param="grammar")
+        return self
 
 
 EVENT_WAITS = ("auto", "host_func", "thread", "poll")
@@ -132,6 +154,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, met
     #                                                    two from min, then max); None: (16, max_num_batched_tokens)
     warmup: bool = True  # capture every bucket (both kinds) at start; False: capture each on first use
     event_wait: str = "auto"  # how the loop awaits GPU events: auto | host_func | thread | poll
+    max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS  # a longer prompt (str) is refused before it is tokenized
     output_stage: str = "loop"  # where detokenising and stop strings run: "loop" (a task beside the
     #                             tick) | "thread" (a worker thread; delivery stays on the loop)
 
@@ -144,7 +167,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, met
         if self.pipeline_depth not in (1, 2) or isinstance(self.pipeline_depth, bool):
             raise InvalidRequestError(f"pipeline_depth must be 1 or 2, got {self.pipeline_depth!r}",
                                       param="pipeline_depth")
-        for name in ("max_batch_size", "max_num_batched_tokens", "page_size"):
+        for name in ("max_batch_size", "max_num_batched_tokens", "page_size", "max_prompt_chars"):
             check.integer(name, getattr(self, name), minimum=1)
         check.integer("kv_cache_tokens", self.kv_cache_tokens, minimum=1, optional=True)
         check.integer("max_model_len", self.max_model_len, minimum=2, optional=True)

@@ -18,6 +18,7 @@ httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
 pytest.importorskip("fastapi")
 from slipstream.serve.app import create_app  # noqa: E402
+from slipstream.serve.server import Server  # noqa: E402
 
 
 def free_port() -> int:
@@ -29,13 +30,19 @@ def free_port() -> int:
 class ThreadServer:
     """uvicorn (uvloop + httptools, as `slipstream serve`) on its own thread; the engine lives on its loop."""
 
-    def __init__(self, backend, **app_kw):
+    def __init__(self, backend, read_timeout_s: float | None = None, shutdown_timeout: float = 5, **app_kw):
         self.app = create_app(backend, **app_kw)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, loop="uvloop", http="httptools",
-                                log_level="warning", access_log=False, timeout_graceful_shutdown=5)
-        self.server = uvicorn.Server(config)
+        http = "httptools"
+        if read_timeout_s is not None:
+            from slipstream.serve.read_timeout import read_timeout_protocol
+
+            http = read_timeout_protocol(read_timeout_s)
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, loop="uvloop", http=http,
+                                log_level="warning", access_log=False,
+                                timeout_graceful_shutdown=shutdown_timeout)
+        self.server = Server(config)
         self.thread = threading.Thread(target=self.server.run, name="uvicorn-test", daemon=True)
 
     def __enter__(self) -> "ThreadServer":

@@ -50,3 +50,70 @@ def test_callable_from_a_thread_that_runs_its_own_event_loop():
             return llm.generate("hi", GREEDY)  # blocks this loop's thread; the engine runs on its own
 
         assert len(asyncio.run(inside_a_loop())[0].token_ids) == 10
+
+
+# --- issue 27, defect 6: no request outlives a generate() that raised --------------------------
+LONG = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+
+
+def _idle(llm):
+    """Nothing running or waiting at once; the pages of steps still in flight back soon after."""
+    import time
+
+    s = llm.stats()
+    if s["running"] or s["waiting"]:
+        return False
+    deadline = time.monotonic() + 5
+    while s["kv_pages_free"] != s["kv_pages_total"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+        s = llm.stats()
+    return s["kv_pages_free"] == s["kv_pages_total"]
+
+
+def test_one_bad_prompt_in_a_batch_runs_none_of_them():
+    with LLM(**CFG) as llm:
+        steps = llm.stats()["steps"]
+        with pytest.raises(InvalidRequestError) as e:  # a bad type: refused before any is submitted
+            llm.generate(["a"] * 20 + [[5, None]] + ["b"] * 20, LONG)
+        assert e.value.param == "prompts[20]"
+        assert llm.stats()["steps"] == steps
+        with pytest.raises(InvalidRequestError) as e:  # too long: refused at its submission; the rest aborted
+            llm.generate(["a"] * 20 + [[5] * 5000] + ["b"] * 20, LONG)
+        assert _idle(llm), llm.stats()
+        assert len(llm.generate("hi", GREEDY)[0].token_ids) == 10
+
+
+def test_an_interrupted_generate_aborts_what_it_submitted():
+    import signal
+    import threading
+
+    def ctrl_c():  # a real signal: it wakes the blocked wait, as a terminal's Ctrl-C does
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    with LLM(**CFG) as llm:
+        timer = threading.Timer(0.3, ctrl_c)
+        timer.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                llm.generate(["tell me a story"] * 40, LONG)
+        finally:
+            timer.cancel()
+        assert llm.stats()["steps"] < 150  # interrupted well before the 200 tokens
+        assert _idle(llm), llm.stats()
+        assert len(llm.generate("hi", GREEDY)[0].token_ids) == 10
+
+
+@pytest.mark.parametrize("prompts", [None, 5, 2.5, {"prompt": "x"}])
+def test_generate_refuses_what_is_not_a_prompt(prompts):
+    with LLM(**CFG) as llm:
+        with pytest.raises(InvalidRequestError):
+            llm.generate(prompts, GREEDY)
+
+
+def test_llm_refuses_a_config_that_is_not_an_engine_config():
+    import threading
+
+    before = threading.active_count()
+    with pytest.raises(InvalidRequestError) as e:
+        LLM({"model": "tiny-random"})
+    assert e.value.param == "config" and threading.active_count() == before

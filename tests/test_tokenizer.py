@@ -197,3 +197,31 @@ def test_incremental_with_prompt_cut_inside_a_character(tok):
     prompt, output = emoji[:2], emoji[2:]  # prompt ends mid-emoji; output starts with its tail bytes
     deltas, tail = _stream(tok, output, prompt_ids=prompt)
     assert "".join(deltas) + tail == tok.decode(output, skip_special_tokens=True)
+
+
+def test_a_long_text_encodes_the_same_and_releases_the_gil(tok):
+    """Past 2,048 characters encode goes through encode_batch (GIL released: the event loop runs on
+    while a thread tokenizes a huge prompt, issue 27 defect 7); the ids are the same."""
+    import threading
+    import time
+
+    text = "lorem ipsum dolor, sit amet! " * 20_000  # 580 KB
+    assert tok.encode(text) == tok.backend.encode(text, add_special_tokens=True).ids
+    gaps, stop = [], threading.Event()
+
+    def tick():
+        last = time.perf_counter()
+        while not stop.is_set():
+            time.sleep(0.001)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    t0 = time.perf_counter()
+    tok.encode(text)
+    took = time.perf_counter() - t0
+    stop.set()
+    ticker.join()
+    assert max(gaps) < max(0.5 * took, 0.05), (max(gaps), took)  # the GIL was not held throughout

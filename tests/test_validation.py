@@ -46,8 +46,8 @@ def test_bad_sampling_params_raise_naming_the_field(kwargs, field):
 
 def test_openai_style_nones_mean_none():
     p = SamplingParams(stop=None, stop_token_ids=None, seed=None)
-    assert p.stop == [] and p.stop_token_ids == [] and p.seed is None
-    assert SamplingParams(stop="x").stop == ["x"]
+    assert p.stop == () and p.stop_token_ids == () and p.seed is None
+    assert SamplingParams(stop="x").stop == ("x",)
 
 
 @pytest.mark.parametrize("kwargs,field", [

@@ -32,8 +32,10 @@ from dataclasses import dataclass, field
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the slipstream of this checkout, not an installed one
 
+import msgspec
+
 from slipstream import Engine, EngineConfig, SamplingParams
-from slipstream.errors import SlipstreamError
+from slipstream.errors import InvalidRequestError, SlipstreamError
 from slipstream.faults import FaultInjector, install
 
 FAULT_RATES = {"forward": 0.002, "sample": 0.002, "matcher": 0.02, "detokenize": 0.001}
@@ -49,6 +51,7 @@ class Planned:
     cancel: str | None = None  # "task" | "stream" | "abort"
     cancel_after: float = 0.0  # seconds (task / abort) or deltas (stream)
     compare: bool = False  # greedy or seeded: must equal depth 1 when it finishes
+    bad: str | None = None  # an outside-probe input (issue 27): must be refused with InvalidRequestError
 
 
 @dataclass
@@ -56,6 +59,8 @@ class Report:
     requests: int = 0
     outcomes: Counter = field(default_factory=Counter)  # ok / abort / cancelled / typed error names
     lost: int = 0  # no outcome before the deadline
+    bad: int = 0  # outside-probe inputs sent
+    bad_accepted: list[str] = field(default_factory=list)  # bad inputs not refused with InvalidRequestError
     duplicated: int = 0  # something arrived after the terminal item
     untyped: list[str] = field(default_factory=list)  # exceptions that are not SlipstreamError
     leaked_pages: int = 0
@@ -77,14 +82,42 @@ class Report:
 
     @property
     def ok(self) -> bool:
-        return not (self.lost or self.duplicated or self.untyped or self.leaked_pages or self.mismatches
-                    or self.text_mismatches
+        return not (self.lost or self.bad_accepted or self.duplicated or self.untyped or self.leaked_pages
+                    or self.mismatches or self.text_mismatches
                     or self.rss_growth_mb > 64 or self.outcomes["EngineClosedError"])  # the engine must go on
 
 
 def engine_config(depth: int, output_stage: str = "loop") -> EngineConfig:
     return EngineConfig(model="tiny-random", pipeline_depth=depth, max_batch_size=16, max_num_batched_tokens=64,
-                        kv_cache_tokens=512, page_size=8, seed=7, output_stage=output_stage)
+                        kv_cache_tokens=512, page_size=8, seed=7, output_stage=output_stage,
+                        max_prompt_chars=MAX_PROMPT_CHARS)
+
+
+MAX_PROMPT_CHARS = 4096
+BAD_RATE = 0.02
+# values forced into a checked SamplingParams behind its back (it is frozen; msgspec's force_setattr
+# is the one way left): the Engine checks again at submission
+FORCED = [("max_tokens", 0), ("temperature", float("nan")), ("top_p", 0.0), ("n", 0), ("top_logprobs", 10_000),
+          ("stop", ["ok", 1]), ("min_p", 2.0), ("seed", -1), ("stop_token_ids", [-1]), ("logprobs", "yes")]
+
+
+def bad_request(rng: random.Random, rid: str, delay: float) -> Planned:
+    """An input an outside probe sent (issue 27, defects 5, 7, 8)."""
+    kind = rng.choice(["forced", "huge_prompt", "deep_schema"])
+    prompt: list[int] | str = [rng.randrange(3, 259) for _ in range(rng.randint(1, 12))]
+    params = SamplingParams(max_tokens=rng.randint(1, 8))
+    if kind == "forced":
+        field_, value = rng.choice(FORCED)
+        msgspec.structs.force_setattr(params, field_, value)
+        kind = f"forced {field_}={value!r}"
+    elif kind == "huge_prompt":
+        prompt = "x" * (MAX_PROMPT_CHARS + rng.randint(1, 100_000))
+    else:
+        schema: dict = {"type": "string"}
+        for _ in range(1500):
+            schema = {"type": "array", "items": schema}
+        params = SamplingParams(max_tokens=4, json_schema=schema)
+    return Planned(rid, prompt, params, delay, bad=kind)
 
 
 def plan_round(rng: random.Random, n: int, round_no: int) -> list[Planned]:
@@ -104,6 +137,8 @@ def plan_round(rng: random.Random, n: int, round_no: int) -> list[Planned]:
 
 
 def random_request(rng: random.Random, rid: str, delay: float) -> Planned:
+    if rng.random() < BAD_RATE:
+        return bad_request(rng, rid, delay)
     prompt = [rng.randrange(3, 259) for _ in range(rng.choice([rng.randint(1, 12), rng.randint(10, 90)]))]
     kw: dict = dict(max_tokens=rng.randint(1, 24))
     kind = rng.random()
@@ -220,6 +255,9 @@ async def soak(requests: int, rounds: int = 3, seed: int = 0, rates: dict | None
 def _count(batch: list[Planned], results: dict, report: Report) -> None:
     for p in batch:
         outcome = results.get(p.rid)
+        report.bad += p.bad is not None
+        if p.bad is not None and not isinstance(outcome, InvalidRequestError):
+            report.bad_accepted.append(f"{p.rid} ({p.bad}): {outcome!r:.120}")
         if outcome is None:
             report.lost += 1  # (already counted if its deadline passed)
         elif isinstance(outcome, SlipstreamError):
@@ -323,6 +361,7 @@ def format_report(r: Report) -> str:
         f"requests {r.requests} in {r.seconds:.1f} s",
         f"outcomes {dict(sorted(r.outcomes.items()))}",
         f"lost {r.lost}  duplicated {r.duplicated}  untyped errors {len(r.untyped)}  leaked pages {r.leaked_pages}",
+        f"outside-probe inputs {r.bad}, not refused with InvalidRequestError {len(r.bad_accepted)}",
         f"greedy/seeded compared with depth 1: {r.compared}, mismatches {len(r.mismatches)}",
         f"texts checked against their token ids: {r.texts_checked} ({r.stop_token_ended} ended by a stop token), "
         f"differing {len(r.text_mismatches)}",
@@ -330,6 +369,7 @@ def format_report(r: Report) -> str:
         f"rss per round (MB) {r.rss_mb}  growth after round 1: {r.rss_growth_mb:+.1f} MB",
         "PASS" if r.ok else "FAIL",
     ]
+    lines += [f"  bad input accepted: {b}" for b in r.bad_accepted[:10]]
     lines += [f"  untyped: {u}" for u in r.untyped[:10]] + [f"  mismatch: {m}" for m in r.mismatches[:10]]
     lines += [f"  text: {t}" for t in r.text_mismatches[:10]]
     return "\n".join(lines)

@@ -59,6 +59,14 @@ def assemble(config: EngineConfig) -> EngineParts:
     # Invariance's row padding is probed at torch's thread count: its forward keeps that count.
     device = make_device(config.device, config.event_wait,
                          cpu_forward_threads=torch.get_num_threads() if invariant else None)
+    try:
+        return _assemble(config, device, invariant)
+    except BaseException:  # (a model not found, a pool too small): the device's stream threads stop
+        device.close()
+        raise
+
+
+def _assemble(config: EngineConfig, device, invariant: bool) -> EngineParts:
     # Invariance is calibrated against torch's default kernels, so it keeps the dense model.
     model, tokenizer, mcfg = build_model(config.model, config.dtype, device.torch_device, config.seed,
                                          pack=not invariant)

@@ -230,7 +230,7 @@ class Client(SkillMethods):
         if request_id is None:
             request_id = f"{self._id_prefix}{next(self._ids)}"
         if request_id in self._pending:
-            raise InvalidRequestError(f"request_id {request_id!r} is already in use")
+            raise InvalidRequestError(f"request_id {request_id!r} is already in use", param="request_id")
         raw = msgspec.Raw(self._enc.encode(params or SamplingParams()))
         msg = Generate(v=PROTOCOL_VERSION, request_id=request_id, params=raw, stream=stream, **prompt)
         p = _Pending(request_id, time.perf_counter())

@@ -13,7 +13,8 @@ import structlog
 
 from slipstream import gc_freeze
 from slipstream import validate as check
-from slipstream.errors import EngineAlreadyStartedError, EngineClosedError, InvalidRequestError, WrongEventLoopError
+from slipstream.errors import (EngineAlreadyStartedError, EngineClosedError, GrammarError, InvalidRequestError,
+                               WrongEventLoopError)
 from slipstream.intmath import ceil_div
 from slipstream.outputs import CompletionOutput, RequestMetrics
 from slipstream.params import EngineConfig, SamplingParams
@@ -21,6 +22,7 @@ from slipstream.models.byte_stream import byte_table, make_detokenizer
 from slipstream.runtime.batch import SamplingRow
 from slipstream.api.interface import DeltaStream, Messages, Prompt
 from slipstream.api.fanout import fan_out, wants_fan_out
+from slipstream.api.encode import encode_off_loop
 from slipstream.api.output_processor import RequestState
 from slipstream.api.protocol import HealthReply
 from slipstream.api.request_stream import RequestStream
@@ -32,6 +34,9 @@ log = structlog.get_logger(__name__)
 
 class Engine(SkillMethods):
     def __init__(self, config: EngineConfig | None = None, **overrides):
+        if config is not None and not isinstance(config, EngineConfig):
+            raise InvalidRequestError(f"config must be an EngineConfig, got {type(config).__name__} (keywords: "
+                                      "Engine(model=...) or Engine(EngineConfig(...)))", param="config")
         self.config = config or EngineConfig(**overrides)
         self._loop_task: asyncio.Task | None = None
         self._requests: dict[str, Sequence] = {}
@@ -57,6 +62,7 @@ class Engine(SkillMethods):
         # an engine (gc_freeze.py); counted for every engine, so none freezes while another runs
         gc_freeze.hold(self.config.freeze_gc)
         self._gc_held = True
+        self._parts = None
         try:
             self._parts = await asyncio.to_thread(assemble, self.config)
             self.tokenizer, self.model_config = self._parts.tokenizer, self._parts.model_config
@@ -68,7 +74,9 @@ class Engine(SkillMethods):
             self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
                                              timeout_s=self.config.grammar_timeout_s)
             self._loop_task = asyncio.create_task(self._run_loop(), name="slipstream-engine-loop")
-        except BaseException:  # (from here on close() releases it)
+        except BaseException:  # a failed start leaves no device threads and no gc hold behind
+            if self._parts is not None:
+                self._parts.close()
             self._gc_held = False
             gc_freeze.release()
             raise
@@ -79,6 +87,12 @@ class Engine(SkillMethods):
     async def _run_loop(self) -> None:
         try:
             await self.loop.run()
+        except asyncio.CancelledError:
+            # cancelled, not closed: asyncio.run() tearing down after the application raised. The
+            # device's threads stop now, before the interpreter does (a thread still inside torch
+            # when it finalizes aborts the process: "terminate called without an active exception")
+            self._parts.close()
+            raise
         except Exception as e:  # the loop already failed every waiter with it
             log.error("engine_loop_died", error=repr(e))
             raise
@@ -134,17 +148,25 @@ class Engine(SkillMethods):
         elif not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}",
                                       param="params")
+        params.check()  # again: a value forced in after construction never reaches the tick
         if params.n > 1:  # complete/chat fan out before this; a stream cannot (slipstream/api/fanout.py)
             raise InvalidRequestError("n > 1 cannot be streamed; use complete() or chat()", param="n")
         request_id = check.request_id(request_id)
-        ids = self._prompt_ids(prompt)
+        ids = await self._prompt_ids(prompt)
         if len(ids) + params.max_tokens > self.max_model_len:
             raise InvalidRequestError(f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
                                       f"exceeds the model context of {self.max_model_len} tokens; lower max_tokens "
                                       f"to at most {self.max_model_len - len(ids)}", param="max_tokens")
         spec = params.grammar_spec()
         # compiled off the tick (a thread, under a timeout); a bad grammar fails only this call
-        matcher = (await self._grammars.compile_async(spec)).matcher() if spec is not None else None
+        try:
+            matcher = (await self._grammars.compile_async(spec)).matcher() if spec is not None else None
+        except GrammarError as e:
+            e.param = params.grammar_field()
+            raise
+        except RecursionError:  # a schema nested deeper than the compiler's recursion
+            raise InvalidRequestError(f"{params.grammar_field()} is nested too deeply to compile",
+                                      param=params.grammar_field()) from None
         if request_id is None:
             request_id = f"{self._id_prefix}{next(self._ids)}"
         if request_id in self._requests:
@@ -170,9 +192,12 @@ class Engine(SkillMethods):
         self.loop.submit(seq)
         return seq
 
-    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+    async def _prompt_ids(self, prompt: Prompt) -> list[int]:
         prompt = check.prompt(prompt, self.model_config.vocab_size)
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if isinstance(prompt, str):
+            ids = await encode_off_loop(self.tokenizer, prompt, self.config.max_prompt_chars)
+        else:
+            ids = list(prompt)
         if not ids:
             raise InvalidRequestError("prompt is empty", param="prompt")
         if len(ids) >= self.max_model_len:
@@ -227,6 +252,11 @@ class Engine(SkillMethods):
     def _chat_prompt(self, messages: Messages) -> str:
         messages = check.messages(messages)
         self._check_running()
+        chars = sum(len(m["content"]) for m in messages)  # capped before the template renders them
+        if chars > self.config.max_prompt_chars:
+            raise InvalidRequestError(f"messages have {chars:,} characters of content; this engine takes at most "
+                                      f"{self.config.max_prompt_chars:,} (EngineConfig.max_prompt_chars)",
+                                      param="messages")
         try:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         except Exception as e:  # noqa: BLE001 - a template rejects what the caller sent

@@ -10,6 +10,7 @@ import asyncio
 import threading
 from typing import Sequence
 
+from slipstream import validate as check
 from slipstream.api.engine import Engine, Prompt
 from slipstream.errors import EngineClosedError, InvalidRequestError
 from slipstream.outputs import CompletionOutput
@@ -18,10 +19,10 @@ from slipstream.params import EngineConfig, SamplingParams
 
 class LLM:
     def __init__(self, config: EngineConfig | None = None, **overrides):
+        self.engine = Engine(config, **overrides)  # (a bad config raises before the thread exists)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="slipstream-llm", daemon=True)
         self._thread.start()
-        self.engine = Engine(config, **overrides)
         try:
             self._call(self.engine.start())
         except BaseException:
@@ -36,8 +37,14 @@ class LLM:
         """Complete one prompt or a list of them (all at once, batched by the engine); outputs in order.
         A prompt is a string or a list of token ids; `params` is one SamplingParams or one per prompt.
         A prompt whose params have n > 1 gets a list of n outputs in its place."""
-        batch = [prompts] if _is_single(prompts) else list(prompts)
+        batch = [prompts] if _is_single(prompts) else _batch(prompts, "prompts")
         per_prompt = _per_prompt(params, len(batch))
+        self._check_ready()
+        for i, p in enumerate(batch):  # every prompt's type before any is submitted
+            try:
+                check.prompt(p, self.engine.model_config.vocab_size)
+            except InvalidRequestError as e:
+                raise InvalidRequestError(f"prompts[{i}]: {e}", param=f"prompts[{i}]") from None
         return self._call(self._gather(self.engine.complete, batch, per_prompt))
 
     def chat(self, conversations: list[dict] | Sequence[list[dict]],
@@ -45,8 +52,13 @@ class LLM:
              ) -> list[CompletionOutput | list[CompletionOutput]]:
         """Answer one conversation (a list of {"role", "content"} messages) or a list of them (n > 1: as generate)."""
         single = isinstance(conversations, list) and (not conversations or isinstance(conversations[0], dict))
-        batch = [conversations] if single else list(conversations)
+        batch = [conversations] if single else _batch(conversations, "conversations")
         per_prompt = _per_prompt(params, len(batch))
+        for i, messages in enumerate(batch):
+            try:
+                check.messages(messages)
+            except InvalidRequestError as e:
+                raise InvalidRequestError(f"conversations[{i}]: {e}", param=f"conversations[{i}]") from None
         return self._call(self._gather(self.engine.chat, batch, per_prompt))
 
     def stats(self) -> dict:
@@ -70,20 +82,59 @@ class LLM:
 
     # --- internals ------------------------------------------------------------------------------
 
+    def _check_ready(self) -> None:
+        if self._loop.is_closed():
+            raise EngineClosedError("this LLM is closed")
+
     def _call(self, coro):
+        """Run `coro` on the engine's loop and wait. If this thread stops waiting (Ctrl-C, any
+        exception), the coroutine is cancelled, which aborts its requests, and that has happened
+        by the time the exception goes on: no request outlives the call."""
         if self._loop.is_closed():
             coro.close()
             raise EngineClosedError("this LLM is closed")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        settled = threading.Event()
+
+        async def run():
+            try:
+                return await coro
+            finally:
+                settled.set()
+
+        future = asyncio.run_coroutine_threadsafe(run(), self._loop)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()
+            settled.wait(timeout=_SETTLE_S)
+            raise
 
     @staticmethod
     async def _gather(method, inputs: list, params: list) -> list:
-        return list(await asyncio.gather(*(method(x, p) for x, p in zip(inputs, params))))
+        """All at once; the first failure cancels (aborts) the rest before it is raised."""
+        tasks = [asyncio.ensure_future(method(x, p)) for x, p in zip(inputs, params)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            pending = [t for t in tasks if not t.done()]
+            for t in pending:
+                t.cancel()  # complete() aborts its request when cancelled
+            await asyncio.gather(*tasks, return_exceptions=True)  # (and marks every error as seen)
 
     def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=30)
         self._loop.close()
+
+
+_SETTLE_S = 30.0  # how long an interrupted call waits for its requests' aborts
+
+
+def _batch(items, name: str) -> list:
+    if not isinstance(items, (list, tuple)):
+        raise InvalidRequestError(f"{name} must be a prompt or a list of them, got {type(items).__name__} "
+                                  f"{items!r:.80}", param=name)
+    return list(items)
 
 
 def _is_single(prompts) -> bool:

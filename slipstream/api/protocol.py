@@ -95,6 +95,7 @@ class Error(_Out, tag="error"):
     message: str
     request_id: str | None = None  # set when the error ends one request
     seq: int | None = None  # set when it answers an abort/stats/health call
+    param: str | None = None  # the request field an InvalidRequestError / GrammarError names
 
 
 class AbortReply(_Out, tag="abort_reply"):
@@ -197,7 +198,8 @@ def frame_decoder() -> msgspec.msgpack.Decoder:
 
 
 def error_to_wire(e: errors.SlipstreamError, request_id: str | None = None, seq: int | None = None) -> Error:
-    return Error(code=type(e).__name__, message=str(e), request_id=request_id, seq=seq)
+    return Error(code=type(e).__name__, message=str(e), request_id=request_id, seq=seq,
+                 param=getattr(e, "param", None))
 
 
 def error_from_wire(msg: Error) -> errors.SlipstreamError:
@@ -205,7 +207,10 @@ def error_from_wire(msg: Error) -> errors.SlipstreamError:
     cls = getattr(errors, msg.code, None)
     if not (isinstance(cls, type) and issubclass(cls, errors.SlipstreamError)):
         return errors.WorkerError(f"{msg.code}: {msg.message}")
-    return cls(msg.message)
+    error = cls(msg.message)
+    if msg.param is not None and hasattr(error, "param"):
+        error.param = msg.param
+    return error
 
 
 def output_to_wire(out: CompletionOutput, request_id: str) -> CompletionOutput:

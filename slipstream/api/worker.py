@@ -237,7 +237,7 @@ class Worker:
         if self._draining:
             error = WorkerShuttingDownError("the worker is shutting down and admits no new request")
         elif rid in session.tasks:
-            error = InvalidRequestError(f"request id {rid!r} is already in use")
+            error = InvalidRequestError(f"request id {rid!r} is already in use", param="request_id")
         elif params.n > 1:  # one Generate is one completion; slipstream.Client fans n out itself
             error = InvalidRequestError("n > 1: send n requests with n=1 (slipstream.Client does)", param="n")
         elif self._inflight >= self.config.max_batch_size + self.limits.max_queued:

@@ -178,8 +178,10 @@ class WorkerIO:
                 return self._refuse(identity, InvalidRequestError("give exactly one of prompt and messages"), header)
             try:
                 params = self._params.decode(msg.params)
-            except msgspec.DecodeError as e:
-                return self._refuse(identity, InvalidRequestError(f"invalid sampling params: {e}"), header)
+            except msgspec.DecodeError as e:  # (a check of SamplingParams' own raised inside: its field kept)
+                param = getattr(e.__cause__, "param", None)
+                return self._refuse(identity, InvalidRequestError(f"invalid sampling params: {e}", param=param),
+                                    header)
         self._deliver(identity, msg, params)
 
     def _refuse(self, identity: bytes, error: SlipstreamError, header: Header | None = None) -> None:

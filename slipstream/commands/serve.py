@@ -23,6 +23,14 @@ def register(sub) -> None:
                    "before a request fails")
     p.add_argument("--served-model-name", default=None, help="the model id /v1/models reports (default: --model)")
     p.add_argument("--max-inflight", type=int, default=1024, help="generation requests at once; more get 429")
+    p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024,
+                   help="larger request bodies get 413 before they are read (prompts are also capped by "
+                        "--max-prompt-chars before they are tokenized)")
+    p.add_argument("--max-prompt-chars", type=int, default=None,
+                   help="longer prompts get 400 before they are tokenized (default: EngineConfig's, 1,000,000)")
+    p.add_argument("--request-read-timeout", type=float, default=30.0,
+                   help="seconds a client gets to send a whole request (headers and body) from when it connects "
+                        "or starts the request; a slower or idle connection is closed")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM/SIGINT")
     serve_ray.add_args(p)
@@ -35,8 +43,9 @@ def register(sub) -> None:
 
 
 def _engine_config(args):
+    extra = {} if args.max_prompt_chars is None else {"max_prompt_chars": args.max_prompt_chars}
     return engine_config(args, max_batch_size=args.max_batch_size, max_num_batched_tokens=args.max_num_batched_tokens,
-                         kv_cache_tokens=args.kv_cache_tokens, page_size=args.page_size, seed=args.seed)
+                         kv_cache_tokens=args.kv_cache_tokens, page_size=args.page_size, seed=args.seed, **extra)
 
 
 def build_backend(args):
@@ -56,10 +65,15 @@ def _serve(args) -> int:
         from slipstream.serve.app import create_app
     except ImportError as e:
         raise SystemExit(f"slipstream serve needs the `serve` extra ({e}): pip install 'slipstream[serve]'") from None
-    app = create_app(build_backend(args), max_inflight=args.max_inflight)
-    config = uvicorn.Config(app, host=args.host, port=args.port, loop="uvloop", http="httptools",
+    app = create_app(build_backend(args), max_inflight=args.max_inflight, max_body_bytes=args.max_body_bytes)
+    from slipstream.serve.read_timeout import read_timeout_protocol
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, loop="uvloop",
+                            http=read_timeout_protocol(args.request_read_timeout),
                             log_level=args.log_level, access_log=False, timeout_graceful_shutdown=args.shutdown_timeout)
-    server = uvicorn.Server(config)
+    from slipstream.serve.server import Server
+
+    server = Server(config)
     # uvicorn re-raises the signal that stopped it once it has drained; a no-op handler turns that
     # into a clean exit status (0) after a graceful shutdown instead of death by SIGTERM
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -62,6 +62,9 @@ def _jinja_env() -> ImmutableSandboxedEnvironment:
     return env
 
 
+_GIL_FREE_CHARS = 2048  # as api/encode.py's INLINE_CHARS: longer texts are tokenized off the loop
+
+
 class Tokenizer:
     """A `tokenizers.Tokenizer` plus the metadata generation needs (EOS ids, chat template)."""
 
@@ -186,7 +189,11 @@ class Tokenizer:
     # --- text <-> ids ------------------------------------------------------------------------
 
     def encode(self, text: str) -> list[int]:
-        """Ids of `text`; a BOS is prepended only when the checkpoint's post-processor asks for one."""
+        """Ids of `text`; a BOS is prepended only when the checkpoint's post-processor asks for one.
+        A long text goes through encode_batch, which releases the GIL (encode holds it: 0.4 s for
+        900 KB), so the event loop runs on while a worker thread tokenizes (api/encode.py)."""
+        if len(text) > _GIL_FREE_CHARS:
+            return self.backend.encode_batch([text], add_special_tokens=True)[0].ids
         return self.backend.encode(text, add_special_tokens=True).ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:

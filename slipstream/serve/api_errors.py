@@ -17,6 +17,7 @@ class ApiError(Exception):
                  param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers: dict[str, str] | None = None  # e.g. 405's Allow
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -53,7 +54,7 @@ def from_slipstream(e: errors.SlipstreamError, grammar_param: str | None = None)
     if isinstance(e, (errors.EngineClosedError, errors.WorkerUnavailableError)):
         return ApiError(503, str(e), "service_unavailable", None, code)
     if isinstance(e, (errors.GrammarCompileError, errors.GrammarTimeoutError)):
-        return invalid(str(e), grammar_param, code)
+        return invalid(str(e), grammar_param or e.param, code)
     if isinstance(e, (errors.InvalidRequestError, errors.ProtocolError)):
         return invalid(str(e), getattr(e, "param", None), code)
     return ApiError(500, str(e), "server_error", None, code)

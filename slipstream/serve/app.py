@@ -16,9 +16,13 @@ from prometheus_client import generate_latest
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
-from slipstream.errors import SlipstreamError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from slipstream.api.encode import encode_off_loop
+from slipstream.errors import InvalidRequestError, SlipstreamError
 from slipstream.serve import generation
-from slipstream.serve.api_errors import ApiError, from_decode_error, from_slipstream, invalid
+from slipstream.serve.api_errors import ApiError, from_slipstream, invalid
+from slipstream.serve.body import DEFAULT_MAX_BODY_BYTES, read_body
 from slipstream.serve.backend import Backend
 from slipstream.serve.openai_types import DetokenizeRequest, TokenizeRequest
 from slipstream.serve.state import ServerState, now_s
@@ -31,8 +35,17 @@ def _json(obj, status: int = 200) -> Response:
     return Response(_encode(obj), status_code=status, media_type="application/json")
 
 
-def create_app(backend: Backend, max_inflight: int = 1024) -> FastAPI:
-    state = ServerState(backend, max_inflight=max_inflight)
+_ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+
+
+def create_app(backend: Backend, max_inflight: int = 1024, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    state = ServerState(backend, max_inflight=max_inflight, max_body_bytes=max_body_bytes)
+
+    def refused(request: Request, err: ApiError) -> Response:
+        """Every error answer: OpenAI's shape, counted in slipstream_http_requests_total."""
+        endpoint = _ENDPOINTS.get(request.url.path, "other")
+        state.metrics.requests.labels(endpoint, str(err.status)).inc()
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -53,12 +66,24 @@ def create_app(backend: Backend, max_inflight: int = 1024) -> FastAPI:
     async def api_error(request: Request, e: ApiError) -> Response:
         if e.status >= 500:
             log.warning("request_refused", path=request.url.path, status=e.status, error=e.message)
-        return JSONResponse(e.body(), status_code=e.status)
+        return refused(request, e)
 
     @app.exception_handler(SlipstreamError)
     async def slipstream_error(request: Request, e: SlipstreamError) -> Response:
-        err = from_slipstream(e)
-        return JSONResponse(err.body(), status_code=err.status)
+        return refused(request, from_slipstream(e))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> Response:  # 404, 405 from routing
+        err = ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", "invalid_request_error",
+                       None, "not_found" if e.status_code == 404 else None)
+        err.headers = e.headers
+        return refused(request, err)
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, e: Exception) -> Response:  # a bug: still OpenAI's shape
+        log.error("request_crashed", path=request.url.path, error=repr(e))
+        return refused(request, ApiError(500, f"internal error: {type(e).__name__}", "server_error", None,
+                                         "internal_error"))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -72,6 +97,13 @@ def create_app(backend: Backend, max_inflight: int = 1024) -> FastAPI:
     async def models() -> Response:
         return _json({"object": "list", "data": [{"id": backend.model_name, "object": "model", "created": now_s(),
                                                   "owned_by": "slipstream"}]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Response:  # the OpenAI SDK's models.retrieve
+        if model_id != backend.model_name:
+            raise ApiError(404, f"the model {model_id!r} does not exist; this server serves {backend.model_name!r}",
+                           "invalid_request_error", "model", "model_not_found")
+        return _json({"id": backend.model_name, "object": "model", "created": now_s(), "owned_by": "slipstream"})
 
     @app.get("/health")
     async def health() -> Response:
@@ -93,20 +125,24 @@ def create_app(backend: Backend, max_inflight: int = 1024) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
-        req = _decode(await request.body(), TokenizeRequest)
+        req = _decode(await read_body(request, state.max_body_bytes), TokenizeRequest)
         tok = backend.tokenizer
         if (req.prompt is None) == (req.messages is None):
             raise invalid("give exactly one of prompt or messages", "prompt")
         if req.messages is not None:
-            text = generation.chat_text(tok, req.messages, req.add_generation_prompt)
+            generation.check_chat_chars(state, req.messages)
+            text, field = generation.chat_text(tok, req.messages, req.add_generation_prompt), "messages"
         else:
-            text = req.prompt
-        ids = tok.encode(text)
+            text, field = req.prompt, "prompt"
+        try:
+            ids = await encode_off_loop(tok, text, state.max_prompt_chars, field)
+        except InvalidRequestError as e:
+            raise invalid(str(e), field, "prompt_too_long") from None
         return _json({"tokens": ids, "count": len(ids), "max_model_len": backend.max_model_len})
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
-        req = _decode(await request.body(), DetokenizeRequest)
+        req = _decode(await read_body(request, state.max_body_bytes), DetokenizeRequest)
         if any(t >= backend.vocab_size for t in req.tokens):
             raise invalid(f"token ids must be below the vocabulary size {backend.vocab_size}", "tokens")
         return _json({"prompt": backend.tokenizer.decode(req.tokens)})
@@ -115,7 +151,4 @@ def create_app(backend: Backend, max_inflight: int = 1024) -> FastAPI:
 
 
 def _decode(raw: bytes, type_):
-    try:
-        return msgspec.json.decode(raw, type=type_)
-    except msgspec.DecodeError as e:
-        raise from_decode_error(e) from None
+    return generation.decode_json(lambda b: msgspec.json.decode(b, type=type_), raw)

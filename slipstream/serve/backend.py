@@ -51,6 +51,7 @@ class EngineBackend:
         self.tokenizer = self.engine.tokenizer
         self.vocab_size = self.engine.model_config.vocab_size
         self.max_model_len = self.engine.max_model_len
+        self.max_prompt_chars = self.engine.config.max_prompt_chars
 
     async def close(self) -> None:
         await self.engine.close()

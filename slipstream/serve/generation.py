@@ -11,9 +11,11 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from slipstream.api.fanout import fan_out, wants_fan_out
-from slipstream.errors import SlipstreamError
+from slipstream.api.encode import encode_off_loop
+from slipstream.errors import InvalidRequestError, SlipstreamError
 from slipstream.serve import render, sse
-from slipstream.serve.api_errors import from_decode_error, from_slipstream, invalid
+from slipstream.serve.api_errors import ApiError, from_decode_error, from_slipstream, invalid
+from slipstream.serve.body import read_body
 from slipstream.serve.openai_types import ChatCompletionRequest, CompletionRequest
 from slipstream.serve.sampling import sampling_params
 from slipstream.serve.state import ServerState, new_request_id, now_s
@@ -29,10 +31,27 @@ class ClientGone(Exception):
 
 
 def decode_body(raw: bytes, chat: bool):
+    return decode_json(_DECODERS[chat].decode, raw)
+
+
+def decode_json(decode, raw: bytes):
+    """`decode(raw)`, every way it can fail on what a client sent a 400 in OpenAI's shape."""
     try:
-        return _DECODERS[chat].decode(raw)
+        return decode(raw)
     except msgspec.DecodeError as e:
         raise from_decode_error(e) from None
+    except UnicodeDecodeError as e:  # msgspec: invalid UTF-8 inside a JSON string
+        raise invalid(f"request body is not valid UTF-8 ({e.reason} at byte {e.start})", None,
+                      "invalid_body") from None
+    except RecursionError:
+        raise invalid("request body is nested too deeply", None, "invalid_body") from None
+
+
+def check_chat_chars(state: ServerState, messages) -> None:
+    chars = sum(len(m.text()) for m in messages)
+    if chars > state.max_prompt_chars:
+        raise invalid(f"messages have {chars:,} characters of content; this server takes at most "
+                      f"{state.max_prompt_chars:,}", "messages", "prompt_too_long")
 
 
 def chat_text(tokenizer, messages, add_generation_prompt: bool = True) -> str:
@@ -45,13 +64,15 @@ def chat_text(tokenizer, messages, add_generation_prompt: bool = True) -> str:
         raise invalid(f"the chat template failed on these messages: {e}", "messages") from None
 
 
-def prompt_ids(state: ServerState, req: CompletionRequest | ChatCompletionRequest) -> tuple[list[int], str]:
-    """Token ids of the prompt (chat template applied), and the field to blame for a bad prompt."""
+async def prompt_ids(state: ServerState, req: CompletionRequest | ChatCompletionRequest) -> tuple[list[int], str]:
+    """Token ids of the prompt (chat template applied), and the field to blame for a bad prompt.
+    Its size is checked first; a long one is tokenized off the event loop (slipstream/api/encode.py)."""
     b = state.backend
     if isinstance(req, ChatCompletionRequest):
-        ids, field = b.tokenizer.encode(chat_text(b.tokenizer, req.messages)), "messages"
+        check_chat_chars(state, req.messages)
+        ids, field = await _encode_text(state, chat_text(b.tokenizer, req.messages), "messages"), "messages"
     elif isinstance(req.prompt, str):
-        ids, field = b.tokenizer.encode(req.prompt), "prompt"
+        ids, field = await _encode_text(state, req.prompt, "prompt"), "prompt"
     else:
         ids, field = list(req.prompt), "prompt"
         if max(ids) >= b.vocab_size:
@@ -62,6 +83,13 @@ def prompt_ids(state: ServerState, req: CompletionRequest | ChatCompletionReques
         raise invalid(f"the prompt has {len(ids)} tokens; the model context is {b.max_model_len}", field,
                       "context_length_exceeded")
     return ids, field
+
+
+async def _encode_text(state: ServerState, text: str, field: str) -> list[int]:
+    try:
+        return await encode_off_loop(state.backend.tokenizer, text, state.max_prompt_chars, field)
+    except InvalidRequestError as e:
+        raise invalid(str(e), field, "prompt_too_long") from None
 
 
 async def until_disconnect(request: Request, awaitable) -> Any:
@@ -84,13 +112,14 @@ async def handle(state: ServerState, request: Request, chat: bool) -> Response:
     endpoint = "chat" if chat else "completions"
     t0 = time.perf_counter()
     rid = new_request_id("chatcmpl" if chat else "cmpl", request.headers.get("x-request-id"))
-    req = decode_body(await request.body(), chat)
-    if req.stream and req.logprobs:
+    req = decode_body(await read_body(request, state.max_body_bytes), chat)
+    # completions' logprobs: 0 asks for the sampled tokens' logprobs (as OpenAI): refused like >= 1
+    if req.stream and (req.logprobs if chat else req.logprobs is not None):
         raise invalid("logprobs are not available on streamed responses yet; use stream=false", "logprobs")
     if req.stream and req.n > 1:
         raise invalid("n > 1 is not available on streamed responses; use stream=false", "n")
     want_logprobs = bool(req.logprobs) or (not chat and req.logprobs == 0)
-    ids, _ = prompt_ids(state, req)
+    ids, _ = await prompt_ids(state, req)
     params, grammar_param = sampling_params(req, want_logprobs, len(ids), state.backend.max_model_len)
     model = state.backend.model_name
     state.admit()
@@ -148,6 +177,8 @@ async def _stream_body(state: ServerState, rid: str, created: int, model: str, c
                        first, deltas: AsyncIterator, include_usage: bool, t0: float, endpoint: str):
     n_out, status, finish = 0, 200, None
     chunk = render.chat_chunk if chat else render.completion_chunk
+    task = asyncio.current_task()
+    state.streams.add(task)
     try:
         if chat:
             yield sse.event(render.chat_chunk(rid, created, model, {"role": "assistant", "content": ""}, None))
@@ -170,10 +201,21 @@ async def _stream_body(state: ServerState, rid: str, created: int, model: str, c
         log.warning("stream_failed", request_id=rid, error=repr(e))
         yield sse.event(err.body())
         yield sse.DONE
-    except BaseException:  # cancelled: the client went away
+    except asyncio.CancelledError:
+        if not state.ending_streams:  # the client went away
+            status, finish = 499, "abort"
+            raise
+        task.uncancel()  # the server is shutting down (ServerState.end_streams): say so, then end
+        status, finish = 503, "abort"
+        err = ApiError(503, "the server is shutting down; this stream ran past its --shutdown-timeout",
+                       "service_unavailable", None, "shutting_down")
+        yield sse.event(err.body())
+        yield sse.DONE
+    except BaseException:
         status, finish = 499, "abort"
         raise
     finally:
+        state.streams.discard(task)
         await deltas.aclose()  # aborts the request (frees its pages) if it has not finished
         state.release()
         _done(state, rid, endpoint, status, t0, prompt_tokens, n_out, finish)

@@ -13,6 +13,7 @@ import msgspec
 from msgspec import Meta
 
 from slipstream.params import MAX_N, MAX_TOP_LOGPROBS
+from slipstream.validate import CHAT_ROLES
 
 PositiveInt = Annotated[int, Meta(ge=1)]
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
@@ -90,7 +91,7 @@ class TextPart(msgspec.Struct):
 
 
 class ChatMessage(msgspec.Struct):
-    role: Annotated[str, Meta(min_length=1)]
+    role: Literal[CHAT_ROLES]  # as the Engine: one the chat templates know
     content: str | list[TextPart] | None = None
     name: str | None = None
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from slipstream.models.byte_stream import byte_table
 from slipstream.outputs import CompletionOutput
 
 FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -30,8 +31,27 @@ def completion_logprobs(tokenizer: Any, out: CompletionOutput) -> dict:
         at += len(t)
     top = None
     if out.top_logprobs is not None:  # legacy shape: {token string: logprob} per position
-        top = [{tokenizer.decode([t]): lp for t, lp in alts.items()} for alts in out.top_logprobs]
+        top = [{key: lp for key, lp in zip(alternative_keys(tokenizer, list(alts)), alts.values())}
+               for alts in out.top_logprobs]
     return {"tokens": toks, "token_logprobs": list(out.logprobs or []), "top_logprobs": top, "text_offset": offsets}
+
+
+def alternative_keys(tokenizer: Any, ids: list[int]) -> list[str]:
+    """One distinct key per alternative token: its text, or, where that is not whole UTF-8 (byte
+    tokens all decode to "\ufffd") or repeats another's, "bytes:" and its bytes escaped, as
+    OpenAI writes such tokens (e.g. "bytes:\\xe2\\x80")."""
+    table = byte_table(tokenizer)
+    keys, seen = [], set()
+    for t in ids:
+        key = tokenizer.decode([t])
+        if "\ufffd" in key or key in seen:
+            raw = table[t] if table is not None else key.encode("utf-8", "replace")
+            key = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+            if key in seen:  # (no byte table and the same text): the id keeps it apart
+                key = f"{key}#{t}"
+        seen.add(key)
+        keys.append(key)
+    return keys
 
 
 def _chat_entry(tokenizer: Any, token: str, logprob: float) -> dict:

@@ -38,7 +38,12 @@ def grammar_fields(req: CompletionRequest | ChatCompletionRequest) -> tuple[dict
     elif rf is not None and rf.type == "json_schema":
         if rf.json_schema is None or rf.json_schema.schema is None:
             raise invalid("response_format json_schema needs json_schema.schema", "response_format.json_schema")
-        given.append(("response_format", {"json_schema": json.dumps(rf.json_schema.schema)}))
+        try:
+            schema = json.dumps(rf.json_schema.schema)
+        except RecursionError:
+            raise invalid("response_format json_schema.schema is nested too deeply",
+                          "response_format.json_schema.schema") from None
+        given.append(("response_format", {"json_schema": schema}))
     if req.regex is not None:
         given.append(("regex", {"regex": req.regex}))
     if req.choice is not None:

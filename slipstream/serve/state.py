@@ -8,8 +8,10 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from slipstream.params import DEFAULT_MAX_PROMPT_CHARS
 from slipstream.serve.api_errors import ApiError
 from slipstream.serve.backend import Backend
+from slipstream.serve.body import DEFAULT_MAX_BODY_BYTES
 
 _CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,96}")
 
@@ -29,10 +31,25 @@ class HttpMetrics:
 class ServerState:
     backend: Backend
     max_inflight: int = 1024  # generation requests admitted at once; more get 429
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger bodies get 413 before they are read
     ready: bool = False
     draining: bool = False
     inflight: int = 0
     metrics: HttpMetrics = field(default_factory=HttpMetrics)
+    streams: set = field(default_factory=set)  # the tasks sending SSE bodies (end_streams cancels them)
+    ending_streams: bool = False
+
+    def end_streams(self) -> None:
+        """Shutdown's deadline (slipstream/serve/server.py): each running stream is cancelled and
+        answers with an SSE error event."""
+        self.ending_streams = True
+        for task in list(self.streams):
+            task.cancel()
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """The engine's EngineConfig.max_prompt_chars in process; the default before workers or replicas."""
+        return getattr(self.backend, "max_prompt_chars", DEFAULT_MAX_PROMPT_CHARS)
 
     def admit(self) -> None:
         """Count one generation request in, or refuse it (503 while starting/draining, 429 when full)."""

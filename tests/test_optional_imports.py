@@ -18,6 +18,9 @@ OPTIONAL = ("triton", "cupy", "fastapi", "starlette", "uvicorn", "ray", "matplot
 EXTRA_MODULES = {
     "slipstream.serve.app": {"fastapi", "starlette"},
     "slipstream.serve.generation": {"starlette"},
+    "slipstream.serve.body": {"starlette"},
+    "slipstream.serve.server": {"uvicorn"},
+    "slipstream.serve.read_timeout": {"uvicorn"},
     "slipstream.serve.ray_app": {"ray"},
     "slipstream.serve.ray_backend": {"ray"},
     "slipstream.serve.ray_router": {"ray"},

@@ -8,8 +8,7 @@ from __future__ import annotations
 from starlette.requests import Request
 
 from slipstream.serve.api_errors import ApiError
-
-DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # `slipstream serve --max-body-bytes`
+from slipstream.serve.state import DEFAULT_MAX_BODY_BYTES  # noqa: F401 (the app imports it from here)
 
 
 def too_large(size: int, limit: int) -> ApiError:

@@ -11,7 +11,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from slipstream.params import DEFAULT_MAX_PROMPT_CHARS
 from slipstream.serve.api_errors import ApiError
 from slipstream.serve.backend import Backend
-from slipstream.serve.body import DEFAULT_MAX_BODY_BYTES
+
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # `slipstream serve --max-body-bytes` (here: needs no starlette)
 
 _CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,96}")
 

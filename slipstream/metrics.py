@@ -164,14 +164,14 @@ class EngineMetrics:
         self.kv_usage.set_function(lambda: (pool.total - pool.num_free) / max(pool.total, 1))
         loop.observers.append(self.on_commit)
         loop.outputs.token_observers.append(self.on_tokens)
-        loop.pipeline.finish_observers.append(self.on_finish)
+        loop.outputs.finish_observers.append(self.on_finish)
         if tracer is not None:  # device-measured period, idle and forward
             self._device_period = True
             tracer.listeners.append(self.on_step)
         return self
 
-    def on_finish(self, seq, reason: str) -> None:
-        """Called once per request as it finishes (Pipeline.finalize), whatever the reason."""
+    def on_finish(self, reason: str) -> None:
+        """Called once per request as its caller gets its end (OutputProcessor), with that reason."""
         self._finished.labels(self.model, reason).inc()
 
     def on_commit(self, step) -> None:

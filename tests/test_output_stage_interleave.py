@@ -256,3 +256,45 @@ async def test_closing_between_slices_of_a_loop_stage_pass_drops_nothing(monkeyp
     await task
     await _turns()
     assert [[(o.text, o.finish_reason) for o in _outputs(req)] for req, _ in reqs] == [[("ab", "length")]] * 3
+
+
+async def test_a_stop_string_that_wins_over_a_later_abort_is_counted_as_stop():
+    """Issue 27: the stage found a stop string (its pass still with the thread) when an abort ended
+    the sequence; the caller gets finish_reason "stop", and the metric must count that, not "abort"."""
+    from prometheus_client import CollectorRegistry
+
+    from slipstream.metrics import EngineMetrics
+
+    proc, pool = _processor()
+    pipeline = SimpleNamespace(finish_observers=[])
+
+    def finish(seq, reason):  # as Pipeline.finish: the first reason wins, observers told of it
+        if not _finish(seq, reason):
+            return False
+        for observe in pipeline.finish_observers:
+            observe(seq, reason)
+        return True
+    proc.bind(finish)
+    metrics = EngineMetrics(CollectorRegistry(), model="m")
+    metrics.attach(SimpleNamespace(planner=_IdlePlanner(), pipeline=pipeline, outputs=proc, observers=[]),
+                   SimpleNamespace(num_free=0, total=0))
+    req, seq = _request("r", SamplingParams(max_tokens=10, stop=["b"]))
+    stage = asyncio.create_task(proc.run_stage())
+    try:
+        for t in _chars("ab"):
+            proc.accept(seq, t)
+        await _turns()
+        assert len(pool.work) == 1  # the pass that finds "b" is with the thread
+        proc.abort(seq)  # ends the sequence first: the tick's reason is "abort"
+        pool.run_pending()
+        pool.auto = True
+        await _turns()
+    finally:
+        stage.cancel()
+        await asyncio.gather(stage, return_exceptions=True)
+    assert (req.output.text, req.output.finish_reason) == ("a", "stop")
+
+    def finished(reason):
+        return metrics.registry.get_sample_value("slipstream_requests_finished_total",
+                                                 {"model": "m", "finish_reason": reason})
+    assert (finished("stop"), finished("abort")) == (1.0, 0.0)

@@ -90,6 +90,10 @@ class OutputProcessor:
         self._ready: asyncio.Event | None = None
         # fn(token_times, start, end, arrival, prompt_len) per request and pass (metrics), off the tick
         self.token_observers: list = []
+        # fn(reason) once per request, with the finish_reason its caller sees ("abort" for an error):
+        # counted here, not where the tick ends a sequence, since a stop string found by the stage
+        # can still win over an abort that ended the sequence first (metrics)
+        self.finish_observers: list = []
 
     def bind(self, finish: Finish) -> None:
         self._finalize = finish
@@ -164,6 +168,8 @@ class OutputProcessor:
 
     def _deliver_error(self, req: RequestState, error: BaseException) -> None:
         req.closed, req.seq = True, None  # (seq.user points back here: no cycle left for the collector)
+        for observe in self.finish_observers:
+            observe("abort")
         req.metrics.finished = time.perf_counter()
         if not isinstance(error, SlipstreamError):
             error = _wrap(RequestFailedError, f"request {req.request_id} failed: {error!r}", error)
@@ -344,6 +350,8 @@ class OutputProcessor:
                                                                f"failed: {e!r}", e)) from e
         req.closed, req.seq = True, None  # (seq.user points back here: no cycle left for the collector)
         req.metrics.finished = time.perf_counter()
+        for observe in self.finish_observers:
+            observe(reason)
         self._emit(req, token_ids, reason)
         req.output = CompletionOutput(
             request_id=req.request_id,

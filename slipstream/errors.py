@@ -41,10 +41,6 @@ class InvalidRequestError(SlipstreamError, ValueError):
         self.param = param
 
 
-class RequestAbortedError(SlipstreamError):
-    """Raised to a waiter whose request was aborted by someone else."""
-
-
 class EngineClosedError(SlipstreamError):
     """The engine is not running (never started, shut down, or its loop died)."""
 

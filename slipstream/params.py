@@ -8,6 +8,8 @@ import msgspec
 from slipstream import validate as check
 from slipstream.errors import InvalidRequestError
 from slipstream.grammar.base import GrammarSpec
+from slipstream.runtime.buckets import make_buckets
+from slipstream.runtime.event_waits import EVENT_WAITS
 from slipstream.validate import CheckedStructMeta
 
 
@@ -123,7 +125,6 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, f
         return self
 
 
-EVENT_WAITS = ("auto", "host_func", "thread", "poll")
 OUTPUT_STAGES = ("loop", "thread")
 
 
@@ -196,8 +197,6 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, met
                                           param="graph_batch_sizes")
             self.graph_batch_sizes = tuple(check.integer(f"graph_batch_sizes[{i}]", v, minimum=1)
                                            for i, v in enumerate(self.graph_batch_sizes))
-            from slipstream.runtime.buckets import make_buckets
-
             if make_buckets(*self.graph_batch_sizes)[-1] > self.max_batch_size:
                 raise InvalidRequestError(f"graph_batch_sizes max ({self.graph_batch_sizes[2]}) exceeds "
                                           f"max_batch_size ({self.max_batch_size})")

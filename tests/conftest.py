@@ -5,6 +5,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("SLIPSTREAM_WEIGHT_CACHE", "0")  # tests never write the user's cache; cache tests opt in
 os.environ.setdefault("SLIPSTREAM_CHECK_INVARIANTS", "1")  # Sequence.check() on every row at every commit
 sys.path.insert(0, os.path.dirname(__file__))  # test helpers (fake_runner) import by name
+# test-and-tool helpers that are not the library (host_batch, hf_oracle, launch_counter)
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

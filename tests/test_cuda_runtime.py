@@ -69,7 +69,7 @@ def _hf_twin(dtype):
     """transformers' Llama with exactly the weights of slipstream's tiny-random model, on the GPU."""
     from slipstream.models.build import random_weights
     from slipstream.models.config import tiny_config
-    from slipstream.models.hf_oracle import hf_llama_from_weights
+    from hf_oracle import hf_llama_from_weights
 
     return hf_llama_from_weights(tiny_config(), random_weights(tiny_config(), seed=0)).to(device="cuda", dtype=dtype)
 

@@ -13,7 +13,7 @@ from slipstream.models.add_norm_triton import add_rms_norm_reference, add_rms_no
 from slipstream.models.config import tiny_config  # noqa: E402
 from slipstream.models.fused_projections import fuse_linears, is_fused_view  # noqa: E402
 from slipstream.models.gate_up_silu_triton import gate_up_silu_reference, gate_up_silu_triton  # noqa: E402
-from slipstream.models.llama import RotaryEmbedding  # noqa: E402
+from slipstream.models.rotary import RotaryEmbedding  # noqa: E402
 from slipstream.models.rotary_kv_triton import rotary_kv_reference, rotary_kv_triton  # noqa: E402
 from slipstream.models.silu_mul_triton import silu_mul_reference, silu_mul_triton  # noqa: E402
 

@@ -80,7 +80,7 @@ def test_triton_backend_runs_packed_projections_unfused():
 def test_cuda_graph_replay_equals_eager(options):
     """Every new kernel is graph-capturable: a captured mixed step replays to the eager logits."""
     _device("cuda")
-    from slipstream.models.host_batch import Chunk, host_batch
+    from host_batch import Chunk, host_batch
     from slipstream.models.llama import KVCache
     from triton_model_util import with_device_metadata
 

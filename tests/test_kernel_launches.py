@@ -10,8 +10,8 @@ pytest.importorskip("triton")
 from triton_model_util import NO_MLP_GEMM, UNFUSED, build, with_device_metadata  # noqa: E402
 
 from slipstream.models.config import tiny_config  # noqa: E402
-from slipstream.models.host_batch import Chunk, host_batch  # noqa: E402
-from slipstream.models.launch_counter import count_launches  # noqa: E402
+from host_batch import Chunk, host_batch  # noqa: E402
+from launch_counter import count_launches  # noqa: E402
 from slipstream.models.llama import KVCache  # noqa: E402
 
 

@@ -22,7 +22,7 @@ from slipstream import Engine, EngineConfig, SamplingParams  # noqa: E402
 from slipstream.models import (add_norm_triton, attention_triton, gate_up_silu_triton, rotary_kv_triton,  # noqa: E402
                                silu_mul_triton)
 from slipstream.models.config import tiny_config  # noqa: E402
-from slipstream.models.llama import RotaryEmbedding  # noqa: E402
+from slipstream.models.rotary import RotaryEmbedding  # noqa: E402
 from slipstream.models.llama_triton import TritonOptions  # noqa: E402
 
 MODULES = (add_norm_triton, attention_triton, gate_up_silu_triton, rotary_kv_triton, silu_mul_triton)

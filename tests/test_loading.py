@@ -23,7 +23,7 @@ from slipstream.errors import (
 from slipstream.models.config import ModelConfig, tiny_config
 from slipstream.models.gguf_loader import load_gguf
 from slipstream.models.hf_loader import load_hf_folder
-from slipstream.models.hf_oracle import random_hf_llama
+from hf_oracle import random_hf_llama
 from slipstream.models.loader import DEFAULT_MODEL, LoadedModel, load_model, resolve_model_path
 from slipstream.models.tokenizer import _byte_alphabet
 

@@ -11,9 +11,9 @@ import torch
 
 from slipstream.models.config import tiny_config
 from slipstream.models.cpu_linear import PackedLinear, onednn_available, pack_weights
-from slipstream.models.hf_oracle import random_hf_llama
+from hf_oracle import random_hf_llama
 from slipstream.models.llama import KVCache, LlamaForCausalLM
-from slipstream.models.host_batch import Chunk, host_batch
+from host_batch import Chunk, host_batch
 
 PAGE = 4
 

@@ -6,7 +6,7 @@ import torch
 
 from slipstream import Engine, EngineConfig, SamplingParams
 from slipstream.models.llama import KVCache, LlamaForCausalLM
-from slipstream.models.host_batch import Chunk, host_batch
+from host_batch import Chunk, host_batch
 
 PROMPTS = [
     "The quick brown fox",

@@ -4,7 +4,7 @@ import torch
 
 from slipstream.models.attention import DeviceAttentionMetadata
 from slipstream.models.build import random_weights
-from slipstream.models.host_batch import Chunk, host_batch
+from host_batch import Chunk, host_batch
 from slipstream.models.llama import KVCache, LlamaForCausalLM
 from slipstream.models.llama_triton import TritonOptions
 

@@ -25,7 +25,7 @@ _sys.path.insert(0, _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)
 from slipstream.runtime.cpu_invariance import row_multiple_for  # noqa: E402
 from slipstream.models.build import build_model  # noqa: E402
 from slipstream.models.llama import KVCache  # noqa: E402
-from slipstream.models.host_batch import Chunk, host_batch  # noqa: E402
+from host_batch import Chunk, host_batch  # noqa: E402
 
 
 def forward_ms(model, config, batch: int, context: int, repeats: int, warmup: int, row_multiple: int) -> list[float]:

@@ -4,7 +4,7 @@
 
 Runs one decode step (every sequence --context tokens deep, random KV) of the model forward on the
 triton backend with its kernels in Triton's interpreter, and counts what a GPU would launch
-(slipstream/models/launch_counter.py): the model's own kernels, not the runner's staging ops
+(tools/launch_counter.py): the model's own kernels, not the runner's staging ops
 around it (tools/profile_forward_cuda.py counts those too, on a GPU). Prints the first layer's
 launches in order and the totals per variant of slipstream/models/llama_triton.py TritonOptions.
 """
@@ -21,8 +21,8 @@ import torch  # noqa: E402
 
 from slipstream.models.attention import DeviceAttentionMetadata  # noqa: E402
 from slipstream.models.build import RANDOM, random_weights  # noqa: E402
-from slipstream.models.host_batch import Chunk, host_batch  # noqa: E402
-from slipstream.models.launch_counter import count_launches  # noqa: E402
+from host_batch import Chunk, host_batch  # noqa: E402
+from launch_counter import count_launches  # noqa: E402
 from slipstream.models.llama import KVCache, LlamaForCausalLM  # noqa: E402
 from slipstream.models.llama_triton import TritonOptions  # noqa: E402
 

@@ -69,7 +69,7 @@ class Engine(SkillMethods):
             await asyncio.to_thread(byte_table, self.tokenizer)  # built once here, not on the first request
             self.loop = self._parts.loop
             self.max_model_len = self._parts.max_model_len
-            from slipstream.grammar.base import GrammarCompiler
+            from slipstream.grammar.compiler import GrammarCompiler
 
             self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
                                              timeout_s=self.config.grammar_timeout_s)

@@ -13,7 +13,7 @@ import datetime
 import json
 import sys
 
-from slipstream.params import EVENT_WAITS
+from slipstream.runtime.event_waits import EVENT_WAITS
 
 from slipstream.cli import add_log_args
 

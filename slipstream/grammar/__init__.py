@@ -17,7 +17,7 @@ _EXPORTS = {
     "GrammarMatchError": "slipstream.errors",
     "GrammarTimeoutError": "slipstream.errors",
     "Grammar": "slipstream.grammar.base",
-    "GrammarCompiler": "slipstream.grammar.base",
+    "GrammarCompiler": "slipstream.grammar.compiler",
     "GrammarSpec": "slipstream.grammar.base",
     "Matcher": "slipstream.grammar.base",
     "allocate_bitmask": "slipstream.grammar.bitmask",

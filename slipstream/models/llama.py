@@ -22,6 +22,7 @@ from torch import nn
 
 from slipstream.models.attention import AttentionMetadata, paged_attention_reference, write_kv
 from slipstream.models.config import ModelConfig
+from slipstream.models.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
     from slipstream.models.llama_triton import TritonOptions
@@ -63,38 +64,6 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
-
-
-def rotate_half_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
-
-
-class RotaryEmbedding(nn.Module):
-    """Cos/sin tables for every position, indexed by token position (no per-step recompute)."""
-
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        d = config.head_dim
-        # Tables are computed on the CPU even while the model is built on the meta device (they are
-        # not in checkpoints): real values, and no meta-tensor arithmetic (which imports torch._dynamo).
-        cpu = torch.device("cpu")
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=cpu).float() / d))
-        if config.rope_freq_factors is not None:  # Llama-3 / linear scaling, or a GGUF's rope_freqs
-            inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32, device=cpu)
-        pos = torch.arange(config.max_position_embeddings, dtype=torch.float32, device=cpu)
-        freqs = torch.outer(pos, inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
-
-    def for_positions(self, positions: torch.Tensor, dtype: torch.dtype):
-        """A function rotating (q [T, H, D], k [T, KVH, D]) at these token positions. The tables are
-        gathered here, once per forward, not once per layer."""
-        cos = self.cos[positions].unsqueeze(1).to(dtype)
-        sin = self.sin[positions].unsqueeze(1).to(dtype)
-        return lambda q, k: (rotate_half_reference(q, cos, sin), rotate_half_reference(k, cos, sin))
 
 
 class Attention(nn.Module):

@@ -1,6 +1,6 @@
 """Rotary embedding and the KV-cache write as one Triton kernel.
 
-The reference path rotates q and k (llama.py `rotate_half_reference`) and then scatters k and v
+The reference path rotates q and k (rotary.py `rotate_half_reference`) and then scatters k and v
 into the paged cache with two index_copy_ calls (attention.py `write_kv`): three launches a layer
 on the GPU. Here one program per (token, head) does it all: a query head is rotated in place, a
 key head is rotated and stored straight into its cache slot (`slot_mapping[token]`), a value head
@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from slipstream.models.attention import write_kv
+from slipstream.models.rotary import rotate_half_reference
 from slipstream.models.triton_jit import interpreted, jitted, require_triton, tl, triton
 
 if triton is not None:
@@ -55,10 +57,7 @@ if triton is not None:
 def rotary_kv_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                         cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         slot_mapping: torch.Tensor) -> None:
-    """What `rotary_kv_triton` does, with the reference path's ops (llama.py, attention.py)."""
-    from slipstream.models.attention import write_kv
-    from slipstream.models.llama import rotate_half_reference
-
+    """What `rotary_kv_triton` does, with the reference path's ops (rotary.py, attention.py)."""
     c = cos[positions].unsqueeze(1).to(q.dtype)
     s = sin[positions].unsqueeze(1).to(q.dtype)
     q.copy_(rotate_half_reference(q, c, s))

@@ -11,8 +11,8 @@ Awaiting an event without blocking the asyncio loop (EngineConfig.event_wait):
              that wakes the loop with call_soon_threadsafe; no thread is parked per wait.
   thread     a helper thread blocks in cudaEventSynchronize, then wakes the loop.
   poll       the loop re-queries the event every iteration (lowest latency, burns the loop).
-tools/bench_event_wait.py measures their wake-up latency; "auto" picks host_func when cupy
-imports, else thread. cupy is imported lazily (cupy-cuda12x or cupy-cuda13x both provide it).
+tools/bench_event_wait.py measures their wake-up latency; "auto" is thread (the faster wake-up
+on an H100, docs/cuda.md); host_func is used only when asked for. cupy is imported lazily (cupy-cuda12x or cupy-cuda13x both provide it).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import structlog
 import torch
 
 from slipstream.errors import DeviceUnavailableError
-from slipstream.params import EVENT_WAITS
+from slipstream.runtime.event_waits import EVENT_WAITS
 
 log = structlog.get_logger(__name__)
 

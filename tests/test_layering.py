@@ -1,0 +1,157 @@
+"""The layers go one way, read from the source (ast, nothing imported): api -> scheduler -> runtime ->
+grammar -> models, with a few shared leaf modules every layer may use; and no import circles.
+
+Layers, highest first (a module may import its own layer and the ones below, never one above):
+  api        slipstream/api, serve, commands and the top-level modules (params.py is the API's
+             config, outputs.py its result types, cli.py, bench*.py, metrics.py, trace.py, ...)
+  scheduler  slipstream/scheduler (no torch: it plans on the host)
+  runtime    slipstream/runtime
+  grammar    slipstream/grammar (the runtime packs its bitmasks; it reads the tokenizer of models/)
+  models     slipstream/models
+Shared leaves, importable from every layer and importing only each other: errors.py, intmath.py,
+validate.py, logging_setup.py.
+
+Every import counts for the layers: top level, inside a function, under `if TYPE_CHECKING` (an
+upward annotation is still an upward dependency). For circles, every import except the
+`TYPE_CHECKING` ones: an import deferred into a function hides a circle, it does not remove it.
+"""
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1] / "slipstream"
+SHARED = {"slipstream.errors", "slipstream.intmath", "slipstream.validate", "slipstream.logging_setup"}
+RANK = {"models": 0, "grammar": 1, "runtime": 2, "scheduler": 3}
+API = 4
+NO_TORCH = ("slipstream.scheduler",)
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    t = node.test
+    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
+        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
+
+
+def imports(path: Path, known: set[str]) -> list[tuple[str, bool]]:
+    """(imported module, under TYPE_CHECKING) for every import in the file; `from pkg import mod`
+    names the submodule when it is one."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out: list[tuple[str, bool]] = []
+
+    def visit(node: ast.AST, typing_only: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.Import):
+                out.extend((a.name, typing_only) for a in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                if child.level:
+                    base = package.split(".")[: len(package.split(".")) - child.level + 1]
+                    mod = ".".join(base + ([child.module] if child.module else []))
+                else:
+                    mod = child.module or ""
+                for a in child.names:
+                    sub = f"{mod}.{a.name}"
+                    out.append((sub if sub in known else mod, typing_only))
+            else:
+                visit(child, typing_only or (isinstance(child, ast.If) and _is_type_checking(child)))
+
+    visit(ast.parse(path.read_text(), str(path)), False)
+    return out
+
+
+def graph() -> dict[str, list[tuple[str, bool]]]:
+    mods = modules()
+    return {m: imports(p, set(mods)) for m, p in mods.items()}
+
+
+def rank(module: str) -> int | None:
+    """None for the shared leaves."""
+    if module in SHARED:
+        return None
+    parts = module.split(".")
+    return RANK.get(parts[1], API) if len(parts) > 1 else API
+
+
+def layering_violations(g: dict[str, list[tuple[str, bool]]]) -> list[str]:
+    bad = []
+    for mod, deps in g.items():
+        for dep, _ in deps:
+            if not dep.startswith("slipstream") or dep == mod:
+                if dep.split(".")[0] == "torch" and mod.startswith(NO_TORCH):
+                    bad.append(f"{mod} imports torch")
+                continue
+            r, d = rank(mod), rank(dep)
+            if r is None and d is not None:
+                bad.append(f"{mod} (shared) imports {dep}")
+            elif r is not None and d is not None and d > r:
+                bad.append(f"{mod} imports {dep} (a higher layer)")
+    return sorted(set(bad))
+
+
+def cycles(g: dict[str, list[tuple[str, bool]]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), TYPE_CHECKING imports left out."""
+    edges = {m: sorted({d for d, typing_only in deps if not typing_only and d in g and d != m})
+             for m, deps in g.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges[v]:
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            connect(v)
+    return found
+
+
+def test_no_module_imports_a_higher_layer():
+    assert layering_violations(graph()) == []
+
+
+def test_no_import_circles():
+    assert cycles(graph()) == []
+
+
+def test_the_checks_see_what_they_check():
+    g = graph()
+    assert ("slipstream.runtime.batch", False) in g["slipstream.scheduler.pipeline"]
+    assert ("slipstream.api.engine", True) in g["slipstream.api.request_stream"]  # a TYPE_CHECKING import
+    g["slipstream.runtime.cuda_device"].append(("slipstream.params", False))  # the old upward import
+    g["slipstream.scheduler.planner"].append(("torch", False))
+    assert layering_violations(g) == ["slipstream.runtime.cuda_device imports slipstream.params (a higher layer)",
+                                      "slipstream.scheduler.planner imports torch"]
+    g["slipstream.models.rotary"].append(("slipstream.models.llama", False))  # deferred in a function counts
+    (circle,) = cycles(g)
+    assert {"slipstream.models.llama", "slipstream.models.rotary"} <= set(circle)

@@ -19,10 +19,10 @@ import torch
 
 from slipstream.errors import PipelineInvariantError, SlotReuseError
 from slipstream.grammar.bitmask import words_for
+from slipstream.runtime.batch import MAX_TOP_LOGPROBS
 
 POISON = -7
 MAX_GROUPS = 2
-MAX_TOP = 20  # the largest SamplingParams.top_logprobs (slipstream/params.py: MAX_TOP_LOGPROBS)
 
 
 class SlotState(enum.Enum):
@@ -46,10 +46,10 @@ class DecodeSlot:
         self.logprobs = torch.zeros(max_samples, dtype=torch.float32, device=device.torch_device)
         self.host_logprobs = device.host_buffer((max_samples,), torch.float32)
         # top_logprobs alternatives (SamplingParams.top_logprobs): copied only for steps that want them
-        self.top_values = torch.zeros(max_samples, MAX_TOP, dtype=torch.float32, device=device.torch_device)
-        self.top_ids = torch.zeros(max_samples, MAX_TOP, dtype=torch.int64, device=device.torch_device)
-        self.host_top_values = device.host_buffer((max_samples, MAX_TOP), torch.float32)
-        self.host_top_ids = device.host_buffer((max_samples, MAX_TOP), torch.int64)
+        self.top_values = torch.zeros(max_samples, MAX_TOP_LOGPROBS, dtype=torch.float32, device=device.torch_device)
+        self.top_ids = torch.zeros(max_samples, MAX_TOP_LOGPROBS, dtype=torch.int64, device=device.torch_device)
+        self.host_top_values = device.host_buffer((max_samples, MAX_TOP_LOGPROBS), torch.float32)
+        self.host_top_ids = device.host_buffer((max_samples, MAX_TOP_LOGPROBS), torch.int64)
         self.top_k = 0  # the largest top_logprobs of the current step's rows (0: none)
         self.sample_rows_host = None  # the current step's sampling rows (numpy)
         # Sampling groups (all rows at once, or unconstrained rows at launch and constrained rows at

@@ -170,8 +170,9 @@ class ModelRunner:
             if hit is None:
                 return None
             if unmasked and self.greedy_graphs is not None and self.rows.sampling.needs(packed.sample_rows).plain_greedy:
-                bucket, graph = self.greedy_graphs.lookup(slot.index, packed.num_decode)  # (same buckets: never None)
-                return _Graphed(self.greedy_graphs, bucket, graph, mixed=False, samples=True)
+                greedy = self.greedy_graphs.lookup(slot.index, packed.num_decode)
+                assert greedy is not None  # (the same buckets as self.graphs)
+                return _Graphed(self.greedy_graphs, greedy[0], greedy[1], mixed=False, samples=True)
             return _Graphed(self.graphs, hit[0], hit[1], mixed=False, samples=False)
         if self._mixed_graphable(packed):
             hit = self._mixed_graph(slot, packed)
@@ -226,6 +227,7 @@ class ModelRunner:
     def _mixed_graph(self, slot: DecodeSlot, packed: ForwardInput):
         """The mixed graph of this step's token bucket, or None (eager). A capture that fails on first
         use turns mixed graphs off: eager prefill steps still work."""
+        assert self.mixed_graphs is not None
         try:
             return self.mixed_graphs.lookup(slot.index, packed.num_tokens)
         except Exception as e:  # noqa: BLE001 - newer than decode graphs; logged, not silent
@@ -251,6 +253,8 @@ class ModelRunner:
     async def read_sampled(self, slot: DecodeSlot) -> SampledTokens:
         """Await the step's copy event without blocking the loop, then read tokens and logprobs.
         Raises what launched work of the step (on any stream) raised."""
+        if slot.copy_done is None:
+            raise PipelineInvariantError(f"slot {slot.index}: step {slot.step_id} read before its final sampling launched")
         await slot.copy_done.wait_async()
         ids, logprobs = slot.read_host()
         top = None

@@ -78,6 +78,7 @@ class SamplingLauncher:
         g = slot.stage_group(np.arange(k) if rows is None else rows, bitmask)
         self._upload_group(slot, g, k, bitmask is not None)
         step_id, sample_rows = slot.step_id, slot.sample_rows
+        assert sample_rows is not None  # (set by the step's launch_forward)
 
         def sample() -> None:
             self._check_fault(step_id)
@@ -93,6 +94,7 @@ class SamplingLauncher:
         t = self.rows
         idx = slot.group_dev[g, :k]
         carry = sample_rows.index_select(0, idx)
+        assert slot.logits is not None  # (written by the step's forward, earlier on this stream)
         raw = slot.logits.index_select(0, idx)
         args = t.sampling.gather(carry, needs)
         history = t.history.gather(carry) if args.needs_history and t.history is not None else None
@@ -112,8 +114,8 @@ class SamplingLauncher:
 
     def _launch_copy(self, slot: DecodeSlot, n: int) -> None:
         compute, copy = self.device.compute, self.device.copy
-        slot.sample_done = compute.record()
-        copy.wait(slot.sample_done)  # the copy waits for exactly this step's outputs
+        slot.sample_done = done = compute.record()
+        copy.wait(done)  # the copy waits for exactly this step's outputs
         top = slot.top_k
 
         def copy_out() -> None:

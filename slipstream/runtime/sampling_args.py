@@ -1,8 +1,9 @@
 """Sampling parameters on the device, private to the ModelRunner: per-row tables written from each
 chunk's `SamplingRow`, and the `SamplingArgs` one sampling group gathers from them.
 
-This is the one runtime file that reads SamplingRow's fields (batch.py defines it), so renaming a
-field breaks here at once (and under mypy), not when a step happens to sample.
+This is the runtime file that reads SamplingRow's fields (batch.py defines it; besides it only
+HistoryTables reads its stop ids), by attribute, never by name: renaming a field breaks here at
+once, under mypy, not when a step happens to sample.
 
 Path of a request's parameters: SamplingParams (params.py) → SamplingRow (api/engine.py, carried by
 Sequence and SeqWork) → `stage_params` (host arena, at launch) → `SamplingTables.write` (device

@@ -19,7 +19,7 @@ Everything is written with vectorised numpy, no Python per row. Row-table writes
 unpadded layout, exactly as for decode graphs, so they need no padding here.
 
 Real rows compute what the eager forward computes: the same ids, positions, slots, context
-lengths and query blocks; only the matmuls' row count differs (padding rows).
+lengths and query blocks; only the matmuls' row count differs (padding rows). Private to the ModelRunner.
 """
 from __future__ import annotations
 

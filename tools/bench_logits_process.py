@@ -69,7 +69,7 @@ def main() -> None:
         rows = torch.arange(n, device=device)
         counts, prompt_mask, stop_mask = tables.gather(rows)
         full = lambda v: torch.full((n,), v, device=device)  # noqa: E731
-        temperature, top_k, top_p = full(0.8), torch.zeros(n, dtype=torch.int64, device=device), full(1.0)
+        temperature = full(0.8)
         seeds, index = torch.arange(n, device=device), torch.zeros(n, dtype=torch.int64, device=device)
         every = ProcessFlags(True, True, True, 0)
         cases = {

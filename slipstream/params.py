@@ -8,6 +8,7 @@ import msgspec
 from slipstream import validate as check
 from slipstream.errors import InvalidRequestError
 from slipstream.grammar.base import GrammarSpec
+from slipstream.runtime.batch import MAX_TOP_LOGPROBS  # (one constant: the runner sizes its buffers by it)
 from slipstream.runtime.buckets import make_buckets
 from slipstream.runtime.event_waits import EVENT_WAITS
 from slipstream.validate import CheckedStructMeta
@@ -16,7 +17,6 @@ from slipstream.validate import CheckedStructMeta
 MIN_TEMPERATURE = 1e-5  # below this, logits / temperature overflow float32 (0 means greedy)
 MAX_SEED = 2**63 - 1
 MAX_N = 128  # completions per request (each is a request of its own in the batch)
-MAX_TOP_LOGPROBS = 20  # as OpenAI
 DEFAULT_MAX_PROMPT_CHARS = 1_000_000  # EngineConfig.max_prompt_chars; also the HTTP server's without an engine
 
 

@@ -11,7 +11,8 @@ from slipstream.runtime.logits_process import (ProcessFlags, apply_penalties, fl
                                                process_logits, record_sampled, reset_rows, suppress_stop_tokens,
                                                top_logprobs)
 from slipstream.runtime.row_tables import HistoryTables
-from slipstream.runtime.sampler import GroupFlags, sample
+from slipstream.runtime.sampler import sample
+from slipstream.runtime.sampling_args import SamplingArgs
 
 pytest.importorskip("transformers")
 from transformers import (MinNewTokensLengthLogitsProcessor, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,  # noqa: E402
@@ -232,8 +233,7 @@ def test_decode_steps_with_persistent_tables_match_a_per_row_history_loop():
         flags = process_flags(params, [step] * n)
         x = process_logits(logits, flags, counts, prompt_mask, stop_mask, presence, frequency, repetition,
                            torch.full((n,), step), torch.zeros(n, dtype=torch.int64), zero, zero)
-        ids = sample(x, zero, torch.zeros(n, dtype=torch.int64), torch.ones(n), torch.zeros(n, dtype=torch.int64),
-                     torch.full((n,), step), GroupFlags(any_random=False, any_filter=False))
+        ids = sample(x, SamplingArgs(torch.full((n,), step)))  # greedy: no draw
         tables.record(rows, ids)
         for i in range(n):  # the reference: from the row's whole history, token by token
             want = logits[i].clone()

@@ -228,7 +228,8 @@ def _run(runner, steps, hidden_states=True):
 
 def _tables(runner):
     r = runner.rows
-    return {"pos": r.pos, "pages": r.pages, "token": r.token, **r.ints, **r.floats}
+    return {"pos": r.pos, "pages": r.pages, "token": r.token, "params_int": r.sampling.ints,
+            "params_float": r.sampling.floats}
 
 
 @needs_triton

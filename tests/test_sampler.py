@@ -7,9 +7,16 @@ import torch
 
 from invariance import invariant_config
 from slipstream import Engine, SamplingParams
-from slipstream.runtime.sampler import GroupFlags, sample, uniforms, row_keys
+from slipstream.runtime.sampler import row_keys, uniforms
+from slipstream.runtime.sampler import sample as sample_args
+from slipstream.runtime.sampling_args import Draw, SamplingArgs, TopKTopP
 
-RANDOM = GroupFlags(any_random=True, any_filter=True)
+RANDOM, GREEDY = True, False
+
+
+def sample(logits, t, k, p, s, pos, random):
+    """The sampler on a group whose SamplingArgs hold every random-row field (RANDOM) or none (GREEDY)."""
+    return sample_args(logits, SamplingArgs(pos, draw=Draw(t, s, TopKTopP(k, p)) if random else None))
 
 
 def rows(n, temperature=1.0, top_k=0, top_p=1.0, seed=0, start=0):
@@ -49,7 +56,7 @@ def test_greedy_rows_take_the_argmax_beside_random_rows():
     t[::2] = 0.0
     ids = sample(logits, t, k, p, s, pos, RANDOM)
     assert torch.equal(ids[::2], logits.argmax(-1)[::2])
-    assert torch.equal(sample(logits, t * 0, k, p, s, pos, GroupFlags(False, False)), logits.argmax(-1))
+    assert torch.equal(sample(logits, t * 0, k, p, s, pos, GREEDY), logits.argmax(-1))
 
 
 def test_a_rows_tokens_do_not_depend_on_its_batch():

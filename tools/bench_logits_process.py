@@ -24,7 +24,8 @@ from provenance import header  # noqa: E402
 from slipstream.runtime.logits_process import (ProcessFlags, apply_penalties, min_p_filter, process_logits,  # noqa: E402
                                                suppress_stop_tokens, top_logprobs)
 from slipstream.runtime.row_tables import HistoryTables  # noqa: E402
-from slipstream.runtime.sampler import GroupFlags, sample  # noqa: E402
+from slipstream.runtime.sampler import sample  # noqa: E402
+from slipstream.runtime.sampling_args import Draw, SamplingArgs  # noqa: E402
 
 
 def _time(fn, device: torch.device, repeats: int) -> list[float]:
@@ -68,11 +69,11 @@ def main() -> None:
         rows = torch.arange(n, device=device)
         counts, prompt_mask, stop_mask = tables.gather(rows)
         full = lambda v: torch.full((n,), v, device=device)  # noqa: E731
-        temperature, top_k, top_p = full(0.8), torch.zeros(n, dtype=torch.int64, device=device), full(1.0)
+        temperature = full(0.8)
         seeds, index = torch.arange(n, device=device), torch.zeros(n, dtype=torch.int64, device=device)
         every = ProcessFlags(True, True, True, 0)
         cases = {
-            "sample (today)": lambda: sample(logits, temperature, top_k, top_p, seeds, index, GroupFlags(True, False)),
+            "sample (today)": lambda: sample(logits, SamplingArgs(index, draw=Draw(temperature, seeds, None))),
             "apply_penalties": lambda: apply_penalties(logits, counts, prompt_mask, full(0.5), full(0.3), full(1.2)),
             "suppress_stop_tokens": lambda: suppress_stop_tokens(logits, stop_mask, index, full(4)),
             "min_p_filter": lambda: min_p_filter(logits, temperature, full(0.05)),

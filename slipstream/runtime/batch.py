@@ -1,4 +1,7 @@
-"""What one step asks of the device, in plain Python (no torch), and how it is packed.
+"""What one step asks of the device, in plain Python (no torch): `ForwardInput`, built by `pack_step`.
+
+This module and runner_api.py are all of the runtime the scheduler and the API import; the
+runner's staging (staging.py, static_step.py, sampling_args.py, row_tables.py) is private to it.
 
 The batch is persistent: each admitted sequence owns a row of the runner's per-row device tables
 for its whole life (last sampled token, next position, page-table row, sampling parameters,
@@ -10,7 +13,7 @@ output index). A step therefore names
   * `page_writes`: (row, index, page) entries added to page-table rows since the last step.
 So a step of N decoding sequences costs the host N row ids, not N rebuilt rows.
 
-Layout of a packed step (token order = sequence order = sampling-row order): the decode rows
+Layout of a ForwardInput (token order = sequence order = sampling-row order): the decode rows
 first, then the chunks; sampling rows are every decode row, then each chunk that ends at its
 sequence's newest known token.
 """
@@ -26,12 +29,14 @@ from slipstream.intmath import round_up
 # row 0, whose page-table row stays all zeros, so they write their K/V to the scratch page.
 SCRATCH_PAGE = 0
 SCRATCH_ROW = 0
+MAX_TOP_LOGPROBS = 20  # the most top_logprobs a request may ask for (as OpenAI); DecodeSlot's buffer width
 
 
 @dataclass(frozen=True)
 class SamplingRow:
     """A sequence's sampling parameters as the runner's row tables hold them (slipstream/params.py
-    documents each; runtime/logits_process.py applies the penalties, min_p and min_tokens)."""
+    documents each). Built from SamplingParams in api/engine.py; runtime/sampling_args.py is the one
+    runtime file that reads its fields (into the row tables, then `SamplingArgs` per sampling group)."""
 
     temperature: float = 0.0
     top_k: int = 0  # 0: no top-k
@@ -80,8 +85,9 @@ class SeqWork:
 
 
 @dataclass
-class PackedStep:
-    """Flat host arrays of one step (what is staged and copied host→device)."""
+class ForwardInput:
+    """A step's device inputs as flat host arrays: what the scheduler hands the runner (staged and
+    copied host→device by the runner's StepArena)."""
 
     decode_rows: np.ndarray  # [d] rows fed from the device
     chunk_ids: np.ndarray  # [Tc] host tokens of the chunks, then padding (0)
@@ -124,7 +130,7 @@ _NO_WRITES = np.zeros((0, 3), np.int64)
 
 
 def pack_step(decode_rows: np.ndarray, chunks: list[SeqWork], page_writes: np.ndarray | None = None,
-              row_multiple: int = 1) -> PackedStep:
+              row_multiple: int = 1) -> ForwardInput:
     """Flatten a step. Padding tokens and sampling rows to `row_multiple` keeps CPU matmul rows
     independent of the batch size (batch invariance)."""
     d = len(decode_rows)
@@ -150,7 +156,7 @@ def pack_step(decode_rows: np.ndarray, chunks: list[SeqWork], page_writes: np.nd
             sample_chunk_rows.append(w.row)
     decode_rows = np.asarray(decode_rows, np.int64)
     n_samples = d + len(sample_index)
-    return PackedStep(
+    return ForwardInput(
         decode_rows=decode_rows,
         chunk_ids=chunk_ids,
         chunk_pos=chunk_pos,

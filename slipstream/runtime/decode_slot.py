@@ -14,15 +14,20 @@ buffers), and raises instead.
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from slipstream.errors import PipelineInvariantError, SlotReuseError
 from slipstream.grammar.bitmask import words_for
+from slipstream.runtime.batch import MAX_TOP_LOGPROBS
+
+if TYPE_CHECKING:
+    from slipstream.runtime.device import Event
 
 POISON = -7
 MAX_GROUPS = 2
-MAX_TOP = 20  # the largest SamplingParams.top_logprobs (slipstream/params.py: MAX_TOP_LOGPROBS)
 
 
 class SlotState(enum.Enum):
@@ -46,12 +51,12 @@ class DecodeSlot:
         self.logprobs = torch.zeros(max_samples, dtype=torch.float32, device=device.torch_device)
         self.host_logprobs = device.host_buffer((max_samples,), torch.float32)
         # top_logprobs alternatives (SamplingParams.top_logprobs): copied only for steps that want them
-        self.top_values = torch.zeros(max_samples, MAX_TOP, dtype=torch.float32, device=device.torch_device)
-        self.top_ids = torch.zeros(max_samples, MAX_TOP, dtype=torch.int64, device=device.torch_device)
-        self.host_top_values = device.host_buffer((max_samples, MAX_TOP), torch.float32)
-        self.host_top_ids = device.host_buffer((max_samples, MAX_TOP), torch.int64)
+        self.top_values = torch.zeros(max_samples, MAX_TOP_LOGPROBS, dtype=torch.float32, device=device.torch_device)
+        self.top_ids = torch.zeros(max_samples, MAX_TOP_LOGPROBS, dtype=torch.int64, device=device.torch_device)
+        self.host_top_values = device.host_buffer((max_samples, MAX_TOP_LOGPROBS), torch.float32)
+        self.host_top_ids = device.host_buffer((max_samples, MAX_TOP_LOGPROBS), torch.int64)
         self.top_k = 0  # the largest top_logprobs of the current step's rows (0: none)
-        self.sample_rows_host = None  # the current step's sampling rows (numpy)
+        self.sample_rows_host: np.ndarray | None = None  # the current step's sampling rows
         # Sampling groups (all rows at once, or unconstrained rows at launch and constrained rows at
         # finalize): each stages its sampling-row indices and packed allowed-token masks in host
         # buffers of its own, uploaded in one go (pinned on CUDA; shared memory on the CPU). The
@@ -68,8 +73,8 @@ class DecodeSlot:
         self.groups = 0  # sampling groups launched for the current step
         self.logits: torch.Tensor | None = None  # written by the forward, read by sampling
         self.num_samples = 0
-        self.sample_done = None  # events of the step currently in this slot
-        self.copy_done = None
+        self.sample_done: Event | None = None  # events of the step currently in this slot
+        self.copy_done: Event | None = None
         self.sampled_in_graph = False  # its decode graph sampled every row (ModelRunner.forward_greedy)
 
     @property

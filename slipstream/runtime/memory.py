@@ -74,7 +74,8 @@ def runtime_reserve(config, vocab_size: int, hidden_size: int, intermediate_size
     """What graphs, sampling and the runner's tables need beyond the weights, the KV pool and the
     profiled forward. `config`: the EngineConfig (max_batch_size, pipeline_depth, cuda_graphs,
     mixed_graphs); the bucket lists as the graph caches build them (empty: no such graphs)."""
-    from slipstream.runtime.decode_slot import MAX_GROUPS, MAX_TOP
+    from slipstream.runtime.batch import MAX_TOP_LOGPROBS
+    from slipstream.runtime.decode_slot import MAX_GROUPS
 
     V, S, slots = vocab_size, config.max_batch_size + 1, config.pipeline_depth  # S: the runner's rows
     model_logits = 0 if dtype == torch.float32 else dtype.itemsize  # the lm_head's output before .float()
@@ -91,7 +92,7 @@ def runtime_reserve(config, vocab_size: int, hidden_size: int, intermediate_size
         eager_logits=slots * S * V * (4 + model_logits),
         sampling=S * V * SAMPLING_BYTES_PER_LOGIT,
         history=S * V * 6,
-        slot_buffers=slots * (8 + S * (8 + 4 + MAX_TOP * 12 + MAX_GROUPS * (8 + 4 * words_for(V)))))
+        slot_buffers=slots * (8 + S * (8 + 4 + MAX_TOP_LOGPROBS * 12 + MAX_GROUPS * (8 + 4 * words_for(V)))))
 
 
 def profile_free_memory(model, config, device, num_tokens: int, page_size: int, dtype: torch.dtype) -> int:

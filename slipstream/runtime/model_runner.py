@@ -2,14 +2,14 @@
 
 The runner knows nothing about requests. It owns the model, the KV cache, the DecodeSlots and the
 persistent batch: per-row device tables indexed by the row a sequence holds for its whole life —
-  token_table[row]   the row's newest sampled token (sampling scatters it there; the next forward
-                     gathers it, so a sampled token never has to visit the host before it is fed back)
-  pos_table[row]     the position of the row's next input token (advanced on the device by each step)
-  page_table[row]    its KV pages (entries written as the host hands pages out)
-  temperature / top_p / top_k / seed / logprobs / out_index [row]   its sampling parameters and the
-                     index of its next output token (advanced on the device by each sample).
-A decode step uploads only its row ids; stream order (a step's table writes precede the next
-step's reads on the compute stream) keeps every read current at depth 1 and 2.
+runtime/row_tables.py (RowTables: each row's newest sampled token, next position, KV page-table
+row, and sampling parameters with the index of its next output token). A step arrives as a
+`ForwardInput` (runtime/batch.py); the runner stages it in the slot's StepArena (staging.py, and
+static_step.py for mixed graphs) and runs it on one of three paths, chosen by `_choose_graph`:
+a decode graph (decode-only steps; a greedy decode graph also samples plain greedy rows), a mixed
+graph (steps with prefill chunks), or eagerly. A decode step uploads only its row ids; stream
+order (a step's table writes precede the next step's reads on the compute stream) keeps every
+read current at depth 1 and 2.
 
 Invariants, enforced by the scheduler and checked in tests (tests/fake_runner.py mirrors them):
   * row 0 is never held by a sequence: padding tokens use it, its page row stays all zeros (the
@@ -22,10 +22,14 @@ With `graphs` set (CUDA), a decode-only step replays the captured graph of its s
 set, a step with prefill chunks of at most the largest token bucket replays the graph of its slot
 and token bucket, reading the fixed-shape layout of slipstream/runtime/static_step.py. Any other
 step, and every step of a model on the host (reference) attention, runs eagerly. Sampling is
-eager (runtime/sampling_launch.py), except in a greedy decode graph (forward_greedy).
+eager (runtime/sampling_launch.py: SamplingLauncher), except in a greedy decode graph (forward_greedy).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
 import structlog
 import torch
 
@@ -33,19 +37,33 @@ from slipstream.errors import PipelineInvariantError
 from slipstream.intmath import round_up
 from slipstream.models.attention import AttentionMetadata, DeviceAttentionMetadata
 from slipstream.models.llama import ForwardBatch, KVCache, LlamaForCausalLM
-from slipstream.runtime.batch import PackedStep
+from slipstream.runtime.batch import ForwardInput
 from slipstream.runtime.decode_slot import DecodeSlot, SlotState
 from slipstream.runtime.graphs import GraphCache
 from slipstream.runtime.row_tables import RowTables
 from slipstream.runtime.runner_api import SampledTokens
 from slipstream.runtime.sampling_launch import SamplingLauncher
-from slipstream.runtime.staging import StepArena, StepTensors
+from slipstream.runtime.staging import RowUpdates, StepArena, StepTensors
 from slipstream.runtime.static_step import StaticStepTensors, fill_static, static_inputs
+
+if TYPE_CHECKING:
+    from slipstream.faults import FaultInjector
 
 log = structlog.get_logger(__name__)
 
 
-class ModelRunner(SamplingLauncher):
+@dataclass(frozen=True)
+class _Graphed:
+    """How a step replays a captured graph (no _Graphed: it runs eagerly)."""
+
+    cache: GraphCache
+    bucket: int  # rows (decode) or tokens (mixed) the graph was captured for
+    graph: Any  # what the cache's capture returned: .replay() -> logits (or ids when `samples`)
+    mixed: bool  # a mixed graph: reads the static layout (static_step.py), not a padded decode layout
+    samples: bool  # a greedy decode graph: it samples every row too (launch_sampling only stamps)
+
+
+class ModelRunner:
     """Implements slipstream.runtime.runner_api.Runner on a Device."""
 
     def __init__(self, model: LlamaForCausalLM, kv: KVCache, device, max_rows: int, max_tokens: int,
@@ -61,7 +79,17 @@ class ModelRunner(SamplingLauncher):
         self.graphs: GraphCache | None = None  # CUDA graphs of decode steps (slipstream/runtime/cuda_graphs.py)
         self.mixed_graphs: GraphCache | None = None  # ... of mixed/prefill steps, by token bucket
         self.greedy_graphs: GraphCache | None = None  # decode graphs that also sample (all rows plain greedy)
-        self.faults = None  # tests only: a slipstream.faults.FaultInjector (None: no cost)
+        self.sampler = SamplingLauncher(device, self.rows)
+        self._faults: FaultInjector | None = None
+
+    @property
+    def faults(self) -> FaultInjector | None:
+        """Tests only: a slipstream.faults.FaultInjector (None: no cost)."""
+        return self._faults
+
+    @faults.setter
+    def faults(self, injector: FaultInjector | None) -> None:
+        self._faults = self.sampler.faults = injector
 
     # --- forward --------------------------------------------------------------------------------
 
@@ -106,56 +134,86 @@ class ModelRunner(SamplingLauncher):
         Returns the ids: a graph holding them keeps no [bucket, vocab] logits alive."""
         ids = self.forward_from(t).argmax(dim=-1)
         r, carry = self.rows, t.sample_rows
-        r.out_index.index_copy_(0, carry, r.out_index.index_select(0, carry) + 1)
+        out_index = r.sampling.output_index
+        out_index.index_copy_(0, carry, out_index.index_select(0, carry) + 1)
         r.token.index_copy_(0, carry, ids)
         slot.sampled[:ids.shape[0]].copy_(ids)
         return ids
 
-    def launch_forward(self, slot: DecodeSlot, step_id: int, packed: PackedStep, unmasked: bool = False) -> None:
+    def launch_forward(self, slot: DecodeSlot, step_id: int, packed: ForwardInput, unmasked: bool = False) -> None:
         """Enqueue the forward of one step into `slot`; returns at once. `unmasked`: no sampling
         group of this step will carry a grammar mask, so a decode step whose rows are all plain
         greedy may replay the graph that samples too (launch_sampling then only stamps it)."""
         slot.acquire(step_id)
         slot.num_samples = packed.num_samples
+        self.rows.sampling.mirror(packed.chunks)
+        graphed = self._choose_graph(slot, packed, unmasked)
         arena = self.arenas[slot.index]
-        self.rows.mirror(packed)
-        cache = self.graphs
-        hit = cache.lookup(slot.index, packed.num_decode) if self._graphable(packed) else None
-        if hit is not None and unmasked and self.greedy_graphs is not None \
-                and self.rows.group_flags(packed.sample_rows) == 0:
-            cache = self.greedy_graphs
-            hit = cache.lookup(slot.index, packed.num_decode)  # (same buckets: never None)
-            slot.sampled_in_graph = True
-        mixed = self._mixed_graph(slot, packed) if self._mixed_graphable(packed) else None
-        lay = arena.fill(packed, pad_decode=hit[0] if hit is not None else 0)
-        if mixed is not None:
-            fill_static(arena, packed, mixed[0])
-            cache, hit = self.mixed_graphs, mixed
+        lay = arena.fill(packed, pad_decode=graphed.bucket if graphed is not None and not graphed.mixed else 0)
+        if graphed is not None and graphed.mixed:
+            fill_static(arena, packed, graphed.bucket)
         arena.upload()
-        updates, rows, tensors = arena.updates(lay), self.rows, arena.tensors(lay)
+        updates, tensors = arena.updates(lay), arena.tensors(lay)
         slot.sample_rows = tensors.sample_rows
         slot.sample_rows_host = packed.sample_rows
-        if hit is not None:
-            graph, sampled_in_graph = hit[1], slot.sampled_in_graph
-            self._check_other_slots_sampled(slot)
-            cache.replays[slot.index, hit[0]] += 1
-
-            def forward() -> None:
-                if self.faults is not None:
-                    self.faults.check("forward", step_id)
-                rows.apply(updates, packed)
-                out = graph.replay()
-                slot.logits = None if sampled_in_graph else out
+        if graphed is None:
+            self._launch_eager(step_id, slot, packed, updates, tensors)
         else:
-            host_attention = self.device.unified_memory
+            slot.sampled_in_graph = graphed.samples
+            self._launch_graph(step_id, slot, packed, updates, graphed)
 
-            def forward() -> None:
-                if self.faults is not None:
-                    self.faults.check("forward", step_id)
-                rows.apply(updates, packed)
-                slot.logits = self.forward_from(tensors, host_attention)
+    def _choose_graph(self, slot: DecodeSlot, packed: ForwardInput, unmasked: bool) -> _Graphed | None:
+        """The graph this step replays, capturing it on first use; None: the step runs eagerly."""
+        if self._graphable(packed):
+            assert self.graphs is not None
+            hit = self.graphs.lookup(slot.index, packed.num_decode)
+            if hit is None:
+                return None
+            if unmasked and self.greedy_graphs is not None and self.rows.sampling.needs(packed.sample_rows).plain_greedy:
+                greedy = self.greedy_graphs.lookup(slot.index, packed.num_decode)
+                assert greedy is not None  # (the same buckets as self.graphs)
+                return _Graphed(self.greedy_graphs, greedy[0], greedy[1], mixed=False, samples=True)
+            return _Graphed(self.graphs, hit[0], hit[1], mixed=False, samples=False)
+        if self._mixed_graphable(packed):
+            hit = self._mixed_graph(slot, packed)
+            if hit is not None:
+                assert self.mixed_graphs is not None
+                return _Graphed(self.mixed_graphs, hit[0], hit[1], mixed=True, samples=False)
+        return None
+
+    def _launch_graph(self, step_id: int, slot: DecodeSlot, packed: ForwardInput, updates: RowUpdates,
+                      graphed: _Graphed) -> None:
+        self._check_other_slots_sampled(slot)
+        graphed.cache.replays[slot.index, graphed.bucket] += 1
+        rows, graph, samples = self.rows, graphed.graph, graphed.samples
+
+        def forward() -> None:
+            self._check_fault(step_id)
+            rows.apply(updates, packed)
+            out = graph.replay()
+            slot.logits = None if samples else out
 
         self.device.compute.launch(forward, "forward")
+
+    def _launch_eager(self, step_id: int, slot: DecodeSlot, packed: ForwardInput, updates: RowUpdates,
+                      tensors: StepTensors) -> None:
+        rows, host_attention = self.rows, self.device.unified_memory
+
+        def forward() -> None:
+            self._check_fault(step_id)
+            rows.apply(updates, packed)
+            slot.logits = self.forward_from(tensors, host_attention)
+
+        self.device.compute.launch(forward, "forward")
+
+    def _check_fault(self, step_id: int) -> None:
+        if self._faults is not None:
+            self._faults.check("forward", step_id)
+
+    def launch_sampling(self, slot: DecodeSlot, packed: ForwardInput, rows: list[int] | None = None,
+                        bitmask: np.ndarray | None = None, final: bool = True) -> None:
+        """Enqueue sampling of some of the step's rows (SamplingLauncher.launch documents the arguments)."""
+        self.sampler.launch(slot, packed, rows, bitmask, final)
 
     def _check_other_slots_sampled(self, slot: DecodeSlot) -> None:
         """All graphs share one memory pool: a replay may overwrite memory that holds another
@@ -166,9 +224,10 @@ class ModelRunner(SamplingLauncher):
                 raise PipelineInvariantError(f"step {slot.step_id} replays a graph while step {other.step_id}'s "
                                              "sampling is not launched: the replay could overwrite its logits")
 
-    def _mixed_graph(self, slot: DecodeSlot, packed: PackedStep):
+    def _mixed_graph(self, slot: DecodeSlot, packed: ForwardInput):
         """The mixed graph of this step's token bucket, or None (eager). A capture that fails on first
         use turns mixed graphs off: eager prefill steps still work."""
+        assert self.mixed_graphs is not None
         try:
             return self.mixed_graphs.lookup(slot.index, packed.num_tokens)
         except Exception as e:  # noqa: BLE001 - newer than decode graphs; logged, not silent
@@ -176,11 +235,11 @@ class ModelRunner(SamplingLauncher):
             log.error("mixed_graph_capture_failed", effect="prefill and mixed steps run eagerly", error=repr(e))
             return None
 
-    def _graphable(self, packed: PackedStep) -> bool:
+    def _graphable(self, packed: ForwardInput) -> bool:
         """Decode-only steps (one device-fed, sampled token per row; no CPU row padding)."""
         return self.graphs is not None and self.row_multiple == 1 and packed.num_decode > 0 and packed.decode_only
 
-    def _mixed_graphable(self, packed: PackedStep) -> bool:
+    def _mixed_graphable(self, packed: ForwardInput) -> bool:
         """Steps with prefill chunks, when the model reads device attention metadata (a graph cannot
         hold the host-side reference attention) and no CPU row padding is asked for."""
         return (self.mixed_graphs is not None and self.row_multiple == 1 and not packed.decode_only
@@ -194,12 +253,14 @@ class ModelRunner(SamplingLauncher):
     async def read_sampled(self, slot: DecodeSlot) -> SampledTokens:
         """Await the step's copy event without blocking the loop, then read tokens and logprobs.
         Raises what launched work of the step (on any stream) raised."""
+        if slot.copy_done is None:
+            raise PipelineInvariantError(f"slot {slot.index}: step {slot.step_id} read before its final sampling launched")
         await slot.copy_done.wait_async()
         ids, logprobs = slot.read_host()
         top = None
         if slot.top_k:  # rows that asked for top_logprobs: {token id: logprob}, most likely first
             rows = slot.sample_rows_host
-            want = self.rows.top_logprobs[rows]
+            want = self.rows.sampling.top_logprobs[rows]
             values, top_ids = slot.host_top_values[:len(ids)].tolist(), slot.host_top_ids[:len(ids)].tolist()
             top = {i: dict(zip(top_ids[i][:k], values[i][:k])) for i, k in enumerate(want.tolist()) if k}
         return SampledTokens(ids, logprobs, top)

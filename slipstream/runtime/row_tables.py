@@ -4,10 +4,10 @@
   token[row]      the row's newest sampled token (sampling scatters it; the next forward gathers it)
   pos[row]        the position of its next input token (advanced on the device by every step)
   pages[row]      its KV page-table row (entries written as the host hands pages out)
-  sampling parameters and out_index[row] (the index of its next output token, advanced by each
-  sample), written from a chunk's `SamplingRow` (staging.INT_PARAMS / FLOAT_PARAMS)
-and host mirrors of what a launch decides from (which rows are random, penalised, ...), so the
-host chooses a sampling group's kernels with one vectorised lookup, never a loop over rows.
+  sampling        the rows' sampling parameters and output indices (runtime/sampling_args.py:
+                  SamplingTables, written from a chunk's `SamplingRow`, with host mirrors that let
+                  the host choose a sampling group's kernels without a loop over rows)
+Private to the ModelRunner.
 
 `HistoryTables` (allocated when the first row needs them, R × V × 6 bytes, inside the step's
 apply on the compute stream: created outside it, the zero-fill would run on the legacy default
@@ -23,13 +23,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from slipstream.runtime.batch import SCRATCH_ROW, PackedStep
+from slipstream.runtime.batch import SCRATCH_ROW, ForwardInput
 from slipstream.runtime.host_copy import upload_array
 from slipstream.runtime.logits_process import flat_rows, record_sampled, reset_rows
-from slipstream.runtime.staging import FLOAT_PARAMS, INT_PARAMS, RowUpdates
-
-# RowTables.flags bits
-RANDOM, FILTERED, LOGPROBS, PENALIZED, MIN_TOKENS, MIN_P, TOP_LOGPROBS = (1 << i for i in range(7))
+from slipstream.runtime.sampling_args import SamplingTables
+from slipstream.runtime.staging import RowUpdates
 
 
 class RowTables:
@@ -41,40 +39,16 @@ class RowTables:
         self.token = z(max_rows)
         self.pos = z(max_rows)
         self.pages = z(max_rows, max_pages)
-        self.ints = {name: z(max_rows) for name in INT_PARAMS}  # top_k, seed, output_index, ...
-        self.floats = {name: z(max_rows, dtype=torch.float32) for name in FLOAT_PARAMS}
-        self.out_index = self.ints["output_index"]
+        self.sampling = SamplingTables(max_rows, device)
         self.history: HistoryTables | None = None
-        # host mirrors, written at launch from the same chunk parameters: a bit per property
-        # (one gather and one OR-reduce tell a sampling group which kernels it needs)
-        self.flags = np.zeros(max_rows, np.uint8)
-        self.top_logprobs = np.zeros(max_rows, np.int64)
 
-    def mirror(self, packed: PackedStep) -> None:
-        for w in packed.chunks:
-            s = w.sampling
-            random = s.temperature > 0
-            self.flags[w.row] = ((RANDOM if random else 0) | (FILTERED if random and (s.top_k > 0 or s.top_p < 1.0) else 0)
-                                 | (LOGPROBS if s.logprobs or s.top_logprobs > 0 else 0)
-                                 | (PENALIZED if s.penalized else 0) | (MIN_TOKENS if s.min_tokens > 0 else 0)
-                                 | (MIN_P if random and s.min_p > 0 else 0) | (TOP_LOGPROBS if s.top_logprobs > 0 else 0))
-            self.top_logprobs[w.row] = s.top_logprobs
-
-    def group_flags(self, rows: np.ndarray) -> int:
-        """The OR of the rows' flag bits."""
-        return int(np.bitwise_or.reduce(self.flags[rows])) if len(rows) else 0
-
-    def apply(self, u: RowUpdates, packed: PackedStep) -> None:
+    def apply(self, u: RowUpdates, packed: ForwardInput) -> None:
         """Device-side writes of a step, before its forward (on the compute stream)."""
         if u.page_writes.shape[0]:
             w = u.page_writes
             self.pages[w[:, 0], w[:, 1]] = w[:, 2]
         if u.param_rows.shape[0]:
-            rows = u.param_rows
-            for name, values in zip(INT_PARAMS, u.params_int):
-                self.ints[name].index_copy_(0, rows, values)
-            for name, values in zip(FLOAT_PARAMS, u.params_float):
-                self.floats[name].index_copy_(0, rows, values)
+            self.sampling.write(u.param_rows, u.params_int, u.params_float)
         rebuild = [w for w in packed.chunks if w.history is not None]
         if rebuild:
             if self.history is None:  # here, on the compute stream: its zero-fill is ordered before every use
@@ -90,9 +64,6 @@ class RowTables:
         rows and sequences use row 0, which must start every step at position 0."""
         self.pos.index_copy_(0, rows, positions)
         self.pos[SCRATCH_ROW:SCRATCH_ROW + 1].zero_()
-
-    def gather(self, names: tuple[str, ...], rows: torch.Tensor) -> list[torch.Tensor]:
-        return [(self.ints.get(n) if n in self.ints else self.floats[n])[rows] for n in names]
 
 
 class HistoryTables:

@@ -1,8 +1,9 @@
 """Token sampling on the device, one set of kernels for the whole batch: greedy, temperature,
 top-k, top-p, per-request seeds, grammar masks.
 
-Every per-row parameter is a tensor ([n] temperature, top_k, top_p, seed, output index), so the
-batch is sampled without a Python loop over rows. Random rows use the Gumbel-max form of
+Every per-row parameter is a tensor (a group's `SamplingArgs`, runtime/sampling_args.py: [n]
+temperature, top_k, top_p, seed, output index, ...), so the batch is sampled without a Python loop
+over rows; a field left None skips its kernel. Random rows use the Gumbel-max form of
 categorical sampling: argmax(logits / T + g) with g = -log(-log u). The uniforms u come from a
 counter-based generator: a 32-bit integer hash of (seed, output index, token id). A row's noise
 depends only on its own request's seed and position, never on which other rows share the batch,
@@ -11,23 +12,15 @@ at depth 1 and 2. (Integer ops on int64 with every product below 2**63: no relia
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from slipstream.grammar.bitmask import bitmask_to_bool
+from slipstream.runtime.logits_process import apply_penalties, min_p_filter, suppress_stop_tokens
+from slipstream.runtime.sampling_args import SamplingArgs
 
 _M32 = 0xFFFFFFFF
 _MUL1, _MUL2 = 0x7FEB352D, 0x1B873593  # odd, < 2**31: x * m < 2**63 for x < 2**32
 _ROW_SALT, _COL_SALT = 0x2545F491, 0x68E31DA5
-
-
-@dataclass(frozen=True)
-class GroupFlags:
-    """What the host knows about a sampling group when it launches it (no device read needed)."""
-
-    any_random: bool  # some row has temperature > 0
-    any_filter: bool  # some random row uses top-k or top-p
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
@@ -72,16 +65,36 @@ def _filter_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
     return x.scatter(-1, order, sorted_x.masked_fill(drop, float("-inf")))
 
 
-def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-           seeds: torch.Tensor, output_index: torch.Tensor, flags: GroupFlags) -> torch.Tensor:
+def sample(logits: torch.Tensor, args: SamplingArgs) -> torch.Tensor:
     """logits [n, V] float32 -> token ids [n] int64. Rows with temperature 0 are greedy."""
     greedy = logits.argmax(dim=-1)
-    if not flags.any_random:
+    if args.draw is None:
         return greedy
+    temperature = args.draw.temperature
     is_random = temperature > 0
     x = logits / torch.where(is_random, temperature, torch.ones_like(temperature))[:, None]
-    if flags.any_filter:
-        x = _filter_top_k_top_p(x, top_k, top_p)
-    u = uniforms(row_keys(seeds, output_index), logits.shape[-1])
+    if args.draw.filter is not None:
+        x = _filter_top_k_top_p(x, *args.draw.filter)
+    u = uniforms(row_keys(args.draw.seed, args.output_index), logits.shape[-1])
     drawn = (x - (-u.log()).log()).argmax(dim=-1)
     return torch.where(is_random, drawn, greedy)
+
+
+def sample_group(logits: torch.Tensor, args: SamplingArgs,
+                 history: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                 bitmask: torch.Tensor | None = None) -> torch.Tensor:
+    """One sampling group's logits [n, V] -> ids [n], in the order penalties → grammar mask →
+    min_tokens → min_p → sample, each only where `args` says a row needs it. `history`: the rows'
+    (output counts, prompt mask, stop mask) when args.needs_history; `bitmask`: packed allowed tokens."""
+    if args.penalties is not None:
+        assert history is not None
+        logits = apply_penalties(logits, history[0], history[1], *args.penalties)
+    if bitmask is not None:
+        logits = apply_bitmask(logits, bitmask)
+    if args.min_tokens is not None:
+        assert history is not None
+        logits = suppress_stop_tokens(logits, history[2], args.output_index, args.min_tokens)
+    if args.min_p is not None:
+        assert args.draw is not None  # min_p is only set for random rows
+        logits = min_p_filter(logits, args.draw.temperature, args.min_p)
+    return sample(logits, args)

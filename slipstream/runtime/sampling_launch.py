@@ -1,29 +1,40 @@
-"""Launching a step's sampling: the ModelRunner's half that turns logits into tokens on the device.
+"""Launching a step's sampling: the ModelRunner's part that turns logits into tokens on the device.
 
 At launch for the rows that need nothing from the host, at finalize for the rest (grammar rows,
 whose masks need the previous token): each group of rows is sampled exactly once, from the rows'
-parameters in the row tables (penalties → grammar mask → min_tokens → min_p → sample), then the
-step's device→host copy. A step that its greedy decode graph sampled already only gets its stamp.
+parameters in the row tables (sampler.sample_group), then the step's device→host copy. A step that
+its greedy decode graph sampled already only gets its stamp. Private to the ModelRunner.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
+import torch
 
 from slipstream.errors import PipelineInvariantError
-from slipstream.runtime.batch import PackedStep
+from slipstream.runtime.batch import ForwardInput
 from slipstream.runtime.decode_slot import DecodeSlot
+from slipstream.runtime.device import Device
 from slipstream.runtime.host_copy import copy_to_device, copy_to_host
-from slipstream.runtime.logits_process import (ProcessFlags, apply_penalties, min_p_filter, suppress_stop_tokens,
-                                               top_logprobs)
-from slipstream.runtime.row_tables import FILTERED, LOGPROBS, MIN_P, MIN_TOKENS, PENALIZED, RANDOM, TOP_LOGPROBS
-from slipstream.runtime.sampler import GroupFlags, apply_bitmask, sample
+from slipstream.runtime.logits_process import top_logprobs
+from slipstream.runtime.row_tables import RowTables
+from slipstream.runtime.sampler import sample_group
+from slipstream.runtime.sampling_args import GroupNeeds
+
+if TYPE_CHECKING:
+    from slipstream.faults import FaultInjector
 
 
 class SamplingLauncher:
-    """Mixed into ModelRunner: needs its `device`, `rows` (RowTables) and `faults`."""
+    """Enqueues sampling groups and the device→host copy of a step on `device`'s streams."""
 
-    def launch_sampling(self, slot: DecodeSlot, packed: PackedStep, rows: list[int] | None = None,
-                        bitmask: np.ndarray | None = None, final: bool = True) -> None:
+    def __init__(self, device: Device, rows: RowTables):
+        self.device, self.rows = device, rows
+        self.faults: FaultInjector | None = None  # tests only (set through ModelRunner.faults)
+
+    def launch(self, slot: DecodeSlot, packed: ForwardInput, rows: list[int] | None = None,
+               bitmask: np.ndarray | None = None, final: bool = True) -> None:
         """Enqueue sampling of some of the step's sampling rows; with `final`, also the D2H copy.
 
         rows:    indices into the step's sampling rows (None: all of them). Each row is sampled
@@ -33,81 +44,78 @@ class SamplingLauncher:
                  uploaded on the upload stream; sampling waits on that upload, nothing else.
         final:   the last group of the step: the device→host copy of all its tokens follows,
                  anchored to an event recorded right after the last sampling.
-        Per-row parameters come from the row tables; the host only decides the group's flags
+        Per-row parameters come from the row tables; the host only decides what the group needs
         (from its mirrors, vectorised) and never loops over rows.
         """
-        n = packed.num_samples
-        compute, copy = self.device.compute, self.device.copy
-        step_id = slot.step_id
-        k = n if rows is None else len(rows)
         if slot.sampled_in_graph:  # the greedy decode graph sampled every row already
             if rows is not None or bitmask is not None or not final:
-                raise PipelineInvariantError(f"step {step_id} was sampled in its graph; got a sampling group")
+                raise PipelineInvariantError(f"step {slot.step_id} was sampled in its graph; got a sampling group")
+            self._launch_stamp(slot)
+        elif packed.num_samples if rows is None else len(rows):
+            self._launch_group(slot, packed, rows, bitmask, final)
+        if final:
+            self._launch_copy(slot, packed.num_samples)
 
-            def stamp() -> None:
-                if self.faults is not None:
-                    self.faults.check("sample", step_id)
+    def _check_fault(self, step_id: int) -> None:
+        if self.faults is not None:
+            self.faults.check("sample", step_id)
+
+    def _launch_stamp(self, slot: DecodeSlot) -> None:
+        step_id = slot.step_id
+
+        def stamp() -> None:
+            self._check_fault(step_id)
+            slot.stamp.fill_(step_id)
+
+        self.device.compute.launch(stamp, "sample")
+
+    def _launch_group(self, slot: DecodeSlot, packed: ForwardInput, rows: list[int] | None,
+                      bitmask: np.ndarray | None, final: bool) -> None:
+        host_rows = packed.sample_rows if rows is None else packed.sample_rows[rows]
+        needs = self.rows.sampling.needs(host_rows)
+        slot.top_k = max(slot.top_k, needs.top_logprobs)
+        k = len(host_rows)
+        g = slot.stage_group(np.arange(k) if rows is None else rows, bitmask)
+        self._upload_group(slot, g, k, bitmask is not None)
+        step_id, sample_rows = slot.step_id, slot.sample_rows
+        assert sample_rows is not None  # (set by the step's launch_forward)
+
+        def sample() -> None:
+            self._check_fault(step_id)
+            self._sample_group(slot, sample_rows, g, k, needs, bitmask is not None)
+            if final:  # the last group of a sampling step: proof that its sampling ran
                 slot.stamp.fill_(step_id)
 
-            compute.launch(stamp, "sample")
-        elif k:
-            carry_host = packed.sample_rows if rows is None else packed.sample_rows[rows]
-            t = self.rows
-            bits = t.group_flags(carry_host)
-            want_logprobs = bool(bits & LOGPROBS)
-            flags = GroupFlags(any_random=bool(bits & RANDOM), any_filter=bool(bits & FILTERED))
-            extra = ProcessFlags(penalties=bool(bits & PENALIZED), min_tokens=bool(bits & MIN_TOKENS),
-                                 min_p=bool(bits & MIN_P),
-                                 top_logprobs=int(t.top_logprobs[carry_host].max()) if bits & TOP_LOGPROBS else 0)
-            slot.top_k = max(slot.top_k, extra.top_logprobs)
-            masked = bitmask is not None
-            g = slot.stage_group(np.arange(n) if rows is None else rows, bitmask)
-            self._upload_group(slot, g, k, masked)
-            sample_rows = slot.sample_rows
+        self.device.compute.launch(sample, "sample")
 
-            def sample_group() -> None:
-                if self.faults is not None:
-                    self.faults.check("sample", step_id)
-                idx = slot.group_dev[g, :k]
-                carry = sample_rows.index_select(0, idx)
-                raw = slot.logits.index_select(0, idx)
-                temperature, top_p, top_k, seed, out_index = t.gather(
-                    ("temperature", "top_p", "top_k", "seed", "output_index"), carry)
-                logits = raw  # order: penalties → grammar mask → min_tokens → min_p → sample
-                if extra.any_logits_change:
-                    presence, frequency, repetition, min_p, min_tokens = t.gather(
-                        ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens"), carry)
-                    if extra.penalties or extra.min_tokens:
-                        counts, prompt_mask, stop_mask = t.history.gather(carry)
-                    if extra.penalties:
-                        logits = apply_penalties(logits, counts, prompt_mask, presence, frequency, repetition)
-                if masked:
-                    logits = apply_bitmask(logits, slot.mask_dev[g, :k])
-                if extra.min_tokens:
-                    logits = suppress_stop_tokens(logits, stop_mask, out_index, min_tokens)
-                if extra.min_p:
-                    logits = min_p_filter(logits, temperature, min_p)
-                ids = sample(logits, temperature, top_k, top_p, seed, out_index, flags)
-                t.out_index.index_copy_(0, carry, out_index + 1)
-                slot.sampled.index_copy_(0, idx, ids)
-                t.token.index_copy_(0, carry, ids)
-                if extra.penalties and t.history is not None:  # what the next step's penalties count
-                    t.history.record(carry, ids)
-                if want_logprobs:  # of the model's own distribution, before penalties, masks and temperature
-                    lp = raw.log_softmax(-1)
-                    slot.logprobs.index_copy_(0, idx, lp.gather(1, ids[:, None])[:, 0])
-                    if extra.top_logprobs:
-                        values, top_ids = top_logprobs(raw, extra.top_logprobs)
-                        slot.top_values[idx, :extra.top_logprobs] = values
-                        slot.top_ids[idx, :extra.top_logprobs] = top_ids
-                if final:  # the last group of a sampling step: proof that its sampling ran
-                    slot.stamp.fill_(step_id)
+    def _sample_group(self, slot: DecodeSlot, sample_rows: torch.Tensor, g: int, k: int, needs: GroupNeeds,
+                      masked: bool) -> None:
+        """On the compute stream: group `g` of `k` sampling rows, from the slot's logits to its tokens."""
+        t = self.rows
+        idx = slot.group_dev[g, :k]
+        carry = sample_rows.index_select(0, idx)
+        assert slot.logits is not None  # (written by the step's forward, earlier on this stream)
+        raw = slot.logits.index_select(0, idx)
+        args = t.sampling.gather(carry, needs)
+        history = t.history.gather(carry) if args.needs_history and t.history is not None else None
+        ids = sample_group(raw, args, history, slot.mask_dev[g, :k] if masked else None)
+        t.sampling.advance(carry, args)
+        slot.sampled.index_copy_(0, idx, ids)
+        t.token.index_copy_(0, carry, ids)
+        if args.penalties is not None and t.history is not None:  # what the next step's penalties count
+            t.history.record(carry, ids)
+        if needs.logprobs:  # of the model's own distribution, before penalties, masks and temperature
+            lp = raw.log_softmax(-1)
+            slot.logprobs.index_copy_(0, idx, lp.gather(1, ids[:, None])[:, 0])
+            if needs.top_logprobs:
+                values, top_ids = top_logprobs(raw, needs.top_logprobs)
+                slot.top_values[idx, :needs.top_logprobs] = values
+                slot.top_ids[idx, :needs.top_logprobs] = top_ids
 
-            compute.launch(sample_group, "sample")
-        if not final:
-            return
-        slot.sample_done = compute.record()
-        copy.wait(slot.sample_done)  # the copy waits for exactly this step's outputs
+    def _launch_copy(self, slot: DecodeSlot, n: int) -> None:
+        compute, copy = self.device.compute, self.device.copy
+        slot.sample_done = done = compute.record()
+        copy.wait(done)  # the copy waits for exactly this step's outputs
         top = slot.top_k
 
         def copy_out() -> None:

@@ -13,6 +13,7 @@ plus a small float32 arena for parameters) and one host→device copy of the use
 For a step of N decoding rows the host writes N row ids and N+1 query offsets (numpy slices, no
 Python per row). The arena belongs to its DecodeSlot, so it is rewritten only after the slot's
 previous step was committed — by then that step's forward has long consumed its upload.
+Private to the ModelRunner: the scheduler hands it a ForwardInput and never sees these types.
 """
 from __future__ import annotations
 
@@ -21,12 +22,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from slipstream.runtime.batch import PackedStep
+from slipstream.runtime.batch import ForwardInput
 from slipstream.runtime.host_copy import copy_to_device
+from slipstream.runtime.sampling_args import NUM_FLOATS, NUM_INTS, stage_params
 from slipstream.runtime.static_step import static_regions
-
-INT_PARAMS = ("top_k", "seed", "output_index", "logprobs", "min_tokens")
-FLOAT_PARAMS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
 
 
 @dataclass(frozen=True)
@@ -51,8 +50,8 @@ class RowUpdates:
 
     page_writes: torch.Tensor  # [w, 3]
     param_rows: torch.Tensor  # [c]
-    params_int: torch.Tensor  # [len(INT_PARAMS), c]
-    params_float: torch.Tensor  # [len(FLOAT_PARAMS), c]
+    params_int: torch.Tensor  # [NUM_INTS, c] (sampling_args.stage_params)
+    params_float: torch.Tensor  # [NUM_FLOATS, c]
 
 
 @dataclass(frozen=True)
@@ -82,7 +81,7 @@ class StepArena:
         t, s = max_tokens, max_seqs
         sizes = [("decode_rows", s), ("chunk_ids", t), ("chunk_pos", t), ("chunk_token_rows", t),
                  ("chunk_rows", s), ("chunk_ends", s), ("query_start", s + 1), ("sample_indices", t),
-                 ("sample_rows", t), ("params_int", len(INT_PARAMS) * s), ("page_writes", 3 * s * max_pages)]
+                 ("sample_rows", t), ("params_int", NUM_INTS * s), ("page_writes", 3 * s * max_pages)]
         # the fixed-shape layout of mixed-step graphs (static_step.py), uploaded as a second range
         static = static_regions(max_tokens, max_seqs)
         sizes += static
@@ -94,7 +93,7 @@ class StepArena:
         self.host = device.host_buffer((at,), torch.int64)
         self.host.zero_()
         self.host_np = self.host.numpy()
-        self.host_f = device.host_buffer((len(FLOAT_PARAMS) * s,), torch.float32)
+        self.host_f = device.host_buffer((NUM_FLOATS * s,), torch.float32)
         self.host_f_np = self.host_f.numpy()
         if device.unified_memory:
             self.dev, self.dev_f = self.host, self.host_f
@@ -126,7 +125,7 @@ class StepArena:
             self.host_np[at + n:at + pad_to] = pad_value
         self._used = max(self._used, at + max(n, pad_to))
 
-    def fill(self, packed: PackedStep, pad_decode: int = 0) -> Layout:
+    def fill(self, packed: ForwardInput, pad_decode: int = 0) -> Layout:
         """Write `packed` into the host arenas; `pad_decode` > 0 pads a decode-only step to that many
         rows (a graph bucket) with the scratch row. Returns the layout `tensors`/`updates` take."""
         d = max(packed.num_decode, pad_decode)
@@ -156,12 +155,12 @@ class StepArena:
             self._put("page_writes", packed.page_writes.reshape(-1))
         self._used_f = 0
         if c:
-            ints = np.array([[w.output_index if f == "output_index" else getattr(w.sampling, f) for w in packed.chunks]
-                             for f in INT_PARAMS], np.int64)
-            self._put("params_int", ints.reshape(-1))
-            floats = np.array([[getattr(w.sampling, f) for w in packed.chunks] for f in FLOAT_PARAMS], np.float32)
-            self.host_f_np[:floats.size] = floats.reshape(-1)
-            self._used_f = floats.size
+            at = self.offsets["params_int"]
+            ints = self.host_np[at:at + NUM_INTS * c].reshape(NUM_INTS, c)
+            floats = self.host_f_np[:NUM_FLOATS * c].reshape(NUM_FLOATS, c)
+            stage_params(packed.chunks, ints, floats)
+            self._used = max(self._used, at + NUM_INTS * c)
+            self._used_f = NUM_FLOATS * c
         return Layout(d, tc, c, n, n_pad, w, packed.max_query_len)
 
     def upload(self) -> None:
@@ -198,5 +197,5 @@ class StepArena:
         c = lay.c
         return RowUpdates(page_writes=self._view("page_writes", 3 * lay.w).view(lay.w, 3),
                           param_rows=self._view("chunk_rows", c),
-                          params_int=self._view("params_int", len(INT_PARAMS) * c).view(len(INT_PARAMS), c),
-                          params_float=self.dev_f[:len(FLOAT_PARAMS) * c].view(len(FLOAT_PARAMS), c))
+                          params_int=self._view("params_int", NUM_INTS * c).view(NUM_INTS, c),
+                          params_float=self.dev_f[:NUM_FLOATS * c].view(NUM_FLOATS, c))

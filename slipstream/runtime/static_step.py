@@ -19,7 +19,7 @@ Everything is written with vectorised numpy, no Python per row. Row-table writes
 unpadded layout, exactly as for decode graphs, so they need no padding here.
 
 Real rows compute what the eager forward computes: the same ids, positions, slots, context
-lengths and query blocks; only the matmuls' row count differs (padding rows).
+lengths and query blocks; only the matmuls' row count differs (padding rows). Private to the ModelRunner.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ import torch
 
 from slipstream.models.attention import AttentionMetadata, DeviceAttentionMetadata
 from slipstream.models.attention_blocks import num_query_programs, query_blocks
-from slipstream.runtime.batch import SCRATCH_ROW, PackedStep
+from slipstream.runtime.batch import SCRATCH_ROW, ForwardInput
 
 
 def static_sizes(tokens: int, max_seqs: int) -> tuple[int, int, int]:
@@ -64,7 +64,7 @@ class StaticStepTensors:
     blocks: torch.Tensor
 
 
-def fill_static(arena, packed: PackedStep, tokens: int) -> None:
+def fill_static(arena, packed: ForwardInput, tokens: int) -> None:
     """Write `packed` into the arena's static regions for a bucket of `tokens` (padding included)."""
     s, n_rows, p = static_sizes(tokens, arena.max_seqs)
     d, c = packed.num_decode, len(packed.chunk_rows)

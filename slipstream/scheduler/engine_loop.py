@@ -27,7 +27,7 @@ Failures (docs/reliability.md):
   * a launched step not done after step_timeout_s: the watchdog logs the state and the engine
     fails (StepTimeoutError for its requests, EngineClosedError for the rest).
   * anything else is a bug: the loop dies and every waiter gets EngineClosedError.
-The runner is a `Runner` (slipstream/runtime/runner_api.py: PackedStep in, SampledTokens out),
+The runner is a `Runner` (slipstream/runtime/runner_api.py: ForwardInput in, SampledTokens out),
 so this file never touches torch or a device API.
 """
 from __future__ import annotations

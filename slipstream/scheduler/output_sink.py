@@ -24,8 +24,9 @@ class OutputSink(Protocol):
     def bind(self, finish: Finish) -> None:
         """Called once by the EngineLoop that owns the sink."""
 
-    def accept(self, seq: Sequence, token: int, logprob: float = 0.0) -> None:
-        """A committed token of a live (not finalized) sequence."""
+    def accept(self, seq: Sequence, token: int, logprob: float = 0.0, top: dict[int, float] | None = None) -> None:
+        """A committed token of a live (not finalized) sequence; `top`: its top_logprobs alternatives
+        {token id: logprob}, most likely first, when the request asked for them."""
 
     def abort(self, seq: Sequence) -> None:
         """End the request with finish_reason "abort"."""

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from slipstream.errors import PipelineInvariantError
-from slipstream.runtime.batch import PackedStep, SeqWork
+from slipstream.runtime.batch import ForwardInput, SeqWork
 from slipstream.scheduler.planner import Planner, PlannedStep
 from slipstream.scheduler.sequence import Sequence, SeqStatus
 
@@ -31,13 +31,13 @@ class InflightStep:
     decode: list[Sequence]  # one sampled, device-fed token each
     chunks: list[SeqWork]  # host-token chunks, after the decode rows
     chunk_seqs: list[Sequence]
-    packed: PackedStep
+    packed: ForwardInput
     slot: Any = None  # the runtime's DecodeSlot (opaque here)
     late_rows: list[int] = field(default_factory=list)  # sampling rows whose mask needs commit t-1
     timings: dict[str, float] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, step_id: int, plan: PlannedStep, packed: PackedStep, slot: Any) -> "InflightStep":
+    def of(cls, step_id: int, plan: PlannedStep, packed: ForwardInput, slot: Any) -> "InflightStep":
         return cls(step_id, plan.decode, plan.chunks, plan.chunk_seqs, packed, slot)
 
     @property

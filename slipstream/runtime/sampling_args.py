@@ -1,0 +1,155 @@
+"""Sampling parameters on the device, private to the ModelRunner: per-row tables written from each
+chunk's `SamplingRow`, and the `SamplingArgs` one sampling group gathers from them.
+
+This is the runtime file that reads SamplingRow's fields (batch.py defines it; besides it only
+HistoryTables reads its stop ids), by attribute, never by name: renaming a field breaks here at
+once, under mypy, not when a step happens to sample.
+
+Path of a request's parameters: SamplingParams (params.py) → SamplingRow (api/engine.py, carried by
+Sequence and SeqWork) → `stage_params` (host arena, at launch) → `SamplingTables.write` (device
+rows, before the forward) → `SamplingTables.gather` → `SamplingArgs` → sampler.sample_group.
+
+A group's kernels are chosen on the host without touching the device: `SamplingTables` keeps a host
+mirror of each row's needs as bits (one gather and one OR-reduce per group), and `gather` leaves a
+field of SamplingArgs None when no row of the group needs it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence as Seq
+
+import numpy as np
+import torch
+
+from slipstream.runtime.batch import SamplingRow, SeqWork
+
+# rows of the int and float parameter tables; `stage_params` writes them and `gather` reads them in
+# this order (tests/test_graph_buckets.py checks a staged chunk, tests/test_sampling_args.py the round trip)
+NUM_INTS, NUM_FLOATS = 5, 6
+
+
+def _ints(s: SamplingRow, output_index: int) -> tuple[int, int, int, int, int]:
+    return s.top_k, s.seed, output_index, int(s.logprobs), s.min_tokens
+
+
+def _floats(s: SamplingRow) -> tuple[float, float, float, float, float, float]:
+    return s.temperature, s.top_p, s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.min_p
+
+
+def stage_params(chunks: Seq[SeqWork], ints: np.ndarray, floats: np.ndarray) -> None:
+    """Write the chunks' parameters into host arrays [NUM_INTS, c] and [NUM_FLOATS, c]."""
+    ints[:] = np.array([_ints(w.sampling, w.output_index) for w in chunks], np.int64).T
+    floats[:] = np.array([_floats(w.sampling) for w in chunks], np.float32).T
+
+
+# host mirror bits: what a row needs from the sampling kernels
+_RANDOM, _FILTERED, _LOGPROBS, _PENALIZED, _MIN_TOKENS, _MIN_P, _TOP_LOGPROBS = (1 << i for i in range(7))
+
+
+def _needs(s: SamplingRow) -> int:
+    random = s.temperature > 0
+    return ((_RANDOM if random else 0) | (_FILTERED if random and (s.top_k > 0 or s.top_p < 1.0) else 0)
+            | (_LOGPROBS if s.logprobs or s.top_logprobs > 0 else 0) | (_PENALIZED if s.penalized else 0)
+            | (_MIN_TOKENS if s.min_tokens > 0 else 0) | (_MIN_P if random and s.min_p > 0 else 0)
+            | (_TOP_LOGPROBS if s.top_logprobs > 0 else 0))
+
+
+class TopKTopP(NamedTuple):
+    top_k: torch.Tensor  # <= 0: no top-k for that row
+    top_p: torch.Tensor  # >= 1: no top-p
+
+
+class Draw(NamedTuple):
+    """What random rows need (rows with temperature 0 in the group stay greedy)."""
+
+    temperature: torch.Tensor
+    seed: torch.Tensor
+    filter: TopKTopP | None  # None: no random row filters
+
+
+class Penalties(NamedTuple):
+    presence: torch.Tensor
+    frequency: torch.Tensor
+    repetition: torch.Tensor
+
+
+@dataclass(frozen=True)
+class GroupNeeds:
+    """What a sampling group needs, decided on the host at launch from the rows' mirrors."""
+
+    random: bool  # some row has temperature > 0
+    filtered: bool  # some random row uses top-k or top-p
+    penalties: bool  # some row has presence / frequency != 0 or repetition != 1
+    min_tokens: bool  # some row has min_tokens > 0
+    min_p: bool  # some random row has min_p > 0
+    logprobs: bool  # some row wants its sampled token's logprob
+    top_logprobs: int  # the largest top_logprobs of the group (0: none)
+
+    @property
+    def plain_greedy(self) -> bool:
+        """argmax is all the group needs (what a greedy decode graph may sample)."""
+        return not (self.random or self.penalties or self.min_tokens or self.logprobs)
+
+
+@dataclass(frozen=True)
+class SamplingArgs:
+    """Per-row parameters [n] of one sampling group. A field left None means no row of the group needs
+    that kernel (a group of plain greedy rows carries only `output_index`)."""
+
+    output_index: torch.Tensor  # index of the token being sampled in each row's output (seeds, min_tokens)
+    draw: Draw | None = None  # None: every row greedy
+    penalties: Penalties | None = None  # None: no row penalised
+    min_tokens: torch.Tensor | None = None  # None: no row holds back its stop tokens
+    min_p: torch.Tensor | None = None  # None: no random row has min_p > 0 (implies `draw`)
+
+    @property
+    def needs_history(self) -> bool:
+        """The penalties or min_tokens read the rows' HistoryTables."""
+        return self.penalties is not None or self.min_tokens is not None
+
+
+class SamplingTables:
+    """Device tables [NUM_INTS, R] int64 and [NUM_FLOATS, R] float32, indexed by row, plus their host
+    mirrors (need bits and top_logprobs per row)."""
+
+    def __init__(self, max_rows: int, device: torch.device):
+        self.ints = torch.zeros(NUM_INTS, max_rows, dtype=torch.int64, device=device)
+        self.floats = torch.zeros(NUM_FLOATS, max_rows, dtype=torch.float32, device=device)
+        self.output_index = self.ints[2]  # advanced on the device by every sample of the row
+        self._needs = np.zeros(max_rows, np.uint8)
+        self.top_logprobs = np.zeros(max_rows, np.int64)  # per row (read_sampled keeps each row's own k)
+
+    def mirror(self, chunks: Seq[SeqWork]) -> None:
+        """At launch, from the same chunks whose parameters the step writes on the device."""
+        for w in chunks:
+            self._needs[w.row] = _needs(w.sampling)
+            self.top_logprobs[w.row] = w.sampling.top_logprobs
+
+    def needs(self, host_rows: np.ndarray) -> GroupNeeds:
+        """One gather and one OR-reduce over the rows' need bits: no Python loop over rows."""
+        bits = int(np.bitwise_or.reduce(self._needs[host_rows])) if len(host_rows) else 0
+        return GroupNeeds(random=bool(bits & _RANDOM), filtered=bool(bits & _FILTERED),
+                          penalties=bool(bits & _PENALIZED), min_tokens=bool(bits & _MIN_TOKENS),
+                          min_p=bool(bits & _MIN_P), logprobs=bool(bits & _LOGPROBS),
+                          top_logprobs=int(self.top_logprobs[host_rows].max()) if bits & _TOP_LOGPROBS else 0)
+
+    def write(self, rows: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor) -> None:
+        """Device side of `stage_params` (on the compute stream, before the step's forward)."""
+        self.ints.index_copy_(1, rows, ints)
+        self.floats.index_copy_(1, rows, floats)
+
+    def gather(self, rows: torch.Tensor, needs: GroupNeeds) -> SamplingArgs:
+        """The group's parameters on the device (`rows` [n]), only the fields `needs` asks for."""
+        top_k, seed, output_index, _logprobs, min_tokens = self.ints[:, rows]
+        if not (needs.random or needs.penalties):
+            return SamplingArgs(output_index, min_tokens=min_tokens if needs.min_tokens else None)
+        temperature, top_p, presence, frequency, repetition, min_p = self.floats[:, rows]
+        return SamplingArgs(
+            output_index,
+            draw=Draw(temperature, seed, TopKTopP(top_k, top_p) if needs.filtered else None) if needs.random else None,
+            penalties=Penalties(presence, frequency, repetition) if needs.penalties else None,
+            min_tokens=min_tokens if needs.min_tokens else None, min_p=min_p if needs.min_p else None)
+
+    def advance(self, rows: torch.Tensor, args: SamplingArgs) -> None:
+        """After a group sampled: each row's next token has the next output index."""
+        self.output_index.index_copy_(0, rows, args.output_index + 1)

@@ -22,7 +22,8 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "slipstream"
-SHARED = {"slipstream.errors", "slipstream.intmath", "slipstream.validate", "slipstream.logging_setup"}
+SHARED = {"slipstream.errors", "slipstream.intmath", "slipstream.validate", "slipstream.logging_setup",
+          "slipstream.faults"}  # (faults: the injection points every layer checks; imports nothing)
 RANK = {"models": 0, "grammar": 1, "runtime": 2, "scheduler": 3}
 API = 4
 NO_TORCH = ("slipstream.scheduler",)

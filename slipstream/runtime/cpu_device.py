@@ -11,9 +11,12 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
+
+if TYPE_CHECKING:  # (device.py makes devices: a runtime import would be a circle)
+    from slipstream.runtime.device import Event
 
 
 class CPUEvent:
@@ -118,9 +121,10 @@ class CPUStream:
         self._queue.put((_EventOp(lambda: ev._complete(self._error)), ""))
         return ev
 
-    def wait(self, event: CPUEvent) -> None:
+    def wait(self, event: Event) -> None:
         """Later work waits for `event`; an error the event carries becomes this stream's error
         too (a consumer of failed work must not run on its stale outputs)."""
+        assert isinstance(event, CPUEvent), "a stream waits only for its own device's events"
 
         def adopt() -> None:
             event._done.wait()

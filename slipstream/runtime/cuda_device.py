@@ -19,13 +19,16 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import structlog
 import torch
 
 from slipstream.errors import DeviceUnavailableError
 from slipstream.runtime.event_waits import EVENT_WAITS
+
+if TYPE_CHECKING:  # (device.py makes devices: a runtime import would be a circle)
+    from slipstream.runtime.device import Event
 
 log = structlog.get_logger(__name__)
 
@@ -96,7 +99,8 @@ class CUDAStream:
         ev.record(self.stream)
         return CUDAEvent(ev, self.device, self._error)
 
-    def wait(self, event: CUDAEvent) -> None:
+    def wait(self, event: Event) -> None:
+        assert isinstance(event, CUDAEvent), "a stream waits only for its own device's events"
         self.stream.wait_event(event.event)
         if event.error is not None and self._error is None:
             self._error = event.error
@@ -160,6 +164,7 @@ class CUDADevice:
         fut = loop.create_future()
         # the host function runs on a CUDA driver thread and must make no CUDA calls: it only wakes the loop
         self._waiter_stream.wait_event(event)
+        assert self._cupy is not None  # (this wait is chosen only when cupy imported)
         stream = self._cupy.cuda.ExternalStream(self._waiter_stream.cuda_stream)
         stream.launch_host_func(_wake, (loop, fut))
         await fut
@@ -183,6 +188,7 @@ class CUDADevice:
 
     def host_time(self, event: torch.cuda.Event) -> float:
         """A finished timed event's time on the host perf_counter clock (tracing only)."""
+        assert self._anchor is not None, "start_clock() first"
         anchor, t0 = self._anchor
         return t0 + anchor.elapsed_time(event) / 1000.0
 

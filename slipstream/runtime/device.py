@@ -47,9 +47,19 @@ class Stream(Protocol):
 class Device(Protocol):
     kind: str
     torch_device: torch.device
-    compute: Stream  # forward and sampling
-    upload: Stream  # host→device copies of step inputs and masks
-    copy: Stream  # device→host copies of sampled tokens
+    # read-only properties, so a device may hold its own stream type (a Protocol attribute is invariant)
+    @property
+    def compute(self) -> Stream:
+        """Forward and sampling."""
+
+    @property
+    def upload(self) -> Stream:
+        """Host→device copies of step inputs and masks."""
+
+    @property
+    def copy(self) -> Stream:
+        """Device→host copies of sampled tokens."""
+
     unified_memory: bool  # host buffers are device memory: staging needs no upload
 
     def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -78,11 +78,6 @@ class Sequence:
         return self.carry_on_device and self.num_scheduled == (
             len(self.prompt_ids) + len(self.output_ids) + self.pending_samples - 1)
 
-    def can_plan(self, depth: int) -> bool:
-        """Planned only while admitted (holding a row), not finalized, not being preempted, and with
-        fewer than `depth` steps in flight (so inflight_refs never exceeds the pipeline depth)."""
-        return not self.finalized and not self.preempting and self.inflight_refs < depth and self.row is not None
-
     @property
     def preemptible(self) -> bool:
         return not self.finalized and not self.preempting and self.row is not None

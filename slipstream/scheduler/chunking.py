@@ -46,6 +46,7 @@ def next_chunk(seq: Sequence, budget: int) -> SeqWork | None:
 def chunk_work(seq: Sequence, n: int, sample: bool) -> SeqWork:
     """The runner's description of a chunk (the one place the scheduler builds a SeqWork)."""
     start = seq.num_scheduled
+    assert seq.row is not None, f"{seq.request_id}: a chunk for a sequence without a row"
     history = ((seq.prompt_ids, list(seq.output_ids))
                if start == 0 and seq.sampling.needs_history else None)
     return SeqWork(row=seq.row, tokens=seq.known_tokens(start, start + n), start_pos=start, sample=sample,

@@ -39,7 +39,8 @@ class Constraints:
 
     def split(self, sampling_seqs: list[Sequence]) -> tuple[list[int], list[int]]:
         """(early, late) indices of a step's sampling rows (`sampling_seqs` in sampling-row order)."""
-        early, late = [], []
+        early: list[int] = []
+        late: list[int] = []
         for i, seq in enumerate(sampling_seqs):
             m = seq.matcher
             (late if m is not None and m.depends_on_previous_token else early).append(i)

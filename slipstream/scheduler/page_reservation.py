@@ -22,12 +22,13 @@ class PageReservation:
 
     def give(self, seq: Sequence, n: int) -> None:
         """Append n pages to the sequence's page row; the runner's table learns them with the next step."""
-        base = len(seq.pages)
+        row, base = seq.row, len(seq.pages)
+        assert row is not None, f"{seq.request_id}: pages for a sequence without a row"
         new = self.pool.allocate(n)
         seq.pages.extend(new)
         writes = self._writes
         for j, page in enumerate(new):
-            writes += (seq.row, base + j, page)
+            writes += (row, base + j, page)
 
     def take_writes(self) -> list[int]:
         """The entries handed out since the last step, for the step being planned."""

@@ -37,7 +37,7 @@ def make_loop(depth, num_pages=64, max_batch=4, step_tokens=16, seed=0):
     runner = FakeRunner(PAGE, seed=seed)
     pool = RefereedPool(num_pages, runner.referee)
     planner = Planner(pool, PAGE, max_batch, step_tokens)
-    planner._free_rows = RefereedRows(planner._free_rows, runner.referee)
+    planner.admission.free_rows = RefereedRows(planner.admission.free_rows, runner.referee)
     return EngineLoop(runner, planner, OutputProcessor(), depth, PAGE), pool
 
 

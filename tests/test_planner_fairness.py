@@ -9,7 +9,8 @@ from slipstream.runtime.batch import SamplingRow
 from slipstream.api.output_processor import OutputProcessor, RequestState
 from slipstream.scheduler.page_pool import PagePool
 from slipstream.scheduler.pipeline import Pipeline
-from slipstream.scheduler.planner import Planner, fair_shares
+from slipstream.scheduler.chunking import fair_shares
+from slipstream.scheduler.planner import Planner
 from slipstream.scheduler.sequence import Sequence, SeqStatus
 
 PAGE = 4

@@ -187,7 +187,7 @@ class Engine(SkillMethods):
         req = RequestState(request_id, ids, params, make_detokenizer(self.tokenizer, ids),
                            frozenset(eos) | frozenset(params.stop_token_ids), RequestMetrics(time.perf_counter()),
                            matcher=matcher, streaming=streaming)
-        seq = Sequence(request_id, ids, max_tokens, row, user=req)
+        seq = Sequence(request_id, ids, max_tokens, row, user=req, matcher=matcher)
         self._requests[request_id] = seq
         self.loop.submit(seq)
         return seq

@@ -29,35 +29,32 @@ class Constraints:
         self.faults = None  # tests only: a slipstream.faults.FaultInjector
         self.live = 0  # submitted, unfinished sequences with a grammar: 0 means no step needs a mask
 
-    @staticmethod
-    def matcher(seq: Sequence):
-        return getattr(seq.user, "matcher", None)
-
     def on_submit(self, seq: Sequence) -> None:
-        if self.matcher(seq) is not None:
+        if seq.matcher is not None:
             self.live += 1
 
     def on_finish(self, seq: Sequence, reason: str) -> None:
-        if self.matcher(seq) is not None:
+        if seq.matcher is not None:
             self.live -= 1
 
     def split(self, sampling_seqs: list[Sequence]) -> tuple[list[int], list[int]]:
         """(early, late) indices of a step's sampling rows (`sampling_seqs` in sampling-row order)."""
-        early, late = [], []
+        early: list[int] = []
+        late: list[int] = []
         for i, seq in enumerate(sampling_seqs):
-            m = self.matcher(seq)
+            m = seq.matcher
             (late if m is not None and m.depends_on_previous_token else early).append(i)
         return early, late
 
     def masks(self, sampling_seqs: list[Sequence], rows: list[int]) -> np.ndarray | None:
         """Packed masks for `rows` from each matcher's committed state; None if none is constrained."""
-        if not any(self.matcher(sampling_seqs[i]) is not None for i in rows):
+        if not any(sampling_seqs[i].matcher is not None for i in rows):
             return None
         t0 = time.perf_counter()
         out = np.full((len(rows), self.words), ALL_ALLOWED, dtype=np.int32)
         for k, i in enumerate(rows):
             seq = sampling_seqs[i]
-            m = self.matcher(seq)
+            m = seq.matcher
             if m is None or seq.finalized:
                 continue
             out[k] = 0

@@ -40,13 +40,14 @@ import numpy as np
 import structlog
 
 from slipstream.errors import EngineClosedError, PipelineInvariantError, StepFailedError, StepTimeoutError
-from slipstream.runtime.batch import pack_step
+from slipstream.runtime.batch import ForwardInput, pack_step
 from slipstream.runtime.runner_api import Runner
 from slipstream.scheduler.constraints import Constraints
 from slipstream.scheduler.output_sink import OutputSink
-from slipstream.scheduler.pipeline import InflightStep, Pipeline
-from slipstream.scheduler.planner import PlannedStep, Planner
+from slipstream.scheduler.pipeline import Pipeline
+from slipstream.scheduler.planner import Planner
 from slipstream.scheduler.sequence import Sequence
+from slipstream.scheduler.step import Step
 from slipstream.scheduler.watchdog import Watchdog
 
 log = structlog.get_logger(__name__)
@@ -157,14 +158,12 @@ class EngineLoop:
             self.finalize(launched)
         return launched is not None or committed
 
-    def launch(self, plan: PlannedStep) -> InflightStep:
+    def launch(self, step: Step) -> Step:
         slot = next((s for s in self.runner.slots if s.is_free), None)
         if slot is None:
             raise PipelineInvariantError("no free DecodeSlot although fewer than depth steps are in flight")
-        rows = np.fromiter((seq.row for seq in plan.decode), np.int64, len(plan.decode))
-        packed = pack_step(rows, plan.chunks, np.asarray(plan.page_writes, np.int64).reshape(-1, 3),
-                           self.row_multiple)
-        step = InflightStep.of(self.num_steps, plan, packed, slot)
+        packed = self._pack(step)
+        step.launched(self.num_steps, packed, slot)
         self.num_steps += 1
         self.runner.launch_forward(slot, step.step_id, packed, unmasked=not self.constraints.live)
         self.pipeline.on_launch(step)
@@ -179,7 +178,13 @@ class EngineLoop:
         step.timings["t_launch"] = time.perf_counter()
         return step
 
-    async def commit(self, step: InflightStep) -> None:
+    def _pack(self, step: Step) -> ForwardInput:
+        """The runner-side input of a planned step (the one place the loop builds it)."""
+        rows = np.fromiter((seq.row for seq in step.decode), np.int64, len(step.decode))
+        return pack_step(rows, step.chunks, np.asarray(step.page_writes, np.int64).reshape(-1, 3),
+                         self.row_multiple)
+
+    async def commit(self, step: Step) -> None:
         t0 = time.perf_counter()
         try:
             result = await self.runner.read_sampled(step.slot)
@@ -197,7 +202,7 @@ class EngineLoop:
         for observe in self.observers:
             observe(step)
 
-    def finalize(self, step: InflightStep) -> None:
+    def finalize(self, step: Step) -> None:
         t0 = time.perf_counter()
         step.timings["t_finalize"] = t0
         if step.late_rows:  # every step before this one is committed: matchers are current
@@ -216,7 +221,7 @@ class EngineLoop:
             log.warning("commit_request_failed", request_id=seq.request_id, error=repr(e))
             self.outputs.fail(seq, e)
 
-    async def _recover(self, failed: InflightStep, error: BaseException) -> None:
+    async def _recover(self, failed: Step, error: BaseException) -> None:
         """`failed` (the oldest step) raised: fail the requests of every step in flight, drain, recover."""
         steps = list(self.pipeline.inflight)
         self.failed_steps += len(steps)
@@ -234,7 +239,7 @@ class EngineLoop:
         if not recovered:
             raise EngineClosedError(f"the device could not recover from a failed step: {error!r}") from error
 
-    def on_stall(self, step: InflightStep, waited_s: float) -> None:
+    def on_stall(self, step: Step, waited_s: float) -> None:
         """The watchdog saw `step` in flight for too long: log the state and fail the engine."""
         log.error("step_timed_out", effect="the engine stops", step=step.step_id, kind=step.kind,
                   waited_s=round(waited_s, 3), timeout_s=self.step_timeout_s, **self.describe_state())

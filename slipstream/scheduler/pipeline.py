@@ -16,48 +16,19 @@ from __future__ import annotations
 import os
 from collections import deque
 from itertools import repeat
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 from slipstream.errors import PipelineInvariantError
-from slipstream.runtime.batch import ForwardInput, SeqWork
-from slipstream.scheduler.planner import Planner, PlannedStep
+from slipstream.scheduler.planner import Planner
 from slipstream.scheduler.sequence import Sequence, SeqStatus
-
-
-@dataclass
-class InflightStep:
-    step_id: int
-    decode: list[Sequence]  # one sampled, device-fed token each
-    chunks: list[SeqWork]  # host-token chunks, after the decode rows
-    chunk_seqs: list[Sequence]
-    packed: ForwardInput
-    slot: Any = None  # the runtime's DecodeSlot (opaque here)
-    late_rows: list[int] = field(default_factory=list)  # sampling rows whose mask needs commit t-1
-    timings: dict[str, float] = field(default_factory=dict)
-
-    @classmethod
-    def of(cls, step_id: int, plan: PlannedStep, packed: ForwardInput, slot: Any) -> "InflightStep":
-        return cls(step_id, plan.decode, plan.chunks, plan.chunk_seqs, packed, slot)
-
-    @property
-    def seqs(self) -> list[Sequence]:
-        return self.decode + self.chunk_seqs
-
-    @property
-    def kind(self) -> str:
-        return "prefill" if self.chunks else "decode"
-
-    def sampling_seqs(self) -> list[Sequence]:
-        """Sequences in sampling-row order: every decode row, then chunks that sample."""
-        return self.decode + [s for s, w in zip(self.chunk_seqs, self.chunks) if w.sample]
+from slipstream.scheduler.step import Step
 
 
 class Pipeline:
     def __init__(self, depth: int, planner: Planner):
         self.depth = depth
         self.planner = planner
-        self.inflight: deque[InflightStep] = deque()
+        self.inflight: deque[Step] = deque()
         self.zombie_commits = 0  # rows whose commit was skipped because the sequence had finished
         self.released = 0
         self.finish_observers: list = []  # fn(seq, reason) once per finished sequence (metrics)
@@ -65,7 +36,7 @@ class Pipeline:
         # chunk rows are always checked
         self.check_every_row = os.environ.get("SLIPSTREAM_CHECK_INVARIANTS") == "1"
 
-    def on_launch(self, step: InflightStep) -> None:
+    def on_launch(self, step: Step) -> None:
         if len(self.inflight) >= self.depth:
             raise PipelineInvariantError(f"launch with {len(self.inflight)} steps in flight at depth {self.depth}")
         depth = self.depth
@@ -84,10 +55,10 @@ class Pipeline:
             seq.carry_on_device |= work.sample
         self.inflight.append(step)
 
-    def oldest(self) -> InflightStep:
+    def oldest(self) -> Step:
         return self.inflight[0]
 
-    def on_commit(self, step: InflightStep, sampled: list[int], logprobs: list[float],
+    def on_commit(self, step: Step, sampled: list[int], logprobs: list[float],
                   accept: Callable[..., None], top: dict[int, dict[int, float]] | None = None) -> None:
         """Apply a step's sampled tokens (sampling-row order: decode rows, then sampling chunks).
         `accept(seq, token, logprob[, alternatives])` appends and runs the tick's stop checks; `top`
@@ -128,7 +99,7 @@ class Pipeline:
                 seq.check()
             release(seq)
 
-    def on_abandon(self, step: InflightStep) -> None:
+    def on_abandon(self, step: Step) -> None:
         """Drop a failed step without tokens; every sequence in it must already be finalized."""
         if not self.inflight or self.inflight[0] is not step:
             raise PipelineInvariantError(f"step {step.step_id} abandoned out of launch order")

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from slipstream.errors import PipelineInvariantError
 from slipstream.runtime.batch import SamplingRow
+
+if TYPE_CHECKING:
+    from slipstream.grammar.base import Matcher
 
 
 class SeqStatus(enum.Enum):
@@ -44,6 +47,9 @@ class Sequence:
     carry_on_device: bool = False  # its row holds its newest sampled token (set once a sample launches)
     pages: list[int] = field(default_factory=list)
     user: Any = None  # the request object of the API layer (opaque to the scheduler)
+    # its grammar's matcher, set by the API layer at submit (the output stage advances it); the
+    # scheduler builds grammar masks from it
+    matcher: Matcher | None = None
 
     @property
     def num_known(self) -> int:
@@ -55,9 +61,30 @@ class Sequence:
             return self.prompt_ids[start:end]
         return (self.prompt_ids + self.output_ids)[start:end]
 
+    @property
+    def num_unscheduled(self) -> int:
+        """Host-known tokens whose forward is not launched yet: the rest of a prompt, or a recompute."""
+        return len(self.prompt_ids) + len(self.output_ids) - self.num_scheduled
+
+    @property
     def samples_left(self) -> int:
         """Tokens still allowed by max_tokens beyond those committed or already being sampled."""
         return self.max_tokens - len(self.output_ids) - self.pending_samples
+
+    @property
+    def decodes_on_device(self) -> bool:
+        """Its next input is its newest sampled token, which its row holds on the device: every known
+        token is scheduled and the one token not yet known is the last sample launched."""
+        return self.carry_on_device and self.num_scheduled == (
+            len(self.prompt_ids) + len(self.output_ids) + self.pending_samples - 1)
+
+    @property
+    def preemptible(self) -> bool:
+        return not self.finalized and not self.preempting and self.row is not None
+
+    def pages_needed(self, end_pos: int, page_size: int) -> int:
+        """Pages it lacks to hold positions up to `end_pos` (0 or less: it has them)."""
+        return -(-end_pos // page_size) - len(self.pages)
 
     def check(self) -> None:
         if not 0 <= self.pending_samples <= self.inflight_refs:

@@ -1,0 +1,68 @@
+"""Admission: the waiting queue, the rows of the runner's persistent batch, and who holds them.
+
+Rules, enforced here:
+  * Admission reserves pages for the whole known prefix (+1 for the first sampled token), so an
+    admitted prompt always runs to its first token and a newer admission cannot starve it.
+  * `waiting` is a deque with lazy deletion: a request finished while waiting is only marked, so
+    cancelling n waiting requests costs O(n), not O(n^2).
+  * A preempted sequence waits again ahead of new arrivals (it is recomputed from its known tokens).
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from slipstream.scheduler.page_reservation import PageReservation
+from slipstream.scheduler.sequence import Sequence, SeqStatus
+
+
+class Admission:
+    def __init__(self, max_batch_size: int, pages: PageReservation):
+        self.pages = pages
+        self.waiting: deque[Sequence] = deque()  # may hold finished entries (lazy deletion)
+        self.num_waiting = 0  # entries of `waiting` still WAITING
+        self.running: list[Sequence] = []  # admitted (holding a row), in admission order
+        self.free_rows = list(range(max_batch_size, 0, -1))  # row 0 is never used
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+        self.num_waiting += 1
+
+    def _first_waiting(self) -> Sequence | None:
+        while self.waiting and self.waiting[0].status is not SeqStatus.WAITING:
+            self.waiting.popleft()  # finished while waiting
+        return self.waiting[0] if self.waiting else None
+
+    def admit(self) -> Sequence | None:
+        """Admit the first waiting sequence if a row and pages for its whole known prefix are free."""
+        seq = self._first_waiting()
+        if seq is None or not self.free_rows:
+            return None
+        need = self.pages.pages_for(seq.num_known + 1)
+        if self.pages.num_free < need:
+            return None
+        self.waiting.popleft()
+        self.num_waiting -= 1
+        seq.status, seq.row = SeqStatus.RUNNING, self.free_rows.pop()
+        seq.pages = []
+        self.pages.give(seq, need)
+        self.running.append(seq)
+        return seq
+
+    def drop_waiting(self, seq: Sequence) -> None:
+        """A waiting sequence finished (aborted): marked only; `_first_waiting` skips it. O(1)."""
+        seq.status = SeqStatus.FINISHED
+        self.num_waiting -= 1
+
+    def dismiss(self, seq: Sequence) -> None:
+        """Take back its row (its pages are returned apart): it no longer runs."""
+        if seq.row is not None:
+            self.free_rows.append(seq.row)
+            seq.row = None
+        if seq in self.running:
+            self.running.remove(seq)
+
+    def requeue(self, seq: Sequence) -> None:
+        """A dismissed preemption victim waits again, ahead of new arrivals."""
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_waiting += 1

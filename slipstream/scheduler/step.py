@@ -1,0 +1,40 @@
+"""One step of the engine loop, as the scheduler sees it: what the Planner chose, then what launch
+adds. The runner-side input it is packed into is runtime/batch.py's `ForwardInput`."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from slipstream.runtime.batch import ForwardInput, SeqWork
+from slipstream.runtime.runner_api import Slot
+from slipstream.scheduler.sequence import Sequence
+
+
+@dataclass(eq=False)
+class Step:
+    # planned (Planner.plan): decode rows first (one device-fed token each, all sampled), then chunks
+    # of host-known tokens; `page_writes` are the page-table entries handed out since the last step
+    decode: list[Sequence]
+    chunks: list[SeqWork]
+    chunk_seqs: list[Sequence]
+    page_writes: list[int]  # flat (row, index, page) triples
+    # launched (EngineLoop.launch sets them through `launched`; reading one earlier raises)
+    step_id: int = field(init=False, repr=False)
+    packed: ForwardInput = field(init=False, repr=False)
+    slot: Slot = field(init=False, repr=False)  # the runner's DecodeSlot it runs in
+    late_rows: list[int] = field(default_factory=list)  # sampling rows whose mask needs commit t-1
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def launched(self, step_id: int, packed: ForwardInput, slot: Slot) -> None:
+        self.step_id, self.packed, self.slot = step_id, packed, slot
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        return self.decode + self.chunk_seqs
+
+    @property
+    def kind(self) -> str:
+        return "prefill" if self.chunks else "decode"
+
+    def sampling_seqs(self) -> list[Sequence]:
+        """Sequences in sampling-row order: every decode row, then chunks that sample."""
+        return self.decode + [s for s, w in zip(self.chunk_seqs, self.chunks) if w.sample]

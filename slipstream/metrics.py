@@ -157,7 +157,7 @@ class EngineMetrics:
         self._loop = loop
         planner = loop.planner
         self.queue_depth.set_function(lambda: planner.num_waiting)
-        self.running.set_function(lambda: sum(not s.finalized for s in list(planner.running)))
+        self.running.set_function(lambda: sum(not s.finished for s in list(planner.running)))
         self.kv_pages_free.set_function(lambda: pool.num_free)
         self.kv_pages_used.set_function(lambda: pool.total - pool.num_free)
         self.kv_pages_total.set_function(lambda: pool.total)

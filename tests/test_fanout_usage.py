@@ -136,9 +136,9 @@ def _run_processor(params, tokens, tops=None):
     from slipstream.scheduler.sequence import Sequence
 
     def finish(seq, reason):
-        if seq.finalized:
+        if seq.finished:
             return False
-        seq.finalized, seq.finish_reason = True, reason
+        seq.finished, seq.finish_reason = True, reason
         return True
 
     proc = OutputProcessor()
@@ -146,7 +146,7 @@ def _run_processor(params, tokens, tops=None):
     req = RequestState("r", [1, 2], params, _CharDetok(), frozenset(), RequestMetrics(0.0))
     seq = Sequence("r", [1, 2], params.max_tokens, SamplingRow(), user=req)
     for i, t in enumerate(tokens):
-        if not seq.finalized:
+        if not seq.finished:
             proc.accept(seq, t, -0.5, None if tops is None else tops[i])  # the tick
             proc.process_pending()  # the output stage
     return req.output
@@ -192,20 +192,20 @@ def test_http_rendering_of_top_logprobs_and_n_usage():
 
 def test_a_stop_string_found_a_pass_late_cuts_the_tokens_committed_after_it():
     """The output stage may see a stop string after the tick committed more tokens of the request
-    (depth 2 keeps sampling until the sequence is finalized): the output ends at the stop anyway."""
+    (depth 2 keeps sampling until the sequence is finished): the output ends at the stop anyway."""
     from slipstream.api.output_processor import OutputProcessor, RequestState
     from slipstream.runtime.batch import SamplingRow
     from slipstream.scheduler.sequence import Sequence
 
     ended = []
     proc = OutputProcessor()
-    proc.bind(lambda seq, reason: ended.append(reason) or setattr(seq, "finalized", True) or True)
+    proc.bind(lambda seq, reason: ended.append(reason) or setattr(seq, "finished", True) or True)
     params = SamplingParams(max_tokens=20, stop=["X"], logprobs=True)
     req = RequestState("r", [1], params, _CharDetok(), frozenset(), RequestMetrics(0.0))
     seq = Sequence("r", [1], 20, SamplingRow(), user=req)
     for t in [ord(c) for c in "abXcde"]:  # six commits before the stage runs once
         proc.accept(seq, t, -0.25)
-    assert not seq.finalized  # a stop string is the stage's to find
+    assert not seq.finished  # a stop string is the stage's to find
     proc.process_pending()
     out = req.output
     assert (out.text, out.finish_reason, ended) == ("ab", "stop", ["stop"])

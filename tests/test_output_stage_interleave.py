@@ -66,9 +66,9 @@ class _Matcher:
 
 
 def _finish(seq, reason):
-    if seq.finalized:
+    if seq.finished:
         return False
-    seq.finalized, seq.finish_reason = True, reason
+    seq.finished, seq.finish_reason = True, reason
     return True
 
 
@@ -151,7 +151,7 @@ async def _tick_scenario(name, k):
         pool.auto = True
         await _turns()
         for t in _chars(after):
-            if seq.finalized:
+            if seq.finished:
                 break
             proc.accept(seq, t)
             await _turns()

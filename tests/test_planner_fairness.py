@@ -114,7 +114,7 @@ class ChattyDetok:
 
 def test_output_text_costs_the_same_per_token_at_any_length():
     outputs = OutputProcessor()
-    outputs.bind(lambda s, r: setattr(s, "finalized", True) or True)
+    outputs.bind(lambda s, r: setattr(s, "finished", True) or True)
     params = SamplingParams(max_tokens=100_000, temperature=0.0)
     req = RequestState("r", [3], params, ChattyDetok(), frozenset(), RequestMetrics(0.0), queue=asyncio.Queue())
     s = Sequence("r", [3], 100_000, SamplingRow(), user=req)

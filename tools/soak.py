@@ -340,7 +340,7 @@ def _duplicates(engine: Engine, seqs: list, results: dict) -> int:
     for q in seqs:
         left = sum(isinstance(item, (CompletionOutput, BaseException)) for item in q.user.queue.pending())
         read = 0 if results.get(q.request_id) == "cancelled" else 1
-        bad += (left + read != 1 and not (read == 0 and left == 0)) or not q.finalized
+        bad += (left + read != 1 and not (read == 0 and left == 0)) or not q.finished
     seqs.clear()
     return bad
 

@@ -101,7 +101,7 @@ class Engine(SkillMethods):
         if self._loop_task is None:
             return
         for seq in list(self._requests.values()):
-            if not seq.finalized:
+            if not seq.finished:
                 self.loop.abort(seq)
         self.loop.close()
         try:
@@ -212,7 +212,7 @@ class Engine(SkillMethods):
         return item
 
     def _forget(self, seq: Sequence, finished: bool) -> None:
-        if not finished and not seq.finalized:
+        if not finished and not seq.finished:
             self.loop.abort(seq)  # the caller went away (cancelled): free its pages
         if self._requests.get(seq.request_id) is seq:
             del self._requests[seq.request_id]
@@ -266,7 +266,7 @@ class Engine(SkillMethods):
         """Abort a request; its waiter gets finish_reason "abort". False if unknown or finished."""
         self._check_running()
         seq = self._requests.get(request_id)
-        if seq is None or seq.finalized:
+        if seq is None or seq.finished:
             return False
         self.loop.abort(seq)
         return True
@@ -281,7 +281,7 @@ class Engine(SkillMethods):
         return {
             "kv_pages_free": pool.num_free,
             "kv_pages_total": pool.total,
-            "running": sum(not s.finalized for s in planner.running),
+            "running": sum(not s.finished for s in planner.running),
             "waiting": planner.num_waiting,
             "failed_steps": self.loop.failed_steps,
             "steps": self.loop.num_steps,

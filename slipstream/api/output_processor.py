@@ -80,7 +80,7 @@ class OutputProcessor:
     """The API layer's OutputSink (slipstream/scheduler/output_sink.py) and its output stage."""
 
     def __init__(self, text_thread: bool = False) -> None:
-        self._finalize: Finish | None = None  # the EngineLoop's finish, bound by it
+        self._finish: Finish | None = None  # the EngineLoop's finish, bound by it
         # EngineConfig(output_stage="thread"): the text phase of each pass runs on this thread
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="slipstream-output") if text_thread else None
         self.faults = None  # tests only: a slipstream.faults.FaultInjector
@@ -96,7 +96,7 @@ class OutputProcessor:
         self.finish_observers: list = []
 
     def bind(self, finish: Finish) -> None:
-        self._finalize = finish
+        self._finish = finish
 
     # --- on the tick ----------------------------------------------------------------------------
 
@@ -139,10 +139,10 @@ class OutputProcessor:
 
     def _end(self, seq: Sequence, req: RequestState, reason: str, drops_text: bool = False) -> None:
         req.end_at, req.end_reason, req.end_drops_text = len(seq.output_ids), reason, drops_text
-        self._finalize(seq, reason)
+        self._finish(seq, reason)
 
     def abort(self, seq: Sequence) -> None:
-        if seq.finalized:
+        if seq.finished:
             return
         req: RequestState = seq.user
         req.seq = seq
@@ -161,9 +161,9 @@ class OutputProcessor:
         """Fail one request (its waiter raises `error`, a SlipstreamError); the batch goes on. A
         request the tick already ended (its output complete, the stage yet to deliver it) keeps it."""
         req: RequestState = seq.user
-        if req.closed or (seq.finalized and req.end_at is not None):
+        if req.closed or (seq.finished and req.end_at is not None):
             return
-        self._finalize(seq, "abort")
+        self._finish(seq, "abort")
         self._deliver_error(req, error)
 
     def _deliver_error(self, req: RequestState, error: BaseException) -> None:
@@ -279,7 +279,7 @@ class OutputProcessor:
             return
         seq = req.seq
         if o.error is not None:
-            self._finalize(seq, "abort")
+            self._finish(seq, "abort")
             self._deliver_error(req, o.error)
             return
         req.processed = o.end
@@ -288,7 +288,7 @@ class OutputProcessor:
             if o.reason is None:
                 self._emit(req, out[o.start:o.end], None)
             else:
-                self._finalize(seq, o.reason)  # (no-op if the tick or an abort ended it already)
+                self._finish(seq, o.reason)  # (no-op if the tick or an abort ended it already)
                 if len(out) > o.end:  # tokens committed after a stop string are not part of the output
                     del out[o.end:]
                     del req.logprobs[o.end:]
@@ -296,7 +296,7 @@ class OutputProcessor:
                     del req.metrics.token_times[o.end:]
                 self._close(seq, req, o.reason, out[o.start:o.end], flush=o.flush)
         except _RequestFailed as f:
-            self._finalize(seq, "abort")
+            self._finish(seq, "abort")
             self._deliver_error(req, f.error)
             return
         for observe in self.token_observers:

@@ -50,7 +50,7 @@ class Admission:
 
     def drop_waiting(self, seq: Sequence) -> None:
         """A waiting sequence finished (aborted): marked only; `_first_waiting` skips it. O(1)."""
-        seq.status = SeqStatus.FINISHED
+        seq.status = SeqStatus.RELEASED
         self.num_waiting -= 1
 
     def dismiss(self, seq: Sequence) -> None:

@@ -3,7 +3,7 @@
 Forward now, sample later: a row whose matcher's mask depends on the previous token can only be
 sampled after that token has been committed, so it is sampled in finalize; every other row —
 unconstrained, or constrained by a mask that does not depend on the previous token — is sampled
-right behind the forward at launch and never waits for the host. Zombie rows (finalized after
+right behind the forward at launch and never waits for the host. Zombie rows (finished after
 their step was planned) are never constrained: they get an all-ones row.
 """
 from __future__ import annotations
@@ -55,7 +55,7 @@ class Constraints:
         for k, i in enumerate(rows):
             seq = sampling_seqs[i]
             m = seq.matcher
-            if m is None or seq.finalized:
+            if m is None or seq.finished:
                 continue
             out[k] = 0
             try:

@@ -1,7 +1,7 @@
 """Choosing decode rows: which running sequences decode this step, and which have prompt left.
 
 Rules, enforced here:
-  * A sequence is planned only while admitted (holding a row), not finalized, not being
+  * A sequence is planned only while admitted (holding a row), not finished, not being
     preempted, and with fewer than `depth` steps in flight (so inflight_refs never exceeds the
     pipeline depth).
   * Decode rows come first, one token each, read on the device from the row tables: nothing is
@@ -35,7 +35,7 @@ def choose_decode_rows(running: list[Sequence], depth: int, max_rows: int, budge
     blocked = False
     running = list(running)  # (preemption removes victims from the running list)
     for i, seq in enumerate(running):
-        if seq.finalized or seq.preempting or seq.inflight_refs >= depth or seq.row is None:
+        if seq.finished or seq.preempting or seq.inflight_refs >= depth or seq.row is None:
             continue  # (a victim preempted earlier in this loop is already back in `waiting`)
         if not seq.decodes_on_device:
             if seq.num_unscheduled > 0:

@@ -257,7 +257,7 @@ class EngineLoop:
             "inflight_steps": [f"{s.step_id}:{s.kind}:{len(s.seqs)} seqs"
                                f":age={now - s.timings.get('t_launch', now):.3f}s"
                                for s in self.pipeline.inflight],
-            "sequences": [f"{q.request_id}:finalized={q.finalized}:inflight_refs={q.inflight_refs}"
+            "sequences": [f"{q.request_id}:finished={q.finished}:inflight_refs={q.inflight_refs}"
                           f":pending_samples={q.pending_samples}" for q in self.planner.running[:64]],
             "waiting": self.planner.num_waiting,
         }
@@ -274,5 +274,5 @@ class EngineLoop:
         seqs = list(self.planner.waiting) + list(self.planner.running)
         seqs += [seq for step in self.pipeline.inflight for seq in step.seqs]
         for seq in dict.fromkeys(seqs):
-            if not seq.finalized and seq.user is not None:
+            if not seq.finished and seq.user is not None:
                 self.outputs.fail(seq, error)

@@ -25,7 +25,7 @@ class OutputSink(Protocol):
         """Called once by the EngineLoop that owns the sink."""
 
     def accept(self, seq: Sequence, token: int, logprob: float = 0.0, top: dict[int, float] | None = None) -> None:
-        """A committed token of a live (not finalized) sequence; `top`: its top_logprobs alternatives
+        """A committed token of a live (not finished) sequence; `top`: its top_logprobs alternatives
         {token id: logprob}, most likely first, when the request asked for them."""
 
     def abort(self, seq: Sequence) -> None:

@@ -3,10 +3,10 @@
 Invariants, enforced here:
   * launch: every sequence in the step gets inflight_refs += 1 (never above the depth).
   * commit of a step happens in launch order, exactly once.
-  * commit: inflight_refs -= 1 for every sequence of the step. A sequence already finalized when
+  * commit: inflight_refs -= 1 for every sequence of the step. A sequence already finished when
     its step commits is a zombie: the commit is skipped for it (no token appended, no state change).
-  * a finalized (or preempted) sequence's pages and row are released exactly once, at the first
-    moment its inflight_refs is 0: at finalize time if nothing is in flight, otherwise by the
+  * a finished (or preempted) sequence's pages and row are released exactly once, at the first
+    moment its inflight_refs is 0: at finish time if nothing is in flight, otherwise by the
     commit that drops the last reference.
   * a failed step is abandoned instead of committed (in launch order too): its sequences have
     all been failed first, so dropping its references releases them like zombies.
@@ -76,13 +76,13 @@ class Pipeline:
         for seq, token, logprob, alt in zip(step.decode, sampled, logprobs, alternatives):  # the hot loop
             seq.inflight_refs -= 1
             seq.pending_samples -= 1
-            if seq.finalized:
+            if seq.finished:
                 self.zombie_commits += 1
             else:
                 accept(seq, token, logprob, alt)
-                if check and not seq.finalized:
+                if check and not seq.finished:
                     seq.check()
-            if seq.finalized or seq.preempting:
+            if seq.finished or seq.preempting:
                 release(seq)
         at = d
         for seq, work in zip(step.chunk_seqs, step.chunks):
@@ -91,22 +91,22 @@ class Pipeline:
                 token, logprob = sampled[at], logprobs[at]
                 at += 1
                 seq.pending_samples -= 1
-                if seq.finalized:
+                if seq.finished:
                     self.zombie_commits += 1
                 else:
                     accept(seq, token, logprob, None if top is None else top.get(at - 1))
-            if not seq.finalized:  # a zombie's skipped token leaves its counts behind, by design
+            if not seq.finished:  # a zombie's skipped token leaves its counts behind, by design
                 seq.check()
             release(seq)
 
     def on_abandon(self, step: Step) -> None:
-        """Drop a failed step without tokens; every sequence in it must already be finalized."""
+        """Drop a failed step without tokens; every sequence in it must already be finished."""
         if not self.inflight or self.inflight[0] is not step:
             raise PipelineInvariantError(f"step {step.step_id} abandoned out of launch order")
         self.inflight.popleft()
         samples = [1] * len(step.decode) + [int(w.sample) for w in step.chunks]
         for seq, sample in zip(step.seqs, samples):
-            if not seq.finalized:
+            if not seq.finished:
                 raise PipelineInvariantError(f"{seq.request_id}: its step {step.step_id} was abandoned "
                                              "but the request was not failed")
             seq.inflight_refs -= 1
@@ -115,9 +115,9 @@ class Pipeline:
 
     def finish(self, seq: Sequence, reason: str) -> bool:
         """Mark a sequence finished (first reason wins). Returns False if it already was."""
-        if seq.finalized:
+        if seq.finished:
             return False
-        seq.finalized, seq.finish_reason = True, reason
+        seq.finished, seq.finish_reason = True, reason
         for observe in self.finish_observers:
             observe(seq, reason)
         if seq.status is SeqStatus.WAITING:
@@ -127,6 +127,6 @@ class Pipeline:
         return True
 
     def maybe_release(self, seq: Sequence) -> None:
-        if seq.inflight_refs == 0 and seq.row is not None and (seq.finalized or seq.preempting):
+        if seq.inflight_refs == 0 and seq.row is not None and (seq.finished or seq.preempting):
             self.planner.release(seq)
             self.released += 1

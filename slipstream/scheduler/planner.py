@@ -101,4 +101,4 @@ class Planner:
         return self.preemption.pages_pending_release()
 
     def has_work(self) -> bool:
-        return self.num_waiting > 0 or any(not s.finalized for s in self.running)
+        return self.num_waiting > 0 or any(not s.finished for s in self.running)

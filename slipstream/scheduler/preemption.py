@@ -37,7 +37,7 @@ class Preemption:
     def pages_pending_release(self) -> int:
         """Pages that finished or preempted sequences still in flight return at their commits."""
         return sum(len(s.pages) for s in self.admission.running
-                   if (s.finalized or s.preempting) and s.inflight_refs > 0)
+                   if (s.finished or s.preempting) and s.inflight_refs > 0)
 
     def preempt(self, seq: Sequence) -> None:
         seq.preempting = True
@@ -52,8 +52,8 @@ class Preemption:
         self.pages.free(seq)
         self.admission.dismiss(seq)
         seq.carry_on_device = False
-        if seq.finalized:
-            seq.status = SeqStatus.FINISHED
+        if seq.finished:
+            seq.status = SeqStatus.RELEASED
         elif seq.preempting:  # recompute later from its known tokens, ahead of new arrivals
             seq.preempting = False
             seq.num_scheduled = 0

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 class SeqStatus(enum.Enum):
     WAITING = "waiting"  # not yet admitted, or preempted and waiting to be recomputed
     RUNNING = "running"
-    FINISHED = "finished"  # finalized and released
+    RELEASED = "released"  # finished (or aborted while waiting), its pages and row returned
 
 
 @dataclass(eq=False)
@@ -36,7 +36,7 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
     # pipeline state
-    finalized: bool = False  # hit EOS / stop / length / abort; its result has been emitted
+    finished: bool = False  # hit EOS / stop / length / abort; its result has been emitted
     finish_reason: str | None = None
     inflight_refs: int = 0  # launched steps referencing this sequence not yet committed (0..depth)
     num_scheduled: int = 0
@@ -80,7 +80,7 @@ class Sequence:
 
     @property
     def preemptible(self) -> bool:
-        return not self.finalized and not self.preempting and self.row is not None
+        return not self.finished and not self.preempting and self.row is not None
 
     def pages_needed(self, end_pos: int, page_size: int) -> int:
         """Pages it lacks to hold positions up to `end_pos` (0 or less: it has them)."""

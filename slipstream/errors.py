@@ -72,7 +72,7 @@ class StepTimeoutError(StepFailedError):
 
 
 class SlotReuseError(SlipstreamError, RuntimeError):
-    """A DecodeSlot was relaunched while the commit reading its host buffer was pending."""
+    """A StepSlot was relaunched while the commit reading its host buffer was pending."""
 
 
 class DeviceUnavailableError(SlipstreamError, RuntimeError):

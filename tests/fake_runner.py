@@ -19,7 +19,7 @@ import asyncio
 import inspect
 import random
 
-from slipstream.runtime.decode_slot import SlotState
+from slipstream.runtime.step_slot import SlotState
 from slipstream.runtime.runner_api import SampledTokens
 from slipstream.scheduler.page_pool import PagePool
 

@@ -23,7 +23,7 @@ from slipstream.errors import (
 )
 from slipstream.faults import FaultInjector, InjectedFault, install
 from slipstream.runtime.cpu_device import CPUDevice
-from slipstream.runtime.decode_slot import DecodeSlot
+from slipstream.runtime.step_slot import StepSlot
 
 
 def cfg(depth, **kw):
@@ -170,7 +170,7 @@ def test_stream_wait_carries_the_error_across_streams():
 def test_slot_rejects_tokens_stamped_by_another_step():
     dev = CPUDevice()
     try:
-        slot = DecodeSlot(0, dev, max_samples=4, vocab_size=32)
+        slot = StepSlot(0, dev, max_samples=4, vocab_size=32)
         slot.acquire(7)
         slot.num_samples = 2
         slot.sampled[:2] = torch.tensor([3, 4])

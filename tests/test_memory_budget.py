@@ -13,7 +13,7 @@ from test_mixed_graphs import needs_triton
 from slipstream import Engine, EngineConfig, SamplingParams
 from slipstream.errors import InvalidRequestError
 from slipstream.runtime import cuda_graphs
-from slipstream.runtime.decode_slot import DecodeSlot
+from slipstream.runtime.step_slot import StepSlot
 from slipstream.runtime.memory import SAMPLING_BYTES_PER_LOGIT, engine_reserve, kv_pages_for_memory
 from slipstream.runtime.row_tables import HistoryTables
 
@@ -69,7 +69,7 @@ def test_slot_buffers_and_history_tables_are_what_the_reserve_predicts():
     device = types.SimpleNamespace(torch_device=torch.device("cpu"), unified_memory=False,
                                    host_buffer=lambda shape, dtype: torch.empty(shape, dtype=dtype))
     rows = cfg.max_batch_size + 1  # what the runner allocates (row 0 is the scratch row)
-    slot = DecodeSlot(0, device, rows, mcfg.vocab_size)
+    slot = StepSlot(0, device, rows, mcfg.vocab_size)
     on_device = _nbytes(slot.sampled_and_stamp, slot.logprobs, slot.top_values, slot.top_ids, slot.group_dev,
                         slot.mask_dev)
     assert r.slot_buffers == cfg.pipeline_depth * on_device

@@ -21,7 +21,7 @@ from slipstream.models.llama import KVCache
 from slipstream.runtime.batch import SamplingRow, SeqWork, pack_step
 from slipstream.runtime.buckets import token_buckets
 from slipstream.runtime.cpu_device import CPUDevice
-from slipstream.runtime.decode_slot import DecodeSlot
+from slipstream.runtime.step_slot import StepSlot
 from slipstream.runtime.graphs import MIXED, GraphCache
 from slipstream.runtime.model_runner import ModelRunner
 from slipstream.runtime.staging import StepArena
@@ -308,10 +308,10 @@ def test_engine_with_stand_in_graphs_of_both_kinds_gives_the_eager_tokens(monkey
                         if e["event"] == "cuda_graph_warmup"]
                 assert warm == [("mixed", 32)] * 2 + [("mixed", 16)] * 2 + [
                     (kind, b) for kind in ("decode", "greedy") for b in (4, 4, 2, 2, 1, 1)]
-            stage_group = DecodeSlot.stage_group
-            monkeypatch.setattr(DecodeSlot, "stage_group", lambda *a: staged.append(1) or stage_group(*a))
+            stage_group = StepSlot.stage_group
+            monkeypatch.setattr(StepSlot, "stage_group", lambda *a: staged.append(1) or stage_group(*a))
             outs = await asyncio.gather(*(engine.complete(p, sp) for p, sp in zip(prompts, params)))
-            monkeypatch.setattr(DecodeSlot, "stage_group", stage_group)
+            monkeypatch.setattr(StepSlot, "stage_group", stage_group)
             return [(o.token_ids, o.logprobs) for o in outs], runner.mixed_graphs, engine.loop.num_steps
 
     staged = []

@@ -1,7 +1,7 @@
 """Host-only cost per step: the real engine driven by a model whose forward takes no time.
 
 Everything on the host path is the real code — Engine API, Planner, EngineLoop (plan / launch /
-commit / finalize), pack_step, the ModelRunner's StepArena fill and DecodeSlot staging, sampling
+commit / finalize), pack_step, the ModelRunner's StepArena fill and StepSlot staging, sampling
 launch, the OutputProcessor (detokenise, stop checks, stream delivery), the CPU device's stream
 threads and events. Only the model is replaced: `NullModel` has LlamaForCausalLM's call signature
 and returns a view of a preallocated logits tensor, so the "device" work of a step is a few tiny

@@ -3,7 +3,7 @@
 Runs the bench workload once per depth with tracing on, picks `--steps` consecutive steady-state
 decode steps from the middle of each run, and draws one panel per depth: host lanes (plan,
 launch, finalize, commit; the wait for the copy event is hatched) above device lanes (forward,
-sample, copy). Bars are coloured by DecodeSlot (ping-pong A/B); red marks time when no device
+sample, copy). Bars are coloured by StepSlot (ping-pong A/B); red marks time when no device
 stream runs (the bubble). Both panels share one time axis, so the shorter pipelined window shows.
 """
 from __future__ import annotations

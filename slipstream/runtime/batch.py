@@ -29,7 +29,7 @@ from slipstream.intmath import round_up
 # row 0, whose page-table row stays all zeros, so they write their K/V to the scratch page.
 SCRATCH_PAGE = 0
 SCRATCH_ROW = 0
-MAX_TOP_LOGPROBS = 20  # the most top_logprobs a request may ask for (as OpenAI); DecodeSlot's buffer width
+MAX_TOP_LOGPROBS = 20  # the most top_logprobs a request may ask for (as OpenAI); StepSlot's buffer width
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,7 @@ class RuntimeReserve:
     eager_logits: int  # the logits of eager steps, one per slot in flight: [S, V] fp32 (+ model dtype)
     sampling: int  # one sampling group of S rows (SAMPLING_BYTES_PER_LOGIT)
     history: int  # HistoryTables: R x V int32 + 2 bool (penalties, min_tokens)
-    slot_buffers: int  # DecodeSlot device buffers: sampled ids, logprobs, top_logprobs, groups, masks
+    slot_buffers: int  # StepSlot device buffers: sampled ids, logprobs, top_logprobs, groups, masks
 
     @property
     def total(self) -> int:
@@ -75,7 +75,7 @@ def runtime_reserve(config, vocab_size: int, hidden_size: int, intermediate_size
     profiled forward. `config`: the EngineConfig (max_batch_size, pipeline_depth, cuda_graphs,
     mixed_graphs); the bucket lists as the graph caches build them (empty: no such graphs)."""
     from slipstream.runtime.batch import MAX_TOP_LOGPROBS
-    from slipstream.runtime.decode_slot import MAX_GROUPS
+    from slipstream.runtime.step_slot import MAX_GROUPS
 
     V, S, slots = vocab_size, config.max_batch_size + 1, config.pipeline_depth  # S: the runner's rows
     model_logits = 0 if dtype == torch.float32 else dtype.itemsize  # the lm_head's output before .float()

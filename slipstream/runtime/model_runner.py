@@ -1,6 +1,6 @@
 """Runs steps on a device: forward on the compute stream, sampling after it, D2H on the copy stream.
 
-The runner knows nothing about requests. It owns the model, the KV cache, the DecodeSlots and the
+The runner knows nothing about requests. It owns the model, the KV cache, the StepSlots and the
 persistent batch: per-row device tables indexed by the row a sequence holds for its whole life —
 runtime/row_tables.py (RowTables: each row's newest sampled token, next position, KV page-table
 row, and sampling parameters with the index of its next output token). A step arrives as a
@@ -38,7 +38,7 @@ from slipstream.intmath import round_up
 from slipstream.models.attention import AttentionMetadata, DeviceAttentionMetadata
 from slipstream.models.llama import ForwardBatch, KVCache, LlamaForCausalLM
 from slipstream.runtime.batch import ForwardInput
-from slipstream.runtime.decode_slot import DecodeSlot, SlotState
+from slipstream.runtime.step_slot import StepSlot, SlotState
 from slipstream.runtime.graphs import GraphCache
 from slipstream.runtime.row_tables import RowTables
 from slipstream.runtime.runner_api import SampledTokens
@@ -72,7 +72,7 @@ class ModelRunner:
         self.row_multiple = row_multiple  # pad steps so CPU matmul rows do not depend on batch size
         self.rows = RowTables(max_rows, max_pages, model.config.vocab_size, device.torch_device)
         self.token_table = self.rows.token  # (tests read it by this name)
-        self.slots = [DecodeSlot(i, device, max_rows, model.config.vocab_size) for i in range(num_slots)]
+        self.slots = [StepSlot(i, device, max_rows, model.config.vocab_size) for i in range(num_slots)]
         max_tokens = round_up(max(max_tokens, max_rows), row_multiple)
         self.arenas = [StepArena(device, max_tokens, max_rows, max_pages) for _ in range(num_slots)]
         self.vocab_size = model.config.vocab_size
@@ -126,7 +126,7 @@ class ModelRunner:
                              sample_indices=t.sample_indices, attn=meta)
         return self.model(batch, self.kv)  # a non-final prefill chunk samples nothing but fills KV
 
-    def forward_greedy(self, t: StepTensors, slot: DecodeSlot) -> torch.Tensor:
+    def forward_greedy(self, t: StepTensors, slot: StepSlot) -> torch.Tensor:
         """forward_from plus the sampling of a decode step whose rows are all plain greedy (no
         temperature, logprobs, penalties, min_p/min_tokens, grammar mask): argmax, the token
         table, the output indices and the slot's sampled ids — what a greedy decode graph
@@ -140,7 +140,7 @@ class ModelRunner:
         slot.sampled[:ids.shape[0]].copy_(ids)
         return ids
 
-    def launch_forward(self, slot: DecodeSlot, step_id: int, packed: ForwardInput, unmasked: bool = False) -> None:
+    def launch_forward(self, slot: StepSlot, step_id: int, packed: ForwardInput, unmasked: bool = False) -> None:
         """Enqueue the forward of one step into `slot`; returns at once. `unmasked`: no sampling
         group of this step will carry a grammar mask, so a decode step whose rows are all plain
         greedy may replay the graph that samples too (launch_sampling then only stamps it)."""
@@ -162,7 +162,7 @@ class ModelRunner:
             slot.sampled_in_graph = graphed.samples
             self._launch_graph(step_id, slot, packed, updates, graphed)
 
-    def _choose_graph(self, slot: DecodeSlot, packed: ForwardInput, unmasked: bool) -> _Graphed | None:
+    def _choose_graph(self, slot: StepSlot, packed: ForwardInput, unmasked: bool) -> _Graphed | None:
         """The graph this step replays, capturing it on first use; None: the step runs eagerly."""
         if self._graphable(packed):
             assert self.graphs is not None
@@ -181,7 +181,7 @@ class ModelRunner:
                 return _Graphed(self.mixed_graphs, hit[0], hit[1], mixed=True, samples=False)
         return None
 
-    def _launch_graph(self, step_id: int, slot: DecodeSlot, packed: ForwardInput, updates: RowUpdates,
+    def _launch_graph(self, step_id: int, slot: StepSlot, packed: ForwardInput, updates: RowUpdates,
                       graphed: _Graphed) -> None:
         self._check_other_slots_sampled(slot)
         graphed.cache.replays[slot.index, graphed.bucket] += 1
@@ -195,7 +195,7 @@ class ModelRunner:
 
         self.device.compute.launch(forward, "forward")
 
-    def _launch_eager(self, step_id: int, slot: DecodeSlot, packed: ForwardInput, updates: RowUpdates,
+    def _launch_eager(self, step_id: int, slot: StepSlot, packed: ForwardInput, updates: RowUpdates,
                       tensors: StepTensors) -> None:
         rows, host_attention = self.rows, self.device.unified_memory
 
@@ -210,12 +210,12 @@ class ModelRunner:
         if self._faults is not None:
             self._faults.check("forward", step_id)
 
-    def launch_sampling(self, slot: DecodeSlot, packed: ForwardInput, rows: list[int] | None = None,
+    def launch_sampling(self, slot: StepSlot, packed: ForwardInput, rows: list[int] | None = None,
                         bitmask: np.ndarray | None = None, final: bool = True) -> None:
         """Enqueue sampling of some of the step's rows (SamplingLauncher.launch documents the arguments)."""
         self.sampler.launch(slot, packed, rows, bitmask, final)
 
-    def _check_other_slots_sampled(self, slot: DecodeSlot) -> None:
+    def _check_other_slots_sampled(self, slot: StepSlot) -> None:
         """All graphs share one memory pool: a replay may overwrite memory that holds another
         graph's logits. Safe because a step's sampling is all enqueued (the tick finalizes it)
         before the next step is launched, so stream order runs it before this replay."""
@@ -224,7 +224,7 @@ class ModelRunner:
                 raise PipelineInvariantError(f"step {slot.step_id} replays a graph while step {other.step_id}'s "
                                              "sampling is not launched: the replay could overwrite its logits")
 
-    def _mixed_graph(self, slot: DecodeSlot, packed: ForwardInput):
+    def _mixed_graph(self, slot: StepSlot, packed: ForwardInput):
         """The mixed graph of this step's token bucket, or None (eager). A capture that fails on first
         use turns mixed graphs off: eager prefill steps still work."""
         assert self.mixed_graphs is not None
@@ -247,10 +247,10 @@ class ModelRunner:
 
     # --- commit ---------------------------------------------------------------------------------
 
-    def is_done(self, slot: DecodeSlot) -> bool:
+    def is_done(self, slot: StepSlot) -> bool:
         return slot.copy_done is not None and slot.copy_done.query()
 
-    async def read_sampled(self, slot: DecodeSlot) -> SampledTokens:
+    async def read_sampled(self, slot: StepSlot) -> SampledTokens:
         """Await the step's copy event without blocking the loop, then read tokens and logprobs.
         Raises what launched work of the step (on any stream) raised."""
         if slot.copy_done is None:
@@ -275,7 +275,7 @@ class ModelRunner:
             except Exception:  # noqa: BLE001 - the failure being recovered from
                 pass
 
-    def recover(self, slots: list[DecodeSlot]) -> bool:
+    def recover(self, slots: list[StepSlot]) -> bool:
         """After drain: free the failed steps' slots and clear the device's sticky errors."""
         for slot in slots:
             slot.abandon()

@@ -1,6 +1,6 @@
 """The runner interface the engine loop is written against (torch-free, so the scheduler and the
 test fake can use it): a step's inputs are a `ForwardInput` (runtime/batch.py), its outputs a
-`SampledTokens`; each step runs in one of the runner's `slots` (a `Slot`: DecodeSlot on a device).
+`SampledTokens`; each step runs in one of the runner's `slots` (a `Slot`: StepSlot on a device).
 
 `ModelRunner` (runtime/model_runner.py) implements it on a real device; tests/fake_runner.py
 implements it without torch. tests/test_runner_api.py checks both against this Protocol.

@@ -14,7 +14,7 @@ import torch
 
 from slipstream.errors import PipelineInvariantError
 from slipstream.runtime.batch import ForwardInput
-from slipstream.runtime.decode_slot import DecodeSlot
+from slipstream.runtime.step_slot import StepSlot
 from slipstream.runtime.device import Device
 from slipstream.runtime.host_copy import copy_to_device, copy_to_host
 from slipstream.runtime.logits_process import top_logprobs
@@ -33,7 +33,7 @@ class SamplingLauncher:
         self.device, self.rows = device, rows
         self.faults: FaultInjector | None = None  # tests only (set through ModelRunner.faults)
 
-    def launch(self, slot: DecodeSlot, packed: ForwardInput, rows: list[int] | None = None,
+    def launch(self, slot: StepSlot, packed: ForwardInput, rows: list[int] | None = None,
                bitmask: np.ndarray | None = None, final: bool = True) -> None:
         """Enqueue sampling of some of the step's sampling rows; with `final`, also the D2H copy.
 
@@ -60,7 +60,7 @@ class SamplingLauncher:
         if self.faults is not None:
             self.faults.check("sample", step_id)
 
-    def _launch_stamp(self, slot: DecodeSlot) -> None:
+    def _launch_stamp(self, slot: StepSlot) -> None:
         step_id = slot.step_id
 
         def stamp() -> None:
@@ -69,7 +69,7 @@ class SamplingLauncher:
 
         self.device.compute.launch(stamp, "sample")
 
-    def _launch_group(self, slot: DecodeSlot, packed: ForwardInput, rows: list[int] | None,
+    def _launch_group(self, slot: StepSlot, packed: ForwardInput, rows: list[int] | None,
                       bitmask: np.ndarray | None, final: bool) -> None:
         host_rows = packed.sample_rows if rows is None else packed.sample_rows[rows]
         needs = self.rows.sampling.needs(host_rows)
@@ -88,7 +88,7 @@ class SamplingLauncher:
 
         self.device.compute.launch(sample, "sample")
 
-    def _sample_group(self, slot: DecodeSlot, sample_rows: torch.Tensor, g: int, k: int, needs: GroupNeeds,
+    def _sample_group(self, slot: StepSlot, sample_rows: torch.Tensor, g: int, k: int, needs: GroupNeeds,
                       masked: bool) -> None:
         """On the compute stream: group `g` of `k` sampling rows, from the slot's logits to its tokens."""
         t = self.rows
@@ -112,7 +112,7 @@ class SamplingLauncher:
                 slot.top_values[idx, :needs.top_logprobs] = values
                 slot.top_ids[idx, :needs.top_logprobs] = top_ids
 
-    def _launch_copy(self, slot: DecodeSlot, n: int) -> None:
+    def _launch_copy(self, slot: StepSlot, n: int) -> None:
         compute, copy = self.device.compute, self.device.copy
         slot.sample_done = done = compute.record()
         copy.wait(done)  # the copy waits for exactly this step's outputs
@@ -129,7 +129,7 @@ class SamplingLauncher:
         copy.launch(copy_out, "d2h")
         slot.copy_done = copy.record()
 
-    def _upload_group(self, slot: DecodeSlot, g: int, k: int, masked: bool) -> None:
+    def _upload_group(self, slot: StepSlot, g: int, k: int, masked: bool) -> None:
         if self.device.unified_memory:
             return
         upload = self.device.upload

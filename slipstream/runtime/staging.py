@@ -11,7 +11,7 @@ plus a small float32 arena for parameters) and one host→device copy of the use
   - a step replayed by a mixed graph also fills the fixed-shape regions of its token bucket
     (slipstream/runtime/static_step.py), which sit after the rest and travel as a second copy.
 For a step of N decoding rows the host writes N row ids and N+1 query offsets (numpy slices, no
-Python per row). The arena belongs to its DecodeSlot, so it is rewritten only after the slot's
+Python per row). The arena belongs to its StepSlot, so it is rewritten only after the slot's
 previous step was committed — by then that step's forward has long consumed its upload.
 Private to the ModelRunner: the scheduler hands it a ForwardInput and never sees these types.
 """

@@ -1,7 +1,7 @@
 """The tick: plan → launch → commit → finalize, on one asyncio loop, at depth 1 or 2.
 
   plan      choose the next batch (Planner) — only sequences with < depth steps in flight
-  launch    enqueue its forward into a free DecodeSlot; decode inputs are read on the device
+  launch    enqueue its forward into a free StepSlot; decode inputs are read on the device
   commit    await the oldest finalized step's copy event, apply its tokens (zombies skipped),
             end what token ids decide, release slots and pages; text, stop strings and stream
             deltas are the output sink's stage, beside the tick (OutputSink.run_stage)
@@ -161,7 +161,7 @@ class EngineLoop:
     def launch(self, step: Step) -> Step:
         slot = next((s for s in self.runner.slots if s.is_free), None)
         if slot is None:
-            raise PipelineInvariantError("no free DecodeSlot although fewer than depth steps are in flight")
+            raise PipelineInvariantError("no free StepSlot although fewer than depth steps are in flight")
         packed = self._pack(step)
         step.launched(self.num_steps, packed, slot)
         self.num_steps += 1

@@ -20,7 +20,7 @@ class Step:
     # launched (EngineLoop.launch sets them through `launched`; reading one earlier raises)
     step_id: int = field(init=False, repr=False)
     packed: ForwardInput = field(init=False, repr=False)
-    slot: Slot = field(init=False, repr=False)  # the runner's DecodeSlot it runs in
+    slot: Slot = field(init=False, repr=False)  # the runner's StepSlot it runs in
     late_rows: list[int] = field(default_factory=list)  # sampling rows whose mask needs commit t-1
     timings: dict[str, float] = field(default_factory=dict)
 

@@ -1,4 +1,5 @@
-"""DecodeSlot: the buffers one in-flight step owns, allocated once and reused (ping-pong).
+"""StepSlot: the buffers one in-flight step (decode rows, prompt chunks or both) owns, allocated
+once and reused (ping-pong). The brief calls it DecodeSlot.
 
 Lifecycle, enforced here: FREE --acquire (launch)--> IN_FLIGHT --release (after the commit has
 read the host landing buffer)--> FREE. A slot is not free when the device is done with it, only
@@ -35,7 +36,7 @@ class SlotState(enum.Enum):
     IN_FLIGHT = "in_flight"
 
 
-class DecodeSlot:
+class StepSlot:
     def __init__(self, index: int, device, max_samples: int, vocab_size: int):
         self.index = index
         self.state = SlotState.FREE

@@ -4,7 +4,7 @@ It is at least as asynchronous as the real device: launched work goes into FIFO 
 tasks) that run each item after a random number of loop passes; the copy stream really waits on
 the compute stream's event; the forward reads its inputs (carry-over tokens, KV) when it runs, not
 when it is launched. Its "model" is a pure function of the context tokens, read back from a fake
-paged KV store written through the step's slot mapping — so a page released too early, reused while
+paged KV store written at the step's KV indices — so a page released too early, reused while
 in flight, or fed the wrong carry-over token changes the output and the test sees it.
 
 Structural check (`Referee`): a KV page or a carry-over row must never be handed out while a
@@ -139,7 +139,7 @@ class FakeRunner:
     def __init__(self, page_size: int, seed: int = 0, max_delay: int = 3):
         self.page_size = page_size
         self.slots = [FakeSlot(0), FakeSlot(1)]
-        self.kv: dict[int, int] = {}  # flat slot -> token
+        self.kv: dict[int, int] = {}  # KV index -> token
         self.table: dict[int, int] = {}  # carry-over row -> token
         self.dev_pages: dict[int, list[int]] = {}  # row -> page-table row, as the "device" has it
         self.dev_pos: dict[int, int] = {}  # row -> next position, as the "device" has it
@@ -192,15 +192,15 @@ class FakeRunner:
                 tokens_at += [(row, start + i, t) for i, t in enumerate(tokens)]
                 self.dev_pos[row] = start + len(tokens)
             for row, pos, tok in tokens_at:
-                self.kv[self._slot(row, pos)] = tok
+                self.kv[self._kv_index(row, pos)] = tok
             sampling = [(r, self.dev_pos[r]) for r in dec] + [(row, start + len(tokens))
                                                               for row, tokens, start, sample in chunks if sample]
-            slot.contexts = [[self.kv[self._slot(r, p)] for p in range(kv)] for r, kv in sampling]
+            slot.contexts = [[self.kv[self._kv_index(r, p)] for p in range(kv)] for r, kv in sampling]
 
         slot.sample_rows = [int(r) for r in packed.sample_rows]
         self.streams[0].launch(forward)
 
-    def _slot(self, row: int, pos: int) -> int:
+    def _kv_index(self, row: int, pos: int) -> int:
         return self.dev_pages[row][pos // self.page_size] * self.page_size + pos % self.page_size
 
     @staticmethod

@@ -78,20 +78,20 @@ def test_rotary_kv_matches_reference_on_fused_qkv_views(device, dtype, tokens, h
         return q.view(tokens, heads, d), k.view(tokens, kv_heads, d), v.view(tokens, kv_heads, d)
 
     positions = torch.randint(0, 1024, (tokens,), generator=g).to(device)
-    slot_mapping = torch.randperm(slots, generator=g)[:tokens].to(device)
+    kv_indices = torch.randperm(slots, generator=g)[:tokens].to(device)
     caches = [torch.full((slots, kv_heads, d), SENTINEL, dtype=dtype, device=device) for _ in range(4)]
     ref_qkv = qkv.clone()
-    rotary_kv_reference(*split(ref_qkv), positions, rope.cos, rope.sin, caches[0], caches[1], slot_mapping)
+    rotary_kv_reference(*split(ref_qkv), positions, rope.cos, rope.sin, caches[0], caches[1], kv_indices)
     q, k, v = split(qkv)
     assert tokens == 1 or k.stride(0) == qkv.stride(0)  # strided views into the fused output
     k_before, v_before = k.clone(), v.clone()
-    rotary_kv_triton(q, k, v, positions, rope.cos, rope.sin, caches[2], caches[3], slot_mapping)
+    rotary_kv_triton(q, k, v, positions, rope.cos, rope.sin, caches[2], caches[3], kv_indices)
     _close(q, split(ref_qkv)[0], dtype)  # q rotated in place
     assert k.equal(k_before) and v.equal(v_before)  # the sources are only read
-    _close(caches[2], caches[0], dtype)  # rotated k, and only at the tokens' slots
+    _close(caches[2], caches[0], dtype)  # rotated k, and only at the tokens' KV indices
     assert caches[3].equal(caches[1])  # v copied bit for bit
     untouched = torch.ones(slots, dtype=torch.bool, device=device)
-    untouched[slot_mapping] = False
+    untouched[kv_indices] = False
     assert (caches[2][untouched] == SENTINEL).all() and (caches[3][untouched] == SENTINEL).all()
 
 

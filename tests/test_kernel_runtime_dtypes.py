@@ -122,12 +122,12 @@ def test_rotary_kv_with_tables_in_the_model_dtype_matches_reference(device, dtyp
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(tokens, h, d, generator=g).to(device=device, dtype=dtype) for h in (heads, kv_heads, kv_heads))
     positions = torch.tensor([0, 7, 100, 1023, 4095], device=device)
-    slot_mapping = torch.tensor([3, 0, 15, 8, 9], device=device)
+    kv_indices = torch.tensor([3, 0, 15, 8, 9], device=device)
     caches = [torch.zeros(slots, kv_heads, d, dtype=dtype, device=device) for _ in range(4)]
     want_q = q.clone()
     rotary_kv_triton.rotary_kv_reference(want_q, k, v, positions, rope.cos, rope.sin, caches[0], caches[1],
-                                         slot_mapping)
-    rotary_kv_triton.rotary_kv_triton(q, k, v, positions, rope.cos, rope.sin, caches[2], caches[3], slot_mapping)
+                                         kv_indices)
+    rotary_kv_triton.rotary_kv_triton(q, k, v, positions, rope.cos, rope.sin, caches[2], caches[3], kv_indices)
     # one rounding of the output where the reference rounds the two products too
     tol = dict(rtol=1.6e-2, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=2e-3, atol=2e-3)
     torch.testing.assert_close(q.float(), want_q.float(), **tol)

@@ -87,7 +87,7 @@ def cases(cfg, dtype):
                dict(num_warps=4 if block <= 2048 else 8))
     strides = ("stride_qt stride_qh stride_kt stride_kh stride_vt stride_vh stride_kct stride_kch stride_vct "
                "stride_vch stride_c").split()
-    rot_sig = dict(Q=p, K=p, V=p, KC=p, VC=p, POS="*i64", SLOT="*i64", COS=p, SIN=p, **{s: i32 for s in strides})
+    rot_sig = dict(Q=p, K=p, V=p, KC=p, VC=p, POS="*i64", KV_INDICES="*i64", COS=p, SIN=p, **{s: i32 for s in strides})
     half = cfg.head_dim // 2
     yield (rotary_kv_triton._rotary_kv_kernel, rot_sig,
            dict(HEADS=cfg.num_heads, KV_HEADS=cfg.num_kv_heads, HALF=half, BLOCK=triton.next_power_of_2(half)),

@@ -12,7 +12,7 @@ produce identical greedy tokens). The GPU kernel is slipstream/models/attention_
 
 Without invariance (the default), a step whose sequences all decode one token runs as one batched
 SDPA call per layer over keys padded to the longest context (a mask hides the padding), and the
-slot indices of every sequence are built once per forward, not once per layer
+KV indices of every sequence are built once per forward, not once per layer
 (`AttentionMetadata.cpu_plan`).
 """
 from __future__ import annotations
@@ -47,26 +47,26 @@ class AttentionMetadata:
 class CPUAttentionPlan:
     """Index tensors of one forward, built once and used by every layer.
 
-    slots[s]: sequence s's KV slots in order. For an all-decode step (one query per sequence),
-    `padded` [S, max_kv] holds the same slots padded with the sequence's first slot, and `mask`
-    [S, 1, 1, max_kv] is False on the padding (None when every sequence has the same length). The
-    padding repeats a written slot because the pool is uninitialised: a masked key still enters
+    kv_indices[s]: sequence s's KV indices in order. For an all-decode step (one query per
+    sequence), `padded` [S, max_kv] holds the same indices padded with the sequence's first one, and
+    `mask` [S, 1, 1, max_kv] is False on the padding (None when every sequence has the same length).
+    The padding repeats a written KV index because the pool is uninitialised: a masked key still enters
     the kernel's arithmetic with weight 0, and 0 × NaN garbage would be NaN."""
 
-    slots: list[torch.Tensor]
+    kv_indices: list[torch.Tensor]
     padded: torch.Tensor | None = None
     mask: torch.Tensor | None = None
 
 
 def cpu_plan(meta: AttentionMetadata, device: torch.device, batched: bool) -> CPUAttentionPlan:
     if meta.cpu_plan is None:
-        slots = [gather_slots(meta.page_tables[s], meta.kv_lens[s], meta.page_size, device)
+        kv_indices = [gather_kv_indices(meta.page_tables[s], meta.kv_lens[s], meta.page_size, device)
                  for s in range(meta.num_seqs)]
-        plan = CPUAttentionPlan(slots)
+        plan = CPUAttentionPlan(kv_indices)
         if batched and meta.num_seqs > 1 and meta.query_start[-1] == meta.num_seqs:
             longest = max(meta.kv_lens)
             plan.padded = torch.empty(meta.num_seqs, longest, dtype=torch.long, device=device)
-            for s, idx in enumerate(slots):
+            for s, idx in enumerate(kv_indices):
                 plan.padded[s, : idx.numel()] = idx
                 plan.padded[s, idx.numel():] = idx[0]
             if min(meta.kv_lens) < longest:
@@ -91,13 +91,13 @@ class DeviceAttentionMetadata:
     blocks: torch.Tensor | None = None
 
 
-def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
-    """Scatter [T, kv_heads, head_dim] into the flat [slots, kv_heads, head_dim] cache."""
-    cache.index_copy_(0, slot_mapping, values)
+def write_kv(cache: torch.Tensor, kv_indices: torch.Tensor, values: torch.Tensor) -> None:
+    """Scatter [T, kv_heads, head_dim] into the flat [pages * page_size, kv_heads, head_dim] cache at `kv_indices`."""
+    cache.index_copy_(0, kv_indices, values)
 
 
-def gather_slots(pages, kv_len: int, page_size: int, device: torch.device) -> torch.Tensor:
-    """Flat KV slots of a sequence's first kv_len tokens; `pages` a list or a page-table tensor row."""
+def gather_kv_indices(pages, kv_len: int, page_size: int, device: torch.device) -> torch.Tensor:
+    """KV indices of a sequence's first kv_len tokens; `pages` a list or a page-table tensor row."""
     page_idx = torch.as_tensor(pages[: (kv_len + page_size - 1) // page_size], dtype=torch.long, device=device)
     offsets = torch.arange(page_size, dtype=torch.long, device=device)
     return (page_idx[:, None] * page_size + offsets).reshape(-1)[:kv_len]
@@ -105,7 +105,7 @@ def gather_slots(pages, kv_len: int, page_size: int, device: torch.device) -> to
 
 def paged_attention_reference(
     q: torch.Tensor,  # [T, heads, head_dim]
-    k_cache: torch.Tensor,  # [slots, kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [pages * page_size, kv_heads, head_dim]
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     out: torch.Tensor,  # [T, heads, head_dim]; rows of padding tokens are left untouched
@@ -119,9 +119,9 @@ def paged_attention_reference(
     for s in range(meta.num_seqs):
         q_lo, q_hi = meta.query_start[s], meta.query_start[s + 1]
         q_len, kv_len = q_hi - q_lo, meta.kv_lens[s]
-        slots = plan.slots[s]
-        k = k_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0).to(cd)  # [1, kv_heads, L, D]
-        v = v_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0).to(cd)
+        kv_indices = plan.kv_indices[s]
+        k = k_cache.index_select(0, kv_indices).transpose(0, 1).unsqueeze(0).to(cd)  # [1, kv_heads, L, D]
+        v = v_cache.index_select(0, kv_indices).transpose(0, 1).unsqueeze(0).to(cd)
         qs = q[q_lo:q_hi].transpose(0, 1).unsqueeze(0).to(cd)  # [1, heads, q_len, D]
         if q_len == 1:
             o = F.scaled_dot_product_attention(qs, k, v, enable_gqa=True)
@@ -139,7 +139,7 @@ def _decode_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     out: torch.Tensor) -> torch.Tensor:
     """One query per sequence, all sequences in one SDPA call over padded, masked keys."""
     n, longest = plan.padded.shape
-    flat = plan.padded.view(-1)  # index_select of flat slots: several times faster than advanced indexing here
+    flat = plan.padded.view(-1)  # index_select of KV indices: several times faster than advanced indexing here
     k = k_cache.index_select(0, flat).view(n, longest, *k_cache.shape[1:]).transpose(1, 2)  # [S, kv_heads, L, D]
     v = v_cache.index_select(0, flat).view(n, longest, *v_cache.shape[1:]).transpose(1, 2)
     o = F.scaled_dot_product_attention(q[:n].unsqueeze(2), k, v, attn_mask=plan.mask, enable_gqa=True)

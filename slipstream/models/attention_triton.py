@@ -7,9 +7,9 @@ so query i sits at position kv_len - q_len + i and attends causally to keys 0..t
 h // (heads // kv_heads) (GQA); scores are scaled by 1/sqrt(head_dim).
 
 Layout: q, out are [T, heads, head_dim]; k_cache, v_cache are one layer's flat
-[slots, kv_heads, head_dim] cache, where slot = page * page_size + offset and row s of page_table
+[N, kv_heads, head_dim] cache, where a key's KV index = page * page_size + offset and row s of page_table
 [S, P] lists sequence s's pages in order. One program handles BLOCK_M queries of one (sequence,
-head): it walks the context in blocks of BLOCK_N keys, resolving each key's slot through the page
+head): it walks the context in blocks of BLOCK_N keys, resolving each key's KV index through the page
 table, with an online (flash-attention) softmax accumulated in fp32, and stops at the causal limit
 of its query block.
 
@@ -86,9 +86,10 @@ if triton is not None:
                 offs_n = n0 + tl.arange(0, BLOCK_N)
                 n_mask = offs_n < hi
                 page = tl.load(PT + s * stride_pt + offs_n // page_size, mask=n_mask, other=0).to(tl.int64)
-                slot = page * page_size + offs_n % page_size
+                kv_index = page * page_size + offs_n % page_size
                 kv_mask = n_mask[:, None] & d_mask[None, :]
-                k = tl.load(K + slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+                k = tl.load(K + kv_index[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
+                            mask=kv_mask, other=0.0)
                 qk = tl.dot(q.to(DOT_DTYPE), tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION)
                 # scores in log2 units so exp2 can be used
                 qk = tl.where((offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :], qk * qk_scale, float("-inf"))
@@ -96,7 +97,8 @@ if triton is not None:
                 alpha = tl.math.exp2(m_i - m_new)
                 p = tl.math.exp2(qk - m_new[:, None])
                 l_i = l_i * alpha + tl.reduce(p, 1, SUM_COMBINE)
-                v = tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+                v = tl.load(V + kv_index[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
+                            mask=kv_mask, other=0.0)
                 pv = tl.dot(p.to(v.dtype).to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
                 acc = acc * alpha[:, None] + pv
                 m_i = m_new
@@ -115,7 +117,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     the [2, P] program table of `query_blocks` (then `max_q_len` is not used)."""
     require_triton("paged_attention_triton")
     if q.dim() != 3 or out.shape != q.shape or k_cache.dim() != 3 or v_cache.shape != k_cache.shape:
-        raise ValueError(f"expected q, out [T, heads, head_dim] and k/v caches [slots, kv_heads, head_dim]; got "
+        raise ValueError(f"expected q, out [T, heads, head_dim] and k/v caches [N, kv_heads, head_dim]; got "
                          f"q {tuple(q.shape)}, out {tuple(out.shape)}, k {tuple(k_cache.shape)}, "
                          f"v {tuple(v_cache.shape)}")
     if q.dtype not in _DTYPES or any(t.dtype != q.dtype for t in (k_cache, v_cache, out)):

@@ -1,7 +1,7 @@
 """A Llama-family decoder (Llama, Qwen2) written for a serving engine.
 
 One forward takes a flat batch of tokens from many sequences (prefill chunks and single decode
-tokens mixed), writes each token's K/V into a paged cache through a slot mapping, reads context
+tokens mixed), writes each token's K/V into a paged cache through its KV index, reads context
 through per-sequence page tables, and computes logits only for the rows that sample.
 Weights use Hugging Face Llama names so checkpoints and the transformers oracle line up.
 
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64; T may include trailing padding tokens
     positions: torch.Tensor  # [T] int64
-    slot_mapping: torch.Tensor  # [T] int64, flat KV slot written by each token (padding -> scratch page)
+    kv_indices: torch.Tensor  # [T] int64, the KV index each token writes (padding -> scratch page)
     sample_indices: torch.Tensor  # [N] int64, token rows whose logits are returned
     attn: AttentionMetadata
 
@@ -42,7 +42,7 @@ class KVCache:
 
     def __init__(self, config: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device):
         shape = (config.num_layers, num_pages * page_size, config.num_kv_heads, config.head_dim)
-        # Uninitialised: attention reads only slots a forward has written (kv_len), so nothing needs
+        # Uninitialised: attention reads only KV indices a forward has written (kv_len), so nothing needs
         # zeros; and on the CPU untouched pages of a large pool stay out of resident memory (the
         # page pool hands out low pages first and reuses freed ones, so the touched part stays small).
         self.k = torch.empty(shape, dtype=dtype, device=device)
@@ -87,8 +87,8 @@ class Attention(nn.Module):
                       self.k_proj(x).view(t, self.kv_heads, self.head_dim))
         v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
         k_cache, v_cache = kv.k[self.layer], kv.v[self.layer]
-        write_kv(k_cache, batch.slot_mapping, k)
-        write_kv(v_cache, batch.slot_mapping, v)
+        write_kv(k_cache, batch.kv_indices, k)
+        write_kv(v_cache, batch.kv_indices, v)
         out = torch.zeros_like(q)  # the reference leaves padding rows untouched: keep them finite
         paged_attention_reference(q, k_cache, v_cache, batch.attn, out, self.compute_dtype)
         return self.o_proj(out.view(t, self.heads * self.head_dim))

@@ -79,7 +79,7 @@ def project_qkv(attn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
 def attention(attn, x: torch.Tensor, batch, kv, rope) -> torch.Tensor:
     q, k, v = project_qkv(attn, x)
     k_cache, v_cache = kv.k[attn.layer], kv.v[attn.layer]
-    rotary_kv_triton(q, k, v, batch.positions, rope.cos, rope.sin, k_cache, v_cache, batch.slot_mapping)
+    rotary_kv_triton(q, k, v, batch.positions, rope.cos, rope.sin, k_cache, v_cache, batch.kv_indices)
     # No zero-fill. The kernel writes every query row of every sequence in query_start; rows past
     # query_start[S] (the padding tokens of a mixed graph's bucket) keep garbage, harmlessly: every
     # later op is row-independent (matmuls, norms, elementwise), their K/V land on the scratch page,

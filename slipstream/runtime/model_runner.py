@@ -100,8 +100,8 @@ class ModelRunner:
         if isinstance(t, StaticStepTensors):
             if host_attention:
                 raise ValueError("a static (graph-shaped) step needs the device attention backend")
-            ids, positions, slot_mapping, meta = static_inputs(self.rows, t, self.kv.page_size)
-            return self.model(ForwardBatch(input_ids=ids, positions=positions, slot_mapping=slot_mapping,
+            ids, positions, kv_indices, meta = static_inputs(self.rows, t, self.kv.page_size)
+            return self.model(ForwardBatch(input_ids=ids, positions=positions, kv_indices=kv_indices,
                                            sample_indices=t.sample_indices, attn=meta), self.kv)
         r, ps = self.rows, self.kv.page_size
         dec = t.decode_rows
@@ -109,7 +109,7 @@ class ModelRunner:
         ids = torch.cat([r.token[dec], t.chunk_ids])
         positions = torch.cat([dec_pos, t.chunk_pos])
         token_rows = torch.cat([dec, t.chunk_token_rows])
-        slot_mapping = r.kv_slots(token_rows, positions, ps)
+        kv_indices = r.kv_indices(token_rows, positions, ps)
         kv_lens = torch.cat([dec_pos + 1, t.chunk_ends])
         seq_rows = torch.cat([dec, t.chunk_rows])
         r.set_positions(seq_rows, kv_lens)  # each sequence's next position is its context length
@@ -122,7 +122,7 @@ class ModelRunner:
             page_table = r.pages[seq_rows]
             meta = AttentionMetadata([], [], [], ps)
         meta.on_device = DeviceAttentionMetadata(t.query_start, kv_lens, page_table, t.max_q_len)
-        batch = ForwardBatch(input_ids=ids, positions=positions, slot_mapping=slot_mapping,
+        batch = ForwardBatch(input_ids=ids, positions=positions, kv_indices=kv_indices,
                              sample_indices=t.sample_indices, attn=meta)
         return self.model(batch, self.kv)  # a non-final prefill chunk samples nothing but fills KV
 

@@ -55,8 +55,8 @@ class RowTables:
                 self.history = HistoryTables(self.max_rows, self.vocab_size, self.device)
             self.history.rebuild(rebuild)
 
-    def kv_slots(self, token_rows: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
-        """The flat KV slot each token writes: its row's page for the position, and the offset in it."""
+    def kv_indices(self, token_rows: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
+        """The KV index each token writes (its cache entry): its row's page for the position, and the offset in it."""
         return self.pages[token_rows, positions // page_size] * page_size + positions % page_size
 
     def set_positions(self, rows: torch.Tensor, positions: torch.Tensor) -> None:

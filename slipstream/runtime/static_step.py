@@ -18,7 +18,7 @@ Everything is written with vectorised numpy, no Python per row. Row-table writes
 (page entries, chunk parameters, history rebuilds) are applied before the replay from the step's
 unpadded layout, exactly as for decode graphs, so they need no padding here.
 
-Real rows compute what the eager forward computes: the same ids, positions, slots, context
+Real rows compute what the eager forward computes: the same ids, positions, KV indices, context
 lengths and query blocks; only the matmuls' row count differs (padding rows). Private to the ModelRunner.
 """
 from __future__ import annotations
@@ -107,14 +107,14 @@ def static_tensors(arena, tokens: int) -> StaticStepTensors:
 
 
 def static_inputs(rows, t: StaticStepTensors, page_size: int):
-    """(input ids, positions, slot mapping, attention metadata) of a static step, gathered on the
+    """(input ids, positions, KV indices, attention metadata) of a static step, gathered on the
     device from the row tables, which it advances (decode rows by one, chunks to their end)."""
     fed = t.token_fed != 0
     ids = torch.where(fed, rows.token[t.token_rows], t.token_ids)
     positions = torch.where(fed, rows.pos[t.token_rows], t.token_pos)
-    slot_mapping = rows.kv_slots(t.token_rows, positions, page_size)
+    kv_indices = rows.kv_indices(t.token_rows, positions, page_size)
     kv_lens = torch.where(t.seq_fed != 0, rows.pos[t.seq_rows] + 1, t.seq_ends)
     rows.set_positions(t.seq_rows, kv_lens)  # padding sequences write 0 to row 0
     meta = AttentionMetadata([], [], [], page_size)
     meta.on_device = DeviceAttentionMetadata(t.query_start, kv_lens, rows.pages[t.seq_rows], t.tokens, t.blocks)
-    return ids, positions, slot_mapping, meta
+    return ids, positions, kv_indices, meta

@@ -2,12 +2,12 @@
 
 It is at least as asynchronous as the real device: launched work goes into FIFO "streams" (asyncio
 tasks) that run each item after a random number of loop passes; the copy stream really waits on
-the compute stream's event; the forward reads its inputs (carry-over tokens, KV) when it runs, not
+the compute stream's event; the forward reads its inputs (rows' last tokens, KV) when it runs, not
 when it is launched. Its "model" is a pure function of the context tokens, read back from a fake
 paged KV store written at the step's KV indices — so a page released too early, reused while
-in flight, or fed the wrong carry-over token changes the output and the test sees it.
+in flight, or fed the wrong last token changes the output and the test sees it.
 
-Structural check (`Referee`): a KV page or a carry-over row must never be handed out while a
+Structural check (`Referee`): a KV page or a row must never be handed out while a
 launched, uncommitted step references it. The test installs the referee into the planner's page
 pool and free-row list; a violation raises at the hand-out, which kills the loop and fails the test.
 
@@ -140,7 +140,7 @@ class FakeRunner:
         self.page_size = page_size
         self.slots = [FakeSlot(0), FakeSlot(1)]
         self.kv: dict[int, int] = {}  # KV index -> token
-        self.table: dict[int, int] = {}  # carry-over row -> token
+        self.last_token: dict[int, int] = {}  # row -> its newest sampled token
         self.dev_pages: dict[int, list[int]] = {}  # row -> page-table row, as the "device" has it
         self.dev_pos: dict[int, int] = {}  # row -> next position, as the "device" has it
         self.launch_pages: dict[int, list[int]] = {}  # the same tables as launch order has them
@@ -186,7 +186,7 @@ class FakeRunner:
             tokens_at = []  # (row, position, token)
             for r in dec:
                 pos = self.dev_pos.get(r, 0)
-                tokens_at.append((r, pos, self.table[r]))
+                tokens_at.append((r, pos, self.last_token[r]))
                 self.dev_pos[r] = pos + 1
             for row, tokens, start, _ in chunks:
                 tokens_at += [(row, start + i, t) for i, t in enumerate(tokens)]
@@ -213,12 +213,12 @@ class FakeRunner:
         compute, copy = self.streams
         n = packed.num_samples
         rows = list(range(n)) if rows is None else list(rows)
-        carry = slot.sample_rows
+        table_rows = slot.sample_rows
 
         def sample() -> None:
             for i in rows:
                 tok = next_token(slot.contexts[i])
-                self.table[carry[i]] = tok
+                self.last_token[table_rows[i]] = tok
                 slot.sampled[i] = tok
 
         compute.launch(sample)

@@ -105,7 +105,7 @@ def test_graph_replay_equals_eager_forward():
             torch.manual_seed(0)
             kv.k.normal_()
             kv.v.normal_()
-            runner.token_table.random_(3, 500)
+            runner.rows.last_token.random_(3, 500)
             for n in (1, 3, 4, 9, 16):
                 rows = list(range(1, n + 1))
                 for i, r in enumerate(rows):  # row r: position 5 + 7i, pages 1 + 16i ...

@@ -219,8 +219,8 @@ def _run(runner, steps, hidden_states=True):
         logits.append((got, hidden[-1][:n].clone() if hidden_states else None))
         # stands in for sampling: the same tokens in every run, so runs compare step by step even
         # where near-ties could sample differently (bfloat16 on a GPU)
-        sampled = torch.from_numpy((packed.sample_rows * 7 + i) % 500 + 3).to(runner.rows.token.device)
-        runner.rows.token[sampled.new_tensor(packed.sample_rows)] = sampled
+        sampled = torch.from_numpy((packed.sample_rows * 7 + i) % 500 + 3).to(runner.rows.last_token.device)
+        runner.rows.last_token[sampled.new_tensor(packed.sample_rows)] = sampled
         runner.device.compute.record().synchronize()
         slot.release()
     return logits
@@ -228,7 +228,7 @@ def _run(runner, steps, hidden_states=True):
 
 def _tables(runner):
     r = runner.rows
-    return {"pos": r.pos, "pages": r.pages, "token": r.token, "params_int": r.sampling.ints,
+    return {"pos": r.pos, "pages": r.pages, "last_token": r.last_token, "params_int": r.sampling.ints,
             "params_float": r.sampling.floats}
 
 

@@ -60,7 +60,7 @@ def running_with_step_in_flight(n, num_pages):
     for i in range(n):
         s = seq(f"s{i}", PAGE, max_tokens=100)  # a full page of prompt: the next decode needs a page
         s.status, s.row, s.pages = SeqStatus.RUNNING, i + 1, pool.allocate(1)
-        s.num_scheduled, s.pending_samples, s.inflight_refs, s.carry_on_device = PAGE, 1, 1, True
+        s.num_scheduled, s.pending_samples, s.inflight_refs, s.last_token_on_device = PAGE, 1, 1, True
         planner.running.append(s)
         seqs.append(s)
     return planner, pipeline, seqs

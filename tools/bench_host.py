@@ -5,7 +5,7 @@ commit / finalize), pack_step, the ModelRunner's StepArena fill and StepSlot sta
 launch, the OutputProcessor (detokenise, stop checks, stream delivery), the CPU device's stream
 threads and events. Only the model is replaced: `NullModel` has LlamaForCausalLM's call signature
 and returns a view of a preallocated logits tensor, so the "device" work of a step is a few tiny
-tensor ops (the carry-over gather, an argmax over [N, 512], two small copies) that run on the CPU
+tensor ops (the last-token gather, an argmax over [N, 512], two small copies) that run on the CPU
 device's stream threads, beside the loop. What remains in the wall time per step is the host.
 
 Workload: N concurrent streams (8-token prompts, greedy, ignore_eos, L output tokens each) on one

@@ -102,7 +102,7 @@ async def profile_variant(args) -> None:
         kv, compute = runner.kv, runner.device.compute.stream
         kv.k.normal_()
         kv.v.normal_()
-        runner.token_table.random_(3, 1000)
+        runner.rows.last_token.random_(3, 1000)
         pages = -(-(args.context + 1) // kv.page_size)
         print(f"{args.model} ({args.dtype}) on {torch.cuda.get_device_name()}, context {args.context}, "
               f"torch {torch.__version__}\n")

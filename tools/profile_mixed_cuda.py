@@ -74,7 +74,7 @@ async def main_async(args) -> None:
         kv, compute = runner.kv, runner.device.compute.stream
         kv.k.normal_()
         kv.v.normal_()
-        runner.token_table.random_(3, 1000)
+        runner.rows.last_token.random_(3, 1000)
         rows = torch.arange(1, rows_needed + 1, device=kv.k.device)
         runner.rows.pages[1:rows_needed + 1, :per_row_pages] = (
             1 + per_row_pages * (rows[:, None] - 1) + torch.arange(per_row_pages, device=rows.device)[None, :])

@@ -57,7 +57,7 @@ class SamplingRow:
 
     @property
     def needs_history(self) -> bool:
-        """Its row needs the per-row token tables (counts, prompt and stop masks)."""
+        """Its row needs the history tables (token counts, prompt and stop masks)."""
         return self.penalized or self.min_tokens > 0
 
 
@@ -72,7 +72,7 @@ class SeqWork:
     output_index: int = 0  # index in the request's output of the next sampled token (seeds)
     sampling: SamplingRow = field(default_factory=SamplingRow)
     # (prompt ids, output ids so far) on a sequence's first chunk when its sampling needs the row's
-    # token tables (penalties, min_tokens): they are rebuilt from it (admission, or a recompute)
+    # history tables (penalties, min_tokens): they are rebuilt from it (admission, or a recompute)
     history: tuple[list[int], list[int]] | None = None
 
     @property

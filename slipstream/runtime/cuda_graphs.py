@@ -10,7 +10,7 @@ the arena, padding tokens on the scratch page, attention over a device block tab
 min(T, S) rows, of which the step samples its own.
 
 Greedy decode graph: the decode graph plus the sampling of a step whose rows are all plain greedy
-(ModelRunner.forward_greedy: argmax, token table, output indices, the slot's sampled ids), chosen
+(ModelRunner.forward_greedy: argmax, last-token table, output indices, the slot's sampled ids), chosen
 per step from the rows' flag mirrors when no grammar mask is live; its launch_sampling only stamps
 the step. Every other step samples eagerly after the replay (see model_runner.py).
 

@@ -71,7 +71,6 @@ class ModelRunner:
         self.model, self.kv, self.device = model, kv, device
         self.row_multiple = row_multiple  # pad steps so CPU matmul rows do not depend on batch size
         self.rows = RowTables(max_rows, max_pages, model.config.vocab_size, device.torch_device)
-        self.token_table = self.rows.token  # (tests read it by this name)
         self.slots = [StepSlot(i, device, max_rows, model.config.vocab_size) for i in range(num_slots)]
         max_tokens = round_up(max(max_tokens, max_rows), row_multiple)
         self.arenas = [StepArena(device, max_tokens, max_rows, max_pages) for _ in range(num_slots)]
@@ -106,7 +105,7 @@ class ModelRunner:
         r, ps = self.rows, self.kv.page_size
         dec = t.decode_rows
         dec_pos = r.pos[dec]
-        ids = torch.cat([r.token[dec], t.chunk_ids])
+        ids = torch.cat([r.last_token[dec], t.chunk_ids])
         positions = torch.cat([dec_pos, t.chunk_pos])
         token_rows = torch.cat([dec, t.chunk_token_rows])
         kv_indices = r.kv_indices(token_rows, positions, ps)
@@ -128,15 +127,15 @@ class ModelRunner:
 
     def forward_greedy(self, t: StepTensors, slot: StepSlot) -> torch.Tensor:
         """forward_from plus the sampling of a decode step whose rows are all plain greedy (no
-        temperature, logprobs, penalties, min_p/min_tokens, grammar mask): argmax, the token
+        temperature, logprobs, penalties, min_p/min_tokens, grammar mask): argmax, the last-token
         table, the output indices and the slot's sampled ids — what a greedy decode graph
         captures, so such a step launches no sampling kernels. Padding rows (row 0) write row 0.
         Returns the ids: a graph holding them keeps no [bucket, vocab] logits alive."""
         ids = self.forward_from(t).argmax(dim=-1)
-        r, carry = self.rows, t.sample_rows
+        r, rows = self.rows, t.sample_rows
         out_index = r.sampling.output_index
-        out_index.index_copy_(0, carry, out_index.index_select(0, carry) + 1)
-        r.token.index_copy_(0, carry, ids)
+        out_index.index_copy_(0, rows, out_index.index_select(0, rows) + 1)
+        r.last_token.index_copy_(0, rows, ids)
         slot.sampled[:ids.shape[0]].copy_(ids)
         return ids
 

@@ -1,7 +1,8 @@
 """The persistent batch's per-row device state, indexed by the row a sequence holds for its life.
 
 `RowTables` (always there):
-  token[row]      the row's newest sampled token (sampling scatters it; the next forward gathers it)
+  last_token[row] the row's newest sampled token (sampling scatters it; the next forward gathers it):
+                  the last-token table
   pos[row]        the position of its next input token (advanced on the device by every step)
   pages[row]      its KV page-table row (entries written as the host hands pages out)
   sampling        the rows' sampling parameters and output indices (runtime/sampling_args.py:
@@ -36,7 +37,7 @@ class RowTables:
             return torch.zeros(*shape, dtype=dtype, device=device)
 
         self.device, self.max_rows, self.vocab_size = device, max_rows, vocab_size
-        self.token = z(max_rows)
+        self.last_token = z(max_rows)  # each row's newest sampled token: a decode row's next input
         self.pos = z(max_rows)
         self.pages = z(max_rows, max_pages)
         self.sampling = SamplingTables(max_rows, device)

@@ -93,17 +93,17 @@ class SamplingLauncher:
         """On the compute stream: group `g` of `k` sampling rows, from the slot's logits to its tokens."""
         t = self.rows
         idx = slot.group_dev[g, :k]
-        carry = sample_rows.index_select(0, idx)
+        rows = sample_rows.index_select(0, idx)
         assert slot.logits is not None  # (written by the step's forward, earlier on this stream)
         raw = slot.logits.index_select(0, idx)
-        args = t.sampling.gather(carry, needs)
-        history = t.history.gather(carry) if args.needs_history and t.history is not None else None
+        args = t.sampling.gather(rows, needs)
+        history = t.history.gather(rows) if args.needs_history and t.history is not None else None
         ids = sample_group(raw, args, history, slot.mask_dev[g, :k] if masked else None)
-        t.sampling.advance(carry, args)
+        t.sampling.advance(rows, args)
         slot.sampled.index_copy_(0, idx, ids)
-        t.token.index_copy_(0, carry, ids)
+        t.last_token.index_copy_(0, rows, ids)
         if args.penalties is not None and t.history is not None:  # what the next step's penalties count
-            t.history.record(carry, ids)
+            t.history.record(rows, ids)
         if needs.logprobs:  # of the model's own distribution, before penalties, masks and temperature
             lp = raw.log_softmax(-1)
             slot.logprobs.index_copy_(0, idx, lp.gather(1, ids[:, None])[:, 0])

@@ -110,7 +110,7 @@ def static_inputs(rows, t: StaticStepTensors, page_size: int):
     """(input ids, positions, KV indices, attention metadata) of a static step, gathered on the
     device from the row tables, which it advances (decode rows by one, chunks to their end)."""
     fed = t.token_fed != 0
-    ids = torch.where(fed, rows.token[t.token_rows], t.token_ids)
+    ids = torch.where(fed, rows.last_token[t.token_rows], t.token_ids)
     positions = torch.where(fed, rows.pos[t.token_rows], t.token_pos)
     kv_indices = rows.kv_indices(t.token_rows, positions, page_size)
     kv_lens = torch.where(t.seq_fed != 0, rows.pos[t.seq_rows] + 1, t.seq_ends)

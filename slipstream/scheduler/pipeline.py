@@ -52,7 +52,7 @@ class Pipeline:
             seq.inflight_refs += 1
             seq.num_scheduled += work.num_tokens
             seq.pending_samples += work.sample
-            seq.carry_on_device |= work.sample
+            seq.last_token_on_device |= work.sample
         self.inflight.append(step)
 
     def oldest(self) -> Step:

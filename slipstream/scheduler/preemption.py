@@ -51,7 +51,7 @@ class Preemption:
         assert seq.inflight_refs == 0, f"{seq.request_id}: released with {seq.inflight_refs} steps in flight"
         self.pages.free(seq)
         self.admission.dismiss(seq)
-        seq.carry_on_device = False
+        seq.last_token_on_device = False
         if seq.finished:
             seq.status = SeqStatus.RELEASED
         elif seq.preempting:  # recompute later from its known tokens, ahead of new arrivals

@@ -43,8 +43,8 @@ class Sequence:
     pending_samples: int = 0
     preempting: bool = False  # chosen as a preemption victim; recomputed once inflight_refs hits 0
     num_preemptions: int = 0
-    row: int | None = None  # carry-over table row while admitted
-    carry_on_device: bool = False  # its row holds its newest sampled token (set once a sample launches)
+    row: int | None = None  # its row of the runner's device tables while admitted
+    last_token_on_device: bool = False  # its row holds its newest sampled token (set once a sample launches)
     pages: list[int] = field(default_factory=list)
     user: Any = None  # the request object of the API layer (opaque to the scheduler)
     # its grammar's matcher, set by the API layer at submit (the output stage advances it); the
@@ -75,7 +75,7 @@ class Sequence:
     def decodes_on_device(self) -> bool:
         """Its next input is its newest sampled token, which its row holds on the device: every known
         token is scheduled and the one token not yet known is the last sample launched."""
-        return self.carry_on_device and self.num_scheduled == (
+        return self.last_token_on_device and self.num_scheduled == (
             len(self.prompt_ids) + len(self.output_ids) + self.pending_samples - 1)
 
     @property

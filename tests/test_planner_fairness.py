@@ -132,3 +132,22 @@ def test_output_text_costs_the_same_per_token_at_any_length():
         outputs.process_pending()
     late = min(per_token(700) for _ in range(3))  # the text is now ~3 MB: a copy per token is ~100x slower
     assert late < 5 * early, (early, late)
+
+
+def test_the_decode_row_choice_spells_out_the_sequence_properties():
+    """decode_rows.py spells out decodes_on_device and samples_left in its hot loop (speed): for every
+    small state the choice must be what the properties say."""
+    import itertools
+
+    from slipstream.scheduler.decode_rows import choose_decode_rows
+
+    for on_device, prompt, outputs, scheduled, pending, max_tokens in itertools.product(
+            (False, True), (1, 3), range(3), range(7), range(3), range(1, 6)):
+        seq = Sequence("r", list(range(prompt)), max_tokens, SamplingRow(), output_ids=list(range(outputs)),
+                       num_scheduled=scheduled, pending_samples=pending, inflight_refs=pending, row=1,
+                       last_token_on_device=on_device, pages=[1, 2, 3])
+        rows = choose_decode_rows([seq], depth=3, max_rows=4, budget=4, page_size=8,
+                                  reserve=lambda *a: True)
+        want_decode = seq.decodes_on_device and seq.samples_left > 0
+        want_prompt = not seq.decodes_on_device and seq.num_unscheduled > 0
+        assert (rows.decode == [seq], rows.prompts == [seq]) == (want_decode, want_prompt), vars(seq)

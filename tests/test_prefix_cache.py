@@ -221,3 +221,14 @@ async def test_engine_cache_hits_survive_a_small_pool():
     on, _, stats = await run_engine(2, True, reqs, kv_cache_tokens=160)
     assert [o.token_ids for o in on] == [o.token_ids for o in off]
     assert stats.hits > 0
+
+
+def test_the_last_known_token_is_always_recomputed():
+    """A prompt of exactly two full pages, asked twice: the second reuses one page, not two (the
+    last token's logits give its first output token)."""
+    prompt = make_prompt(2 * PAGE, None, 4)
+    reqs = [(prompt, 5, 0, None), (prompt, 5, 60, None)]
+    for depth in (1, 2):
+        results, loop, pool = asyncio.run(run_workload(depth, reqs, prefix_caching=True))
+        check_results(reqs, results, loop, pool)
+        assert results[1][1].num_cached_tokens == PAGE

@@ -38,7 +38,8 @@ class Preemption:
 
     def pages_pending_release(self) -> int:
         """Pages that finished or preempted sequences still in flight return at their commits."""
-        return sum(len(s.pages) for s in self.admission.running
+        refcount = self.pages.pool.refcount  # a page another sequence shares does not come back
+        return sum(sum(refcount(p) == 1 for p in s.pages) for s in self.admission.running
                    if (s.finished or s.preempting) and s.inflight_refs > 0)
 
     def preempt(self, seq: Sequence) -> None:

@@ -115,35 +115,35 @@ def test_shared_prefixes_hit_the_cache_and_free_everything():
 def test_different_salts_never_share_a_page():
     prompt = make_prompt(21, None, 3)
     reqs = [(prompt, 6, 40 * i, None, salt) for i, salt in enumerate([b"A", b"B", b"A", None, b"B"])]
-    owner = {}
+    salt_of = {}  # registered page -> the salt of the sequence that registered it
+    shared = []
 
     def instrument(loop):
-        cache, pool = loop.planner.prefix_cache, loop.planner.pool
-        register, share = cache.register, pool.share
-        seqs = {}
+        cache, pages = loop.planner.prefix_cache, loop.planner.pages
+        register, share = cache.register, pages.share
 
         def logged_register(seq):
-            for p in seq.pages:
-                seqs.setdefault(p, seq.cache_extra)
+            before = set(cache._hash_of)
             register(seq)
-            for p in pool.registered:
-                owner.setdefault(p, seqs[p])
+            for p in set(cache._hash_of) - before:
+                salt_of[p] = seq.cache_extra
 
-        def checked_share(page):
-            assert page in owner
-            share(page)
+        def checked_share(seq, hit):
+            assert all(salt_of[p] == seq.cache_extra for p in hit), "a page shared across salts"
+            shared.extend(hit)
+            share(seq, hit)
 
-        cache.register, pool.share = logged_register, checked_share
+        cache.register, pages.share = logged_register, checked_share
 
-    results, loop, pool = asyncio.run(run_workload(2, reqs, prefix_caching=True, instrument=instrument))
-    check_results(reqs, results, loop, pool)
-    cached = [results[i][1].num_cached_tokens for i in range(5)]
-    assert cached[0] == 0 and cached[1] == 0 and cached[2] > 0 and cached[3] == 0 and cached[4] > 0
-    # the opt-out request (None) registered nothing and hit nothing; each salt hit only its own pages
-    assert None not in owner.values()
-    for i in (2, 4):
-        seq = results[i][1]
-        assert seq.cache_extra in (b"A", b"B")
+    for depth in (1, 2):
+        shared.clear()
+        results, loop, pool = asyncio.run(run_workload(depth, reqs, prefix_caching=True, instrument=instrument))
+        check_results(reqs, results, loop, pool)
+        cached = [results[i][1].num_cached_tokens for i in range(5)]
+        # the first of each salt computes its prefix, the second hits it; the opt-out (None) neither
+        # hits nor registers
+        assert cached[0] == cached[1] == cached[3] == 0 and cached[2] > 0 and cached[4] > 0
+        assert shared and None not in salt_of.values()
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -232,3 +232,18 @@ def test_the_last_known_token_is_always_recomputed():
         results, loop, pool = asyncio.run(run_workload(depth, reqs, prefix_caching=True))
         check_results(reqs, results, loop, pool)
         assert results[1][1].num_cached_tokens == PAGE
+
+
+async def test_engine_salts_and_the_per_request_opt_out():
+    prompt = list(range(3, 60))
+    async with Engine(engine_cfg(2, True)) as engine:
+        cache = engine.loop.planner.prefix_cache
+        hits = []
+        for kw in (dict(cache_salt="a"), dict(cache_salt="b"), dict(prefix_caching=False), dict(cache_salt="a"),
+                   dict()):
+            await engine.complete(prompt, SamplingParams(max_tokens=3, temperature=0.0, **kw))
+            await wait_all_free(engine)
+            hits.append(cache.stats().hits)
+        assert hits[0] == hits[1] == hits[2] == 0  # a new salt, another salt, the opt-out
+        assert hits[3] == 56 and hits[4] == 56  # salt "a" again; no salt has never been cached
+        assert engine.loop.planner.pool.num_held() == 0

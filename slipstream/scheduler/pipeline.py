@@ -10,7 +10,7 @@ Invariants, enforced here:
     commit that drops the last reference.
   * commit: a live (non-zombie) sequence's `num_computed` grows by the tokens whose K/V the step
     wrote, and only then may its pages that this completed enter the prefix cache (never a page
-    an in-flight step still writes, never a zombie's tokens): see `_register`.
+    an in-flight step still writes, never a zombie's tokens): `PrefixCache.register`.
   * a failed step is abandoned instead of committed (in launch order too): its sequences have
     all been failed first, so dropping its references releases them like zombies.
 """

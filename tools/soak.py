@@ -16,7 +16,12 @@ request that finished equals a depth-1 engine's answer (without faults); every o
 equals its token ids' text (decoded afresh, less a final stop token, cut at a stop string); RSS
 stays flat after the first round. --output-stage / --slow-detok-ms / --switch-interval soak the
 threaded output stage (the reference engine keeps the loop stage): a detokeniser that sleeps per
-call, and the interpreter switching threads every microsecond.
+call, and the interpreter switching threads every microsecond. --shared-prefixes starts half the
+requests with one of four long common prefixes (some with a cache salt), so the soaked engine's
+prefix cache hits, evicts and shares pages under all of the above; the depth-1 reference engine
+runs with prefix caching off, so a wrong cached page shows as a mismatch.
+
+    python tools/soak.py --requests 2000 --rounds 2 --shared-prefixes   # issue 29 must-show 3
 """
 from __future__ import annotations
 
@@ -40,6 +45,8 @@ from slipstream.faults import FaultInjector, install
 
 FAULT_RATES = {"forward": 0.002, "sample": 0.002, "matcher": 0.02, "detokenize": 0.001}
 STOP_IDS = [0.15, 4]  # share of requests with stop_token_ids, and how many (--stop-ids)
+SHARED: list[list[int]] = []  # --shared-prefixes: the common prefixes (empty: none)
+SHARED_RATE = 0.5
 
 
 @dataclass
@@ -71,6 +78,9 @@ class Report:
     text_mismatches: list[str] = field(default_factory=list)  # text != its token ids' text
     preemptions: int = 0
     failed_steps: int = 0
+    cache_hits: int = 0  # prompt tokens served from the prefix cache (of cache_queries looked up)
+    cache_queries: int = 0
+    cache_evictions: int = 0
     faults: Counter = field(default_factory=Counter)
     rss_mb: list[float] = field(default_factory=list)
     seconds: float = 0.0
@@ -87,10 +97,15 @@ class Report:
                     or self.rss_growth_mb > 64 or self.outcomes["EngineClosedError"])  # the engine must go on
 
 
-def engine_config(depth: int, output_stage: str = "loop") -> EngineConfig:
+def engine_config(depth: int, output_stage: str = "loop", prefix_caching: bool = True) -> EngineConfig:
     return EngineConfig(model="tiny-random", pipeline_depth=depth, max_batch_size=16, max_num_batched_tokens=64,
                         kv_cache_tokens=512, page_size=8, seed=7, output_stage=output_stage,
-                        max_prompt_chars=MAX_PROMPT_CHARS)
+                        max_prompt_chars=MAX_PROMPT_CHARS, prefix_caching=prefix_caching)
+
+
+def shared_prefixes(seed: int, n: int = 4) -> list[list[int]]:
+    rng = random.Random(seed + 1)
+    return [[rng.randrange(3, 259) for _ in range(rng.randint(40, 120))] for _ in range(n)]
 
 
 MAX_PROMPT_CHARS = 4096
@@ -141,6 +156,12 @@ def random_request(rng: random.Random, rid: str, delay: float) -> Planned:
         return bad_request(rng, rid, delay)
     prompt = [rng.randrange(3, 259) for _ in range(rng.choice([rng.randint(1, 12), rng.randint(10, 90)]))]
     kw: dict = dict(max_tokens=rng.randint(1, 24))
+    if SHARED and rng.random() < SHARED_RATE:
+        prompt = rng.choice(SHARED) + prompt[:rng.randint(0, 24)]
+        if rng.random() < 0.2:
+            kw["cache_salt"] = rng.choice(["tenant-a", "tenant-b"])
+        elif rng.random() < 0.05:
+            kw["prefix_caching"] = False
     kind = rng.random()
     if kind < 0.55:
         kw["temperature"] = 0.0
@@ -227,7 +248,8 @@ async def soak(requests: int, rounds: int = 3, seed: int = 0, rates: dict | None
         faults.arm(point, times)
     # the depth-1 reference engine lives beside the soaked one, so each round is checked and then
     # dropped: RSS measures the engine, not results kept by this tool
-    async with Engine(engine_config(2, output_stage)) as engine, Engine(engine_config(1)) as reference:
+    async with (Engine(engine_config(2, output_stage)) as engine,
+                Engine(engine_config(1, prefix_caching=False)) as reference):
         install(engine, faults)
         submitted = _record_submissions(engine, slow_detok_s)
         per_round = -(-requests // rounds)
@@ -247,6 +269,10 @@ async def soak(requests: int, rounds: int = 3, seed: int = 0, rates: dict | None
             log(f"round {r + 1}/{rounds}: {stats['preemptions']} preemptions so far, {stats['failed_steps']} failed "
                 f"steps, {len(report.mismatches)} mismatches, rss {report.rss_mb[-1]} MB")
         report.preemptions, report.failed_steps = stats["preemptions"], stats["failed_steps"]
+        cache = engine.loop.planner.prefix_cache
+        if cache is not None:
+            c = cache.stats()
+            report.cache_hits, report.cache_queries, report.cache_evictions = c.hits, c.queries, c.evictions
     report.faults = faults.fired
     report.seconds = time.perf_counter() - started
     return report
@@ -366,6 +392,8 @@ def format_report(r: Report) -> str:
         f"texts checked against their token ids: {r.texts_checked} ({r.stop_token_ended} ended by a stop token), "
         f"differing {len(r.text_mismatches)}",
         f"preemptions {r.preemptions}  failed steps {r.failed_steps}  faults fired {dict(sorted(r.faults.items()))}",
+        f"prefix cache: {r.cache_hits} of {r.cache_queries} tokens looked up were hits, "
+        f"{r.cache_evictions} evictions",
         f"rss per round (MB) {r.rss_mb}  growth after round 1: {r.rss_growth_mb:+.1f} MB",
         "PASS" if r.ok else "FAIL",
     ]
@@ -387,8 +415,12 @@ def main() -> int:
     ap.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval (s): shake the GIL")
     ap.add_argument("--stop-ids", type=float, nargs=2, default=STOP_IDS, metavar=("SHARE", "COUNT"),
                     help="share of requests given stop_token_ids, and how many (more requests end by a stop token)")
+    ap.add_argument("--shared-prefixes", action="store_true",
+                    help=f"a share ({SHARED_RATE}) of requests start with one of four long common prefixes")
     args = ap.parse_args()
     STOP_IDS[:] = args.stop_ids[0], int(args.stop_ids[1])
+    if args.shared_prefixes:
+        SHARED[:] = shared_prefixes(args.seed)
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     import uvloop

@@ -22,6 +22,7 @@ Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 Seed = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 StopList = Annotated[list[Annotated[str, Meta(min_length=1)]], Meta(max_length=16)]
 TokenId = Annotated[int, Meta(ge=0)]
+MAX_CACHE_SALT_CHARS = 1024
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -75,6 +76,8 @@ class _Sampling(msgspec.Struct, kw_only=True):
     regex: Annotated[str, Meta(min_length=1)] | None = None
     choice: Annotated[list[Annotated[str, Meta(min_length=1)]], Meta(min_length=1)] | None = None
     grammar: GrammarField | None = None
+    # vLLM's field: requests share cached prompt pages only with requests of the same salt
+    cache_salt: Annotated[str, Meta(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):

@@ -109,3 +109,11 @@ def _two_choices(candidates: Sequence[R], queue_len: Callable[[R], int | None], 
     pair = list(candidates) if len(candidates) <= 2 else rng.sample(list(candidates), 2)
     rng.shuffle(pair)  # unknown queue lengths: a random order, not always the first replica
     return sorted(pair, key=lambda c: (q if (q := queue_len(c)) is not None else 0))
+
+
+def request_hashes(ids: Sequence[int], page_size: int, params: object = None) -> list[bytes]:
+    """The chain a replica's prefix cache keys this request's pages by: salted with its
+    SamplingParams.cache_salt as the engine salts them (requests with different salts never share a
+    replica's pages, so their prefixes must not attract each other either)."""
+    salt = getattr(params, "cache_salt", None)
+    return block_hashes(ids, page_size, salt.encode() if salt else b"")

@@ -72,13 +72,13 @@ async def test_cache_salt_and_the_per_request_opt_out():
 
 
 def test_router_chain_is_salted_like_the_engine():
-    from slipstream.scheduler.block_hash import block_hashes
+    from slipstream.scheduler.block_hash import block_hashes, salt_key
     from slipstream.serve.prefix_router import request_hashes
 
     plain = request_hashes(PROMPT, PAGE, salted())
     assert plain == block_hashes(PROMPT, PAGE) == request_hashes(PROMPT, PAGE)
     a, b = request_hashes(PROMPT, PAGE, salted("a")), request_hashes(PROMPT, PAGE, salted("b"))
-    assert a == block_hashes(PROMPT, PAGE, b"a") and not {*a} & {*b} and not {*a} & {*plain}
+    assert a == block_hashes(PROMPT, PAGE, salt_key("a")) and not {*a} & {*b} and not {*a} & {*plain}
 
 
 def test_ray_replica_relabels_the_hit_rate():

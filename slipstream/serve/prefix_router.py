@@ -113,7 +113,6 @@ def _two_choices(candidates: Sequence[R], queue_len: Callable[[R], int | None], 
 
 def request_hashes(ids: Sequence[int], page_size: int, params: object = None) -> list[bytes]:
     """The chain a replica's prefix cache keys this request's pages by: salted with its
-    SamplingParams.cache_salt as the engine salts them (requests with different salts never share a
-    replica's pages, so their prefixes must not attract each other either)."""
-    salt = getattr(params, "cache_salt", None)
-    return block_hashes(ids, page_size, salt.encode() if salt else b"")
+    SamplingParams.cache_salt as the engine salts them (block_hash.salt_key). Requests with
+    different salts never share a replica's pages, so their prefixes must not attract each other."""
+    return block_hashes(ids, page_size, salt_key(getattr(params, "cache_salt", None)))

@@ -107,7 +107,7 @@ def test_no_prefix_caching_flag_reaches_the_config(command):
     from slipstream.cli import build_parser, engine_config as config_of
 
     parser = build_parser()
-    extra = ["hello"] if command == "generate" else []
+    extra = {"serve": [], "worker": ["--bind", "ipc:///tmp/unused.sock"], "generate": ["hello"]}[command]
     assert config_of(parser.parse_args([command, *extra])).prefix_caching is True
     assert config_of(parser.parse_args([command, *extra, "--no-prefix-caching"])).prefix_caching is False
 

@@ -31,6 +31,8 @@ TEXT = ("The river rose in the night and by morning the lower fields were under 
         "their animals to the ridge, loaded grain onto carts, and waited. Nobody in the valley could "
         "remember a flood this early in the year; the old records kept at the mill spoke of one, a "
         "century ago, that had taken the bridge and half the houses on the east bank. ")
+CHAT_TEXT = ("You are the archivist of a small town. You answer questions about the town's history in two or "
+             "three sentences, citing the ledger, the mill records or the parish book where you can. ")
 USER = "\nUser: Question {i}: in one sentence, what did person number {i} carry to the ridge?\nAssistant:"
 CHAT = ["Where did the water come from?", "Why did they move the animals?", "What did the records say?",
         "Which bank was hit hardest?", "Who kept the records?", "What happened to the bridge?",
@@ -48,8 +50,9 @@ def config(args, caching: bool, batch_invariant: bool = False) -> EngineConfig:
                         kv_cache_tokens=args.kv_cache_tokens)
 
 
-def system_ids(tokenizer, n: int) -> list[int]:
-    ids = tokenizer.encode(TEXT)
+def system_ids(tokenizer, n: int, text: str = TEXT) -> list[int]:
+    """`text` repeated to exactly n tokens."""
+    ids = tokenizer.encode(text)
     return (ids * (n // len(ids) + 1))[:n]
 
 
@@ -79,7 +82,9 @@ async def run_engine(args, caching: bool, batch_invariant: bool, requests: int):
         prompts = [system + engine.tokenizer.encode(USER.format(i=i)) for i in range(requests)]
         outs, wall = await shared_prefix(engine, prompts, system, args.max_tokens)
         stats = await engine.stats()
-        chat = await chat_turns(engine, system[:args.chat_system_tokens], args.turns, args.chat_tokens)
+        # (another system prompt: its first turn finds nothing of part (a) in the cache)
+        chat = await chat_turns(engine, system_ids(engine.tokenizer, args.chat_system_tokens, CHAT_TEXT), args.turns,
+                                args.chat_tokens)
         return outs, wall, stats, chat
 
 

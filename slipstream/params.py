@@ -16,6 +16,7 @@ from slipstream.validate import CheckedStructMeta
 
 MIN_TEMPERATURE = 1e-5  # below this, logits / temperature overflow float32 (0 means greedy)
 MAX_SEED = 2**63 - 1
+MAX_CACHE_SALT = 256  # characters of SamplingParams.cache_salt
 MAX_N = 128  # completions per request (each is a request of its own in the batch)
 DEFAULT_MAX_PROMPT_CHARS = 1_000_000  # EngineConfig.max_prompt_chars; also the HTTP server's without an engine
 
@@ -52,6 +53,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, f
     regex: str | None = None  # the whole output must match
     choice: tuple[str, ...] | None = None  # the output is exactly one of these strings
     grammar: GrammarSpec | None = None  # any registered kind: skills, plugins
+    # prefix caching (docs/prefix-caching.md)
+    cache_salt: str | None = None  # requests with different salts never share KV pages (tenant isolation)
+    prefix_caching: bool = True  # False: this request neither reuses cached pages nor adds its own
 
     def grammar_field(self) -> str | None:
         """The field the constraint came from (what a GrammarCompileError's `param` names)."""
@@ -119,6 +123,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, f
             if not isinstance(self.choice, (list, tuple)) or not self.choice:
                 raise InvalidRequestError("choice must be a non-empty list of non-empty strings", param="choice")
             force(self, "choice", tuple(check.text(f"choice[{i}]", c) for i, c in enumerate(self.choice)))
+        check.boolean("prefix_caching", self.prefix_caching)
+        if self.cache_salt is not None and len(check.text("cache_salt", self.cache_salt)) > MAX_CACHE_SALT:
+            raise InvalidRequestError(f"cache_salt must be at most {MAX_CACHE_SALT} characters, got "
+                                      f"{len(self.cache_salt)}", param="cache_salt")
         if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
             raise InvalidRequestError(f"grammar must be a GrammarSpec, got {type(self.grammar).__name__}",
                                       param="grammar")
@@ -145,6 +153,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, met
     trace: bool = False  # keep per-step host timings and device spans (benchmarks, timelines)
     grammar_timeout_s: float = 10.0  # compile timeout of a constraint grammar
     freeze_gc: bool = True  # gc.freeze() what exists at start: collections skip the model and libraries
+    prefix_caching: bool = True  # reuse the K/V of full pages of a shared prompt prefix (docs/prefix-caching.md)
     step_timeout_s: float = 300.0  # watchdog: a launched step not done by then fails the engine, with its state logged
     # --- CUDA only (docs/cuda.md) ---
     gpu_memory_utilization: float = 0.9  # share of free memory (after weights + a profiling forward) for KV
@@ -173,7 +182,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, met
         check.integer("kv_cache_tokens", self.kv_cache_tokens, minimum=1, optional=True)
         check.integer("max_model_len", self.max_model_len, minimum=2, optional=True)
         check.integer("seed", self.seed, minimum=0)
-        for name in ("batch_invariant", "trace", "cuda_graphs", "mixed_graphs", "warmup", "freeze_gc"):
+        for name in ("batch_invariant", "trace", "cuda_graphs", "mixed_graphs", "warmup", "freeze_gc",
+                     "prefix_caching"):
             check.boolean(name, getattr(self, name))
         for name in ("grammar_timeout_s", "step_timeout_s"):
             if check.number(name, getattr(self, name)) <= 0:

@@ -89,7 +89,8 @@ def _assemble(config: EngineConfig, device, invariant: bool) -> EngineParts:
 
         install_graphs(runner, device, config)
     pool = PagePool(num_pages)
-    planner = Planner(pool, config.page_size, config.max_batch_size, config.max_num_batched_tokens)
+    planner = Planner(pool, config.page_size, config.max_batch_size, config.max_num_batched_tokens,
+                      prefix_caching=config.prefix_caching)
     loop = EngineLoop(runner, planner, OutputProcessor(text_thread=config.output_stage == "thread"), config.pipeline_depth, config.page_size, row_multiple,
                       vocab_width=mcfg.vocab_size, eos_ids=tuple(tokenizer.eos_token_ids),
                       step_timeout_s=config.step_timeout_s)

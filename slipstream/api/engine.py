@@ -27,6 +27,7 @@ from slipstream.api.output_processor import RequestState
 from slipstream.api.protocol import HealthReply
 from slipstream.api.request_stream import RequestStream
 from slipstream.api.skills import SkillMethods
+from slipstream.scheduler.block_hash import salt_key
 from slipstream.scheduler.sequence import Sequence
 
 log = structlog.get_logger(__name__)
@@ -198,7 +199,8 @@ class Engine(SkillMethods):
         req = RequestState(request_id, ids, params, make_detokenizer(self.tokenizer, ids),
                            frozenset(eos) | frozenset(params.stop_token_ids), RequestMetrics(time.perf_counter()),
                            matcher=matcher, streaming=streaming)
-        seq = Sequence(request_id, ids, max_tokens, row, user=req, matcher=matcher)
+        seq = Sequence(request_id, ids, max_tokens, row, user=req, matcher=matcher,
+                       cache_extra=salt_key(params.cache_salt) if params.prefix_caching else None)
         self._requests[request_id] = seq
         self.loop.submit(seq)
         return seq

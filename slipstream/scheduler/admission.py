@@ -6,18 +6,23 @@ Rules, enforced here:
   * `waiting` is a deque with lazy deletion: a request finished while waiting is only marked, so
     cancelling n waiting requests costs O(n), not O(n^2).
   * A preempted sequence waits again ahead of new arrivals (it is recomputed from its known tokens).
+  * Prefix-cache hits are mapped here and only here, before the sequence's first step: a running
+    sequence's page row is never remapped while a step of it is in flight. Hit pages count as
+    shared (a reference each), so admission needs free pages only for the rest, and the sequence
+    starts computing at the first token after them (the token budget counts only those).
 """
 from __future__ import annotations
 
 from collections import deque
 
 from slipstream.scheduler.page_reservation import PageReservation
+from slipstream.scheduler.prefix_cache import PrefixCache
 from slipstream.scheduler.sequence import Sequence, SeqStatus
 
 
 class Admission:
-    def __init__(self, max_batch_size: int, pages: PageReservation):
-        self.pages = pages
+    def __init__(self, max_batch_size: int, pages: PageReservation, cache: PrefixCache | None = None):
+        self.pages, self.cache = pages, cache
         self.waiting: deque[Sequence] = deque()  # may hold finished entries (lazy deletion)
         self.num_waiting = 0  # entries of `waiting` still WAITING
         self.running: list[Sequence] = []  # admitted (holding a row), in admission order
@@ -37,13 +42,23 @@ class Admission:
         seq = self._first_waiting()
         if seq is None or not self.free_rows:
             return None
-        need = self.pages.pages_for(seq.num_known + 1)
-        if self.pages.num_free < need:
-            return None
+        cache = self.cache if seq.cache_extra is not None else None
+        hit = cache.lookup(seq) if cache is not None else []
+        need = self.pages.pages_for(seq.num_known + 1) - len(hit)
+        pool = self.pages.pool
+        if self.pages.num_free - sum(pool.refcount(p) == 0 for p in hit) < need:
+            return None  # (evictable hit pages count as free until they are shared)
         self.waiting.popleft()
         self.num_waiting -= 1
         seq.status, seq.row = SeqStatus.RUNNING, self.free_rows.pop()
         seq.pages = []
+        self.pages.share(seq, hit)
+        reused = len(hit) * self.pages.page_size
+        seq.num_scheduled = seq.num_computed = seq.num_reused = reused
+        seq.num_cached_tokens = min(reused, len(seq.prompt_ids))
+        seq.num_registered_pages = len(hit)
+        if cache is not None:
+            cache.count(seq, len(hit))
         self.pages.give(seq, need)
         self.running.append(seq)
         return seq

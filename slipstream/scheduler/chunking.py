@@ -47,8 +47,9 @@ def chunk_work(seq: Sequence, n: int, sample: bool) -> SeqWork:
     """The runner's description of a chunk (the one place the scheduler builds a SeqWork)."""
     start = seq.num_scheduled
     assert seq.row is not None, f"{seq.request_id}: a chunk for a sequence without a row"
+    # the first chunk after admission (at a prefix-cache hit's end, else 0) rebuilds the row's history
     history = ((seq.prompt_ids, list(seq.output_ids))
-               if start == 0 and seq.sampling.needs_history else None)
+               if start == seq.num_reused and seq.sampling.needs_history else None)
     return SeqWork(row=seq.row, tokens=seq.known_tokens(start, start + n), start_pos=start, sample=sample,
                    output_index=len(seq.output_ids) + seq.pending_samples, sampling=seq.sampling,
                    history=history)

@@ -30,11 +30,19 @@ class PageReservation:
         for j, page in enumerate(new):
             writes += (row, base + j, page)
 
+    def share(self, seq: Sequence, pages: list[int]) -> None:
+        """Map prefix-cache pages at the start of its (empty) page row, a reference each."""
+        assert seq.row is not None and not seq.pages, f"{seq.request_id}: cache pages mapped onto a used row"
+        for j, page in enumerate(pages):
+            self.pool.share(page)
+            self._writes += (seq.row, j, page)
+        seq.pages.extend(pages)
+
     def take_writes(self) -> list[int]:
         """The entries handed out since the last step, for the step being planned."""
         writes, self._writes = self._writes, []
         return writes
 
     def free(self, seq: Sequence) -> None:
-        self.pool.free(seq.pages)
+        self.pool.free(seq.pages[::-1])  # last pages first: the LRU evicts a prefix's tail before its head
         seq.pages = []

@@ -8,6 +8,9 @@ Invariants, enforced here:
   * a finished (or preempted) sequence's pages and row are released exactly once, at the first
     moment its inflight_refs is 0: at finish time if nothing is in flight, otherwise by the
     commit that drops the last reference.
+  * commit: a live (non-zombie) sequence's `num_computed` grows by the tokens whose K/V the step
+    wrote, and only then may its pages that this completed enter the prefix cache (never a page
+    an in-flight step still writes, never a zombie's tokens): see `_register`.
   * a failed step is abandoned instead of committed (in launch order too): its sequences have
     all been failed first, so dropping its references releases them like zombies.
 """
@@ -29,6 +32,7 @@ class Pipeline:
         self.depth = depth
         self.planner = planner
         self.inflight: deque[Step] = deque()
+        self.cache = planner.prefix_cache
         self.zombie_commits = 0  # rows whose commit was skipped because the sequence had finished
         self.released = 0
         self.finish_observers: list = []  # fn(seq, reason) once per finished sequence (metrics)
@@ -72,6 +76,7 @@ class Pipeline:
             raise PipelineInvariantError(f"step {step.step_id}: {len(sampled)} sampled tokens for "
                                          f"{d + n_chunk_samples} sampling rows")
         release, check = self.maybe_release, self.check_every_row
+        cache, full = self.cache, self.planner.page_size
         alternatives = repeat(None) if top is None else [top.get(i) for i in range(d)]
         for seq, token, logprob, alt in zip(step.decode, sampled, logprobs, alternatives):  # the hot loop
             seq.inflight_refs -= 1
@@ -79,6 +84,10 @@ class Pipeline:
             if seq.finished:
                 self.zombie_commits += 1
             else:
+                seq.num_computed += 1  # the K/V of its input token (the previous sample) is written
+                if cache is not None and seq.num_computed - seq.num_registered_pages * full >= full:
+                    if seq.cache_extra is not None:
+                        cache.register(seq)
                 accept(seq, token, logprob, alt)
                 if check and not seq.finished:
                     seq.check()
@@ -87,6 +96,10 @@ class Pipeline:
         at = d
         for seq, work in zip(step.chunk_seqs, step.chunks):
             seq.inflight_refs -= 1
+            if not seq.finished:
+                seq.num_computed += work.num_tokens
+                if cache is not None and seq.cache_extra is not None:
+                    cache.register(seq)
             if work.sample:
                 token, logprob = sampled[at], logprobs[at]
                 at += 1

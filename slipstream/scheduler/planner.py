@@ -6,6 +6,7 @@ A step is planned in four parts, each in its own module with the rules it enforc
   chunking.py          the rest of the token budget split among prompt chunks (water-filling)
   page_reservation.py  pages handed to sequences, and the page-table entries the step carries
   preemption.py        making room for a page by preempting, and releasing pages and rows
+  prefix_cache.py      full pages of committed K/V by block hash, mapped at admission (None: off)
 """
 from __future__ import annotations
 
@@ -18,16 +19,19 @@ from slipstream.scheduler.decode_rows import choose_decode_rows
 from slipstream.scheduler.page_pool import PagePool
 from slipstream.scheduler.page_reservation import PageReservation
 from slipstream.scheduler.preemption import Preemption
+from slipstream.scheduler.prefix_cache import PrefixCache
 from slipstream.scheduler.sequence import Sequence
 from slipstream.scheduler.step import Step
 
 
 class Planner:
-    def __init__(self, pool: PagePool, page_size: int, max_batch_size: int, max_step_tokens: int):
+    def __init__(self, pool: PagePool, page_size: int, max_batch_size: int, max_step_tokens: int,
+                 prefix_caching: bool = False):
         self.pool, self.page_size = pool, page_size
         self.max_batch_size, self.max_step_tokens = max_batch_size, max_step_tokens
         self.pages = PageReservation(pool, page_size)
-        self.admission = Admission(max_batch_size, self.pages)
+        self.prefix_cache = PrefixCache(pool, page_size) if prefix_caching else None
+        self.admission = Admission(max_batch_size, self.pages, self.prefix_cache)
         self.preemption = Preemption(self.admission, self.pages)
 
     def add(self, seq: Sequence) -> None:

@@ -5,6 +5,8 @@ Rules, enforced here:
   * A row that needs a page it cannot get makes the most recently admitted unplanned sequence
     (possibly itself) a preemption victim; its pages return when its inflight_refs reaches 0 and it
     is recomputed from its known tokens.
+  * Release drops the sequence's page references; pages the prefix cache registered stay hittable
+    (a preempted sequence's recompute can hit its own prefix), the rest are free at once.
   * Pages that in-flight victims and zombies will return at their commits count as coming: if they
     cover the need, the row skips this step instead of preempting more (at depth 2 a victim frees
     nothing until its step commits).
@@ -56,5 +58,5 @@ class Preemption:
             seq.status = SeqStatus.RELEASED
         elif seq.preempting:  # recompute later from its known tokens, ahead of new arrivals
             seq.preempting = False
-            seq.num_scheduled = 0
+            seq.num_scheduled = seq.num_computed = seq.num_registered_pages = 0
             self.admission.requeue(seq)

@@ -3,6 +3,8 @@
 Token accounting (host side; the newest sampled tokens may still be on the device):
   known       = prompt_ids + output_ids            tokens the host has
   num_scheduled                                    tokens whose forward has been launched
+  num_computed                                     tokens whose K/V a committed step wrote (or a
+                                                   prefix-cache hit mapped): <= num_scheduled
   pending_samples                                  launched steps that will sample a token for it
 While decoding, the input of the next step is the last sampled token, which lives on the device
 until its step commits, so (checked by `check`):
@@ -46,6 +48,13 @@ class Sequence:
     row: int | None = None  # its row of the runner's device tables while admitted
     last_token_on_device: bool = False  # its row holds its newest sampled token (set once a sample launches)
     pages: list[int] = field(default_factory=list)
+    # prefix cache (scheduler/prefix_cache.py)
+    cache_extra: bytes | None = b""  # extra key of its block hashes (the cache salt); None: no caching
+    num_computed: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the cache at its last admission
+    num_reused: int = 0  # known tokens mapped from the cache at its last admission (its first chunk starts there)
+    num_registered_pages: int = 0  # leading pages of `pages` the cache maps (registered or hit)
+    block_hashes: list[bytes] = field(default_factory=list)  # chain hashes of its known full pages so far
     user: Any = None  # the request object of the API layer (opaque to the scheduler)
     # its grammar's matcher, set by the API layer at submit (the output stage advances it); the
     # scheduler builds grammar masks from it
@@ -90,6 +99,9 @@ class Sequence:
         if not 0 <= self.pending_samples <= self.inflight_refs:
             raise PipelineInvariantError(f"{self.request_id}: pending_samples={self.pending_samples} "
                                          f"inflight_refs={self.inflight_refs}")
+        if not self.num_computed <= self.num_scheduled:
+            raise PipelineInvariantError(f"{self.request_id}: computed {self.num_computed} tokens but only "
+                                         f"{self.num_scheduled} scheduled")
         if self.num_scheduled > self.num_known + max(self.pending_samples - 1, 0):
             raise PipelineInvariantError(f"{self.request_id}: scheduled {self.num_scheduled} tokens but only "
                                          f"{self.num_known} known + {self.pending_samples} pending")

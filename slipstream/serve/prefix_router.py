@@ -9,30 +9,18 @@ queue length. `slipstream.serve.ray_router` plugs this into Ray Serve's request-
 """
 from __future__ import annotations
 
-import hashlib
 import random
-from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Hashable, Sequence, TypeVar
 
+from slipstream.scheduler.block_hash import block_hashes
+
+__all__ = ["block_hashes", "PrefixTable", "Choice", "choose"]
+
 R = TypeVar("R", bound=Hashable)
 
-_ROOT = b"slipstream-prefix-v1"
 _RNG = random.Random()
-
-
-def block_hashes(ids: Sequence[int], page_size: int) -> list[bytes]:
-    """Chained 16-byte hashes of the prompt's full `page_size`-token blocks (a partial last block
-    has no hash: a cache cannot share a page that is still being filled)."""
-    if page_size <= 0:
-        raise ValueError(f"page_size must be positive, got {page_size}")
-    out, prev = [], _ROOT
-    for start in range(0, len(ids) - page_size + 1, page_size):
-        block = array("q", ids[start:start + page_size]).tobytes()
-        prev = hashlib.blake2b(prev + block, digest_size=16).digest()
-        out.append(prev)
-    return out
 
 
 class PrefixTable:

@@ -196,7 +196,7 @@ async def test_http_cached_tokens_in_usage_and_metrics(served):
     assert 0 < values["slipstream_prefix_cache_hit_rate"] < 1
 
 
-@pytest.mark.parametrize("salt", ["", 7, ["a"], "x" * 1025])
+@pytest.mark.parametrize("salt", ["", 7, ["a"], "x" * 257])
 async def test_http_cache_salt_is_validated(served, salt):
     async with httpx.AsyncClient(base_url=served.url) as http:
         r = await http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "cache_salt": salt})

@@ -302,7 +302,7 @@ class Engine(SkillMethods):
             "zombie_commits": pipeline.zombie_commits,
             "preemptions": planner.num_preemptions,
             "pipeline_depth": self.config.pipeline_depth,
-            **prefix_cache_stats(getattr(planner, "prefix_cache", None)),
+            **prefix_cache_stats(planner.prefix_cache),
         }
 
     # --- observability (slipstream/metrics.py, slipstream/trace.py) ---------------------------

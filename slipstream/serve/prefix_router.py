@@ -14,7 +14,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Hashable, Sequence, TypeVar
 
-from slipstream.scheduler.block_hash import block_hashes
+from slipstream.scheduler.block_hash import block_hashes, salt_key
 
 __all__ = ["block_hashes", "PrefixTable", "Choice", "choose"]
 

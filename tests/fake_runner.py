@@ -10,6 +10,9 @@ in flight, or fed the wrong last token changes the output and the test sees it.
 Structural check (`Referee`): a KV page or a row must never be handed out while a
 launched, uncommitted step references it. The test installs the referee into the planner's page
 pool and free-row list; a violation raises at the hand-out, which kills the loop and fails the test.
+Prefix cache: a page registered in the cache must never be written by a step (checked at launch
+against the pool's registered pages), and a page may be registered only when no in-flight step
+writes it (checked at `register`: registering before the commit that completed it is caught).
 
 Prompts are [marker, prompt_len, ...]: marker 1000 + k means "EOS as output token k".
 """
@@ -54,7 +57,8 @@ class Referee:
     """Which pages and rows launched-but-uncommitted steps reference; hand-outs are checked against it."""
 
     def __init__(self) -> None:
-        self.steps: dict[int, tuple[set[int], set[int]]] = {}  # step id -> (pages, rows)
+        self.steps: dict[int, tuple[set[int], set[int], set[int]]] = {}  # step id -> (pages, rows, pages written)
+        self.pool: PagePool | None = None  # the refereed pool (its registered pages)
 
     def referenced(self, kind: int) -> set[int]:
         return set().union(*(refs[kind] for refs in self.steps.values())) if self.steps else set()
@@ -64,16 +68,30 @@ class Referee:
         if busy:
             raise AssertionError(f"{what} {sorted(busy)} handed out while an in-flight step references them")
 
+    def check_register(self, page: int) -> None:
+        if page in self.referenced(2):
+            raise AssertionError(f"page {page} registered in the prefix cache while an in-flight step writes it")
+
+    def check_writes(self, written: set[int]) -> None:
+        cached = written & self.pool.registered if self.pool is not None else set()
+        if cached:
+            raise AssertionError(f"a step writes K/V into pages {sorted(cached)} registered in the prefix cache")
+
 
 class RefereedPool(PagePool):
     def __init__(self, num_pages: int, referee: Referee):
         super().__init__(num_pages)
         self.referee = referee
+        referee.pool = self
 
     def allocate(self, n: int) -> list[int]:
         pages = super().allocate(n)
         self.referee.check_hand_out("pages", pages, 0)
         return pages
+
+    def register(self, page: int) -> None:
+        self.referee.check_register(page)
+        super().register(page)
 
 
 class RefereedRows(list):
@@ -165,20 +183,23 @@ class FakeRunner:
         for row, index, page in writes:
             self._apply_page(self.launch_pages, row, index, page)
         dec = [int(r) for r in packed.decode_rows]
-        seq_rows, kv_lens = [], []
+        seq_rows, kv_lens, written = [], [], set()
         for r in dec:
             kv_lens.append(self.launch_pos.get(r, 0) + 1)
             self.launch_pos[r] = kv_lens[-1]
             seq_rows.append(r)
+            written.add(self.launch_pages[r][(kv_lens[-1] - 1) // self.page_size])
         chunks = [(w.row, list(w.tokens), w.start_pos, w.sample) for w in packed.chunks]
         for row, tokens, start, _ in chunks:
             self.launch_pos[row] = start + len(tokens)
             seq_rows.append(row)
             kv_lens.append(start + len(tokens))
+            written |= {self.launch_pages[row][p // self.page_size] for p in range(start, start + len(tokens))}
         pages = set()
         for r, kv in zip(seq_rows, kv_lens):
             pages |= set(self.launch_pages[r][: -(-kv // self.page_size)])
-        self.referee.steps[step_id] = (pages, set(seq_rows))
+        self.referee.check_writes(written)
+        self.referee.steps[step_id] = (pages, set(seq_rows), written)
 
         def forward() -> None:  # reads the row tables as they are when it runs (stream order)
             for row, index, page in writes:

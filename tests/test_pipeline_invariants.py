@@ -33,32 +33,33 @@ class NullDetok:
         return ""
 
 
-def make_loop(depth, num_pages=64, max_batch=4, step_tokens=16, seed=0):
+def make_loop(depth, num_pages=64, max_batch=4, step_tokens=16, seed=0, prefix_caching=False):
     runner = FakeRunner(PAGE, seed=seed)
     pool = RefereedPool(num_pages, runner.referee)
-    planner = Planner(pool, PAGE, max_batch, step_tokens)
+    planner = Planner(pool, PAGE, max_batch, step_tokens, prefix_caching=prefix_caching)
     planner.admission.free_rows = RefereedRows(planner.admission.free_rows, runner.referee)
     return EngineLoop(runner, planner, OutputProcessor(), depth, PAGE), pool
 
 
-def make_seq(rid, prompt, max_tokens):
+def make_seq(rid, prompt, max_tokens, cache_extra=b""):
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     req = RequestState(rid, prompt, params, NullDetok(), frozenset({EOS}), RequestMetrics(0.0))
-    return Sequence(rid, prompt, max_tokens, SamplingRow(), user=req)
+    return Sequence(rid, prompt, max_tokens, SamplingRow(), user=req, cache_extra=cache_extra)
 
 
-async def run_workload(depth, requests, num_pages=64, max_batch=4, step_tokens=16, seed=0, instrument=None):
-    """requests: list of (prompt, max_tokens, arrive_after_yields, abort_after_yields|None)."""
-    loop, pool = make_loop(depth, num_pages, max_batch, step_tokens, seed)
+async def run_workload(depth, requests, num_pages=64, max_batch=4, step_tokens=16, seed=0, instrument=None,
+                       prefix_caching=False):
+    """requests: list of (prompt, max_tokens, arrive_after_yields, abort_after_yields|None[, cache_extra])."""
+    loop, pool = make_loop(depth, num_pages, max_batch, step_tokens, seed, prefix_caching)
     if instrument is not None:
         instrument(loop)
     task = asyncio.create_task(loop.run())
     results = {}
 
-    async def client(i, prompt, max_tokens, arrive, abort_after):
+    async def client(i, prompt, max_tokens, arrive, abort_after, cache_extra=b""):
         for _ in range(arrive):
             await asyncio.sleep(0)
-        seq = make_seq(f"r{i}", prompt, max_tokens)
+        seq = make_seq(f"r{i}", prompt, max_tokens, cache_extra)
         loop.submit(seq)
         if abort_after is not None:
             for _ in range(abort_after):
@@ -77,7 +78,7 @@ async def run_workload(depth, requests, num_pages=64, max_batch=4, step_tokens=1
 
 
 def check_results(requests, results, loop, pool):
-    for i, (prompt, max_tokens, _, abort_after) in enumerate(requests):
+    for i, (prompt, max_tokens, _, abort_after, *_) in enumerate(requests):
         out, seq = results[i]
         want = reference(prompt, max_tokens)
         if out.finish_reason == "abort":
@@ -87,7 +88,7 @@ def check_results(requests, results, loop, pool):
             assert out.token_ids == want, f"request {i}"
             assert out.finish_reason == ("stop" if want[-1] == EOS else "length")
         assert seq.inflight_refs == 0 and seq.pending_samples == 0 and not seq.pages and seq.row is None
-    assert pool.num_free == pool.total, "pages leaked"
+    assert pool.num_free == pool.total and pool.num_held() == 0, "pages leaked (or a reference left)"
     assert not loop.pipeline.inflight and all(s.state.value == "free" for s in loop.runner.slots)
     assert not loop.planner.running and loop.planner.num_waiting == 0
 

@@ -15,6 +15,12 @@ Every series carries a `model` label (EngineConfig.model). Series (seconds unles
   slipstream_queue_depth                  requests waiting for admission
   slipstream_running_sequences            admitted, unfinished sequences
   slipstream_kv_pages_free / _used / _total, slipstream_kv_cache_usage_ratio (used / total)
+  slipstream_prefix_cache_queries_total   prompt tokens looked up in the prefix cache at admission
+  slipstream_prefix_cache_hits_total      of those, tokens served from cached pages (not computed)
+  slipstream_prefix_cache_hit_rate        hits / queries since the start (0 before any query)
+  slipstream_prefix_cache_cached_pages    pages registered in the cache (in use or hittable in its LRU)
+  slipstream_prefix_cache_evictions_total cached pages the pool took back for new work
+  (the five prefix_cache series exist only with EngineConfig(prefix_caching=True); docs/prefix-caching.md)
 Throughput is a rate of the counters, e.g. rate(slipstream_generation_tokens_total[1m]).
 Periods that span an idle engine (nothing to run) are not observed: they are not steps.
 
@@ -22,7 +28,8 @@ Cost: at depth 1 anything the loop does after a commit is device idle, so the ti
 few numbers per step to queues (about 0.1 µs each); per-token figures (TTFT, ITL, token counts) are
 queued by the output stage, off the tick. Queues are folded into the histograms (one vectorised
 bucket count per fold) and counters when the registry is collected (a scrape, `text()`), on the
-scraper's thread, or by the loop once a queue gets long. Gauges are read at scrape time.
+scraper's thread, or by the loop once a queue gets long. Gauges are read at scrape time, and so
+are the prefix cache's series (from `planner.prefix_cache.stats()`: nothing on the tick).
 """
 from __future__ import annotations
 
@@ -32,6 +39,7 @@ from collections import deque
 import numpy as np
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _STEP = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512, 1.024, 2.048)
 _IDLE = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3)
@@ -109,6 +117,40 @@ class _Folder:
         return []
 
 
+class PrefixCacheCollector:
+    """The prefix cache's counters as Prometheus series, read from its stats() at each collection
+    (the scraper's thread: a snapshot of a few ints the loop updates)."""
+
+    def __init__(self, cache, model: str):
+        self.cache, self.model = cache, model
+
+    def collect(self):
+        st, labels = self.cache.stats(), [self.model]
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            fam = CounterMetricFamily(name, doc, labels=["model"])
+            fam.add_metric(labels, value)
+            return fam
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            fam = GaugeMetricFamily(name, doc, labels=["model"])
+            fam.add_metric(labels, value)
+            return fam
+
+        yield counter("slipstream_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", st.queries)
+        yield counter("slipstream_prefix_cache_hits", "Prompt tokens served from the prefix cache", st.hits)
+        yield gauge("slipstream_prefix_cache_hit_rate", "Prefix cache hits / queries (tokens, since start)",
+                    hit_rate(st))
+        yield gauge("slipstream_prefix_cache_cached_pages", "KV pages registered in the prefix cache",
+                    st.cached_pages)
+        yield counter("slipstream_prefix_cache_evictions", "Cached KV pages reclaimed by the pool", st.evictions)
+
+
+def hit_rate(stats) -> float:
+    """hits / queries of a PrefixCacheStats (tokens), 0.0 before any query."""
+    return stats.hits / stats.queries if stats.queries else 0.0
+
+
 class EngineMetrics:
     def __init__(self, registry: CollectorRegistry | None = None, model: str = ""):
         self.registry = r = registry if registry is not None else CollectorRegistry()
@@ -162,6 +204,9 @@ class EngineMetrics:
         self.kv_pages_used.set_function(lambda: pool.total - pool.num_free)
         self.kv_pages_total.set_function(lambda: pool.total)
         self.kv_usage.set_function(lambda: (pool.total - pool.num_free) / max(pool.total, 1))
+        cache = getattr(planner, "prefix_cache", None)
+        if cache is not None:
+            self.registry.register(PrefixCacheCollector(cache, self.model))
         loop.observers.append(self.on_commit)
         loop.outputs.token_observers.append(self.on_tokens)
         loop.outputs.finish_observers.append(self.on_finish)

@@ -24,11 +24,14 @@ class RequestMetrics:
 
 
 class Usage(msgspec.Struct, frozen=True):
-    """Token counts of one completion, as OpenAI's `usage` (the stop token, if sampled, counts)."""
+    """Token counts of one completion, as OpenAI's `usage` (the stop token, if sampled, counts).
+    cached_tokens: prompt tokens whose KV came from the prefix cache, not computed
+    (`Sequence.num_cached_tokens`; OpenAI's `prompt_tokens_details.cached_tokens`)."""
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    cached_tokens: int = 0
 
 
 @dataclass
@@ -57,3 +60,4 @@ class StreamDelta:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None  # set on the last delta
+    usage: Usage | None = None  # set on the last delta (a streamed request's usage, cached_tokens included)

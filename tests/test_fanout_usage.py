@@ -178,7 +178,8 @@ def test_http_rendering_of_top_logprobs_and_n_usage():
     b = CompletionOutput("r-1", "c", [3], "stop", [5, 5, 5], RequestMetrics(0.0), logprobs=[-0.3],
                          top_logprobs=[{3: -0.3, 1: -1.0}], index=1)
     chat = render.chat("r", 0, "m", [a, b], [render.chat_logprobs(Tok(), o) for o in (a, b)])
-    assert chat["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    assert chat["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     assert [c["index"] for c in chat["choices"]] == [0, 1]
     first = chat["choices"][0]["logprobs"]["content"][0]
     assert (first["token"], first["logprob"]) == ("a", -0.1)

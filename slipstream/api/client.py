@@ -386,7 +386,8 @@ class Client(SkillMethods):
             if p is None:
                 return  # a request we already gave up on (aborted, cancelled, timed out)
             if isinstance(msg, Delta):
-                p.queue.put_nowait(StreamDelta(p.request_id, msg.text, msg.token_ids, msg.finish_reason))
+                p.queue.put_nowait(StreamDelta(p.request_id, msg.text, msg.token_ids, msg.finish_reason,
+                                                 msg.usage))
             elif isinstance(msg, Result):
                 p.queue.put_nowait(output_from_wire(msg.output, p.sent_at))
             else:

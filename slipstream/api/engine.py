@@ -33,6 +33,17 @@ from slipstream.scheduler.sequence import Sequence
 log = structlog.get_logger(__name__)
 
 
+def prefix_cache_stats(cache) -> dict[str, Any]:
+    """The prefix cache's counters for stats() (tokens for queries and hits); zeros with caching off."""
+    if cache is None:
+        return {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "prefix_cache_hit_rate": 0.0,
+                "prefix_cache_cached_pages": 0, "prefix_cache_evictions": 0}
+    st = cache.stats()
+    return {"prefix_cache_queries": st.queries, "prefix_cache_hits": st.hits,
+            "prefix_cache_hit_rate": st.hits / st.queries if st.queries else 0.0,
+            "prefix_cache_cached_pages": st.cached_pages, "prefix_cache_evictions": st.evictions}
+
+
 class Engine(SkillMethods):
     def __init__(self, config: EngineConfig | None = None, **overrides):
         if config is not None and not isinstance(config, EngineConfig):
@@ -291,6 +302,7 @@ class Engine(SkillMethods):
             "zombie_commits": pipeline.zombie_commits,
             "preemptions": planner.num_preemptions,
             "pipeline_depth": self.config.pipeline_depth,
+            **prefix_cache_stats(planner.prefix_cache),
         }
 
     # --- observability (slipstream/metrics.py, slipstream/trace.py) ---------------------------

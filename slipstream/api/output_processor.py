@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from slipstream.api.mailbox import Mailbox
 from slipstream.errors import GrammarError, GrammarMatchError, RequestFailedError, SlipstreamError
-from slipstream.outputs import CompletionOutput, RequestMetrics, StreamDelta
+from slipstream.outputs import CompletionOutput, RequestMetrics, StreamDelta, Usage
 from slipstream.params import SamplingParams
 from slipstream.scheduler.output_sink import Finish
 from slipstream.scheduler.sequence import Sequence
@@ -352,7 +352,10 @@ class OutputProcessor:
         req.metrics.finished = time.perf_counter()
         for observe in self.finish_observers:
             observe(reason)
-        self._emit(req, token_ids, reason)
+        p, c = len(req.prompt_ids), len(seq.output_ids)
+        usage = Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c,
+                      cached_tokens=seq.num_cached_tokens)
+        self._emit(req, token_ids, reason, usage)
         req.output = CompletionOutput(
             request_id=req.request_id,
             text="".join(req.pieces),
@@ -362,10 +365,12 @@ class OutputProcessor:
             metrics=req.metrics,
             logprobs=list(req.logprobs) if req.params.logprobs else None,
             top_logprobs=list(req.top_logprobs) if req.params.top_logprobs else None,
+            usage=usage,
         )
         req.queue.put_nowait(req.output)
 
-    def _emit(self, req: RequestState, token_ids: list[int], finish_reason: str | None) -> None:
+    def _emit(self, req: RequestState, token_ids: list[int], finish_reason: str | None,
+              usage: Usage | None = None) -> None:
         hold = 0 if finish_reason or not req.params.stop else max(map(len, req.params.stop)) - 1
         delta = ""
         if len(req.pending) > hold:
@@ -373,7 +378,7 @@ class OutputProcessor:
             delta, req.pending = req.pending[:cut], req.pending[cut:]
             req.pieces.append(delta)
         if req.streaming and (delta or token_ids or finish_reason):
-            req.queue.put_nowait(StreamDelta(req.request_id, delta, list(token_ids), finish_reason))
+            req.queue.put_nowait(StreamDelta(req.request_id, delta, list(token_ids), finish_reason, usage))
 
 
 # One request's share of a pass, taken on the loop when the pass starts: (request, start, tokens,

@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 
 from slipstream import errors
-from slipstream.outputs import CompletionOutput, RequestMetrics
+from slipstream.outputs import CompletionOutput, RequestMetrics, Usage
 
 PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 1 << 20  # default bound on one inbound frame; larger ones get a ProtocolError
@@ -83,6 +83,7 @@ class Delta(_Out, tag="delta"):
     text: str
     token_ids: list[int]
     finish_reason: str | None = None  # set on the last delta of a stream, which ends it
+    usage: Usage | None = None  # set on the last delta (cached_tokens included)
 
 
 class Result(_Out, tag="result"):

@@ -54,7 +54,7 @@ class RequestStream:
             return None
         if self._carry:
             delta = StreamDelta(delta.request_id, delta.text, self._carry + list(delta.token_ids),
-                                delta.finish_reason)
+                                delta.finish_reason, delta.usage)
             self._carry = []
         return delta
 

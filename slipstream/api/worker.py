@@ -260,7 +260,7 @@ class Worker:
             if msg.stream:
                 async for d in self.engine.stream(prompt, params, request_id=engine_id):
                     send(ident, Delta(request_id=rid, text=d.text, token_ids=d.token_ids,
-                                      finish_reason=d.finish_reason))
+                                      finish_reason=d.finish_reason, usage=d.usage))
             else:
                 out = await self.engine.complete(prompt, params, request_id=engine_id)
                 send(ident, Result(request_id=rid, output=output_to_wire(out, rid)))

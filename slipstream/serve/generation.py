@@ -175,7 +175,7 @@ async def _first(request: Request, deltas: AsyncIterator, grammar_param: str | N
 
 async def _stream_body(state: ServerState, rid: str, created: int, model: str, chat: bool, prompt_tokens: int,
                        first, deltas: AsyncIterator, include_usage: bool, t0: float, endpoint: str):
-    n_out, status, finish = 0, 200, None
+    n_out, status, finish, cached = 0, 200, None, 0
     chunk = render.chat_chunk if chat else render.completion_chunk
     task = asyncio.current_task()
     state.streams.add(task)
@@ -186,6 +186,8 @@ async def _stream_body(state: ServerState, rid: str, created: int, model: str, c
         while delta is not None:
             n_out += len(delta.token_ids)
             finish = delta.finish_reason
+            if delta.usage is not None:  # the last delta's (a backend may give none: then 0)
+                cached = delta.usage.cached_tokens
             if delta.text or finish is not None:
                 body = {"content": delta.text} if chat else delta.text
                 yield sse.event(chunk(rid, created, model, body, finish))
@@ -193,7 +195,7 @@ async def _stream_body(state: ServerState, rid: str, created: int, model: str, c
                 break
             delta = await anext(deltas, None)
         if include_usage:
-            yield sse.event(render.usage_chunk(rid, created, model, chat, prompt_tokens, n_out))
+            yield sse.event(render.usage_chunk(rid, created, model, chat, prompt_tokens, n_out, cached))
         yield sse.DONE
     except SlipstreamError as e:  # after the 200: the failure travels as an SSE error event
         err = from_slipstream(e)

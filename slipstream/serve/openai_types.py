@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from slipstream.params import MAX_N, MAX_TOP_LOGPROBS
+from slipstream.params import MAX_CACHE_SALT, MAX_N, MAX_TOP_LOGPROBS
 from slipstream.validate import CHAT_ROLES
 
 PositiveInt = Annotated[int, Meta(ge=1)]
@@ -75,6 +75,8 @@ class _Sampling(msgspec.Struct, kw_only=True):
     regex: Annotated[str, Meta(min_length=1)] | None = None
     choice: Annotated[list[Annotated[str, Meta(min_length=1)]], Meta(min_length=1)] | None = None
     grammar: GrammarField | None = None
+    # vLLM's field: requests share cached prompt pages only with requests of the same salt
+    cache_salt: Annotated[str, Meta(min_length=1, max_length=MAX_CACHE_SALT)] | None = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):

@@ -14,7 +14,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Hashable, Sequence, TypeVar
 
-from slipstream.scheduler.block_hash import block_hashes
+from slipstream.scheduler.block_hash import block_hashes, salt_key
 
 __all__ = ["block_hashes", "PrefixTable", "Choice", "choose"]
 
@@ -97,3 +97,10 @@ def _two_choices(candidates: Sequence[R], queue_len: Callable[[R], int | None], 
     pair = list(candidates) if len(candidates) <= 2 else rng.sample(list(candidates), 2)
     rng.shuffle(pair)  # unknown queue lengths: a random order, not always the first replica
     return sorted(pair, key=lambda c: (q if (q := queue_len(c)) is not None else 0))
+
+
+def request_hashes(ids: Sequence[int], page_size: int, params: object = None) -> list[bytes]:
+    """The chain a replica's prefix cache keys this request's pages by: salted with its
+    SamplingParams.cache_salt as the engine salts them (block_hash.salt_key). Requests with
+    different salts never share a replica's pages, so their prefixes must not attract each other."""
+    return block_hashes(ids, page_size, salt_key(getattr(params, "cache_salt", None)))

@@ -121,7 +121,10 @@ class RayBackend:
     async def stats(self) -> dict:
         per = await self._replica_stats()
         ok = [s for s in per if "error" not in s]
-        total = {k: sum(s.get(k, 0) for s in ok) for k in ("kv_pages_free", "kv_pages_total", "running", "waiting")}
+        total = {k: sum(s.get(k, 0) for s in ok) for k in ("kv_pages_free", "kv_pages_total", "running", "waiting",
+                                                           "prefix_cache_queries", "prefix_cache_hits")}
+        q = total["prefix_cache_queries"]  # each replica's own rate is in its entry below
+        total["prefix_cache_hit_rate"] = total["prefix_cache_hits"] / q if q else 0.0
         return {**total, "replicas": [{k: v for k, v in s.items() if k != "metrics"} for s in per]}
 
     async def metrics_text(self) -> str:

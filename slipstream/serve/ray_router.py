@@ -6,7 +6,8 @@ checked against 2.60). Each DeploymentHandle to the engine deployment (the HTTP 
 one) runs its own instance; the policy itself is `slipstream.serve.prefix_router`.
 
 The first positional argument of every routed call is the prompt's token ids (the ingress
-tokenizes), so the router hashes exactly the blocks the replica will cache.
+tokenizes) and the second its SamplingParams, so the router hashes exactly the blocks the replica
+will cache, salted by the request's cache_salt as the replica's cache salts them.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import List, Optional
 import structlog
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from slipstream.serve.prefix_router import PrefixTable, block_hashes, choose
+from slipstream.serve.prefix_router import PrefixTable, choose, request_hashes
 
 log = structlog.get_logger(__name__)
 
@@ -36,7 +37,8 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
         if rid not in self._hashes:
             if len(self._hashes) > 65536:  # requests cancelled before routing never reach on_request_routed
                 self._hashes.clear()
-            self._hashes[rid] = block_hashes(pending.args[0], self.page_size)
+            params = pending.args[1] if len(pending.args) > 1 else None
+            self._hashes[rid] = request_hashes(pending.args[0], self.page_size, params)
         return self._hashes[rid]
 
     async def choose_replicas(self, candidate_replicas: List[RunningReplica],

@@ -9,14 +9,18 @@ from slipstream.outputs import CompletionOutput
 FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """cached_tokens: prompt tokens served from the prefix cache (docs/prefix-caching.md)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def usage_of(outs: list[CompletionOutput]) -> dict:
-    """One request's usage over its n completions: the prompt counted once (as OpenAI does)."""
-    return usage(outs[0].usage.prompt_tokens, sum(o.usage.completion_tokens for o in outs))
+    """One request's usage over its n completions: the prompt counted once (as OpenAI does), and
+    its cached tokens those of choice 0 (each child of a fan-out prefills the prompt on its own)."""
+    return usage(outs[0].usage.prompt_tokens, sum(o.usage.completion_tokens for o in outs),
+                 outs[0].usage.cached_tokens)
 
 
 def token_strings(tokenizer: Any, ids: list[int]) -> list[str]:
@@ -94,6 +98,7 @@ def chat_chunk(rid: str, created: int, model: str, delta: dict, finish: str | No
                          "finish_reason": None if finish is None else FINISH[finish]}]}
 
 
-def usage_chunk(rid: str, created: int, model: str, chat: bool, prompt_tokens: int, completion_tokens: int) -> dict:
+def usage_chunk(rid: str, created: int, model: str, chat: bool, prompt_tokens: int, completion_tokens: int,
+                cached_tokens: int = 0) -> dict:
     return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-            "model": model, "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+            "model": model, "choices": [], "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}

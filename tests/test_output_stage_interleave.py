@@ -178,6 +178,7 @@ async def test_the_text_phase_sees_a_commit_whole_wherever_the_thread_runs(name)
 
 class _IdlePlanner:
     running, waiting, num_waiting = [], [], 0
+    prefix_cache = None
 
     def has_work(self):
         return False

@@ -5,9 +5,15 @@ import socket
 import urllib.request
 
 import pytest
-from worker_util import ENGINE, engine_config, ipc_address, start_worker
+from worker_util import ENGINE, ipc_address, start_worker
+from worker_util import engine_config as _worker_engine_config
 
 from slipstream import Client, Engine, SamplingParams
+
+
+def engine_config(**kw):
+    """The worker tests' config with prefix caching on (it is off by default for now)."""
+    return _worker_engine_config(**{"prefix_caching": True, **kw})
 
 PAGE = ENGINE["page_size"]
 PROMPT = [3 + (i * 7) % 250 for i in range(5 * PAGE)]  # 40 tokens: 4 full pages reusable (the last token never)
@@ -103,12 +109,13 @@ def test_ray_replica_relabels_the_hit_rate():
 
 
 @pytest.mark.parametrize("command", ["serve", "worker", "generate"])
-def test_no_prefix_caching_flag_reaches_the_config(command):
+def test_the_prefix_caching_flags_reach_the_config(command):
     from slipstream.cli import build_parser, engine_config as config_of
 
     parser = build_parser()
     extra = {"serve": [], "worker": ["--bind", "ipc:///tmp/unused.sock"], "generate": ["hello"]}[command]
-    assert config_of(parser.parse_args([command, *extra])).prefix_caching is True
+    assert config_of(parser.parse_args([command, *extra])).prefix_caching is False  # (off by default for now)
+    assert config_of(parser.parse_args([command, *extra, "--prefix-caching"])).prefix_caching is True
     assert config_of(parser.parse_args([command, *extra, "--no-prefix-caching"])).prefix_caching is False
 
 
@@ -125,7 +132,7 @@ def _port() -> int:
 def metered_worker(tmp_path_factory):
     d = tmp_path_factory.mktemp("worker")
     port = _port()
-    w = start_worker(ipc_address(d), d, "--metrics-port", str(port))
+    w = start_worker(ipc_address(d), d, "--metrics-port", str(port), "--prefix-caching")
     w.metrics_url = f"http://127.0.0.1:{port}/metrics"
     yield w
     w.stop()
@@ -165,7 +172,7 @@ TEXT = "The river rose in the night and by morning the lower fields were under w
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     s = ServeProc(tmp_path_factory.mktemp("serve"), "--model", "tiny-random", "--page-size", str(PAGE),
-                  "--batch-invariant")
+                  "--batch-invariant", "--prefix-caching")
     yield s
     s.stop()
 

@@ -21,7 +21,7 @@ requests with one of four long common prefixes (some with a cache salt), so the 
 prefix cache hits, evicts and shares pages under all of the above; the depth-1 reference engine
 runs with prefix caching off, so a wrong cached page shows as a mismatch.
 
-    python tools/soak.py --requests 2000 --rounds 2 --shared-prefixes   # issue 29 must-show 3
+    python tools/soak.py --requests 2000 --rounds 2 --shared-prefixes --prefix-caching   # issue 29
 """
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ class Report:
                     or self.rss_growth_mb > 64 or self.outcomes["EngineClosedError"])  # the engine must go on
 
 
-def engine_config(depth: int, output_stage: str = "loop", prefix_caching: bool = True) -> EngineConfig:
+def engine_config(depth: int, output_stage: str = "loop", prefix_caching: bool = False) -> EngineConfig:
     return EngineConfig(model="tiny-random", pipeline_depth=depth, max_batch_size=16, max_num_batched_tokens=64,
                         kv_cache_tokens=512, page_size=8, seed=7, output_stage=output_stage,
                         max_prompt_chars=MAX_PROMPT_CHARS, prefix_caching=prefix_caching)
@@ -236,7 +236,7 @@ def rss_mb() -> float:
 
 async def soak(requests: int, rounds: int = 3, seed: int = 0, rates: dict | None = None,
                deadline_s: float = 120.0, log=print, armed: dict[str, int] | None = None,
-               output_stage: str = "loop", slow_detok_s: float = 0.0) -> Report:
+               output_stage: str = "loop", slow_detok_s: float = 0.0, prefix_caching: bool = False) -> Report:
     """`armed`: faults that fire for sure at their point's next checks (random rates may not fire
     in a short run: how many checks happen depends on timing). `slow_detok_s`: each detokeniser
     call of the soaked engine sleeps that long first (the GIL released, as a slow tokenizer might)."""
@@ -248,7 +248,7 @@ async def soak(requests: int, rounds: int = 3, seed: int = 0, rates: dict | None
         faults.arm(point, times)
     # the depth-1 reference engine lives beside the soaked one, so each round is checked and then
     # dropped: RSS measures the engine, not results kept by this tool
-    async with (Engine(engine_config(2, output_stage)) as engine,
+    async with (Engine(engine_config(2, output_stage, prefix_caching)) as engine,
                 Engine(engine_config(1, prefix_caching=False)) as reference):
         install(engine, faults)
         submitted = _record_submissions(engine, slow_detok_s)
@@ -415,6 +415,7 @@ def main() -> int:
     ap.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval (s): shake the GIL")
     ap.add_argument("--stop-ids", type=float, nargs=2, default=STOP_IDS, metavar=("SHARE", "COUNT"),
                     help="share of requests given stop_token_ids, and how many (more requests end by a stop token)")
+    ap.add_argument("--prefix-caching", action="store_true", help="the soaked engine caches prefixes (off by default)")
     ap.add_argument("--shared-prefixes", action="store_true",
                     help=f"a share ({SHARED_RATE}) of requests start with one of four long common prefixes")
     args = ap.parse_args()
@@ -432,7 +433,8 @@ def main() -> int:
 
     print(header(provenance()), flush=True)  # command, commit (dirty?), versions, date, machine load
     report = uvloop.run(soak(args.requests, args.rounds, args.seed, {} if args.no_faults else None,
-                             output_stage=args.output_stage, slow_detok_s=args.slow_detok_ms / 1e3))
+                             output_stage=args.output_stage, slow_detok_s=args.slow_detok_ms / 1e3,
+                             prefix_caching=args.prefix_caching))
     print(format_report(report))
     return 0 if report.ok else 1
 

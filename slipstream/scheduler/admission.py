@@ -55,7 +55,6 @@ class Admission:
         self.pages.share(seq, hit)
         reused = len(hit) * self.pages.page_size
         seq.num_scheduled = seq.num_computed = seq.num_reused = reused
-        seq.num_cached_tokens = min(reused, len(seq.prompt_ids))
         seq.num_registered_pages = len(hit)
         if cache is not None:
             cache.count(seq, len(hit))

@@ -51,7 +51,6 @@ class Sequence:
     # prefix cache (scheduler/prefix_cache.py)
     cache_extra: bytes | None = b""  # extra key of its block hashes (the cache salt); None: no caching
     num_computed: int = 0
-    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the cache at its last admission
     num_reused: int = 0  # known tokens mapped from the cache at its last admission (its first chunk starts there)
     num_registered_pages: int = 0  # leading pages of `pages` the cache maps (registered or hit)
     block_hashes: list[bytes] = field(default_factory=list)  # chain hashes of its known full pages so far
@@ -59,6 +58,11 @@ class Sequence:
     # its grammar's matcher, set by the API layer at submit (the output stage advances it); the
     # scheduler builds grammar masks from it
     matcher: Matcher | None = None
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens whose K/V came from the cache at its last admission (usage.cached_tokens)."""
+        return min(self.num_reused, len(self.prompt_ids))
 
     @property
     def num_known(self) -> int:

@@ -24,6 +24,17 @@ pytestmark = pytest.mark.cuda
 PROMPTS = [[5 + i, 40 + 3 * i, 7, 99 - i, 12 + i] * (1 + i % 3) for i in range(8)]
 
 
+def record_launches(runner, launches: list) -> None:
+    """Each forward launch appended as (unmasked, sampled in the graph, decode only)."""
+    launch = runner.launch_forward
+
+    def recording(slot, step_id, packed, unmasked=False):
+        launch(slot, step_id, packed, unmasked)
+        launches.append((unmasked, slot.sampled_in_graph, packed.decode_only))
+
+    runner.launch_forward = recording
+
+
 def gpu(**kw):
     base = dict(model="tiny-random", device="cuda", max_batch_size=16, max_num_batched_tokens=64,
                 kv_cache_tokens=8192, page_size=8, graph_batch_sizes=(1, 4, 16))
@@ -168,13 +179,7 @@ def test_cuda_grammar_rows_at_depth_2_sample_late_and_switch_greedy_graphs_off(a
     async def go(cfg):
         async with Engine(cfg) as engine:
             runner = engine._parts.runner
-            launch = runner.launch_forward
-
-            def recording(slot, step_id, packed, unmasked=False):
-                launch(slot, step_id, packed, unmasked)
-                launches.append((unmasked, slot.sampled_in_graph, packed.decode_only))
-
-            runner.launch_forward = recording
+            record_launches(runner, launches)
             outs = await asyncio.gather(*(engine.complete(p, sp) for p, sp in reqs))
             return outs, runner
 

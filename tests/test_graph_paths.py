@@ -13,7 +13,7 @@ import torch
 from slipstream import Engine, EngineConfig, SamplingParams
 from slipstream.grammar import GrammarSpec, register_grammar, unregister_grammar
 from slipstream.runtime import cuda_graphs
-from test_cuda_paths import PROMPTS, _Alternating, tokens
+from test_cuda_paths import PROMPTS, _Alternating, record_launches, tokens
 from test_mixed_graphs import needs_triton
 
 CFG = dict(model="tiny-random", max_batch_size=6, max_num_batched_tokens=64, kv_cache_tokens=2048, page_size=8,
@@ -55,13 +55,7 @@ def run(reqs, graphs, depth=2, inspect=None, **kw):
             runner.model.set_kernel_backend("triton")  # what a graph holds: the device attention (interpreted here)
             if graphs:
                 cuda_graphs.install_graphs(runner, engine._parts.device, cfg)
-            launch = runner.launch_forward
-
-            def recording(slot, step_id, packed, unmasked=False):
-                launch(slot, step_id, packed, unmasked)
-                launches.append((unmasked, slot.sampled_in_graph, packed.decode_only))
-
-            runner.launch_forward = recording
+            record_launches(runner, launches)
             outs = await asyncio.gather(*(engine.complete(p, sp) for p, sp in reqs))
             return outs, runner, launches
 

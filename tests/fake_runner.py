@@ -22,6 +22,7 @@ import asyncio
 import inspect
 import random
 
+from slipstream.faults import InjectedFault
 from slipstream.runtime.step_slot import SlotState
 from slipstream.runtime.runner_api import SampledTokens
 from slipstream.scheduler.page_pool import PagePool
@@ -105,35 +106,60 @@ class RefereedRows(list):
         return row
 
 
+class FakeEvent(asyncio.Event):
+    error: BaseException | None = None  # the recording stream's error when it completed
+
+
 class FakeStream:
-    """FIFO work on an asyncio task; each item runs after 0..max_delay loop passes."""
+    """FIFO work on an asyncio task; each item runs after 0..max_delay loop passes. Like the real
+    streams (runtime/cpu_device.py), an item that raises makes the error sticky: later work is
+    skipped, events still complete and carry the error, until `clear_error` (the runner's recover)."""
 
     def __init__(self, rng: random.Random, max_delay: int):
         self.rng, self.max_delay = rng, max_delay
         self.queue: asyncio.Queue = asyncio.Queue()
         self.task: asyncio.Task | None = None
+        self.error: BaseException | None = None
 
-    def launch(self, fn) -> None:
+    def launch(self, fn, event_op: bool = False) -> None:
         if self.task is None:
             self.task = asyncio.get_running_loop().create_task(self._run())
-        self.queue.put_nowait(fn)
+        self.queue.put_nowait((fn, event_op))
 
-    def record(self) -> asyncio.Event:
-        event = asyncio.Event()
-        self.launch(event.set)
+    def record(self) -> FakeEvent:
+        event = FakeEvent()
+
+        def complete() -> None:
+            event.error = self.error
+            event.set()
+
+        self.launch(complete, event_op=True)
         return event
 
-    def wait(self, event: asyncio.Event) -> None:
-        self.launch(event.wait)
+    def wait(self, event: FakeEvent) -> None:
+        async def wait() -> None:
+            await event.wait()
+            if event.error is not None and self.error is None:
+                self.error = event.error
+
+        self.launch(wait, event_op=True)
+
+    def clear_error(self) -> None:
+        self.error = None
 
     async def _run(self) -> None:
         while True:
-            fn = await self.queue.get()
+            fn, event_op = await self.queue.get()
             for _ in range(self.rng.randint(0, self.max_delay)):
                 await asyncio.sleep(0)
-            result = fn()
-            if inspect.isawaitable(result):
-                await result
+            if self.error is not None and not event_op:
+                continue
+            try:
+                result = fn()
+                if inspect.isawaitable(result):
+                    await result
+            except Exception as e:  # noqa: BLE001 - kept, surfaced through events
+                self.error = e
 
 
 class FakeSlot:
@@ -142,7 +168,7 @@ class FakeSlot:
         self.contexts: list[list[int]] = []
         self.sampled: dict[int, int] = {}
         self.host_result: list[int] | None = None
-        self.copied: asyncio.Event | None = None
+        self.copied: FakeEvent | None = None
 
     @property
     def is_free(self) -> bool:
@@ -167,6 +193,7 @@ class FakeRunner:
         self._rng = random.Random(seed)
         self._max_delay = max_delay
         self._streams: tuple[FakeStream, FakeStream] | None = None
+        self.fail_steps: set[int] = set()  # step ids whose forward raises (before its row-table writes)
 
     @property
     def streams(self) -> tuple[FakeStream, FakeStream]:
@@ -202,6 +229,8 @@ class FakeRunner:
         self.referee.steps[step_id] = (pages, set(seq_rows), written)
 
         def forward() -> None:  # reads the row tables as they are when it runs (stream order)
+            if step_id in self.fail_steps:
+                raise InjectedFault(f"injected forward fault (at {step_id})")
             for row, index, page in writes:
                 self._apply_page(self.dev_pages, row, index, page)
             tokens_at = []  # (row, position, token)
@@ -245,19 +274,20 @@ class FakeRunner:
         compute.launch(sample)
         if final:
             copy.wait(compute.record())  # the copy waits for exactly this step's sampling
-            slot.copied = asyncio.Event()
 
             def copy_out() -> None:
                 slot.host_result = [slot.sampled[i] for i in range(n)]
-                slot.copied.set()
 
             copy.launch(copy_out)
+            slot.copied = copy.record()  # carries a failed stream's error to read_sampled
 
     def is_done(self, slot) -> bool:
         return slot.copied is not None and slot.copied.is_set()
 
     async def read_sampled(self, slot) -> SampledTokens:
         await slot.copied.wait()
+        if getattr(slot.copied, "error", None) is not None:
+            raise slot.copied.error
         self.referee.steps.pop(slot.step_id)
         return SampledTokens(slot.host_result, [0.0] * len(slot.host_result))
 
@@ -266,6 +296,8 @@ class FakeRunner:
             await stream.record().wait()
 
     def recover(self, slots) -> bool:
+        for stream in self.streams:
+            stream.clear_error()
         for slot in slots:
             self.referee.steps.pop(slot.step_id, None)
             slot.release()

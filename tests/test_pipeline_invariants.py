@@ -10,6 +10,7 @@ import asyncio
 import pytest
 
 from fake_runner import EOS, FakeRunner, RefereedPool, RefereedRows, make_prompt, reference
+from slipstream.errors import StepFailedError
 from slipstream.outputs import CompletionOutput, RequestMetrics
 from slipstream.params import SamplingParams
 from slipstream.runtime.batch import SamplingRow
@@ -48,9 +49,11 @@ def make_seq(rid, prompt, max_tokens, cache_extra=b""):
 
 
 async def run_workload(depth, requests, num_pages=64, max_batch=4, step_tokens=16, seed=0, instrument=None,
-                       prefix_caching=False):
-    """requests: list of (prompt, max_tokens, arrive_after_yields, abort_after_yields|None[, cache_extra])."""
+                       prefix_caching=False, fail_steps=()):
+    """requests: list of (prompt, max_tokens, arrive_after_yields, abort_after_yields|None[, cache_extra]).
+    fail_steps: step ids whose forward raises on the fake device (their requests fail)."""
     loop, pool = make_loop(depth, num_pages, max_batch, step_tokens, seed, prefix_caching)
+    loop.runner.fail_steps = set(fail_steps)
     if instrument is not None:
         instrument(loop)
     task = asyncio.create_task(loop.run())
@@ -67,7 +70,7 @@ async def run_workload(depth, requests, num_pages=64, max_batch=4, step_tokens=1
             loop.abort(seq)
         while True:
             item = await seq.user.queue.get()
-            if isinstance(item, CompletionOutput):
+            if isinstance(item, (CompletionOutput, StepFailedError)):
                 results[i] = (item, seq)
                 return
 
@@ -81,7 +84,9 @@ def check_results(requests, results, loop, pool):
     for i, (prompt, max_tokens, _, abort_after, *_) in enumerate(requests):
         out, seq = results[i]
         want = reference(prompt, max_tokens)
-        if out.finish_reason == "abort":
+        if isinstance(out, StepFailedError):
+            assert loop.failed_steps > 0, f"request {i} failed without an injected fault"
+        elif out.finish_reason == "abort":
             assert abort_after is not None
             assert out.token_ids == want[: len(out.token_ids)]  # a prefix: nothing wrong, nothing extra
         else:
@@ -177,6 +182,22 @@ def test_random_finish_points_arrivals_and_aborts(reqs, depth, num_pages, max_ba
     check_results(requests, results, loop, pool)
     if depth == 1 and all(r[3] is None for r in requests):
         assert loop.pipeline.zombie_commits == 0  # without aborts, zombies need a step launched ahead
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(reqs=st.lists(request, min_size=1, max_size=10), depth=st.sampled_from([1, 2]),
+       num_pages=st.integers(12, 40), max_batch=st.integers(1, 5), step_tokens=st.integers(5, 24),
+       device_seed=st.integers(0, 2**16), fail_steps=st.sets(st.integers(0, 40), max_size=4),
+       prefix_caching=st.booleans())
+def test_failed_steps_fail_only_their_requests(reqs, depth, num_pages, max_batch, step_tokens, device_seed,
+                                               fail_steps, prefix_caching):
+    """A failed step's row-table writes never happen on the device, including the page-table entries
+    it carried for sequences that were not in it: those must reach the device with a later step, or
+    the survivors read and write K/V through stale entries (wrong tokens, corrupted cached pages)."""
+    requests = [(make_prompt(n, eos, salt), mt, arrive, abort) for salt, (n, eos, mt, arrive, abort) in enumerate(reqs)]
+    results, loop, pool = asyncio.run(run_workload(depth, requests, num_pages, max_batch, step_tokens, device_seed,
+                                                   prefix_caching=prefix_caching, fail_steps=fail_steps))
+    check_results(requests, results, loop, pool)
 
 
 class _DoneAtOnce:

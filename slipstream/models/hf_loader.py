@@ -11,7 +11,6 @@ import torch
 
 from slipstream.errors import CorruptModelError, ModelNotFoundError, UnsupportedArchitectureError
 from slipstream.models.config import ModelConfig, llama3_rope_factors
-from slipstream.models.idefics3.config import is_idefics3
 from slipstream.models.tokenizer import Tokenizer
 
 
@@ -139,8 +138,7 @@ def read_safetensors(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor
 def load_hf_folder(
     path: str | Path, dtype: torch.dtype = torch.float32, name: str | None = None
 ) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
-    """Read a HF Llama folder; tensors are converted to `dtype`, a tied lm_head is dropped. An
-    Idefics3 folder gives its decoder's config with the vision tower's (slipstream/models/idefics3/)."""
+    """Read a HF Llama folder; tensors are converted to `dtype`, a tied lm_head is dropped."""
     folder = Path(path)
     if not folder.is_dir():
         raise ModelNotFoundError(f"{folder}: no such model folder")
@@ -154,10 +152,6 @@ def load_hf_folder(
         raise CorruptModelError(f"{cfg_path}: not valid JSON ({exc})") from exc
     if not isinstance(cfg, dict):
         raise CorruptModelError(f"{cfg_path}: expected a JSON object")
-    if is_idefics3(cfg):  # a vision-language folder: the decoder is its text part
-        from slipstream.models.idefics3.loader import load_idefics3_folder
-
-        return load_idefics3_folder(folder, cfg, dtype, name or folder.name)
     config = config_from_hf(cfg, name or folder.name, cfg_path)
     weights = read_safetensors(folder, dtype)
     if config.tie_word_embeddings:

@@ -64,6 +64,16 @@ def is_idefics3(cfg: Mapping[str, Any]) -> bool:
     return any(a in ARCHITECTURES for a in cfg.get("architectures") or []) or cfg.get("model_type") in MODEL_TYPES
 
 
+def is_idefics3_folder(folder: Path) -> bool:
+    """Whether the folder's config.json names Idefics3; an unreadable one is left to the Llama loader
+    to report."""
+    try:
+        cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(cfg, dict) and is_idefics3(cfg)
+
+
 def text_config_dict(cfg: Mapping[str, Any], source: Path | str) -> dict[str, Any]:
     """The decoder's part of an Idefics3 config.json, as a Llama config dict for hf_loader.config_from_hf."""
     text = cfg.get("text_config")

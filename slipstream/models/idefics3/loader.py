@@ -92,9 +92,17 @@ def _tokenizer(folder: Path, config: ModelConfig) -> tuple[ModelConfig, Tokenize
     return config, tokenizer
 
 
-def load_idefics3_folder(folder: Path, cfg: Mapping[str, Any], dtype: torch.dtype, name: str
+def load_idefics3_folder(path: str | Path, dtype: torch.dtype = torch.float32, name: str | None = None
                          ) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
-    config = idefics3_config(folder, cfg, name)
+    """As hf_loader.load_hf_folder, for an Idefics3 folder: the config carries image_token_id and
+    the vision tower's config, the weights the tower's tensors under `vision.*`."""
+    folder = Path(path)
+    cfg_path = folder / "config.json"
+    try:
+        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise CorruptModelError(f"{cfg_path}: not valid JSON ({exc})") from exc
+    config = idefics3_config(folder, cfg, name or folder.name)
     weights = rename_weights(read_safetensors(folder, dtype), folder)
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)

@@ -107,6 +107,20 @@ def test_vision_features_match_get_image_features(hf, ours):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_vision_features_of_partly_padded_tiles_match(hf, ours):
+    """Tiles with padding (the processor never makes them, a caller may): positions stretched over
+    the valid patches and padding keys masked, as transformers does."""
+    _, hf_model = hf
+    vision = ours[0].vision
+    pixels = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 64, 64, dtype=torch.bool)
+    mask[0, 24:] = False  # 2 of 4 patch rows valid (a patch with any valid pixel is valid)
+    mask[1, :, 20:] = False  # 2 of 4 patch columns valid
+    with torch.no_grad():
+        want = hf_model.model.get_image_features(pixels[None], mask[None]).pooler_output[0]
+    torch.testing.assert_close(vision.encode(pixels, mask), want, atol=1e-5, rtol=1e-5)
+
+
 def test_vision_encode_masks_padding_patches(ours):
     """A tile whose lower half is padding: its valid patches see only each other (the mask reaches
     attention), so the padding's pixels do not matter."""

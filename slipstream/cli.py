@@ -62,9 +62,9 @@ def add_engine_args(p: argparse.ArgumentParser, log_level: str = "warning") -> N
     p.add_argument("--batch-invariant", action="store_true",
                    help="CPU: results independent of batch composition and pipeline depth (row padding, "
                         "float64 attention; slower: docs/architecture.md)")
-    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV pages of a cached prompt prefix instead of recomputing every prompt from "
-                        "its first token (off by default for now: docs/prefix-caching.md)")
+                        "its first token (on by default; --no-prefix-caching turns it off: docs/prefix-caching.md)")
     add_log_args(p, log_level)
 
 
@@ -74,7 +74,7 @@ def engine_config(args, **overrides):
     fields = dict(model=args.model, device=args.device, dtype=args.dtype, pipeline_depth=args.pipeline_depth,
                   kv_cache_tokens=getattr(args, "kv_cache_tokens", None),
                   batch_invariant=getattr(args, "batch_invariant", False),
-                  prefix_caching=getattr(args, "prefix_caching", False))
+                  prefix_caching=getattr(args, "prefix_caching", True))
     fields.update(overrides)
     return EngineConfig(**fields)
 

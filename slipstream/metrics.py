@@ -20,7 +20,7 @@ Every series carries a `model` label (EngineConfig.model). Series (seconds unles
   slipstream_prefix_cache_hit_rate        hits / queries since the start (0 before any query)
   slipstream_prefix_cache_cached_pages    pages registered in the cache (in use or hittable in its LRU)
   slipstream_prefix_cache_evictions_total cached pages the pool took back for new work
-  (the five prefix_cache series exist only with EngineConfig(prefix_caching=True); docs/prefix-caching.md)
+  (the five prefix_cache series exist only while EngineConfig.prefix_caching is on, the default; docs/prefix-caching.md)
 Throughput is a rate of the counters, e.g. rate(slipstream_generation_tokens_total[1m]).
 Periods that span an idle engine (nothing to run) are not observed: they are not steps.
 

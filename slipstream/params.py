@@ -155,7 +155,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, met
     freeze_gc: bool = True  # gc.freeze() what exists at start: collections skip the model and libraries
     # reuse the K/V of full pages of a shared prompt prefix (docs/prefix-caching.md). Off by default until
     # a soak mismatch after injected step failures is explained (docs/prefix-caching.md, "Known issue")
-    prefix_caching: bool = False
+    prefix_caching: bool = True  # docs/prefix-caching.md; SamplingParams.prefix_caching opts one request out
     step_timeout_s: float = 300.0  # watchdog: a launched step not done by then fails the engine, with its state logged
     # --- CUDA only (docs/cuda.md) ---
     gpu_memory_utilization: float = 0.9  # share of free memory (after weights + a profiling forward) for KV

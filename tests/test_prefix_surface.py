@@ -114,7 +114,7 @@ def test_the_prefix_caching_flags_reach_the_config(command):
 
     parser = build_parser()
     extra = {"serve": [], "worker": ["--bind", "ipc:///tmp/unused.sock"], "generate": ["hello"]}[command]
-    assert config_of(parser.parse_args([command, *extra])).prefix_caching is False  # (off by default for now)
+    assert config_of(parser.parse_args([command, *extra])).prefix_caching is True  # on by default
     assert config_of(parser.parse_args([command, *extra, "--prefix-caching"])).prefix_caching is True
     assert config_of(parser.parse_args([command, *extra, "--no-prefix-caching"])).prefix_caching is False
 

@@ -159,9 +159,11 @@ class MoondreamConfig:
                                                       "proj_inner_dim": "proj_inner_size"})
             region = _pick(MoondreamRegionConfig, r, {"coord_feat_dim": "coord_feat_dim", "coord_out_dim": "coord_bins",
                                                       "size_feat_dim": "size_feat_dim", "inner_dim": "inner_size"},
-                           ignore={"dim", "group_size"})
-            if "size_out_dim" in r:
+                           ignore={"dim", "group_size", "size_out_dim"})
+            if "size_out_dim" in r:  # (width, height) logits: two halves
                 region["size_bins"] = int(r["size_out_dim"]) // 2
+            if r.get("dim", text.get("hidden_size", 2048)) != text.get("hidden_size", 2048):
+                raise ValueError(f"region dim {r['dim']} is not the text width {text.get('hidden_size', 2048)}")
             eos = tok.get("eos_id", 0)
             config = cls(vision=MoondreamVisionConfig(**vision),
                          text=MoondreamTextConfig(**text, bos_token_id=tok.get("bos_id", 0), eos_token_ids=(eos,),

@@ -11,11 +11,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
-from PIL import Image
 
 from slipstream.models.moondream.config import MoondreamVisionConfig
+
+if TYPE_CHECKING:  # Pillow is imported where an image is cut: a text-only install need not have it
+    from PIL import Image
 
 
 @dataclass(frozen=True)
@@ -44,8 +48,10 @@ def select_tiling(height: int, width: int, window: int, max_crops: int) -> tuple
     return max(1, rows), max(1, cols)
 
 
-def overlap_crops(image: Image.Image, config: MoondreamVisionConfig) -> tuple[np.ndarray, tuple[int, int]]:
+def overlap_crops(image: "Image.Image", config: MoondreamVisionConfig) -> tuple[np.ndarray, tuple[int, int]]:
     """uint8 crops [1 + rows * cols, crop, crop, 3] (global first, then row-major) and (rows, cols)."""
+    from PIL import Image
+
     rgb = np.asarray(image.convert("RGB"))
     height, width = rgb.shape[:2]
     crop = config.crop_size
@@ -64,7 +70,7 @@ def overlap_crops(image: Image.Image, config: MoondreamVisionConfig) -> tuple[np
     return crops, (rows, cols)
 
 
-def preprocess(image: Image.Image, config: MoondreamVisionConfig) -> MoondreamImage:
+def preprocess(image: "Image.Image", config: MoondreamVisionConfig) -> MoondreamImage:
     crops, tiling = overlap_crops(image, config)
     pixels = torch.from_numpy(np.ascontiguousarray(crops.transpose(0, 3, 1, 2))).float()
     return MoondreamImage(pixel_values=pixels.div(255.0).sub(0.5).div(0.5), tiling=tiling,

@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-from PIL import Image
 from torch import nn
 
 from slipstream.errors import UnsupportedArchitectureError
@@ -20,6 +19,8 @@ from slipstream.models.moondream.text import MoondreamText
 from slipstream.models.moondream.vision import VisionEncoder
 
 if TYPE_CHECKING:
+    from PIL import Image
+
     from slipstream.models.llama import ForwardBatch, KVCache
 
 
@@ -66,7 +67,7 @@ class MoondreamForCausalLM(nn.Module):
     def forward(self, batch: "ForwardBatch", kv: "KVCache") -> torch.Tensor:
         return self.forward_hidden(batch, kv)[0]
 
-    def preprocess(self, image: Image.Image) -> MoondreamImage:
+    def preprocess(self, image: "Image.Image") -> MoondreamImage:
         return preprocess(image, self.moondream_config.vision)
 
     def encode_image(self, image: MoondreamImage) -> torch.Tensor:

@@ -41,9 +41,11 @@ class PartialRotary(nn.Module):
     def __init__(self, config: MoondreamTextConfig):
         super().__init__()
         self.rotary_dim = d = config.rotary_dim
-        cpu = torch.device("cpu")  # real values even when the model is built on the meta device
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=cpu) / d))
-        freqs = torch.outer(torch.arange(config.max_position_embeddings, dtype=torch.float32, device=cpu), inv_freq)
+        # on the CPU: real values even when the model is built on the meta device; in float64, then
+        # rounded once to the model dtype (model.to), so a float64 model gets exact tables
+        cpu, f64 = torch.device("cpu"), torch.float64
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=f64, device=cpu) / d))
+        freqs = torch.outer(torch.arange(config.max_position_embeddings, dtype=f64, device=cpu), inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)

@@ -461,8 +461,8 @@ def test_select_tiling_cases():
     assert select_tiling(300, 300, 266, 12) == (3, 3)  # square: floor(sqrt(12)) each way
     assert select_tiling(200, 5000, 266, 12) == (1, 1)  # a side within one window
     assert select_tiling(700, 2000, 266, 12) == (2, 5)  # 3x8 needed > 12: both scaled by sqrt(12/24), floored
-    assert select_tiling(600, 1200, 266, 12) == (3, 4)  # aspect grid 2x4, raised to the needed 3 rows, fits
-    assert select_tiling(300, 1200, 266, 12) == (2, 6)  # aspect grid 2x6 (needs 2x5)
+    assert select_tiling(600, 1000, 266, 12) == (3, 4)  # aspect grid 2x4, raised to the 3 rows needed
+    assert select_tiling(300, 1300, 266, 12) == (2, 6)  # aspect 1x7 raised to 2x7 > 12: columns given back
 
 
 def test_crops_are_windows_of_the_resized_image_with_overlap():

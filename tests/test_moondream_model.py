@@ -282,26 +282,25 @@ PAGE = 4
 class Paged:
     """One sequence on a shuffled page table; each call forwards one chunk and samples its last row."""
 
-    def __init__(self, model, prefix: int, num_pages: int = 16, seed: int = 1, kv=None):
-        self.model = model
-        self.prefix = prefix
+    def __init__(self, model, prefix: int, num_pages: int = 16, seed: int = 1, dtype=D, device="cpu"):
+        self.model, self.prefix, self.device = model, prefix, torch.device(device)
         self.pages = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed)).tolist()
-        self.kv = kv or KVCache(model.config, num_pages, PAGE, D, "cpu")
+        self.kv = KVCache(model.config, num_pages, PAGE, dtype, self.device)
         self.kv.k.fill_(float("nan"))  # attention must never read a slot no forward wrote
         self.kv.v.fill_(float("nan"))
         self.pos = 0
 
     def step(self, ids, embeds: dict[int, torch.Tensor] | None = None):
-        q = len(ids)
-        positions = torch.arange(self.pos, self.pos + q)
-        kv_indices = torch.tensor([self.pages[p // PAGE] * PAGE + p % PAGE for p in positions.tolist()])
+        q, dev = len(ids), self.device
+        positions = torch.arange(self.pos, self.pos + q, device=dev)
+        kv_indices = torch.tensor([self.pages[p // PAGE] * PAGE + p % PAGE for p in positions.tolist()], device=dev)
         meta = AttentionMetadata(query_start=[0, q], kv_lens=[self.pos + q], page_tables=[self.pages], page_size=PAGE,
                                  bidirectional_lens=[self.prefix])
-        batch = ForwardBatch(input_ids=torch.tensor(ids), positions=positions, kv_indices=kv_indices,
-                             sample_indices=torch.tensor([q - 1]), attn=meta)
+        batch = ForwardBatch(input_ids=torch.tensor(ids, device=dev), positions=positions, kv_indices=kv_indices,
+                             sample_indices=torch.tensor([q - 1], device=dev), attn=meta)
         if embeds:  # issue 30's embedding override (set as attributes: this branch's ForwardBatch may predate it)
-            batch.embed_rows = torch.tensor(sorted(embeds))
-            batch.embeds = torch.stack([embeds[r] for r in sorted(embeds)])
+            batch.embed_rows = torch.tensor(sorted(embeds), device=dev)
+            batch.embeds = torch.stack([embeds[r] for r in sorted(embeds)]).to(dev)
         self.pos += q
         logits, hidden = self.model.forward_hidden(batch, self.kv)
         return logits[0], hidden[0]
@@ -592,3 +591,30 @@ def test_released_config_sizes():
     assert m.region.coord_encoder.weight.shape == (2048, 256) and m.region.size_decoder.fc2.weight.shape == (2048, 8192)
     assert m.vision.proj_mlp.fc1.weight.shape == (8192, 2 * 1152) and m.vision.patch_emb.weight.shape == (1152, 588)
     assert m.text.blocks[0].attn.qkv.weight.shape == (3 * 2048, 2048)
+
+
+@pytest.mark.cuda
+def test_cuda_logits_and_region_heads_without_a_host_sync(weights):
+    """On a GPU: the float32 model's logits of an image prompt match the float64 CPU model, and the
+    region heads (decode and encode) run with torch's sync debug mode set to error, i.e. no
+    device-to-host read."""
+    cuda = torch.device("cuda")
+    cpu_model = MoondreamForCausalLM.from_weights(CFG, dict(weights), D, "cpu")
+    gpu_model = MoondreamForCausalLM.from_weights(CFG, {k: v.float() for k, v in weights.items()}, torch.float32, cuda)
+    ids, embeds, _ = image_prompt(cpu_model, sample_image(), [7, 8, 9, 3])
+    ref_logits, ref_hidden = Paged(cpu_model, prefix=CFG.prefix_len).step(ids, embeds)
+
+    gpu = Paged(gpu_model, prefix=CFG.prefix_len, dtype=torch.float32, device=cuda)
+    logits, hidden = gpu.step(ids, {r: e.float() for r, e in embeds.items()})
+    torch.testing.assert_close(logits.cpu(), ref_logits.float(), rtol=1e-3, atol=1e-3)
+    hidden = hidden[None].repeat(4, 1)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        x = gpu_model.region.decode_coordinate(hidden)
+        wh = gpu_model.region.decode_size(hidden)
+        e = gpu_model.region.encode_coordinate(x) + gpu_model.region.encode_size(wh)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert e.device.type == "cuda" and e.shape == (4, CFG.text.hidden_size)
+    assert x.cpu()[0].item() == cpu_model.region.decode_coordinate(ref_hidden[None]).item()

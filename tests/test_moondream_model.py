@@ -15,7 +15,6 @@ import math
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 from slipstream.errors import CorruptModelError, UnsupportedArchitectureError
 from slipstream.models.attention import AttentionMetadata, paged_attention_reference

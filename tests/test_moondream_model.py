@@ -399,6 +399,12 @@ def test_bidirectional_prefix_in_one_chunk_and_later_chunks(prefix):
                 paged_attention_reference(q[lo:hi], k_cache, v_cache, AttentionMetadata([0, hi - lo], [hi], [pages], PAGE),
                                           plain[lo:hi])
             assert torch.equal(out, plain)
+    # a chunk may start inside the prefix when its first positions are reused from a cache (their K/V
+    # were computed with the whole prefix), as long as it reaches the prefix end
+    out = torch.zeros_like(q)
+    meta = AttentionMetadata([0, t - 2], [t], [pages], PAGE, bidirectional_lens=[prefix])
+    paged_attention_reference(q[2:], k_cache, v_cache, meta, out[2:])
+    torch.testing.assert_close(out[2:], ref[2:], rtol=1e-12, atol=1e-12)
 
 
 def test_bidirectional_prefix_beside_plain_sequences_and_its_refusal():

@@ -123,7 +123,7 @@ class MoondreamConfig:
     @classmethod
     def tiny(cls) -> "MoondreamConfig":
         """The moondream2 layout at test size: 28-px crops of 7-px patches (a 4x4 grid, 16 image
-        tokens, margin 1), 2 vision and 2 text layers, small widths, a 2x-inner region MLP."""
+        tokens, margin 1), 2 vision and 2 text layers, small widths, 32 bins per region decoder."""
         return cls(
             vision=MoondreamVisionConfig(crop_size=28, patch_size=7, num_layers=2, hidden_size=32,
                                          intermediate_size=48, num_heads=4, max_crops=4, overlap_margin=1,

@@ -37,6 +37,10 @@ class AttentionMetadata:
     page_size: int
     on_device: "DeviceAttentionMetadata | None" = None  # what GPU kernels read (and graphs capture)
     cpu_plan: "CPUAttentionPlan | None" = None  # built on first use by the reference path, shared by layers
+    # Per sequence, how many leading positions attend to each other both ways (Moondream's BOS + image
+    # prefix); None or 0 is plain causal. Only the reference path honours it, and only when a chunk
+    # holds the whole prefix: a later key cannot be attended to before it is computed.
+    bidirectional_lens: "list[int] | None" = None
 
     @property
     def num_seqs(self) -> int:
@@ -114,6 +118,7 @@ def paged_attention_reference(
     cd = compute_dtype or q.dtype
     # Invariance needs each sequence's arithmetic alone (a padded batch changes the reduction).
     plan = cpu_plan(meta, q.device, batched=compute_dtype is None)
+    prefixes = _bidirectional_prefixes(meta)
     if plan.padded is not None:
         return _decode_batched(q, k_cache, v_cache, plan, out)
     for s in range(meta.num_seqs):
@@ -123,7 +128,10 @@ def paged_attention_reference(
         k = k_cache.index_select(0, kv_indices).transpose(0, 1).unsqueeze(0).to(cd)  # [1, kv_heads, L, D]
         v = v_cache.index_select(0, kv_indices).transpose(0, 1).unsqueeze(0).to(cd)
         qs = q[q_lo:q_hi].transpose(0, 1).unsqueeze(0).to(cd)  # [1, heads, q_len, D]
-        if q_len == 1:
+        if prefixes[s]:
+            mask = bidirectional_prefix_mask(q_len, kv_len, prefixes[s], q.device)
+            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, enable_gqa=True)
+        elif q_len == 1:
             o = F.scaled_dot_product_attention(qs, k, v, enable_gqa=True)
         elif q_len == kv_len:
             o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, enable_gqa=True)
@@ -133,6 +141,35 @@ def paged_attention_reference(
             o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, enable_gqa=True)
         out[q_lo:q_hi] = o[0].transpose(0, 1)
     return out
+
+
+def _bidirectional_prefixes(meta: AttentionMetadata) -> list[int]:
+    """Per sequence, the bidirectional prefix length this chunk must honour: 0 where plain causal
+    attention gives the same result (no prefix, or the chunk's queries all sit past it). Raises
+    ValueError for a chunk that has queries inside a prefix whose end it has not reached yet."""
+    if not meta.bidirectional_lens:
+        return [0] * meta.num_seqs
+    if len(meta.bidirectional_lens) != meta.num_seqs:
+        raise ValueError(f"bidirectional_lens has {len(meta.bidirectional_lens)} entries for {meta.num_seqs} sequences")
+    out = []
+    for s, prefix in enumerate(meta.bidirectional_lens):
+        q_len, kv_len = meta.query_start[s + 1] - meta.query_start[s], meta.kv_lens[s]
+        first = kv_len - q_len  # position of the chunk's first query
+        if prefix <= 1 or first >= prefix or q_len == 0:
+            out.append(0)
+        elif kv_len < prefix:
+            raise ValueError(f"sequence {s}: a chunk ending at {kv_len} splits its bidirectional prefix of "
+                             f"{prefix} positions; the prefix must be computed in one chunk")
+        else:
+            out.append(prefix)
+    return out
+
+
+def bidirectional_prefix_mask(q_len: int, kv_len: int, prefix: int, device: torch.device) -> torch.Tensor:
+    """[q_len, kv_len] bool: query at position p sees key j when j <= p, or when both lie in the prefix."""
+    q_pos = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
+    k_pos = torch.arange(kv_len, device=device)[None, :]
+    return (k_pos <= q_pos) | ((q_pos < prefix) & (k_pos < prefix))
 
 
 def _decode_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: CPUAttentionPlan,

@@ -1,0 +1,75 @@
+"""Moondream 2 as one module: the vision encoder, the text decoder and the region heads.
+
+`forward(batch, kv) -> logits` is the runtime's contract (the Llama family's); `forward_hidden`
+adds the sampled rows' last hidden state for the region heads. `config` is the text section (it has
+ModelConfig's field names, which the runtime reads); `moondream_config` is the whole layout.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from slipstream.errors import UnsupportedArchitectureError
+from slipstream.models.moondream.config import MoondreamConfig
+from slipstream.models.moondream.image import MoondreamImage, preprocess
+from slipstream.models.moondream.region import RegionHeads
+from slipstream.models.moondream.text import MoondreamText
+from slipstream.models.moondream.vision import VisionEncoder
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+    from slipstream.models.llama import ForwardBatch, KVCache
+
+
+class MoondreamForCausalLM(nn.Module):
+    def __init__(self, config: MoondreamConfig):
+        super().__init__()
+        self.moondream_config = config
+        self.config = config.text
+        self.vision = VisionEncoder(config.vision)
+        self.text = MoondreamText(config.text)
+        self.region = RegionHeads(config.region, config.text.hidden_size)
+        self.backend = "reference"
+
+    @classmethod
+    def from_weights(cls, config: MoondreamConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                     device) -> "MoondreamForCausalLM":
+        """From a state dict in our module names (weights.to_module_names maps the public ones)."""
+        with torch.device("meta"):
+            model = cls(config)
+        model.load_state_dict(weights, strict=True, assign=True)
+        # the rotary tables were built on the CPU (not meta): .to() moves them with the weights
+        return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+    def set_attention_dtype(self, dtype: torch.dtype | None) -> None:
+        for block in self.text.blocks:
+            block.attn.compute_dtype = dtype
+
+    def set_kernel_backend(self, backend: str, options=None) -> None:
+        if backend == "reference":
+            self.backend = backend
+            return
+        if backend == "triton":
+            raise UnsupportedArchitectureError(
+                "moondream runs on the reference kernel backend only: the triton attention kernel does not "
+                "implement the bidirectional image prefix (AttentionMetadata.bidirectional_lens) yet")
+        raise ValueError(f"kernel backend must be 'reference' or 'triton', got {backend!r}")
+
+    def forward_hidden(self, batch: "ForwardBatch", kv: "KVCache") -> tuple[torch.Tensor, torch.Tensor]:
+        """(float32 logits [N, vocab], hidden [N, hidden] in the model dtype) for batch.sample_indices;
+        the hidden state is the one the region heads decode (before the final LayerNorm)."""
+        hidden = self.text.hidden(batch, kv).index_select(0, batch.sample_indices)
+        return self.text.logits(hidden), hidden
+
+    def forward(self, batch: "ForwardBatch", kv: "KVCache") -> torch.Tensor:
+        return self.forward_hidden(batch, kv)[0]
+
+    def preprocess(self, image: "Image.Image") -> MoondreamImage:
+        return preprocess(image, self.moondream_config.vision)
+
+    def encode_image(self, image: MoondreamImage) -> torch.Tensor:
+        """[tokens_per_image, hidden] embeddings for the image positions of a prompt."""
+        return self.vision.encode(image.pixel_values, image.tiling)

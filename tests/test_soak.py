@@ -6,7 +6,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
-from soak import format_report, soak  # noqa: E402
+from soak import engine_config, format_report, soak  # noqa: E402
 
 
 async def test_soak_500_requests_with_faults():
@@ -17,3 +17,10 @@ async def test_soak_500_requests_with_faults():
     assert report.compared > 200 and not report.mismatches
     assert report.preemptions > 0 and report.failed_steps > 0  # the faults and the small pool did happen
     assert report.outcomes["cancelled"] > 0 and report.outcomes["abort"] > 0
+
+
+def test_the_soak_compares_batch_invariant_engines_with_caching_on():
+    # a seeded row one ulp from its top-p boundary samples another token in another batch on the
+    # fast CPU path: only invariant engines make "equal to depth 1" exact (docs/prefix-caching.md)
+    assert engine_config(2).batch_invariant and engine_config(1).batch_invariant
+    assert engine_config(2, prefix_caching=True).prefix_caching

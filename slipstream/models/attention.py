@@ -118,9 +118,9 @@ def paged_attention_reference(
     cd = compute_dtype or q.dtype
     # Invariance needs each sequence's arithmetic alone (a padded batch changes the reduction).
     plan = cpu_plan(meta, q.device, batched=compute_dtype is None)
-    prefixes = _bidirectional_prefixes(meta)
-    if plan.padded is not None:
+    if plan.padded is not None:  # (one query per sequence: a prefix never changes its mask)
         return _decode_batched(q, k_cache, v_cache, plan, out)
+    prefixes = _bidirectional_prefixes(meta)
     for s in range(meta.num_seqs):
         q_lo, q_hi = meta.query_start[s], meta.query_start[s + 1]
         q_len, kv_len = q_hi - q_lo, meta.kv_lens[s]

@@ -35,6 +35,10 @@ class ForwardBatch:
     kv_indices: torch.Tensor  # [T] int64, the KV index each token writes (padding -> scratch page)
     sample_indices: torch.Tensor  # [N] int64, token rows whose logits are returned
     attn: AttentionMetadata
+    # Images: after the token embedding, rows embed_rows ([K] int64) take embeds ([K, hidden], the
+    # vision tower's output for those placeholder tokens). None for text-only steps.
+    embed_rows: torch.Tensor | None = None
+    embeds: torch.Tensor | None = None
 
 
 class KVCache:
@@ -200,6 +204,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         """Returns float32 logits [N, vocab] for batch.sample_indices."""
         x = self.model.embed_tokens(batch.input_ids)
+        if batch.embeds is not None:  # image placeholders take the vision embeddings (both backends)
+            x.index_copy_(0, batch.embed_rows, batch.embeds.to(x.dtype))
         if self.backend == "triton":
             from slipstream.models.llama_triton import forward_triton
 

@@ -3,6 +3,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from slipstream.models.idefics3.config import VisionConfig
 
 ARCHITECTURES = ("llama", "qwen2")  # qwen2 = llama + biases on the q/k/v projections
 
@@ -28,8 +32,14 @@ class ModelConfig:
     # RoPE frequency divisors, one per rotary pair (head_dim // 2): inv_freq[i] / factors[i].
     # Llama-3 scaling and linear scaling reduce to this; so does a GGUF's `rope_freqs` tensor.
     rope_freq_factors: tuple[float, ...] | None = None
+    # Images (Idefics3): the placeholder id whose rows take vision embeddings, and the vision tower's
+    # config; both None for a text-only model.
+    image_token_id: int | None = None
+    vision: VisionConfig | None = None
 
     def __post_init__(self) -> None:
+        if (self.image_token_id is None) != (self.vision is None):
+            raise ValueError("image_token_id and vision are set together (a vision model) or not at all")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if self.architecture not in ARCHITECTURES:

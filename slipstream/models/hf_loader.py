@@ -117,13 +117,28 @@ def config_from_hf(cfg: Mapping[str, Any], name: str, source: Path | str) -> Mod
         raise CorruptModelError(f"{source}: config.json lacks or mangles a field ({exc!r})") from exc
 
 
+def read_safetensors(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's *.safetensors files, converted to `dtype`."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelNotFoundError(f"{folder}: no *.safetensors weight files")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            part = load_file(str(f))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise CorruptModelError(f"{f}: cannot read safetensors ({exc})") from exc
+        weights.update({k: v.to(dtype) for k, v in part.items()})
+    return weights
+
+
 def load_hf_folder(
     path: str | Path, dtype: torch.dtype = torch.float32, name: str | None = None
 ) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
     """Read a HF Llama folder; tensors are converted to `dtype`, a tied lm_head is dropped."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     folder = Path(path)
     if not folder.is_dir():
         raise ModelNotFoundError(f"{folder}: no such model folder")
@@ -138,16 +153,7 @@ def load_hf_folder(
     if not isinstance(cfg, dict):
         raise CorruptModelError(f"{cfg_path}: expected a JSON object")
     config = config_from_hf(cfg, name or folder.name, cfg_path)
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise ModelNotFoundError(f"{folder}: no *.safetensors weight files")
-    weights: dict[str, torch.Tensor] = {}
-    for f in files:
-        try:
-            part = load_file(str(f))
-        except (SafetensorError, OSError, ValueError) as exc:
-            raise CorruptModelError(f"{f}: cannot read safetensors ({exc})") from exc
-        weights.update({k: v.to(dtype) for k, v in part.items()})
+    weights = read_safetensors(folder, dtype)
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
     check_weights(config, weights, folder)

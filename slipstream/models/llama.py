@@ -145,6 +145,11 @@ class LlamaForCausalLM(nn.Module):
         self.triton_options = None  # llama_triton.TritonOptions, on the triton backend
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.vision: nn.Module | None = None  # Idefics3: vision tower + connector (models/idefics3/vision.py)
+        if config.vision is not None:
+            from slipstream.models.idefics3.vision import Idefics3Vision
+
+            self.vision = Idefics3Vision(config.vision)
 
     @classmethod
     def from_weights(cls, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device) -> "LlamaForCausalLM":

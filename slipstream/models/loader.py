@@ -12,6 +12,8 @@ from slipstream.models.config import ModelConfig
 from slipstream.models.gguf_loader import load_gguf
 from slipstream.models.hf_loader import load_hf_folder
 from slipstream.models.hub import hf_cache_dir, resolve_hf_id
+from slipstream.models.idefics3.config import is_idefics3_folder
+from slipstream.models.idefics3.loader import load_idefics3_folder
 from slipstream.models.tokenizer import Tokenizer
 from slipstream.models.weight_cache import cache_enabled, entry_path, load_entry, reopen_mapped, store_entry
 
@@ -88,11 +90,13 @@ def _load_gguf_cached(path: Path, dtype: torch.dtype):
 
 
 def load_model(spec: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Load weights (dequantised to `dtype`), config and tokenizer; directories are HF folders, files GGUF."""
+    """Load weights (dequantised to `dtype`), config and tokenizer; directories are HF folders (Llama,
+    Qwen2, or Idefics3 with its vision tower), files GGUF."""
     path = resolve_model_path(spec)
     if path.is_dir():
         name = path.name if Path(spec).expanduser().exists() else spec  # a hub id names itself, not its commit
-        config, weights, tokenizer = load_hf_folder(path, dtype, name=name)
+        load = load_idefics3_folder if is_idefics3_folder(path) else load_hf_folder
+        config, weights, tokenizer = load(path, dtype, name=name)
     else:
         config, weights, tokenizer = _load_gguf_cached(path, dtype)
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, path=path)

@@ -70,11 +70,6 @@ class EngineBackend:
     async def complete(self, ids, params, request_id, images=()):
         return await self.engine.complete(ids, params, request_id=request_id, **_images_kw(images))
 
-
-def _images_kw(images) -> dict:
-    """`images=` only when there are some: text requests call the engine exactly as before."""
-    return {"images": list(images)} if images else {}
-
     async def stats(self) -> dict:
         return await self.engine.stats()
 
@@ -148,3 +143,8 @@ class ClientsBackend:
 
     async def metrics_text(self) -> str:
         return ""  # each worker serves its own registry (`slipstream worker --metrics-port`)
+
+
+def _images_kw(images) -> dict:
+    """`images=` only when there are some: text requests call the engine exactly as before."""
+    return {"images": list(images)} if images else {}

@@ -186,6 +186,46 @@ def model_accepts_images(model_config: Any) -> bool:
     return getattr(model_config, "image_token_id", None) is not None
 
 
+def to_bytes(obj: Any, field: str, limits: ImageLimits = ImageLimits()) -> bytes:
+    """An image as encoded bytes for the wire (slipstream.Client): encoded input is sent as it is,
+    a PIL image as PNG. Only sizes are checked here; the receiving side decodes and validates."""
+    if isinstance(obj, ImageInput):
+        obj = obj.image
+    if isinstance(obj, Image.Image):
+        _check_size(obj.size, field, limits)
+        buf = io.BytesIO()
+        to_rgb(obj).save(buf, "PNG", compress_level=1)  # lossless; fast rather than small
+        data = buf.getvalue()
+    elif isinstance(obj, (bytes, bytearray, memoryview)):
+        data = bytes(obj)
+    elif isinstance(obj, str) and obj[:5].lower() == "data:":
+        data = data_url_bytes(obj, field, limits)
+    elif isinstance(obj, str) and obj[:8].lower().startswith(("http://", "https://")):
+        raise _error(field, "remote image URLs are fetched only by `slipstream serve`; pass bytes, a path or a "
+                            "data: URL")
+    elif isinstance(obj, (str, os.PathLike)):
+        data = _read_file(obj, field, limits)
+    else:
+        raise _error(field, f"an image must be a PIL image, bytes, a file path or a data: URL, "
+                            f"got {type(obj).__name__}")
+    if len(data) > limits.max_bytes:
+        raise _error(field, f"the image has {len(data):,} bytes; at most {limits.max_bytes:,} are accepted")
+    return data
+
+
+def images_to_bytes(objs: Sequence[Any], name: str = "images", limits: ImageLimits = ImageLimits()) -> list[bytes]:
+    objs = image_list(objs, name)
+    check_image_count(len(objs), f"{name}[{limits.max_images}]" if len(objs) > limits.max_images else name, limits)
+    return [to_bytes(o, f"{name}[{i}]", limits) for i, o in enumerate(objs)]
+
+
+def image_list(objs: Any, name: str = "images") -> list:
+    """`images=` of a public call: a list or tuple of images (one image alone is refused, not guessed at)."""
+    if not isinstance(objs, (list, tuple)):
+        raise _error(name, f"images must be a list of images, got {type(objs).__name__}")
+    return list(objs)
+
+
 def _load_all(objs: Sequence[Any], fields: Sequence[str], limits: ImageLimits) -> list[ImageInput]:
     return [load_image(o, f, limits) for o, f in zip(objs, fields)]
 

@@ -11,6 +11,7 @@ from image_util import encoded, png_header_only
 from PIL import Image, ImageFile
 
 from slipstream import images
+from slipstream import SamplingParams
 from slipstream.errors import InvalidRequestError
 from slipstream.images import (ImageInput, ImageLimits, check_image_count, load_image, load_images,
                                require_vision)
@@ -198,3 +199,67 @@ async def test_load_images_counts_first_and_names_the_first_extra():
         await load_images([encoded(), b"junk"], ["a", "b"])
     assert info.value.param == "b"
     assert await load_images([], []) == []
+
+
+# --- slipstream.LLM and the CLI ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llm():
+    from worker_util import engine_config
+
+    from slipstream import LLM
+
+    with LLM(engine_config()) as llm:
+        yield llm
+
+
+def test_llm_refuses_images_for_a_text_model_naming_the_image(llm, tmp_path):
+    with pytest.raises(InvalidRequestError, match=r"^images\[0\]: this model accepts no images") as info:
+        llm.generate("look <image>", images=[encoded()])
+    assert info.value.param == "images[0]"
+    with pytest.raises(InvalidRequestError) as info:  # a batch: one list per prompt, named by both indexes
+        llm.generate(["a", "b"], images=[[], [b"not an image"]])
+    assert info.value.param == "images[1][0]"  # (refused as a text model before decoding)
+    with pytest.raises(InvalidRequestError, match="2 lists of images for 3 prompts"):
+        llm.generate(["a", "b", "c"], images=[[], []])
+    with pytest.raises(InvalidRequestError) as info:
+        llm.chat([{"role": "user", "content": [{"type": "text", "text": "hi"},
+                                               {"type": "image", "image": encoded()}]}])
+    assert info.value.param == "conversations[0][0].content[1]"
+    out, = llm.generate("still text", SamplingParams(max_tokens=2), images=[[]][0])
+    assert len(out.token_ids) == 2
+
+
+def run_cli(*argv) -> tuple[int, str]:
+    import contextlib
+
+    from slipstream.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        status = main(list(argv))
+    return status, err.getvalue()
+
+
+def test_cli_refuses_a_bad_image_before_loading_the_model(tmp_path, monkeypatch):
+    import slipstream.api.engine as engine_module
+
+    monkeypatch.setattr(engine_module.Engine, "start", lambda self: pytest.fail("loaded the model"))
+    bad = tmp_path / "bad.png"
+    bad.write_bytes(b"not a png")
+    status, err = run_cli("generate", "--model", "tiny-random", "--image", str(tmp_path / "none.png"), "hi")
+    assert status == 2 and f"--image {tmp_path / 'none.png'}: cannot read" in err, err
+    status, err = run_cli("generate", "--model", "tiny-random", "--image", str(bad), "hi")
+    assert status == 2 and f"--image {bad}: not an image" in err, err
+    good = tmp_path / "ok.png"
+    good.write_bytes(encoded())
+    status, err = run_cli("generate", "--model", "tiny-random", *["--image", str(good)] * 9, "hi")
+    assert status == 2 and "9 images" in err, err
+
+
+def test_cli_text_model_refuses_images(tmp_path):
+    good = tmp_path / "ok.png"
+    good.write_bytes(encoded())
+    status, err = run_cli("generate", "--model", "tiny-random", "--max-tokens", "2", "--image", str(good), "hi")
+    assert status == 2 and "--image: this model accepts no images" in err, err

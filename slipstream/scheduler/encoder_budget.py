@@ -28,7 +28,8 @@ class EncoderBudget:
         """How many of the `n` tokens from its next unscheduled one the step can feed, and the images
         whose encodes that needs (planned only by `take`, once the chunk is certain)."""
         start = seq.num_scheduled
-        end, left, need = start + n, self.left, []
+        end, left = start + n, self.left
+        need: list[ImageSpan] = []
         for span in seq.images:
             if span.start >= end:
                 break

@@ -15,14 +15,13 @@ import pytest
 from fake_runner import EOS, IMAGE, FakeRunner, RefereedPool, RefereedRows, make_prompt, reference
 from slipstream.outputs import CompletionOutput, RequestMetrics
 from slipstream.params import SamplingParams
-from slipstream.runtime.batch import ImageSpan, image_slices
+from slipstream.runtime.batch import ImageSpan, SamplingRow, image_slices
 from slipstream.api.output_processor import OutputProcessor, RequestState
 from slipstream.scheduler.block_hash import block_hashes, page_extra
 from slipstream.scheduler.encoder_cache import EncoderCache
 from slipstream.scheduler.engine_loop import EngineLoop
 from slipstream.scheduler.planner import Planner
 from slipstream.scheduler.sequence import Sequence
-from slipstream.runtime.batch import SamplingRow
 
 pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402

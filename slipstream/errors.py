@@ -133,7 +133,12 @@ class ProtocolVersionError(ProtocolError):
 
 
 class MessageTooLargeError(ProtocolError):
-    """The message is larger than the worker's max_message_bytes."""
+    """The message is larger than the worker's max_message_bytes (or its images than max_image_bytes);
+    `param` is "images" when the images are what is too large."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 # --- scale-out (slipstream serve --ray) ------------------------------------------------------

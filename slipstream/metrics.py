@@ -21,6 +21,12 @@ Every series carries a `model` label (EngineConfig.model). Series (seconds unles
   slipstream_prefix_cache_cached_pages    pages registered in the cache (in use or hittable in its LRU)
   slipstream_prefix_cache_evictions_total cached pages the pool took back for new work
   (the five prefix_cache series exist only while EngineConfig.prefix_caching is on, the default; docs/prefix-caching.md)
+  slipstream_encoder_cache_hits_total     images of admitted requests whose encoder output was held
+  slipstream_encoder_cache_misses_total   images whose encoder ran (one per entry made)
+  slipstream_encoder_cache_entries        images whose encoder output is held (in use or evictable)
+  slipstream_encoder_cache_bytes          bytes of those outputs (rows x hidden x dtype size)
+  slipstream_encoder_cache_evictions_total outputs dropped to stay within encoder_cache_tokens
+  (the encoder_cache series exist only for a model that takes images; docs/images.md)
 Throughput is a rate of the counters, e.g. rate(slipstream_generation_tokens_total[1m]).
 Periods that span an idle engine (nothing to run) are not observed: they are not steps.
 
@@ -146,6 +152,27 @@ class PrefixCacheCollector:
         yield counter("slipstream_prefix_cache_evictions", "Cached KV pages reclaimed by the pool", st.evictions)
 
 
+class EncoderCacheCollector:
+    """The encoder cache's counters (scheduler/encoder_cache.py), read at each collection like the
+    prefix cache's."""
+
+    def __init__(self, cache, model: str, row_bytes: int):
+        self.cache, self.model, self.row_bytes = cache, model, row_bytes
+
+    def collect(self):
+        st, labels = self.cache.stats(), [self.model]
+        for kind, name, doc, value in (
+                (CounterMetricFamily, "slipstream_encoder_cache_hits", "Images whose encoder output was held", st.hits),
+                (CounterMetricFamily, "slipstream_encoder_cache_misses", "Images whose encoder ran", st.misses),
+                (GaugeMetricFamily, "slipstream_encoder_cache_entries", "Encoder outputs held", st.entries),
+                (GaugeMetricFamily, "slipstream_encoder_cache_bytes", "Bytes of encoder outputs held",
+                 st.features * self.row_bytes),
+                (CounterMetricFamily, "slipstream_encoder_cache_evictions", "Encoder outputs evicted", st.evictions)):
+            fam = kind(name, doc, labels=["model"])
+            fam.add_metric(labels, value)
+            yield fam
+
+
 def hit_rate(stats) -> float:
     """hits / queries of a PrefixCacheStats (tokens), 0.0 before any query."""
     return stats.hits / stats.queries if stats.queries else 0.0
@@ -195,7 +222,8 @@ class EngineMetrics:
         self._device_period = False
         self._last: tuple[float, int] | None = None  # (t_launch, idle_waits) of the previous commit
 
-    def attach(self, loop, pool, tracer=None) -> "EngineMetrics":
+    def attach(self, loop, pool, tracer=None, encoder_row_bytes: int | None = None) -> "EngineMetrics":
+        """`encoder_row_bytes`: the model takes images (its encoder cache's series are exported)."""
         self._loop = loop
         planner = loop.planner
         self.queue_depth.set_function(lambda: planner.num_waiting)
@@ -207,6 +235,8 @@ class EngineMetrics:
         cache = getattr(planner, "prefix_cache", None)
         if cache is not None:
             self.registry.register(PrefixCacheCollector(cache, self.model))
+        if encoder_row_bytes is not None:
+            self.registry.register(EncoderCacheCollector(planner.encoder_cache, self.model, encoder_row_bytes))
         loop.observers.append(self.on_commit)
         loop.outputs.token_observers.append(self.on_tokens)
         loop.outputs.finish_observers.append(self.on_finish)

@@ -156,6 +156,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, met
     # reuse the K/V of full pages of a shared prompt prefix (docs/prefix-caching.md). Off by default until
     # a soak mismatch after injected step failures is explained (docs/prefix-caching.md, "Known issue")
     prefix_caching: bool = True  # docs/prefix-caching.md; SamplingParams.prefix_caching opts one request out
+    # images (docs/images.md, "In the pipeline"): encoder output rows kept by image digest for reuse
+    # (rows in use are never evicted, so it may hold more while they are), and the encoder rows a
+    # step may compute (a larger image still runs, alone in its step)
+    encoder_cache_tokens: int = 16384
+    max_encoder_tokens_per_step: int = 2048
     step_timeout_s: float = 300.0  # watchdog: a launched step not done by then fails the engine, with its state logged
     # --- CUDA only (docs/cuda.md) ---
     gpu_memory_utilization: float = 0.9  # share of free memory (after weights + a profiling forward) for KV
@@ -182,6 +187,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, met
         for name in ("max_batch_size", "max_num_batched_tokens", "page_size", "max_prompt_chars"):
             check.integer(name, getattr(self, name), minimum=1)
         check.integer("kv_cache_tokens", self.kv_cache_tokens, minimum=1, optional=True)
+        check.integer("encoder_cache_tokens", self.encoder_cache_tokens, minimum=0)
+        check.integer("max_encoder_tokens_per_step", self.max_encoder_tokens_per_step, minimum=1)
         check.integer("max_model_len", self.max_model_len, minimum=2, optional=True)
         check.integer("seed", self.seed, minimum=0)
         for name in ("batch_invariant", "trace", "cuda_graphs", "mixed_graphs", "warmup", "freeze_gc",

@@ -130,13 +130,20 @@ def messages(value: Any) -> list[dict[str, str]]:
             raise InvalidRequestError(f"messages[{i}].role must be one of {CHAT_ROLES}, got {role!r}",
                                       param=f"messages[{i}].role")
         content = m.get("content")
-        if isinstance(content, (list, tuple)):  # OpenAI content parts: only text is understood
+        if isinstance(content, (list, tuple)):  # OpenAI content parts: text, and image slots
             parts = []
             for j, part in enumerate(content):
+                if isinstance(part, dict) and part.get("type") == "image" and len(part) == 1:
+                    parts.append(None)  # an image's place (api/image_prompt.split_chat_images took it out)
+                    continue
                 if not isinstance(part, dict) or part.get("type") != "text":
                     raise InvalidRequestError(f"messages[{i}].content[{j}] must be a {{'type': 'text', 'text': ...}} "
                                               "part", param=f"messages[{i}].content[{j}]")
                 parts.append(text(f"messages[{i}].content[{j}].text", part.get("text"), allow_empty=True))
+            if None in parts:  # kept as parts: the chat template places the images
+                out.append({"role": role, "content": [{"type": "image"} if p is None else {"type": "text", "text": p}
+                                                      for p in parts]})
+                continue
             content = "".join(parts)
         out.append({"role": role, "content": text(f"messages[{i}].content", content, allow_empty=True)})
     return out

@@ -14,6 +14,12 @@ Prefix cache: a page registered in the cache must never be written by a step (ch
 against the pool's registered pages), and a page may be registered only when no in-flight step
 writes it (checked at `register`: registering before the commit that completed it is caught).
 
+Images: an ImageSpan's `processed` is a tuple of ints (its "pixels"); the fake encoder turns them
+into `num_features` ints (`fake_features`), and the forward writes those, not the placeholder ids,
+into the KV at the image's positions — so a feature fed to the wrong position, a missing encode or
+an output dropped too early changes the output (`reference` with `images`). The referee also
+fails a run that drops an encoder output an in-flight step reads.
+
 Prompts are [marker, prompt_len, ...]: marker 1000 + k means "EOS as output token k".
 """
 from __future__ import annotations
@@ -29,6 +35,7 @@ from slipstream.scheduler.page_pool import PagePool
 
 EOS = 2
 VOCAB = 300
+IMAGE = 1  # the placeholder id
 
 
 def make_prompt(length: int, eos_at: int | None, salt: int) -> list[int]:
@@ -43,8 +50,15 @@ def next_token(context: list[int]) -> int:
     return 3 + (sum(context) * 7 + len(context) * 13) % (VOCAB - 3)
 
 
-def reference(prompt: list[int], max_tokens: int) -> list[int]:
+def fake_features(pixels: tuple[int, ...], n: int) -> list[int]:
+    return [3 + (sum(pixels) * 7 + i * 11 + pixels[i % len(pixels)]) % (VOCAB - 3) for i in range(n)]
+
+
+def reference(prompt: list[int], max_tokens: int, images=()) -> list[int]:
     ctx, out = list(prompt), []
+    for span in images:  # the model sees the encoder's rows at the image's positions
+        for pos, value in zip(span.positions, fake_features(span.processed, span.num_features)):
+            ctx[int(pos)] = value
     while len(out) < max_tokens:
         tok = next_token(ctx)
         out.append(tok)
@@ -58,7 +72,8 @@ class Referee:
     """Which pages and rows launched-but-uncommitted steps reference; hand-outs are checked against it."""
 
     def __init__(self) -> None:
-        self.steps: dict[int, tuple[set[int], set[int], set[int]]] = {}  # step id -> (pages, rows, pages written)
+        # step id -> (pages, rows, pages written, image digests read)
+        self.steps: dict[int, tuple[set[int], set[int], set[int], set[bytes]]] = {}
         self.pool: PagePool | None = None  # the refereed pool (its registered pages)
 
     def referenced(self, kind: int) -> set[int]:
@@ -68,6 +83,11 @@ class Referee:
         busy = self.referenced(kind) & set(items)
         if busy:
             raise AssertionError(f"{what} {sorted(busy)} handed out while an in-flight step references them")
+
+    def check_drop(self, digests) -> None:
+        busy = self.referenced(3) & set(digests)
+        if busy:
+            raise AssertionError(f"encoder outputs {sorted(busy)} dropped while an in-flight step reads them")
 
     def check_register(self, page: int) -> None:
         if page in self.referenced(2):
@@ -194,6 +214,24 @@ class FakeRunner:
         self._max_delay = max_delay
         self._streams: tuple[FakeStream, FakeStream] | None = None
         self.fail_steps: set[int] = set()  # step ids whose forward raises (before its row-table writes)
+        self.features: dict[bytes, list[int]] = {}  # encoder outputs by digest, as the "device" has them
+        self.encodes: list[bytes] = []  # digests encoded, in launch order
+        self.missing_features = 0  # image rows a forward found no encoder output for
+
+    def launch_encoder(self, images) -> None:
+        spans = list(images)
+        self.encodes += [s.digest for s in spans]
+
+        def encode() -> None:
+            for span in spans:
+                self.features[span.digest] = fake_features(span.processed, span.num_features)
+
+        self.streams[0].launch(encode)
+
+    def drop_features(self, digests) -> None:
+        self.referee.check_drop(digests)
+        for d in digests:
+            self.features.pop(d, None)
 
     @property
     def streams(self) -> tuple[FakeStream, FakeStream]:
@@ -217,6 +255,7 @@ class FakeRunner:
             seq_rows.append(r)
             written.add(self.launch_pages[r][(kv_lens[-1] - 1) // self.page_size])
         chunks = [(w.row, list(w.tokens), w.start_pos, w.sample) for w in packed.chunks]
+        images = [(w.row, w.start_pos, part) for w in packed.chunks for part in w.images]
         for row, tokens, start, _ in chunks:
             self.launch_pos[row] = start + len(tokens)
             seq_rows.append(row)
@@ -226,7 +265,7 @@ class FakeRunner:
         for r, kv in zip(seq_rows, kv_lens):
             pages |= set(self.launch_pages[r][: -(-kv // self.page_size)])
         self.referee.check_writes(written)
-        self.referee.steps[step_id] = (pages, set(seq_rows), written)
+        self.referee.steps[step_id] = (pages, set(seq_rows), written, {part.digest for _, _, part in images})
 
         def forward() -> None:  # reads the row tables as they are when it runs (stream order)
             if step_id in self.fail_steps:
@@ -241,6 +280,12 @@ class FakeRunner:
             for row, tokens, start, _ in chunks:
                 tokens_at += [(row, start + i, t) for i, t in enumerate(tokens)]
                 self.dev_pos[row] = start + len(tokens)
+            for row, start, part in images:  # image rows take the encoder's output (read now: stream order)
+                feats = self.features.get(part.digest)
+                if feats is None:
+                    self.missing_features += 1
+                for t, f in zip(part.token_index, part.feature_index):
+                    tokens_at.append((row, start + int(t), -1 if feats is None else feats[int(f)]))
             for row, pos, tok in tokens_at:
                 self.kv[self._kv_index(row, pos)] = tok
             sampling = [(r, self.dev_pos[r]) for r in dec] + [(row, start + len(tokens))

@@ -23,6 +23,14 @@ prefix cache hits, evicts and shares pages under all of the above; the depth-1 r
 runs with prefix caching off, so a wrong cached page shows as a mismatch.
 
     python tools/soak.py --requests 10000 --rounds 2 --shared-prefixes --seed 3   # issue 29 (caching is on)
+
+--images serves the tiny random Idefics3 (tests/idefics3_fixture.py, built into a temporary folder)
+instead, and gives a share of requests 1-3 images from a pool of six pictures (repeats hit the
+encoder cache, which is kept small: 40 rows, so it evicts); encoder-cache references and entries
+left after each round are reported beside pages (leaked encoder entries: references still held, or
+outputs the runner holds that the cache forgot).
+
+    python tools/soak.py --requests 2000 --rounds 2 --images   # issue 30
 """
 from __future__ import annotations
 
@@ -48,6 +56,10 @@ FAULT_RATES = {"forward": 0.002, "sample": 0.002, "matcher": 0.02, "detokenize":
 STOP_IDS = [0.15, 4]  # share of requests with stop_token_ids, and how many (--stop-ids)
 SHARED: list[list[int]] = []  # --shared-prefixes: the common prefixes (empty: none)
 SHARED_RATE = 0.5
+VOCAB = [3, 259]  # token ids drawn for prompts and stop ids (--images: the tiny Idefics3's characters)
+IMAGES: list = []  # --images: the picture pool (empty: text only)
+IMAGE_RATE = 0.3
+MODEL = ["tiny-random"]
 
 
 @dataclass
@@ -59,6 +71,7 @@ class Planned:
     cancel: str | None = None  # "task" | "stream" | "abort"
     cancel_after: float = 0.0  # seconds (task / abort) or deltas (stream)
     compare: bool = False  # greedy or seeded: must equal depth 1 when it finishes
+    images: list = field(default_factory=list)
     bad: str | None = None  # an outside-probe input (issue 27): must be refused with InvalidRequestError
 
 
@@ -72,6 +85,9 @@ class Report:
     duplicated: int = 0  # something arrived after the terminal item
     untyped: list[str] = field(default_factory=list)  # exceptions that are not SlipstreamError
     leaked_pages: int = 0
+    leaked_encoder_entries: int = 0  # encoder-cache references held, or runner outputs the cache forgot, after a round
+    encoder_hits: int = 0
+    encoder_misses: int = 0
     compared: int = 0
     mismatches: list[str] = field(default_factory=list)
     texts_checked: int = 0
@@ -94,6 +110,7 @@ class Report:
     @property
     def ok(self) -> bool:
         return not (self.lost or self.bad_accepted or self.duplicated or self.untyped or self.leaked_pages
+                    or self.leaked_encoder_entries
                     or self.mismatches or self.text_mismatches
                     or self.rss_growth_mb > 64 or self.outcomes["EngineClosedError"])  # the engine must go on
 
@@ -103,15 +120,36 @@ def engine_config(depth: int, output_stage: str = "loop", prefix_caching: bool =
     # batch_invariant: the comparison with depth 1 is exact only if a row's logits do not depend on
     # what shares its step (tests/invariance.py). Without it, a seeded row whose top-p boundary sits
     # within an ulp of a token's cumulative mass samples another token in another batch.
-    return EngineConfig(model="tiny-random", pipeline_depth=depth, max_batch_size=16, max_num_batched_tokens=64,
+    return EngineConfig(model=MODEL[0], pipeline_depth=depth, max_batch_size=16, max_num_batched_tokens=64,
                         kv_cache_tokens=512, page_size=8, seed=7, output_stage=output_stage,
                         max_prompt_chars=MAX_PROMPT_CHARS, prefix_caching=prefix_caching,
-                        batch_invariant=batch_invariant)
+                        batch_invariant=batch_invariant, encoder_cache_tokens=40, max_encoder_tokens_per_step=24)
+
+
+def use_images(seed: int) -> None:
+    """--images: the tiny Idefics3 folder and a pool of pictures of various sizes."""
+    import tempfile
+
+    import numpy as np
+    from PIL import Image
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from idefics3_fixture import SPECIAL_TOKENS, tiny_idefics3_folder
+
+    MODEL[0] = str(tiny_idefics3_folder(Path(tempfile.mkdtemp(prefix="soak-idefics3-"))))
+    VOCAB[:] = [len(SPECIAL_TOKENS), len(SPECIAL_TOKENS) + 95]  # printable characters: no image token
+    rs = np.random.RandomState(seed)
+    IMAGES[:] = [Image.fromarray(rs.randint(0, 256, (h, w, 3), dtype=np.uint8), "RGB")
+                 for w, h in ((64, 64), (100, 150), (40, 30), (300, 90), (64, 64), (128, 128))]
+
+
+def _ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(*VOCAB) for _ in range(n)]
 
 
 def shared_prefixes(seed: int, n: int = 4) -> list[list[int]]:
     rng = random.Random(seed + 1)
-    return [[rng.randrange(3, 259) for _ in range(rng.randint(40, 120))] for _ in range(n)]
+    return [_ids(rng, rng.randint(40, 120)) for _ in range(n)]
 
 
 MAX_PROMPT_CHARS = 4096
@@ -125,7 +163,7 @@ FORCED = [("max_tokens", 0), ("temperature", float("nan")), ("top_p", 0.0), ("n"
 def bad_request(rng: random.Random, rid: str, delay: float) -> Planned:
     """An input an outside probe sent (issue 27, defects 5, 7, 8)."""
     kind = rng.choice(["forced", "huge_prompt", "deep_schema"])
-    prompt: list[int] | str = [rng.randrange(3, 259) for _ in range(rng.randint(1, 12))]
+    prompt: list[int] | str = _ids(rng, rng.randint(1, 12))
     params = SamplingParams(max_tokens=rng.randint(1, 8))
     if kind == "forced":
         field_, value = rng.choice(FORCED)
@@ -160,8 +198,13 @@ def plan_round(rng: random.Random, n: int, round_no: int) -> list[Planned]:
 def random_request(rng: random.Random, rid: str, delay: float) -> Planned:
     if rng.random() < BAD_RATE:
         return bad_request(rng, rid, delay)
-    prompt = [rng.randrange(3, 259) for _ in range(rng.choice([rng.randint(1, 12), rng.randint(10, 90)]))]
+    prompt: list[int] | str = _ids(rng, rng.choice([rng.randint(1, 12), rng.randint(10, 90)]))
     kw: dict = dict(max_tokens=rng.randint(1, 24))
+    images = []
+    if IMAGES and rng.random() < IMAGE_RATE:  # text with <image> markers (tokenised with the images)
+        images = [rng.choice(IMAGES) for _ in range(rng.randint(1, 3))]
+        words = "".join(chr(rng.randrange(97, 123)) for _ in range(rng.randint(1, 20)))
+        prompt = "".join(f"<image>{words}{i}" for i in range(len(images))) + "?"
     if SHARED and rng.random() < SHARED_RATE:
         prompt = rng.choice(SHARED) + prompt[:rng.randint(0, 24)]
         if rng.random() < 0.2:
@@ -178,7 +221,7 @@ def random_request(rng: random.Random, rid: str, delay: float) -> Planned:
     if rng.random() < 0.15:
         kw["stop"] = [chr(rng.randrange(97, 123)) for _ in range(rng.randint(1, 2))]
     if rng.random() < STOP_IDS[0]:
-        kw["stop_token_ids"] = [rng.randrange(3, 259) for _ in range(STOP_IDS[1])]
+        kw["stop_token_ids"] = _ids(rng, STOP_IDS[1])
     if rng.random() < 0.1:
         kw["ignore_eos"] = True
     if rng.random() < 0.06:
@@ -193,7 +236,7 @@ def random_request(rng: random.Random, rid: str, delay: float) -> Planned:
     if rng.random() < 0.15:
         cancel = rng.choice(["task", "stream", "abort"])
     return Planned(rid, prompt, params, delay, cancel, rng.uniform(0, 0.05) if cancel != "stream" else rng.randint(0, 4),
-                   compare)
+                   compare, images=images)
 
 
 async def run_one(engine: Engine, p: Planned, t0: float, deadline_s: float, report: Report, results: dict) -> None:
@@ -211,14 +254,14 @@ async def _drive(engine: Engine, p: Planned, results: dict) -> None:
     try:
         if p.cancel == "stream":
             deltas = 0
-            stream = engine.stream(p.prompt, p.params, request_id=p.rid)
+            stream = engine.stream(p.prompt, p.params, request_id=p.rid, images=p.images)
             async for _ in stream:
                 deltas += 1
                 if deltas > p.cancel_after:
                     break
             results[p.rid] = "cancelled" if deltas > p.cancel_after else "ok-stream"
             return
-        task = asyncio.ensure_future(engine.complete(p.prompt, p.params, request_id=p.rid))
+        task = asyncio.ensure_future(engine.complete(p.prompt, p.params, request_id=p.rid, images=p.images))
         if p.cancel == "task":
             done, _ = await asyncio.wait([task], timeout=p.cancel_after)
             if not done:
@@ -267,6 +310,7 @@ async def soak(requests: int, rounds: int = 3, seed: int = 0, rates: dict | None
             await asyncio.gather(*(run_one(engine, p, t0, deadline_s, report, results) for p in batch))
             stats = await _settle(engine)
             report.leaked_pages = max(report.leaked_pages, stats["kv_pages_total"] - stats["kv_pages_free"])
+            report.leaked_encoder_entries = max(report.leaked_encoder_entries, encoder_leaks(engine))
             _check_texts(engine, submitted, report)
             report.duplicated += _duplicates(engine, submitted, results)
             _count(batch, results, report)
@@ -276,6 +320,7 @@ async def soak(requests: int, rounds: int = 3, seed: int = 0, rates: dict | None
             log(f"round {r + 1}/{rounds}: {stats['preemptions']} preemptions so far, {stats['failed_steps']} failed "
                 f"steps, {len(report.mismatches)} mismatches, rss {report.rss_mb[-1]} MB")
         report.preemptions, report.failed_steps = stats["preemptions"], stats["failed_steps"]
+        report.encoder_hits, report.encoder_misses = stats["encoder_cache_hits"], stats["encoder_cache_misses"]
         cache = engine.loop.planner.prefix_cache
         if cache is not None:
             c = cache.stats()
@@ -283,6 +328,15 @@ async def soak(requests: int, rounds: int = 3, seed: int = 0, rates: dict | None
     report.faults = faults.fired
     report.seconds = time.perf_counter() - started
     return report
+
+
+def encoder_leaks(engine: Engine) -> int:
+    """Once settled: encoder-cache entries still referenced, plus encoder outputs the runner holds
+    that the cache no longer knows (dropped ones included once the next launch drops them)."""
+    cache, runner = engine.loop.planner.encoder_cache, engine._parts.runner
+    held = sum(e.refs > 0 for e in cache._entries.values())
+    pending = set(cache._dropped)
+    return held + len(set(runner.features) - pending - set(cache._entries))
 
 
 def _count(batch: list[Planned], results: dict, report: Report) -> None:
@@ -381,7 +435,7 @@ def _duplicates(engine: Engine, seqs: list, results: dict) -> int:
 async def _compare_with_depth1(reference: Engine, batch: list[Planned], results: dict, report: Report) -> None:
     todo = [(p, results[p.rid]) for p in batch if p.compare and hasattr(results.get(p.rid), "finish_reason")
             and results[p.rid].finish_reason != "abort"]
-    refs = await asyncio.gather(*(reference.complete(p.prompt, p.params) for p, _ in todo))
+    refs = await asyncio.gather(*(reference.complete(p.prompt, p.params, images=p.images) for p, _ in todo))
     for (p, got), want in zip(todo, refs):
         report.compared += 1
         if (got.token_ids, got.text, got.finish_reason) != (want.token_ids, want.text, want.finish_reason):
@@ -393,7 +447,8 @@ def format_report(r: Report) -> str:
     lines = [
         f"requests {r.requests} in {r.seconds:.1f} s",
         f"outcomes {dict(sorted(r.outcomes.items()))}",
-        f"lost {r.lost}  duplicated {r.duplicated}  untyped errors {len(r.untyped)}  leaked pages {r.leaked_pages}",
+        f"lost {r.lost}  duplicated {r.duplicated}  untyped errors {len(r.untyped)}  leaked pages {r.leaked_pages}"
+        f"  leaked encoder entries {r.leaked_encoder_entries}",
         f"outside-probe inputs {r.bad}, not refused with InvalidRequestError {len(r.bad_accepted)}",
         f"greedy/seeded compared with depth 1: {r.compared}, mismatches {len(r.mismatches)}",
         f"texts checked against their token ids: {r.texts_checked} ({r.stop_token_ended} ended by a stop token), "
@@ -401,6 +456,7 @@ def format_report(r: Report) -> str:
         f"preemptions {r.preemptions}  failed steps {r.failed_steps}  faults fired {dict(sorted(r.faults.items()))}",
         f"prefix cache: {r.cache_hits} of {r.cache_queries} tokens looked up were hits, "
         f"{r.cache_evictions} evictions",
+        f"encoder cache: {r.encoder_hits} hits, {r.encoder_misses} misses (encoder runs)",
         f"rss per round (MB) {r.rss_mb}  growth after round 1: {r.rss_growth_mb:+.1f} MB",
         "PASS" if r.ok else "FAIL",
     ]
@@ -429,7 +485,11 @@ def main() -> int:
     ap.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
                     help="both engines batch-invariant (the default: what makes the depth-1 comparison exact); "
                          "--no-batch-invariant soaks the fast CPU path, where a near-tie may differ")
+    ap.add_argument("--images", action="store_true",
+                    help=f"serve the tiny Idefics3; a share ({IMAGE_RATE}) of requests carry 1-3 images")
     args = ap.parse_args()
+    if args.images:
+        use_images(args.seed)
     STOP_IDS[:] = args.stop_ids[0], int(args.stop_ids[1])
     if args.shared_prefixes:
         SHARED[:] = shared_prefixes(args.seed)

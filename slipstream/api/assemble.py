@@ -35,6 +35,7 @@ class EngineParts:
     max_model_len: int
     metrics: EngineMetrics | None = None
     tracer: Tracer | None = None  # only with EngineConfig(trace=True)
+    encoder_row_bytes: int = 0  # bytes of one encoder output row (the encoder cache's stats)
 
     def close(self) -> None:
         self.device.close()
@@ -90,10 +91,13 @@ def _assemble(config: EngineConfig, device, invariant: bool) -> EngineParts:
         install_graphs(runner, device, config)
     pool = PagePool(num_pages)
     planner = Planner(pool, config.page_size, config.max_batch_size, config.max_num_batched_tokens,
-                      prefix_caching=config.prefix_caching)
+                      prefix_caching=config.prefix_caching, encoder_cache_tokens=config.encoder_cache_tokens,
+                      max_encoder_tokens=config.max_encoder_tokens_per_step)
     loop = EngineLoop(runner, planner, OutputProcessor(text_thread=config.output_stage == "thread"), config.pipeline_depth, config.page_size, row_multiple,
                       vocab_width=mcfg.vocab_size, eos_ids=tuple(tokenizer.eos_token_ids),
                       step_timeout_s=config.step_timeout_s)
     tracer = Tracer().attach(loop, runner, device) if config.trace else None
-    metrics = EngineMetrics(model=config.model).attach(loop, pool, tracer)
-    return EngineParts(device, runner, pool, loop, tokenizer, mcfg, max_model_len, metrics, tracer)
+    row_bytes = mcfg.hidden_size * torch.empty(0, dtype=DTYPES[config.dtype]).element_size()
+    metrics = EngineMetrics(model=config.model).attach(
+        loop, pool, tracer, encoder_row_bytes=row_bytes if getattr(mcfg, "image_token_id", None) is not None else None)
+    return EngineParts(device, runner, pool, loop, tokenizer, mcfg, max_model_len, metrics, tracer, row_bytes)

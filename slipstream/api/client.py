@@ -18,7 +18,7 @@ import itertools
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any, Self
+from typing import Any, Self, Sequence
 
 import msgspec
 import structlog
@@ -55,6 +55,7 @@ from slipstream.api.protocol import (
     output_from_wire,
 )
 from slipstream.errors import InvalidRequestError, ProtocolVersionError, WorkerError, WorkerUnavailableError
+from slipstream.images import ImageLike, image_list, images_to_bytes
 from slipstream.outputs import CompletionOutput, StreamDelta
 from slipstream.params import SamplingParams
 
@@ -158,26 +159,33 @@ class Client(SkillMethods):
     # --- requests -------------------------------------------------------------------------------
 
     async def complete(self, prompt: Prompt, params: SamplingParams | None = None,
-                       request_id: str | None = None) -> CompletionOutput | list[CompletionOutput]:
-        """One CompletionOutput; with params.n > 1, a list of n (fanned out here: api/fanout.py)."""
+                       request_id: str | None = None, *, images: Sequence[ImageLike] = ()
+                       ) -> CompletionOutput | list[CompletionOutput]:
+        """One CompletionOutput; with params.n > 1, a list of n (fanned out here: api/fanout.py).
+        `images` travel encoded (a PIL image as PNG); the worker decodes and validates them."""
+        wire = await self._wire_images(images)
         if wants_fan_out(params):
-            return await fan_out(lambda p, rid: self._complete(rid, p, prompt=prompt), params, request_id)
-        return await self._complete(request_id, params, prompt=prompt)
+            return await fan_out(lambda p, rid: self._complete(rid, p, prompt=prompt, images=wire), params,
+                                 request_id)
+        return await self._complete(request_id, params, prompt=prompt, images=wire)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None,
-               request_id: str | None = None) -> DeltaStream:
-        return ClientStream(self, request_id, params, {"prompt": prompt})
+               request_id: str | None = None, *, images: Sequence[ImageLike] = ()) -> DeltaStream:
+        return ClientStream(self, request_id, params, {"prompt": prompt, "images": images})
 
     async def chat(self, messages: Messages, params: SamplingParams | None = None,
-                   request_id: str | None = None) -> CompletionOutput | list[CompletionOutput]:
+                   request_id: str | None = None, *, images: Sequence[ImageLike] = ()
+                   ) -> CompletionOutput | list[CompletionOutput]:
         """The worker applies its model's chat template (Engine.chat)."""
+        wire = await self._wire_images(images)
         if wants_fan_out(params):
-            return await fan_out(lambda p, rid: self._complete(rid, p, messages=messages), params, request_id)
-        return await self._complete(request_id, params, messages=messages)
+            return await fan_out(lambda p, rid: self._complete(rid, p, messages=messages, images=wire), params,
+                                 request_id)
+        return await self._complete(request_id, params, messages=messages, images=wire)
 
     def chat_stream(self, messages: Messages, params: SamplingParams | None = None,
-                    request_id: str | None = None) -> DeltaStream:
-        return ClientStream(self, request_id, params, {"messages": messages})
+                    request_id: str | None = None, *, images: Sequence[ImageLike] = ()) -> DeltaStream:
+        return ClientStream(self, request_id, params, {"messages": messages, "images": images})
 
     async def chat_prompt(self, messages: Messages) -> str:
         """Rendered by the worker, with its model's chat template."""
@@ -205,6 +213,19 @@ class Client(SkillMethods):
         """The worker engine's Prometheus text (what `slipstream worker --metrics-port` serves)."""
         return (await self._call(MetricsRequest(v=PROTOCOL_VERSION, seq=next(self._seq)))).text
 
+    async def _wire_images(self, images) -> list[bytes]:
+        """Encoded off the event loop (PNG encoding and file reads take milliseconds or more); the
+        worker's bound on image bytes is checked here, before anything is sent."""
+        images = image_list(images)
+        if not images:
+            return []
+        wire = await asyncio.to_thread(images_to_bytes, images)
+        total, bound = sum(map(len, wire)), self.info.max_image_bytes if self.info else 0
+        if bound and total > bound:
+            raise InvalidRequestError(f"images: {total:,} bytes of images exceed the worker's max_image_bytes="
+                                      f"{bound:,}", param="images")
+        return wire
+
     async def _complete(self, request_id, params, **prompt) -> CompletionOutput:
         p = self._submit(request_id, params, False, prompt)
         finished = False
@@ -222,10 +243,13 @@ class Client(SkillMethods):
         self._check_open()
         if params is not None and not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+        images = prompt.get("images") or []
         if "messages" in prompt:
             prompt = {"messages": check.messages(prompt["messages"])}
         else:  # token ids are range-checked by the worker, which knows the vocabulary
             prompt = {"prompt": check.prompt(prompt["prompt"], vocab_size=2**63)}
+        if images:
+            prompt["images"] = images
         request_id = check.request_id(request_id)
         if request_id is None:
             request_id = f"{self._id_prefix}{next(self._ids)}"

@@ -29,6 +29,8 @@ class ClientStream:
         try:
             if self._pending is None:
                 request_id, params, prompt = self._args
+                if prompt.get("images"):
+                    prompt = {**prompt, "images": await self._client._wire_images(prompt["images"])}
                 self._pending = self._client._submit(request_id, params, True, prompt)
             item = await self._pending.queue.get()
         except BaseException:

@@ -7,7 +7,7 @@ import os
 import random
 import secrets
 import time
-from typing import Any, Self
+from typing import Any, Self, Sequence
 
 import structlog
 
@@ -22,15 +22,24 @@ from slipstream.models.byte_stream import byte_table, make_detokenizer
 from slipstream.runtime.batch import SamplingRow
 from slipstream.api.interface import DeltaStream, Messages, Prompt
 from slipstream.api.fanout import fan_out, wants_fan_out
-from slipstream.api.encode import encode_off_loop
+from slipstream.api.encode import check_prompt_chars, encode_off_loop
+from slipstream.api.image_prompt import prepare_images_off_loop, split_chat_images
 from slipstream.api.output_processor import RequestState
 from slipstream.api.protocol import HealthReply
 from slipstream.api.request_stream import RequestStream
 from slipstream.api.skills import SkillMethods
 from slipstream.scheduler.block_hash import salt_key
-from slipstream.scheduler.sequence import Sequence
+from slipstream.scheduler.sequence import Sequence as SchedSeq
+from slipstream.images import ImageLike, check_image_count, model_accepts_images, require_vision
 
 log = structlog.get_logger(__name__)
+
+
+def encoder_cache_stats(cache, bytes_per_row: int) -> dict[str, Any]:
+    """The encoder cache's counters for stats() (images for hits/misses/entries; zeros without images)."""
+    st = cache.stats()
+    return {"encoder_cache_hits": st.hits, "encoder_cache_misses": st.misses, "encoder_cache_entries": st.entries,
+            "encoder_cache_bytes": st.features * bytes_per_row, "encoder_cache_evictions": st.evictions}
 
 
 def prefix_cache_stats(cache) -> dict[str, Any]:
@@ -51,7 +60,7 @@ class Engine(SkillMethods):
                                       "Engine(model=...) or Engine(EngineConfig(...)))", param="config")
         self.config = config or EngineConfig(**overrides)
         self._loop_task: asyncio.Task | None = None
-        self._requests: dict[str, Sequence] = {}
+        self._requests: dict[str, SchedSeq] = {}
         self._ids = itertools.count()
         self._id_prefix = f"req-{secrets.token_hex(4)}-"  # auto ids never look like a user's "req-1"
         self._owner: asyncio.AbstractEventLoop | None = None
@@ -81,6 +90,11 @@ class Engine(SkillMethods):
             await asyncio.to_thread(byte_table, self.tokenizer)  # built once here, not on the first request
             self.loop = self._parts.loop
             self.max_model_len = self._parts.max_model_len
+            self._image_processing = None  # the vision model's preprocessing (None: a text-only model)
+            if model_accepts_images(self.model_config):
+                from slipstream.models.idefics3.processor import Idefics3Processing
+
+                self._image_processing = Idefics3Processing.for_vision(self.model_config.vision)
             from slipstream.grammar.compiler import GrammarCompiler
 
             self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
@@ -153,7 +167,7 @@ class Engine(SkillMethods):
                                       "(asyncio.run_coroutine_threadsafe from other threads)")
 
     async def _submit(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None,
-                      streaming: bool = True) -> Sequence:
+                      streaming: bool = True, images: Sequence[ImageLike] = (), fields: Sequence[str] | None = None) -> SchedSeq:
         self._check_running()
         if params is None:
             params = SamplingParams()
@@ -164,7 +178,7 @@ class Engine(SkillMethods):
         if params.n > 1:  # complete/chat fan out before this; a stream cannot (slipstream/api/fanout.py)
             raise InvalidRequestError("n > 1 cannot be streamed; use complete() or chat()", param="n")
         request_id = check.request_id(request_id)
-        ids = await self._prompt_ids(prompt)
+        ids, spans = await self._prompt_ids(prompt, images, fields)
         if len(ids) + params.max_tokens > self.max_model_len:
             raise InvalidRequestError(f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
                                       f"exceeds the model context of {self.max_model_len} tokens; lower max_tokens "
@@ -199,43 +213,70 @@ class Engine(SkillMethods):
         req = RequestState(request_id, ids, params, make_detokenizer(self.tokenizer, ids),
                            frozenset(eos) | frozenset(params.stop_token_ids), RequestMetrics(time.perf_counter()),
                            matcher=matcher, streaming=streaming)
-        seq = Sequence(request_id, ids, max_tokens, row, user=req, matcher=matcher,
+        seq = SchedSeq(request_id, ids, max_tokens, row, user=req, matcher=matcher, images=spans,
                        cache_extra=salt_key(params.cache_salt) if params.prefix_caching else None)
         self._requests[request_id] = seq
         self.loop.submit(seq)
         return seq
 
-    async def _prompt_ids(self, prompt: Prompt) -> list[int]:
+    async def _prompt_ids(self, prompt: Prompt, images: Sequence[ImageLike] = (), fields: Sequence[str] | None = None):
+        """(token ids, image spans) of a prompt; images are loaded, preprocessed and the prompt expanded
+        and tokenised off the loop (api/image_prompt.py)."""
         prompt = check.prompt(prompt, self.model_config.vocab_size)
-        if isinstance(prompt, str):
+        if isinstance(images, (str, bytes)) or not isinstance(images, (list, tuple)):
+            images = [images]  # one image given bare
+        images = list(images)
+        fields = list(fields) if fields is not None else [f"images[{i}]" for i in range(len(images))]
+        image_token = self.model_config.image_token_id
+        spans: list = []
+        if images:
+            require_vision(self._image_processing is not None, fields[0])
+            check_image_count(len(images), "images")
+            if not isinstance(prompt, str):
+                raise InvalidRequestError("prompt: a request with images needs a text prompt (its <image> markers "
+                                          "are expanded before tokenising)", param="prompt")
+            check_prompt_chars(prompt, self.config.max_prompt_chars)
+            ids, spans = await prepare_images_off_loop(prompt, images, fields, self._image_processing,
+                                                       self.tokenizer, image_token)
+        elif isinstance(prompt, str):
             ids = await encode_off_loop(self.tokenizer, prompt, self.config.max_prompt_chars)
         else:
             ids = list(prompt)
+        if not images and image_token is not None and image_token in ids:
+            raise InvalidRequestError("prompt: it holds image placeholder tokens but no images were given",
+                                      param="prompt")
         if not ids:
             raise InvalidRequestError("prompt is empty", param="prompt")
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(f"prompt has {len(ids)} tokens; the model context is {self.max_model_len}",
                                       param="prompt")
-        return ids
+        return ids, spans
 
-    async def _next(self, seq: Sequence):
+    async def _next(self, seq: SchedSeq):
         item = await seq.user.queue.get()
         if isinstance(item, BaseException):
             raise item
         return item
 
-    def _forget(self, seq: Sequence, finished: bool) -> None:
+    def _forget(self, seq: SchedSeq, finished: bool) -> None:
         if not finished and not seq.finished:
             self.loop.abort(seq)  # the caller went away (cancelled): free its pages
         if self._requests.get(seq.request_id) is seq:
             del self._requests[seq.request_id]
 
     async def complete(self, prompt: Prompt, params: SamplingParams | None = None,
-                       request_id: str | None = None) -> CompletionOutput | list[CompletionOutput]:
-        """One CompletionOutput; with params.n > 1, a list of n (slipstream/api/fanout.py)."""
+                       request_id: str | None = None, *, images: Sequence[ImageLike] = ()
+                       ) -> CompletionOutput | list[CompletionOutput]:
+        """One CompletionOutput; with params.n > 1, a list of n (slipstream/api/fanout.py). `images` go
+        where the prompt's `<image>` markers are, in order (none: the images go first)."""
+        return await self._complete(prompt, params, request_id, images, None)
+
+    async def _complete(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None,
+                        images: Sequence[ImageLike], fields: Sequence[str] | None) -> CompletionOutput | list[CompletionOutput]:
         if wants_fan_out(params):
-            return await fan_out(lambda p, rid: self.complete(prompt, p, rid), params, request_id)
-        seq = await self._submit(prompt, params, request_id, streaming=False)  # deltas are not read: none queued
+            return await fan_out(lambda p, rid: self._complete(prompt, p, rid, images, fields), params, request_id)
+        seq = await self._submit(prompt, params, request_id, streaming=False,  # deltas are not read: none queued
+                                 images=images, fields=fields)
         finished = False
         try:
             while True:
@@ -247,25 +288,33 @@ class Engine(SkillMethods):
             self._forget(seq, finished)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None,
-               request_id: str | None = None) -> DeltaStream:
+               request_id: str | None = None, *, images: Sequence[ImageLike] = ()) -> DeltaStream:
         """Async iterator of StreamDelta; leaving it early (break, an exception) aborts the request at once."""
-        return RequestStream(self, request_id, params, {"prompt": prompt})
+        return RequestStream(self, request_id, params, {"prompt": prompt, "images": images})
 
     async def chat(self, messages: Messages, params: SamplingParams | None = None,
-                   request_id: str | None = None) -> CompletionOutput | list[CompletionOutput]:
-        return await self.complete(self._chat_prompt(messages), params, request_id)
+                   request_id: str | None = None, *, images: Sequence[ImageLike] = ()
+                   ) -> CompletionOutput | list[CompletionOutput]:
+        """`messages` may carry OpenAI image parts ({"type": "image_url", ...} or {"type": "image",
+        "image": ...}); `images` fill `<image>` markers written in the messages' text."""
+        messages, found, fields = split_chat_images(messages, images)
+        if found:  # before the template sees image parts it may not know
+            require_vision(self._image_processing is not None, fields[0])
+        return await self._complete(self._chat_prompt(messages), params, request_id, found, fields)
 
     def chat_stream(self, messages: Messages, params: SamplingParams | None = None,
-                    request_id: str | None = None) -> DeltaStream:
-        return RequestStream(self, request_id, params, {"messages": messages})
+                    request_id: str | None = None, *, images: Sequence[ImageLike] = ()) -> DeltaStream:
+        return RequestStream(self, request_id, params, {"messages": messages, "images": images})
 
     async def chat_prompt(self, messages: Messages) -> str:
-        return self._chat_prompt(messages)
+        """The prompt text; image parts become `<image>` markers."""
+        return self._chat_prompt(split_chat_images(messages)[0])
 
     def _chat_prompt(self, messages: Messages) -> str:
         messages = check.messages(messages)
         self._check_running()
-        chars = sum(len(m["content"]) for m in messages)  # capped before the template renders them
+        chars = sum(len(m["content"]) if isinstance(m["content"], str) else  # capped before the template renders them
+                    sum(len(p.get("text", "")) for p in m["content"]) for m in messages)
         if chars > self.config.max_prompt_chars:
             raise InvalidRequestError(f"messages have {chars:,} characters of content; this engine takes at most "
                                       f"{self.config.max_prompt_chars:,} (EngineConfig.max_prompt_chars)",
@@ -303,6 +352,7 @@ class Engine(SkillMethods):
             "preemptions": planner.num_preemptions,
             "pipeline_depth": self.config.pipeline_depth,
             **prefix_cache_stats(planner.prefix_cache),
+            **encoder_cache_stats(planner.encoder_cache, self._parts.encoder_row_bytes),
         }
 
     # --- observability (slipstream/metrics.py, slipstream/trace.py) ---------------------------

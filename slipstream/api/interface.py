@@ -17,9 +17,10 @@ yields (docs/api.md#streams):
 """
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Protocol, Self, runtime_checkable
+from typing import Any, AsyncIterator, Protocol, Self, Sequence, runtime_checkable
 
 from slipstream.api.protocol import HealthReply
+from slipstream.images import ImageLike
 from slipstream.outputs import CompletionOutput, StreamDelta
 from slipstream.params import SamplingParams
 
@@ -58,20 +59,24 @@ class EngineAPI(Protocol):
     # --- requests -----------------------------------------------------------------------------
 
     async def complete(self, prompt: Prompt, params: SamplingParams | None = None,
-                       request_id: str | None = None) -> CompletionOutput | list[CompletionOutput]:
+                       request_id: str | None = None, *, images: Sequence[ImageLike] = ()
+                       ) -> CompletionOutput | list[CompletionOutput]:
         """Generate from a prompt (text or token ids) until a stop, max_tokens, or an abort; with
-        params.n > 1, a list of n completions (slipstream/api/fanout.py)."""
+        params.n > 1, a list of n completions (slipstream/api/fanout.py). `images` (PIL images,
+        encoded bytes, file paths, data: URLs) go where the prompt's `<image>` markers are, in order
+        (docs/images.md); a model without a vision tower refuses them (InvalidRequestError)."""
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None,
-               request_id: str | None = None) -> DeltaStream:
+               request_id: str | None = None, *, images: Sequence[ImageLike] = ()) -> DeltaStream:
         """As `complete`, delta by delta (see the module docstring for what is yielded)."""
 
     async def chat(self, messages: Messages, params: SamplingParams | None = None,
-                   request_id: str | None = None) -> CompletionOutput | list[CompletionOutput]:
+                   request_id: str | None = None, *, images: Sequence[ImageLike] = ()
+                   ) -> CompletionOutput | list[CompletionOutput]:
         """`complete` on the model's chat template applied to `messages` (with a generation prompt)."""
 
     def chat_stream(self, messages: Messages, params: SamplingParams | None = None,
-                    request_id: str | None = None) -> DeltaStream:
+                    request_id: str | None = None, *, images: Sequence[ImageLike] = ()) -> DeltaStream:
         """`stream` on the model's chat template applied to `messages`."""
 
     async def chat_prompt(self, messages: Messages) -> str:

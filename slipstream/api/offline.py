@@ -13,6 +13,8 @@ from typing import Sequence
 from slipstream import validate as check
 from slipstream.api.engine import Engine, Prompt
 from slipstream.errors import EngineClosedError, InvalidRequestError
+from slipstream.images import (ImageInput, ImageLike, ImageLimits, check_image_count, image_list, load_image,
+                               model_accepts_images, require_vision)
 from slipstream.outputs import CompletionOutput
 from slipstream.params import EngineConfig, SamplingParams
 
@@ -32,12 +34,17 @@ class LLM:
     # --- requests -------------------------------------------------------------------------------
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 images: Sequence[ImageLike] | Sequence[Sequence[ImageLike]] | None = None
                  ) -> list[CompletionOutput | list[CompletionOutput]]:
         """Complete one prompt or a list of them (all at once, batched by the engine); outputs in order.
         A prompt is a string or a list of token ids; `params` is one SamplingParams or one per prompt.
-        A prompt whose params have n > 1 gets a list of n outputs in its place."""
-        batch = [prompts] if _is_single(prompts) else _batch(prompts, "prompts")
+        A prompt whose params have n > 1 gets a list of n outputs in its place. `images`: for one
+        prompt, a list of images (PIL, bytes, paths, data: URLs) for its `<image>` markers; for a
+        list of prompts, one such list per prompt. They are decoded and checked before any prompt
+        is submitted (errors name e.g. `images[1][0]`)."""
+        single = _is_single(prompts)
+        batch = [prompts] if single else _batch(prompts, "prompts")
         per_prompt = _per_prompt(params, len(batch))
         self._check_ready()
         for i, p in enumerate(batch):  # every prompt's type before any is submitted
@@ -45,16 +52,44 @@ class LLM:
                 check.prompt(p, self.engine.model_config.vocab_size)
             except InvalidRequestError as e:
                 raise InvalidRequestError(f"prompts[{i}]: {e}", param=f"prompts[{i}]") from None
-        return self._call(self._gather(self.engine.complete, batch, per_prompt))
+        per_images = self._images(images, len(batch), single)
+        if not any(per_images):  # text only: the engine is called exactly as before
+            return self._call(self._gather(self.engine.complete, batch, per_prompt))
+        calls = [lambda x, p, imgs=imgs: self.engine.complete(x, p, images=imgs) for imgs in per_images]
+        return self._call(self._gather_each(calls, batch, per_prompt))
+
+    def _images(self, images, n: int, single: bool) -> list[list[ImageInput]]:
+        """One list of decoded images per prompt; a text model refuses them naming the first."""
+        if images is None:
+            return [[] for _ in range(n)]
+        lists = [image_list(images)] if single else image_list(images)
+        names = ["images"] if single else [f"images[{k}]" for k in range(len(lists))]
+        if len(lists) != n:
+            raise InvalidRequestError(f"images: {len(lists)} lists of images for {n} prompts", param="images")
+        out = []
+        for name, objs in zip(names, lists):
+            objs = image_list(objs, name)
+            check_image_count(len(objs), f"{name}[{ImageLimits().max_images}]", ImageLimits())
+            if objs:
+                require_vision(model_accepts_images(self.engine.model_config), f"{name}[0]")
+            out.append([load_image(o, f"{name}[{i}]") for i, o in enumerate(objs)])
+        return out
 
     def chat(self, conversations: list[dict] | Sequence[list[dict]],
              params: SamplingParams | Sequence[SamplingParams] | None = None
              ) -> list[CompletionOutput | list[CompletionOutput]]:
-        """Answer one conversation (a list of {"role", "content"} messages) or a list of them (n > 1: as generate)."""
+        """Answer one conversation (a list of {"role", "content"} messages) or a list of them (n > 1: as generate).
+        Content may be a list of OpenAI parts, images included ({"type": "image", "image": ...} or
+        {"type": "image_url", ...}); they pass through to Engine.chat."""
         single = isinstance(conversations, list) and (not conversations or isinstance(conversations[0], dict))
         batch = [conversations] if single else _batch(conversations, "conversations")
         per_prompt = _per_prompt(params, len(batch))
         for i, messages in enumerate(batch):
+            image_fields = _image_parts(messages, f"conversations[{i}]")
+            if image_fields:  # the engine validates parts with images; a text model refuses them here
+                self._check_ready()
+                require_vision(model_accepts_images(self.engine.model_config), image_fields[0])
+                continue
             try:
                 check.messages(messages)
             except InvalidRequestError as e:
@@ -112,7 +147,11 @@ class LLM:
     @staticmethod
     async def _gather(method, inputs: list, params: list) -> list:
         """All at once; the first failure cancels (aborts) the rest before it is raised."""
-        tasks = [asyncio.ensure_future(method(x, p)) for x, p in zip(inputs, params)]
+        return await LLM._gather_each([method] * len(inputs), inputs, params)
+
+    @staticmethod
+    async def _gather_each(methods: list, inputs: list, params: list) -> list:
+        tasks = [asyncio.ensure_future(m(x, p)) for m, x, p in zip(methods, inputs, params)]
         try:
             return list(await asyncio.gather(*tasks))
         finally:
@@ -128,6 +167,16 @@ class LLM:
 
 
 _SETTLE_S = 30.0  # how long an interrupted call waits for its requests' aborts
+
+
+def _image_parts(messages, name: str) -> list[str]:
+    """Fields of the image parts in one conversation (e.g. conversations[0][1].content[2])."""
+    if not isinstance(messages, (list, tuple)):
+        return []
+    return [f"{name}[{j}].content[{k}]" for j, m in enumerate(messages)
+            if isinstance(m, dict) and isinstance(m.get("content"), (list, tuple))
+            for k, part in enumerate(m["content"])
+            if isinstance(part, dict) and part.get("type") in ("image", "image_url")]
 
 
 def _batch(items, name: str) -> list:

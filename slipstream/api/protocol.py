@@ -16,6 +16,8 @@ from slipstream.outputs import CompletionOutput, RequestMetrics, Usage
 
 PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 1 << 20  # default bound on one inbound frame; larger ones get a ProtocolError
+# default bound on the image bytes of one Generate, allowed on top of MAX_MESSAGE_BYTES
+MAX_IMAGE_BYTES = 32 << 20
 
 
 # --- client -> worker ----------------------------------------------------------------------------
@@ -32,6 +34,9 @@ class Generate(_In, tag="generate"):
     # Decoded separately, so a bad value is answered as InvalidRequestError for this request.
     params: msgspec.Raw = msgspec.Raw(b"\x80")  # an empty map: SamplingParams() defaults
     stream: bool = False  # True: Delta messages, the last one with finish_reason; False: one Result
+    # encoded images (PNG, JPEG, ...), in the order of the prompt's `<image>` markers / image parts;
+    # decoded and validated by the worker (slipstream/images.py), named `images[i]` in errors
+    images: list[bytes] = []
 
 
 class Abort(_In, tag="abort"):
@@ -69,6 +74,7 @@ class Header(msgspec.Struct):
     v: int | None = None
     request_id: str | None = None
     seq: int | None = None
+    images: msgspec.Raw = msgspec.Raw(b"\x90")  # (a view, not a copy) its size tells what made a frame too large
 
 
 # --- worker -> client ----------------------------------------------------------------------------
@@ -119,6 +125,8 @@ class HealthReply(_Out, tag="health_reply"):
     max_message_bytes: int
     chat_template: bool
     version: int = PROTOCOL_VERSION
+    accepts_images: bool = False  # the model has a vision tower (Generate.images are used)
+    max_image_bytes: int = 0  # the bound on one Generate's image bytes, beyond max_message_bytes
 
 
 class ChatPromptReply(_Out, tag="chat_prompt_reply"):

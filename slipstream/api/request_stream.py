@@ -32,9 +32,14 @@ class RequestStream:
         try:
             if self._seq is None:
                 request_id, params, prompt = self._args
+                images, fields = prompt.get("images", ()), None
                 if "messages" in prompt:
-                    prompt = {"prompt": self._engine._chat_prompt(prompt["messages"])}
-                self._seq = await self._engine._submit(prompt["prompt"], params, request_id)
+                    from slipstream.api.image_prompt import split_chat_images
+
+                    messages, images, fields = split_chat_images(prompt["messages"], images)
+                    prompt = {"prompt": self._engine._chat_prompt(messages)}
+                self._seq = await self._engine._submit(prompt["prompt"], params, request_id, images=images,
+                                                       fields=fields)
             while True:
                 item = await self._engine._next(self._seq)
                 if isinstance(item, CompletionOutput):

@@ -19,6 +19,7 @@ import zmq
 
 from slipstream.api.engine import Engine
 from slipstream.api.protocol import (
+    MAX_IMAGE_BYTES,
     MAX_MESSAGE_BYTES,
     Abort,
     AbortReply,
@@ -49,6 +50,7 @@ from slipstream.errors import (
     WorkerShuttingDownError,
     WorkerUnavailableError,
 )
+from slipstream.images import load_images, model_accepts_images, require_vision
 from slipstream.params import EngineConfig, SamplingParams
 
 log = structlog.get_logger(__name__)
@@ -64,9 +66,10 @@ class WorkerLimits:
     # Per client: output frames queued that its connection has not taken yet. A client that lets
     # this many pile up has stopped reading; it is dropped and its requests aborted (pages freed).
     max_unsent_frames: int = 1000
+    max_image_bytes: int = MAX_IMAGE_BYTES  # one Generate's encoded images, allowed beyond max_message_bytes
 
     def __post_init__(self) -> None:
-        least = dict(max_queued=0, max_message_bytes=1, max_unsent_frames=1)
+        least = dict(max_queued=0, max_message_bytes=1, max_unsent_frames=1, max_image_bytes=0)
         for name, low in least.items():
             value = getattr(self, name)
             if not isinstance(value, int) or value < low:
@@ -141,7 +144,8 @@ class Worker:
                            gone=lambda ident, why: call(self._on_gone, ident, why),
                            died=lambda e: call(self.stop, f"socket thread died: {e!r}", 1),
                            max_message_bytes=self.limits.max_message_bytes,
-                           max_unsent_frames=self.limits.max_unsent_frames)
+                           max_unsent_frames=self.limits.max_unsent_frames,
+                           max_image_bytes=self.limits.max_image_bytes)
         self.io.start()
         beat = asyncio.create_task(self._heartbeats(), name="slipstream-worker-heartbeat")
         log.info("worker_ready", address=self.address, kv_pages=(await self.engine.stats())["kv_pages_total"],
@@ -257,12 +261,17 @@ class Worker:
         engine_id = f"{session.tag}/{rid}"  # unique across clients; the client sees its own id
         try:
             prompt = msg.prompt if msg.messages is None else await self.engine.chat_prompt(msg.messages)
+            images = {}
+            if msg.images:  # refused for a text model before anything is decoded; decoded off the loop
+                fields = [f"images[{i}]" for i in range(len(msg.images))]
+                require_vision(model_accepts_images(self.engine.model_config), fields[0])
+                images = {"images": await load_images(msg.images, fields)}
             if msg.stream:
-                async for d in self.engine.stream(prompt, params, request_id=engine_id):
+                async for d in self.engine.stream(prompt, params, request_id=engine_id, **images):
                     send(ident, Delta(request_id=rid, text=d.text, token_ids=d.token_ids,
                                       finish_reason=d.finish_reason, usage=d.usage))
             else:
-                out = await self.engine.complete(prompt, params, request_id=engine_id)
+                out = await self.engine.complete(prompt, params, request_id=engine_id, **images)
                 send(ident, Result(request_id=rid, output=output_to_wire(out, rid)))
         except asyncio.CancelledError:
             if not session.gone:  # cancelled at the shutdown deadline, and the client is still there
@@ -334,7 +343,9 @@ class Worker:
         return HealthReply(seq=seq, ready=running and not self._draining, draining=self._draining,
                            model=self.config.model, pid=os.getpid(), heartbeat_s=self.limits.heartbeat_s,
                            max_message_bytes=self.limits.max_message_bytes,
-                           chat_template=bool(getattr(self.engine.tokenizer, "chat_template", None)))
+                           chat_template=bool(getattr(self.engine.tokenizer, "chat_template", None)),
+                           accepts_images=running and model_accepts_images(self.engine.model_config),
+                           max_image_bytes=self.limits.max_image_bytes)
 
 
 def serve(config: EngineConfig, address: str, limits: WorkerLimits | None = None) -> int:

@@ -20,6 +20,7 @@ import structlog
 import zmq
 
 from slipstream.api.protocol import (
+    MAX_IMAGE_BYTES,
     PROTOCOL_VERSION,
     ClientMsgDecoder,
     Encoder,
@@ -49,7 +50,8 @@ Died = Callable[[BaseException], None]
 
 class WorkerIO:
     def __init__(self, ctx: zmq.Context, address: str, deliver: Deliver, gone: Gone, died: Died,
-                 max_message_bytes: int, max_unsent_frames: int = 1000, max_unread_frames: int = 100_000):
+                 max_message_bytes: int, max_unsent_frames: int = 1000, max_unread_frames: int = 100_000,
+                 max_image_bytes: int = MAX_IMAGE_BYTES):
         """The callbacks run on this object's thread; they must hop to the loop themselves.
 
         max_unsent_frames bounds, per client, the frames queued for it that its connection has not
@@ -58,12 +60,13 @@ class WorkerIO:
         gone, so its requests are aborted instead of running for nobody.
         """
         self.max_message_bytes = max_message_bytes
+        self.max_image_bytes = max_image_bytes  # a Generate's images may add this much to a frame
         self._deliver, self._gone, self._died = deliver, gone, died
         self.router = ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sends to a vanished peer raise, not vanish
         # ZMQ drops (and disconnects) a peer whose frame exceeds this before it is ever buffered in
         # full; frames between max_message_bytes and this are read and answered with an Error.
-        self.router.setsockopt(zmq.MAXMSGSIZE, 4 * max_message_bytes + 1024)
+        self.router.setsockopt(zmq.MAXMSGSIZE, 4 * (max_message_bytes + max_image_bytes) + 1024)
         self.router.setsockopt(zmq.SNDHWM, max_unsent_frames)
         self.router.setsockopt(zmq.RCVHWM, max_unread_frames)
         self.router.setsockopt(zmq.LINGER, 500)  # final replies get a moment to leave at exit
@@ -156,8 +159,9 @@ class WorkerIO:
             return self._refuse(identity, ProtocolError(f"expected one frame per message, got {len(frames) - 1}"))
         data = frames[1]
         if len(data) > self.max_message_bytes:
-            return self._refuse(identity, MessageTooLargeError(
-                f"message of {len(data)} bytes exceeds max_message_bytes={self.max_message_bytes}"))
+            too_large = self._too_large(data)
+            if too_large is not None:
+                return self._refuse(identity, *too_large)
         try:
             msg = self._decoder.decode(data)
         except msgspec.DecodeError as e:
@@ -183,6 +187,19 @@ class WorkerIO:
                 return self._refuse(identity, InvalidRequestError(f"invalid sampling params: {e}", param=param),
                                     header)
         self._deliver(identity, msg, params)
+
+    def _too_large(self, data: bytes) -> tuple[MessageTooLargeError, Header | None] | None:
+        """A frame over max_message_bytes is refused unless image bytes (within max_image_bytes) are
+        what it carries beyond that; the error names `images` when they are to blame."""
+        header = self._decoder.header(data)
+        images = len(header.images) if header is not None else 0
+        if len(data) - images > self.max_message_bytes:
+            return MessageTooLargeError(f"message of {len(data)} bytes ({images} of them images) exceeds "
+                                        f"max_message_bytes={self.max_message_bytes}"), header
+        if images > self.max_image_bytes:
+            return MessageTooLargeError(f"images: {images:,} bytes of images exceed this worker's "
+                                        f"max_image_bytes={self.max_image_bytes:,}", param="images"), header
+        return None
 
     def _refuse(self, identity: bytes, error: SlipstreamError, header: Header | None = None) -> None:
         self.bad_messages += 1

@@ -19,6 +19,9 @@ def register(sub) -> None:
     p.add_argument("--top-k", type=int, default=0, help="0: no top-k cut")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: the engine's sequence)")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--image", action="append", default=[], metavar="PATH",
+                   help="an image file for a vision-language model (repeatable, in order); checked before the "
+                        "model loads. With --raw, the prompt marks each with <image> (none: images go first)")
     p.add_argument("--raw", action="store_true", help="send the prompt as plain text, without the chat template")
     p.add_argument("-q", "--quiet", action="store_true", help="no summary line on stderr")
     p.add_argument("-v", "--verbose", action="store_true", help="also print the engine stats to stderr")
@@ -68,15 +71,25 @@ async def _generate(args) -> int:
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=args.stop or [])
+    images = await _load_images(args.image)  # a bad file is refused before any model loads
     if args.connect:
-        return await _generate_remote(args, params)
+        return await _generate_remote(args, params, images)
     if args.no_weight_cache:
         os.environ["SLIPSTREAM_WEIGHT_CACHE"] = "0"  # read by the loader inside this process only
     async with Engine(engine_config(args)) as engine:
         prompt = args.prompt
-        if not args.raw and getattr(engine.tokenizer, "chat_template", None):
-            prompt = await engine.chat_prompt([{"role": "user", "content": args.prompt}])
-        summary = await _print_stream(engine.stream(prompt, params))
+        if images:
+            from slipstream.images import model_accepts_images, require_vision
+
+            require_vision(model_accepts_images(engine.model_config), "--image")
+        if images and not args.raw:  # the engine renders image parts with the model's template
+            parts = [{"type": "image", "image": im} for im in images] + [{"type": "text", "text": args.prompt}]
+            deltas = engine.chat_stream([{"role": "user", "content": parts}], params)
+        else:
+            if not args.raw and getattr(engine.tokenizer, "chat_template", None):
+                prompt = await engine.chat_prompt([{"role": "user", "content": args.prompt}])
+            deltas = engine.stream(prompt, params, **({"images": images} if images else {}))
+        summary = await _print_stream(deltas)
         _report(args, summary, await engine.stats() if args.verbose else None)
     return 0
 
@@ -98,13 +111,22 @@ async def connect(address: str, timeout: float, wait_ready: float):
             await asyncio.sleep(0.2)
 
 
-async def _generate_remote(args, params) -> int:
+async def _load_images(paths: list[str]) -> list:
+    if not paths:
+        return []
+    from slipstream.images import load_images
+
+    return await load_images(paths, [f"--image {p}" for p in paths])
+
+
+async def _generate_remote(args, params, images: list) -> int:
     client = await connect(args.connect, args.timeout, args.wait_ready)
+    kw = {"images": images} if images else {}
     try:
         if not args.raw and client.info.chat_template:
-            deltas = client.chat_stream([{"role": "user", "content": args.prompt}], params)
+            deltas = client.chat_stream([{"role": "user", "content": args.prompt}], params, **kw)
         else:
-            deltas = client.stream(args.prompt, params)
+            deltas = client.stream(args.prompt, params, **kw)
         summary = await _print_stream(deltas)
         _report(args, summary, await client.stats() if args.verbose else None)
     finally:

@@ -33,6 +33,13 @@ def register(sub) -> None:
                         "or starts the request; a slower or idle connection is closed")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM/SIGINT")
+    p.add_argument("--allowed-image-hosts", default="", metavar="HOST[,HOST...]",
+                   help="hosts whose http(s) image URLs the server may fetch ('*': any). Default: none; images "
+                        "then come only as data: URLs. Fetching lets clients make this server send requests: "
+                        "list only hosts you trust")
+    p.add_argument("--image-fetch-timeout", type=float, default=10.0,
+                   help="seconds one remote image may take to fetch, connect to last byte")
+    p.add_argument("--max-images", type=int, default=8, help="images per request; more get 400")
     serve_ray.add_args(p)
     p.add_argument("--max-batch-size", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
@@ -56,6 +63,14 @@ def build_backend(args):
     return EngineBackend(_engine_config(args), model_name=args.served_model_name)
 
 
+def image_serving(args):
+    from slipstream.images import ImageLimits
+    from slipstream.serve.images import ImageServing
+
+    hosts = frozenset(h.strip().lower() for h in args.allowed_image_hosts.split(",") if h.strip())
+    return ImageServing(ImageLimits(max_images=args.max_images), hosts, args.image_fetch_timeout)
+
+
 def _serve(args) -> int:
     if args.ray:
         return serve_ray.run(args, _engine_config(args))
@@ -65,7 +80,8 @@ def _serve(args) -> int:
         from slipstream.serve.app import create_app
     except ImportError as e:
         raise SystemExit(f"slipstream serve needs the `serve` extra ({e}): pip install 'slipstream[serve]'") from None
-    app = create_app(build_backend(args), max_inflight=args.max_inflight, max_body_bytes=args.max_body_bytes)
+    app = create_app(build_backend(args), max_inflight=args.max_inflight, max_body_bytes=args.max_body_bytes,
+                     images=image_serving(args))
     from slipstream.serve.read_timeout import read_timeout_protocol
 
     config = uvicorn.Config(app, host=args.host, port=args.port, loop="uvloop",

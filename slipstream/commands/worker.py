@@ -5,7 +5,7 @@ from slipstream.cli import add_engine_args, engine_config
 
 
 def register(sub) -> None:
-    from slipstream.api.protocol import MAX_MESSAGE_BYTES
+    from slipstream.api.protocol import MAX_IMAGE_BYTES, MAX_MESSAGE_BYTES
 
     p = sub.add_parser("worker", help="run the engine in this process, serving clients over ZeroMQ")
     p.add_argument("--bind", required=True, metavar="ADDRESS",
@@ -13,6 +13,9 @@ def register(sub) -> None:
     p.add_argument("--max-queued", type=int, default=256,
                    help="unfinished requests allowed beyond the batch; more are answered 'overloaded'")
     p.add_argument("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES)
+    p.add_argument("--max-image-bytes", type=int, default=MAX_IMAGE_BYTES,
+                   help="a request's encoded image bytes, allowed beyond --max-message-bytes; more are refused "
+                        "naming `images`")
     p.add_argument("--max-unsent-frames", type=int, default=1000,
                    help="per client: output frames its connection has not taken yet; a client that lets this many "
                         "pile up (it stopped reading) is dropped and its requests aborted")
@@ -39,5 +42,6 @@ def _worker(args) -> int:
                            trace=args.trace)
     limits = WorkerLimits(max_queued=args.max_queued, max_message_bytes=args.max_message_bytes,
                           heartbeat_s=args.heartbeat, shutdown_timeout_s=args.shutdown_timeout,
-                          metrics_port=args.metrics_port, max_unsent_frames=args.max_unsent_frames)
+                          metrics_port=args.metrics_port, max_unsent_frames=args.max_unsent_frames,
+                          max_image_bytes=args.max_image_bytes)
     return serve(config, args.bind, limits)

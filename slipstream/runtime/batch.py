@@ -20,6 +20,7 @@ sequence's newest known token.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -61,6 +62,55 @@ class SamplingRow:
         return self.penalized or self.min_tokens > 0
 
 
+@dataclass(frozen=True, eq=False)
+class ImageSpan:
+    """One image of a prompt: its encoder output (`num_features` rows) replaces, in order, the
+    placeholder tokens at `positions`, all in [start, end) (start: the first, end: one past the last).
+    `digest` keys its encoder output (the encoder cache) and joins the block hash of every page it
+    overlaps; `processed` is what the runner's encoder takes (opaque to the scheduler)."""
+
+    start: int
+    end: int
+    digest: bytes
+    num_features: int
+    processed: Any = None
+    positions: np.ndarray | None = None  # [num_features] int64; None: the run start..start + num_features
+
+    def __post_init__(self) -> None:
+        if self.positions is None:
+            object.__setattr__(self, "positions", np.arange(self.start, self.start + self.num_features, dtype=np.int64))
+        pos = self.positions
+        assert pos is not None and len(pos) == self.num_features > 0, "an image has one position per feature"
+        assert int(pos[0]) == self.start and int(pos[-1]) == self.end - 1, "start/end are its first/last positions + 1"
+
+    def overlaps(self, lo: int, hi: int) -> bool:
+        return self.start < hi and lo < self.end
+
+
+@dataclass(frozen=True, eq=False)
+class ImageSlice:
+    """The part of one image a chunk feeds: its tokens at `token_index` (within the chunk) take the
+    encoder output's rows `feature_index`."""
+
+    digest: bytes
+    token_index: np.ndarray  # [k] int64
+    feature_index: np.ndarray  # [k] int64
+
+
+def image_slices(images: list[ImageSpan], lo: int, hi: int) -> list[ImageSlice]:
+    """The image rows a chunk of positions [lo, hi) feeds (a chunk may start or end inside an image)."""
+    out = []
+    for span in images:
+        if not span.overlaps(lo, hi):
+            continue
+        pos = span.positions
+        assert pos is not None
+        first, last = np.searchsorted(pos, lo), np.searchsorted(pos, hi)
+        if first < last:
+            out.append(ImageSlice(span.digest, pos[first:last] - lo, np.arange(first, last, dtype=np.int64)))
+    return out
+
+
 @dataclass
 class SeqWork:
     """A chunk of host-known tokens of one sequence."""
@@ -74,6 +124,7 @@ class SeqWork:
     # (prompt ids, output ids so far) on a sequence's first chunk when its sampling needs the row's
     # history tables (penalties, min_tokens): they are rebuilt from it (admission, or a recompute)
     history: tuple[list[int], list[int]] | None = None
+    images: list[ImageSlice] = field(default_factory=list)  # image rows among its tokens (embeddings)
 
     @property
     def num_tokens(self) -> int:
@@ -103,6 +154,14 @@ class ForwardInput:
     num_tokens: int  # real tokens (decode + chunk tokens, without padding)
     pad_tokens: int  # padding tokens appended after the chunk tokens (row_multiple)
     pad_samples: int  # padding sampling rows (row_multiple)
+    # image rows: chunk-token indices whose embedding is an encoder output row, and where each run
+    # of them comes from ((digest, rows of that image's output), in embed_rows order)
+    embed_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    embed_sources: list[tuple[bytes, np.ndarray]] = field(default_factory=list)
+
+    @property
+    def has_embeds(self) -> bool:
+        return len(self.embed_rows) > 0
 
     @property
     def num_decode(self) -> int:
@@ -143,9 +202,14 @@ def pack_step(decode_rows: np.ndarray, chunks: list[SeqWork], page_writes: np.nd
     chunk_token_rows = np.full(tc, SCRATCH_ROW, np.int64)
     query_start = [0]
     sample_index, sample_chunk_rows = [], []
+    embed_rows: list[np.ndarray] = []
+    embed_sources: list[tuple[bytes, np.ndarray]] = []
     at = 0
     for w in chunks:
         n = len(w.tokens)
+        for part in w.images:
+            embed_rows.append(at + part.token_index)
+            embed_sources.append((part.digest, part.feature_index))
         chunk_ids[at:at + n] = w.tokens
         chunk_pos[at:at + n] = np.arange(w.start_pos, w.start_pos + n)
         chunk_token_rows[at:at + n] = w.row
@@ -171,4 +235,6 @@ def pack_step(decode_rows: np.ndarray, chunks: list[SeqWork], page_writes: np.nd
         num_tokens=n_tok,
         pad_tokens=pad,
         pad_samples=round_up(n_samples, row_multiple) - n_samples,
+        embed_rows=np.concatenate(embed_rows) if embed_rows else np.zeros(0, np.int64),
+        embed_sources=embed_sources,
     )

@@ -27,7 +27,7 @@ eager (runtime/sampling_launch.py: SamplingLauncher), except in a greedy decode 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import structlog
@@ -37,7 +37,8 @@ from slipstream.errors import PipelineInvariantError
 from slipstream.intmath import round_up
 from slipstream.models.attention import AttentionMetadata, DeviceAttentionMetadata
 from slipstream.models.llama import ForwardBatch, KVCache, LlamaForCausalLM
-from slipstream.runtime.batch import ForwardInput
+from slipstream.runtime.batch import ForwardInput, ImageSpan
+from slipstream.runtime.host_copy import upload_array
 from slipstream.runtime.step_slot import StepSlot, SlotState
 from slipstream.runtime.graphs import GraphCache
 from slipstream.runtime.row_tables import RowTables
@@ -80,6 +81,9 @@ class ModelRunner:
         self.greedy_graphs: GraphCache | None = None  # decode graphs that also sample (all rows plain greedy)
         self.sampler = SamplingLauncher(device, self.rows)
         self._faults: FaultInjector | None = None
+        # encoder outputs by image digest; which are kept is the scheduler's EncoderCache's decision.
+        # Written by encode launches and read by forwards, both on the compute stream (stream order)
+        self.features: dict[bytes, torch.Tensor] = {}
 
     @property
     def faults(self) -> FaultInjector | None:
@@ -90,9 +94,49 @@ class ModelRunner:
     def faults(self, injector: FaultInjector | None) -> None:
         self._faults = self.sampler.faults = injector
 
+    # --- images -------------------------------------------------------------------------------
+
+    def launch_encoder(self, images: Sequence[ImageSpan]) -> None:
+        """Enqueue the vision encoder on these images, on the compute stream (so every later forward
+        finds their outputs); returns at once. Pixels go up through pinned memory (no host wait)."""
+        vision = getattr(self.model, "vision", None)
+        if vision is None:
+            raise PipelineInvariantError("images launched on a model without a vision tower")
+        dev, features = self.device.torch_device, self.features
+        items = list(images)
+
+        def encode() -> None:
+            for span in items:
+                p = span.processed
+                pixels = upload_array(np.asarray(p.pixel_values), dev)
+                mask = getattr(p, "pixel_attention_mask", None)
+                mask = upload_array(np.asarray(mask), dev) if mask is not None else None
+                out = vision.encode(pixels, mask)
+                if out.shape[0] != span.num_features:
+                    raise PipelineInvariantError(f"the encoder gave {out.shape[0]} rows for an image of "
+                                                 f"{span.num_features} placeholders")
+                features[span.digest] = out
+
+        self.device.compute.launch(encode, "encode")
+
+    def drop_features(self, digests: Sequence[bytes]) -> None:
+        for digest in digests:
+            self.features.pop(digest, None)
+
+    def _embeds(self, packed: ForwardInput, num_decode: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(embed_rows, embeds) of a step with image rows, gathered on the compute stream when its
+        forward runs (the encodes before it have run by then); None for a text-only step."""
+        if not packed.has_embeds:
+            return None
+        dev = self.device.torch_device
+        rows = upload_array(packed.embed_rows + num_decode, dev)
+        parts = [self.features[digest][upload_array(index, dev)] for digest, index in packed.embed_sources]
+        return rows, torch.cat(parts)
+
     # --- forward --------------------------------------------------------------------------------
 
-    def forward_from(self, t: StepTensors | StaticStepTensors, host_attention: bool = False) -> torch.Tensor:
+    def forward_from(self, t: StepTensors | StaticStepTensors, host_attention: bool = False,
+                     embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """The forward on staged inputs, gathering decode rows' state from the row tables and
         advancing their positions; also what a graph captures (decode: a bucket-padded StepTensors;
         mixed: StaticStepTensors, which needs the device attention)."""
@@ -123,6 +167,8 @@ class ModelRunner:
         meta.on_device = DeviceAttentionMetadata(t.query_start, kv_lens, page_table, t.max_q_len)
         batch = ForwardBatch(input_ids=ids, positions=positions, kv_indices=kv_indices,
                              sample_indices=t.sample_indices, attn=meta)
+        if embeds is not None:  # image placeholders take encoder rows (never in a graph: _choose_graph)
+            batch.embed_rows, batch.embeds = embeds
         return self.model(batch, self.kv)  # a non-final prefill chunk samples nothing but fills KV
 
     def forward_greedy(self, t: StepTensors, slot: StepSlot) -> torch.Tensor:
@@ -201,7 +247,8 @@ class ModelRunner:
         def forward() -> None:
             self._check_fault(step_id)
             rows.apply(updates, packed)
-            slot.logits = self.forward_from(tensors, host_attention)
+            embeds = self._embeds(packed, tensors.decode_rows.shape[0])
+            slot.logits = self.forward_from(tensors, host_attention, embeds)
 
         self.device.compute.launch(forward, "forward")
 
@@ -242,7 +289,7 @@ class ModelRunner:
         """Steps with prefill chunks, when the model reads device attention metadata (a graph cannot
         hold the host-side reference attention) and no CPU row padding is asked for."""
         return (self.mixed_graphs is not None and self.row_multiple == 1 and not packed.decode_only
-                and self.model.backend == "triton")
+                and self.model.backend == "triton" and not packed.has_embeds)  # image rows: eager
 
     # --- commit ---------------------------------------------------------------------------------
 

@@ -11,7 +11,7 @@ from typing import Generic, NamedTuple, Protocol, Sequence, TypeVar, runtime_che
 
 import numpy as np
 
-from slipstream.runtime.batch import ForwardInput
+from slipstream.runtime.batch import ForwardInput, ImageSpan
 
 
 class SampledTokens(NamedTuple):
@@ -42,6 +42,13 @@ class Runner(Protocol, Generic[S]):
     @property
     def slots(self) -> Sequence[S]:
         """One per step that may be in flight at once (the pipeline depth)."""
+
+    def launch_encoder(self, images: Sequence[ImageSpan]) -> None:
+        """Enqueue the vision encoder on these images (on the compute stream, before the forward
+        that first reads them); returns at once. Their outputs are kept by digest until dropped."""
+
+    def drop_features(self, digests: Sequence[bytes]) -> None:
+        """Forget these encoder outputs (the encoder cache evicted them: no launched step reads them)."""
 
     def launch_forward(self, slot: S, step_id: int, packed: ForwardInput, unmasked: bool = False) -> None:
         """Enqueue a step's forward into `slot`; returns at once. `unmasked`: no sampling group of

@@ -10,19 +10,23 @@ Rules, enforced here:
     sequence's page row is never remapped while a step of it is in flight. Hit pages count as
     shared (a reference each), so admission needs free pages only for the rest, and the sequence
     starts computing at the first token after them (the token budget counts only those).
+  * An admitted sequence holds a reference to each of its images' encoder-cache entries until it
+    is released (EncoderCache.acquire here, release in Preemption.release).
 """
 from __future__ import annotations
 
 from collections import deque
 
+from slipstream.scheduler.encoder_cache import EncoderCache
 from slipstream.scheduler.page_reservation import PageReservation
 from slipstream.scheduler.prefix_cache import PrefixCache
 from slipstream.scheduler.sequence import Sequence, SeqStatus
 
 
 class Admission:
-    def __init__(self, max_batch_size: int, pages: PageReservation, cache: PrefixCache | None = None):
-        self.pages, self.cache = pages, cache
+    def __init__(self, max_batch_size: int, pages: PageReservation, cache: PrefixCache | None = None,
+                 encoder_cache: EncoderCache | None = None):
+        self.pages, self.cache, self.encoder_cache = pages, cache, encoder_cache
         self.waiting: deque[Sequence] = deque()  # may hold finished entries (lazy deletion)
         self.num_waiting = 0  # entries of `waiting` still WAITING
         self.running: list[Sequence] = []  # admitted (holding a row), in admission order
@@ -59,6 +63,8 @@ class Admission:
         if cache is not None:
             cache.count(seq, len(hit))
         self.pages.give(seq, need)
+        if seq.images and self.encoder_cache is not None:
+            self.encoder_cache.acquire(seq)
         self.running.append(seq)
         return seq
 

@@ -3,7 +3,9 @@
 Page i's hash chains (page i-1's hash, page i's token ids, extra keys), so equal hashes mean equal
 whole prefixes: a page's K/V depends on every earlier token (causal attention), never on later ones.
 `extra` isolates what the token ids do not say: the request's cache salt (tenants never share a
-page), later an image hash. A partial last page has no hash: a page still being filled is not shared.
+page) and the digests of the images whose placeholder tokens the page holds (`page_extra`: two
+prompts with the same text and other images never share a page). A partial last page has no hash:
+a page still being filled is not shared.
 """
 from __future__ import annotations
 
@@ -19,15 +21,31 @@ def chain_hash(parent: bytes, page_ids: Sequence[int], extra: bytes = b"") -> by
     return hashlib.blake2b(parent + array("q", page_ids).tobytes() + extra, digest_size=16).digest()
 
 
-def block_hashes(ids: Sequence[int], page_size: int, extra: bytes = b"") -> list[bytes]:
-    """Chained 16-byte hashes of the full `page_size`-token blocks of `ids`."""
+def block_hashes(ids: Sequence[int], page_size: int, extra: bytes = b"",
+                 images: Sequence[tuple[int, int, bytes]] = ()) -> list[bytes]:
+    """Chained 16-byte hashes of the full `page_size`-token blocks of `ids`; `images`: (start, end,
+    digest) of each image's placeholder positions (none: the extra key is `extra` on every page)."""
     if page_size <= 0:
         raise ValueError(f"page_size must be positive, got {page_size}")
     out, prev = [], ROOT
     for start in range(0, len(ids) - page_size + 1, page_size):
-        prev = chain_hash(prev, ids[start:start + page_size], extra)
+        prev = chain_hash(prev, ids[start:start + page_size], page_extra(extra, images, start, start + page_size))
         out.append(prev)
     return out
+
+
+def page_extra(extra: bytes, images: Sequence[tuple[int, int, bytes]], lo: int, hi: int) -> bytes:
+    """The extra key of the page holding positions [lo, hi): `extra` alone when no image overlaps it
+    (so text pages keep their hashes, the router's included), else a key that cannot equal any
+    image-free one: a tag, the salt's hash (fixed length), then each overlapping image's digest,
+    length-prefixed."""
+    digests = [d for start, end, d in images if start < hi and lo < end]
+    if not digests:
+        return extra
+    parts = [b"images:", hashlib.blake2b(extra, digest_size=16).digest()]
+    for d in digests:
+        parts += [len(d).to_bytes(2, "little"), d]
+    return b"".join(parts)
 
 
 def salt_key(cache_salt: str | None) -> bytes:

@@ -8,7 +8,7 @@ Rules, enforced here:
 """
 from __future__ import annotations
 
-from slipstream.runtime.batch import SeqWork
+from slipstream.runtime.batch import SeqWork, image_slices
 from slipstream.scheduler.sequence import Sequence
 
 
@@ -52,4 +52,4 @@ def chunk_work(seq: Sequence, n: int, sample: bool) -> SeqWork:
                if start == seq.num_reused and seq.sampling.needs_history else None)
     return SeqWork(row=seq.row, tokens=seq.known_tokens(start, start + n), start_pos=start, sample=sample,
                    output_index=len(seq.output_ids) + seq.pending_samples, sampling=seq.sampling,
-                   history=history)
+                   history=history, images=image_slices(seq.images, start, start + n) if seq.images else [])

@@ -1,7 +1,8 @@
 """The tick: plan → launch → commit → finalize, on one asyncio loop, at depth 1 or 2.
 
   plan      choose the next batch (Planner) — only sequences with < depth steps in flight
-  launch    enqueue its forward into a free StepSlot; decode inputs are read on the device
+  launch    enqueue its forward into a free StepSlot (behind the encodes of images it feeds
+            first); decode inputs are read on the device
   commit    await the oldest finalized step's copy event, apply its tokens (zombies skipped),
             end what token ids decide, release slots and pages; text, stop strings and stream
             deltas are the output sink's stage, beside the tick (OutputSink.run_stage)
@@ -165,6 +166,7 @@ class EngineLoop:
         packed = self._pack(step)
         step.launched(self.num_steps, packed, slot)
         self.num_steps += 1
+        self._launch_encoder(step)
         self.runner.launch_forward(slot, step.step_id, packed, unmasked=not self.constraints.live)
         self.pipeline.on_launch(step)
         if self.constraints.live:  # some live request has a grammar: which rows need a mask, when
@@ -177,6 +179,16 @@ class EngineLoop:
             self.runner.launch_sampling(slot, packed)
         step.timings["t_launch"] = time.perf_counter()
         return step
+
+    def _launch_encoder(self, step: Step) -> None:
+        """Images this step feeds first are encoded right before its forward, on the same stream;
+        outputs the encoder cache evicted are dropped first (no launched step reads them)."""
+        cache = self.planner.encoder_cache
+        dropped = cache.take_dropped()
+        if dropped:
+            self.runner.drop_features(dropped)
+        if step.encodes:
+            self.runner.launch_encoder(step.encodes)
 
     def _pack(self, step: Step) -> ForwardInput:
         """The runner-side input of a planned step (the one place the loop builds it)."""
@@ -235,6 +247,8 @@ class EngineLoop:
         await self.runner.drain()
         recovered = self.runner.recover([step.slot for step in steps])
         for step in steps:
+            for span in step.encodes:  # a failed stream may have skipped them: encode again when needed
+                self.planner.encoder_cache.unlaunch(span.digest)
             self.pipeline.on_abandon(step)
         if not recovered:
             raise EngineClosedError(f"the device could not recover from a failed step: {error!r}") from error

@@ -5,7 +5,7 @@ Rules, enforced here:
   * A row that needs a page it cannot get makes the most recently admitted unplanned sequence
     (possibly itself) a preemption victim; its pages return when its inflight_refs reaches 0 and it
     is recomputed from its known tokens.
-  * Release drops the sequence's page references; pages the prefix cache registered stay hittable
+  * Release drops the sequence's page references and its encoder-cache references; pages the prefix cache registered stay hittable
     (a preempted sequence's recompute can hit its own prefix), the rest are free at once.
   * Pages that in-flight victims and zombies will return at their commits count as coming: if they
     cover the need, the row skips this step instead of preempting more (at depth 2 a victim frees
@@ -14,13 +14,14 @@ Rules, enforced here:
 from __future__ import annotations
 
 from slipstream.scheduler.admission import Admission
+from slipstream.scheduler.encoder_cache import EncoderCache
 from slipstream.scheduler.page_reservation import PageReservation
 from slipstream.scheduler.sequence import Sequence, SeqStatus
 
 
 class Preemption:
-    def __init__(self, admission: Admission, pages: PageReservation):
-        self.admission, self.pages = admission, pages
+    def __init__(self, admission: Admission, pages: PageReservation, encoder_cache: EncoderCache | None = None):
+        self.admission, self.pages, self.encoder_cache = admission, pages, encoder_cache
         self.num_preemptions = 0
 
     def make_room(self, seq: Sequence, need: int, victims: list[Sequence]) -> bool:
@@ -53,6 +54,8 @@ class Preemption:
         """Return a sequence's pages and row. Only legal with no step in flight referencing it."""
         assert seq.inflight_refs == 0, f"{seq.request_id}: released with {seq.inflight_refs} steps in flight"
         self.pages.free(seq)
+        if self.encoder_cache is not None:
+            self.encoder_cache.release(seq)  # (a victim takes its references again when re-admitted)
         self.admission.dismiss(seq)
         seq.last_token_on_device = False
         if seq.finished:

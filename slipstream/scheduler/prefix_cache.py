@@ -10,12 +10,14 @@ Rules, enforced here:
   * One hash maps to one page: a second sequence that computed the same prefix meanwhile keeps its
     own copy unregistered (it is freed like any uncached page).
   * The pool evicts only pages with refcount 0 (PagePool); eviction forgets the hash here.
+  * A page holding an image's placeholder tokens is keyed by the image's digest too
+    (`block_hash.page_extra`): its K/V depends on the image, not on the placeholder ids.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from slipstream.scheduler.block_hash import ROOT, chain_hash
+from slipstream.scheduler.block_hash import ROOT, chain_hash, page_extra
 from slipstream.scheduler.page_pool import PagePool
 from slipstream.scheduler.sequence import Sequence
 
@@ -46,9 +48,11 @@ class PrefixCache:
         hashes, ps = seq.block_hashes, self.page_size
         if len(hashes) < num_pages:
             extra = seq.cache_extra or b""
+            images = [(s.start, s.end, s.digest) for s in seq.images]
             prev = hashes[-1] if hashes else ROOT
             for i in range(len(hashes), num_pages):
-                prev = chain_hash(prev, seq.known_tokens(i * ps, (i + 1) * ps), extra)
+                key = page_extra(extra, images, i * ps, (i + 1) * ps) if images else extra
+                prev = chain_hash(prev, seq.known_tokens(i * ps, (i + 1) * ps), key)
                 hashes.append(prev)
         return hashes[:num_pages]
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from slipstream.errors import PipelineInvariantError
-from slipstream.runtime.batch import SamplingRow
+from slipstream.runtime.batch import ImageSpan, SamplingRow
 
 if TYPE_CHECKING:
     from slipstream.grammar.base import Matcher
@@ -54,6 +54,9 @@ class Sequence:
     num_reused: int = 0  # known tokens mapped from the cache at its last admission (its first chunk starts there)
     num_registered_pages: int = 0  # leading pages of `pages` the cache maps (registered or hit)
     block_hashes: list[bytes] = field(default_factory=list)  # chain hashes of its known full pages so far
+    # images of its prompt, in position order (scheduler/encoder_cache.py); held: it has references
+    images: list[ImageSpan] = field(default_factory=list)
+    images_held: bool = False
     user: Any = None  # the request object of the API layer (opaque to the scheduler)
     # its grammar's matcher, set by the API layer at submit (the output stage advances it); the
     # scheduler builds grammar masks from it

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from slipstream.runtime.batch import ForwardInput, SeqWork
+from slipstream.runtime.batch import ForwardInput, ImageSpan, SeqWork
 from slipstream.runtime.runner_api import Slot
 from slipstream.scheduler.sequence import Sequence
 
@@ -17,6 +17,7 @@ class Step:
     chunks: list[SeqWork]
     chunk_seqs: list[Sequence]
     page_writes: list[int]  # flat (row, index, page) triples
+    encodes: list[ImageSpan] = field(default_factory=list)  # images encoded right before its forward
     # launched (EngineLoop.launch sets them through `launched`; reading one earlier raises)
     step_id: int = field(init=False, repr=False)
     packed: ForwardInput = field(init=False, repr=False)

@@ -24,6 +24,7 @@ from slipstream.serve import generation
 from slipstream.serve.api_errors import ApiError, from_slipstream, invalid
 from slipstream.serve.body import DEFAULT_MAX_BODY_BYTES, read_body
 from slipstream.serve.backend import Backend
+from slipstream.serve.images import ImageServing
 from slipstream.serve.openai_types import DetokenizeRequest, TokenizeRequest
 from slipstream.serve.state import ServerState, now_s
 
@@ -38,8 +39,10 @@ def _json(obj, status: int = 200) -> Response:
 _ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 
 
-def create_app(backend: Backend, max_inflight: int = 1024, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    state = ServerState(backend, max_inflight=max_inflight, max_body_bytes=max_body_bytes)
+def create_app(backend: Backend, max_inflight: int = 1024, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               images: ImageServing | None = None) -> FastAPI:
+    state = ServerState(backend, max_inflight=max_inflight, max_body_bytes=max_body_bytes,
+                        images=images or ImageServing())
 
     def refused(request: Request, err: ApiError) -> Response:
         """Every error answer: OpenAI's shape, counted in slipstream_http_requests_total."""

@@ -12,6 +12,7 @@ from typing import Any, AsyncIterator, Protocol
 import structlog
 
 from slipstream.errors import WorkerUnavailableError
+from slipstream.images import ImageInput, model_accepts_images
 from slipstream.outputs import CompletionOutput, StreamDelta
 from slipstream.params import EngineConfig, SamplingParams
 
@@ -28,9 +29,12 @@ class Backend(Protocol):
 
     async def close(self) -> None: ...
 
-    def stream(self, ids: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[StreamDelta]: ...
+    # `prompt`: token ids; text (with `<image>` markers) when `images` are given (the engine expands them)
+    def stream(self, prompt: list[int] | str, params: SamplingParams, request_id: str,
+               images: list[ImageInput] = ()) -> AsyncIterator[StreamDelta]: ...
 
-    async def complete(self, ids: list[int], params: SamplingParams, request_id: str) -> CompletionOutput: ...
+    async def complete(self, prompt: list[int] | str, params: SamplingParams, request_id: str,
+                       images: list[ImageInput] = ()) -> CompletionOutput: ...
 
     async def stats(self) -> dict: ...
 
@@ -56,11 +60,15 @@ class EngineBackend:
     async def close(self) -> None:
         await self.engine.close()
 
-    def stream(self, ids, params, request_id):
-        return self.engine.stream(ids, params, request_id=request_id)
+    @property
+    def accepts_images(self) -> bool:
+        return model_accepts_images(self.engine.model_config)
 
-    async def complete(self, ids, params, request_id):
-        return await self.engine.complete(ids, params, request_id=request_id)
+    def stream(self, ids, params, request_id, images=()):
+        return self.engine.stream(ids, params, request_id=request_id, **_images_kw(images))
+
+    async def complete(self, ids, params, request_id, images=()):
+        return await self.engine.complete(ids, params, request_id=request_id, **_images_kw(images))
 
     async def stats(self) -> dict:
         return await self.engine.stats()
@@ -98,27 +106,32 @@ class ClientsBackend:
     async def close(self) -> None:
         await asyncio.gather(*(c.close() for c in self.clients), return_exceptions=True)
 
+    @property
+    def accepts_images(self) -> bool:
+        return all(c.info is not None and c.info.accepts_images for c in self.clients)
+
     def _pick(self) -> int:
         live = [i for i, c in enumerate(self.clients) if not c.draining and not c._closed]
         if not live:
             raise WorkerUnavailableError("no worker is accepting requests (all draining or gone)")
         return min(live, key=lambda i: self._inflight[i])
 
-    async def stream(self, ids, params, request_id):
+    async def stream(self, ids, params, request_id, images=()):
         i = self._pick()
         self._inflight[i] += 1
         try:
-            async with aclosing(self.clients[i].stream(ids, params, request_id=request_id)) as deltas:
+            async with aclosing(self.clients[i].stream(ids, params, request_id=request_id,
+                                                       **_images_kw(images))) as deltas:
                 async for delta in deltas:  # closing it early aborts the request on the worker
                     yield delta
         finally:
             self._inflight[i] -= 1
 
-    async def complete(self, ids, params, request_id):
+    async def complete(self, ids, params, request_id, images=()):
         i = self._pick()
         self._inflight[i] += 1
         try:
-            return await self.clients[i].complete(ids, params, request_id=request_id)
+            return await self.clients[i].complete(ids, params, request_id=request_id, **_images_kw(images))
         finally:
             self._inflight[i] -= 1
 
@@ -130,3 +143,8 @@ class ClientsBackend:
 
     async def metrics_text(self) -> str:
         return ""  # each worker serves its own registry (`slipstream worker --metrics-port`)
+
+
+def _images_kw(images) -> dict:
+    """`images=` only when there are some: text requests call the engine exactly as before."""
+    return {"images": list(images)} if images else {}

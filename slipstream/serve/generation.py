@@ -16,7 +16,8 @@ from slipstream.errors import InvalidRequestError, SlipstreamError
 from slipstream.serve import render, sse
 from slipstream.serve.api_errors import ApiError, from_decode_error, from_slipstream, invalid
 from slipstream.serve.body import read_body
-from slipstream.serve.openai_types import ChatCompletionRequest, CompletionRequest
+from slipstream.serve.images import request_images
+from slipstream.serve.openai_types import ChatCompletionRequest, CompletionRequest, image_parts
 from slipstream.serve.sampling import sampling_params
 from slipstream.serve.state import ServerState, new_request_id, now_s
 
@@ -119,15 +120,19 @@ async def handle(state: ServerState, request: Request, chat: bool) -> Response:
     if req.stream and req.n > 1:
         raise invalid("n > 1 is not available on streamed responses; use stream=false", "n")
     want_logprobs = bool(req.logprobs) or (not chat and req.logprobs == 0)
+    images = await _images(state, req) if chat else []
     ids, _ = await prompt_ids(state, req)
     params, grammar_param = sampling_params(req, want_logprobs, len(ids), state.backend.max_model_len)
+    # with images the engine gets the text: it expands each <image> marker into the image's tokens
+    prompt = chat_text(state.backend.tokenizer, req.messages) if images else ids
+    images_kw = {"images": images} if images else {}
     model = state.backend.model_name
     state.admit()
     released = False
     try:
         created = now_s()
         if req.stream:
-            deltas = state.backend.stream(ids, params, rid)
+            deltas = state.backend.stream(prompt, params, rid, **images_kw)
             first = await _first(request, deltas, grammar_param)
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             body = _stream_body(state, rid, created, model, chat, len(ids), first, deltas, include_usage, t0, endpoint)
@@ -135,7 +140,7 @@ async def handle(state: ServerState, request: Request, chat: bool) -> Response:
             return StreamingResponse(body, media_type="text/event-stream",
                                      headers={"x-request-id": rid, "cache-control": "no-cache"})
         try:
-            outs = await until_disconnect(request, _complete(state, ids, params, rid))
+            outs = await until_disconnect(request, _complete(state, prompt, params, rid, images_kw))
         except SlipstreamError as e:
             raise from_slipstream(e, grammar_param) from None
         tok = state.backend.tokenizer
@@ -155,12 +160,21 @@ async def handle(state: ServerState, request: Request, chat: bool) -> Response:
             state.release()
 
 
-async def _complete(state: ServerState, ids: list[int], params, rid: str) -> list:
+async def _images(state: ServerState, req: ChatCompletionRequest) -> list:
+    """The request's images, fetched, decoded and validated (slipstream/serve/images.py); 400 naming the part."""
+    try:
+        return await request_images(image_parts(req.messages), state.images,
+                                    bool(getattr(state.backend, "accepts_images", False)), state.max_body_bytes)
+    except InvalidRequestError as e:
+        raise invalid(str(e), e.param, "invalid_image") from None
+
+
+async def _complete(state: ServerState, prompt, params, rid: str, images_kw: dict) -> list:
     """The request's completions, one per choice: n > 1 fans out here, so every backend sees n=1
     (children are `{rid}-{i}`, slipstream/api/fanout.py)."""
     if wants_fan_out(params):
-        return await fan_out(lambda p, child: state.backend.complete(ids, p, child), params, rid)
-    return [await state.backend.complete(ids, params, rid)]
+        return await fan_out(lambda p, child: state.backend.complete(prompt, p, child, **images_kw), params, rid)
+    return [await state.backend.complete(prompt, params, rid, **images_kw)]
 
 
 async def _first(request: Request, deltas: AsyncIterator, grammar_param: str | None):

@@ -87,20 +87,41 @@ class CompletionRequest(_Sampling, kw_only=True):
     best_of: Annotated[int, Meta(ge=1, le=1)] | None = None
 
 
-class TextPart(msgspec.Struct):
-    type: Literal["text"]
+class TextPart(msgspec.Struct, tag_field="type", tag="text"):
     text: str
+
+
+class ImageUrl(msgspec.Struct, forbid_unknown_fields=True):
+    url: Annotated[str, Meta(min_length=1)]  # a data:image/...;base64 URL, or http(s) (--allowed-image-hosts)
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the model's processor decides the tiling
+
+
+class ImageUrlPart(msgspec.Struct, tag_field="type", tag="image_url"):
+    image_url: ImageUrl
+
+
+IMAGE_MARKER = "<image>"  # where an image part stood, in the text the chat template renders
 
 
 class ChatMessage(msgspec.Struct):
     role: Literal[CHAT_ROLES]  # as the Engine: one the chat templates know
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | ImageUrlPart] | None = None
     name: str | None = None
 
     def text(self) -> str:
+        """The content as text; each image part becomes IMAGE_MARKER (none in a text-only request)."""
         if self.content is None:
             return ""
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text if isinstance(p, TextPart) else IMAGE_MARKER for p in self.content)
+
+
+def image_parts(messages: list[ChatMessage]) -> list[tuple[str, str]]:
+    """(field, url) of every image part, in prompt order; field e.g. messages[0].content[1].image_url.url."""
+    return [(f"messages[{i}].content[{j}].image_url.url", p.image_url.url)
+            for i, m in enumerate(messages) if isinstance(m.content, list)
+            for j, p in enumerate(m.content) if isinstance(p, ImageUrlPart)]
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):

@@ -99,8 +99,11 @@ def _two_choices(candidates: Sequence[R], queue_len: Callable[[R], int | None], 
     return sorted(pair, key=lambda c: (q if (q := queue_len(c)) is not None else 0))
 
 
-def request_hashes(ids: Sequence[int], page_size: int, params: object = None) -> list[bytes]:
+def request_hashes(ids: Sequence[int], page_size: int, params: object = None,
+                   images: Sequence[tuple[int, int, bytes]] = ()) -> list[bytes]:
     """The chain a replica's prefix cache keys this request's pages by: salted with its
     SamplingParams.cache_salt as the engine salts them (block_hash.salt_key). Requests with
-    different salts never share a replica's pages, so their prefixes must not attract each other."""
-    return block_hashes(ids, page_size, salt_key(getattr(params, "cache_salt", None)))
+    different salts never share a replica's pages, so their prefixes must not attract each other.
+    `images`: (start, end, digest) of each image in the expanded `ids`, as the engine keys the pages
+    holding them (block_hash.page_extra); without images the chain is the text's alone."""
+    return block_hashes(ids, page_size, salt_key(getattr(params, "cache_salt", None)), images)

@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from slipstream.params import DEFAULT_MAX_PROMPT_CHARS
 from slipstream.serve.api_errors import ApiError
 from slipstream.serve.backend import Backend
+from slipstream.serve.images import ImageServing
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # `slipstream serve --max-body-bytes` (here: needs no starlette)
 
@@ -39,6 +40,7 @@ class ServerState:
     metrics: HttpMetrics = field(default_factory=HttpMetrics)
     streams: set = field(default_factory=set)  # the tasks sending SSE bodies (end_streams cancels them)
     ending_streams: bool = False
+    images: ImageServing = field(default_factory=ImageServing)  # image parts: limits, fetch allow-list
 
     def end_streams(self) -> None:
         """Shutdown's deadline (slipstream/serve/server.py): each running stream is cancelled and

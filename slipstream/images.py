@@ -1,0 +1,244 @@
+"""Images in requests: decode and validate any image input into an RGB picture with a content digest.
+
+Every public entry (Engine, LLM, Client/worker, `slipstream serve`, the CLI) hands what the user
+sent to `load_image` / `load_images`; a bad image raises InvalidRequestError whose message starts
+with the request field it came from (e.g. `messages[0].content[1].image_url.url`), and `param`
+names that field. Nothing is decoded before its size is known from the header, so a
+decompression bomb costs the bytes that were sent, never the pixels it claims.
+
+EXIF orientation is not applied: transformers' processors do not apply it either, so the same
+file gives the same pixels here and in the reference. Non-RGB modes are composited over white,
+as transformers' `convert_to_rgb` does (RGBA, LA, P with transparency, CMYK, L, I;16, ...).
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import dataclasses
+import hashlib
+import io
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence, Union
+
+from PIL import Image, UnidentifiedImageError
+
+from slipstream.errors import InvalidRequestError
+
+ImageLike = Union[Image.Image, bytes, str, os.PathLike]
+
+# Formats decoded in process by Pillow's own code (no external tool such as ghostscript for EPS).
+FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")  # (JPEG includes MPO)
+_DATA_URL = re.compile(r"data:(?P<type>[^;,]*)(?P<params>(?:;[^;,]*)*),", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    max_bytes: int = 20 * 1024 * 1024  # one encoded image (a file, the bytes, a data URL's payload)
+    max_pixels: int = 40_000_000  # width x height, read from the header before decoding
+    max_side: int = 8192  # the longer side
+    max_images: int = 8  # per request
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidRequestError(f"ImageLimits.{f.name} must be an integer >= 1, got {value!r}",
+                                          param=f.name)
+
+
+@dataclass(frozen=True, eq=False)
+class ImageInput:
+    image: Image.Image  # decoded, mode RGB
+    digest: bytes  # sha256 over mode, size and RGB pixels: same pixels, same digest, whatever the file format
+    field: str  # the request part it came from
+
+
+def _error(field: str, what: str) -> InvalidRequestError:
+    return InvalidRequestError(f"{field}: {what}", param=field)
+
+
+def image_digest(image: Image.Image) -> bytes:
+    h = hashlib.sha256(f"{image.mode}:{image.width}x{image.height}:".encode())
+    h.update(image.tobytes())
+    return h.digest()
+
+
+def load_image(obj: Any, field: str, limits: ImageLimits = ImageLimits()) -> ImageInput:
+    """Decode and validate one image (a PIL image, encoded bytes, a file path or a `data:` URL)."""
+    if isinstance(obj, ImageInput):  # already validated (e.g. by the HTTP server): not decoded twice
+        return obj if obj.field == field else dataclasses.replace(obj, field=field)
+    if isinstance(obj, Image.Image):
+        _check_size(obj.size, field, limits)
+        return _finish(obj, field)
+    if isinstance(obj, (bytes, bytearray, memoryview)):
+        return _decode(bytes(obj), field, limits)
+    if isinstance(obj, str) and obj[:5].lower() == "data:":
+        return _decode(data_url_bytes(obj, field, limits), field, limits)
+    if isinstance(obj, str) and obj[:8].lower().startswith(("http://", "https://")):
+        raise _error(field, "remote image URLs are fetched only by `slipstream serve` (--allowed-image-hosts); "
+                            "here, pass the image's bytes, a file path or a data: URL")
+    if isinstance(obj, (str, os.PathLike)):
+        return _decode(_read_file(obj, field, limits), field, limits)
+    raise _error(field, f"an image must be a PIL image, bytes, a file path or a data: URL, "
+                        f"got {type(obj).__name__}")
+
+
+def data_url_bytes(url: str, field: str, limits: ImageLimits = ImageLimits()) -> bytes:
+    """The payload of a base64 `data:image/...;base64,` URL, its size checked before it is decoded."""
+    m = _DATA_URL.match(url)
+    if m is None:
+        raise _error(field, "a data: URL must look like data:image/png;base64,<data>")
+    media = m.group("type").strip().lower()
+    if not media.startswith("image/"):
+        raise _error(field, f"the data: URL's content type is {media or 'missing'!r}; an image/* type is needed")
+    if "base64" not in [p.strip().lower() for p in m.group("params").split(";")]:
+        raise _error(field, "the data: URL must be base64-encoded (data:image/...;base64,...)")
+    payload = url[m.end():]
+    if len(payload) // 4 * 3 > limits.max_bytes:
+        raise _error(field, f"the image is about {len(payload) // 4 * 3:,} bytes; at most {limits.max_bytes:,} "
+                            "are accepted")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise _error(field, f"the data: URL's payload is not valid base64 ({e})") from None
+
+
+def _read_file(path: str | os.PathLike, field: str, limits: ImageLimits) -> bytes:
+    p = Path(path)
+    try:
+        size = p.stat().st_size
+        if not p.is_file():
+            raise _error(field, f"{str(p)!r} is not a file")
+        if size > limits.max_bytes:
+            raise _error(field, f"{str(p)!r} has {size:,} bytes; at most {limits.max_bytes:,} are accepted")
+        return p.read_bytes()
+    except OSError as e:
+        raise _error(field, f"cannot read the image file {str(p)!r}: {e.strerror or e}") from None
+
+
+def _decode(data: bytes, field: str, limits: ImageLimits) -> ImageInput:
+    if len(data) > limits.max_bytes:
+        raise _error(field, f"the image has {len(data):,} bytes; at most {limits.max_bytes:,} are accepted")
+    if not data:
+        raise _error(field, "the image is empty (0 bytes)")
+    try:
+        image = Image.open(io.BytesIO(data), formats=FORMATS)  # reads the header only
+    except Image.DecompressionBombError as e:
+        raise _error(field, f"refused as a decompression bomb ({e})") from None
+    except UnidentifiedImageError:
+        raise _error(field, f"not an image in a supported format ({', '.join(FORMATS)})") from None
+    except (OSError, SyntaxError, ValueError, EOFError) as e:  # a header Pillow cannot parse
+        raise _error(field, f"not a readable image ({e})") from None
+    _check_size(image.size, field, limits)
+    try:
+        image.load()
+    except Image.DecompressionBombError as e:
+        raise _error(field, f"refused as a decompression bomb ({e})") from None
+    except (OSError, SyntaxError, ValueError, EOFError) as e:  # "image file is truncated", bad data
+        raise _error(field, f"the image data is truncated or corrupt ({e})") from None
+    return _finish(image, field)
+
+
+def _check_size(size: tuple[int, int], field: str, limits: ImageLimits) -> None:
+    w, h = size
+    if w <= 0 or h <= 0:
+        raise _error(field, f"the image is {w}x{h}: it has no pixels")
+    if max(w, h) > limits.max_side:
+        raise _error(field, f"the image is {w}x{h}; its longer side may be at most {limits.max_side}")
+    if w * h > limits.max_pixels:
+        raise _error(field, f"the image is {w}x{h} = {w * h:,} pixels; at most {limits.max_pixels:,} are accepted")
+
+
+def _finish(image: Image.Image, field: str) -> ImageInput:
+    try:
+        rgb = to_rgb(image)
+    except (OSError, ValueError) as e:  # e.g. a PIL image whose lazy decode fails now
+        raise _error(field, f"the image cannot be converted to RGB ({e})") from None
+    return ImageInput(rgb, image_digest(rgb), field)
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """RGB; other modes are composited over white (transparency shows as white, as in transformers)."""
+    if image.mode == "RGB":
+        return image
+    rgba = image.convert("RGBA")
+    background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+    return Image.alpha_composite(background, rgba).convert("RGB")
+
+
+def check_image_count(n: int, field: str, limits: ImageLimits = ImageLimits()) -> None:
+    if n > limits.max_images:
+        raise _error(field, f"{n} images in one request; at most {limits.max_images} are accepted")
+
+
+def require_vision(accepts_images: bool, field: str) -> None:
+    """The refusal every entry gives an image sent to a text-only model (no vision tower)."""
+    if not accepts_images:
+        raise _error(field, "this model accepts no images (it has no vision tower); send text only")
+
+
+def model_accepts_images(model_config: Any) -> bool:
+    """A model takes images when its config names an image token (ModelConfig.image_token_id)."""
+    return getattr(model_config, "image_token_id", None) is not None
+
+
+def to_bytes(obj: Any, field: str, limits: ImageLimits = ImageLimits()) -> bytes:
+    """An image as encoded bytes for the wire (slipstream.Client): encoded input is sent as it is,
+    a PIL image as PNG. Only sizes are checked here; the receiving side decodes and validates."""
+    if isinstance(obj, ImageInput):
+        obj = obj.image
+    if isinstance(obj, Image.Image):
+        _check_size(obj.size, field, limits)
+        buf = io.BytesIO()
+        to_rgb(obj).save(buf, "PNG", compress_level=1)  # lossless; fast rather than small
+        data = buf.getvalue()
+    elif isinstance(obj, (bytes, bytearray, memoryview)):
+        data = bytes(obj)
+    elif isinstance(obj, str) and obj[:5].lower() == "data:":
+        data = data_url_bytes(obj, field, limits)
+    elif isinstance(obj, str) and obj[:8].lower().startswith(("http://", "https://")):
+        raise _error(field, "remote image URLs are fetched only by `slipstream serve`; pass bytes, a path or a "
+                            "data: URL")
+    elif isinstance(obj, (str, os.PathLike)):
+        data = _read_file(obj, field, limits)
+    else:
+        raise _error(field, f"an image must be a PIL image, bytes, a file path or a data: URL, "
+                            f"got {type(obj).__name__}")
+    if len(data) > limits.max_bytes:
+        raise _error(field, f"the image has {len(data):,} bytes; at most {limits.max_bytes:,} are accepted")
+    return data
+
+
+def images_to_bytes(objs: Sequence[Any], name: str = "images", limits: ImageLimits = ImageLimits()) -> list[bytes]:
+    objs = image_list(objs, name)
+    check_image_count(len(objs), f"{name}[{limits.max_images}]" if len(objs) > limits.max_images else name, limits)
+    return [to_bytes(o, f"{name}[{i}]", limits) for i, o in enumerate(objs)]
+
+
+def image_list(objs: Any, name: str = "images") -> list:
+    """`images=` of a public call: a list or tuple of images (one image alone is refused, not guessed at)."""
+    if not isinstance(objs, (list, tuple)):
+        raise _error(name, f"images must be a list of images, got {type(objs).__name__}")
+    return list(objs)
+
+
+def _load_all(objs: Sequence[Any], fields: Sequence[str], limits: ImageLimits) -> list[ImageInput]:
+    return [load_image(o, f, limits) for o, f in zip(objs, fields)]
+
+
+async def load_images(objs: Sequence[Any], fields: Sequence[str],
+                      limits: ImageLimits = ImageLimits()) -> list[ImageInput]:
+    """`load_image` for each, on a worker thread: decoding a large JPEG takes from milliseconds to
+    hundreds of them, which the event loop (and every request on it) must not wait through."""
+    objs, fields = list(objs), list(fields)
+    if len(objs) != len(fields):
+        raise ValueError(f"load_images: {len(objs)} images but {len(fields)} field names")
+    if not objs:
+        return []
+    check_image_count(len(objs), fields[limits.max_images] if len(objs) > limits.max_images else fields[0],
+                      limits)
+    return await asyncio.get_running_loop().run_in_executor(None, _load_all, objs, fields, limits)

@@ -1,0 +1,22 @@
+"""Small encoded images for the image-input tests, including hostile ones built byte by byte."""
+import io
+import struct
+import zlib
+
+from PIL import Image
+
+
+def encoded(w: int = 8, h: int = 6, fmt: str = "PNG", mode: str = "RGB", color=(200, 30, 40)) -> bytes:
+    buf = io.BytesIO()
+    Image.new(mode, (w, h), color if mode == "RGB" else None).save(buf, fmt)
+    return buf.getvalue()
+
+
+def png_header_only(w: int, h: int) -> bytes:
+    """A PNG whose header claims w x h with almost no pixel data: what a decompression bomb looks like
+    before decoding (a real one compresses the zeros; decoding either would take w*h*3 bytes)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    ihdr = struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64))
+            + chunk(b"IEND", b""))

@@ -28,6 +28,11 @@ class PrefixCacheStats:
     evictions: int = 0  # registered pages handed out again for new K/V
 
 
+def _carry_key(seq: Sequence, start: int, end: int) -> bytes:
+    inputs = seq.carried_inputs(start, end)
+    return repr(inputs).encode() if inputs else b""
+
+
 class PrefixCache:
     def __init__(self, pool: PagePool, page_size: int):
         self.pool, self.page_size = pool, page_size
@@ -48,7 +53,10 @@ class PrefixCache:
             extra = seq.cache_extra or b""
             prev = hashes[-1] if hashes else ROOT
             for i in range(len(hashes), num_pages):
-                prev = chain_hash(prev, seq.known_tokens(i * ps, (i + 1) * ps), extra)
+                # a page whose inputs include carried values hashes them too: same tokens, other values,
+                # other K/V
+                key = extra + _carry_key(seq, i * ps, (i + 1) * ps) if seq.carried else extra
+                prev = chain_hash(prev, seq.known_tokens(i * ps, (i + 1) * ps), key)
                 hashes.append(prev)
         return hashes[:num_pages]
 

@@ -288,8 +288,7 @@ class ModelRunner:
             top = {i: dict(zip(top_ids[i][:k], values[i][:k])) for i, k in enumerate(want.tolist()) if k}
         carried = None
         if slot.carry_step:
-            heads = self.model.carry_heads
-            carried = read_carried(slot.host_carry[:len(ids)].numpy(), [k.values for k in heads.kinds])
+            carried = read_carried(slot.host_carry[:len(ids)].numpy(), [k.values for k in self.carry_kinds])
         return SampledTokens(ids, logprobs, top, carried)
 
     # --- failure --------------------------------------------------------------------------------

@@ -43,6 +43,15 @@ class _Device:
     active = False  # True while a fake stream runs an item: device work, not the host
 
 
+def on_device(fn):
+    """Run `fn` as device work (what a fake stream does with each item it runs)."""
+    _Device.active = True
+    try:
+        return fn()
+    finally:
+        _Device.active = False
+
+
 class DeviceOnly(dict):
     """A device table: any access outside stream work is a host read (or write) and raises."""
 
@@ -210,11 +219,7 @@ class FakeStream:
             if self.error is not None and not event_op:
                 continue
             try:
-                _Device.active = True
-                try:
-                    result = fn()
-                finally:
-                    _Device.active = False
+                result = on_device(fn)
                 if inspect.isawaitable(result):
                     await result
             except Exception as e:  # noqa: BLE001 - kept, surfaced through events

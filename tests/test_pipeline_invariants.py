@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from fake_runner import CARRY_MAP, EOS, FakeRunner, RefereedPool, RefereedRows, make_prompt, reference
+from fake_runner import CARRY_MAP, EOS, FakeRunner, RefereedPool, RefereedRows, make_prompt, on_device, reference
 from slipstream.errors import StepFailedError
 from slipstream.outputs import CompletionOutput, RequestMetrics
 from slipstream.params import SamplingParams
@@ -206,7 +206,7 @@ class _DoneAtOnce:
     """A device far ahead of the host: launched work runs at once, so no commit ever waits."""
 
     def launch(self, fn) -> None:
-        fn()
+        on_device(fn)
 
     def record(self) -> asyncio.Event:
         event = asyncio.Event()

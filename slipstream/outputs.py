@@ -47,6 +47,9 @@ class CompletionOutput:
     top_logprobs: list[dict[int, float]] | None = None
     index: int = 0  # which of the request's SamplingParams.n completions this is
     usage: Usage | None = None  # filled from the token lists when not given (also on decoding from the wire)
+    # the carried values: output token index -> the head values that token carried (its grammar's
+    # carry tokens; docs/moondream.md, "The carry"); None when the request's grammar has no carry tokens
+    carried: dict[int, list[float]] | None = None
 
     def __post_init__(self) -> None:
         if self.usage is None:

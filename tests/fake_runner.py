@@ -21,6 +21,13 @@ an output dropped too early changes the output (`reference` with `images`). The 
 fails a run that drops an encoder output an in-flight step reads.
 
 Prompts are [marker, prompt_len, ...]: marker 1000 + k means "EOS as output token k".
+
+The carry (runtime/carry.py): a row whose chunk declares carry tokens (SamplingRow.carry, here
+CARRY_MAP) samples them from its model (`next_token(..., carries=True)`); the sampling then
+decodes a value from the context (`head_value`) into the device's carry table, and the next input of
+the row is that value (`carry_input`, in the context) instead of the token. The carry table is
+`DeviceOnly`: a read or write outside the fake device's stream work raises, so a host that read the
+values between steps fails the test; the values reach the host only through the step's copy.
 """
 from __future__ import annotations
 
@@ -36,6 +43,50 @@ from slipstream.scheduler.page_pool import PagePool
 EOS = 2
 VOCAB = 300
 IMAGE = 1  # the placeholder id
+CARRY_MAP = {5: 1, 6: 2}  # carry token -> kind (kind k has k values)
+
+
+class _Device:
+    active = False  # True while a fake stream runs an item: device work, not the host
+
+
+def on_device(fn):
+    """Run `fn` as device work (what a fake stream does with each item it runs)."""
+    _Device.active = True
+    try:
+        return fn()
+    finally:
+        _Device.active = False
+
+
+class DeviceOnly(dict):
+    """A device table: any access outside stream work is a host read (or write) and raises."""
+
+    def _check(self) -> None:
+        if not _Device.active:
+            raise AssertionError("host access to the carry table between steps")
+
+    def __getitem__(self, key):
+        self._check()
+        return super().__getitem__(key)
+
+    def __setitem__(self, key, value):
+        self._check()
+        super().__setitem__(key, value)
+
+    def get(self, key, default=None):
+        self._check()
+        return super().get(key, default)
+
+
+def head_value(context: list[int], kind: int) -> tuple[float, ...]:
+    s = sum(context)
+    return tuple(((s * 13 + len(context) * 7 + 101 * i + kind) % 1000) / 1000 for i in range(kind))
+
+
+def carry_input(kind: int, values: tuple[float, ...]) -> int:
+    """What the fake model sees at a position fed a head value: the kind and every value, as one int."""
+    return kind * 10**6 + sum(round(v * 1000) * 1000**i for i, v in enumerate(values))
 
 
 def make_prompt(length: int, eos_at: int | None, salt: int) -> list[int]:
@@ -43,29 +94,42 @@ def make_prompt(length: int, eos_at: int | None, salt: int) -> list[int]:
     return [1000 + eos_at if eos_at is not None else 3 + salt % 50, length] + body
 
 
-def next_token(context: list[int]) -> int:
+def next_token(context: list[int], carries: bool = False) -> int:
     first, prompt_len = context[0], context[1]
     if first >= 1000 and len(context) - prompt_len == first - 1000:
         return EOS
-    return 3 + (sum(context) * 7 + len(context) * 13) % (VOCAB - 3)
+    tok = 3 + (sum(context) * 7 + len(context) * 13) % (VOCAB - 3)
+    if carries and tok % 3 == 0:  # a row with carry tokens samples them often
+        return 5 if tok % 2 else 6
+    return tok
 
 
 def fake_features(pixels: tuple[int, ...], n: int) -> list[int]:
     return [3 + (sum(pixels) * 7 + i * 11 + pixels[i % len(pixels)]) % (VOCAB - 3) for i in range(n)]
 
 
-def reference(prompt: list[int], max_tokens: int, images=()) -> list[int]:
-    ctx, out = list(prompt), []
+def reference(prompt: list[int], max_tokens: int, images=(), carries: bool = False) -> list[int]:
+    return reference_carry(prompt, max_tokens, carries, images)[0]
+
+
+def reference_carry(prompt: list[int], max_tokens: int, carries: bool = False, images=()):
+    """(tokens, {output index: head values}) of a request decoded alone, one token at a time."""
+    ctx, out, carried = list(prompt), [], {}
     for span in images:  # the model sees the encoder's rows at the image's positions
         for pos, value in zip(span.positions, fake_features(span.processed, span.num_features)):
             ctx[int(pos)] = value
     while len(out) < max_tokens:
-        tok = next_token(ctx)
+        tok = next_token(ctx, carries)
         out.append(tok)
-        ctx.append(tok)
+        kind = CARRY_MAP.get(tok, 0) if carries else 0
+        if kind:
+            carried[len(out) - 1] = head_value(ctx, kind)
+            ctx.append(carry_input(kind, carried[len(out) - 1]))
+        else:
+            ctx.append(tok)
         if tok == EOS:
             break
-    return out
+    return out, carried
 
 
 class Referee:
@@ -175,7 +239,7 @@ class FakeStream:
             if self.error is not None and not event_op:
                 continue
             try:
-                result = fn()
+                result = on_device(fn)
                 if inspect.isawaitable(result):
                     await result
             except Exception as e:  # noqa: BLE001 - kept, surfaced through events
@@ -187,6 +251,8 @@ class FakeSlot:
         self.index, self.state, self.step_id = index, SlotState.FREE, -1
         self.contexts: list[list[int]] = []
         self.sampled: dict[int, int] = {}
+        self.carried: dict[int, tuple[int, tuple[float, ...]]] = {}  # sampling row -> (kind, values)
+        self.host_carried: dict | None = None
         self.host_result: list[int] | None = None
         self.copied: FakeEvent | None = None
 
@@ -218,6 +284,9 @@ class FakeRunner:
         self.encodes: list[bytes] = []  # digests encoded, in launch order
         self.missing_features = 0  # image rows a forward found no encoder output for
 
+        self.carry_values = DeviceOnly()  # row -> head values its newest token carries (the carry table)
+        self.carry_maps = DeviceOnly()  # row -> {carry token: kind}, written by its chunks
+
     def launch_encoder(self, images) -> None:
         spans = list(images)
         self.encodes += [s.digest for s in spans]
@@ -243,6 +312,7 @@ class FakeRunner:
         assert slot.state is SlotState.FREE, "slot reused while in flight"
         slot.state, slot.step_id = SlotState.IN_FLIGHT, step_id
         slot.host_result, slot.sampled, slot.copied = None, {}, None
+        slot.carried, slot.host_carried = {}, None
         # the persistent batch as the host's launch order sees it (what the step will reference)
         writes = [tuple(int(x) for x in w) for w in packed.page_writes]
         for row, index, page in writes:
@@ -256,6 +326,10 @@ class FakeRunner:
             written.add(self.launch_pages[r][(kv_lens[-1] - 1) // self.page_size])
         chunks = [(w.row, list(w.tokens), w.start_pos, w.sample) for w in packed.chunks]
         images = [(w.row, w.start_pos, part) for w in packed.chunks for part in w.images]
+        chunk_maps = [(w.row, dict(w.sampling.carry)) for w in packed.chunks]
+        for (_, tokens, _, _), w in zip(chunks, packed.chunks):
+            for offset, kind, values in w.carry:  # a recompute re-feeds the values the host kept
+                tokens[offset] = carry_input(kind, values)
         for row, tokens, start, _ in chunks:
             self.launch_pos[row] = start + len(tokens)
             seq_rows.append(row)
@@ -272,10 +346,14 @@ class FakeRunner:
                 raise InjectedFault(f"injected forward fault (at {step_id})")
             for row, index, page in writes:
                 self._apply_page(self.dev_pages, row, index, page)
+            for row, carry_map in chunk_maps:  # a chunk rewrites its row's parameters
+                self.carry_maps[row] = carry_map
             tokens_at = []  # (row, position, token)
             for r in dec:
                 pos = self.dev_pos.get(r, 0)
-                tokens_at.append((r, pos, self.last_token[r]))
+                tok = self.last_token[r]
+                kind = self.carry_maps.get(r, {}).get(tok, 0)
+                tokens_at.append((r, pos, carry_input(kind, self.carry_values[r]) if kind else tok))
                 self.dev_pos[r] = pos + 1
             for row, tokens, start, _ in chunks:
                 tokens_at += [(row, start + i, t) for i, t in enumerate(tokens)]
@@ -312,9 +390,15 @@ class FakeRunner:
 
         def sample() -> None:
             for i in rows:
-                tok = next_token(slot.contexts[i])
+                carry_map = self.carry_maps.get(table_rows[i], {})
+                tok = next_token(slot.contexts[i], bool(carry_map))
                 self.last_token[table_rows[i]] = tok
                 slot.sampled[i] = tok
+                kind = carry_map.get(tok, 0)
+                if kind:  # its next input is this value, decoded from this step's "hidden state"
+                    values = head_value(slot.contexts[i], kind)
+                    self.carry_values[table_rows[i]] = values
+                    slot.carried[i] = (kind, values)
 
         compute.launch(sample)
         if final:
@@ -322,6 +406,7 @@ class FakeRunner:
 
             def copy_out() -> None:
                 slot.host_result = [slot.sampled[i] for i in range(n)]
+                slot.host_carried = dict(slot.carried) or None
 
             copy.launch(copy_out)
             slot.copied = copy.record()  # carries a failed stream's error to read_sampled
@@ -334,7 +419,7 @@ class FakeRunner:
         if getattr(slot.copied, "error", None) is not None:
             raise slot.copied.error
         self.referee.steps.pop(slot.step_id)
-        return SampledTokens(slot.host_result, [0.0] * len(slot.host_result))
+        return SampledTokens(slot.host_result, [0.0] * len(slot.host_result), None, slot.host_carried)
 
     async def drain(self) -> None:
         for stream in self.streams:

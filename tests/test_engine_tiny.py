@@ -177,7 +177,7 @@ async def test_slot_reuse_guard_fires_when_misused():
         with pytest.raises(PipelineInvariantError):
             slot.read_host()  # reading before the copy was even enqueued
         runner.launch_sampling(slot, packed)
-        ids, logprobs, _ = await runner.read_sampled(slot)
+        ids, logprobs, _, _ = await runner.read_sampled(slot)
         assert len(ids) == len(logprobs) == 1
         slot.release()
         with pytest.raises(PipelineInvariantError):

@@ -126,7 +126,7 @@ def test_arena_stages_chunks_after_the_decode_rows():
         assert t.chunk_pos.tolist() == [0, 1, 2, 4, 5, 0, 0] and t.chunk_token_rows.tolist() == [2, 2, 2, 4, 4, 0, 0]
         assert t.query_start.tolist() == [0, 1, 4, 6] and t.chunk_ends.tolist() == [3, 6]
         assert t.sample_indices.tolist() == [0, 3, 0, 0] and t.sample_rows.tolist() == [6, 2]  # (padded to 4)
-        assert u.param_rows.tolist() == [2, 4] and u.params_int[:, 0].tolist() == [3, 11, 0, 0, 0]  # INT_PARAMS
+        assert u.param_rows.tolist() == [2, 4] and u.params_int[:, 0].tolist() == [3, 11, 0, 0, 0] + [-1] * 4  # INT_PARAMS, NO_CARRY
         assert u.params_float[:, 0].tolist() == [0.5, 1.0, 0.0, 0.0, 1.0, 0.0]  # FLOAT_PARAMS
     finally:
         dev.close()

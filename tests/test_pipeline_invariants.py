@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from fake_runner import EOS, FakeRunner, RefereedPool, RefereedRows, make_prompt, reference
+from fake_runner import CARRY_MAP, EOS, FakeRunner, RefereedPool, RefereedRows, make_prompt, on_device, reference
 from slipstream.errors import StepFailedError
 from slipstream.outputs import CompletionOutput, RequestMetrics
 from slipstream.params import SamplingParams
@@ -42,15 +42,17 @@ def make_loop(depth, num_pages=64, max_batch=4, step_tokens=16, seed=0, prefix_c
     return EngineLoop(runner, planner, OutputProcessor(), depth, PAGE), pool
 
 
-def make_seq(rid, prompt, max_tokens, cache_extra=b""):
+def make_seq(rid, prompt, max_tokens, cache_extra=b"", carry=False):
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     req = RequestState(rid, prompt, params, NullDetok(), frozenset({EOS}), RequestMetrics(0.0))
-    return Sequence(rid, prompt, max_tokens, SamplingRow(), user=req, cache_extra=cache_extra)
+    row = SamplingRow(carry=tuple(CARRY_MAP.items()) if carry else ())
+    return Sequence(rid, prompt, max_tokens, row, user=req, cache_extra=cache_extra)
 
 
 async def run_workload(depth, requests, num_pages=64, max_batch=4, step_tokens=16, seed=0, instrument=None,
                        prefix_caching=False, fail_steps=()):
-    """requests: list of (prompt, max_tokens, arrive_after_yields, abort_after_yields|None[, cache_extra]).
+    """requests: list of (prompt, max_tokens, arrive_after_yields, abort_after_yields|None[, cache_extra[,
+    carry]]); carry: the sequence has the fake's carry tokens (fake_runner.CARRY_MAP).
     fail_steps: step ids whose forward raises on the fake device (their requests fail)."""
     loop, pool = make_loop(depth, num_pages, max_batch, step_tokens, seed, prefix_caching)
     loop.runner.fail_steps = set(fail_steps)
@@ -59,10 +61,10 @@ async def run_workload(depth, requests, num_pages=64, max_batch=4, step_tokens=1
     task = asyncio.create_task(loop.run())
     results = {}
 
-    async def client(i, prompt, max_tokens, arrive, abort_after, cache_extra=b""):
+    async def client(i, prompt, max_tokens, arrive, abort_after, cache_extra=b"", carry=False):
         for _ in range(arrive):
             await asyncio.sleep(0)
-        seq = make_seq(f"r{i}", prompt, max_tokens, cache_extra)
+        seq = make_seq(f"r{i}", prompt, max_tokens, cache_extra, carry)
         loop.submit(seq)
         if abort_after is not None:
             for _ in range(abort_after):
@@ -204,7 +206,7 @@ class _DoneAtOnce:
     """A device far ahead of the host: launched work runs at once, so no commit ever waits."""
 
     def launch(self, fn) -> None:
-        fn()
+        on_device(fn)
 
     def record(self) -> asyncio.Event:
         event = asyncio.Event()

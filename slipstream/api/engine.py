@@ -13,13 +13,14 @@ import structlog
 
 from slipstream import gc_freeze
 from slipstream import validate as check
-from slipstream.errors import (EngineAlreadyStartedError, EngineClosedError, GrammarError, InvalidRequestError,
-                               WrongEventLoopError)
+from slipstream.errors import (EngineAlreadyStartedError, EngineClosedError, GrammarCompileError, GrammarError,
+                               InvalidRequestError, WrongEventLoopError)
 from slipstream.intmath import ceil_div
 from slipstream.outputs import CompletionOutput, RequestMetrics
 from slipstream.params import EngineConfig, SamplingParams
 from slipstream.models.byte_stream import byte_table, make_detokenizer
-from slipstream.runtime.batch import SamplingRow
+from slipstream.grammar.base import carry_tokens, resolve_carry
+from slipstream.runtime.batch import MAX_CARRY_TOKENS, MAX_CARRY_VALUES, SamplingRow
 from slipstream.api.interface import DeltaStream, Messages, Prompt
 from slipstream.api.fanout import fan_out, wants_fan_out
 from slipstream.api.encode import check_prompt_chars, encode_off_loop
@@ -186,7 +187,9 @@ class Engine(SkillMethods):
         spec = params.grammar_spec()
         # compiled off the tick (a thread, under a timeout); a bad grammar fails only this call
         try:
-            matcher = (await self._grammars.compile_async(spec)).matcher() if spec is not None else None
+            grammar = await self._grammars.compile_async(spec) if spec is not None else None
+            matcher = grammar.matcher() if grammar is not None else None
+            carry = self._carry_of(grammar, spec.kind) if grammar is not None else ()
         except GrammarError as e:
             e.param = params.grammar_field()
             raise
@@ -209,7 +212,7 @@ class Engine(SkillMethods):
                           presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
                           repetition_penalty=params.repetition_penalty, min_p=params.min_p,
                           min_tokens=params.min_tokens, top_logprobs=params.top_logprobs,
-                          stop_ids=tuple(sorted(frozenset(eos) | frozenset(params.stop_token_ids))))
+                          stop_ids=tuple(sorted(frozenset(eos) | frozenset(params.stop_token_ids))), carry=carry)
         req = RequestState(request_id, ids, params, make_detokenizer(self.tokenizer, ids),
                            frozenset(eos) | frozenset(params.stop_token_ids), RequestMetrics(time.perf_counter()),
                            matcher=matcher, streaming=streaming)
@@ -218,6 +221,18 @@ class Engine(SkillMethods):
         self._requests[request_id] = seq
         self.loop.submit(seq)
         return seq
+
+    def _carry_of(self, grammar, kind: str) -> tuple[tuple[int, int], ...]:
+        """The grammar's carry tokens as (token id, the model's carry kind); GrammarCompileError when
+        the model lacks a head it names (docs/moondream.md, "The carry")."""
+        declared = carry_tokens(grammar, f"grammar {kind!r}")
+        if not declared:
+            return ()
+        model_kinds = self._parts.runner.carry_kinds
+        wide = [k.name for k in model_kinds if k.values > MAX_CARRY_VALUES]
+        if wide:
+            raise GrammarCompileError(f"the model's carry kinds {wide} have more than {MAX_CARRY_VALUES} values")
+        return resolve_carry(declared, model_kinds, MAX_CARRY_TOKENS, f"grammar {kind!r}")
 
     async def _prompt_ids(self, prompt: Prompt, images: Sequence[ImageLike] = (), fields: Sequence[str] | None = None):
         """(token ids, image spans) of a prompt; images are loaded, preprocessed and the prompt expanded

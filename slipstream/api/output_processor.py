@@ -366,6 +366,8 @@ class OutputProcessor:
             logprobs=list(req.logprobs) if req.params.logprobs else None,
             top_logprobs=list(req.top_logprobs) if req.params.top_logprobs else None,
             usage=usage,
+            carried=({i: list(values) for i, (_, values) in sorted(seq.carried.items()) if i < c}
+                     if seq.sampling.carry else None),
         )
         req.queue.put_nowait(req.output)
 

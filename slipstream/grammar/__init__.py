@@ -16,6 +16,7 @@ _EXPORTS = {
     "GrammarError": "slipstream.errors",
     "GrammarMatchError": "slipstream.errors",
     "GrammarTimeoutError": "slipstream.errors",
+    "CarryKind": "slipstream.models.carry_kind",
     "Grammar": "slipstream.grammar.base",
     "GrammarCompiler": "slipstream.grammar.compiler",
     "GrammarSpec": "slipstream.grammar.base",

@@ -4,13 +4,21 @@ A `GrammarSpec` names what the output must look like. A `GrammarCompiler` (compi
 engine) turns it into a `Grammar` once per spec, off the engine tick and under a timeout, and caches it. Each sequence
 gets its own `Matcher` from the shared grammar; the engine asks it for a packed bitmask row before
 sampling and tells it every committed token.
+
+A grammar may also declare carry tokens (`carry_tokens`, optional): after the model samples one of
+them, the next input is not that token but a value decoded from the model's hidden state by the
+head of the named kind (docs/moondream.md, "The carry").
 """
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 import numpy as np
+
+from slipstream.errors import GrammarCompileError
+from slipstream.models.carry_kind import CarryKind
 
 
 
@@ -51,7 +59,51 @@ class Matcher(Protocol):
 
 @runtime_checkable
 class Grammar(Protocol):
-    """A compiled grammar, built once per (spec, tokenizer) and shared by all sequences using it."""
+    """A compiled grammar, built once per (spec, tokenizer) and shared by all sequences using it.
+
+    Optional attribute `carry_tokens: Mapping[int, CarryKind]`: token id -> the kind of head value
+    (name, number of values) the model's next input is after that token is sampled. Absent or
+    empty: every input is a token."""
 
     def matcher(self) -> Matcher:
         ...
+
+
+def carry_tokens(grammar: Any, name: str = "grammar") -> dict[int, CarryKind]:
+    """The grammar's carry tokens, checked (GrammarCompileError naming `name` for a bad declaration)."""
+    declared = getattr(grammar, "carry_tokens", None)
+    if not declared:
+        return {}
+    if not isinstance(declared, Mapping):
+        raise GrammarCompileError(f"{name}: carry_tokens must map token ids to CarryKind, got "
+                                  f"{type(declared).__name__}")
+    out: dict[int, CarryKind] = {}
+    for token, kind in declared.items():
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise GrammarCompileError(f"{name}: carry token {token!r} is not a token id")
+        if not (isinstance(kind, tuple) and len(kind) == 2 and isinstance(kind[0], str)
+                and isinstance(kind[1], int) and not isinstance(kind[1], bool) and kind[1] > 0):
+            raise GrammarCompileError(f"{name}: carry token {token} maps to {kind!r}, not a CarryKind(name, values > 0)")
+        out[token] = CarryKind(*kind)
+    return out
+
+
+def resolve_carry(declared: Mapping[int, CarryKind], model_kinds: Sequence[CarryKind], max_tokens: int,
+                  name: str = "grammar") -> tuple[tuple[int, int], ...]:
+    """(token id, the model's kind number) per carry token, or GrammarCompileError when the model has
+    no head of that name, its head has another number of values, or there are too many tokens."""
+    if len(declared) > max_tokens:
+        raise GrammarCompileError(f"{name} declares {len(declared)} carry tokens; at most {max_tokens} are supported")
+    numbers = {k.name: (i, k.values) for i, k in enumerate(model_kinds, start=1)}
+    out = []
+    for token, kind in sorted(declared.items()):
+        if kind.name not in numbers:
+            have = ", ".join(numbers) or "none"
+            raise GrammarCompileError(f"{name}: carry token {token} needs a {kind.name!r} head, which the model "
+                                      f"lacks (its carry heads: {have})")
+        number, values = numbers[kind.name]
+        if values != kind.values:
+            raise GrammarCompileError(f"{name}: carry kind {kind.name!r} has {kind.values} values in the grammar "
+                                      f"but {values} in the model")
+        out.append((token, number))
+    return tuple(out)

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from slipstream.errors import GrammarCompileError, GrammarError, GrammarMatchError
-from slipstream.grammar.base import Grammar, GrammarSpec, Matcher
+from slipstream.grammar.base import Grammar, GrammarSpec, Matcher, carry_tokens
 from slipstream.grammar.bitmask import clear_from
 
 ENTRY_POINT_GROUP = "slipstream.grammars"
@@ -122,7 +122,16 @@ def build_grammar(spec: GrammarSpec, tokenizer: Any, vocab_size: int) -> Grammar
     if not callable(getattr(grammar, "matcher", None)):
         raise GrammarCompileError(f"grammar plugin {name!r} returned {type(grammar).__name__}, not a Grammar")
     limit = min(vocab_size, int(getattr(tokenizer, "vocab_size", vocab_size)))
-    return PluginGrammar(name, grammar, limit)
+    try:
+        carry = carry_tokens(grammar, f"grammar plugin {name!r}")
+    except GrammarError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a property of the plugin's may raise anything
+        raise GrammarCompileError(_plugin_message(name, e) + " (in carry_tokens)") from e
+    outside = [t for t in carry if t >= limit]
+    if outside:
+        raise GrammarCompileError(f"grammar plugin {name!r}: carry tokens {outside} lie outside the vocabulary")
+    return PluginGrammar(name, grammar, limit, carry)
 
 
 def _plugin_message(name: str, e: BaseException) -> str:
@@ -132,10 +141,11 @@ def _plugin_message(name: str, e: BaseException) -> str:
 class PluginGrammar:
     """A plugin's grammar behind the error-wrapping, padding-clearing adapter."""
 
-    def __init__(self, name: str, inner: Grammar, limit: int) -> None:
+    def __init__(self, name: str, inner: Grammar, limit: int, carry: dict | None = None) -> None:
         self.name = name
         self.inner = inner
         self.limit = limit  # ids from here on (logits padding) are never allowed
+        self.carry_tokens = carry or {}  # read once and checked at build (base.carry_tokens)
 
     def matcher(self) -> PluginMatcher:
         try:

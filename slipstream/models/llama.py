@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from slipstream.models.attention import AttentionMetadata, paged_attention_reference, write_kv
+from slipstream.models.carry_heads import CarryHeads, CarryInput, apply_carry
 from slipstream.models.config import ModelConfig
 from slipstream.models.rotary import RotaryEmbedding
 
@@ -39,6 +40,11 @@ class ForwardBatch:
     # vision tower's output for those placeholder tokens). None for text-only steps.
     embed_rows: torch.Tensor | None = None
     embeds: torch.Tensor | None = None
+    # The carry (models/carry_heads.py): rows whose kind is > 0 take their head value's encoding;
+    # return_hidden: the forward returns (logits, hidden of the sample rows). Off for steps without
+    # a carry row.
+    carry: CarryInput | None = None
+    return_hidden: bool = False
 
 
 class KVCache:
@@ -145,6 +151,7 @@ class LlamaForCausalLM(nn.Module):
         self.triton_options = None  # llama_triton.TritonOptions, on the triton backend
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.carry_heads: CarryHeads | None = None  # heads whose values a row may carry (carry_heads.py)
         self.vision: nn.Module | None = None  # Idefics3: vision tower + connector (models/idefics3/vision.py)
         if config.vision is not None:
             from slipstream.models.idefics3.vision import Idefics3Vision
@@ -206,17 +213,23 @@ class LlamaForCausalLM(nn.Module):
             return head(x)
         return F.linear(x, self.lm_head_weight())
 
-    def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
-        """Returns float32 logits [N, vocab] for batch.sample_indices."""
+    def forward(self, batch: ForwardBatch, kv: KVCache):
+        """Returns float32 logits [N, vocab] for batch.sample_indices; with batch.return_hidden,
+        (logits, hidden [N, H]): the final-normed hidden states the logits are computed from."""
         x = self.model.embed_tokens(batch.input_ids)
         if batch.embeds is not None:  # image placeholders take the vision embeddings (both backends)
             x.index_copy_(0, batch.embed_rows, batch.embeds.to(x.dtype))
+        if batch.carry is not None:
+            assert self.carry_heads is not None, "a carry step on a model without carry heads"
+            x = apply_carry(self.carry_heads, x, batch.carry)
         if self.backend == "triton":
             from slipstream.models.llama_triton import forward_triton
 
-            return forward_triton(self, x, batch, kv)
-        rotate = self.rope.for_positions(batch.positions, x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, batch, kv, rotate)
-        x = self.model.norm(x.index_select(0, batch.sample_indices))
-        return self.logits(x).float()
+            x = forward_triton(self, x, batch, kv)
+        else:
+            rotate = self.rope.for_positions(batch.positions, x.dtype)
+            for layer in self.model.layers:
+                x = layer(x, batch, kv, rotate)
+            x = self.model.norm(x.index_select(0, batch.sample_indices))
+        logits = self.logits(x).float()
+        return (logits, x) if batch.return_hidden else logits

@@ -105,8 +105,9 @@ def mlp(m, x: torch.Tensor, options: TritonOptions) -> torch.Tensor:
 
 
 def forward_triton(model, x: torch.Tensor, batch, kv) -> torch.Tensor:
-    """Float32 logits for batch.sample_indices from the embedded tokens `x`, which become the
-    residual stream: each norm adds the sublayer output before it into `x` in place."""
+    """The final-normed hidden states of batch.sample_indices (what the lm_head reads) from the
+    embedded tokens `x`, which become the residual stream: each norm adds the sublayer output before
+    it into `x` in place."""
     options = model.triton_options or TRITON_DEFAULTS
     delta = None  # the last sublayer's output, not yet added to the residual
     for layer in model.model.layers:
@@ -115,5 +116,4 @@ def forward_triton(model, x: torch.Tensor, batch, kv) -> torch.Tensor:
         h = add_rms_norm_triton(a, x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
         delta = mlp(layer.mlp, h, options)
     norm = model.model.norm
-    x = add_rms_norm_triton(delta, x, norm.weight, norm.eps, rows=batch.sample_indices)
-    return model.logits(x).float()
+    return add_rms_norm_triton(delta, x, norm.weight, norm.eps, rows=batch.sample_indices)

@@ -31,6 +31,9 @@ from slipstream.intmath import round_up
 SCRATCH_PAGE = 0
 SCRATCH_ROW = 0
 MAX_TOP_LOGPROBS = 20  # the most top_logprobs a request may ask for (as OpenAI); StepSlot's buffer width
+MAX_CARRY_TOKENS = 4  # the most carry tokens a sequence may have (SamplingRow.carry)
+MAX_CARRY_KIND = 255  # carry kinds are 1..MAX_CARRY_KIND
+MAX_CARRY_VALUES = 4  # the most values one carry kind may have (the width of the row tables' carry table)
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,9 @@ class SamplingRow:
     min_tokens: int = 0
     top_logprobs: int = 0  # also the k most likely tokens with their logprobs
     stop_ids: tuple[int, ...] = ()  # EOS (unless ignored) and stop_token_ids: what min_tokens holds back
+    # carry tokens (token id, carry kind >= 1): after sampling such a token the row's next input is
+    # the value of that kind decoded from this step's hidden state (docs/moondream.md, "The carry")
+    carry: tuple[tuple[int, int], ...] = ()
 
     @property
     def penalized(self) -> bool:
@@ -125,6 +131,9 @@ class SeqWork:
     # history tables (penalties, min_tokens): they are rebuilt from it (admission, or a recompute)
     history: tuple[list[int], list[int]] | None = None
     images: list[ImageSlice] = field(default_factory=list)  # image rows among its tokens (embeddings)
+    # known inputs that are head values (a recompute of a sequence with carried outputs): (offset
+    # in `tokens`, carry kind, values); those positions take the head's encoding, not the token's
+    carry: tuple[tuple[int, int, tuple[float, ...]], ...] = ()
 
     @property
     def num_tokens(self) -> int:

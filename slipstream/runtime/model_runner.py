@@ -23,6 +23,7 @@ set, a step with prefill chunks of at most the largest token bucket replays the 
 and token bucket, reading the fixed-shape layout of slipstream/runtime/static_step.py. Any other
 step, and every step of a model on the host (reference) attention, runs eagerly. Sampling is
 eager (runtime/sampling_launch.py: SamplingLauncher), except in a greedy decode graph (forward_greedy).
+A step with a row whose sequence has carry tokens (runtime/carry.py) always runs eagerly.
 """
 from __future__ import annotations
 
@@ -36,9 +37,11 @@ import torch
 from slipstream.errors import PipelineInvariantError
 from slipstream.intmath import round_up
 from slipstream.models.attention import AttentionMetadata, DeviceAttentionMetadata
+from slipstream.models.carry_kind import CarryKind
 from slipstream.models.llama import ForwardBatch, KVCache, LlamaForCausalLM
 from slipstream.runtime.batch import ForwardInput, ImageSpan
 from slipstream.runtime.host_copy import upload_array
+from slipstream.runtime.carry import ChunkCarry, carry_input, read_carried, stage_chunk_carry
 from slipstream.runtime.step_slot import StepSlot, SlotState
 from slipstream.runtime.graphs import GraphCache
 from slipstream.runtime.row_tables import RowTables
@@ -79,11 +82,17 @@ class ModelRunner:
         self.graphs: GraphCache | None = None  # CUDA graphs of decode steps (slipstream/runtime/cuda_graphs.py)
         self.mixed_graphs: GraphCache | None = None  # ... of mixed/prefill steps, by token bucket
         self.greedy_graphs: GraphCache | None = None  # decode graphs that also sample (all rows plain greedy)
-        self.sampler = SamplingLauncher(device, self.rows)
+        self.sampler = SamplingLauncher(device, self.rows, model)
         self._faults: FaultInjector | None = None
         # encoder outputs by image digest; which are kept is the scheduler's EncoderCache's decision.
         # Written by encode launches and read by forwards, both on the compute stream (stream order)
         self.features: dict[bytes, torch.Tensor] = {}
+
+    @property
+    def carry_kinds(self) -> tuple[CarryKind, ...]:
+        """The model's carry heads' kinds (kind k is [k - 1]); empty: it has none."""
+        heads = getattr(self.model, "carry_heads", None)
+        return tuple(heads.kinds) if heads is not None else ()
 
     @property
     def faults(self) -> FaultInjector | None:
@@ -136,11 +145,15 @@ class ModelRunner:
     # --- forward --------------------------------------------------------------------------------
 
     def forward_from(self, t: StepTensors | StaticStepTensors, host_attention: bool = False,
-                     embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                     embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     carry: tuple[torch.Tensor, torch.Tensor] | None = None) -> Any:
         """The forward on staged inputs, gathering decode rows' state from the row tables and
         advancing their positions; also what a graph captures (decode: a bucket-padded StepTensors;
-        mixed: StaticStepTensors, which needs the device attention)."""
+        mixed: StaticStepTensors, which needs the device attention). `carry` (a carry step, eager
+        only): the chunk tokens' kinds and values; the decode rows' come from the row tables, and
+        the forward returns (logits, hidden) (runtime/carry.py)."""
         if isinstance(t, StaticStepTensors):
+            assert carry is None, "a carry step never runs on the static (graph) layout"
             if host_attention:
                 raise ValueError("a static (graph-shaped) step needs the device attention backend")
             ids, positions, kv_indices, meta = static_inputs(self.rows, t, self.kv.page_size)
@@ -149,7 +162,8 @@ class ModelRunner:
         r, ps = self.rows, self.kv.page_size
         dec = t.decode_rows
         dec_pos = r.pos[dec]
-        ids = torch.cat([r.last_token[dec], t.chunk_ids])
+        dec_ids = r.last_token[dec]
+        ids = torch.cat([dec_ids, t.chunk_ids])
         positions = torch.cat([dec_pos, t.chunk_pos])
         token_rows = torch.cat([dec, t.chunk_token_rows])
         kv_indices = r.kv_indices(token_rows, positions, ps)
@@ -169,6 +183,8 @@ class ModelRunner:
                              sample_indices=t.sample_indices, attn=meta)
         if embeds is not None:  # image placeholders take encoder rows (never in a graph: _choose_graph)
             batch.embed_rows, batch.embeds = embeds
+        if carry is not None:
+            batch.carry, batch.return_hidden = carry_input(r, dec, dec_ids, *carry), True
         return self.model(batch, self.kv)  # a non-final prefill chunk samples nothing but fills KV
 
     def forward_greedy(self, t: StepTensors, slot: StepSlot) -> torch.Tensor:
@@ -192,7 +208,9 @@ class ModelRunner:
         slot.acquire(step_id)
         slot.num_samples = packed.num_samples
         self.rows.sampling.mirror(packed.chunks)
-        graphed = self._choose_graph(slot, packed, unmasked)
+        # a row that may carry a head value makes the step a carry step (eager; runtime/carry.py)
+        slot.carry_step = self.rows.sampling.any_carry(packed.sample_rows) or any(w.carry for w in packed.chunks)
+        graphed = None if slot.carry_step else self._choose_graph(slot, packed, unmasked)
         arena = self.arenas[slot.index]
         lay = arena.fill(packed, pad_decode=graphed.bucket if graphed is not None and not graphed.mixed else 0)
         if graphed is not None and graphed.mixed:
@@ -202,7 +220,8 @@ class ModelRunner:
         slot.sample_rows = tensors.sample_rows
         slot.sample_rows_host = packed.sample_rows
         if graphed is None:
-            self._launch_eager(step_id, slot, packed, updates, tensors)
+            carry = stage_chunk_carry(packed) if slot.carry_step else None
+            self._launch_eager(step_id, slot, packed, updates, tensors, carry)
         else:
             slot.sampled_in_graph = graphed.samples
             self._launch_graph(step_id, slot, packed, updates, graphed)
@@ -241,14 +260,19 @@ class ModelRunner:
         self.device.compute.launch(forward, "forward")
 
     def _launch_eager(self, step_id: int, slot: StepSlot, packed: ForwardInput, updates: RowUpdates,
-                      tensors: StepTensors) -> None:
+                      tensors: StepTensors, carry: ChunkCarry | None = None) -> None:
         rows, host_attention = self.rows, self.device.unified_memory
 
         def forward() -> None:
             self._check_fault(step_id)
             rows.apply(updates, packed)
             embeds = self._embeds(packed, tensors.decode_rows.shape[0])
-            slot.logits = self.forward_from(tensors, host_attention, embeds)
+            if carry is None:
+                slot.logits = self.forward_from(tensors, host_attention, embeds)
+                return
+            slot.carry_out.zero_()  # rows sampled by a group without carry rows carry nothing
+            chunk = carry.to_device(rows.device)
+            slot.logits, slot.hidden = self.forward_from(tensors, host_attention, embeds, chunk)
 
         self.device.compute.launch(forward, "forward")
 
@@ -309,7 +333,10 @@ class ModelRunner:
             want = self.rows.sampling.top_logprobs[rows]
             values, top_ids = slot.host_top_values[:len(ids)].tolist(), slot.host_top_ids[:len(ids)].tolist()
             top = {i: dict(zip(top_ids[i][:k], values[i][:k])) for i, k in enumerate(want.tolist()) if k}
-        return SampledTokens(ids, logprobs, top)
+        carried = None
+        if slot.carry_step:
+            carried = read_carried(slot.host_carry[:len(ids)].numpy(), [k.values for k in self.carry_kinds])
+        return SampledTokens(ids, logprobs, top, carried)
 
     # --- failure --------------------------------------------------------------------------------
 

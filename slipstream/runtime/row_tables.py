@@ -7,7 +7,13 @@
   pages[row]      its KV page-table row (entries written as the host hands pages out)
   sampling        the rows' sampling parameters and output indices (runtime/sampling_args.py:
                   SamplingTables, written from a chunk's `SamplingRow`, with host mirrors that let
-                  the host choose a sampling group's kernels without a loop over rows)
+                  the host choose a sampling group's kernels without a loop over rows), and its
+                  carry tokens (`SamplingRow.carry`)
+  carry_values[row] the head values its newest sampled token carries: the carry table. A row's
+                  next input is typed: kind = sampling.carry_kinds(row, last_token[row]); kind 0
+                  feeds the token id, kind k > 0 feeds the model's encoding of these values
+                  (runtime/carry.py). The kind is derived, not stored, so a row handed to a new
+                  sequence needs no reset: its chunk rewrites the carry tokens.
 Private to the ModelRunner.
 
 `HistoryTables` (allocated when the first row needs them, R × V × 6 bytes, inside the step's
@@ -24,7 +30,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from slipstream.runtime.batch import SCRATCH_ROW, ForwardInput
+from slipstream.runtime.batch import MAX_CARRY_VALUES, SCRATCH_ROW, ForwardInput
 from slipstream.runtime.host_copy import upload_array
 from slipstream.runtime.logits_process import flat_rows, record_sampled, reset_rows
 from slipstream.runtime.sampling_args import SamplingTables
@@ -41,6 +47,7 @@ class RowTables:
         self.pos = z(max_rows)
         self.pages = z(max_rows, max_pages)
         self.sampling = SamplingTables(max_rows, device)
+        self.carry_values = torch.zeros(max_rows, MAX_CARRY_VALUES, dtype=torch.float32, device=device)
         self.history: HistoryTables | None = None
 
     def apply(self, u: RowUpdates, packed: ForwardInput) -> None:

@@ -16,11 +16,13 @@ from slipstream.runtime.batch import ForwardInput, ImageSpan
 
 class SampledTokens(NamedTuple):
     """What a committed step hands back: one id (and its log-probability) per sampling row, and for
-    the rows that asked for top_logprobs, their alternatives {token id: logprob} by sampling row."""
+    the rows that asked for top_logprobs, their alternatives {token id: logprob} by sampling row;
+    for the rows whose sampled id is a carry token, {sampling row: (carry kind, head values)}."""
 
     ids: list[int]
     logprobs: list[float]
     top: dict[int, dict[int, float]] | None = None
+    carried: dict[int, tuple[int, tuple[float, ...]]] | None = None
 
 
 class Slot(Protocol):

@@ -21,15 +21,21 @@ from typing import NamedTuple, Sequence as Seq
 import numpy as np
 import torch
 
-from slipstream.runtime.batch import SamplingRow, SeqWork
+from slipstream.runtime.batch import MAX_CARRY_KIND, MAX_CARRY_TOKENS, SamplingRow, SeqWork
 
 # rows of the int and float parameter tables; `stage_params` writes them and `gather` reads them in
 # this order (tests/test_graph_buckets.py checks a staged chunk, tests/test_sampling_args.py the round trip)
-NUM_INTS, NUM_FLOATS = 5, 6
+# The carry tokens of a row (SamplingRow.carry) follow the five parameters, one int each, packed
+# as token id << 8 | kind; unused entries are NO_CARRY, which matches no token.
+NO_CARRY = -1
+NUM_INTS, NUM_FLOATS = 5 + MAX_CARRY_TOKENS, 6
+_CARRY_AT = 5
 
 
-def _ints(s: SamplingRow, output_index: int) -> tuple[int, int, int, int, int]:
-    return s.top_k, s.seed, output_index, int(s.logprobs), s.min_tokens
+def _ints(s: SamplingRow, output_index: int) -> tuple[int, ...]:
+    carry = [token << 8 | kind for token, kind in s.carry]
+    carry += [NO_CARRY] * (MAX_CARRY_TOKENS - len(carry))
+    return (s.top_k, s.seed, output_index, int(s.logprobs), s.min_tokens, *carry)
 
 
 def _floats(s: SamplingRow) -> tuple[float, float, float, float, float, float]:
@@ -43,7 +49,7 @@ def stage_params(chunks: Seq[SeqWork], ints: np.ndarray, floats: np.ndarray) -> 
 
 
 # host mirror bits: what a row needs from the sampling kernels
-_RANDOM, _FILTERED, _LOGPROBS, _PENALIZED, _MIN_TOKENS, _MIN_P, _TOP_LOGPROBS = (1 << i for i in range(7))
+_RANDOM, _FILTERED, _LOGPROBS, _PENALIZED, _MIN_TOKENS, _MIN_P, _TOP_LOGPROBS, _CARRY = (1 << i for i in range(8))
 
 
 def _needs(s: SamplingRow) -> int:
@@ -51,7 +57,7 @@ def _needs(s: SamplingRow) -> int:
     return ((_RANDOM if random else 0) | (_FILTERED if random and (s.top_k > 0 or s.top_p < 1.0) else 0)
             | (_LOGPROBS if s.logprobs or s.top_logprobs > 0 else 0) | (_PENALIZED if s.penalized else 0)
             | (_MIN_TOKENS if s.min_tokens > 0 else 0) | (_MIN_P if random and s.min_p > 0 else 0)
-            | (_TOP_LOGPROBS if s.top_logprobs > 0 else 0))
+            | (_TOP_LOGPROBS if s.top_logprobs > 0 else 0) | (_CARRY if s.carry else 0))
 
 
 class TopKTopP(NamedTuple):
@@ -84,11 +90,12 @@ class GroupNeeds:
     min_p: bool  # some random row has min_p > 0
     logprobs: bool  # some row wants its sampled token's logprob
     top_logprobs: int  # the largest top_logprobs of the group (0: none)
+    carry: bool = False  # some row has carry tokens: the group decodes head values (row_tables.py)
 
     @property
     def plain_greedy(self) -> bool:
         """argmax is all the group needs (what a greedy decode graph may sample)."""
-        return not (self.random or self.penalties or self.min_tokens or self.logprobs)
+        return not (self.random or self.penalties or self.min_tokens or self.logprobs or self.carry)
 
 
 @dataclass(frozen=True)
@@ -116,14 +123,31 @@ class SamplingTables:
         self.ints = torch.zeros(NUM_INTS, max_rows, dtype=torch.int64, device=device)
         self.floats = torch.zeros(NUM_FLOATS, max_rows, dtype=torch.float32, device=device)
         self.output_index = self.ints[2]  # advanced on the device by every sample of the row
+        self.carry_maps = self.ints[_CARRY_AT:]  # [MAX_CARRY_TOKENS, R] packed carry tokens
         self._needs = np.zeros(max_rows, np.uint8)
         self.top_logprobs = np.zeros(max_rows, np.int64)  # per row (read_sampled keeps each row's own k)
+        self.carry_rows: set[int] = set()  # rows whose sequence has carry tokens (empty: no step checks more)
 
     def mirror(self, chunks: Seq[SeqWork]) -> None:
         """At launch, from the same chunks whose parameters the step writes on the device."""
         for w in chunks:
             self._needs[w.row] = _needs(w.sampling)
             self.top_logprobs[w.row] = w.sampling.top_logprobs
+            if w.sampling.carry:
+                self.carry_rows.add(w.row)
+            elif self.carry_rows:
+                self.carry_rows.discard(w.row)
+
+    def any_carry(self, host_rows: np.ndarray) -> bool:
+        """Whether a row of `host_rows` has carry tokens (one set test when no row anywhere has)."""
+        return bool(self.carry_rows) and bool(np.bitwise_or.reduce(self._needs[host_rows]) & _CARRY) \
+            if len(host_rows) else False
+
+    def carry_kinds(self, rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """[n] the carry kind each row's token `tokens[i]` starts (0: none), on the device."""
+        maps = self.carry_maps[:, rows]  # [MAX_CARRY_TOKENS, n]
+        hit = (maps >> 8) == tokens[None, :]
+        return torch.where(hit, maps & MAX_CARRY_KIND, 0).sum(0)
 
     def needs(self, host_rows: np.ndarray) -> GroupNeeds:
         """One gather and one OR-reduce over the rows' need bits: no Python loop over rows."""
@@ -131,7 +155,8 @@ class SamplingTables:
         return GroupNeeds(random=bool(bits & _RANDOM), filtered=bool(bits & _FILTERED),
                           penalties=bool(bits & _PENALIZED), min_tokens=bool(bits & _MIN_TOKENS),
                           min_p=bool(bits & _MIN_P), logprobs=bool(bits & _LOGPROBS),
-                          top_logprobs=int(self.top_logprobs[host_rows].max()) if bits & _TOP_LOGPROBS else 0)
+                          top_logprobs=int(self.top_logprobs[host_rows].max()) if bits & _TOP_LOGPROBS else 0,
+                          carry=bool(bits & _CARRY))
 
     def write(self, rows: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor) -> None:
         """Device side of `stage_params` (on the compute stream, before the step's forward)."""
@@ -140,7 +165,7 @@ class SamplingTables:
 
     def gather(self, rows: torch.Tensor, needs: GroupNeeds) -> SamplingArgs:
         """The group's parameters on the device (`rows` [n]), only the fields `needs` asks for."""
-        top_k, seed, output_index, _logprobs, min_tokens = self.ints[:, rows]
+        top_k, seed, output_index, _logprobs, min_tokens = self.ints[:_CARRY_AT, rows]
         if not (needs.random or needs.penalties):
             return SamplingArgs(output_index, min_tokens=min_tokens if needs.min_tokens else None)
         temperature, top_p, presence, frequency, repetition, min_p = self.floats[:, rows]

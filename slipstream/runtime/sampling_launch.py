@@ -7,7 +7,7 @@ its greedy decode graph sampled already only gets its stamp. Private to the Mode
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -16,6 +16,7 @@ from slipstream.errors import PipelineInvariantError
 from slipstream.runtime.batch import ForwardInput
 from slipstream.runtime.step_slot import StepSlot
 from slipstream.runtime.device import Device
+from slipstream.runtime.carry import sample_carry
 from slipstream.runtime.host_copy import copy_to_device, copy_to_host
 from slipstream.runtime.logits_process import top_logprobs
 from slipstream.runtime.row_tables import RowTables
@@ -29,8 +30,9 @@ if TYPE_CHECKING:
 class SamplingLauncher:
     """Enqueues sampling groups and the device→host copy of a step on `device`'s streams."""
 
-    def __init__(self, device: Device, rows: RowTables):
+    def __init__(self, device: Device, rows: RowTables, model: Any = None):
         self.device, self.rows = device, rows
+        self.model = model  # its `carry_heads`, read by carry steps (runtime/carry.py)
         self.faults: FaultInjector | None = None  # tests only (set through ModelRunner.faults)
 
     def launch(self, slot: StepSlot, packed: ForwardInput, rows: list[int] | None = None,
@@ -104,6 +106,11 @@ class SamplingLauncher:
         t.last_token.index_copy_(0, rows, ids)
         if args.penalties is not None and t.history is not None:  # what the next step's penalties count
             t.history.record(rows, ids)
+        if needs.carry:  # the values its carry tokens start, from this step's hidden states
+            if slot.hidden is None:
+                raise PipelineInvariantError(f"step {slot.step_id}: a carry row was sampled without hidden states")
+            out = sample_carry(t, self.model.carry_heads, rows, ids, slot.hidden.index_select(0, idx))
+            slot.carry_out.index_copy_(0, idx, out)
         if needs.logprobs:  # of the model's own distribution, before penalties, masks and temperature
             lp = raw.log_softmax(-1)
             slot.logprobs.index_copy_(0, idx, lp.gather(1, ids[:, None])[:, 0])
@@ -116,12 +123,14 @@ class SamplingLauncher:
         compute, copy = self.device.compute, self.device.copy
         slot.sample_done = done = compute.record()
         copy.wait(done)  # the copy waits for exactly this step's outputs
-        top = slot.top_k
+        top, carry = slot.top_k, slot.carry_step
 
         def copy_out() -> None:
             if n:
                 copy_to_host(slot.host_sampled_and_stamp, slot.sampled_and_stamp)
                 copy_to_host(slot.host_logprobs[:n], slot.logprobs[:n])
+                if carry:  # only the rows' own (kind, values): never read back by a later step
+                    copy_to_host(slot.host_carry[:n], slot.carry_out[:n])
                 if top:  # whole rows: [:n, :top] would be a strided view (host_copy.py)
                     copy_to_host(slot.host_top_values[:n], slot.top_values[:n])
                     copy_to_host(slot.host_top_ids[:n], slot.top_ids[:n])

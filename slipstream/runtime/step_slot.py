@@ -22,7 +22,7 @@ import torch
 
 from slipstream.errors import PipelineInvariantError, SlotReuseError
 from slipstream.grammar.bitmask import words_for
-from slipstream.runtime.batch import MAX_TOP_LOGPROBS
+from slipstream.runtime.batch import MAX_CARRY_VALUES, MAX_TOP_LOGPROBS
 
 if TYPE_CHECKING:
     from slipstream.runtime.device import Event
@@ -57,6 +57,12 @@ class StepSlot:
         self.host_top_values = device.host_buffer((max_samples, MAX_TOP_LOGPROBS), torch.float32)
         self.host_top_ids = device.host_buffer((max_samples, MAX_TOP_LOGPROBS), torch.int64)
         self.top_k = 0  # the largest top_logprobs of the current step's rows (0: none)
+        # a carry step's (kind, values...) per sampling row (runtime/carry.py), copied with its tokens
+        self.carry_out = torch.zeros(max_samples, 1 + MAX_CARRY_VALUES, dtype=torch.float32,
+                                     device=device.torch_device)
+        self.host_carry = device.host_buffer((max_samples, 1 + MAX_CARRY_VALUES), torch.float32)
+        self.carry_step = False  # the current step has a row with carry tokens
+        self.hidden: torch.Tensor | None = None  # a carry step's hidden states of its sample rows
         self.sample_rows_host: np.ndarray | None = None  # the current step's sampling rows
         # Sampling groups (all rows at once, or unconstrained rows at launch and constrained rows at
         # finalize): each stages its sampling-row indices and packed allowed-token masks in host
@@ -94,6 +100,7 @@ class StepSlot:
         self.sampled_in_graph = False
         self.groups = 0
         self.top_k = 0
+        self.carry_step = False
 
     def stage_group(self, rows, bitmask) -> int:
         """Write one sampling group's row indices (and masks) into its host buffers; returns the group."""
@@ -126,7 +133,7 @@ class StepSlot:
         if self.state is not SlotState.IN_FLIGHT:
             raise PipelineInvariantError(f"slot {self.index} released twice")
         self.state = SlotState.FREE
-        self.logits = None
+        self.logits = self.hidden = None
 
     def abandon(self) -> None:
         """Free the slot of a failed step without reading it (the device has drained)."""

@@ -50,6 +50,9 @@ def chunk_work(seq: Sequence, n: int, sample: bool) -> SeqWork:
     # the first chunk after admission (at a prefix-cache hit's end, else 0) rebuilds the row's history
     history = ((seq.prompt_ids, list(seq.output_ids))
                if start == seq.num_reused and seq.sampling.needs_history else None)
+    # a recompute of carried outputs re-feeds their values, which the host kept (Sequence.carried)
+    carry = seq.carried_inputs(start, start + n) if seq.carried else ()
     return SeqWork(row=seq.row, tokens=seq.known_tokens(start, start + n), start_pos=start, sample=sample,
                    output_index=len(seq.output_ids) + seq.pending_samples, sampling=seq.sampling,
-                   history=history, images=image_slices(seq.images, start, start + n) if seq.images else [])
+                   history=history, images=image_slices(seq.images, start, start + n) if seq.images else [],
+                   carry=carry)

@@ -208,7 +208,7 @@ class EngineLoop:
         t1 = time.perf_counter()
         step.slot.release()  # the host buffer has been read: the slot may take a new step
         self.outputs.commit_time = t1  # one clock read per step: the commit time of all its tokens
-        self.pipeline.on_commit(step, result.ids, result.logprobs, self._accept, result.top)
+        self.pipeline.on_commit(step, result.ids, result.logprobs, self._accept, result.top, result.carried)
         t2 = time.perf_counter()
         step.timings.update(commit_wait=t1 - t0, commit=t2 - t1, t_committed=t2)
         for observe in self.observers:

@@ -63,10 +63,13 @@ class Pipeline:
         return self.inflight[0]
 
     def on_commit(self, step: Step, sampled: list[int], logprobs: list[float],
-                  accept: Callable[..., None], top: dict[int, dict[int, float]] | None = None) -> None:
+                  accept: Callable[..., None], top: dict[int, dict[int, float]] | None = None,
+                  carried: dict[int, tuple[int, tuple[float, ...]]] | None = None) -> None:
         """Apply a step's sampled tokens (sampling-row order: decode rows, then sampling chunks).
         `accept(seq, token, logprob[, alternatives])` appends and runs the tick's stop checks; `top`
-        holds the top_logprobs alternatives of the sampling rows that asked for them."""
+        holds the top_logprobs alternatives of the sampling rows that asked for them; `carried` the
+        (kind, values) of the rows that sampled a carry token, kept as `Sequence.carried` of the
+        token's output index (not for a zombie)."""
         if not self.inflight or self.inflight[0] is not step:
             raise PipelineInvariantError(f"step {step.step_id} committed out of launch order")
         self.inflight.popleft()
@@ -78,6 +81,10 @@ class Pipeline:
         release, check = self.maybe_release, self.check_every_row
         cache, full = self.cache, self.planner.page_size
         alternatives = repeat(None) if top is None else [top.get(i) for i in range(d)]
+        keep = None
+        if carried:  # before the loops: whether the row is a zombie is decided by its state now
+            by_row = step.sampling_seqs()
+            keep = [(by_row[i], value) for i, value in carried.items() if not by_row[i].finished]
         for seq, token, logprob, alt in zip(step.decode, sampled, logprobs, alternatives):  # the hot loop
             seq.inflight_refs -= 1
             seq.pending_samples -= 1
@@ -111,6 +118,9 @@ class Pipeline:
             if not seq.finished:  # a zombie's skipped token leaves its counts behind, by design
                 seq.check()
             release(seq)
+        if keep:  # each row committed one token this step: its newest
+            for seq, value in keep:
+                seq.carried[len(seq.output_ids) - 1] = value
 
     def on_abandon(self, step: Step) -> None:
         """Drop a failed step without tokens; every sequence in it must already be finished."""

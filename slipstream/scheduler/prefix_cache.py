@@ -30,6 +30,11 @@ class PrefixCacheStats:
     evictions: int = 0  # registered pages handed out again for new K/V
 
 
+def _carry_key(seq: Sequence, start: int, end: int) -> bytes:
+    inputs = seq.carried_inputs(start, end)
+    return repr(inputs).encode() if inputs else b""
+
+
 class PrefixCache:
     def __init__(self, pool: PagePool, page_size: int):
         self.pool, self.page_size = pool, page_size
@@ -52,6 +57,10 @@ class PrefixCache:
             prev = hashes[-1] if hashes else ROOT
             for i in range(len(hashes), num_pages):
                 key = page_extra(extra, images, i * ps, (i + 1) * ps) if images else extra
+                # a page whose inputs include carried values hashes them too: same tokens, other values,
+                # other K/V
+                if seq.carried:
+                    key = key + _carry_key(seq, i * ps, (i + 1) * ps)
                 prev = chain_hash(prev, seq.known_tokens(i * ps, (i + 1) * ps), key)
                 hashes.append(prev)
         return hashes[:num_pages]

@@ -7,7 +7,10 @@ Token accounting (host side; the newest sampled tokens may still be on the devic
                                                    prefix-cache hit mapped): <= num_scheduled
   pending_samples                                  launched steps that will sample a token for it
 While decoding, the input of the next step is the last sampled token, which lives on the device
-until its step commits, so (checked by `check`):
+until its step commits. A sequence with carry tokens (`SamplingRow.carry`) keeps the head values
+its committed carry tokens carried (`carried`, by output index): the known input at position
+len(prompt_ids) + i is then that value, not the token, so a recompute re-feeds it
+(chunking.chunk_work) and its pages hash it (prefix_cache.py). (checked by `check`):
   num_scheduled <= len(known) + max(pending_samples - 1, 0)   and   pending_samples <= inflight_refs.
 """
 from __future__ import annotations
@@ -48,6 +51,8 @@ class Sequence:
     row: int | None = None  # its row of the runner's device tables while admitted
     last_token_on_device: bool = False  # its row holds its newest sampled token (set once a sample launches)
     pages: list[int] = field(default_factory=list)
+    # output index -> (carry kind, head values) of each committed carry token (the carried values)
+    carried: dict[int, tuple[int, tuple[float, ...]]] = field(default_factory=dict)
     # prefix cache (scheduler/prefix_cache.py)
     cache_extra: bytes | None = b""  # extra key of its block hashes (the cache salt); None: no caching
     num_computed: int = 0
@@ -76,6 +81,12 @@ class Sequence:
         if end <= p:
             return self.prompt_ids[start:end]
         return (self.prompt_ids + self.output_ids)[start:end]
+
+    def carried_inputs(self, start: int, end: int) -> tuple[tuple[int, int, tuple[float, ...]], ...]:
+        """Known inputs in positions [start, end) that are carried values: (position - start, kind, values)."""
+        p = len(self.prompt_ids)
+        return tuple((p + i - start, kind, values) for i, (kind, values) in sorted(self.carried.items())
+                     if start <= p + i < end)
 
     @property
     def num_unscheduled(self) -> int:

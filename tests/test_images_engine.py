@@ -125,3 +125,29 @@ def test_a_text_model_refuses_images_naming_the_field():
             assert e.value.param == "messages[0].content[0].image"
 
     asyncio.run(run())
+
+
+def test_skills_take_images(idefics3_folder):  # noqa: F811
+    """point/detect/segment look at an image: one marker per image before the instruction, the
+    answer still the skill's grammar-constrained text (Idefics3 has no region heads)."""
+    async def main():
+        async with Engine(config(idefics3_folder, 2)) as engine:
+            before = (await engine.stats())["encoder_cache_misses"]
+            points = await engine.point("", "cat", max_objects=2, images=ONE)
+            detected = [o async for o in engine.stream_skill("detect", "", "cat", max_objects=2, images=ONE)]
+            after = await engine.stats()
+            return points, detected, after["encoder_cache_misses"] - before, after["encoder_cache_hits"]
+
+    points, detected, misses, hits = asyncio.run(main())
+    assert set(points) == {"points"} and all(set(p) == {"x", "y"} for p in points["points"])
+    assert all(set(o) == {"x_min", "y_min", "x_max", "y_max"} for o in detected)
+    assert misses == 1 and hits >= 1  # both skills saw the image (the second from the encoder cache)
+
+
+def test_a_text_model_refuses_a_skills_image():
+    async def main():
+        async with Engine(EngineConfig(model="tiny-random", kv_cache_tokens=512)) as engine:
+            with pytest.raises(InvalidRequestError, match="images"):
+                await engine.detect("", "cat", images=ONE)
+
+    asyncio.run(main())

@@ -88,19 +88,23 @@ class EngineAPI(Protocol):
     # --- spatial skills (Moondream-compatible dicts; docs/grammars.md) ----------------------------
 
     async def point(self, prompt: str, object: str, max_objects: int = 16,
-                    params: SamplingParams | None = None) -> dict[str, Any]:
+                    params: SamplingParams | None = None, *,
+                    images: Sequence[ImageLike] = ()) -> dict[str, Any]:
         """{"points": [{"x", "y"}, ...]}, coordinates in [0, 1]."""
 
     async def detect(self, prompt: str, object: str, max_objects: int = 16,
-                     params: SamplingParams | None = None) -> dict[str, Any]:
+                     params: SamplingParams | None = None, *,
+                     images: Sequence[ImageLike] = ()) -> dict[str, Any]:
         """{"objects": [{"x_min", "y_min", "x_max", "y_max"}, ...]}."""
 
     async def segment(self, prompt: str, object: str, max_objects: int = 16,
-                      params: SamplingParams | None = None) -> dict[str, Any]:
+                      params: SamplingParams | None = None, *,
+                      images: Sequence[ImageLike] = ()) -> dict[str, Any]:
         """{"path": "M ...", "bbox": {...}}."""
 
     def stream_skill(self, kind: str, prompt: str, object: str, max_objects: int = 16,
-                     params: SamplingParams | None = None) -> AsyncIterator[dict[str, Any]]:
+                     params: SamplingParams | None = None, *,
+                     images: Sequence[ImageLike] = ()) -> AsyncIterator[dict[str, Any]]:
         """point/detect: each object as its line completes; segment: the final dict."""
 
     # --- introspection ------------------------------------------------------------------------

@@ -5,10 +5,12 @@ prompt, sizes max_tokens from max_objects, and turns the text into the result di
 variants yield each object as soon as its line is complete. Written against the interface only
 (slipstream/api/interface.py), so an Engine and a Client run the same requests: the instruction goes
 through the model's chat template when it has one (`health().chat_template`), else as plain text.
+`images`: the picture(s) the skill looks at, one `<image>` marker each before the instruction; for
+Idefics3 the answer stays grammar-constrained text (Moondream's region heads: docs/moondream.md).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
 
 import msgspec
 
@@ -19,6 +21,7 @@ from slipstream.params import SamplingParams
 
 if TYPE_CHECKING:
     from slipstream.api.interface import DeltaStream, EngineAPI
+    from slipstream.images import ImageLike
 
 # tokens per object line: values × (up to 4 digits + 1 separator)
 _VALUES = {"point": 2, "detect": 4, "segment": 2}
@@ -47,25 +50,35 @@ def skill_request(kind: str, prompt: str, obj: str, max_objects: int,
                                          grammar=spec, json_schema=None, regex=None, choice=None)
 
 
+def _with_images(text: str, images: Sequence[ImageLike]) -> str:
+    """One `<image>` marker per image, before the instruction (the model sees the picture first)."""
+    return "<image>" * len(images) + "\n" + text if images else text
+
+
 async def run_skill(api: "EngineAPI", kind: str, prompt: str, obj: str, max_objects: int = 16,
-                    params: SamplingParams | None = None) -> dict[str, Any]:
+                    params: SamplingParams | None = None, images: Sequence[ImageLike] = ()) -> dict[str, Any]:
     text, sp = skill_request(kind, prompt, obj, max_objects, params)
+    text = _with_images(text, images)
+    kw = {"images": images} if images else {}  # (a text model refuses images, naming the field)
     if (await api.health()).chat_template:
-        out = await api.chat([{"role": "user", "content": text}], sp)
+        out = await api.chat([{"role": "user", "content": text}], sp, **kw)
     else:
-        out = await api.complete(text, sp)
+        out = await api.complete(text, sp, **kw)
     return parse_skill_output(kind, out.text)
 
 
 async def stream_skill(api: "EngineAPI", kind: str, prompt: str, obj: str, max_objects: int = 16,
-                       params: SamplingParams | None = None) -> AsyncIterator[dict[str, Any]]:
+                       params: SamplingParams | None = None,
+                       images: Sequence[ImageLike] = ()) -> AsyncIterator[dict[str, Any]]:
     """point/detect: yields each object dict as its line completes. segment: yields the final dict."""
     text, sp = skill_request(kind, prompt, obj, max_objects, params)
+    text = _with_images(text, images)
+    kw = {"images": images} if images else {}
     deltas: DeltaStream
     if (await api.health()).chat_template:
-        deltas = api.chat_stream([{"role": "user", "content": text}], sp)
+        deltas = api.chat_stream([{"role": "user", "content": text}], sp, **kw)
     else:
-        deltas = api.stream(text, sp)
+        deltas = api.stream(text, sp, **kw)
     acc, done = "", 0
     key = {"point": "points", "detect": "objects"}.get(kind)
     try:
@@ -87,18 +100,22 @@ class SkillMethods:
     """point / detect / segment / stream_skill of the EngineAPI, for Engine and Client alike."""
 
     async def point(self, prompt: str, object: str, max_objects: int = 16,
-                    params: SamplingParams | None = None) -> dict[str, Any]:
-        return await run_skill(self, "point", prompt, object, max_objects, params)
+                    params: SamplingParams | None = None, *,
+                    images: Sequence[ImageLike] = ()) -> dict[str, Any]:
+        return await run_skill(self, "point", prompt, object, max_objects, params, images)
 
     async def detect(self, prompt: str, object: str, max_objects: int = 16,
-                     params: SamplingParams | None = None) -> dict[str, Any]:
-        return await run_skill(self, "detect", prompt, object, max_objects, params)
+                     params: SamplingParams | None = None, *,
+                     images: Sequence[ImageLike] = ()) -> dict[str, Any]:
+        return await run_skill(self, "detect", prompt, object, max_objects, params, images)
 
     async def segment(self, prompt: str, object: str, max_objects: int = 16,
-                      params: SamplingParams | None = None) -> dict[str, Any]:
-        return await run_skill(self, "segment", prompt, object, max_objects, params)
+                      params: SamplingParams | None = None, *,
+                      images: Sequence[ImageLike] = ()) -> dict[str, Any]:
+        return await run_skill(self, "segment", prompt, object, max_objects, params, images)
 
     def stream_skill(self, kind: str, prompt: str, object: str, max_objects: int = 16,
-                     params: SamplingParams | None = None) -> AsyncIterator[dict[str, Any]]:
+                     params: SamplingParams | None = None, *,
+                     images: Sequence[ImageLike] = ()) -> AsyncIterator[dict[str, Any]]:
         """Async iterator of objects as they complete (point/detect), or the final dict (segment)."""
-        return stream_skill(self, kind, prompt, object, max_objects, params)
+        return stream_skill(self, kind, prompt, object, max_objects, params, images)

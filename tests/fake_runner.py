@@ -279,7 +279,11 @@ class FakeRunner:
         self._rng = random.Random(seed)
         self._max_delay = max_delay
         self._streams: tuple[FakeStream, FakeStream] | None = None
-        self.fail_steps: set[int] = set()  # step ids whose forward raises (before its row-table writes)
+        # step ids that raise on the "device" at their first work: the encoder when the step has
+        # encodes (they never run: the failed stream skips them), else the forward (before its
+        # row-table writes)
+        self.fail_steps: set[int] = set()
+        self._encodes: list = []  # the next step's encodes: launched with its forward (the step id)
         self.features: dict[bytes, list[int]] = {}  # encoder outputs by digest, as the "device" has them
         self.encodes: list[bytes] = []  # digests encoded, in launch order
         self.missing_features = 0  # image rows a forward found no encoder output for
@@ -288,14 +292,21 @@ class FakeRunner:
         self.carry_maps = DeviceOnly()  # row -> {carry token: kind}, written by its chunks
 
     def launch_encoder(self, images) -> None:
-        spans = list(images)
+        """Queued right before the step's forward (as the loop calls them), on the same stream."""
+        self._encodes += list(images)
+
+    def _launch_encodes(self, step_id: int) -> None:
+        spans, self._encodes = self._encodes, []
         self.encodes += [s.digest for s in spans]
 
         def encode() -> None:
+            if step_id in self.fail_steps:
+                raise InjectedFault(f"injected encoder fault (at {step_id})")
             for span in spans:
                 self.features[span.digest] = fake_features(span.processed, span.num_features)
 
-        self.streams[0].launch(encode)
+        if spans:
+            self.streams[0].launch(encode)
 
     def drop_features(self, digests) -> None:
         self.referee.check_drop(digests)
@@ -371,6 +382,7 @@ class FakeRunner:
             slot.contexts = [[self.kv[self._kv_index(r, p)] for p in range(kv)] for r, kv in sampling]
 
         slot.sample_rows = [int(r) for r in packed.sample_rows]
+        self._launch_encodes(step_id)
         self.streams[0].launch(forward)
 
     def _kv_index(self, row: int, pos: int) -> int:

@@ -242,3 +242,31 @@ def test_a_wrong_image_token_id_is_refused(idefics3_folder, tmp_path):
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CorruptModelError, match="image_token_id=7"):
         load_model(str(folder))
+
+
+@pytest.mark.cuda
+def test_cuda_encode_reads_nothing_back(idefics3_folder, ours):
+    """On a GPU the encode only enqueues work (it runs inside the encoder launch: a device-to-host
+    read there stalls the loop's thread): torch's sync debug mode set to error, with no mask, an
+    all-valid mask and a partly padded one; the features match the CPU's."""
+    cuda = torch.device("cuda")
+    vision = build_model(str(idefics3_folder), "float32", cuda)[0].vision
+    processed = vision.processing.preprocess(THREE)
+    pixels = torch.cat([p.pixel_values for p in processed])
+    mask = torch.cat([p.pixel_attention_mask for p in processed]).bool()
+    padded = mask.clone()
+    padded[0, 24:] = False
+    masks = (None, mask, padded)
+    with torch.no_grad():
+        want = [ours[0].vision.encode(pixels, m) for m in masks]
+        on_device = [(pixels.to(cuda), None if m is None else m.to(cuda)) for m in masks]
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = [vision.encode(p, m) for p, m in on_device]
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for g, w in zip(got, want):
+        assert g.device.type == "cuda"
+        torch.testing.assert_close(g.cpu(), w, atol=1e-3, rtol=1e-3)
+    assert not torch.allclose(got[1].cpu(), got[2].cpu(), atol=1e-3)  # the padding mask reached attention

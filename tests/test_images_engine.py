@@ -151,3 +151,27 @@ def test_a_text_model_refuses_a_skills_image():
                 await engine.detect("", "cat", images=ONE)
 
     asyncio.run(main())
+
+
+def test_cli_generate_with_an_image_answers_as_engine_chat(idefics3_folder, tmp_path, capsys):  # noqa: F811
+    """docs/images.md's one-liner, `slipstream generate --model FOLDER --image PIC "..."`, on the tiny
+    folder: it loads, renders the image part with the model's chat template and prints Engine.chat's
+    greedy answer."""
+    from slipstream.cli import main
+
+    cat = picture(100, 150, 4)  # (a picture whose random answer is not all special tokens: text to compare)
+    pic = tmp_path / "cat.png"
+    cat.save(pic)
+    status = main(["generate", "--model", str(idefics3_folder), "--image", str(pic), "--max-tokens", "8",
+                   "--temperature", "0", "Describe the image."])
+    printed = capsys.readouterr().out
+    assert status == 0
+
+    async def run():
+        async with Engine(EngineConfig(model=str(idefics3_folder))) as engine:
+            return await engine.chat([{"role": "user", "content": [{"type": "image", "image": cat},
+                                                                   {"type": "text", "text": "Describe the image."}]}],
+                                     SamplingParams(max_tokens=8, temperature=0.0))
+
+    want = asyncio.run(run())
+    assert want.text and printed.startswith(want.text), (printed, want.text)

@@ -338,3 +338,61 @@ def test_random_seeds_cover_chunk_splits():
         results, loop, pool = asyncio.run(run_workload(depth, reqs, step_tokens=6, encoder_cache_tokens=8,
                                                        max_encoder_tokens=4))
         check_results(reqs, results, loop, pool)
+
+
+@pytest.mark.parametrize("depth, b_late", [(1, False), (2, False), (1, True)])  # (2, True): b is in step 1, failed too
+def test_a_failed_steps_encode_runs_again_for_the_next_user_of_the_image(depth, b_late):
+    """The step carrying an image's first encode fails on the device (its encoder never ran): its
+    request (a) fails, and the next request with the same picture (b) gets the image encoded again
+    (`EncoderCache.unlaunch` in the loop's recovery), never a hit on an output that does not exist.
+    b waits in the queue (one row), or, with two rows, arrives while a's failed step is in flight.
+    (A request in no failed step that already holds the image cannot be set up: admission happens
+    at planning, and every running request has a chunk or a decode row in each step.)"""
+    from slipstream.errors import StepFailedError
+
+    a, sa = image_prompt(6, None, 11, [(2, 4, pixels(21))])
+    b, sb = image_prompt(30, None, 12, [(24, 4, pixels(21))])  # same picture, after 24 text tokens
+    assert sa[0].digest == sb[0].digest
+    failed_at = []
+
+    async def run():
+        loop, pool = make_loop(depth, max_batch=2 if b_late else 1, step_tokens=8)
+        launch = loop.runner._launch_encodes
+
+        def fail_first_encode(step_id):
+            if not failed_at and sa[0].digest in [s.digest for s in loop.runner._encodes]:
+                failed_at.append(step_id)
+                loop.runner.fail_steps.add(step_id)
+            return launch(step_id)
+
+        loop.runner._launch_encodes = fail_first_encode
+        task = asyncio.create_task(loop.run())
+        seqs = []
+        for i, (prompt, spans) in enumerate([(a, sa), (b, sb)]):
+            while b_late and i == 1 and not failed_at:
+                await asyncio.sleep(0)
+            req = RequestState(f"r{i}", prompt, SamplingParams(max_tokens=5, temperature=0.0), NullDetok(),
+                               frozenset({EOS}), RequestMetrics(0.0))
+            seqs.append(Sequence(f"r{i}", prompt, 5, SamplingRow(), user=req, images=list(spans)))
+            loop.submit(seqs[-1])
+
+        async def result(seq):
+            while True:
+                item = await seq.user.queue.get()
+                if isinstance(item, (CompletionOutput, StepFailedError)):
+                    return item
+
+        outs = await asyncio.wait_for(asyncio.gather(*(result(s) for s in seqs)), 30)
+        loop.close()
+        await task
+        return outs, loop, pool
+
+    (out_a, out_b), loop, pool = asyncio.run(run())
+    assert failed_at and loop.failed_steps >= 1
+    assert isinstance(out_a, StepFailedError), out_a
+    assert isinstance(out_b, CompletionOutput), out_b  # b had no chunk in the failed step
+    assert out_b.token_ids == reference(b, 5, sb)
+    assert loop.runner.missing_features == 0, "b's image rows found no encoder output"
+    assert loop.runner.encodes == [sa[0].digest, sa[0].digest]  # the failed encode, then b's
+    assert pool.num_free == pool.total
+    assert all(e.refs == 0 for e in loop.planner.encoder_cache._entries.values())

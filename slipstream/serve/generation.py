@@ -17,7 +17,7 @@ from slipstream.serve import render, sse
 from slipstream.serve.api_errors import ApiError, from_decode_error, from_slipstream, invalid
 from slipstream.serve.body import read_body
 from slipstream.serve.images import request_images
-from slipstream.serve.openai_types import ChatCompletionRequest, CompletionRequest, image_parts
+from slipstream.serve.openai_types import IMAGE_MARKER, ChatCompletionRequest, CompletionRequest, image_parts
 from slipstream.serve.sampling import sampling_params
 from slipstream.serve.state import ServerState, new_request_id, now_s
 
@@ -58,9 +58,15 @@ def check_chat_chars(state: ServerState, messages) -> None:
 def chat_text(tokenizer, messages, add_generation_prompt: bool = True) -> str:
     """The model's chat template over the messages; a template that refuses them (roles out of order,
     a role it does not know) is the request's fault: 400 naming `messages`."""
-    plain = [{"role": m.role, "content": m.text()} for m in messages]
+    parts = [{"role": m.role, "content": m.template_content()} for m in messages]
+    n_images = len(image_parts(messages))
     try:
-        return tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt)
+        text = tokenizer.apply_chat_template(parts, add_generation_prompt=add_generation_prompt)
+        if n_images and text.count(IMAGE_MARKER) != n_images:
+            # a template that knows only text content: the text with a marker where each image stood
+            plain = [{"role": m.role, "content": m.text()} for m in messages]
+            text = tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt)
+        return text
     except Exception as e:  # noqa: BLE001 - jinja templates raise whatever they like
         raise invalid(f"the chat template failed on these messages: {e}", "messages") from None
 

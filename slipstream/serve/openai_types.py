@@ -116,6 +116,15 @@ class ChatMessage(msgspec.Struct):
             return self.content
         return "".join(p.text if isinstance(p, TextPart) else IMAGE_MARKER for p in self.content)
 
+    def template_content(self) -> str | list[dict]:
+        """What the chat template sees: the text, or, where the message has image parts, its parts
+        with each image as {"type": "image"}, as `Engine.chat` hands them (a vision template such as
+        SmolVLM's places the image marker itself and lays out image and text parts differently)."""
+        if not isinstance(self.content, list) or not any(isinstance(p, ImageUrlPart) for p in self.content):
+            return self.text()
+        return [{"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image"}
+                for p in self.content]
+
 
 def image_parts(messages: list[ChatMessage]) -> list[tuple[str, str]]:
     """(field, url) of every image part, in prompt order; field e.g. messages[0].content[1].image_url.url."""

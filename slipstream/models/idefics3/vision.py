@@ -124,7 +124,8 @@ class Idefics3Vision(nn.Module):
 
     def encode(self, pixel_values: torch.Tensor, pixel_attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """[tiles, 3, H, W] pixels (and [tiles, H, W] valid-pixel mask) -> [tiles * tokens_per_tile,
-        text hidden] embeddings on the module's device and dtype, tile after tile."""
+        text hidden] embeddings on the module's device and dtype, tile after tile. Reads nothing
+        back from the device: it only enqueues work (tests/test_idefics3_model.py, sync debug mode)."""
         w = self.connector.weight
         pixels = pixel_values.to(device=w.device, dtype=w.dtype)
         p = self.config.patch_size
@@ -136,7 +137,10 @@ class Idefics3Vision(nn.Module):
             patch_mask = m.unflatten(1, (-1, p)).unflatten(3, (-1, p)).any(4).any(2)
         x = self.embeddings(pixels, patch_mask)
         key_bias = None
-        if not bool(patch_mask.all()):  # padding patches are never attended to
+        if pixel_attention_mask is not None:  # padding patches are never attended to
+            # always the bias (all zeros when nothing is padding): asking the device whether any
+            # patch is padding would make the launching thread wait for it. Callers that know on
+            # the host that every pixel is valid pass no mask (ModelRunner.launch_encoder).
             keys = patch_mask.reshape(patch_mask.shape[0], 1, 1, -1)
             key_bias = torch.zeros(keys.shape, dtype=x.dtype, device=x.device).masked_fill(
                 ~keys, torch.finfo(x.dtype).min)

@@ -112,7 +112,9 @@ def tiny_sections(c: MoondreamConfig) -> dict:
                      "vocab_size": t.vocab_size, "max_context": t.max_position_embeddings, "n_heads": t.num_heads,
                      "n_kv_heads": t.num_kv_heads, "prefix_attn": c.prefix_len},
             "region": {"dim": t.hidden_size, "coord_feat_dim": r.coord_feat_dim, "coord_out_dim": r.coord_bins,
-                       "size_feat_dim": r.size_feat_dim, "size_out_dim": 2 * r.size_bins, "inner_dim": r.inner_size}}
+                       "size_feat_dim": r.size_feat_dim, "size_out_dim": 2 * r.size_bins, "inner_dim": r.inner_size},
+            # (the reference's BOS/EOS, 50256, is outside the tiny vocabulary)
+            "tokenizer": {"bos_id": t.bos_token_id, "eos_id": t.eos_token_ids[0]}}
 
 
 @pytest.fixture(scope="module")
@@ -589,6 +591,8 @@ def test_triton_backend_is_refused_by_name(model):
 def test_released_config_sizes():
     c = MoondreamConfig.from_reference_dict({})
     assert (c.vision.grid, c.vision.tokens_per_image, c.prefix_len) == (27, 729, 730)
+    assert (c.text.bos_token_id, c.text.eos_token_ids) == (50256, (50256,))  # the reference's, not 0
+    assert (c.query_prefix, c.query_suffix) == ((198, 198, 24361, 25), (198, 198, 33706, 25))
     assert (c.text.head_dim, c.text.rotary_dim, c.text.vocab_size, c.text.num_layers) == (64, 32, 51200, 24)
     assert (c.region.coord_bins, c.region.size_bins, c.region.coord_feat_dim, c.region.size_feat_dim) == (1024, 1024, 256, 512)
     with torch.device("meta"):

@@ -36,6 +36,7 @@ class EngineParts:
     metrics: EngineMetrics | None = None
     tracer: Tracer | None = None  # only with EngineConfig(trace=True)
     encoder_row_bytes: int = 0  # bytes of one encoder output row (the encoder cache's stats)
+    image_processing: object = None  # the model's image preprocessing and prompt expansion (None: text only)
 
     def close(self) -> None:
         self.device.close()
@@ -100,4 +101,18 @@ def _assemble(config: EngineConfig, device, invariant: bool) -> EngineParts:
     row_bytes = mcfg.hidden_size * torch.empty(0, dtype=DTYPES[config.dtype]).element_size()
     metrics = EngineMetrics(model=config.model).attach(
         loop, pool, tracer, encoder_row_bytes=row_bytes if getattr(mcfg, "image_token_id", None) is not None else None)
-    return EngineParts(device, runner, pool, loop, tokenizer, mcfg, max_model_len, metrics, tracer, row_bytes)
+    return EngineParts(device, runner, pool, loop, tokenizer, mcfg, max_model_len, metrics, tracer, row_bytes,
+                       image_processing(model, mcfg))
+
+
+def image_processing(model, mcfg):
+    """What turns a request's images and prompt into ids and image spans, per model family."""
+    if getattr(mcfg, "architecture", None) == "moondream":
+        from slipstream.models.moondream.serving import MoondreamProcessing
+
+        return MoondreamProcessing(model.moondream_config)
+    if getattr(mcfg, "image_token_id", None) is not None:
+        from slipstream.models.idefics3.processor import Idefics3Processing
+
+        return Idefics3Processing.for_vision(mcfg.vision)
+    return None

@@ -31,7 +31,7 @@ from slipstream.api.request_stream import RequestStream
 from slipstream.api.skills import SkillMethods
 from slipstream.scheduler.block_hash import salt_key
 from slipstream.scheduler.sequence import Sequence as SchedSeq
-from slipstream.images import ImageLike, check_image_count, model_accepts_images, require_vision
+from slipstream.images import ImageLike, check_image_count, require_vision
 
 log = structlog.get_logger(__name__)
 
@@ -91,11 +91,7 @@ class Engine(SkillMethods):
             await asyncio.to_thread(byte_table, self.tokenizer)  # built once here, not on the first request
             self.loop = self._parts.loop
             self.max_model_len = self._parts.max_model_len
-            self._image_processing = None  # the vision model's preprocessing (None: a text-only model)
-            if model_accepts_images(self.model_config):
-                from slipstream.models.idefics3.processor import Idefics3Processing
-
-                self._image_processing = Idefics3Processing.for_vision(self.model_config.vision)
+            self._image_processing = self._parts.image_processing  # None: a text-only model
             from slipstream.grammar.compiler import GrammarCompiler
 
             self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
@@ -180,6 +176,7 @@ class Engine(SkillMethods):
             raise InvalidRequestError("n > 1 cannot be streamed; use complete() or chat()", param="n")
         request_id = check.request_id(request_id)
         ids, spans = await self._prompt_ids(prompt, images, fields)
+        bidirectional = self._bidirectional_len(spans)
         if len(ids) + params.max_tokens > self.max_model_len:
             raise InvalidRequestError(f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
                                       f"exceeds the model context of {self.max_model_len} tokens; lower max_tokens "
@@ -217,6 +214,7 @@ class Engine(SkillMethods):
                            frozenset(eos) | frozenset(params.stop_token_ids), RequestMetrics(time.perf_counter()),
                            matcher=matcher, streaming=streaming)
         seq = SchedSeq(request_id, ids, max_tokens, row, user=req, matcher=matcher, images=spans,
+                       bidirectional_len=bidirectional,
                        cache_extra=salt_key(params.cache_salt) if params.prefix_caching else None)
         self._requests[request_id] = seq
         self.loop.submit(seq)
@@ -233,6 +231,17 @@ class Engine(SkillMethods):
         if wide:
             raise GrammarCompileError(f"the model's carry kinds {wide} have more than {MAX_CARRY_VALUES} values")
         return resolve_carry(declared, model_kinds, MAX_CARRY_TOKENS, f"grammar {kind!r}")
+
+    def _bidirectional_len(self, spans: list) -> int:
+        """The prompt's leading positions that attend both ways (Moondream's BOS + image): computed in
+        one chunk (scheduler/chunking.py), so a step must hold them all."""
+        measure = getattr(self._image_processing, "bidirectional_len", None)
+        n = measure(spans) if measure is not None else 0
+        if n > self.config.max_num_batched_tokens:
+            raise InvalidRequestError(f"images: this model computes its image prefix of {n} tokens in one step, more "
+                                      f"than max_num_batched_tokens={self.config.max_num_batched_tokens}; start the "
+                                      f"engine with max_num_batched_tokens >= {n}", param="images")
+        return n
 
     async def _prompt_ids(self, prompt: Prompt, images: Sequence[ImageLike] = (), fields: Sequence[str] | None = None):
         """(token ids, image spans) of a prompt; images are loaded, preprocessed and the prompt expanded

@@ -53,8 +53,10 @@ def prepare_images(prompt: str, images: Sequence[Any], fields: Sequence[str], pr
     """(token ids, image spans) of a text prompt with images (blocking: run it on a worker thread)."""
     loaded = [load_image(obj, field) for obj, field in zip(images, fields)]
     processed = processing.preprocess([im.image for im in loaded])
-    text = processing.expand(with_markers(prompt, len(loaded)), processed)
-    ids = tokenizer.encode(text)
+    if hasattr(processing, "prompt_ids"):  # a model whose prompt is built from ids (Moondream's template)
+        ids = processing.prompt_ids(prompt, processed, tokenizer)
+    else:
+        ids = tokenizer.encode(processing.expand(with_markers(prompt, len(loaded)), processed))
     return ids, image_spans(ids, image_token_id, processed, [im.digest for im in loaded])
 
 

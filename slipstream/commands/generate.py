@@ -82,11 +82,12 @@ async def _generate(args) -> int:
             from slipstream.images import model_accepts_images, require_vision
 
             require_vision(model_accepts_images(engine.model_config), "--image")
-        if images and not args.raw:  # the engine renders image parts with the model's template
+        templated = getattr(engine.tokenizer, "chat_template", None) is not None
+        if images and not args.raw and templated:  # the engine renders image parts with the model's template
             parts = [{"type": "image", "image": im} for im in images] + [{"type": "text", "text": args.prompt}]
             deltas = engine.chat_stream([{"role": "user", "content": parts}], params)
         else:
-            if not args.raw and getattr(engine.tokenizer, "chat_template", None):
+            if not args.raw and templated:  # (Moondream has none: its prompt is the reference's query template)
                 prompt = await engine.chat_prompt([{"role": "user", "content": args.prompt}])
             deltas = engine.stream(prompt, params, **({"images": images} if images else {}))
         summary = await _print_stream(deltas)

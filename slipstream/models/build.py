@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import time
+from pathlib import Path
 
 import structlog
 import torch
@@ -68,10 +69,28 @@ def forget_loaded() -> None:
     _load_packed.cache_clear()
 
 
+def moondream_folder(spec: str) -> Path | None:
+    """The local folder `spec` names when it holds a moondream2 model (models/moondream/serving.py)."""
+    if spec in RANDOM:
+        return None
+    from slipstream.models.moondream.serving import is_moondream_folder
+
+    path = Path(spec).expanduser()
+    return path if is_moondream_folder(path) else None
+
+
 def build_model(spec: str, dtype: str, device: torch.device, seed: int = 0, pack: bool = False):
     """Returns (model, tokenizer, ModelConfig). `pack`: on the CPU in float32, the projections run
     through oneDNN with prepacked weights (slipstream/models/cpu_linear.py); elsewhere ignored."""
     t0 = time.perf_counter()
+    moondream = moondream_folder(spec)
+    if moondream is not None:  # its own layout: never packed (the Llama fast path does not apply)
+        from slipstream.models.moondream.serving import load_moondream_serving
+
+        model, tokenizer = load_moondream_serving(moondream, DTYPES[dtype], device)
+        log.info("model_ready", model=spec, layers=model.config.num_layers, vocab=model.config.vocab_size,
+                 dtype=dtype, device=str(device), architecture="moondream", seconds=round(time.perf_counter() - t0, 2))
+        return model, tokenizer, model.config
     from slipstream.models.cpu_linear import can_pack
 
     if pack and can_pack(DTYPES[dtype], device):

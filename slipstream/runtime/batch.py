@@ -134,6 +134,9 @@ class SeqWork:
     # known inputs that are head values (a recompute of a sequence with carried outputs): (offset
     # in `tokens`, carry kind, values); those positions take the head's encoding, not the token's
     carry: tuple[tuple[int, int, tuple[float, ...]], ...] = ()
+    # its sequence's bidirectional prefix when the chunk has queries inside it (0: plain causal);
+    # the chunk then reaches the prefix's end (the planner never splits it)
+    bidirectional_len: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -167,6 +170,8 @@ class ForwardInput:
     # of them comes from ((digest, rows of that image's output), in embed_rows order)
     embed_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     embed_sources: list[tuple[bytes, np.ndarray]] = field(default_factory=list)
+    # per sequence (decode rows, then chunks) the bidirectional prefix (AttentionMetadata's); None: all causal
+    bidirectional_lens: list[int] | None = None
 
     @property
     def has_embeds(self) -> bool:
@@ -246,4 +251,6 @@ def pack_step(decode_rows: np.ndarray, chunks: list[SeqWork], page_writes: np.nd
         pad_samples=round_up(n_samples, row_multiple) - n_samples,
         embed_rows=np.concatenate(embed_rows) if embed_rows else np.zeros(0, np.int64),
         embed_sources=embed_sources,
+        bidirectional_lens=([0] * d + [w.bidirectional_len for w in chunks]
+                            if any(w.bidirectional_len for w in chunks) else None),
     )

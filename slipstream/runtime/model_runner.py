@@ -111,19 +111,25 @@ class ModelRunner:
         vision = getattr(self.model, "vision", None)
         if vision is None:
             raise PipelineInvariantError("images launched on a model without a vision tower")
+        # a model whose encoder needs more than pixels (Moondream: the crop tiling) encodes its own
+        # preprocessed image; its pixels move to the device inside (a blocking copy)
+        encode_image = getattr(self.model, "encode_image", None)
         dev, features = self.device.torch_device, self.features
         items = list(images)
 
         def encode() -> None:
             for span in items:
                 p = span.processed
-                pixels = upload_array(np.asarray(p.pixel_values), dev)
-                mask = getattr(p, "pixel_attention_mask", None)
-                mask = None if mask is None else np.asarray(mask)
-                # no padding (Idefics3's tiles never have any), known here on the host: no mask,
-                # so attention runs without a bias
-                mask = upload_array(mask, dev) if mask is not None and not mask.all() else None
-                out = vision.encode(pixels, mask)
+                if encode_image is not None:
+                    out = encode_image(p)
+                else:
+                    pixels = upload_array(np.asarray(p.pixel_values), dev)
+                    mask = getattr(p, "pixel_attention_mask", None)
+                    mask = None if mask is None else np.asarray(mask)
+                    # no padding (Idefics3's tiles never have any), known here on the host: no mask,
+                    # so attention runs without a bias
+                    mask = upload_array(mask, dev) if mask is not None and not mask.all() else None
+                    out = vision.encode(pixels, mask)
                 if out.shape[0] != span.num_features:
                     raise PipelineInvariantError(f"the encoder gave {out.shape[0]} rows for an image of "
                                                  f"{span.num_features} placeholders")
@@ -149,7 +155,8 @@ class ModelRunner:
 
     def forward_from(self, t: StepTensors | StaticStepTensors, host_attention: bool = False,
                      embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     carry: tuple[torch.Tensor, torch.Tensor] | None = None) -> Any:
+                     carry: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     bidirectional_lens: list[int] | None = None) -> Any:
         """The forward on staged inputs, gathering decode rows' state from the row tables and
         advancing their positions; also what a graph captures (decode: a bucket-padded StepTensors;
         mixed: StaticStepTensors, which needs the device attention). `carry` (a carry step, eager
@@ -182,6 +189,7 @@ class ModelRunner:
             page_table = r.pages[seq_rows]
             meta = AttentionMetadata([], [], [], ps)
         meta.on_device = DeviceAttentionMetadata(t.query_start, kv_lens, page_table, t.max_q_len)
+        meta.bidirectional_lens = bidirectional_lens  # (Moondream's BOS + image prefix; None: all causal)
         batch = ForwardBatch(input_ids=ids, positions=positions, kv_indices=kv_indices,
                              sample_indices=t.sample_indices, attn=meta)
         if embeds is not None:  # image placeholders take encoder rows (never in a graph: _choose_graph)
@@ -265,17 +273,18 @@ class ModelRunner:
     def _launch_eager(self, step_id: int, slot: StepSlot, packed: ForwardInput, updates: RowUpdates,
                       tensors: StepTensors, carry: ChunkCarry | None = None) -> None:
         rows, host_attention = self.rows, self.device.unified_memory
+        bidi = packed.bidirectional_lens
 
         def forward() -> None:
             self._check_fault(step_id)
             rows.apply(updates, packed)
             embeds = self._embeds(packed, tensors.decode_rows.shape[0])
             if carry is None:
-                slot.logits = self.forward_from(tensors, host_attention, embeds)
+                slot.logits = self.forward_from(tensors, host_attention, embeds, None, bidi)
                 return
             slot.carry_out.zero_()  # rows sampled by a group without carry rows carry nothing
             chunk = carry.to_device(rows.device)
-            slot.logits, slot.hidden = self.forward_from(tensors, host_attention, embeds, chunk)
+            slot.logits, slot.hidden = self.forward_from(tensors, host_attention, embeds, chunk, bidi)
 
         self.device.compute.launch(forward, "forward")
 

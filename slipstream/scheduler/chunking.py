@@ -5,6 +5,9 @@ Rules, enforced here:
     prompt never holds the whole budget while a short request waits behind it.
   * No sample is scheduled beyond max_tokens: a chunk that would end at the newest known token of
     a sequence with no samples left is not planned.
+  * A bidirectional prefix (Moondream's BOS + image, `Sequence.bidirectional_len`) is never split:
+    while it is not scheduled, the sequence's chunk reaches its end or the sequence waits a step.
+    Such sequences take their prefix from the budget first (in order), the rest is water-filled.
 """
 from __future__ import annotations
 
@@ -34,6 +37,19 @@ def fair_shares(needs: list[int], budget: int) -> list[int]:
     return shares
 
 
+def prompt_shares(seqs: list[Sequence], budget: int) -> list[int]:
+    """fair_shares of `budget`, where a sequence with an unscheduled bidirectional prefix gets at
+    least its `min_chunk` (taken first, in order, while the budget holds it) or nothing this step."""
+    mins, left = [], budget
+    for seq in seqs:
+        need = seq.min_chunk
+        fits = need <= left
+        mins.append(need if fits else -1)  # -1: its prefix does not fit what is left of this step
+        left -= need if fits else 0
+    rest = fair_shares([0 if m < 0 else seq.num_unscheduled - m for seq, m in zip(seqs, mins)], left)
+    return [0 if m < 0 else m + extra for m, extra in zip(mins, rest)]
+
+
 def next_chunk(seq: Sequence, budget: int) -> SeqWork | None:
     """The next chunk of at most `budget` host-known tokens, or None if it would sample past max_tokens."""
     n = min(seq.num_unscheduled, budget)
@@ -55,4 +71,5 @@ def chunk_work(seq: Sequence, n: int, sample: bool) -> SeqWork:
     return SeqWork(row=seq.row, tokens=seq.known_tokens(start, start + n), start_pos=start, sample=sample,
                    output_index=len(seq.output_ids) + seq.pending_samples, sampling=seq.sampling,
                    history=history, images=image_slices(seq.images, start, start + n) if seq.images else [],
-                   carry=carry)
+                   carry=carry,
+                   bidirectional_len=seq.bidirectional_len if start < seq.bidirectional_len else 0)

@@ -16,7 +16,7 @@ from collections import deque
 
 from slipstream.runtime.batch import SeqWork
 from slipstream.scheduler.admission import Admission
-from slipstream.scheduler.chunking import fair_shares, next_chunk
+from slipstream.scheduler.chunking import next_chunk, prompt_shares
 from slipstream.scheduler.decode_rows import choose_decode_rows
 from slipstream.scheduler.encoder_budget import EncoderBudget
 from slipstream.scheduler.encoder_cache import EncoderCache
@@ -67,10 +67,12 @@ class Planner:
         """Each prompt's chunk of its fair share of `budget`, where its pages can be had without
         preempting and its images' encodes fit the step's encoder budget."""
         chunks, chunk_seqs = [], []
-        for seq, share in zip(prompts, fair_shares([p.num_unscheduled for p in prompts], budget)):
+        for seq, share in zip(prompts, prompt_shares(prompts, budget)):
             encodes: list = []
             if seq.images and share > 0:
                 share, encodes = encoder.cut(seq, share)
+            if share < seq.min_chunk:  # the encoder budget cut its bidirectional prefix: next step
+                continue
             work = next_chunk(seq, share) if share > 0 else None
             if work is None or not self._reserve(seq, work.end_pos, victims=[]):
                 continue

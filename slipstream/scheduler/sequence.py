@@ -62,6 +62,8 @@ class Sequence:
     # images of its prompt, in position order (scheduler/encoder_cache.py); held: it has references
     images: list[ImageSpan] = field(default_factory=list)
     images_held: bool = False
+    # its first positions attend both ways (Moondream's BOS + image): computed in one chunk (chunking.py)
+    bidirectional_len: int = 0
     user: Any = None  # the request object of the API layer (opaque to the scheduler)
     # its grammar's matcher, set by the API layer at submit (the output stage advances it); the
     # scheduler builds grammar masks from it
@@ -71,6 +73,12 @@ class Sequence:
     def num_cached_tokens(self) -> int:
         """Prompt tokens whose K/V came from the cache at its last admission (usage.cached_tokens)."""
         return min(self.num_reused, len(self.prompt_ids))
+
+    @property
+    def min_chunk(self) -> int:
+        """The fewest tokens its next chunk may hold: up to its bidirectional prefix's end while that
+        is not scheduled yet (a chunk may start inside it after a prefix-cache hit), else 0."""
+        return max(self.bidirectional_len - self.num_scheduled, 0)
 
     @property
     def num_known(self) -> int:

@@ -12,6 +12,9 @@ from dataclasses import dataclass, field, fields
 from slipstream.errors import CorruptModelError
 
 
+REFERENCE_EOS = 50256  # the reference's TokenizerConfig bos_id and eos_id
+
+
 @dataclass(frozen=True)
 class MoondreamVisionConfig:
     crop_size: int = 378
@@ -84,6 +87,9 @@ class MoondreamTextConfig:
                              f"{self.num_kv_heads}: heads must divide the width and kv heads the heads")
         if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
             raise ValueError(f"text rotary_dim {self.rotary_dim} must be even and in (0, head_dim={self.head_dim}]")
+        if not all(0 <= i < self.vocab_size for i in (self.bos_token_id, *self.eos_token_ids)):
+            raise ValueError(f"text bos_token_id {self.bos_token_id} / eos_token_ids {self.eos_token_ids} are outside "
+                             f"the vocabulary of {self.vocab_size}")
         if not 0 <= self.image_token_id < self.vocab_size:
             raise ValueError(f"text image_token_id {self.image_token_id} is outside the vocabulary of {self.vocab_size}")
 
@@ -108,6 +114,10 @@ class MoondreamConfig:
     region: MoondreamRegionConfig = field(default_factory=MoondreamRegionConfig)
     coord_token_id: int = 5  # "a coordinate comes next": its input embedding is the encoded value
     size_token_id: int = 6
+    # the reference's `query` template: its token ids before " " + question, and after it
+    # ("\n\nQuestion:" and "\n\nAnswer:" in moondream2's tokenizer)
+    query_prefix: tuple[int, ...] = (198, 198, 24361, 25)
+    query_suffix: tuple[int, ...] = (198, 198, 33706, 25)
 
     def __post_init__(self) -> None:
         for part in (self.vision, self.text, self.region):
@@ -164,12 +174,16 @@ class MoondreamConfig:
                 region["size_bins"] = int(r["size_out_dim"]) // 2
             if r.get("dim", text.get("hidden_size", 2048)) != text.get("hidden_size", 2048):
                 raise ValueError(f"region dim {r['dim']} is not the text width {text.get('hidden_size', 2048)}")
-            eos = tok.get("eos_id", 0)
+            # the reference's defaults: <|endoftext|> (50256) opens the prompt and ends the answer
+            eos = tok.get("eos_id", REFERENCE_EOS)
+            query = (tok.get("templates") or {}).get("query") or {}
             config = cls(vision=MoondreamVisionConfig(**vision),
-                         text=MoondreamTextConfig(**text, bos_token_id=tok.get("bos_id", 0), eos_token_ids=(eos,),
-                                                  name=name),
+                         text=MoondreamTextConfig(**text, bos_token_id=tok.get("bos_id", REFERENCE_EOS),
+                                                  eos_token_ids=(eos,), name=name),
                          region=MoondreamRegionConfig(**region),
-                         coord_token_id=tok.get("coord_id", 5), size_token_id=tok.get("size_id", 6))
+                         coord_token_id=tok.get("coord_id", 5), size_token_id=tok.get("size_id", 6),
+                         query_prefix=tuple(query.get("prefix", cls.query_prefix)),
+                         query_suffix=tuple(query.get("suffix", cls.query_suffix)))
         except (TypeError, ValueError) as exc:
             raise CorruptModelError(f"moondream config: {exc}") from exc
         if any(g is not None for g in (t.get("group_size"), r.get("group_size"))):

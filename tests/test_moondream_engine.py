@@ -22,7 +22,9 @@ PIL = pytest.importorskip("PIL.Image")
 pytest.importorskip("tokenizers")
 
 N = 8
-GREEDY = SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True)
+# logprobs too: on random tiny weights the prefix's attention moves the logits by ~1e-2, too little
+# to change a greedy token, but far above float32's error
+GREEDY = SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True, logprobs=True)
 QUESTIONS = ["What is in the picture?", "Where?"]
 
 
@@ -73,14 +75,15 @@ def oracle_greedy(weights, tok, image, question, n=N):
     w = {k: v.float().to(D) for k, v in weights.items()}  # the folder holds float32 values
     processed = preprocess(image, CFG.vision)
     feats = r_image(processed.pixel_values.to(D), processed.tiling, w, CFG)
-    ids, out = query_ids(tok, question), []
+    ids, out, logprobs = query_ids(tok, question), [], []
     for _ in range(n):
         emb = w["text.wte"][torch.tensor(ids)].clone()
         emb[1:1 + feats.shape[0]] = feats
         logits = r_logits(r_hidden(emb, w, CFG, CFG.prefix_len)[-1:], w)[0]
         out.append(int(logits.argmax()))
+        logprobs.append(float(torch.log_softmax(logits, -1)[out[-1]]))
         ids.append(out[-1])
-    return out
+    return out, logprobs
 
 
 def config(folder, depth, **kw):
@@ -94,6 +97,12 @@ def config(folder, depth, **kw):
 def want(md):
     _, weights, tok = md
     return {(q, i): oracle_greedy(weights, tok, im, q) for q in QUESTIONS for i, im in (("image", IMAGE), ("other", OTHER))}
+
+
+def check(result, expected):
+    tokens, logprobs = expected
+    assert result.token_ids == tokens
+    np.testing.assert_allclose(result.logprobs, logprobs, rtol=0, atol=1e-4)
 
 
 def run_engine(cfg, jobs):
@@ -113,9 +122,9 @@ def test_query_tokens_equal_the_oracle_and_the_encoder_cache_hits(md, want, dept
     (first, pair), stats = run_engine(config(folder, depth), [
         [(QUESTIONS[0], IMAGE)],
         [(QUESTIONS[1], IMAGE), ("<image>" + QUESTIONS[0], OTHER)]])  # a marker at the start is allowed
-    assert first[0].token_ids == want[(QUESTIONS[0], "image")]
-    assert pair[0].token_ids == want[(QUESTIONS[1], "image")]
-    assert pair[1].token_ids == want[(QUESTIONS[0], "other")]
+    check(first[0], want[(QUESTIONS[0], "image")])
+    check(pair[0], want[(QUESTIONS[1], "image")])
+    check(pair[1], want[(QUESTIONS[0], "other")])
     assert stats["encoder_cache_misses"] == 2 and stats["encoder_cache_hits"] == 1
 
 
@@ -128,9 +137,9 @@ def test_a_small_step_budget_keeps_the_prefix_in_one_chunk(md, want, depth, cach
     folder = md[0]
     (pair, again), _ = run_engine(config(folder, depth, max_num_batched_tokens=20, prefix_caching=caching), [
         [(QUESTIONS[0], IMAGE), (QUESTIONS[1], OTHER)], [(QUESTIONS[1], IMAGE)]])
-    assert pair[0].token_ids == want[(QUESTIONS[0], "image")]
-    assert pair[1].token_ids == want[(QUESTIONS[1], "other")]
-    assert again[0].token_ids == want[(QUESTIONS[1], "image")]
+    check(pair[0], want[(QUESTIONS[0], "image")])
+    check(pair[1], want[(QUESTIONS[1], "other")])
+    check(again[0], want[(QUESTIONS[1], "image")])
     if caching:
         assert again[0].usage.cached_tokens > 0  # (pages of 8: the hit ends inside the 17-token prefix)
 

@@ -144,6 +144,18 @@ def test_a_small_step_budget_keeps_the_prefix_in_one_chunk(md, want, depth, cach
         assert again[0].usage.cached_tokens > 0  # (pages of 8: the hit ends inside the 17-token prefix)
 
 
+@pytest.mark.parametrize("depth", [1, 2])
+def test_an_encoder_budget_cut_waits_for_the_whole_prefix(md, want, depth):
+    """Room for one image's encode per step (16 rows): the second request's chunk would end before
+    its image, after BOS alone, splitting its prefix; it waits for the next step instead."""
+    folder = md[0]
+    (pair,), stats = run_engine(config(folder, depth, max_encoder_tokens_per_step=16), [
+        [(QUESTIONS[0], IMAGE), (QUESTIONS[1], OTHER)]])
+    check(pair[0], want[(QUESTIONS[0], "image")])
+    check(pair[1], want[(QUESTIONS[1], "other")])
+    assert stats["encoder_cache_misses"] == 2
+
+
 def test_a_prefix_larger_than_a_step_is_refused_by_name(md):
     folder = md[0]
 

@@ -187,3 +187,18 @@ def test_build_model_detects_the_folder_and_needs_its_tokenizer(md, tmp_path):
     with pytest.raises(CorruptModelError, match="tokenizer.json"):
         build_model(str(bare), "float32", torch.device("cpu"))
     assert json.loads((folder / "config.json").read_text())["model_type"] == "moondream1"
+
+
+def test_generate_command_answers_a_query(md, want, tmp_path, capsys):
+    """`slipstream generate --model <folder> --image x.png "question"`: no chat template, so the
+    prompt is the query template (the greedy text is the oracle's)."""
+    from slipstream.cli import main
+
+    folder, _, tok = md
+    IMAGE.save(tmp_path / "x.png")
+    rc = main(["generate", "--model", str(folder), "--image", str(tmp_path / "x.png"), "--max-tokens", str(N),
+               "--temperature", "0", QUESTIONS[0]])
+    assert rc == 0
+    tokens = want[(QUESTIONS[0], "image")][0]
+    eos = tokens.index(0) if 0 in tokens else len(tokens)  # the command stops at EOS (id 0)
+    assert tok.decode(tokens[:eos]) in capsys.readouterr().out

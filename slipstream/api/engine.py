@@ -240,7 +240,8 @@ class Engine(SkillMethods):
         if n > self.config.max_num_batched_tokens:
             raise InvalidRequestError(f"images: this model computes its image prefix of {n} tokens in one step, more "
                                       f"than max_num_batched_tokens={self.config.max_num_batched_tokens}; start the "
-                                      f"engine with max_num_batched_tokens >= {n}", param="images")
+                                      f"engine with max_num_batched_tokens >= {n} (--max-num-batched-tokens)",
+                                      param="images")
         return n
 
     async def _prompt_ids(self, prompt: Prompt, images: Sequence[ImageLike] = (), fields: Sequence[str] | None = None):

@@ -22,6 +22,9 @@ def register(sub) -> None:
     p.add_argument("--image", action="append", default=[], metavar="PATH",
                    help="an image file for a vision-language model (repeatable, in order); checked before the "
                         "model loads. With --raw, the prompt marks each with <image> (none: images go first)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="tokens per engine step; moondream2 computes its 730-token image prefix in one step, so it "
+                        "needs at least 730")
     p.add_argument("--raw", action="store_true", help="send the prompt as plain text, without the chat template")
     p.add_argument("-q", "--quiet", action="store_true", help="no summary line on stderr")
     p.add_argument("-v", "--verbose", action="store_true", help="also print the engine stats to stderr")
@@ -76,7 +79,7 @@ async def _generate(args) -> int:
         return await _generate_remote(args, params, images)
     if args.no_weight_cache:
         os.environ["SLIPSTREAM_WEIGHT_CACHE"] = "0"  # read by the loader inside this process only
-    async with Engine(engine_config(args)) as engine:
+    async with Engine(engine_config(args, max_num_batched_tokens=args.max_num_batched_tokens)) as engine:
         prompt = args.prompt
         if images:
             from slipstream.images import model_accepts_images, require_vision

@@ -325,7 +325,8 @@ class ModelRunner:
         """Steps with prefill chunks, when the model reads device attention metadata (a graph cannot
         hold the host-side reference attention) and no CPU row padding is asked for."""
         return (self.mixed_graphs is not None and self.row_multiple == 1 and not packed.decode_only
-                and self.model.backend == "triton" and not packed.has_embeds)  # image rows: eager
+                and self.model.backend == "triton" and not packed.has_embeds  # image rows: eager
+                and packed.bidirectional_lens is None)  # (the graph's attention is plain causal)
 
     # --- commit ---------------------------------------------------------------------------------
 

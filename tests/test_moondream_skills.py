@@ -15,7 +15,7 @@ import torch
 from slipstream import Engine, InvalidRequestError, SamplingParams
 from slipstream.models.moondream.image import preprocess
 from test_carry_engine import HostReadGuard
-from test_moondream_engine import char_tokenizer, config, picture, query_ids
+from test_moondream_engine import config, picture
 from test_moondream_model import (CFG, D, r_decode_coord, r_decode_size, r_encode_coord, r_encode_size, r_hidden,
                                   r_image, r_logits, random_weights, save_folder, tiny_sections)
 
@@ -28,14 +28,29 @@ OBJECTS = ["cat", "red box", "tree"]
 MAX_OBJECTS = 3
 
 
+def byte_level_tokenizer():
+    """test_moondream_engine's character-level tokenizer in GPT-2's byte-level form (what llguidance
+    reads, so JSON-schema rows can run beside the skills): id 0 is <|endoftext|>, then one token per
+    printable character and the newline."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    shifted = {b: chr(256 + n) for n, b in enumerate(b for b in range(256) if b not in printable)}
+    byte_char = {b: shifted.get(b, chr(b)) for b in range(256)}
+    vocab = {t: i for i, t in enumerate(["<|endoftext|>"] + [byte_char[b] for b in [*range(32, 127), 10]])}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken("<|endoftext|>", special=True, normalized=False)])
+    return tok
+
+
 @pytest.fixture(scope="module")
 def md(tmp_path_factory):
-    """(folder, float64 weights, tokenizer) with the point/detect templates written as ids. The EOS
-    logit is lowered a little so that objects are found (random weights: some requests stop early,
-    some reach max_objects; the test checks both happen)."""
+    """(folder, float64 weights, tokenizer) with the point/detect templates written as ids (random
+    weights: some requests stop early, some reach max_objects; a test checks both happen)."""
     weights = random_weights(CFG, seed=0)
-    weights["text.lm_head.bias"][EOS] += EOS_SHIFT
-    tok = char_tokenizer()
+    tok = byte_level_tokenizer()
     sections = tiny_sections(CFG)
     ids = lambda s: tok.encode(s).ids  # noqa: E731
     sections["tokenizer"]["templates"] = {
@@ -46,9 +61,6 @@ def md(tmp_path_factory):
                          {k: v.float() for k, v in weights.items()}, "current", sections)
     tok.save(str(folder / "tokenizer.json"))
     return folder, weights, tok
-
-
-EOS_SHIFT = 0.0
 
 
 def skill_ids(tok, kind, obj):
@@ -134,3 +146,71 @@ def test_point_and_detect_equal_the_oracle(md, want, depth):
     results, _ = skills(md[0], depth)
     for (kind, i), got in zip(CASES, results):
         same_result(got, want[(kind, i)])
+
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["n"], "additionalProperties": False}
+TEXT = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+JSON = SamplingParams(max_tokens=12, temperature=0.0, json_schema=json.dumps(SCHEMA))
+EXTRA = [("What is in the picture?", TEXT, IMAGES[0]), ("Where?", TEXT, IMAGES[1]),
+         ("How many?", JSON, IMAGES[2])]
+
+
+def test_depth_2_equals_depth_1_beside_free_text_and_json_schema_rows(md, want):
+    """Skills and plain queries in one batch: the skills equal the oracle at both depths, every output
+    is the same at depth 1 and 2, and the free-text answers are the oracle's greedy tokens (the carry
+    rows leave their neighbours alone)."""
+    from test_moondream_engine import oracle_greedy
+
+    folder, weights, tok = md
+    one, one_extra = skills(folder, 1, EXTRA)
+    two, two_extra = skills(folder, 2, EXTRA)
+    assert one == two
+    assert [(o.token_ids, o.carried) for o in one_extra] == [(o.token_ids, o.carried) for o in two_extra]
+    for (kind, i), got in zip(CASES, two):
+        same_result(got, want[(kind, i)])
+    for (q, _, im), o in zip(EXTRA[:2], two_extra):
+        assert o.token_ids == oracle_greedy(weights, tok, im, q)[0] and o.carried is None
+    assert two_extra[2].finish_reason == "stop" and set(json.loads(two_extra[2].text)) == {"n"}
+
+
+def test_region_values_never_pass_through_the_host_between_steps(md, want):
+    """The carry table guarded (tests/test_carry_engine.py's HostReadGuard: no conversion to Python or
+    numpy, no use off the device's stream threads) through Moondream detect and point requests.
+    (Mutant: runtime/carry.py's carry_input reading the values with .tolist(): the guard fails.)"""
+    HostReadGuard.violations.clear()
+
+    def guard(engine):
+        rows = engine._parts.runner.rows
+        rows.carry_values = rows.carry_values.as_subclass(HostReadGuard)
+
+    results, _ = skills(md[0], 2, inspect=guard)
+    assert not HostReadGuard.violations
+    for (kind, i), got in zip(CASES, results):
+        same_result(got, want[(kind, i)])
+
+
+def test_region_skill_refusals(md):
+    async def go():
+        async with Engine(config(md[0], 1)) as e:
+            assert (await e.health()).region_skills
+            with pytest.raises(InvalidRequestError, match="empty prompt") as err:
+                await e.point("Find it", "cat", images=[IMAGES[0]])
+            assert err.value.param == "prompt"
+            with pytest.raises(InvalidRequestError, match="one image") as err:
+                await e.detect("", "cat")
+            assert err.value.param == "images"
+            with pytest.raises(InvalidRequestError, match="object name") as err:
+                await e.detect("", " ", images=[IMAGES[0]])
+            assert err.value.param == "object"
+            # a query is still a query (the region grammar only for point/detect specs)
+            out = await e.complete("What?", TEXT, images=[IMAGES[0]])
+            assert out.carried is None and len(out.token_ids) == TEXT.max_tokens
+    asyncio.run(go())
+
+
+def test_stream_skill_yields_each_object(md, want):
+    async def go():
+        async with Engine(config(md[0], 2)) as e:
+            return [o async for o in e.stream_skill("detect", "", OBJECTS[0], MAX_OBJECTS, images=[IMAGES[0]])]
+    same_result({"objects": asyncio.run(go())}, want[("detect", 0)])

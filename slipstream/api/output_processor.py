@@ -195,6 +195,8 @@ class OutputProcessor:
                 todo, self._todo = self._todo[:STAGE_SLICE], self._todo[STAGE_SLICE:]
                 for req in todo:
                     self._process(req)
+                # an idle stage must not keep its last requests (prompt, output, queue) alive
+                del todo, req
                 if self._todo:
                     await asyncio.sleep(0)
 

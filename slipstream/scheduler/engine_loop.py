@@ -246,6 +246,8 @@ class EngineLoop:
                 self.outputs.fail(seq, e)
         await self.runner.drain()
         recovered = self.runner.recover([step.slot for step in steps])
+        # page-table entries of requests these steps did not carry (admitted without a chunk): again
+        self.planner.pages.requeue([w for step in steps for w in step.page_writes], self.planner.running)
         for step in steps:
             for span in step.encodes:  # a failed stream may have skipped them: encode again when needed
                 self.planner.encoder_cache.unlaunch(span.digest)

@@ -43,6 +43,20 @@ class PageReservation:
         writes, self._writes = self._writes, []
         return writes
 
+    def requeue(self, writes: list[int], running: list[Sequence]) -> None:
+        """Entries of failed steps (flat triples, launch order): a failed forward never applied them,
+        and a sequence admitted in such a step without a chunk in it is not failed with it, so the
+        next step carries again every entry a live sequence still holds (before newer ones); the
+        rest belong to failed sequences, whose rows and pages are being given back."""
+        holders = {seq.row: seq for seq in running if not seq.finished and seq.row is not None}
+        kept: list[int] = []
+        for i in range(0, len(writes), 3):
+            row, index, page = writes[i], writes[i + 1], writes[i + 2]
+            seq = holders.get(row)
+            if seq is not None and index < len(seq.pages) and seq.pages[index] == page:
+                kept += (row, index, page)
+        self._writes = kept + self._writes
+
     def free(self, seq: Sequence) -> None:
         self.pool.free(seq.pages[::-1])  # last pages first: the LRU evicts a prefix's tail before its head
         seq.pages = []

@@ -24,3 +24,17 @@ def test_the_soak_compares_batch_invariant_engines_with_caching_on():
     # fast CPU path: only invariant engines make "equal to depth 1" exact (docs/prefix-caching.md)
     assert engine_config(2).batch_invariant and engine_config(1).batch_invariant
     assert engine_config(2, prefix_caching=True).prefix_caching
+
+
+async def test_soak_with_skills_mixed_in(monkeypatch):
+    """--skills (issue 31): point/detect calls among the requests, some cancelled (task or stream);
+    each finished one's dict equals depth 1's, and a cancelled one is not taken for a duplicate."""
+    import soak as soak_module
+
+    monkeypatch.setattr(soak_module, "SKILLS", ["point", "detect"])
+    monkeypatch.setattr(soak_module, "SKILL_RATE", 0.5)
+    report = await soak(160, rounds=1, seed=5, log=lambda *_: None, rates={})
+    assert report.ok, format_report(report)
+    assert report.skills > 40 and report.skills_compared > 30 and not report.mismatches
+    assert report.lost == report.duplicated == report.leaked_pages == 0
+    assert report.outcomes["ok-skill"] == report.skills_compared and report.outcomes["cancelled"] > 0

@@ -20,11 +20,12 @@ from slipstream.outputs import CompletionOutput, RequestMetrics
 from slipstream.params import EngineConfig, SamplingParams
 from slipstream.models.byte_stream import byte_table, make_detokenizer
 from slipstream.grammar.base import carry_tokens, resolve_carry
+from slipstream.grammar.region import REGION_KINDS
 from slipstream.runtime.batch import MAX_CARRY_TOKENS, MAX_CARRY_VALUES, SamplingRow
 from slipstream.api.interface import DeltaStream, Messages, Prompt
 from slipstream.api.fanout import fan_out, wants_fan_out
 from slipstream.api.encode import check_prompt_chars, encode_off_loop
-from slipstream.api.image_prompt import prepare_images_off_loop, split_chat_images
+from slipstream.api.image_prompt import IMAGE_MARKER, prepare_images_off_loop, split_chat_images
 from slipstream.api.output_processor import RequestState
 from slipstream.api.protocol import HealthReply
 from slipstream.api.request_stream import RequestStream
@@ -94,8 +95,12 @@ class Engine(SkillMethods):
             self._image_processing = self._parts.image_processing  # None: a text-only model
             from slipstream.grammar.compiler import GrammarCompiler
 
+            from slipstream.grammar.region import region_factories
+
+            region = getattr(self._image_processing, "region_tokens", None)  # Moondream: point/detect
             self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
-                                             timeout_s=self.config.grammar_timeout_s)
+                                             timeout_s=self.config.grammar_timeout_s,
+                                             factories=region_factories(*region) if region else None)
             self._loop_task = asyncio.create_task(self._run_loop(), name="slipstream-engine-loop")
         except BaseException:  # a failed start leaves no device threads and no gc hold behind
             if self._parts is not None:
@@ -175,13 +180,14 @@ class Engine(SkillMethods):
         if params.n > 1:  # complete/chat fan out before this; a stream cannot (slipstream/api/fanout.py)
             raise InvalidRequestError("n > 1 cannot be streamed; use complete() or chat()", param="n")
         request_id = check.request_id(request_id)
-        ids, spans = await self._prompt_ids(prompt, images, fields)
+        spec = params.grammar_spec()
+        skill = self._region_skill(spec, prompt, images)
+        ids, spans = await self._prompt_ids(prompt, images, fields, skill)
         bidirectional = self._bidirectional_len(spans)
         if len(ids) + params.max_tokens > self.max_model_len:
             raise InvalidRequestError(f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
                                       f"exceeds the model context of {self.max_model_len} tokens; lower max_tokens "
                                       f"to at most {self.max_model_len - len(ids)}", param="max_tokens")
-        spec = params.grammar_spec()
         # compiled off the tick (a thread, under a timeout); a bad grammar fails only this call
         try:
             grammar = await self._grammars.compile_async(spec) if spec is not None else None
@@ -232,6 +238,27 @@ class Engine(SkillMethods):
             raise GrammarCompileError(f"the model's carry kinds {wide} have more than {MAX_CARRY_VALUES} values")
         return resolve_carry(declared, model_kinds, MAX_CARRY_TOKENS, f"grammar {kind!r}")
 
+    @property
+    def region_skills(self) -> bool:
+        """Whether point/detect run on the model's region heads (Moondream) rather than as text."""
+        return self._grammars.factories.keys() >= set(REGION_KINDS)
+
+    def _region_skill(self, spec, prompt: Prompt, images) -> tuple[str, str] | None:
+        """(kind, object) when this request is a region skill: its prompt is the model's template for
+        the object (docs/moondream.md, "point and detect"), so the prompt text must be empty."""
+        if spec is None or spec.kind not in REGION_KINDS or spec.kind not in self._grammars.factories:
+            return None
+        if not images:
+            raise InvalidRequestError(f"images: {spec.kind} on this model looks at one image; none was given",
+                                      param="images")
+        text = prompt.replace(IMAGE_MARKER, "", 1) if isinstance(prompt, str) else prompt
+        if not isinstance(text, str) or text.strip():
+            raise InvalidRequestError(f"prompt: {spec.kind} on this model has a fixed template holding only the "
+                                      "object name; pass an empty prompt", param="prompt")
+        if not spec.value.strip():
+            raise InvalidRequestError(f"object: {spec.kind} needs an object name", param="object")
+        return spec.kind, spec.value
+
     def _bidirectional_len(self, spans: list) -> int:
         """The prompt's leading positions that attend both ways (Moondream's BOS + image): computed in
         one chunk (scheduler/chunking.py), so a step must hold them all."""
@@ -244,10 +271,12 @@ class Engine(SkillMethods):
                                       param="images")
         return n
 
-    async def _prompt_ids(self, prompt: Prompt, images: Sequence[ImageLike] = (), fields: Sequence[str] | None = None):
+    async def _prompt_ids(self, prompt: Prompt, images: Sequence[ImageLike] = (), fields: Sequence[str] | None = None,
+                          skill: tuple[str, str] | None = None):
         """(token ids, image spans) of a prompt; images are loaded, preprocessed and the prompt expanded
         and tokenised off the loop (api/image_prompt.py)."""
-        prompt = check.prompt(prompt, self.model_config.vocab_size)
+        if skill is None:  # (a region skill's prompt was checked to be empty: the template replaces it)
+            prompt = check.prompt(prompt, self.model_config.vocab_size)
         if isinstance(images, (str, bytes)) or not isinstance(images, (list, tuple)):
             images = [images]  # one image given bare
         images = list(images)
@@ -262,7 +291,7 @@ class Engine(SkillMethods):
                                           "are expanded before tokenising)", param="prompt")
             check_prompt_chars(prompt, self.config.max_prompt_chars)
             ids, spans = await prepare_images_off_loop(prompt, images, fields, self._image_processing,
-                                                       self.tokenizer, image_token)
+                                                       self.tokenizer, image_token, skill)
         elif isinstance(prompt, str):
             ids = await encode_off_loop(self.tokenizer, prompt, self.config.max_prompt_chars)
         else:
@@ -403,7 +432,8 @@ class Engine(SkillMethods):
             ready = False
         return HealthReply(seq=0, ready=ready, draining=False, model=self.config.model, pid=os.getpid(),
                            heartbeat_s=0.0, max_message_bytes=0,
-                           chat_template=bool(getattr(self.tokenizer, "chat_template", None)))
+                           chat_template=bool(getattr(self.tokenizer, "chat_template", None)),
+                           region_skills=ready and self.region_skills)
 
     @property
     def tracer(self):

@@ -49,11 +49,14 @@ def image_spans(ids: Sequence[int], image_token_id: int, processed: Sequence[Any
 
 
 def prepare_images(prompt: str, images: Sequence[Any], fields: Sequence[str], processing: Any, tokenizer: Any,
-                   image_token_id: int) -> tuple[list[int], list[ImageSpan]]:
-    """(token ids, image spans) of a text prompt with images (blocking: run it on a worker thread)."""
+                   image_token_id: int, skill: tuple[str, str] | None = None) -> tuple[list[int], list[ImageSpan]]:
+    """(token ids, image spans) of a text prompt with images (blocking: run it on a worker thread).
+    `skill` (kind, object): a region skill's template instead of the prompt (Moondream's point/detect)."""
     loaded = [load_image(obj, field) for obj, field in zip(images, fields)]
     processed = processing.preprocess([im.image for im in loaded])
-    if hasattr(processing, "prompt_ids"):  # a model whose prompt is built from ids (Moondream's template)
+    if skill is not None:
+        ids = processing.skill_prompt_ids(skill[0], skill[1], processed, tokenizer)
+    elif hasattr(processing, "prompt_ids"):  # a model whose prompt is built from ids (Moondream's template)
         ids = processing.prompt_ids(prompt, processed, tokenizer)
     else:
         ids = tokenizer.encode(processing.expand(with_markers(prompt, len(loaded)), processed))

@@ -6,7 +6,12 @@ variants yield each object as soon as its line is complete. Written against the 
 (slipstream/api/interface.py), so an Engine and a Client run the same requests: the instruction goes
 through the model's chat template when it has one (`health().chat_template`), else as plain text.
 `images`: the picture(s) the skill looks at, one `<image>` marker each before the instruction; for
-Idefics3 the answer stays grammar-constrained text (Moondream's region heads: docs/moondream.md).
+Idefics3 the answer stays grammar-constrained text.
+
+A model with region heads (Moondream; `health().region_skills`) answers point/detect with them
+instead: the engine builds the model's own prompt template from the object name and the region
+grammar (grammar/region.py), and the result comes from the values the heads decoded
+(`CompletionOutput.carried`), not from text (docs/moondream.md, "point and detect").
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ import msgspec
 
 from slipstream.errors import InvalidRequestError
 from slipstream.grammar.base import GrammarSpec
+from slipstream.grammar.region import REGION_KINDS, region_result, tokens_per_object
 from slipstream.grammar.skills import parse_skill_output
 from slipstream.params import SamplingParams
 
@@ -65,6 +71,22 @@ def skill_request(kind: str, prompt: str, obj: str, max_objects: int,
                                          grammar=spec, json_schema=None, regex=None, choice=None)
 
 
+def region_request(kind: str, obj: str, max_objects: int, params: SamplingParams | None) -> SamplingParams:
+    """SamplingParams of a region skill: one token per value (x, y, and detect's size) per object,
+    then EOS; greedy unless `params` say otherwise."""
+    base = params or SamplingParams(temperature=0.0)
+    if base.n != 1:
+        raise InvalidRequestError("a skill returns one result: n must be 1 (call it n times)", param="n")
+    budget = tokens_per_object(kind) * max_objects + 1
+    return msgspec.structs.replace(base, max_tokens=min(base.max_tokens, budget) if params else budget,
+                                   grammar=GrammarSpec(kind, obj, max_objects), json_schema=None, regex=None,
+                                   choice=None)
+
+
+async def _region_skills(api: "EngineAPI", kind: str) -> bool:
+    return kind in REGION_KINDS and bool(getattr(await api.health(), "region_skills", False))
+
+
 def _with_images(text: str, images: Sequence[ImageLike]) -> str:
     """One `<image>` marker per image, before the instruction (the model sees the picture first)."""
     return "<image>" * len(images) + "\n" + text if images else text
@@ -72,6 +94,9 @@ def _with_images(text: str, images: Sequence[ImageLike]) -> str:
 
 async def run_skill(api: "EngineAPI", kind: str, prompt: str, obj: str, max_objects: int = 16,
                     params: SamplingParams | None = None, images: Sequence[ImageLike] = ()) -> dict[str, Any]:
+    if await _region_skills(api, kind):  # the engine refuses a non-empty prompt (the template is fixed)
+        out = await api.complete(prompt, region_request(kind, obj, max_objects, params), images=images)
+        return region_result(kind, out.carried)
     text, sp = skill_request(kind, prompt, obj, max_objects, params)
     text = _with_images(text, images)
     kw = {"images": images} if images else {}  # (a text model refuses images, naming the field)
@@ -85,7 +110,14 @@ async def run_skill(api: "EngineAPI", kind: str, prompt: str, obj: str, max_obje
 async def stream_skill(api: "EngineAPI", kind: str, prompt: str, obj: str, max_objects: int = 16,
                        params: SamplingParams | None = None,
                        images: Sequence[ImageLike] = ()) -> AsyncIterator[dict[str, Any]]:
-    """point/detect: yields each object dict as its line completes. segment: yields the final dict."""
+    """point/detect: yields each object dict as its line completes. segment: yields the final dict.
+    On a model with region heads, point/detect yield their objects when the request finishes (the
+    values ride the final output, not the stream's deltas)."""
+    if await _region_skills(api, kind):
+        result = await run_skill(api, kind, prompt, obj, max_objects, params, images)
+        for o in result["points" if kind == "point" else "objects"]:
+            yield o
+        return
     text, sp = skill_request(kind, prompt, obj, max_objects, params)
     text = _with_images(text, images)
     kw = {"images": images} if images else {}

@@ -145,7 +145,8 @@ class Worker:
                            died=lambda e: call(self.stop, f"socket thread died: {e!r}", 1),
                            max_message_bytes=self.limits.max_message_bytes,
                            max_unsent_frames=self.limits.max_unsent_frames,
-                           max_image_bytes=self.limits.max_image_bytes)
+                           max_image_bytes=self.limits.max_image_bytes,
+                           region_skills=running and self.engine.region_skills)
         self.io.start()
         beat = asyncio.create_task(self._heartbeats(), name="slipstream-worker-heartbeat")
         log.info("worker_ready", address=self.address, kv_pages=(await self.engine.stats())["kv_pages_total"],
@@ -345,7 +346,8 @@ class Worker:
                            max_message_bytes=self.limits.max_message_bytes,
                            chat_template=bool(getattr(self.engine.tokenizer, "chat_template", None)),
                            accepts_images=running and model_accepts_images(self.engine.model_config),
-                           max_image_bytes=self.limits.max_image_bytes)
+                           max_image_bytes=self.limits.max_image_bytes,
+                           region_skills=running and self.engine.region_skills)
 
 
 def serve(config: EngineConfig, address: str, limits: WorkerLimits | None = None) -> int:

@@ -9,7 +9,7 @@ import asyncio
 import concurrent.futures
 import threading
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Callable, Mapping
 
 from slipstream.errors import GrammarCompileError, GrammarError, GrammarTimeoutError
 from slipstream.grammar.base import Grammar, GrammarSpec
@@ -25,13 +25,16 @@ class GrammarCompiler:
     an LRU cache keyed by spec; failed compiles are not cached.
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, timeout_s: float = 10.0, cache_size: int = 256) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, timeout_s: float = 10.0, cache_size: int = 256,
+                 factories: Mapping[str, Callable] | None = None) -> None:
         if vocab_size <= 0:
             raise ValueError(f"vocab_size must be positive, got {vocab_size}")
         self.tokenizer = tokenizer
         self.vocab_size = int(vocab_size)  # logits width V, padding columns included
         self.timeout_s = float(timeout_s)
         self.cache_size = int(cache_size)
+        # this engine's own factories for some kinds (a model with region heads: point/detect)
+        self.factories = dict(factories or {})
         self._cache: OrderedDict[GrammarSpec, concurrent.futures.Future] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -99,6 +102,9 @@ class GrammarCompiler:
 
     def _build(self, spec: GrammarSpec) -> Grammar:
         try:
+            factory = self.factories.get(spec.kind)
+            if factory is not None:
+                return factory(spec, self.tokenizer, self.vocab_size)
             return build_grammar(spec, self.tokenizer, self.vocab_size)
         except GrammarError:
             raise

@@ -118,6 +118,10 @@ class MoondreamConfig:
     # ("\n\nQuestion:" and "\n\nAnswer:" in moondream2's tokenizer)
     query_prefix: tuple[int, ...] = (198, 198, 24361, 25)
     query_suffix: tuple[int, ...] = (198, 198, 33706, 25)
+    # the region skills' templates: prefix ids, then " " + the object's tokens, then suffix ids
+    # ("\n\nPoint:" / "\n\nDetect:" and "\n\n"); None: the folder's model has no such skill
+    point_template: tuple[tuple[int, ...], tuple[int, ...]] | None = ((198, 198, 12727, 25), (628,))
+    detect_template: tuple[tuple[int, ...], tuple[int, ...]] | None = ((198, 198, 47504, 25), (628,))
 
     def __post_init__(self) -> None:
         for part in (self.vision, self.text, self.region):
@@ -176,19 +180,34 @@ class MoondreamConfig:
                 raise ValueError(f"region dim {r['dim']} is not the text width {text.get('hidden_size', 2048)}")
             # the reference's defaults: <|endoftext|> (50256) opens the prompt and ends the answer
             eos = tok.get("eos_id", REFERENCE_EOS)
-            query = (tok.get("templates") or {}).get("query") or {}
+            templates = tok.get("templates") or {}
+            query = templates.get("query") or {}
+            skills = {k: _template(templates, k, getattr(cls, f"{k}_template")) for k in ("point", "detect")}
             config = cls(vision=MoondreamVisionConfig(**vision),
                          text=MoondreamTextConfig(**text, bos_token_id=tok.get("bos_id", REFERENCE_EOS),
                                                   eos_token_ids=(eos,), name=name),
                          region=MoondreamRegionConfig(**region),
                          coord_token_id=tok.get("coord_id", 5), size_token_id=tok.get("size_id", 6),
                          query_prefix=tuple(query.get("prefix", cls.query_prefix)),
-                         query_suffix=tuple(query.get("suffix", cls.query_suffix)))
+                         query_suffix=tuple(query.get("suffix", cls.query_suffix)),
+                         point_template=skills["point"], detect_template=skills["detect"])
         except (TypeError, ValueError) as exc:
             raise CorruptModelError(f"moondream config: {exc}") from exc
         if any(g is not None for g in (t.get("group_size"), r.get("group_size"))):
             raise CorruptModelError("moondream config: quantised (group_size) checkpoints are not supported")
         return config
+
+
+def _template(templates: dict, name: str, default):
+    """(prefix ids, suffix ids) of a skill's template: absent = the reference's, null = no such skill."""
+    if name not in templates:
+        return default
+    t = templates[name]
+    if t is None:
+        return None
+    if not isinstance(t, dict) or set(t) - {"prefix", "suffix"}:
+        raise ValueError(f"tokenizer template {name!r} must be {{prefix, suffix}} ids or null, got {t!r:.100}")
+    return tuple(int(i) for i in t.get("prefix", ())), tuple(int(i) for i in t.get("suffix", ()))
 
 
 def _pick(cls, d: dict, names: dict[str, str], ignore: frozenset | set = frozenset()) -> dict:

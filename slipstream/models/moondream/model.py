@@ -12,6 +12,8 @@ import torch
 from torch import nn
 
 from slipstream.errors import UnsupportedArchitectureError
+from slipstream.models.carry_heads import apply_carry
+from slipstream.models.moondream.carry import RegionCarryHeads
 from slipstream.models.moondream.config import MoondreamConfig
 from slipstream.models.moondream.image import MoondreamImage, preprocess
 from slipstream.models.moondream.region import RegionHeads
@@ -32,6 +34,8 @@ class MoondreamForCausalLM(nn.Module):
         self.vision = VisionEncoder(config.vision)
         self.text = MoondreamText(config.text)
         self.region = RegionHeads(config.region, config.text.hidden_size)
+        # point/detect feed region values back as inputs (docs/moondream.md, "The carry")
+        self.carry_heads = RegionCarryHeads(self.region)
         self.backend = "reference"
 
     @classmethod
@@ -60,12 +64,19 @@ class MoondreamForCausalLM(nn.Module):
 
     def forward_hidden(self, batch: "ForwardBatch", kv: "KVCache") -> tuple[torch.Tensor, torch.Tensor]:
         """(float32 logits [N, vocab], hidden [N, hidden] in the model dtype) for batch.sample_indices;
-        the hidden state is the one the region heads decode (before the final LayerNorm)."""
-        hidden = self.text.hidden(batch, kv).index_select(0, batch.sample_indices)
+        the hidden state is the one the region heads decode (before the final LayerNorm). Rows of
+        `batch.carry` with a kind > 0 take the region encoding of their value as input."""
+        x = self.text.embed(batch)
+        carry = getattr(batch, "carry", None)
+        if carry is not None:
+            x = apply_carry(self.carry_heads, x, carry)
+        hidden = self.text.blocks_forward(x, batch, kv).index_select(0, batch.sample_indices)
         return self.text.logits(hidden), hidden
 
-    def forward(self, batch: "ForwardBatch", kv: "KVCache") -> torch.Tensor:
-        return self.forward_hidden(batch, kv)[0]
+    def forward(self, batch: "ForwardBatch", kv: "KVCache"):
+        """float32 logits of batch.sample_indices; with `batch.return_hidden`, (logits, hidden)."""
+        logits, hidden = self.forward_hidden(batch, kv)
+        return (logits, hidden) if getattr(batch, "return_hidden", False) else logits
 
     def preprocess(self, image: "Image.Image") -> MoondreamImage:
         return preprocess(image, self.moondream_config.vision)

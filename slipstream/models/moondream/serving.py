@@ -94,6 +94,29 @@ class MoondreamProcessing:
         return [text.bos_token_id, *image, *c.query_prefix, *tokenizer.encode(" " + question.strip()),
                 *c.query_suffix]
 
+    @property
+    def region_tokens(self) -> tuple[int, int]:
+        """(coord_id, size_id): the tokens whose next input is a coordinate / a size (point, detect)."""
+        return self.config.coord_token_id, self.config.size_token_id
+
+    def region_template(self, kind: str) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        """(prefix ids, suffix ids) of the reference's `point` / `detect` prompt; None: not in this folder."""
+        return {"point": self.config.point_template, "detect": self.config.detect_template}[kind]
+
+    def skill_prompt_ids(self, kind: str, obj: str, processed: Sequence[MoondreamImage], tokenizer: Any) -> list[int]:
+        """[BOS, image placeholders..., the skill's prefix ids, " " + object, its suffix ids]: the
+        reference's point/detect prompt (the object name is the only text)."""
+        if len(processed) != 1:
+            raise InvalidRequestError(f"images: moondream's {kind} looks at exactly one image, got {len(processed)}",
+                                      param="images")
+        template = self.region_template(kind)
+        if template is None:
+            raise InvalidRequestError(f"grammar: this moondream folder has no {kind} template "
+                                      "(its config.json sets it to null)", param="grammar")
+        text = self.config.text
+        return [text.bos_token_id, *[text.image_token_id] * processed[0].num_image_tokens, *template[0],
+                *tokenizer.encode(" " + obj), *template[1]]
+
     def bidirectional_len(self, spans: Sequence[Any]) -> int:
         """Positions attending both ways: BOS + the image's placeholders (0 without an image)."""
         return int(spans[0].end) if spans else 0

@@ -120,7 +120,10 @@ class MoondreamText(nn.Module):
 
     def hidden(self, batch: "ForwardBatch", kv: "KVCache") -> torch.Tensor:
         """The last block's output for every token row, before the final LayerNorm."""
-        x = self.embed(batch)
+        return self.blocks_forward(self.embed(batch), batch, kv)
+
+    def blocks_forward(self, x: torch.Tensor, batch: "ForwardBatch", kv: "KVCache") -> torch.Tensor:
+        """The blocks over input embeddings x [T, hidden]."""
         rotate = self.rope.for_positions(batch.positions, x.dtype)
         for block in self.blocks:
             x = block(x, batch, kv, rotate)

@@ -47,7 +47,7 @@ def check_skill_args(prompt: str, obj: str, max_objects: int) -> None:
     if not isinstance(prompt, str):
         raise InvalidRequestError(f"prompt: must be a string, got {type(prompt).__name__}", param="prompt")
     if not isinstance(obj, str) or not obj.strip():
-        raise InvalidRequestError(f"object: must name the object to look for, got {obj!r:.80}", param="object")
+        raise InvalidRequestError(f"object: give the object name to look for, got {obj!r:.80}", param="object")
     if isinstance(max_objects, bool) or not isinstance(max_objects, int) or not 1 <= max_objects <= MAX_OBJECTS:
         raise InvalidRequestError(f"max_objects: must be an integer from 1 to {MAX_OBJECTS}, got {max_objects!r:.80}",
                                   param="max_objects")
@@ -74,6 +74,7 @@ def skill_request(kind: str, prompt: str, obj: str, max_objects: int,
 def region_request(kind: str, obj: str, max_objects: int, params: SamplingParams | None) -> SamplingParams:
     """SamplingParams of a region skill: one token per value (x, y, and detect's size) per object,
     then EOS; greedy unless `params` say otherwise."""
+    check_skill_args("", obj, max_objects)  # (the prompt is refused by the engine: the template is fixed)
     base = params or SamplingParams(temperature=0.0)
     if base.n != 1:
         raise InvalidRequestError("a skill returns one result: n must be 1 (call it n times)", param="n")

@@ -145,8 +145,7 @@ class Worker:
                            died=lambda e: call(self.stop, f"socket thread died: {e!r}", 1),
                            max_message_bytes=self.limits.max_message_bytes,
                            max_unsent_frames=self.limits.max_unsent_frames,
-                           max_image_bytes=self.limits.max_image_bytes,
-                           region_skills=running and self.engine.region_skills)
+                           max_image_bytes=self.limits.max_image_bytes)
         self.io.start()
         beat = asyncio.create_task(self._heartbeats(), name="slipstream-worker-heartbeat")
         log.info("worker_ready", address=self.address, kv_pages=(await self.engine.stats())["kv_pages_total"],

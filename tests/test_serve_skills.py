@@ -12,6 +12,7 @@ from PIL import Image
 from serve_util import ThreadServer, httpx
 
 from idefics3_fixture import idefics3_folder  # noqa: F401 (fixture)
+from moondream_fixture import moondream_folder  # noqa: F401 (fixture)
 from slipstream import Engine, EngineConfig
 from slipstream.serve import EngineBackend
 
@@ -143,3 +144,28 @@ def test_a_text_model_refuses_the_image_naming_it():
             httpx.Client(base_url=s.url, timeout=60) as http:
         err = _error(http.post("/v1/detect", json=GOOD), "image_url")
         assert "accepts no images" in err["message"], err["message"]
+
+
+# --- Moondream: the boxes come from the region heads (tests/moondream_fixture.py) ---------------------
+
+MD_ASKS = [("point", "cat", PICTURES[0], 3), ("detect", "cat", PICTURES[0], 3), ("detect", "red box", PICTURES[1], 2)]
+
+
+def test_moondream_point_and_detect_answer_as_the_engine(moondream_folder):  # noqa: F811
+    cfg = EngineConfig(model=str(moondream_folder), max_batch_size=4, max_num_batched_tokens=64,
+                       kv_cache_tokens=1024, page_size=8, seed=0)
+
+    async def engine_answers():
+        async with Engine(cfg) as engine:
+            assert (await engine.health()).region_skills
+            return [await getattr(engine, kind)("", obj, n, images=[Image.open(io.BytesIO(raw))])
+                    for kind, obj, raw, n in MD_ASKS]
+
+    want = asyncio.run(engine_answers())
+    assert any(next(iter(r.values())) for r in want)
+    with ThreadServer(EngineBackend(cfg)) as s, httpx.Client(base_url=s.url, timeout=60) as http:
+        got = [http.post(f"/v1/{kind}", json={"image_url": data_url(raw), "object": obj, "max_objects": n})
+               for kind, obj, raw, n in MD_ASKS]
+        blank = http.post("/v1/point", json={"image_url": data_url(PICTURES[0]), "object": " "})
+    assert [{k: v for k, v in r.json().items() if k != "request_id"} for r in got] == want
+    _error(blank, "object")

@@ -9,6 +9,7 @@ from PIL import Image
 from worker_util import engine_config, free_tcp_address, start_worker
 
 from idefics3_fixture import idefics3_folder  # noqa: F401 (fixture)
+from moondream_fixture import moondream_folder  # noqa: F401 (fixture)
 from slipstream import LLM, Client, Engine, InvalidRequestError
 
 pytest.importorskip("transformers")
@@ -81,3 +82,35 @@ async def test_client_skills_answer_as_the_engine(idefics3_folder, reference, tm
     assert got == reference
     assert streamed == reference[3]["objects"]
     assert e.value.param == "max_objects"
+
+
+MD_ASKS = [("point", "cat", 0, 3), ("detect", "cat", 0, 3), ("detect", "red box", 1, 2)]
+
+
+def test_moondream_skills_through_llm_and_client_answer_as_the_engine(moondream_folder, tmp_path):  # noqa: F811
+    """The region-head path (Moondream): the same dicts through LLM and a worker's Client."""
+    cfg = engine_config(model=str(moondream_folder), kv_cache_tokens=1024)
+
+    async def engine_answers():
+        async with Engine(cfg) as engine:
+            return [await getattr(engine, kind)("", obj, n, images=[PICS[i]]) for kind, obj, i, n in MD_ASKS]
+
+    want = asyncio.run(engine_answers())
+    assert any(next(iter(r.values())) for r in want)
+    with LLM(cfg) as llm:
+        assert [getattr(llm, kind)("", obj, n, images=[PICS[i]]) for kind, obj, i, n in MD_ASKS] == want
+        with pytest.raises(InvalidRequestError) as e:
+            llm.detect("", "cat", 0, images=PICS[:1])
+        assert e.value.param == "max_objects"
+
+    async def client_answers(address):
+        async with Client(address, timeout=60) as client:
+            assert (await client.health()).region_skills
+            return [await getattr(client, kind)("", obj, n, images=[PICS[i]]) for kind, obj, i, n in MD_ASKS]
+
+    w = start_worker(free_tcp_address(), tmp_path, "--model", str(moondream_folder), "--kv-cache-tokens", "1024",
+                     "--log-level", "warning")
+    try:
+        assert asyncio.run(client_answers(w.address)) == want
+    finally:
+        w.stop()

@@ -38,3 +38,20 @@ async def test_soak_with_skills_mixed_in(monkeypatch):
     assert report.skills > 40 and report.skills_compared > 30 and not report.mismatches
     assert report.lost == report.duplicated == report.leaked_pages == 0
     assert report.outcomes["ok-skill"] == report.skills_compared and report.outcomes["cancelled"] > 0
+
+
+async def test_soak_with_moondream_region_skills(monkeypatch):
+    """--skills-model moondream: point/detect on the region heads (values carried on the device)
+    beside one-picture queries, with faults, cancellations and preemption; dicts equal depth 1's."""
+    import soak as soak_module
+
+    for name in ("MODEL", "VOCAB", "IMAGES", "ONE_IMAGE", "SKILLS"):  # restored after the test
+        monkeypatch.setattr(soak_module, name, list(getattr(soak_module, name)))
+    soak_module.use_moondream(seed=2)
+    soak_module.SKILLS[:] = ["point", "detect"]
+    monkeypatch.setattr(soak_module, "SKILL_RATE", 0.4)
+    report = await soak(160, rounds=1, seed=2, log=lambda *_: None, armed={"forward": 1})
+    assert report.ok, format_report(report)
+    assert report.skills > 40 and report.skills_compared > 25 and not report.mismatches
+    assert report.lost == report.duplicated == report.leaked_pages == report.leaked_encoder_entries == 0
+    assert report.encoder_hits > 0 and report.failed_steps > 0

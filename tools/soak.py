@@ -37,6 +37,12 @@ outputs the runner holds that the cache forgot).
 or leaving `stream_skill` early); each finished one's result dict must equal the depth-1 engine's.
 
     python tools/soak.py --requests 2000 --rounds 2 --images --skills --seed 3   # issue 31
+
+--skills-model moondream serves the tiny random Moondream folder (tests/moondream_fixture.py)
+instead: point/detect decode their values with the region heads (carried on the device), and every
+other request is a question about exactly one picture (Moondream's query: one image, no marker).
+
+    python tools/soak.py --requests 2000 --rounds 2 --skills --skills-model moondream --seed 3
 """
 from __future__ import annotations
 
@@ -70,6 +76,7 @@ SKILLS: list[str] = []  # --skills: the skill kinds mixed in (empty: none)
 SKILL_RATE = 0.2
 SKILL_OBJECTS = ["cat", "dog", "box", "person", "red car"]
 MODEL = ["tiny-random"]
+ONE_IMAGE = [False]  # --skills-model moondream: every request asks about exactly one picture
 SKILL_RID: contextvars.ContextVar[str | None] = contextvars.ContextVar("soak_skill_rid", default=None)
 SKILL_SEQS: dict[str, str] = {}  # engine request id of a skill's sequence -> its planned rid
 
@@ -158,6 +165,24 @@ def use_images(seed: int) -> None:
                  for w, h in ((64, 64), (100, 150), (40, 30), (300, 90), (64, 64), (128, 128))]
 
 
+def use_moondream(seed: int) -> None:
+    """--skills-model moondream: the tiny Moondream folder; its requests each take one picture."""
+    import tempfile
+
+    import numpy as np
+    from PIL import Image
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from moondream_fixture import tiny_moondream_folder
+
+    MODEL[0] = str(tiny_moondream_folder(Path(tempfile.mkdtemp(prefix="soak-moondream-")) / "moondream-tiny"))
+    VOCAB[:] = [1, 96]  # the byte-level characters (0 is <|endoftext|>)
+    ONE_IMAGE[0] = True
+    rs = np.random.RandomState(seed)
+    IMAGES[:] = [Image.fromarray(rs.randint(0, 256, (h, w, 3), dtype=np.uint8), "RGB")
+                 for w, h in ((60, 40), (30, 30), (44, 52), (100, 60), (28, 28), (64, 64))]
+
+
 def _ids(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(*VOCAB) for _ in range(n)]
 
@@ -227,7 +252,11 @@ def random_request(rng: random.Random, rid: str, delay: float) -> Planned:
     prompt: list[int] | str = _ids(rng, rng.choice([rng.randint(1, 12), rng.randint(10, 90)]))
     kw: dict = dict(max_tokens=rng.randint(1, 24))
     images = []
-    if IMAGES and rng.random() < IMAGE_RATE:  # text with <image> markers (tokenised with the images)
+    if ONE_IMAGE[0]:  # Moondream's query: one picture, the question as text (the template is the model's)
+        images = [rng.choice(IMAGES)]
+        prompt = " ".join("".join(chr(rng.randrange(97, 123)) for _ in range(rng.randint(1, 8)))
+                          for _ in range(rng.randint(1, 6))) + "?"
+    elif IMAGES and rng.random() < IMAGE_RATE:  # text with <image> markers (tokenised with the images)
         images = [rng.choice(IMAGES) for _ in range(rng.randint(1, 3))]
         words = "".join(chr(rng.randrange(97, 123)) for _ in range(rng.randint(1, 20)))
         prompt = "".join(f"<image>{words}{i}" for i in range(len(images))) + "?"
@@ -565,8 +594,13 @@ def main() -> int:
                     help=f"serve the tiny Idefics3; a share ({IMAGE_RATE}) of requests carry 1-3 images")
     ap.add_argument("--skills", action="store_true",
                     help=f"a share ({SKILL_RATE}) of requests are point/detect calls (with an image under --images)")
+    ap.add_argument("--skills-model", choices=["idefics3", "moondream"], default=None,
+                    help="moondream: serve the tiny Moondream (region heads; every request has one picture); "
+                         "idefics3: as --images")
     args = ap.parse_args()
-    if args.images:
+    if args.skills_model == "moondream":
+        use_moondream(args.seed)
+    elif args.images or args.skills_model == "idefics3":
         use_images(args.seed)
     if args.skills:
         SKILLS[:] = ["point", "detect"]

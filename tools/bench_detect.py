@@ -12,7 +12,7 @@ carried on the device) or Idefics3 (tests/idefics3_fixture.py: the boxes are gra
 text, slipstream/api/skills.py). Random weights: the boxes mean nothing, and how many objects a
 request finds (1 to --max-objects) is whatever the weights say; the table gives the mean.
 
-For each pipeline depth (2, then 1) a fresh engine: a warm-up at the highest concurrency, then for
+For each pipeline depth (`--depths`, 2 then 1) a fresh engine: a warm-up at the highest concurrency, then for
 each concurrency c, `--repeats` rounds of a closed loop: c callers, each calling `Engine.detect` on
 a picture of a pool of 8 (all encoded during the warm-up: encoder-cache hits, so the figure is the
 decode of the boxes, not the vision tower) until the round has `--requests-per-round` answers.
@@ -116,7 +116,7 @@ async def main(args, model: str, what: str) -> list[str]:
     emit(lines, "| depth | concurrent | requests x rounds | req/s mean (min-max) | latency mean (ms) "
                 "| median (ms) | p90 (ms) | objects / answer | encoder runs (last round) |")
     emit(lines, "|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for depth in (2, 1):
+    for depth in args.depths:
         await bench_depth(args, model, depth, pics, lines)
     emit(lines)
     emit(lines, f"load average at the end: {'/'.join(f'{x:.2f}' for x in os.getloadavg())}")
@@ -145,6 +145,8 @@ if __name__ == "__main__":
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--depths", type=int, nargs="+", default=[2, 1],
+                    help="pipeline depths, in this order (a fresh engine each; swap them to see an order effect)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--requests-per-round", type=int, default=32)
     ap.add_argument("--max-objects", type=int, default=4)

@@ -35,7 +35,7 @@ class RegionGrammar:
             raise GrammarCompileError(f"{kind} grammar: tokens {bad} lie outside the logits ({vocab_size})")
         self.kind, self.max_objects = kind, max_objects
         self.coord_id, self.size_id, self.eos_ids = coord_id, size_id, list(eos_ids)
-        # the tokens of one object after its first coordinate token (x): y, then the size
+        # the tokens of one object: x and y (coordinates), then for detect the size
         self.cycle = (coord_id, coord_id) if kind == "point" else (coord_id, coord_id, size_id)
         self.carry_tokens = {coord_id: COORDINATE} if kind == "point" else {coord_id: COORDINATE, size_id: SIZE}
 

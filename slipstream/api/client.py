@@ -55,7 +55,6 @@ from slipstream.api.protocol import (
     output_from_wire,
 )
 from slipstream.errors import InvalidRequestError, ProtocolVersionError, WorkerError, WorkerUnavailableError
-from slipstream.grammar.region import REGION_KINDS
 from slipstream.images import ImageLike, image_list, images_to_bytes
 from slipstream.outputs import CompletionOutput, StreamDelta
 from slipstream.params import SamplingParams
@@ -247,9 +246,6 @@ class Client(SkillMethods):
         images = prompt.get("images") or []
         if "messages" in prompt:
             prompt = {"messages": check.messages(prompt["messages"])}
-        elif prompt["prompt"] == "" and params is not None and params.grammar is not None \
-                and params.grammar.kind in REGION_KINDS:
-            prompt = {"prompt": ""}  # a region skill: the worker's engine puts the model's template there
         else:  # token ids are range-checked by the worker, which knows the vocabulary
             prompt = {"prompt": check.prompt(prompt["prompt"], vocab_size=2**63)}
         if images:

@@ -214,3 +214,21 @@ def test_stream_skill_yields_each_object(md, want):
         async with Engine(config(md[0], 2)) as e:
             return [o async for o in e.stream_skill("detect", "", OBJECTS[0], MAX_OBJECTS, images=[IMAGES[0]])]
     same_result({"objects": asyncio.run(go())}, want[("detect", 0)])
+
+
+async def test_a_client_gets_the_engines_regions_over_the_worker(md, want, tmp_path):
+    """point/detect through a worker: the Client takes the region path from the health reply, and the
+    carried values (integer keys) survive the wire."""
+    from worker_util import free_tcp_address, start_worker
+
+    from slipstream import Client
+
+    w = start_worker(free_tcp_address(), tmp_path, "--model", str(md[0]), "--log-level", "warning")
+    try:
+        async with Client(w.address, timeout=30) as client:
+            assert client.info.region_skills
+            for kind, i in CASES:
+                call = client.point if kind == "point" else client.detect
+                same_result(await call("", OBJECTS[i], MAX_OBJECTS, images=[IMAGES[i]]), want[(kind, i)])
+    finally:
+        w.stop()

@@ -96,7 +96,8 @@ def _with_images(text: str, images: Sequence[ImageLike]) -> str:
 async def run_skill(api: "EngineAPI", kind: str, prompt: str, obj: str, max_objects: int = 16,
                     params: SamplingParams | None = None, images: Sequence[ImageLike] = ()) -> dict[str, Any]:
     if await _region_skills(api, kind):  # the engine refuses a non-empty prompt (the template is fixed)
-        out = await api.complete(prompt, region_request(kind, obj, max_objects, params), images=images)
+        # an empty prompt is the image's marker alone: a Client refuses empty prompts
+        out = await api.complete(prompt or "<image>", region_request(kind, obj, max_objects, params), images=images)
         return region_result(kind, out.carried)
     text, sp = skill_request(kind, prompt, obj, max_objects, params)
     text = _with_images(text, images)

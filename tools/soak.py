@@ -235,7 +235,7 @@ def plan_round(rng: random.Random, n: int, round_no: int) -> list[Planned]:
     return out
 
 
-def skill_request(rng: random.Random, rid: str, delay: float) -> Planned:
+def plan_skill(rng: random.Random, rid: str, delay: float) -> Planned:
     """A point/detect call on one picture of the pool (none without --images); greedy, so comparable."""
     skill = (rng.choice(SKILLS), rng.choice(SKILL_OBJECTS), rng.randint(1, 4))
     images = [rng.choice(IMAGES)] if IMAGES else []
@@ -248,7 +248,7 @@ def random_request(rng: random.Random, rid: str, delay: float) -> Planned:
     if rng.random() < BAD_RATE:
         return bad_request(rng, rid, delay)
     if SKILLS and rng.random() < SKILL_RATE:
-        return skill_request(rng, rid, delay)
+        return plan_skill(rng, rid, delay)
     prompt: list[int] | str = _ids(rng, rng.choice([rng.randint(1, 12), rng.randint(10, 90)]))
     kw: dict = dict(max_tokens=rng.randint(1, 24))
     images = []

@@ -24,3 +24,34 @@ def test_the_soak_compares_batch_invariant_engines_with_caching_on():
     # fast CPU path: only invariant engines make "equal to depth 1" exact (docs/prefix-caching.md)
     assert engine_config(2).batch_invariant and engine_config(1).batch_invariant
     assert engine_config(2, prefix_caching=True).prefix_caching
+
+
+async def test_soak_with_skills_mixed_in(monkeypatch):
+    """--skills (issue 31): point/detect calls among the requests, some cancelled (task or stream);
+    each finished one's dict equals depth 1's, and a cancelled one is not taken for a duplicate."""
+    import soak as soak_module
+
+    monkeypatch.setattr(soak_module, "SKILLS", ["point", "detect"])
+    monkeypatch.setattr(soak_module, "SKILL_RATE", 0.5)
+    report = await soak(160, rounds=1, seed=5, log=lambda *_: None, rates={})
+    assert report.ok, format_report(report)
+    assert report.skills > 40 and report.skills_compared > 30 and not report.mismatches
+    assert report.lost == report.duplicated == report.leaked_pages == 0
+    assert report.outcomes["ok-skill"] == report.skills_compared and report.outcomes["cancelled"] > 0
+
+
+async def test_soak_with_moondream_region_skills(monkeypatch):
+    """--skills-model moondream: point/detect on the region heads (values carried on the device)
+    beside one-picture queries, with faults, cancellations and preemption; dicts equal depth 1's."""
+    import soak as soak_module
+
+    for name in ("MODEL", "VOCAB", "IMAGES", "ONE_IMAGE", "SKILLS"):  # restored after the test
+        monkeypatch.setattr(soak_module, name, list(getattr(soak_module, name)))
+    soak_module.use_moondream(seed=2)
+    soak_module.SKILLS[:] = ["point", "detect"]
+    monkeypatch.setattr(soak_module, "SKILL_RATE", 0.4)
+    report = await soak(160, rounds=1, seed=2, log=lambda *_: None, armed={"forward": 1})
+    assert report.ok, format_report(report)
+    assert report.skills > 40 and report.skills_compared > 25 and not report.mismatches
+    assert report.lost == report.duplicated == report.leaked_pages == report.leaked_encoder_entries == 0
+    assert report.encoder_hits > 0 and report.failed_steps > 0

@@ -31,11 +31,24 @@ left after each round are reported beside pages (leaked encoder entries: referen
 outputs the runner holds that the cache forgot).
 
     python tools/soak.py --requests 2000 --rounds 2 --images   # issue 30
+
+--skills mixes the spatial skills in (issue 31): a share of requests are `point` / `detect` calls
+(greedy, 1-4 objects, one picture of the pool with --images), some cancelled (the awaiting task,
+or leaving `stream_skill` early); each finished one's result dict must equal the depth-1 engine's.
+
+    python tools/soak.py --requests 2000 --rounds 2 --images --skills --seed 3   # issue 31
+
+--skills-model moondream serves the tiny random Moondream folder (tests/moondream_fixture.py)
+instead: point/detect decode their values with the region heads (carried on the device), and every
+other request is a question about exactly one picture (Moondream's query: one image, no marker).
+
+    python tools/soak.py --requests 2000 --rounds 2 --skills --skills-model moondream --seed 3
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextvars
 import os
 import random
 import sys
@@ -59,7 +72,13 @@ SHARED_RATE = 0.5
 VOCAB = [3, 259]  # token ids drawn for prompts and stop ids (--images: the tiny Idefics3's characters)
 IMAGES: list = []  # --images: the picture pool (empty: text only)
 IMAGE_RATE = 0.3
+SKILLS: list[str] = []  # --skills: the skill kinds mixed in (empty: none)
+SKILL_RATE = 0.2
+SKILL_OBJECTS = ["cat", "dog", "box", "person", "red car"]
 MODEL = ["tiny-random"]
+ONE_IMAGE = [False]  # --skills-model moondream: every request asks about exactly one picture
+SKILL_RID: contextvars.ContextVar[str | None] = contextvars.ContextVar("soak_skill_rid", default=None)
+SKILL_SEQS: dict[str, str] = {}  # engine request id of a skill's sequence -> its planned rid
 
 
 @dataclass
@@ -73,6 +92,7 @@ class Planned:
     compare: bool = False  # greedy or seeded: must equal depth 1 when it finishes
     images: list = field(default_factory=list)
     bad: str | None = None  # an outside-probe input (issue 27): must be refused with InvalidRequestError
+    skill: tuple[str, str, int] | None = None  # --skills: (kind, object, max_objects); the result is its dict
 
 
 @dataclass
@@ -89,6 +109,8 @@ class Report:
     encoder_hits: int = 0
     encoder_misses: int = 0
     compared: int = 0
+    skills: int = 0  # --skills: skill requests sent
+    skills_compared: int = 0  # of them, result dicts compared with depth 1 (counted in `compared` too)
     mismatches: list[str] = field(default_factory=list)
     texts_checked: int = 0
     stop_token_ended: int = 0  # of them, outputs ended by a stop token (its text must not show)
@@ -143,6 +165,24 @@ def use_images(seed: int) -> None:
                  for w, h in ((64, 64), (100, 150), (40, 30), (300, 90), (64, 64), (128, 128))]
 
 
+def use_moondream(seed: int) -> None:
+    """--skills-model moondream: the tiny Moondream folder; its requests each take one picture."""
+    import tempfile
+
+    import numpy as np
+    from PIL import Image
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from moondream_fixture import tiny_moondream_folder
+
+    MODEL[0] = str(tiny_moondream_folder(Path(tempfile.mkdtemp(prefix="soak-moondream-")) / "moondream-tiny"))
+    VOCAB[:] = [1, 96]  # the byte-level characters (0 is <|endoftext|>)
+    ONE_IMAGE[0] = True
+    rs = np.random.RandomState(seed)
+    IMAGES[:] = [Image.fromarray(rs.randint(0, 256, (h, w, 3), dtype=np.uint8), "RGB")
+                 for w, h in ((60, 40), (30, 30), (44, 52), (100, 60), (28, 28), (64, 64))]
+
+
 def _ids(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(*VOCAB) for _ in range(n)]
 
@@ -195,13 +235,28 @@ def plan_round(rng: random.Random, n: int, round_no: int) -> list[Planned]:
     return out
 
 
+def plan_skill(rng: random.Random, rid: str, delay: float) -> Planned:
+    """A point/detect call on one picture of the pool (none without --images); greedy, so comparable."""
+    skill = (rng.choice(SKILLS), rng.choice(SKILL_OBJECTS), rng.randint(1, 4))
+    images = [rng.choice(IMAGES)] if IMAGES else []
+    cancel = rng.choice(["task", "stream"]) if rng.random() < 0.15 else None
+    after = rng.uniform(0, 0.05) if cancel == "task" else rng.randint(0, 2)  # seconds / objects read
+    return Planned(rid, "", SamplingParams(), delay, cancel, after, compare=True, images=images, skill=skill)
+
+
 def random_request(rng: random.Random, rid: str, delay: float) -> Planned:
     if rng.random() < BAD_RATE:
         return bad_request(rng, rid, delay)
+    if SKILLS and rng.random() < SKILL_RATE:
+        return plan_skill(rng, rid, delay)
     prompt: list[int] | str = _ids(rng, rng.choice([rng.randint(1, 12), rng.randint(10, 90)]))
     kw: dict = dict(max_tokens=rng.randint(1, 24))
     images = []
-    if IMAGES and rng.random() < IMAGE_RATE:  # text with <image> markers (tokenised with the images)
+    if ONE_IMAGE[0]:  # Moondream's query: one picture, the question as text (the template is the model's)
+        images = [rng.choice(IMAGES)]
+        prompt = " ".join("".join(chr(rng.randrange(97, 123)) for _ in range(rng.randint(1, 8)))
+                          for _ in range(rng.randint(1, 6))) + "?"
+    elif IMAGES and rng.random() < IMAGE_RATE:  # text with <image> markers (tokenised with the images)
         images = [rng.choice(IMAGES) for _ in range(rng.randint(1, 3))]
         words = "".join(chr(rng.randrange(97, 123)) for _ in range(rng.randint(1, 20)))
         prompt = "".join(f"<image>{words}{i}" for i in range(len(images))) + "?"
@@ -251,6 +306,8 @@ async def run_one(engine: Engine, p: Planned, t0: float, deadline_s: float, repo
 
 
 async def _drive(engine: Engine, p: Planned, results: dict) -> None:
+    if p.skill is not None:
+        return await _drive_skill(engine, p, results)
     try:
         if p.cancel == "stream":
             deltas = 0
@@ -275,6 +332,41 @@ async def _drive(engine: Engine, p: Planned, results: dict) -> None:
     except SlipstreamError as e:
         results[p.rid] = e
     except Exception as e:  # noqa: BLE001 - an untyped error is what the soak looks for
+        results[p.rid] = e
+
+
+def _skill_call(engine: Engine, p: Planned):
+    kind, obj, n = p.skill
+    return getattr(engine, kind)(p.prompt, obj, n, images=p.images)
+
+
+async def _drive_skill(engine: Engine, p: Planned, results: dict) -> None:
+    """A skill has no request id to abort by: it is cancelled as a caller would, by its task or by
+    leaving its stream (whose close aborts the request). Its sequence is told by SKILL_RID."""
+    SKILL_RID.set(p.rid)  # (this task's context: the tasks it creates inherit it)
+    try:
+        if p.cancel == "stream":
+            kind, obj, n = p.skill
+            read = 0
+            stream = engine.stream_skill(kind, p.prompt, obj, n, images=p.images)
+            try:
+                async for _ in stream:
+                    read += 1
+                    if read > p.cancel_after:
+                        break
+            finally:
+                await stream.aclose()
+            results[p.rid] = "cancelled" if read > p.cancel_after else "ok-stream"
+            return
+        task = asyncio.ensure_future(_skill_call(engine, p))
+        if p.cancel == "task":
+            done, _ = await asyncio.wait([task], timeout=p.cancel_after)
+            if not done:
+                task.cancel()
+        results[p.rid] = await task
+    except asyncio.CancelledError:
+        results[p.rid] = "cancelled"
+    except Exception as e:  # noqa: BLE001 - typed or not, _count sorts it
         results[p.rid] = e
 
 
@@ -343,6 +435,7 @@ def _count(batch: list[Planned], results: dict, report: Report) -> None:
     for p in batch:
         outcome = results.get(p.rid)
         report.bad += p.bad is not None
+        report.skills += p.skill is not None
         if p.bad is not None and not isinstance(outcome, InvalidRequestError):
             report.bad_accepted.append(f"{p.rid} ({p.bad}): {outcome!r:.120}")
         if outcome is None:
@@ -353,6 +446,8 @@ def _count(batch: list[Planned], results: dict, report: Report) -> None:
             report.untyped.append(f"{p.rid}: {outcome!r}")
         elif isinstance(outcome, str):
             report.outcomes[outcome] += 1
+        elif isinstance(outcome, dict):
+            report.outcomes["ok-skill"] += 1
         else:
             report.outcomes["ok" if outcome.finish_reason != "abort" else "abort"] += 1
 
@@ -385,6 +480,8 @@ def _record_submissions(engine: Engine, slow_detok_s: float = 0.0) -> list:
 
     async def recording(*args, **kwargs):
         seq = await submit(*args, **kwargs)
+        if (rid := SKILL_RID.get()) is not None:
+            SKILL_SEQS[seq.request_id] = rid
         if slow_detok_s:  # (no token is committed before this: the submission does not yield)
             seq.user.detok = _SlowDetok(seq.user.detok, slow_detok_s)
         seqs.append(seq)
@@ -426,13 +523,20 @@ def _duplicates(engine: Engine, seqs: list, results: dict) -> int:
     bad = len(engine._requests)
     for q in seqs:
         left = sum(isinstance(item, (CompletionOutput, BaseException)) for item in q.user.queue.pending())
-        read = 0 if results.get(q.request_id) == "cancelled" else 1
+        read = 0 if results.get(SKILL_SEQS.pop(q.request_id, q.request_id)) == "cancelled" else 1
         bad += (left + read != 1 and not (read == 0 and left == 0)) or not q.finished
     seqs.clear()
     return bad
 
 
 async def _compare_with_depth1(reference: Engine, batch: list[Planned], results: dict, report: Report) -> None:
+    skills = [(p, results[p.rid]) for p in batch if p.skill is not None and isinstance(results.get(p.rid), dict)]
+    refs = await asyncio.gather(*(_skill_call(reference, p) for p, _ in skills))
+    for (p, got), want in zip(skills, refs):
+        report.compared += 1
+        report.skills_compared += 1
+        if got != want:
+            report.mismatches.append(f"{p.rid} ({p.skill[0]}): depth 2 {got} vs depth 1 {want}")
     todo = [(p, results[p.rid]) for p in batch if p.compare and hasattr(results.get(p.rid), "finish_reason")
             and results[p.rid].finish_reason != "abort"]
     refs = await asyncio.gather(*(reference.complete(p.prompt, p.params, images=p.images) for p, _ in todo))
@@ -451,6 +555,7 @@ def format_report(r: Report) -> str:
         f"  leaked encoder entries {r.leaked_encoder_entries}",
         f"outside-probe inputs {r.bad}, not refused with InvalidRequestError {len(r.bad_accepted)}",
         f"greedy/seeded compared with depth 1: {r.compared}, mismatches {len(r.mismatches)}",
+        f"skill requests (point/detect) {r.skills}, result dicts compared with depth 1: {r.skills_compared}",
         f"texts checked against their token ids: {r.texts_checked} ({r.stop_token_ended} ended by a stop token), "
         f"differing {len(r.text_mismatches)}",
         f"preemptions {r.preemptions}  failed steps {r.failed_steps}  faults fired {dict(sorted(r.faults.items()))}",
@@ -487,9 +592,18 @@ def main() -> int:
                          "--no-batch-invariant soaks the fast CPU path, where a near-tie may differ")
     ap.add_argument("--images", action="store_true",
                     help=f"serve the tiny Idefics3; a share ({IMAGE_RATE}) of requests carry 1-3 images")
+    ap.add_argument("--skills", action="store_true",
+                    help=f"a share ({SKILL_RATE}) of requests are point/detect calls (with an image under --images)")
+    ap.add_argument("--skills-model", choices=["idefics3", "moondream"], default=None,
+                    help="moondream: serve the tiny Moondream (region heads; every request has one picture); "
+                         "idefics3: as --images")
     args = ap.parse_args()
-    if args.images:
+    if args.skills_model == "moondream":
+        use_moondream(args.seed)
+    elif args.images or args.skills_model == "idefics3":
         use_images(args.seed)
+    if args.skills:
+        SKILLS[:] = ["point", "detect"]
     STOP_IDS[:] = args.stop_ids[0], int(args.stop_ids[1])
     if args.shared_prefixes:
         SHARED[:] = shared_prefixes(args.seed)

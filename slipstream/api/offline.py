@@ -12,6 +12,7 @@ from typing import Sequence
 
 from slipstream import validate as check
 from slipstream.api.engine import Engine, Prompt
+from slipstream.api.skills import check_skill_args
 from slipstream.errors import EngineClosedError, InvalidRequestError
 from slipstream.images import (ImageInput, ImageLike, ImageLimits, check_image_count, image_list, load_image,
                                model_accepts_images, require_vision)
@@ -95,6 +96,31 @@ class LLM:
             except InvalidRequestError as e:
                 raise InvalidRequestError(f"conversations[{i}]: {e}", param=f"conversations[{i}]") from None
         return self._call(self._gather(self.engine.chat, batch, per_prompt))
+
+    # --- skills (slipstream/api/skills.py): Moondream-compatible result dicts ------------------
+
+    def point(self, prompt: str, object: str, max_objects: int = 16, params: SamplingParams | None = None, *,
+              images: Sequence[ImageLike] = ()) -> dict:
+        """`{"points": [{"x", "y"}, ...]}` (0-1) of each `object` in the image(s): `Engine.point`."""
+        return self._skill("point", prompt, object, max_objects, params, images)
+
+    def detect(self, prompt: str, object: str, max_objects: int = 16, params: SamplingParams | None = None, *,
+               images: Sequence[ImageLike] = ()) -> dict:
+        """`{"objects": [{"x_min", "y_min", "x_max", "y_max"}, ...]}` (0-1): `Engine.detect`."""
+        return self._skill("detect", prompt, object, max_objects, params, images)
+
+    def segment(self, prompt: str, object: str, max_objects: int = 16, params: SamplingParams | None = None, *,
+                images: Sequence[ImageLike] = ()) -> dict:
+        """`{"path", "bbox"}`: `Engine.segment`."""
+        return self._skill("segment", prompt, object, max_objects, params, images)
+
+    def _skill(self, kind: str, prompt, obj, max_objects, params, images) -> dict:
+        self._check_ready()
+        check_skill_args(prompt, obj, max_objects)
+        if params is not None and not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}", param="params")
+        loaded = self._images(images, 1, True)[0] if images else []  # decoded and checked before submitting
+        return self._call(getattr(self.engine, kind)(prompt, obj, max_objects, params, images=loaded))
 
     def stats(self) -> dict:
         return self._call(self.engine.stats())

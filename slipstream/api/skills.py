@@ -39,12 +39,27 @@ _INSTRUCTION = {
 }
 
 
+MAX_OBJECTS = 4096  # as the HTTP grammar field's bound
+
+
+def check_skill_args(prompt: str, obj: str, max_objects: int) -> None:
+    """The arguments every entry (Engine, Client, LLM, HTTP) shares, each refusal naming its field."""
+    if not isinstance(prompt, str):
+        raise InvalidRequestError(f"prompt: must be a string, got {type(prompt).__name__}", param="prompt")
+    if not isinstance(obj, str) or not obj.strip():
+        raise InvalidRequestError(f"object: give the object name to look for, got {obj!r:.80}", param="object")
+    if isinstance(max_objects, bool) or not isinstance(max_objects, int) or not 1 <= max_objects <= MAX_OBJECTS:
+        raise InvalidRequestError(f"max_objects: must be an integer from 1 to {MAX_OBJECTS}, got {max_objects!r:.80}",
+                                  param="max_objects")
+
+
 def skill_request(kind: str, prompt: str, obj: str, max_objects: int,
                   params: SamplingParams | None) -> tuple[str, SamplingParams]:
     """The instruction text (before any chat template) and the constrained SamplingParams."""
     if kind not in _VALUES:
         raise InvalidRequestError(f"kind: unknown skill {kind!r} (expected one of {', '.join(_VALUES)})",
                                   param="kind")
+    check_skill_args(prompt, obj, max_objects)
     text = f"{prompt}\n\n{_INSTRUCTION[kind].format(obj=obj)}" if prompt else _INSTRUCTION[kind].format(obj=obj)
     lines = max_objects + (1 if kind == "segment" else 0)
     budget = lines * _VALUES[kind] * 5 + 2 + (4 * 5 if kind == "segment" else 0)
@@ -59,6 +74,7 @@ def skill_request(kind: str, prompt: str, obj: str, max_objects: int,
 def region_request(kind: str, obj: str, max_objects: int, params: SamplingParams | None) -> SamplingParams:
     """SamplingParams of a region skill: one token per value (x, y, and detect's size) per object,
     then EOS; greedy unless `params` say otherwise."""
+    check_skill_args("", obj, max_objects)  # (the prompt is refused by the engine: the template is fixed)
     base = params or SamplingParams(temperature=0.0)
     if base.n != 1:
         raise InvalidRequestError("a skill returns one result: n must be 1 (call it n times)", param="n")

@@ -30,17 +30,21 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
 # msgspec reports where a value failed as a JSON path suffix, e.g. "... - at `$.messages[0].role`";
 # it offers no structured path, so this suffix is the one place its message is read.
 _PATH = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
+_MISSING = re.compile(r"Object missing required field `([^`]+)`")
 
 
 def from_decode_error(e: msgspec.DecodeError) -> ApiError:
     text = str(e)
     m = _PATH.search(text)
     if m is None:
+        top = _MISSING.fullmatch(text)  # a field of the body itself: msgspec gives no path
+        if top:
+            return invalid(f"{text} (at {top.group(1)})", top.group(1), "invalid_value")
         return invalid(f"invalid request body: {text}", None, "invalid_body")
     path = m.group("path") or None
     field = text[: m.start()]
     # "Object missing required field `x`" names the field inside the path's object
-    missing = re.fullmatch(r"Object missing required field `([^`]+)`", field)
+    missing = _MISSING.fullmatch(field)
     if missing:
         path = f"{path}.{missing.group(1)}" if path else missing.group(1)
     return invalid(f"{field} (at {path})" if path else field, path, "invalid_value")

@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from slipstream.api.encode import encode_off_loop
 from slipstream.errors import InvalidRequestError, SlipstreamError
-from slipstream.serve import generation
+from slipstream.serve import generation, skills
 from slipstream.serve.api_errors import ApiError, from_slipstream, invalid
 from slipstream.serve.body import DEFAULT_MAX_BODY_BYTES, read_body
 from slipstream.serve.backend import Backend
@@ -36,7 +36,8 @@ def _json(obj, status: int = 200) -> Response:
     return Response(_encode(obj), status_code=status, media_type="application/json")
 
 
-_ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+_ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/v1/point": "point",
+              "/v1/detect": "detect"}
 
 
 def create_app(backend: Backend, max_inflight: int = 1024, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
@@ -95,6 +96,14 @@ def create_app(backend: Backend, max_inflight: int = 1024, max_body_bytes: int =
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await generation.handle(state, request, chat=True)
+
+    @app.post("/v1/point")
+    async def point(request: Request) -> Response:  # Moondream's cloud API (slipstream/serve/skills.py)
+        return await skills.handle(state, request, "point")
+
+    @app.post("/v1/detect")
+    async def detect(request: Request) -> Response:
+        return await skills.handle(state, request, "detect")
 
     @app.get("/v1/models")
     async def models() -> Response:

@@ -40,6 +40,9 @@ class Backend(Protocol):
 
     async def metrics_text(self) -> str: ...  # Prometheus text of the engine's registry ("" if not served here)
 
+    # optional (/v1/point, /v1/detect; a backend without it answers 501): the engine's skill result dict
+    # async def skill(self, kind: str, obj: str, max_objects: int, images: list[ImageInput]) -> dict: ...
+
 
 class EngineBackend:
     """The engine runs on the server's event loop (uvloop under uvicorn)."""
@@ -69,6 +72,10 @@ class EngineBackend:
 
     async def complete(self, ids, params, request_id, images=()):
         return await self.engine.complete(ids, params, request_id=request_id, **_images_kw(images))
+
+    async def skill(self, kind: str, obj: str, max_objects: int, images: list[ImageInput]) -> dict:
+        """`Engine.point` / `Engine.detect` (slipstream/api/skills.py): what the in-process API returns."""
+        return await getattr(self.engine, kind)("", obj, max_objects, images=list(images))
 
     async def stats(self) -> dict:
         return await self.engine.stats()
@@ -132,6 +139,14 @@ class ClientsBackend:
         self._inflight[i] += 1
         try:
             return await self.clients[i].complete(ids, params, request_id=request_id, **_images_kw(images))
+        finally:
+            self._inflight[i] -= 1
+
+    async def skill(self, kind: str, obj: str, max_objects: int, images: list[ImageInput]) -> dict:
+        i = self._pick()
+        self._inflight[i] += 1
+        try:
+            return await getattr(self.clients[i], kind)("", obj, max_objects, images=list(images))
         finally:
             self._inflight[i] -= 1
 

@@ -18,6 +18,7 @@ OPTIONAL = ("triton", "cupy", "fastapi", "starlette", "uvicorn", "ray", "matplot
 EXTRA_MODULES = {
     "slipstream.serve.app": {"fastapi", "starlette"},
     "slipstream.serve.generation": {"starlette"},
+    "slipstream.serve.skills": {"starlette"},
     "slipstream.serve.body": {"starlette"},
     "slipstream.serve.server": {"uvicorn"},
     "slipstream.serve.read_timeout": {"uvicorn"},

@@ -132,6 +132,16 @@ def reference_carry(prompt: list[int], max_tokens: int, carries: bool = False, i
     return out, carried
 
 
+class NullDetok:
+    """A detokeniser for token-only tests: no text."""
+
+    def push(self, ids):
+        return ""
+
+    def flush(self):
+        return ""
+
+
 class Referee:
     """Which pages and rows launched-but-uncommitted steps reference; hand-outs are checked against it."""
 

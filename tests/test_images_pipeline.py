@@ -12,7 +12,7 @@ import random
 import numpy as np
 import pytest
 
-from fake_runner import EOS, IMAGE, FakeRunner, RefereedPool, RefereedRows, make_prompt, reference
+from fake_runner import EOS, FakeRunner, IMAGE, NullDetok, RefereedPool, RefereedRows, make_prompt, reference
 from slipstream.outputs import CompletionOutput, RequestMetrics
 from slipstream.params import SamplingParams
 from slipstream.runtime.batch import ImageSpan, SamplingRow, image_slices
@@ -28,14 +28,6 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 PAGE = 4
-
-
-class NullDetok:
-    def push(self, ids):
-        return ""
-
-    def flush(self):
-        return ""
 
 
 def image_prompt(length, eos_at, salt, images):

@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from fake_runner import CARRY_MAP, EOS, FakeRunner, RefereedPool, RefereedRows, make_prompt, on_device, reference
+from fake_runner import CARRY_MAP, EOS, FakeRunner, NullDetok, RefereedPool, RefereedRows, make_prompt, on_device, reference
 from slipstream.errors import StepFailedError
 from slipstream.outputs import CompletionOutput, RequestMetrics
 from slipstream.params import SamplingParams
@@ -24,14 +24,6 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 PAGE = 4
-
-
-class NullDetok:
-    def push(self, ids):
-        return ""
-
-    def flush(self):
-        return ""
 
 
 def make_loop(depth, num_pages=64, max_batch=4, step_tokens=16, seed=0, prefix_caching=False):

@@ -20,6 +20,7 @@ from tokenizers import AddedToken, processors
 from tokenizers import Tokenizer as _HFTokenizer
 
 from slipstream.errors import CorruptModelError, UnsupportedArchitectureError
+from slipstream.models.json_file import read_json_object
 from slipstream.models.byte_bpe import _byte_alphabet, _byte_level_backend  # noqa: F401 (re-exported for tests)
 from slipstream.models.utf8_tail import drop_incomplete_char
 
@@ -134,9 +135,9 @@ class Tokenizer:
         except Exception as exc:  # tokenizers raises a bare Exception on malformed JSON
             raise CorruptModelError(f"{path}: not a valid tokenizer.json ({exc})") from exc
         folder = path.parent
-        tcfg = _read_json(Path(tokenizer_config_json) if tokenizer_config_json else folder / "tokenizer_config.json")
-        gen = _read_json(folder / "generation_config.json")
-        cfg = _read_json(folder / "config.json")
+        tcfg = read_json_object(Path(tokenizer_config_json) if tokenizer_config_json else folder / "tokenizer_config.json")
+        gen = read_json_object(folder / "generation_config.json")
+        cfg = read_json_object(folder / "config.json")
 
         def token_id(value: Any) -> int | None:
             if isinstance(value, dict):  # serialized AddedToken
@@ -215,14 +216,6 @@ class Tokenizer:
         return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise CorruptModelError(f"{path}: not valid JSON ({exc})") from exc
-    return data if isinstance(data, dict) else {}
 
 
 class IncrementalDetokenizer:

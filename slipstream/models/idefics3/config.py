@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from slipstream.errors import CorruptModelError, UnsupportedArchitectureError
+from slipstream.models.json_file import read_json_object
 
 ARCHITECTURES = ("Idefics3ForConditionalGeneration",)
 MODEL_TYPES = ("idefics3",)
@@ -109,24 +110,14 @@ def vision_config_from_hf(cfg: Mapping[str, Any], text_hidden: int, processing: 
         raise CorruptModelError(f"{source}: vision_config lacks or mangles a field ({exc})") from exc
 
 
-def _read(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise CorruptModelError(f"{path}: not valid JSON ({exc})") from exc
-    if not isinstance(data, dict):
-        raise CorruptModelError(f"{path}: expected a JSON object")
-    return data
 
 
 def processor_files(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """(image processor settings, processor settings): transformers 5 nests the former in
     processor_config.json; transformers 4 folders (the Hub's SmolVLM) keep preprocessor_config.json."""
-    proc = _read(folder / "processor_config.json")
+    proc = read_json_object(folder / "processor_config.json", strict=True)
     image = proc.get("image_processor") if isinstance(proc.get("image_processor"), dict) else None
-    return (image if image is not None else _read(folder / "preprocessor_config.json")), proc
+    return (image if image is not None else read_json_object(folder / "preprocessor_config.json", strict=True)), proc
 
 
 def processing_config(image: Mapping[str, Any], source: Path | str) -> ProcessingConfig:

@@ -180,3 +180,31 @@ def test_plugin_padding_bits_are_cleared():
             m.rollback(1)
     finally:
         unregister_grammar("boom")
+
+
+class _ByIndex(_Raising):
+    """A plugin declaring the optional mask_by_output_index capability (grammar/base.py)."""
+
+    mask_by_output_index = True
+
+    def mask_for_output_index(self, index, row):
+        row[:] = -1  # padding bits too, which the adapter must clear
+        self.asked = index
+
+
+def test_plugin_mask_by_output_index_is_passed_through():
+    """The adapter declares the capability only when the plugin does, and clears padding as for
+    fill_bitmask (without it the engine samples the plugin's rows late, as before)."""
+    for grammar, declared in [(_Raising("nowhere"), False), (_ByIndex("nowhere"), True)]:
+        register_grammar("boom", grammar)
+        try:
+            m = GrammarCompiler(BT, 600).compile(GrammarSpec("boom")).matcher()
+            assert m.mask_by_output_index is declared
+            if declared:
+                row = np.zeros(19, dtype=np.int32)
+                m.mask_for_output_index(7, row)
+                assert grammar.asked == 7
+                assert {32 * w + b for w in range(19) for b in range(32) if row.view(np.uint32)[w] >> b & 1} \
+                    == set(range(512))
+        finally:
+            unregister_grammar("boom")

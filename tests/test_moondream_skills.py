@@ -9,10 +9,12 @@ never pass through the host between steps."""
 import asyncio
 import json
 
+import numpy as np
 import pytest
 import torch
 
 from slipstream import Engine, InvalidRequestError, SamplingParams
+from slipstream.grammar.region import RegionMatcher
 from slipstream.models.moondream.image import preprocess
 from test_carry_engine import HostReadGuard
 from test_moondream_engine import config, picture
@@ -172,6 +174,85 @@ def test_depth_2_equals_depth_1_beside_free_text_and_json_schema_rows(md, want):
     for (q, _, im), o in zip(EXTRA[:2], two_extra):
         assert o.token_ids == oracle_greedy(weights, tok, im, q)[0] and o.carried is None
     assert two_extra[2].finish_reason == "stop" and set(json.loads(two_extra[2].text)) == {"n"}
+
+
+def spy_on_split(records):
+    """An `inspect` for skills(): per launch with a constrained row, (sequences sampled early with how
+    many samples they had pending, sequences sampled late), from the engine loop's own split."""
+    def inspect(engine):
+        constraints = engine.loop.constraints
+        split = constraints.split
+
+        def spy(seqs):
+            early, late = split(seqs)
+            records.append(([(seqs[i], seqs[i].pending_samples) for i in early], [seqs[i] for i in late]))
+            return early, late
+        constraints.split = spy
+    return inspect
+
+
+def test_region_rows_are_sampled_at_launch_at_depth_2(md, want):
+    """The region grammar's mask is a function of the output index (EOS ends the request), so at depth
+    2 its rows are sampled right behind the forward, also while their previous token is still on the
+    device (2 samples pending), never in finalize; a JSON-schema row beside them keeps the late path.
+    (Mutant: constraints._by_index always False, the old late path: region rows show up late.)"""
+    records = []
+    results, extra = skills(md[0], 2, EXTRA, inspect=spy_on_split(records))
+    region = RegionMatcher
+    late = [seq for _, late in records for seq in late]
+    assert not [seq for seq in late if isinstance(seq.matcher, region)]
+    assert late  # the JSON-schema row
+    pipelined = [n for early, _ in records for seq, n in early if isinstance(seq.matcher, region) and n == 2]
+    assert len(pipelined) >= len(CASES)
+    for (kind, i), got in zip(CASES, results):
+        same_result(got, want[(kind, i)])
+
+
+def test_a_region_request_with_stop_strings_keeps_the_late_path(md, want):
+    """With stop strings the tick does not end the request at the grammar's completion (the output stage
+    does), so an EOS before max_objects may be followed by more samples: the index mask would force a
+    coordinate there and the matcher would fail the request. Such rows are sampled late, and the results
+    are unchanged. (Mutant: ends_with_grammar=True for every request: the early-EOS cases fail with a
+    GrammarMatchError.)"""
+    records = []
+
+    async def go():
+        async with Engine(config(md[0], 2, max_batch_size=8)) as e:
+            spy_on_split(records)(e)
+            sp = SamplingParams(temperature=0.0, stop=["never in the output"])
+            return await asyncio.gather(*[(e.point if kind == "point" else e.detect)(
+                "", OBJECTS[i], MAX_OBJECTS, sp, images=[IMAGES[i]]) for kind, i in CASES])
+    for (kind, i), got in zip(CASES, asyncio.run(go())):
+        same_result(got, want[(kind, i)])
+    assert not [seq for early, _ in records for seq, _ in early if seq.matcher is not None]
+
+
+def test_region_index_masks_follow_the_matcher():
+    """mask_for_output_index(i) is the mask fill_bitmask gives after i accepted tokens, on every path
+    (EOS at an object's start, max_objects reached); it reads no state, and accept still checks each
+    token against the committed state."""
+    from slipstream.errors import GrammarMatchError
+    from slipstream.grammar.bitmask import words_for
+    from slipstream.grammar.region import RegionGrammar
+
+    V, coord, size, eos = 70, 5, 6, 2
+    for kind, path in [("point", [coord] * 4), ("detect", [coord, coord, size] * 2),
+                       ("detect", [coord, coord, size, eos]), ("point", [eos])]:
+        m = RegionGrammar(kind, 2, coord, size, [eos], V).matcher()
+        probe = RegionGrammar(kind, 2, coord, size, [eos], V).matcher()
+        # after max_objects objects the next index allows EOS only (after an EOS nothing follows)
+        for i in range(len(path) + (path[-1] != eos)):
+            a, b = np.full(words_for(V), -1, np.int32), np.full(words_for(V) + 1, -1, np.int32)
+            m.fill_bitmask(a)
+            probe.mask_for_output_index(i, b)
+            assert (a == b[:-1]).all() and b[-1] == 0, (kind, path, i)
+            if i < len(path):
+                m.accept(path[i])
+        assert m.is_terminated() and probe._history == [] and not probe.is_terminated()
+    m = RegionGrammar("detect", 2, coord, size, [eos], V).matcher()
+    m.accept(coord)
+    with pytest.raises(GrammarMatchError):
+        m.accept(eos)  # y is forced: the index mask's promise is checked at commit
 
 
 def test_region_values_never_pass_through_the_host_between_steps(md, want):

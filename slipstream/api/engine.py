@@ -219,7 +219,9 @@ class Engine(SkillMethods):
         req = RequestState(request_id, ids, params, make_detokenizer(self.tokenizer, ids),
                            frozenset(eos) | frozenset(params.stop_token_ids), RequestMetrics(time.perf_counter()),
                            matcher=matcher, streaming=streaming)
-        seq = SchedSeq(request_id, ids, max_tokens, row, user=req, matcher=matcher, images=spans,
+        # without stop strings, the tick ends it at the grammar's completion (output_processor.accept)
+        seq = SchedSeq(request_id, ids, max_tokens, row, user=req, matcher=matcher, ends_with_grammar=not params.stop,
+                       images=spans,
                        bidirectional_len=bidirectional,
                        cache_extra=salt_key(params.cache_salt) if params.prefix_caching else None)
         self._requests[request_id] = seq

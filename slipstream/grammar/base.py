@@ -8,6 +8,10 @@ sampling and tells it every committed token.
 A grammar may also declare carry tokens (`carry_tokens`, optional): after the model samples one of
 them, the next input is not that token but a value decoded from the model's hidden state by the
 head of the named kind (docs/moondream.md, "The carry").
+
+A matcher may also declare that its mask is a function of the output index only
+(`mask_by_output_index`, optional; see `IndexMaskMatcher`): its rows are then sampled at launch,
+behind the forward, even though it depends on the previous token.
 """
 from __future__ import annotations
 
@@ -55,6 +59,28 @@ class Matcher(Protocol):
     def rollback(self, n: int) -> None:
         """Undo the last `n` accepted tokens; NotImplementedError if the matcher cannot."""
         ...
+
+
+class IndexMaskMatcher(Matcher, Protocol):
+    """Optional capability: the allowed set at output index i is a function of i alone, given that
+    every earlier output was accepted and that the request ends at the token completing the grammar
+    (Moondream's region grammar: which token of which object i is). The engine then builds the mask at
+    launch for the row's upcoming index instead of waiting for the previous token's commit; `accept`
+    still checks every committed token, so a wrong token still fails the request. A request the tick
+    does not end at the grammar's completion (stop strings) keeps the late path (`fill_bitmask`)."""
+
+    mask_by_output_index: bool  # True: `mask_for_output_index` may be used instead of waiting
+
+    def mask_for_output_index(self, index: int, row: np.ndarray) -> None:
+        """Write the allowed set for output token `index` (0 = the first output token) into `row`, with
+        `fill_bitmask`'s rules. Must not read or change the accepted state."""
+        ...
+
+
+def masks_by_output_index(matcher: Any) -> bool:
+    """Whether `matcher` declares the optional IndexMaskMatcher capability."""
+    return bool(getattr(matcher, "mask_by_output_index", False)) and callable(
+        getattr(matcher, "mask_for_output_index", None))
 
 
 @runtime_checkable

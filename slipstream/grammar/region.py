@@ -6,6 +6,10 @@ forced. `point` is (coordinate x, coordinate y) per object, `detect` adds a size
 Each carry token's value comes from the model's head (docs/moondream.md, "The carry"), so the
 result is read from `CompletionOutput.carried`, not from text (`region_result`). After
 `max_objects` objects only EOS may follow (the engine then stops, as the reference's loop does).
+
+Since EOS ends the request, the allowed set at output index i is a function of i alone (which token
+of which object it is): the matcher has `mask_by_output_index`, so the engine samples its rows at
+launch even at depth 2 (grammar/base.py, IndexMaskMatcher).
 """
 from __future__ import annotations
 
@@ -56,7 +60,8 @@ class RegionGrammar:
 class RegionMatcher:
     """State: objects completed, the position inside the current object, terminated."""
 
-    depends_on_previous_token = True
+    depends_on_previous_token = True  # (the late path, for a request with stop strings)
+    mask_by_output_index = True
 
     def __init__(self, grammar: RegionGrammar) -> None:
         self.g = grammar
@@ -67,18 +72,20 @@ class RegionMatcher:
     def is_terminated(self) -> bool:
         return self._terminated
 
-    def _expected(self) -> np.ndarray:
-        if self._terminated:
+    def _row(self, pos: int, terminated: bool) -> np.ndarray:
+        if terminated:
             return self.g.eos_row
-        if self._pos == 0:
+        if pos == 0:
             return self.g.start_row
-        return self.g.token_rows[self.g.cycle[self._pos]]
+        return self.g.token_rows[self.g.cycle[pos]]
 
     def fill_bitmask(self, row: np.ndarray) -> None:
-        src = self._expected()
-        n = min(row.shape[0], src.shape[0])
-        row[:n] = src[:n]
-        row[n:] = 0
+        _copy(self._row(self._pos, self._terminated), row)
+
+    def mask_for_output_index(self, index: int, row: np.ndarray) -> None:
+        # no EOS before `index` (it would have ended the request): index objects of len(cycle) tokens
+        objects, pos = divmod(index, len(self.g.cycle))
+        _copy(self._row(pos, objects >= self.g.max_objects), row)
 
     def accept(self, token: int) -> None:
         g, token = self.g, int(token)
@@ -111,6 +118,12 @@ class RegionMatcher:
                    else [g.cycle[self._pos]])
         raise GrammarMatchError(f"{self.g.kind} grammar: token {token} is not allowed at object "
                                 f"{self._objects + 1}, token {self._pos + 1}; expected one of {allowed}")
+
+
+def _copy(src: np.ndarray, row: np.ndarray) -> None:
+    n = min(row.shape[0], src.shape[0])
+    row[:n] = src[:n]
+    row[n:] = 0
 
 
 def build_region(spec: GrammarSpec, tokenizer: Any, vocab_size: int, *, coord_id: int, size_id: int) -> RegionGrammar:

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from slipstream.errors import GrammarCompileError, GrammarError, GrammarMatchError
-from slipstream.grammar.base import Grammar, GrammarSpec, Matcher, carry_tokens
+from slipstream.grammar.base import Grammar, GrammarSpec, Matcher, carry_tokens, masks_by_output_index
 from slipstream.grammar.bitmask import clear_from
 
 ENTRY_POINT_GROUP = "slipstream.grammars"
@@ -162,6 +162,7 @@ class PluginMatcher:
         self._g = grammar
         self.inner = inner
         self.depends_on_previous_token = bool(getattr(inner, "depends_on_previous_token", True))
+        self.mask_by_output_index = masks_by_output_index(inner)
 
     def _call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
         try:
@@ -173,6 +174,10 @@ class PluginMatcher:
 
     def fill_bitmask(self, row: np.ndarray) -> None:
         self._call("fill_bitmask", self.inner.fill_bitmask, row)
+        clear_from(row, self._g.limit)
+
+    def mask_for_output_index(self, index: int, row: np.ndarray) -> None:
+        self._call("mask_for_output_index", self.inner.mask_for_output_index, index, row)
         clear_from(row, self._g.limit)
 
     def accept(self, token: int) -> None:

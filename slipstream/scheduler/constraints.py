@@ -3,8 +3,11 @@
 Forward now, sample later: a row whose matcher's mask depends on the previous token can only be
 sampled after that token has been committed, so it is sampled in finalize; every other row —
 unconstrained, or constrained by a mask that does not depend on the previous token — is sampled
-right behind the forward at launch and never waits for the host. Zombie rows (finished after
-their step was planned) are never constrained: they get an all-ones row.
+right behind the forward at launch and never waits for the host. So is a row whose matcher's mask
+is a function of the output index only (`mask_by_output_index`, grammar/base.py): its mask is built
+at launch for the row's upcoming output index, when the tick ends its request at the grammar's
+completion (`Sequence.ends_with_grammar`). Zombie rows (finished after their step was planned) are
+never constrained: they get an all-ones row.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from typing import Callable
 
 import numpy as np
 
+from slipstream.grammar.base import masks_by_output_index
 from slipstream.grammar.bitmask import words_for
 from slipstream.scheduler.sequence import Sequence
 
@@ -43,7 +47,7 @@ class Constraints:
         late: list[int] = []
         for i, seq in enumerate(sampling_seqs):
             m = seq.matcher
-            (late if m is not None and m.depends_on_previous_token else early).append(i)
+            (late if m is not None and m.depends_on_previous_token and not _by_index(seq) else early).append(i)
         return early, late
 
     def masks(self, sampling_seqs: list[Sequence], rows: list[int]) -> np.ndarray | None:
@@ -65,6 +69,8 @@ class Constraints:
                     words = out[k].view(np.uint32)
                     for e in self.eos_ids:  # a finished grammar may only end the output
                         words[e >> 5] |= np.uint32(1 << (e & 31))
+                elif _by_index(seq):  # called after the step's launch: its own sample is pending
+                    m.mask_for_output_index(len(seq.output_ids) + seq.pending_samples - 1, out[k])
                 else:
                     m.fill_bitmask(out[k])
             except Exception as e:  # noqa: BLE001 - a plugin may raise anything; only its request fails
@@ -74,3 +80,8 @@ class Constraints:
                 self._fail(seq, e if isinstance(e, GrammarError) else GrammarError(f"grammar matcher failed: {e!r}"))
         self.mask_build_s += time.perf_counter() - t0
         return out
+
+
+def _by_index(seq: Sequence) -> bool:
+    """Its mask is built from its upcoming output index, not from the matcher's committed state."""
+    return seq.ends_with_grammar and masks_by_output_index(seq.matcher)

@@ -68,6 +68,9 @@ class Sequence:
     # its grammar's matcher, set by the API layer at submit (the output stage advances it); the
     # scheduler builds grammar masks from it
     matcher: Matcher | None = None
+    # the tick ends it at the token that completes its grammar (no stop strings): what lets a matcher
+    # with `mask_by_output_index` be sampled at launch (constraints.py)
+    ends_with_grammar: bool = False
 
     @property
     def num_cached_tokens(self) -> int:

@@ -1,9 +1,10 @@
-"""Carry steps never replay a CUDA graph: a graph holds the decode step without the carry (no typed
-input, no hidden states), so a step with a carry row runs eagerly (ModelRunner.launch_forward,
-runtime/carry.py). The CPU test installs decode graphs through the real install_graphs with a
-stand-in capture (tests/test_graph_paths.py); the `cuda` test runs the real graphs. Both compare with
-the engine without graphs. (Mutant: _choose_graph for carry steps too — replays happen, the
-values are not fed and the outputs differ.)"""
+"""Decode-only carry steps replay a carry decode graph (ModelRunner.forward_carry: the kinds and values
+read from the row tables on the device, the head encodings swapped in with torch.where, the hidden
+states returned for the sampling groups); carry steps with chunks run eagerly; steps without carry
+rows keep the plain decode graphs. The CPU tests install the graphs through the real install_graphs
+with a stand-in capture (tests/test_graph_paths.py); the `cuda` test runs the real graphs. Both
+compare with the engine without graphs at depth 1 and 2. (Mutants: the carry graph captured without
+the swap — the values are not fed and the outputs differ; carry steps always eager — no carry replay.)"""
 import asyncio
 
 import pytest
@@ -23,6 +24,10 @@ PLAIN = [([1, 8, 20 + i, 3], SamplingParams(max_tokens=5, temperature=0.0, ignor
 
 
 def run(cfg, reqs, graphs: bool, cpu_graphs: bool = False):
+    """(outputs, stats): stats counts replays of the plain (decode + greedy) and carry graphs, and
+    decode-only carry steps that ran eagerly."""
+    stats = dict(plain=0, carry=0, eager_carry_decode=0)
+
     async def go():
         async with Engine(cfg) as engine:
             runner = engine._parts.runner
@@ -32,10 +37,20 @@ def run(cfg, reqs, graphs: bool, cpu_graphs: bool = False):
                 if graphs:
                     cuda_graphs.install_graphs(runner, engine._parts.device, cfg)
             elif not graphs:
-                runner.graphs = runner.greedy_graphs = runner.mixed_graphs = None
+                runner.graphs = runner.greedy_graphs = runner.carry_graphs = runner.mixed_graphs = None
+            launch_eager = runner._launch_eager
+
+            def counting(step_id, slot, packed, *args):
+                stats["eager_carry_decode"] += slot.carry_step and packed.decode_only
+                launch_eager(step_id, slot, packed, *args)
+
+            runner._launch_eager = counting
             outs = await asyncio.gather(*(engine.complete(p, sp) for p, sp in reqs))
-            replays = sum(sum(g.replays.values()) for g in (runner.graphs, runner.greedy_graphs) if g is not None)
-            return outs, replays
+            plain = (runner.graphs, runner.greedy_graphs)
+            stats["plain"] = sum(sum(g.replays.values()) for g in plain if g is not None)
+            if runner.carry_graphs is not None:
+                stats["carry"] = sum(runner.carry_graphs.replays.values())
+            return outs, stats
 
     with registered():
         return asyncio.run(go())
@@ -53,23 +68,27 @@ def check(graphed, eager):
 
 
 @needs_triton
-def test_carry_steps_run_eagerly_beside_graphed_decode_steps(shared_pool_graphs):  # noqa: F811
+@pytest.mark.parametrize("depth", [1, 2])
+def test_decode_carry_steps_replay_carry_graphs_and_equal_eager(shared_pool_graphs, depth):  # noqa: F811
     from slipstream import EngineConfig
 
-    cfg = EngineConfig(**CFG, pipeline_depth=2)
-    eager, _ = run(cfg, CARRY, graphs=False, cpu_graphs=True)
-    graphed, replays = run(cfg, CARRY, graphs=True, cpu_graphs=True)
-    assert replays == 0  # every decode step had a carry row
+    cfg = EngineConfig(**CFG, pipeline_depth=depth)
+    eager, _ = run(cfg, CARRY + PLAIN, graphs=False, cpu_graphs=True)
+    graphed, stats = run(cfg, CARRY + PLAIN, graphs=True, cpu_graphs=True)
     check(graphed, eager)
-    _, replays = run(cfg, PLAIN, graphs=True, cpu_graphs=True)
-    assert replays > 0  # (the graphs are installed and used for steps without carry rows)
+    assert all(e.carried for e in eager[:len(CARRY)])  # (the values were fed and reported)
+    assert stats["carry"] > 0 and stats["eager_carry_decode"] == 0
+    _, stats = run(cfg, PLAIN, graphs=True, cpu_graphs=True)
+    assert stats["plain"] > 0 and stats["carry"] == 0  # steps without carry rows: the plain graphs
 
 
 @pytest.mark.cuda
-def test_cuda_carry_steps_run_eagerly_and_equal_the_engine_without_graphs():
+@pytest.mark.parametrize("depth", [1, 2])
+def test_cuda_decode_carry_steps_replay_carry_graphs_and_equal_the_engine_without_graphs(depth):
     reqs = CARRY + PLAIN
-    eager, _ = run(gpu(pipeline_depth=2), reqs, graphs=False)
-    graphed, replays = run(gpu(pipeline_depth=2), reqs, graphs=True)
+    eager, _ = run(gpu(pipeline_depth=depth), reqs, graphs=False)
+    graphed, stats = run(gpu(pipeline_depth=depth), reqs, graphs=True)
     check(graphed, eager)
-    _, only_carry = run(gpu(pipeline_depth=2), CARRY, graphs=True)
-    assert only_carry == 0 and replays > 0  # the plain rows' last steps (carry rows done) replayed
+    assert stats["carry"] > 0 and stats["eager_carry_decode"] == 0
+    _, plain = run(gpu(pipeline_depth=depth), PLAIN, graphs=True)
+    assert plain["plain"] > 0 and plain["carry"] == 0

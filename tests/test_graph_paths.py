@@ -32,11 +32,15 @@ def shared_pool_graphs(monkeypatch):
         class Replay:
             def replay(self):
                 out = forward(tensors)
-                shared = pool.get(out.dtype)
-                if shared is None or shared.shape[0] < out.shape[0] or shared.shape[1:] != out.shape[1:]:
-                    shared = pool[out.dtype] = torch.empty((64, *out.shape[1:]), dtype=out.dtype)
-                shared[:out.shape[0]].copy_(out)
-                return shared[:out.shape[0]]
+                return tuple(map(share, out)) if isinstance(out, tuple) else share(out)  # (carry: logits, hidden)
+
+        def share(out):
+            key = (out.dtype, out.shape[1:])
+            shared = pool.get(key)
+            if shared is None or shared.shape[0] < out.shape[0]:
+                shared = pool[key] = torch.empty((64, *out.shape[1:]), dtype=out.dtype)
+            shared[:out.shape[0]].copy_(out)
+            return shared[:out.shape[0]]
 
         return Replay()
 

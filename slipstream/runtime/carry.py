@@ -12,8 +12,9 @@ row (a *carry step*; the host knows which rows may carry from its mirrors, never
     the step's device→host copy, which brings them to the commit (`SampledTokens.carried`) for the
     request's output and for a recompute after preemption;
   * chunks re-feed carried values the host kept (`SeqWork.carry`: a recompute), staged here.
-Steps without a carry row run as before: no carry kernel, no extra copy. Carry steps run eagerly
-(never a CUDA graph: model_runner._choose_graph). Private to the ModelRunner.
+Steps without a carry row run as before: no carry kernel, no extra copy. A decode-only carry step
+replays a carry decode graph where decode steps are graphed (ModelRunner.forward_carry: the same
+reads, with fixed shapes); a carry step with chunks runs eagerly. Private to the ModelRunner.
 """
 from __future__ import annotations
 

@@ -14,6 +14,12 @@ Greedy decode graph: the decode graph plus the sampling of a step whose rows are
 per step from the rows' flag mirrors when no grammar mask is live; its launch_sampling only stamps
 the step. Every other step samples eagerly after the replay (see model_runner.py).
 
+Carry decode graph: the decode graph of a carry step (ModelRunner.forward_carry, runtime/carry.py):
+each row's kind and values read from the row tables on the device, the head encodings swapped in
+with torch.where, and (logits, hidden) as its outputs, which the step's eager sampling reads. A
+separate set, so steps without carry rows keep replaying the plain decode graphs unchanged; warmed
+up only for a model with carry heads (otherwise captured on first use, which never comes).
+
 Replay therefore needs only: fill + upload the arena (the upload stream, pinned), the step's
 row-table writes, then `replay()` on the compute stream; addresses never change. All graphs share
 one memory pool: they run one at a time on the compute stream, so their intermediates can overlap.
@@ -36,7 +42,7 @@ import torch
 
 from slipstream.runtime.batch import pack_step
 from slipstream.runtime.buckets import make_buckets, token_buckets
-from slipstream.runtime.graphs import DECODE, GREEDY, MIXED, GraphCache
+from slipstream.runtime.graphs import CARRY, DECODE, GREEDY, MIXED, GraphCache
 from slipstream.runtime.static_step import fill_static, static_tensors
 
 log = structlog.get_logger(__name__)
@@ -46,9 +52,11 @@ GiB = 1024**3
 @dataclass
 class CapturedForward:
     graph: torch.cuda.CUDAGraph
-    output: torch.Tensor  # logits [bucket rows, vocab] (greedy graphs: the sampled ids), rewritten by every replay
+    # logits [bucket rows, vocab] (greedy graphs: the sampled ids; carry graphs: (logits, hidden)),
+    # rewritten by every replay
+    output: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
-    def replay(self) -> torch.Tensor:
+    def replay(self) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         self.graph.replay()
         return self.output
 
@@ -75,9 +83,11 @@ def _empty_step():
 
 
 def decode_graphs(runner, device, bucket_range: tuple[int, int, int], pool=None,
-                  greedy: bool = False) -> GraphCache[CapturedForward]:
+                  greedy: bool = False, carry: bool = False) -> GraphCache[CapturedForward]:
     """A GraphCache of decode steps whose captures record `runner.forward_from` on the compute stream
-    (`greedy`: runner.forward_greedy, which also samples every row greedily)."""
+    (`greedy`: runner.forward_greedy, which also samples every row greedily; `carry`:
+    runner.forward_carry, the decode step of a carry step)."""
+    assert not (greedy and carry)
     pool = torch.cuda.graph_pool_handle() if pool is None else pool
 
     def capture(slot: int, bucket: int) -> CapturedForward:
@@ -88,11 +98,12 @@ def decode_graphs(runner, device, bucket_range: tuple[int, int, int], pool=None,
             arena.upload()
             return arena.tensors(layout)
 
-        forward = (lambda tensors: runner.forward_greedy(tensors, runner.slots[slot])) if greedy else None
+        forward = (lambda tensors: runner.forward_greedy(tensors, runner.slots[slot])) if greedy \
+            else runner.forward_carry if carry else None
         return _capture(runner, device, pool, stage, forward)
 
     return GraphCache(make_buckets(*bucket_range), len(runner.slots), capture, device.free_memory,
-                      GREEDY if greedy else DECODE)
+                      GREEDY if greedy else CARRY if carry else DECODE)
 
 
 def mixed_graphs(runner, device, token_range: tuple[int, int], pool=None) -> GraphCache[CapturedForward]:
@@ -114,16 +125,19 @@ def mixed_graphs(runner, device, token_range: tuple[int, int], pool=None) -> Gra
 
 
 def install_graphs(runner, device, config) -> None:
-    """Give `runner` its decode, greedy decode (and, with config.mixed_graphs, mixed) graph caches sharing
-    one pool; with config.warmup capture them all now (mixed first), logging the time and memory taken."""
+    """Give `runner` its decode, greedy decode, carry decode (and, with config.mixed_graphs, mixed) graph
+    caches sharing one pool; with config.warmup capture them all now (mixed first; carry graphs only
+    for a model with carry heads), logging the time and memory taken."""
     pool = torch.cuda.graph_pool_handle()
     runner.graphs = decode_graphs(runner, device, config.buckets(), pool)
     runner.greedy_graphs = decode_graphs(runner, device, config.buckets(), pool, greedy=True)
+    runner.carry_graphs = decode_graphs(runner, device, config.buckets(), pool, carry=True)
     if config.mixed_graphs:
         runner.mixed_graphs = mixed_graphs(runner, device, config.token_bucket_range(), pool)
     if not config.warmup:
         return
-    for cache in (runner.mixed_graphs, runner.graphs, runner.greedy_graphs):
+    carry = runner.carry_graphs if runner.carry_kinds else None  # (no heads: no carry step ever comes)
+    for cache in (runner.mixed_graphs, runner.graphs, runner.greedy_graphs, carry):
         if cache is not None:
             before = torch.cuda.memory_reserved(device.torch_device)
             if cache is runner.mixed_graphs:

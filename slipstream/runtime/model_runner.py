@@ -23,7 +23,9 @@ set, a step with prefill chunks of at most the largest token bucket replays the 
 and token bucket, reading the fixed-shape layout of slipstream/runtime/static_step.py. Any other
 step, and every step of a model on the host (reference) attention, runs eagerly. Sampling is
 eager (runtime/sampling_launch.py: SamplingLauncher), except in a greedy decode graph (forward_greedy).
-A step with a row whose sequence has carry tokens (runtime/carry.py) always runs eagerly.
+A step with a row whose sequence has carry tokens (a carry step, runtime/carry.py) replays, when
+decode-only, the carry decode graph of its slot and bucket (`carry_graphs`: forward_carry, which
+also swaps in the head encodings and returns the hidden states); a carry step with chunks runs eagerly.
 """
 from __future__ import annotations
 
@@ -65,6 +67,7 @@ class _Graphed:
     graph: Any  # what the cache's capture returned: .replay() -> logits (or ids when `samples`)
     mixed: bool  # a mixed graph: reads the static layout (static_step.py), not a padded decode layout
     samples: bool  # a greedy decode graph: it samples every row too (launch_sampling only stamps)
+    carry: bool = False  # a carry decode graph: replay() -> (logits, hidden) (forward_carry)
 
 
 class ModelRunner:
@@ -82,6 +85,7 @@ class ModelRunner:
         self.graphs: GraphCache | None = None  # CUDA graphs of decode steps (slipstream/runtime/cuda_graphs.py)
         self.mixed_graphs: GraphCache | None = None  # ... of mixed/prefill steps, by token bucket
         self.greedy_graphs: GraphCache | None = None  # decode graphs that also sample (all rows plain greedy)
+        self.carry_graphs: GraphCache | None = None  # decode graphs of carry steps (forward_carry)
         self.sampler = SamplingLauncher(device, self.rows, model)
         self._faults: FaultInjector | None = None
         # encoder outputs by image digest; which are kept is the scheduler's EncoderCache's decision.
@@ -159,9 +163,9 @@ class ModelRunner:
                      bidirectional_lens: list[int] | None = None) -> Any:
         """The forward on staged inputs, gathering decode rows' state from the row tables and
         advancing their positions; also what a graph captures (decode: a bucket-padded StepTensors;
-        mixed: StaticStepTensors, which needs the device attention). `carry` (a carry step, eager
-        only): the chunk tokens' kinds and values; the decode rows' come from the row tables, and
-        the forward returns (logits, hidden) (runtime/carry.py)."""
+        mixed: StaticStepTensors, which needs the device attention). `carry` (a carry step): the
+        chunk tokens' kinds and values; the decode rows' come from the row tables on the device,
+        and the forward returns (logits, hidden) (runtime/carry.py)."""
         if isinstance(t, StaticStepTensors):
             assert carry is None, "a carry step never runs on the static (graph) layout"
             if host_attention:
@@ -198,6 +202,13 @@ class ModelRunner:
             batch.carry, batch.return_hidden = carry_input(r, dec, dec_ids, *carry), True
         return self.model(batch, self.kv)  # a non-final prefill chunk samples nothing but fills KV
 
+    def forward_carry(self, t: StepTensors) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward_from of a decode-only carry step: every row's kind (from its newest token and its
+        carry map) and values (the carry table) are read on the device, the head encodings replace
+        the token embeddings with torch.where, and (logits, hidden) come back. Fixed shapes, no host
+        read: what a carry decode graph captures (padding rows, row 0, have kind 0)."""
+        return self.forward_from(t, carry=ChunkCarry(0).to_device(self.rows.device))
+
     def forward_greedy(self, t: StepTensors, slot: StepSlot) -> torch.Tensor:
         """forward_from plus the sampling of a decode step whose rows are all plain greedy (no
         temperature, logprobs, penalties, min_p/min_tokens, grammar mask): argmax, the last-token
@@ -219,9 +230,9 @@ class ModelRunner:
         slot.acquire(step_id)
         slot.num_samples = packed.num_samples
         self.rows.sampling.mirror(packed.chunks)
-        # a row that may carry a head value makes the step a carry step (eager; runtime/carry.py)
+        # a row that may carry a head value makes the step a carry step (runtime/carry.py)
         slot.carry_step = self.rows.sampling.any_carry(packed.sample_rows) or any(w.carry for w in packed.chunks)
-        graphed = None if slot.carry_step else self._choose_graph(slot, packed, unmasked)
+        graphed = self._choose_graph(slot, packed, unmasked)
         arena = self.arenas[slot.index]
         lay = arena.fill(packed, pad_decode=graphed.bucket if graphed is not None and not graphed.mixed else 0)
         if graphed is not None and graphed.mixed:
@@ -238,7 +249,13 @@ class ModelRunner:
             self._launch_graph(step_id, slot, packed, updates, graphed)
 
     def _choose_graph(self, slot: StepSlot, packed: ForwardInput, unmasked: bool) -> _Graphed | None:
-        """The graph this step replays, capturing it on first use; None: the step runs eagerly."""
+        """The graph this step replays, capturing it on first use; None: the step runs eagerly.
+        A carry step replays only a carry decode graph (decode-only); with chunks it runs eagerly."""
+        if slot.carry_step:
+            carry = self.carry_graphs
+            hit = carry.lookup(slot.index, packed.num_decode) if carry is not None and self._graphable(packed) else None
+            return None if carry is None or hit is None else _Graphed(carry, hit[0], hit[1], mixed=False,
+                                                                       samples=False, carry=True)
         if self._graphable(packed):
             assert self.graphs is not None
             hit = self.graphs.lookup(slot.index, packed.num_decode)
@@ -260,11 +277,15 @@ class ModelRunner:
                       graphed: _Graphed) -> None:
         self._check_other_slots_sampled(slot)
         graphed.cache.replays[slot.index, graphed.bucket] += 1
-        rows, graph, samples = self.rows, graphed.graph, graphed.samples
+        rows, graph, samples, carry = self.rows, graphed.graph, graphed.samples, graphed.carry
 
         def forward() -> None:
             self._check_fault(step_id)
             rows.apply(updates, packed)
+            if carry:
+                slot.carry_out.zero_()  # as eagerly: rows of groups without carry rows carry nothing
+                slot.logits, slot.hidden = graph.replay()
+                return
             out = graph.replay()
             slot.logits = None if samples else out
 

@@ -14,6 +14,7 @@ import pytest
 
 from slipstream import SamplingParams
 from slipstream.api import output_processor as op
+from slipstream.api import output_text
 from slipstream.api.output_processor import OutputProcessor, RequestState
 from slipstream.outputs import CompletionOutput, RequestMetrics
 from slipstream.runtime.batch import SamplingRow
@@ -21,7 +22,7 @@ from slipstream.scheduler import engine_loop
 from slipstream.scheduler.engine_loop import EngineLoop
 from slipstream.scheduler.sequence import Sequence
 
-TRACED = {op.__file__, engine_loop.__file__}
+TRACED = {op.__file__, output_text.__file__, engine_loop.__file__}
 
 
 class _CharDetok:

@@ -7,7 +7,8 @@ from slipstream.outputs import StreamDelta
 from slipstream.params import SamplingParams
 
 if TYPE_CHECKING:
-    from slipstream.api.client import Client, _Pending
+    from slipstream.api.client import Client
+    from slipstream.api.client_connection import _Pending
 
 
 class ClientStream:

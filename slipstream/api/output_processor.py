@@ -11,16 +11,14 @@ by the text: a stop string found here ends the sequence a tick or more after its
 committed, so later tokens of it may already be in flight — zombies make that safe, and its output
 is cut back to the stop, so text and token ids equal what a blocking loop would give.
 
-A pass has two phases: the text phase (`_texts`: detokenise, scan stops) and the delivery phase
-(`_apply`: end the sequence, cut, stream, finish). The text phase reads the tick's state only
-through a `_Work` snapshot the loop takes when the pass starts (the token ids it covers, end_at,
-the stop-token flag, grammar_done_at), and writes only the request's text state (detokeniser,
-`pending`), which nothing else touches until the pass is delivered. With
-EngineConfig(output_stage="thread") the text phase of a whole pass runs on a worker thread while
-the loop goes on ticking; delivery always runs on the loop (asyncio queues, scheduler state). When
-the loop stops, `process_pending` first delivers the thread's pass in flight (waiting for it, or
-running it on the loop if the thread never started it), then processes the rest: no request is
-detokenised twice and no pass is dropped.
+A pass has two phases: the text phase (`_texts`: detokenise, scan stops; slipstream/api/output_text.py,
+which holds it and says what it may read and write) and the delivery phase (`_apply`: end the
+sequence, cut, stream, finish), which this file holds with the tick's side and the stage's
+scheduling. With EngineConfig(output_stage="thread") the text phase of a whole pass runs on a
+worker thread while the loop goes on ticking; delivery always runs on the loop (asyncio queues,
+scheduler state). When the loop stops, `process_pending` first delivers the thread's pass in
+flight (waiting for it, or running it on the loop if the thread never started it), then processes
+the rest: no request is detokenised twice and no pass is dropped.
 
 Text is kept as streamed pieces plus a held-back tail (`pending`: while stop strings are set, the
 last longest-stop - 1 characters may start a stop string). A failure processing one request (its
@@ -34,6 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from slipstream.api.mailbox import Mailbox
+from slipstream.api.output_text import TextPhase, _Outcome, _RequestFailed, _Work, _wrap
 from slipstream.errors import GrammarError, GrammarMatchError, RequestFailedError, SlipstreamError
 from slipstream.outputs import CompletionOutput, RequestMetrics, StreamDelta, Usage
 from slipstream.params import SamplingParams
@@ -76,7 +75,7 @@ class RequestState:
         return "".join(self.pieces) + self.pending
 
 
-class OutputProcessor:
+class OutputProcessor(TextPhase):
     """The API layer's OutputSink (slipstream/scheduler/output_sink.py) and its output stage."""
 
     def __init__(self, text_thread: bool = False) -> None:
@@ -217,9 +216,6 @@ class OutputProcessor:
         finally:  # also when cancelled (the loop is stopping): deliver the pass, never drop it
             self._deliver_inflight()
 
-    def _texts_of(self, work: list["_Work"]) -> list["_Outcome"]:
-        return [self._texts(*w) for w in work]
-
     def _deliver_inflight(self) -> None:
         """Deliver the thread's pass on the loop, once (the stage or process_pending, whichever comes first)."""
         if self._inflight is None:
@@ -259,22 +255,6 @@ class OutputProcessor:
         return (req, start, out[start:len(out) if end_at is None else end_at], end_at, req.end_reason,
                 req.end_drops_text, req.grammar_done_at, seq.max_tokens)
 
-    def _texts(self, req: RequestState, start: int, tokens: list[int], end_at: int | None, end_reason: str | None,
-               drops_text: bool, grammar_done_at: int | None, max_tokens: int) -> "_Outcome":
-        """Text phase: detokenise the snapshot's tokens (output tokens from `start`) and find what
-        ends the request, if anything. Reads only its arguments and writes only the request's text
-        state (so it may run in a thread: EngineConfig.output_stage)."""
-        try:
-            if req.params.stop:
-                return self._scan_stops(req, start, tokens, end_at, end_reason, grammar_done_at, max_tokens)
-            self._push(req, tokens[:-1] if drops_text and tokens else tokens)
-            return _Outcome(start, start + len(tokens), end_reason if end_at is not None else None, flush=True)
-        except _RequestFailed as f:
-            return _Outcome(start, start, error=f.error)
-        except Exception as e:  # noqa: BLE001 - a bug processing one request must not stop the stage
-            return _Outcome(start, start, error=_wrap(RequestFailedError, f"processing the output of request "
-                                                                          f"{req.request_id} failed: {e!r}", e))
-
     def _apply(self, req: RequestState, o: "_Outcome") -> None:
         """Delivery phase (on the loop): end the sequence if the text decided it, stream, finish."""
         if req.closed:
@@ -303,45 +283,6 @@ class OutputProcessor:
             return
         for observe in self.token_observers:
             observe(req.metrics.token_times, o.start, o.end, req.metrics.arrival, len(req.prompt_ids))
-
-    def _scan_stops(self, req: RequestState, start: int, tokens: list[int], end_at: int | None, end_reason: str | None,
-                    grammar_done_at: int | None, max_tokens: int) -> "_Outcome":
-        """Token by token: the first of stop token, stop string, finished grammar, max_tokens ends it."""
-        stops = req.params.stop
-        longest = max(map(len, stops))
-        for i, token in enumerate(tokens, start):
-            reason, truncated = None, False
-            if token in req.stop_token_ids:
-                reason = "stop"
-            else:
-                before = len(req.pending)
-                self._push(req, [token])
-                at = max(0, before - longest + 1)  # only the held-back tail can hold a new match
-                hits = [j for j in (req.pending.find(s, at) for s in stops) if j >= 0]
-                if hits and i + 1 >= req.params.min_tokens:  # as in vLLM: none ends the output earlier
-                    req.pending, reason, truncated = req.pending[:min(hits)], "stop", True
-            n = i + 1
-            if reason is None and (grammar_done_at == n or end_at == n):
-                reason = end_reason if end_at == n else "stop"
-            if reason is None and n >= max_tokens:
-                reason = "length"
-            if reason is not None:
-                return _Outcome(start, n, reason, flush=not truncated)
-        limit = start + len(tokens)
-        if end_at is not None and end_at <= limit:  # ended (an abort) with nothing left to scan
-            return _Outcome(start, limit, end_reason)
-        return _Outcome(start, limit, None)
-
-    def _push(self, req: RequestState, tokens: list[int]) -> None:
-        if not tokens:
-            return
-        try:
-            if self.faults is not None:
-                self.faults.check("detokenize", req.request_id)
-            req.pending += req.detok.push(tokens)
-        except Exception as e:  # noqa: BLE001 - a tokenizer bug must not stop the batch
-            raise _RequestFailed(_wrap(RequestFailedError, f"detokenising tokens {tokens} of request "
-                                                           f"{req.request_id} failed: {e!r}", e)) from e
 
     def _close(self, seq: Sequence, req: RequestState, reason: str, token_ids: list[int], flush: bool) -> None:
         if flush:
@@ -384,37 +325,6 @@ class OutputProcessor:
         if req.streaming and (delta or token_ids or finish_reason):
             req.queue.put_nowait(StreamDelta(req.request_id, delta, list(token_ids), finish_reason, usage))
 
-
-# One request's share of a pass, taken on the loop when the pass starts: (request, start, tokens,
-# end_at, end_reason, drops_text, grammar_done_at, max_tokens) — the output tokens from `start` to
-# process (a copy: the tick appends to the original) and the tick's end marks as they were then.
-# The tick goes on appending tokens and ending requests meanwhile; the text phase sees none of it
-# (a field read live could show a stop token appended but not yet marked: its text would leak into
-# the output). A plain tuple: a pass builds one per request, and a frozen dataclass doubled the
-# cost of a 512-request pass (_process, the loop stage, passes the same fields as arguments).
-_Work = tuple
-
-
-@dataclass
-class _Outcome:
-    """What the text phase found for one request: tokens start..end processed, and what ends it."""
-
-    start: int
-    end: int
-    reason: str | None = None  # the request ends after token `end`
-    flush: bool = True  # flush the detokeniser at the end (not after a stop string cut the text)
-    error: SlipstreamError | None = None
-
-
-class _RequestFailed(Exception):
-    def __init__(self, error: SlipstreamError):
-        self.error = error
-
-
-def _wrap(cls: type[SlipstreamError], message: str, cause: BaseException) -> SlipstreamError:
-    error = cls(message)
-    error.__cause__ = cause
-    return error
 
 
 def _as_grammar_error(req: RequestState, error: BaseException) -> SlipstreamError:

@@ -39,8 +39,9 @@ MAX_CARRY_VALUES = 4  # the most values one carry kind may have (the width of th
 @dataclass(frozen=True)
 class SamplingRow:
     """A sequence's sampling parameters as the runner's row tables hold them (slipstream/params.py
-    documents each). Built from SamplingParams in api/engine.py; runtime/sampling_args.py is the one
-    runtime file that reads its fields (into the row tables, then `SamplingArgs` per sampling group)."""
+    documents each). Built from SamplingParams in api/engine_submit.py; runtime/sampling_args.py is
+    the one runtime file that reads its fields (into the row tables, then `SamplingArgs` per sampling
+    group)."""
 
     temperature: float = 0.0
     top_k: int = 0  # 0: no top-k

@@ -5,7 +5,7 @@ This is the runtime file that reads SamplingRow's fields (batch.py defines it; b
 HistoryTables reads its stop ids), by attribute, never by name: renaming a field breaks here at
 once, under mypy, not when a step happens to sample.
 
-Path of a request's parameters: SamplingParams (params.py) → SamplingRow (api/engine.py, carried by
+Path of a request's parameters: SamplingParams (params.py) → SamplingRow (api/engine_submit.py, carried by
 Sequence and SeqWork) → `stage_params` (host arena, at launch) → `SamplingTables.write` (device
 rows, before the forward) → `SamplingTables.gather` → `SamplingArgs` → sampler.sample_group.
 

@@ -1,0 +1,176 @@
+"""A request's way into the Engine: checks, prompt preparation, grammar, and submission to the loop.
+
+`SubmitMethods` is a base of Engine (slipstream/api/engine.py, which holds the lifecycle and the
+public methods): `_submit` turns a prompt and its SamplingParams into a scheduler `Sequence` with
+its `RequestState` and hands it to the engine loop. On the way: the prompt's token ids and image
+spans, loaded, expanded and tokenised off the loop (`_prompt_ids`, api/image_prompt.py); a region
+skill's fixed template (`_region_skill`, docs/moondream.md); the image prefix that must fit one step
+(`_bidirectional_len`); the grammar's carry tokens resolved against the model's heads (`_carry_of`).
+Every check names the field it failed on.
+"""
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+from slipstream import validate as check
+from slipstream.errors import GrammarCompileError, GrammarError, InvalidRequestError
+from slipstream.intmath import ceil_div
+from slipstream.outputs import RequestMetrics
+from slipstream.params import SamplingParams
+from slipstream.models.byte_stream import make_detokenizer
+from slipstream.grammar.base import carry_tokens, resolve_carry
+from slipstream.grammar.region import REGION_KINDS
+from slipstream.runtime.batch import MAX_CARRY_TOKENS, MAX_CARRY_VALUES, SamplingRow
+from slipstream.api.interface import Prompt
+from slipstream.api.encode import check_prompt_chars, encode_off_loop
+from slipstream.api.image_prompt import IMAGE_MARKER, prepare_images_off_loop
+from slipstream.api.output_processor import RequestState
+from slipstream.scheduler.block_hash import salt_key
+from slipstream.scheduler.sequence import Sequence as SchedSeq
+from slipstream.images import ImageLike, check_image_count, require_vision
+
+
+class SubmitMethods:
+    """Engine's request submission; reads the parts Engine.start() built (`_parts`, `_grammars`,
+    `tokenizer`, `model_config`, `max_model_len`, `_image_processing`, `loop`) and its request table."""
+
+    async def _submit(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None,
+                      streaming: bool = True, images: Sequence[ImageLike] = (), fields: Sequence[str] | None = None) -> SchedSeq:
+        self._check_running()
+        if params is None:
+            params = SamplingParams()
+        elif not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}",
+                                      param="params")
+        params.check()  # again: a value forced in after construction never reaches the tick
+        if params.n > 1:  # complete/chat fan out before this; a stream cannot (slipstream/api/fanout.py)
+            raise InvalidRequestError("n > 1 cannot be streamed; use complete() or chat()", param="n")
+        request_id = check.request_id(request_id)
+        spec = params.grammar_spec()
+        skill = self._region_skill(spec, prompt, images)
+        ids, spans = await self._prompt_ids(prompt, images, fields, skill)
+        bidirectional = self._bidirectional_len(spans)
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
+                                      f"exceeds the model context of {self.max_model_len} tokens; lower max_tokens "
+                                      f"to at most {self.max_model_len - len(ids)}", param="max_tokens")
+        # compiled off the tick (a thread, under a timeout); a bad grammar fails only this call
+        try:
+            grammar = await self._grammars.compile_async(spec) if spec is not None else None
+            matcher = grammar.matcher() if grammar is not None else None
+            carry = self._carry_of(grammar, spec.kind) if grammar is not None else ()
+        except GrammarError as e:
+            e.param = params.grammar_field()
+            raise
+        except RecursionError:  # a schema nested deeper than the compiler's recursion
+            raise InvalidRequestError(f"{params.grammar_field()} is nested too deeply to compile",
+                                      param=params.grammar_field()) from None
+        if request_id is None:
+            request_id = f"{self._id_prefix}{next(self._ids)}"
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request_id {request_id!r} is already in use", param="request_id")
+        max_tokens = params.max_tokens
+        pool, page = self._parts.pool, self.config.page_size
+        if ceil_div(len(ids) + max_tokens, page) > pool.total:
+            raise InvalidRequestError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) needs more KV pages "
+                                      f"than the whole pool holds ({pool.total} pages of {page})", param="max_tokens")
+        eos = () if params.ignore_eos else tuple(self.tokenizer.eos_token_ids)
+        seed = params.seed if params.seed is not None else self._rng.randrange(2**31)
+        row = SamplingRow(temperature=float(params.temperature), top_k=max(params.top_k, 0), top_p=params.top_p,
+                          seed=seed, logprobs=params.logprobs or params.top_logprobs > 0,
+                          presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+                          repetition_penalty=params.repetition_penalty, min_p=params.min_p,
+                          min_tokens=params.min_tokens, top_logprobs=params.top_logprobs,
+                          stop_ids=tuple(sorted(frozenset(eos) | frozenset(params.stop_token_ids))), carry=carry)
+        req = RequestState(request_id, ids, params, make_detokenizer(self.tokenizer, ids),
+                           frozenset(eos) | frozenset(params.stop_token_ids), RequestMetrics(time.perf_counter()),
+                           matcher=matcher, streaming=streaming)
+        # without stop strings, the tick ends it at the grammar's completion (output_processor.accept)
+        seq = SchedSeq(request_id, ids, max_tokens, row, user=req, matcher=matcher, ends_with_grammar=not params.stop,
+                       images=spans,
+                       bidirectional_len=bidirectional,
+                       cache_extra=salt_key(params.cache_salt) if params.prefix_caching else None)
+        self._requests[request_id] = seq
+        self.loop.submit(seq)
+        return seq
+
+    def _carry_of(self, grammar, kind: str) -> tuple[tuple[int, int], ...]:
+        """The grammar's carry tokens as (token id, the model's carry kind); GrammarCompileError when
+        the model lacks a head it names (docs/moondream.md, "The carry")."""
+        declared = carry_tokens(grammar, f"grammar {kind!r}")
+        if not declared:
+            return ()
+        model_kinds = self._parts.runner.carry_kinds
+        wide = [k.name for k in model_kinds if k.values > MAX_CARRY_VALUES]
+        if wide:
+            raise GrammarCompileError(f"the model's carry kinds {wide} have more than {MAX_CARRY_VALUES} values")
+        return resolve_carry(declared, model_kinds, MAX_CARRY_TOKENS, f"grammar {kind!r}")
+
+    @property
+    def region_skills(self) -> bool:
+        """Whether point/detect run on the model's region heads (Moondream) rather than as text."""
+        return self._grammars.factories.keys() >= set(REGION_KINDS)
+
+    def _region_skill(self, spec, prompt: Prompt, images) -> tuple[str, str] | None:
+        """(kind, object) when this request is a region skill: its prompt is the model's template for
+        the object (docs/moondream.md, "point and detect"), so the prompt text must be empty."""
+        if spec is None or spec.kind not in REGION_KINDS or spec.kind not in self._grammars.factories:
+            return None
+        if not images:
+            raise InvalidRequestError(f"images: {spec.kind} on this model looks at one image; none was given",
+                                      param="images")
+        text = prompt.replace(IMAGE_MARKER, "", 1) if isinstance(prompt, str) else prompt
+        if not isinstance(text, str) or text.strip():
+            raise InvalidRequestError(f"prompt: {spec.kind} on this model has a fixed template holding only the "
+                                      "object name; pass an empty prompt", param="prompt")
+        if not spec.value.strip():
+            raise InvalidRequestError(f"object: {spec.kind} needs an object name", param="object")
+        return spec.kind, spec.value
+
+    def _bidirectional_len(self, spans: list) -> int:
+        """The prompt's leading positions that attend both ways (Moondream's BOS + image): computed in
+        one chunk (scheduler/chunking.py), so a step must hold them all."""
+        measure = getattr(self._image_processing, "bidirectional_len", None)
+        n = measure(spans) if measure is not None else 0
+        if n > self.config.max_num_batched_tokens:
+            raise InvalidRequestError(f"images: this model computes its image prefix of {n} tokens in one step, more "
+                                      f"than max_num_batched_tokens={self.config.max_num_batched_tokens}; start the "
+                                      f"engine with max_num_batched_tokens >= {n} (--max-num-batched-tokens)",
+                                      param="images")
+        return n
+
+    async def _prompt_ids(self, prompt: Prompt, images: Sequence[ImageLike] = (), fields: Sequence[str] | None = None,
+                          skill: tuple[str, str] | None = None):
+        """(token ids, image spans) of a prompt; images are loaded, preprocessed and the prompt expanded
+        and tokenised off the loop (api/image_prompt.py)."""
+        if skill is None:  # (a region skill's prompt was checked to be empty: the template replaces it)
+            prompt = check.prompt(prompt, self.model_config.vocab_size)
+        if isinstance(images, (str, bytes)) or not isinstance(images, (list, tuple)):
+            images = [images]  # one image given bare
+        images = list(images)
+        fields = list(fields) if fields is not None else [f"images[{i}]" for i in range(len(images))]
+        image_token = self.model_config.image_token_id
+        spans: list = []
+        if images:
+            require_vision(self._image_processing is not None, fields[0])
+            check_image_count(len(images), "images")
+            if not isinstance(prompt, str):
+                raise InvalidRequestError("prompt: a request with images needs a text prompt (its <image> markers "
+                                          "are expanded before tokenising)", param="prompt")
+            check_prompt_chars(prompt, self.config.max_prompt_chars)
+            ids, spans = await prepare_images_off_loop(prompt, images, fields, self._image_processing,
+                                                       self.tokenizer, image_token, skill)
+        elif isinstance(prompt, str):
+            ids = await encode_off_loop(self.tokenizer, prompt, self.config.max_prompt_chars)
+        else:
+            ids = list(prompt)
+        if not images and image_token is not None and image_token in ids:
+            raise InvalidRequestError("prompt: it holds image placeholder tokens but no images were given",
+                                      param="prompt")
+        if not ids:
+            raise InvalidRequestError("prompt is empty", param="prompt")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(f"prompt has {len(ids)} tokens; the model context is {self.max_model_len}",
+                                      param="prompt")
+        return ids, spans

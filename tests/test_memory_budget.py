@@ -21,7 +21,8 @@ CFG = dict(model="tiny-random", max_batch_size=4, max_num_batched_tokens=48, kv_
            graph_token_sizes=(16, 32))
 
 
-def _nbytes(*tensors):
+def _nbytes(*outputs):
+    tensors = [t for o in outputs for t in (o if isinstance(o, tuple) else (o,))]  # (carry graphs: a pair)
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -175,3 +176,37 @@ def test_cuda_reserve_covers_the_measured_graph_and_sampling_memory():
     graphs = r.decode_graph_logits + r.greedy_graph_ids + r.mixed_graph_logits + r.graph_temporaries
     assert 0 < grown <= graphs + 64 * 2**20  # (+ the allocator's segment rounding)
     assert peak <= r.sampling + r.eager_logits + r.history + 64 * 2**20, (peak, r.gib())
+
+
+@needs_triton
+def test_carry_graph_outputs_are_what_the_reserve_predicts(monkeypatch):
+    """A model with carry heads captures carry decode graphs at warm-up: each keeps its logits and
+    hidden states, which the reserve counts (and only for such a model)."""
+    from carry_util import install_heads
+
+    held = []
+
+    def stand_in(runner, device, pool, stage, forward=None):
+        tensors = stage()
+        out = (runner.forward_from if forward is None else forward)(tensors)
+        if forward is not None and forward.__name__ == "forward_carry":
+            held.append(out)
+        return types.SimpleNamespace(replay=lambda: out)
+
+    monkeypatch.setattr(cuda_graphs, "_capture", stand_in)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    cfg = EngineConfig(**CFG)
+
+    async def run():
+        async with Engine(cfg) as engine:
+            runner = engine._parts.runner
+            install_heads(runner)
+            runner.model.set_kernel_backend("triton")
+            cuda_graphs.install_graphs(runner, engine._parts.device, cfg)
+            return engine._parts.model_config
+
+    mcfg = asyncio.run(run())
+    assert len(held) == 2 * 3  # two slots x buckets 1, 2, 4
+    assert _nbytes(*held) == engine_reserve(cfg, mcfg, torch.float32, carry=True).carry_graph_outputs
+    assert engine_reserve(cfg, mcfg, torch.float32).carry_graph_outputs == 0

@@ -50,7 +50,8 @@ def kv_pages(config: EngineConfig, model, mcfg, device, max_model_len: int) -> i
 
     dtype = DTYPES[config.dtype]
     free = profile_free_memory(model, mcfg, device, config.max_num_batched_tokens, config.page_size, dtype)
-    reserve = engine_reserve(config, mcfg, dtype)  # graphs, sampling and tables come after the KV pool
+    # graphs, sampling and tables come after the KV pool
+    reserve = engine_reserve(config, mcfg, dtype, carry=getattr(model, "carry_heads", None) is not None)
     log.info("memory_reserved_before_kv", **reserve.gib())
     return kv_pages_for_memory(free, config.gpu_memory_utilization, kv_bytes_per_page(mcfg, config.page_size, dtype),
                                min_pages=ceil_div(max_model_len, config.page_size) + 1, reserved_bytes=reserve.total)

@@ -53,6 +53,8 @@ class RuntimeReserve:
 
     decode_graph_logits: int  # each (slot, bucket) decode graph keeps its [bucket, V] fp32 logits
     greedy_graph_ids: int  # each greedy decode graph keeps its [bucket] ids
+    carry_graph_outputs: int  # a model with carry heads: each carry decode graph keeps its [bucket, V]
+    #                           fp32 logits and its [bucket, H] hidden states (runtime/carry.py)
     mixed_graph_logits: int  # each (slot, token bucket) mixed graph keeps [min(T, S), V] fp32 logits
     graph_temporaries: int  # the graph pool's scratch: the largest graph's lm_head output in the
     #                         model dtype and the greedy graph's fp32 logits, plus its activations
@@ -70,10 +72,11 @@ class RuntimeReserve:
 
 
 def runtime_reserve(config, vocab_size: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
-                    decode_buckets: list[int], token_buckets: list[int]) -> RuntimeReserve:
+                    decode_buckets: list[int], token_buckets: list[int], carry: bool = False) -> RuntimeReserve:
     """What graphs, sampling and the runner's tables need beyond the weights, the KV pool and the
     profiled forward. `config`: the EngineConfig (max_batch_size, pipeline_depth, cuda_graphs,
-    mixed_graphs); the bucket lists as the graph caches build them (empty: no such graphs)."""
+    mixed_graphs); the bucket lists as the graph caches build them (empty: no such graphs);
+    `carry`: the model has carry heads (its carry decode graphs are captured at warm-up too)."""
     from slipstream.runtime.batch import MAX_TOP_LOGPROBS
     from slipstream.runtime.step_slot import MAX_GROUPS
 
@@ -86,6 +89,7 @@ def runtime_reserve(config, vocab_size: int, hidden_size: int, intermediate_size
     return RuntimeReserve(
         decode_graph_logits=slots * sum(decode) * V * 4,
         greedy_graph_ids=slots * sum(decode) * 8,
+        carry_graph_outputs=slots * sum(decode) * (V * 4 + hidden_size * dtype.itemsize) if carry else 0,
         mixed_graph_logits=slots * sum(min(t, S) for t in mixed) * V * 4,
         graph_temporaries=graph_rows * V * (4 + model_logits)
         + graph_tokens * (4 * hidden_size + 3 * intermediate_size) * dtype.itemsize,
@@ -117,9 +121,9 @@ def profile_free_memory(model, config, device, num_tokens: int, page_size: int, 
     return free
 
 
-def engine_reserve(config, mcfg, dtype: torch.dtype) -> RuntimeReserve:
+def engine_reserve(config, mcfg, dtype: torch.dtype, carry: bool = False) -> RuntimeReserve:
     """runtime_reserve for an EngineConfig and a model config, with the engine's own buckets."""
     from slipstream.runtime.buckets import make_buckets, token_buckets
 
     return runtime_reserve(config, mcfg.vocab_size, mcfg.hidden_size, mcfg.intermediate_size, dtype,
-                           make_buckets(*config.buckets()), token_buckets(*config.token_bucket_range()))
+                           make_buckets(*config.buckets()), token_buckets(*config.token_bucket_range()), carry)

@@ -9,9 +9,9 @@ h // (heads // kv_heads) (GQA); scores are scaled by 1/sqrt(head_dim).
 With `bidirectional_lens` ([S] device tensor; Moondream's BOS + image prefix) a query at position
 p < prefix also sees keys j < prefix (the reference's `bidirectional_prefix_mask`). The prefix is
 clamped to kv_len: the planner computes a prefix in one chunk, so a chunk with a query inside it
-reaches its end (attention.py refuses the other case on the host; this kernel reads no values on
-the host). Without it the flag BIDI is a constexpr False and text models compile the plain causal
-kernel unchanged.
+reaches its end (the reference path refuses the other case; this kernel reads no values on the
+host, so it trusts the planner). Without it the flag BIDI is a constexpr False and text models
+compile the plain causal kernel unchanged.
 
 Layout: q, out are [T, heads, head_dim]; k_cache, v_cache are one layer's flat
 [N, kv_heads, head_dim] cache, where a key's KV index = page * page_size + offset and row s of page_table

@@ -135,6 +135,54 @@ def test_random_batches_interpreted(seed):
     assert (got[meta.query_start[-1]:] == SENTINEL).all()
 
 
+# (q_lens, kv_lens, prefixes): whole prompts with a prefix past one query block (16) and one key
+# block, a chunk starting inside its prefix (positions before it reused from a cache) that reaches
+# its end, a prefix equal to the context, BOS only (prefix 1), later chunks and a decode past their
+# prefix, plain sequences (prefix 0) and a padding sequence beside them
+BIDI_SEQS = [([40, 13, 9, 0, 1], [40, 13, 9, 0, 20], [37, 6, 0, 0, 6]),
+             ([10, 20, 5, 7], [12, 20, 30, 7], [7, 20, 8, 1])]
+
+
+def _bidi_reference(q, k_cache, v_cache, meta, prefixes):
+    out = torch.full(q.shape, SENTINEL, dtype=torch.float64)
+    for s in range(meta.num_seqs):
+        if meta.query_start[s + 1] > meta.query_start[s]:
+            m = AttentionMetadata(meta.query_start[s:s + 2], [meta.kv_lens[s]], [meta.page_tables[s]],
+                                  meta.page_size, bidirectional_lens=[prefixes[s]])
+            paged_attention_reference(q.cpu().double(), k_cache.cpu().double(), v_cache.cpu().double(), m, out)
+    return out
+
+
+@pytest.mark.parametrize("flat", [False, True], ids=["grid", "block_table"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("seqs", range(len(BIDI_SEQS)))
+def test_bidirectional_prefix_matches_reference_interpreted(seqs, dtype, flat):
+    """With `bidirectional_lens` a query inside its sequence's prefix sees the whole prefix (the
+    reference's mask); prefix 0 and queries past the prefix stay causal, and a prefix tensor of
+    zeros gives bitwise the output of the kernel without one (the text path)."""
+    q_lens, kv_lens, prefixes = BIDI_SEQS[seqs]
+    q, k, v, meta, dev = _make(q_lens, kv_lens, 4, 2, 16, 8, 2, dtype, 40 + seqs)
+    bidi = torch.tensor(prefixes, dtype=dev["kv_lens"].dtype)
+    blocks = None
+    if flat:
+        blocks = torch.tensor(ab.query_blocks(q_lens, ab.num_query_programs(q.shape[0] + 8, len(q_lens) + 1)),
+                              dtype=torch.int64)
+    args = (q, k, v, dev["query_start"], dev["kv_lens"], dev["page_table"], meta.page_size, max(q_lens))
+    out = torch.full(q.shape, SENTINEL, dtype=dtype)
+    at.paged_attention_triton(*args, out, blocks=blocks, bidirectional_lens=bidi)
+    ref = _bidi_reference(q, k, v, meta, prefixes)
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(out.double(), ref, atol=atol, rtol=rtol)
+    assert (out[meta.query_start[-1]:] == SENTINEL).all()
+    # the prefix is really seen: plain causal attention differs on the prefixed sequences
+    causal = _reference(q, k, v, meta)
+    assert (causal - ref).abs().max() > 0.05
+    plain, zeros = (torch.full(q.shape, SENTINEL, dtype=dtype) for _ in range(2))
+    at.paged_attention_triton(*args, plain, blocks=blocks)
+    at.paged_attention_triton(*args, zeros, blocks=blocks, bidirectional_lens=torch.zeros_like(bidi))
+    assert torch.equal(plain, zeros)
+
+
 def test_query_blocks_table():
     table = ab.query_blocks([1, 0, 17, 16, 33], ab.num_query_programs(67, 5))
     assert ab.num_query_programs(67, 5) == 67 // ab.BLOCK_M + 5 == 9
@@ -200,6 +248,8 @@ def test_rejects_bad_input():
         call(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, qs, kl, pt, 8, 2, out)
     with pytest.raises(ValueError, match=r"\[2, P\] int32/int64"):
         call(q, k, v, qs, kl, pt, 8, 2, out, blocks=torch.zeros(3, 4, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"bidirectional_lens must be an int32/int64 \[S\]"):
+        call(q, k, v, qs, kl, pt, 8, 2, out, bidirectional_lens=torch.zeros(2, dtype=torch.int64))
 
 
 def test_clear_error_without_triton(monkeypatch):

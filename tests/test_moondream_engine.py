@@ -202,3 +202,22 @@ def test_generate_command_answers_a_query(md, want, tmp_path, capsys):
     tokens = want[(QUESTIONS[0], "image")][0]
     eos = tokens.index(0) if 0 in tokens else len(tokens)  # the command stops at EOS (id 0)
     assert tok.decode(tokens[:eos]) in capsys.readouterr().out
+
+
+@pytest.mark.filterwarnings(r"ignore:(overflow|invalid value) encountered:RuntimeWarning")
+def test_the_triton_backend_through_the_engine(md, want, monkeypatch):
+    """What CUDA runs (the engine sets the triton backend there), on the CPU through Triton's
+    interpreter: the runner uploads the bidirectional prefixes with the device metadata, and the
+    answers equal the oracle's."""
+    pytest.importorskip("triton")
+    from slipstream.api import assemble
+
+    def triton_model(*args, **kwargs):
+        model, tokenizer, mcfg = build_model(*args, **kwargs)
+        model.set_kernel_backend("triton")
+        return model, tokenizer, mcfg
+
+    monkeypatch.setattr(assemble, "build_model", triton_model)
+    (pair,), _ = run_engine(config(md[0], 2), [[(QUESTIONS[0], IMAGE), (QUESTIONS[1], OTHER)]])
+    check(pair[0], want[(QUESTIONS[0], "image")])
+    check(pair[1], want[(QUESTIONS[1], "other")])

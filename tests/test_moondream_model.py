@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from slipstream.errors import CorruptModelError, UnsupportedArchitectureError
+from slipstream.errors import CorruptModelError
 from slipstream.models.attention import AttentionMetadata, paged_attention_reference
 from slipstream.models.llama import ForwardBatch, KVCache
 from slipstream.models.moondream.config import MoondreamConfig
@@ -580,12 +580,6 @@ def test_folder_with_a_missing_tensor_or_unknown_field_is_refused(tmp_path, weig
     sections["text"]["n_expertz"] = 3
     with pytest.raises(CorruptModelError, match="n_expertz"):
         load_moondream_folder(save_folder(tmp_path / "b", weights, "current", sections), dtype=D)
-
-
-def test_triton_backend_is_refused_by_name(model):
-    with pytest.raises(UnsupportedArchitectureError, match="bidirectional"):
-        model.set_kernel_backend("triton")
-    assert model.backend == "reference"
 
 
 def test_released_config_sizes():

@@ -96,14 +96,17 @@ def cases(cfg, dtype):
     yield (silu_mul_triton._silu_mul_kernel, silu_sig,
            dict(BLOCK=min(silu_mul_triton.BLOCK, triton.next_power_of_2(cfg.intermediate_size))), dict(num_warps=4))
     attn_strides = "stride_qt stride_qh stride_kt stride_kh stride_vt stride_vh stride_ot stride_oh stride_pt stride_bt"
-    attn_sig = dict(Q=p, K=p, V=p, O=p, QS="*i64", KVL="*i64", PT="*i64", BT="*i64",
+    attn_sig = dict(Q=p, K=p, V=p, O=p, QS="*i64", KVL="*i64", PT="*i64", BT="*i64", BL="*i64",
                     **{s: i32 for s in attn_strides.split()}, qk_scale="fp32", page_size=i32)
     block_d = triton.next_power_of_2(cfg.head_dim)
-    for flat in (False, True):  # the eager/decode grid and the block-table grid of mixed graphs
+    # the eager/decode grid, the block-table grid of mixed graphs, and the eager grid with a
+    # bidirectional prefix (Moondream's image steps)
+    for flat, bidi in ((False, False), (True, False), (False, True)):
         yield (attention_triton._paged_attention_kernel, attn_sig,
                dict(HEAD_DIM=cfg.head_dim, GROUP=cfg.num_heads // cfg.num_kv_heads, DOT_DTYPE=TL[dtype],
                     PRECISION="ieee" if dtype == torch.float32 else None, BLOCK_M=attention_triton.BLOCK_M,
-                    BLOCK_N=64 if dtype != torch.float32 and block_d <= 128 else 32, BLOCK_D=block_d, FLAT=flat),
+                    BLOCK_N=64 if dtype != torch.float32 and block_d <= 128 else 32, BLOCK_D=block_d, FLAT=flat,
+                    BIDI=bidi),
                dict(num_warps=4 if block_d <= 64 else 8))
     gemm_sig = dict(X=p, W=p, Y=p, M=i32, N=i32, K=i32, stride_xm=i32, stride_wn=i32, stride_ym=i32)
     for rows in (1, 32, 256):

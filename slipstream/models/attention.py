@@ -38,8 +38,9 @@ class AttentionMetadata:
     on_device: "DeviceAttentionMetadata | None" = None  # what GPU kernels read (and graphs capture)
     cpu_plan: "CPUAttentionPlan | None" = None  # built on first use by the reference path, shared by layers
     # Per sequence, how many leading positions attend to each other both ways (Moondream's BOS + image
-    # prefix); None or 0 is plain causal. Only the reference path honours it, and only when a chunk
-    # holds the whole prefix: a later key cannot be attended to before it is computed.
+    # prefix); None or 0 is plain causal. Honoured only when a chunk holds the whole prefix (a later
+    # key cannot be attended to before it is computed); the triton kernel reads its device copy,
+    # DeviceAttentionMetadata.bidirectional_lens.
     bidirectional_lens: "list[int] | None" = None
 
     @property
@@ -86,13 +87,16 @@ class DeviceAttentionMetadata:
 
     `max_q_len` is a host bound on chunk lengths, used only to size a kernel grid; `blocks`, when set,
     is the attention kernel's [2, programs] table of query blocks (attention_blocks.query_blocks),
-    which sizes the grid instead, by the step's token bucket: what a graph of mixed steps needs."""
+    which sizes the grid instead, by the step's token bucket: what a graph of mixed steps needs.
+    `bidirectional_lens` [S]: AttentionMetadata.bidirectional_lens on the device (None: all causal,
+    and the kernel compiled without the prefix test)."""
 
     query_start: torch.Tensor
     kv_lens: torch.Tensor
     page_table: torch.Tensor
     max_q_len: int
     blocks: torch.Tensor | None = None
+    bidirectional_lens: torch.Tensor | None = None
 
 
 def write_kv(cache: torch.Tensor, kv_indices: torch.Tensor, values: torch.Tensor) -> None:

@@ -6,6 +6,13 @@ so query i sits at position kv_len - q_len + i and attends causally to keys 0..t
 (decode is q_len 1, a prefill chunk q_len <= kv_len). Query head h reads kv head
 h // (heads // kv_heads) (GQA); scores are scaled by 1/sqrt(head_dim).
 
+With `bidirectional_lens` ([S] device tensor; Moondream's BOS + image prefix) a query at position
+p < prefix also sees keys j < prefix (the reference's `bidirectional_prefix_mask`). The prefix is
+clamped to kv_len: the planner computes a prefix in one chunk, so a chunk with a query inside it
+reaches its end (the reference path refuses the other case; this kernel reads no values on the
+host, so it trusts the planner). Without it the flag BIDI is a constexpr False and text models
+compile the plain causal kernel unchanged.
+
 Layout: q, out are [T, heads, head_dim]; k_cache, v_cache are one layer's flat
 [N, kv_heads, head_dim] cache, where a key's KV index = page * page_size + offset and row s of page_table
 [S, P] lists sequence s's pages in order. One program handles BLOCK_M queries of one (sequence,
@@ -49,11 +56,12 @@ if triton is not None:
     _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
     def _paged_attention_kernel(
-        Q, K, V, O, QS, KVL, PT, BT,
+        Q, K, V, O, QS, KVL, PT, BT, BL,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_pt,
         stride_bt, qk_scale, page_size,
         HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, FLAT: tl.constexpr,
+        BIDI: tl.constexpr,
     ):
         h = tl.program_id(1)
         if FLAT:  # program -> (sequence, first query) from the block table
@@ -82,6 +90,9 @@ if triton is not None:
             acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
             # keys past the block's last query position are masked for every row: skip them
             hi = tl.minimum(kv_len, kv_len - q_len + m_start + BLOCK_M)
+            if BIDI:  # a query inside the prefix sees the whole prefix
+                prefix = tl.minimum(tl.load(BL + s).to(tl.int64), kv_len)
+                hi = tl.maximum(hi, prefix)
             for n0 in range(0, hi, BLOCK_N):
                 offs_n = n0 + tl.arange(0, BLOCK_N)
                 n_mask = offs_n < hi
@@ -92,7 +103,10 @@ if triton is not None:
                             mask=kv_mask, other=0.0)
                 qk = tl.dot(q.to(DOT_DTYPE), tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION)
                 # scores in log2 units so exp2 can be used
-                qk = tl.where((offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :], qk * qk_scale, float("-inf"))
+                visible = offs_n[None, :] <= q_pos[:, None]
+                if BIDI:
+                    visible = visible | ((q_pos[:, None] < prefix) & (offs_n[None, :] < prefix))
+                qk = tl.where(visible & n_mask[None, :], qk * qk_scale, float("-inf"))
                 m_new = tl.maximum(m_i, tl.reduce(qk, 1, MAX_COMBINE))
                 alpha = tl.math.exp2(m_i - m_new)
                 p = tl.math.exp2(qk - m_new[:, None])
@@ -109,12 +123,14 @@ if triton is not None:
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start: torch.Tensor,
                            kv_lens: torch.Tensor, page_table: torch.Tensor, page_size: int, max_q_len: int,
-                           out: torch.Tensor, blocks: torch.Tensor | None = None) -> torch.Tensor:
+                           out: torch.Tensor, blocks: torch.Tensor | None = None,
+                           bidirectional_lens: torch.Tensor | None = None) -> torch.Tensor:
     """Write attention for every query token into `out` (see the module docstring) and return it.
 
     Only shapes, dtypes and devices are checked here (never values: this must stay graph-capturable);
     `max_q_len` must bound every q_len, and q_len <= kv_len must hold for each sequence. `blocks`:
-    the [2, P] program table of `query_blocks` (then `max_q_len` is not used)."""
+    the [2, P] program table of `query_blocks` (then `max_q_len` is not used). `bidirectional_lens`:
+    [S] int32/int64, each sequence's bidirectional prefix length (0: plain causal)."""
     require_triton("paged_attention_triton")
     if q.dim() != 3 or out.shape != q.shape or k_cache.dim() != 3 or v_cache.shape != k_cache.shape:
         raise ValueError(f"expected q, out [T, heads, head_dim] and k/v caches [N, kv_heads, head_dim]; got "
@@ -141,8 +157,12 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                or blocks.stride(1) != 1):
         raise ValueError(f"blocks must be a [2, P] int32/int64 table with contiguous rows, got "
                          f"{tuple(blocks.shape)} {blocks.dtype}")
+    if bidirectional_lens is not None and (bidirectional_lens.shape != kv_lens.shape
+                                           or bidirectional_lens.dtype not in _INDEX_DTYPES):
+        raise ValueError(f"bidirectional_lens must be an int32/int64 [S] tensor like kv_lens, got "
+                         f"{tuple(bidirectional_lens.shape)} {bidirectional_lens.dtype}")
     if any(t.device != q.device for t in (k_cache, v_cache, out, query_start, kv_lens, page_table)
-           ) or (blocks is not None and blocks.device != q.device):
+           ) or any(t is not None and t.device != q.device for t in (blocks, bidirectional_lens)):
         raise ValueError("all tensors must be on q's device")
     if page_size <= 0 or max_q_len < 0:
         raise ValueError(f"page_size must be positive and max_q_len non-negative; got {page_size}, {max_q_len}")
@@ -163,12 +183,14 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         grid = (blocks.shape[1], heads, 1)
     kernel[grid](
         q, k_cache, v_cache, out, query_start, kv_lens, page_table, page_table if blocks is None else blocks,
+        kv_lens if bidirectional_lens is None else bidirectional_lens,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), page_table.stride(0), 0 if blocks is None else blocks.stride(0),
         _LOG2E / math.sqrt(head_dim), page_size,
         HEAD_DIM=head_dim, GROUP=heads // kv_heads, DOT_DTYPE=dot_dtype,
         PRECISION="ieee" if q.dtype == torch.float32 else None,  # exact fp32, not tf32
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_D=block_d, FLAT=blocks is not None,
+        BIDI=bidirectional_lens is not None,
         num_warps=4 if block_d <= 64 else 8,
     )
     return out

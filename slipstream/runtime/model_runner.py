@@ -192,8 +192,12 @@ class ModelRunner:
         else:
             page_table = r.pages[seq_rows]
             meta = AttentionMetadata([], [], [], ps)
-        meta.on_device = DeviceAttentionMetadata(t.query_start, kv_lens, page_table, t.max_q_len)
-        meta.bidirectional_lens = bidirectional_lens  # (Moondream's BOS + image prefix; None: all causal)
+        # (Moondream's BOS + image prefix; None: all causal, and no upload)
+        bidi = None if bidirectional_lens is None else upload_array(np.asarray(bidirectional_lens, np.int64),
+                                                                     kv_lens.device)
+        meta.on_device = DeviceAttentionMetadata(t.query_start, kv_lens, page_table, t.max_q_len,
+                                                 bidirectional_lens=bidi)
+        meta.bidirectional_lens = bidirectional_lens
         batch = ForwardBatch(input_ids=ids, positions=positions, kv_indices=kv_indices,
                              sample_indices=t.sample_indices, attn=meta)
         if embeds is not None:  # image placeholders take encoder rows (never in a graph: _choose_graph)

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from slipstream.errors import UnsupportedArchitectureError
 from slipstream.models.carry_heads import apply_carry
 from slipstream.models.moondream.carry import RegionCarryHeads
 from slipstream.models.moondream.config import MoondreamConfig
@@ -53,14 +52,13 @@ class MoondreamForCausalLM(nn.Module):
             block.attn.compute_dtype = dtype
 
     def set_kernel_backend(self, backend: str, options=None) -> None:
-        if backend == "reference":
-            self.backend = backend
-            return
-        if backend == "triton":
-            raise UnsupportedArchitectureError(
-                "moondream runs on the reference kernel backend only: the triton attention kernel does not "
-                "implement the bidirectional image prefix (AttentionMetadata.bidirectional_lens) yet")
-        raise ValueError(f"kernel backend must be 'reference' or 'triton', got {backend!r}")
+        """"triton" swaps in the paged attention kernel (text.py); `options` (the Llama family's
+        TritonOptions) do not apply to this model and are ignored."""
+        if backend not in ("reference", "triton"):
+            raise ValueError(f"kernel backend must be 'reference' or 'triton', got {backend!r}")
+        self.backend = backend
+        for block in self.text.blocks:
+            block.attn.backend = backend
 
     def forward_hidden(self, batch: "ForwardBatch", kv: "KVCache") -> tuple[torch.Tensor, torch.Tensor]:
         """(float32 logits [N, vocab], hidden [N, hidden] in the model dtype) for batch.sample_indices;

@@ -13,6 +13,10 @@ device value on the host, so a step can run inside a CUDA graph once the attenti
 
 The bidirectional BOS + image prefix is a property of the batch, not of the model: the planner
 sets `AttentionMetadata.bidirectional_lens` (see attention.py and docs/moondream.md).
+
+On the "triton" backend (the GPU path) only the attention changes: the paged attention kernel
+(attention_triton.py, reading the device metadata and its bidirectional prefixes). The partial
+rotary and the K/V write stay torch ops: the fused rotary + KV-write kernel rotates whole heads.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from slipstream.models.attention import paged_attention_reference, write_kv
+from slipstream.models.attention_triton import paged_attention_triton
 from slipstream.models.moondream.config import MoondreamTextConfig
 from slipstream.models.moondream.vision import GeluMLP
 from slipstream.models.rotary import rotate_half_reference
@@ -70,6 +75,7 @@ class _Attention(nn.Module):
         self.qkv = nn.Linear(d, (self.heads + 2 * self.kv_heads) * self.head_dim)
         self.proj = nn.Linear(d, d)
         self.compute_dtype: torch.dtype | None = None  # float64: batch/chunk-invariant (attention.py)
+        self.backend = "reference"  # or "triton": MoondreamForCausalLM.set_kernel_backend
 
     def forward(self, x: torch.Tensor, batch: "ForwardBatch", kv: "KVCache", rotate) -> torch.Tensor:
         t = x.shape[0]
@@ -81,7 +87,12 @@ class _Attention(nn.Module):
         write_kv(k_cache, batch.kv_indices, k)
         write_kv(v_cache, batch.kv_indices, v.reshape(t, self.kv_heads, self.head_dim))
         out = torch.zeros_like(q)  # padding rows stay finite
-        paged_attention_reference(q, k_cache, v_cache, batch.attn, out, self.compute_dtype)
+        if self.backend == "triton":
+            m = batch.attn.on_device
+            paged_attention_triton(q, k_cache, v_cache, m.query_start, m.kv_lens, m.page_table, kv.page_size,
+                                   m.max_q_len, out, blocks=m.blocks, bidirectional_lens=m.bidirectional_lens)
+        else:
+            paged_attention_reference(q, k_cache, v_cache, batch.attn, out, self.compute_dtype)
         return self.proj(out.view(t, qd))
 
 

@@ -26,13 +26,16 @@ def _nbytes(*outputs):
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-@needs_triton
-def test_graph_outputs_are_what_the_reserve_predicts(monkeypatch):
-    held = {"decode": [], "greedy": [], "mixed": []}
+def capture_graph_outputs(monkeypatch, cfg, prepare=lambda runner: None):
+    """Install the engine's graphs with a stand-in capture that runs each forward once, as the real
+    one does; returns (model config, {kind: the outputs the graphs keep})."""
+    held = {"decode": [], "greedy": [], "carry": [], "mixed": []}
 
     def stand_in(runner, device, pool, stage, forward=None):
         tensors = stage()
-        kind = "mixed" if hasattr(tensors, "blocks") else "decode" if forward is None else "greedy"
+        name = getattr(forward, "__name__", "")
+        kind = ("mixed" if hasattr(tensors, "blocks") else "decode" if forward is None
+                else "carry" if name == "forward_carry" else "greedy")
         out = (runner.forward_from if forward is None else forward)(tensors)  # the output a graph keeps
         held[kind].append(out)
         return types.SimpleNamespace(replay=lambda: out)
@@ -40,16 +43,22 @@ def test_graph_outputs_are_what_the_reserve_predicts(monkeypatch):
     monkeypatch.setattr(cuda_graphs, "_capture", stand_in)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
-    cfg = EngineConfig(**CFG)
 
     async def run():
         async with Engine(cfg) as engine:
             runner = engine._parts.runner
+            prepare(runner)
             runner.model.set_kernel_backend("triton")
             cuda_graphs.install_graphs(runner, engine._parts.device, cfg)
             return engine._parts.model_config
 
-    mcfg = asyncio.run(run())
+    return asyncio.run(run()), held
+
+
+@needs_triton
+def test_graph_outputs_are_what_the_reserve_predicts(monkeypatch):
+    cfg = EngineConfig(**CFG)
+    mcfg, held = capture_graph_outputs(monkeypatch, cfg)
     r = engine_reserve(cfg, mcfg, torch.float32)
     assert len(held["decode"]) == len(held["greedy"]) == 2 * 3 and len(held["mixed"]) == 2 * 2  # buckets 1,2,4; 16,32
     assert _nbytes(*held["decode"]) == r.decode_graph_logits
@@ -184,29 +193,8 @@ def test_carry_graph_outputs_are_what_the_reserve_predicts(monkeypatch):
     hidden states, which the reserve counts (and only for such a model)."""
     from carry_util import install_heads
 
-    held = []
-
-    def stand_in(runner, device, pool, stage, forward=None):
-        tensors = stage()
-        out = (runner.forward_from if forward is None else forward)(tensors)
-        if forward is not None and forward.__name__ == "forward_carry":
-            held.append(out)
-        return types.SimpleNamespace(replay=lambda: out)
-
-    monkeypatch.setattr(cuda_graphs, "_capture", stand_in)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
     cfg = EngineConfig(**CFG)
-
-    async def run():
-        async with Engine(cfg) as engine:
-            runner = engine._parts.runner
-            install_heads(runner)
-            runner.model.set_kernel_backend("triton")
-            cuda_graphs.install_graphs(runner, engine._parts.device, cfg)
-            return engine._parts.model_config
-
-    mcfg = asyncio.run(run())
-    assert len(held) == 2 * 3  # two slots x buckets 1, 2, 4
-    assert _nbytes(*held) == engine_reserve(cfg, mcfg, torch.float32, carry=True).carry_graph_outputs
+    mcfg, held = capture_graph_outputs(monkeypatch, cfg, install_heads)
+    assert len(held["carry"]) == 2 * 3  # two slots x buckets 1, 2, 4
+    assert _nbytes(*held["carry"]) == engine_reserve(cfg, mcfg, torch.float32, carry=True).carry_graph_outputs
     assert engine_reserve(cfg, mcfg, torch.float32).carry_graph_outputs == 0

@@ -3,7 +3,14 @@ import io
 import struct
 import zlib
 
+import numpy as np
 from PIL import Image
+
+
+def picture(width: int, height: int, seed: int) -> Image.Image:
+    """A random RGB picture, the same for the same seed."""
+    rs = np.random.RandomState(seed)
+    return Image.fromarray(rs.randint(0, 256, (height, width, 3), dtype=np.uint8), "RGB")
 
 
 def encoded(w: int = 8, h: int = 6, fmt: str = "PNG", mode: str = "RGB", color=(200, 30, 40)) -> bytes:

@@ -4,10 +4,9 @@ chat with images, and a prompt chunked through an image; the encoder cache's hit
 Prometheus series; a text-only model refuses images naming the field."""
 import asyncio
 
-import numpy as np
 import pytest
+from image_util import picture
 import torch
-from PIL import Image
 
 from idefics3_fixture import idefics3_folder  # noqa: F401 (fixture)
 from slipstream import Engine, EngineConfig, InvalidRequestError, SamplingParams
@@ -16,10 +15,6 @@ pytest.importorskip("transformers")
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
-
-def picture(width, height, seed):
-    rs = np.random.RandomState(seed)
-    return Image.fromarray(rs.randint(0, 256, (height, width, 3), dtype=np.uint8), "RGB")
 
 
 ONE = [picture(100, 150, 0)]

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from image_util import picture
 import torch
 
 from slipstream import Engine, EngineConfig, InvalidRequestError, SamplingParams
@@ -52,10 +53,6 @@ def md(tmp_path_factory):
     tok.save(str(folder / "tokenizer.json"))
     return folder, weights, tok
 
-
-def picture(width, height, seed):
-    rs = np.random.RandomState(seed)
-    return PIL.fromarray(rs.randint(0, 256, (height, width, 3), dtype=np.uint8), "RGB")
 
 
 IMAGE = picture(60, 40, 0)

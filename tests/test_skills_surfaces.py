@@ -3,9 +3,8 @@
 entry refuses a bad argument naming it (slipstream/api/skills.py `check_skill_args`)."""
 import asyncio
 
-import numpy as np
 import pytest
-from PIL import Image
+from image_util import picture
 from worker_util import engine_config, free_tcp_address, start_worker
 
 from idefics3_fixture import idefics3_folder  # noqa: F401 (fixture)
@@ -14,10 +13,6 @@ from slipstream import LLM, Client, Engine, InvalidRequestError
 
 pytest.importorskip("transformers")
 
-
-def picture(width, height, seed):
-    rs = np.random.RandomState(seed)
-    return Image.fromarray(rs.randint(0, 256, (height, width, 3), dtype=np.uint8), "RGB")
 
 
 PICS = [picture(100, 150, 0), picture(64, 40, 5)]

@@ -30,29 +30,19 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the slipstream of this checkout
 
 from slipstream import Engine, EngineConfig  # noqa: E402
-from slipstream import provenance as prov  # noqa: E402
+from bench_lines import emit, pct, picture, report  # noqa: E402
 
 OBJECTS = ["cat", "dog", "box", "tree"]
 
 
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
-
-
 def pictures(n: int, width: int, height: int) -> list[Image.Image]:
-    out = []
-    for seed in range(n):
-        rs = np.random.RandomState(seed)
-        out.append(Image.fromarray(rs.randint(0, 256, (height, width, 3), dtype=np.uint8), "RGB"))
-    return out
+    return [picture(seed, width, height) for seed in range(n)]
 
 
 async def round_(engine: Engine, concurrency: int, total: int, pics: list, max_objects: int):
@@ -74,11 +64,6 @@ async def round_(engine: Engine, concurrency: int, total: int, pics: list, max_o
     t0 = time.perf_counter()
     await asyncio.gather(*(caller() for _ in range(concurrency)))
     return latencies, found, time.perf_counter() - t0
-
-
-def emit(lines: list[str], line: str = "") -> None:
-    print(line, flush=True)
-    lines.append(line)
 
 
 async def bench_depth(args, model: str, depth: int, pics: list, lines: list[str]) -> None:
@@ -165,9 +150,4 @@ if __name__ == "__main__":
         model, what = tiny_folder(args.skills_model)
     else:
         model, what = args.model, "weights from the folder"
-    head = prov.header(prov.provenance())
-    print(head, end="")
-    body = asyncio.run(main(args, model, what))
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(head + "\n".join(body) + "\n")
+    report(lambda: asyncio.run(main(args, model, what)), args.out)

@@ -29,21 +29,15 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the slipstream of this checkout
 
 from slipstream import Engine, EngineConfig, SamplingParams  # noqa: E402
-from slipstream import provenance as prov  # noqa: E402
+from bench_lines import emit, pct, picture, report  # noqa: E402
 
 TEXT = "Describe the picture in detail."
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
 
 
 class Pictures:
@@ -54,8 +48,7 @@ class Pictures:
 
     def new(self) -> Image.Image:
         self.seed += 1
-        rs = np.random.RandomState(self.seed)
-        return Image.fromarray(rs.randint(0, 256, (self.size[1], self.size[0], 3), dtype=np.uint8), "RGB")
+        return picture(self.seed, *self.size)
 
 
 def messages(images: list[Image.Image], i: int) -> list[dict]:
@@ -74,11 +67,6 @@ async def round_(engine: Engine, params: SamplingParams, images_per_request: lis
     wall = time.perf_counter() - t0
     runs = (await engine.stats())["encoder_cache_misses"] - before
     return [o.metrics.ttft for o in outs], sum(len(o.token_ids) for o in outs), wall, runs
-
-
-def emit(lines: list[str], line: str = "") -> None:
-    print(line, flush=True)
-    lines.append(line)
 
 
 async def main(args, model: str, weights: str) -> list[str]:
@@ -170,9 +158,4 @@ if __name__ == "__main__":
         weights = "random weights: the tiny Idefics3 of tests/idefics3_fixture.py"
     else:
         model, weights = args.model, "weights from the folder"
-    head = prov.header(prov.provenance())
-    print(head, end="")
-    body = asyncio.run(main(args, model, weights))
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(head + "\n".join(body) + "\n")
+    report(lambda: asyncio.run(main(args, model, weights)), args.out)

@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the slipstream of this checkout
 
 from slipstream import Engine, EngineConfig, SamplingParams  # noqa: E402
-from slipstream import provenance as prov  # noqa: E402
+from bench_lines import emit, pct, report  # noqa: E402
 
 TEXT = ("The river rose in the night and by morning the lower fields were under water. Farmers moved "
         "their animals to the ridge, loaded grain onto carts, and waited. Nobody in the valley could "
@@ -37,11 +37,6 @@ USER = "\nUser: Question {i}: in one sentence, what did person number {i} carry 
 CHAT = ["Where did the water come from?", "Why did they move the animals?", "What did the records say?",
         "Which bank was hit hardest?", "Who kept the records?", "What happened to the bridge?",
         "How early in the year was it?", "What would you do next?"]
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
 
 
 def config(args, caching: bool, batch_invariant: bool = False) -> EngineConfig:
@@ -86,11 +81,6 @@ async def run_engine(args, caching: bool, batch_invariant: bool, requests: int):
         chat = await chat_turns(engine, system_ids(engine.tokenizer, args.chat_system_tokens, CHAT_TEXT), args.turns,
                                 args.chat_tokens)
         return outs, wall, stats, chat
-
-
-def emit(lines: list[str], line: str = "") -> None:
-    print(line, flush=True)
-    lines.append(line)
 
 
 async def main(args) -> list[str]:
@@ -165,9 +155,4 @@ if __name__ == "__main__":
     from slipstream.logging_setup import configure_logging
 
     configure_logging("warning")
-    head = prov.header(prov.provenance())
-    print(head, end="")
-    body = asyncio.run(main(args))
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(head + "\n".join(body) + "\n")
+    report(lambda: asyncio.run(main(args)), args.out)

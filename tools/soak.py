@@ -152,25 +152,17 @@ def use_images(seed: int) -> None:
     """--images: the tiny Idefics3 folder and a pool of pictures of various sizes."""
     import tempfile
 
-    import numpy as np
-    from PIL import Image
-
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from idefics3_fixture import SPECIAL_TOKENS, tiny_idefics3_folder
 
     MODEL[0] = str(tiny_idefics3_folder(Path(tempfile.mkdtemp(prefix="soak-idefics3-"))))
     VOCAB[:] = [len(SPECIAL_TOKENS), len(SPECIAL_TOKENS) + 95]  # printable characters: no image token
-    rs = np.random.RandomState(seed)
-    IMAGES[:] = [Image.fromarray(rs.randint(0, 256, (h, w, 3), dtype=np.uint8), "RGB")
-                 for w, h in ((64, 64), (100, 150), (40, 30), (300, 90), (64, 64), (128, 128))]
+    IMAGES[:] = _picture_pool(seed, ((64, 64), (100, 150), (40, 30), (300, 90), (64, 64), (128, 128)))
 
 
 def use_moondream(seed: int) -> None:
     """--skills-model moondream: the tiny Moondream folder; its requests each take one picture."""
     import tempfile
-
-    import numpy as np
-    from PIL import Image
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from moondream_fixture import tiny_moondream_folder
@@ -178,9 +170,16 @@ def use_moondream(seed: int) -> None:
     MODEL[0] = str(tiny_moondream_folder(Path(tempfile.mkdtemp(prefix="soak-moondream-")) / "moondream-tiny"))
     VOCAB[:] = [1, 96]  # the byte-level characters (0 is <|endoftext|>)
     ONE_IMAGE[0] = True
+    IMAGES[:] = _picture_pool(seed, ((60, 40), (30, 30), (44, 52), (100, 60), (28, 28), (64, 64)))
+
+
+def _picture_pool(seed: int, sizes) -> list:
+    """Random RGB pictures of these (width, height) sizes, from one seeded stream."""
+    import numpy as np
+    from PIL import Image
+
     rs = np.random.RandomState(seed)
-    IMAGES[:] = [Image.fromarray(rs.randint(0, 256, (h, w, 3), dtype=np.uint8), "RGB")
-                 for w, h in ((60, 40), (30, 30), (44, 52), (100, 60), (28, 28), (64, 64))]
+    return [Image.fromarray(rs.randint(0, 256, (h, w, 3), dtype=np.uint8), "RGB") for w, h in sizes]
 
 
 def _ids(rng: random.Random, n: int) -> list[int]:

@@ -1,4 +1,5 @@
 """Small encoded images for the image-input tests, including hostile ones built byte by byte."""
+import base64
 import io
 import struct
 import zlib
@@ -11,6 +12,17 @@ def picture(width: int, height: int, seed: int) -> Image.Image:
     """A random RGB picture, the same for the same seed."""
     rs = np.random.RandomState(seed)
     return Image.fromarray(rs.randint(0, 256, (height, width, 3), dtype=np.uint8), "RGB")
+
+
+def png(width: int, height: int, seed: int) -> bytes:
+    """`picture` encoded as PNG (lossless: decoding gives the same pixels)."""
+    buf = io.BytesIO()
+    picture(width, height, seed).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def data_url(raw: bytes, media: str = "image/png") -> str:
+    return f"data:{media};base64,{base64.b64encode(raw).decode()}"
 
 
 def encoded(w: int = 8, h: int = 6, fmt: str = "PNG", mode: str = "RGB", color=(200, 30, 40)) -> bytes:

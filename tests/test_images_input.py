@@ -2,12 +2,11 @@
 checked before any pixel is decoded where the header already says no; good ones become RGB with a
 digest of their pixels; decoding runs off the event loop."""
 import asyncio
-import base64
 import io
 import threading
 
 import pytest
-from image_util import encoded, png_header_only
+from image_util import data_url, encoded, png_header_only
 from PIL import Image, ImageFile
 
 from slipstream import images
@@ -26,9 +25,6 @@ def refused(obj, limits=ImageLimits(), field=FIELD) -> str:
     assert str(info.value).startswith(field + ": ")
     return str(info.value)
 
-
-def data_url(raw: bytes, media: str = "image/png") -> str:
-    return f"data:{media};base64,{base64.b64encode(raw).decode()}"
 
 
 # --- good input ----------------------------------------------------------------------------------

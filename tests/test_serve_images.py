@@ -2,13 +2,12 @@
 server on 127.0.0.1 (timeout, size cap, allow-list, redirects), and every bad image a 400 in
 OpenAI's error shape naming the part. The engine side of images is not here: a backend flagged
 as taking images records what the server hands it."""
-import base64
 import http.server
 import threading
 import time
 
 import pytest
-from image_util import encoded, png_header_only
+from image_util import data_url, encoded, png_header_only
 from serve_util import ThreadServer, httpx
 from worker_util import engine_config
 
@@ -83,9 +82,6 @@ def vision():
     with ThreadServer(backend, images=serving) as s:
         yield s, backend
 
-
-def data_url(raw: bytes, media="image/png") -> str:
-    return f"data:{media};base64,{base64.b64encode(raw).decode()}"
 
 
 def chat(server, *urls, text="What is this?"):

@@ -2,12 +2,9 @@
 data URL to `slipstream serve` running the tiny random Idefics3 folder and gets the tokens the
 in-process `Engine.chat` gives for the same messages and image; a bad image is a 400 naming the part."""
 import asyncio
-import base64
-import io
 
-import numpy as np
 import pytest
-from PIL import Image
+from image_util import data_url, png
 from serve_util import ThreadServer
 
 from idefics3_fixture import idefics3_folder  # noqa: F401 (fixture)
@@ -20,15 +17,6 @@ from openai import AsyncOpenAI  # noqa: E402
 MAX_TOKENS = 12
 
 
-def png(width, height, seed) -> bytes:
-    rs = np.random.RandomState(seed)
-    buf = io.BytesIO()
-    Image.fromarray(rs.randint(0, 256, (height, width, 3), dtype=np.uint8), "RGB").save(buf, "PNG")
-    return buf.getvalue()
-
-
-def data_url(raw: bytes, media="image/png") -> str:
-    return f"data:{media};base64,{base64.b64encode(raw).decode()}"
 
 
 PICTURES = [png(100, 150, 7), png(64, 40, 8)]

@@ -3,11 +3,10 @@ random Idefics3 folder: the answer is the in-process `Engine.point` / `Engine.de
 `request_id`), sent with httpx as Moondream's clients do; every bad field is a 400 in OpenAI's error
 shape naming it; a text model refuses the image; the per-endpoint counters count both."""
 import asyncio
-import base64
 import io
 
-import numpy as np
 import pytest
+from image_util import data_url, png
 from PIL import Image
 from serve_util import ThreadServer, httpx
 
@@ -17,15 +16,6 @@ from slipstream import Engine, EngineConfig
 from slipstream.serve import EngineBackend
 
 
-def png(width, height, seed) -> bytes:
-    rs = np.random.RandomState(seed)
-    buf = io.BytesIO()
-    Image.fromarray(rs.randint(0, 256, (height, width, 3), dtype=np.uint8), "RGB").save(buf, "PNG")
-    return buf.getvalue()
-
-
-def data_url(raw: bytes, media="image/png") -> str:
-    return f"data:{media};base64,{base64.b64encode(raw).decode()}"
 
 
 PICTURES = [png(100, 150, 0), png(64, 40, 5)]

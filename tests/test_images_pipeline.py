@@ -12,6 +12,7 @@ import random
 import numpy as np
 import pytest
 
+from fake_clients import serve_requests
 from fake_runner import EOS, FakeRunner, IMAGE, NullDetok, RefereedPool, RefereedRows, make_prompt, reference
 from slipstream.outputs import CompletionOutput, RequestMetrics
 from slipstream.params import SamplingParams
@@ -67,30 +68,17 @@ async def run_workload(depth, requests, instrument=None, **kw):
     loop, pool = make_loop(depth, **kw)
     if instrument is not None:
         instrument(loop)
-    task = asyncio.create_task(loop.run())
-    results = {}
 
-    async def client(i, prompt, spans, max_tokens, arrive, abort_after):
-        for _ in range(arrive):
-            await asyncio.sleep(0)
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-        req = RequestState(f"r{i}", prompt, params, NullDetok(), frozenset({EOS}), RequestMetrics(0.0))
-        seq = Sequence(f"r{i}", prompt, max_tokens, SamplingRow(), user=req, images=list(spans))
-        loop.submit(seq)
-        if abort_after is not None:
-            for _ in range(abort_after):
-                await asyncio.sleep(0)
-            loop.abort(seq)
-        while True:
-            item = await seq.user.queue.get()
-            if isinstance(item, CompletionOutput):
-                results[i] = (item, seq)
-                return
+    def maker(i, prompt, spans, max_tokens):
+        def make_seq():
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+            req = RequestState(f"r{i}", prompt, params, NullDetok(), frozenset({EOS}), RequestMetrics(0.0))
+            return Sequence(f"r{i}", prompt, max_tokens, SamplingRow(), user=req, images=list(spans))
+        return make_seq
 
-    await asyncio.wait_for(asyncio.gather(*(client(i, *r) for i, r in enumerate(requests))), 60)
-    loop.close()
-    await task
-    return results, loop, pool
+    jobs = [(maker(i, prompt, spans, max_tokens), arrive, abort_after)
+            for i, (prompt, spans, max_tokens, arrive, abort_after) in enumerate(requests)]
+    return await serve_requests(loop, jobs), loop, pool
 
 
 def check_results(requests, results, loop, pool):

@@ -9,6 +9,7 @@ import asyncio
 
 import pytest
 
+from fake_clients import serve_requests
 from fake_runner import CARRY_MAP, EOS, FakeRunner, NullDetok, RefereedPool, RefereedRows, make_prompt, on_device, reference
 from slipstream.errors import StepFailedError
 from slipstream.outputs import CompletionOutput, RequestMetrics
@@ -50,28 +51,11 @@ async def run_workload(depth, requests, num_pages=64, max_batch=4, step_tokens=1
     loop.runner.fail_steps = set(fail_steps)
     if instrument is not None:
         instrument(loop)
-    task = asyncio.create_task(loop.run())
-    results = {}
 
-    async def client(i, prompt, max_tokens, arrive, abort_after, cache_extra=b"", carry=False):
-        for _ in range(arrive):
-            await asyncio.sleep(0)
-        seq = make_seq(f"r{i}", prompt, max_tokens, cache_extra, carry)
-        loop.submit(seq)
-        if abort_after is not None:
-            for _ in range(abort_after):
-                await asyncio.sleep(0)
-            loop.abort(seq)
-        while True:
-            item = await seq.user.queue.get()
-            if isinstance(item, (CompletionOutput, StepFailedError)):
-                results[i] = (item, seq)
-                return
+    def job(i, prompt, max_tokens, arrive, abort_after, cache_extra=b"", carry=False):
+        return (lambda: make_seq(f"r{i}", prompt, max_tokens, cache_extra, carry)), arrive, abort_after
 
-    await asyncio.wait_for(asyncio.gather(*(client(i, *r) for i, r in enumerate(requests))), 60)
-    loop.close()
-    await task
-    return results, loop, pool
+    return await serve_requests(loop, [job(i, *r) for i, r in enumerate(requests)]), loop, pool
 
 
 def check_results(requests, results, loop, pool):

@@ -352,9 +352,12 @@ def test_a_failed_mixed_capture_leaves_eager_prefill_and_the_decode_graphs(monke
             return runner, logs
 
     runner, logs = asyncio.run(run())
-    assert runner.mixed_graphs is None and len(runner.graphs.graphs) == 2 * 3  # decode: 2 slots × buckets 1, 2, 4
+    assert runner.mixed_graphs.failed and not runner.mixed_graphs.graphs
+    assert len(runner.graphs.graphs) == 2 * 3 and runner.graphs.failed is None  # decode: 2 slots × buckets 1, 2, 4
     assert len(runner.greedy_graphs.graphs) == 2 * 3
-    assert [e["event"] for e in logs if e.get("log_level") == "error"] == ["mixed_graph_capture_failed"]
+    errors = [e for e in logs if e.get("log_level") == "error"]
+    assert [(e["event"], e["kind"]) for e in errors] == [("cuda_graph_capture_failed", "mixed")]
+    assert "operation not permitted" in errors[0]["error"] and errors[0]["exc_info"]
 
 
 @needs_triton
@@ -369,8 +372,9 @@ def test_a_mixed_capture_failing_on_first_use_leaves_the_step_eager():
         runner.mixed_graphs = GraphCache(token_buckets(16, 32), 2, capture, kind=MIXED)
         with structlog.testing.capture_logs() as logs:
             got = _run(runner, STEPS[:2], hidden_states=False)
-        assert runner.mixed_graphs is None and len(got) == 2
-        assert [e["event"] for e in logs if e["log_level"] == "error"] == ["mixed_graph_capture_failed"]
+        assert runner.mixed_graphs.failed and len(got) == 2
+        assert runner.mixed_graphs.lookup(0, 16) is None  # off for good: no second try, no second line
+        assert [e["event"] for e in logs if e["log_level"] == "error"] == ["cuda_graph_capture_failed"]
     finally:
         dev.close()
 

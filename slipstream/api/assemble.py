@@ -39,7 +39,11 @@ class EngineParts:
     image_processing: object = None  # the model's image preprocessing and prompt expansion (None: text only)
 
     def close(self) -> None:
-        self.device.close()
+        self.device.close()  # (synchronizes: no replay is pending)
+        if self.runner.graphs is not None:  # freed now, never inside another engine's capture
+            from slipstream.runtime.cuda_graphs import release_graphs
+
+            release_graphs(self.runner)
 
 
 def kv_pages(config: EngineConfig, model, mcfg, device, max_model_len: int) -> int:

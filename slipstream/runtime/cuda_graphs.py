@@ -42,6 +42,7 @@ import torch
 
 from slipstream.runtime.batch import pack_step
 from slipstream.runtime.buckets import make_buckets, token_buckets
+from slipstream.runtime.graph_record import record
 from slipstream.runtime.graphs import CARRY, DECODE, GREEDY, MIXED, GraphCache
 from slipstream.runtime.static_step import fill_static, static_tensors
 
@@ -71,9 +72,8 @@ def _capture(runner, device, pool, stage: Callable[[], object], forward=None) ->
     with torch.cuda.stream(stream):
         forward(tensors)
     torch.cuda.synchronize(device.torch_device)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, stream=stream):
-        output = forward(tensors)
+    # (a failure leaves stream, allocator and pool as they were: graph_record.py)
+    graph, output = record(lambda: forward(tensors), pool, stream, device.torch_device)
     torch.cuda.synchronize(device.torch_device)
     return CapturedForward(graph, output)
 
@@ -140,16 +140,14 @@ def install_graphs(runner, device, config) -> None:
     for cache in (runner.mixed_graphs, runner.graphs, runner.greedy_graphs, carry):
         if cache is not None:
             before = torch.cuda.memory_reserved(device.torch_device)
-            if cache is runner.mixed_graphs:
-                try:
-                    seconds = cache.warmup()
-                except Exception as e:  # noqa: BLE001 - newer than decode graphs: eager steps still work
-                    torch.cuda.synchronize(device.torch_device)
-                    runner.mixed_graphs = None
-                    log.error("mixed_graph_capture_failed", effect="prefill and mixed steps run eagerly",
-                              error=repr(e), fix="report it; EngineConfig(mixed_graphs=False) skips the attempt")
-                    continue
-            else:
-                seconds = cache.warmup()
+            seconds = cache.warmup()  # (a failed capture turns only this cache off: graphs.py)
             log.info("cuda_graphs_memory", kind=cache.kind.name, seconds=round(seconds, 2),
                      reserved_gib=round((torch.cuda.memory_reserved(device.torch_device) - before) / GiB, 3))
+
+
+def release_graphs(runner) -> None:
+    """Drop every captured graph now (engine close, the device synchronized): freed here, not by a
+    later cycle collection that could run inside another engine's capture (graph_record.py)."""
+    for cache in (runner.graphs, runner.greedy_graphs, runner.carry_graphs, runner.mixed_graphs):
+        if cache is not None:
+            cache.release()

@@ -9,7 +9,11 @@ tests). Invariants enforced here:
     its duration);
   - a step is padded to the smallest bucket holding it; padding is never visible to callers
     (the runner samples only the real rows);
-  - a step above the largest bucket runs eagerly, and that is logged once, not per step.
+  - a step above the largest bucket runs eagerly, and that is logged once, not per step;
+  - a capture that raises (at warmup or on first use) turns this cache off: its graphs are dropped,
+    every later step of its kind runs eagerly, and one error line says why (the error text is in
+    the line's message through exc_info, not only in its fields). The other caches go on; the
+    capture itself left the device as it was (runtime/graph_record.py).
 Each slot needs its own graphs: a graph reads the slot's static input buffers and writes logits
 that must survive while the other slot's step runs.
 """
@@ -54,13 +58,15 @@ class GraphCache(Generic[G]):
         self.oversize_warned = False
         self.eager_steps = 0  # steps too large for any bucket
         self.replays: Counter[tuple[int, int]] = Counter()  # steps the runner replayed, by (slot, bucket)
+        self.failed: str | None = None  # why a capture failed: the cache is off (None: it is on)
 
     def warmup(self) -> float:
         """Capture every (slot, bucket), largest first so the shared pool is sized once. Returns seconds."""
         t0 = time.perf_counter()
         todo = [(slot, b) for b in sorted(self.buckets, reverse=True) for slot in range(self.num_slots)]
         for i, (slot, bucket) in enumerate(todo, 1):
-            self._get_or_capture(slot, bucket)
+            if self._get_or_capture(slot, bucket) is None:
+                return time.perf_counter() - t0
             log.info("cuda_graph_warmup", kind=self.kind.name, graph=i, graphs=len(todo), slot=slot,
                      free_mem_gib=round(self._free_memory() / GiB, 2), **{self.kind.size_field: bucket})
         seconds = time.perf_counter() - t0
@@ -70,6 +76,8 @@ class GraphCache(Generic[G]):
 
     def lookup(self, slot: int, size: int) -> tuple[int, G] | None:
         """(bucket, graph) for a step of `size` (rows or tokens), capturing on first use; None: run eagerly."""
+        if self.failed is not None:
+            return None
         bucket = pick_bucket(self.buckets, size)
         if bucket is None:
             self.eager_steps += 1
@@ -85,13 +93,28 @@ class GraphCache(Generic[G]):
         if (slot, bucket) not in self.graphs:  # warmup was skipped
             t0 = time.perf_counter()
             graph = self._get_or_capture(slot, bucket)
+            if graph is None:
+                return None
             log.info("cuda_graph_captured_on_first_use", kind=self.kind.name, slot=slot,
                      seconds=round(time.perf_counter() - t0, 3), **{self.kind.size_field: bucket})
             return bucket, graph
         return bucket, self.graphs[(slot, bucket)]
 
-    def _get_or_capture(self, slot: int, bucket: int) -> G:
+    def release(self) -> None:
+        """Drop the captured graphs (the engine closes; the device has synchronized)."""
+        self.graphs.clear()
+
+    def _get_or_capture(self, slot: int, bucket: int) -> G | None:
+        """The graph of (slot, bucket), captured if needed; None: a capture failed, the cache is off."""
         graph = self.graphs.get((slot, bucket))
         if graph is None:
-            graph = self.graphs[(slot, bucket)] = self._capture(slot, bucket)
+            try:
+                graph = self.graphs[(slot, bucket)] = self._capture(slot, bucket)
+            except Exception as e:  # noqa: BLE001 - eager steps still work: logged once, readable
+                self.failed = f"{type(e).__name__}: {e}"
+                self.graphs.clear()
+                log.error("cuda_graph_capture_failed", kind=self.kind.name, slot=slot, error=self.failed,
+                          effect=f"{self.kind.name} steps run eagerly", exc_info=True,
+                          **{self.kind.size_field: bucket})
+                return None
         return graph

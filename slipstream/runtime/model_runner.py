@@ -267,13 +267,13 @@ class ModelRunner:
                 return None
             if unmasked and self.greedy_graphs is not None and self.rows.sampling.needs(packed.sample_rows).plain_greedy:
                 greedy = self.greedy_graphs.lookup(slot.index, packed.num_decode)
-                assert greedy is not None  # (the same buckets as self.graphs)
-                return _Graphed(self.greedy_graphs, greedy[0], greedy[1], mixed=False, samples=True)
+                if greedy is not None:  # (the same buckets as self.graphs; None: its capture failed)
+                    return _Graphed(self.greedy_graphs, greedy[0], greedy[1], mixed=False, samples=True)
             return _Graphed(self.graphs, hit[0], hit[1], mixed=False, samples=False)
         if self._mixed_graphable(packed):
-            hit = self._mixed_graph(slot, packed)
+            assert self.mixed_graphs is not None
+            hit = self.mixed_graphs.lookup(slot.index, packed.num_tokens)
             if hit is not None:
-                assert self.mixed_graphs is not None
                 return _Graphed(self.mixed_graphs, hit[0], hit[1], mixed=True, samples=False)
         return None
 
@@ -330,17 +330,6 @@ class ModelRunner:
             if other is not slot and other.state is SlotState.IN_FLIGHT and other.sample_done is None:
                 raise PipelineInvariantError(f"step {slot.step_id} replays a graph while step {other.step_id}'s "
                                              "sampling is not launched: the replay could overwrite its logits")
-
-    def _mixed_graph(self, slot: StepSlot, packed: ForwardInput):
-        """The mixed graph of this step's token bucket, or None (eager). A capture that fails on first
-        use turns mixed graphs off: eager prefill steps still work."""
-        assert self.mixed_graphs is not None
-        try:
-            return self.mixed_graphs.lookup(slot.index, packed.num_tokens)
-        except Exception as e:  # noqa: BLE001 - newer than decode graphs; logged, not silent
-            self.mixed_graphs = None
-            log.error("mixed_graph_capture_failed", effect="prefill and mixed steps run eagerly", error=repr(e))
-            return None
 
     def _graphable(self, packed: ForwardInput) -> bool:
         """Decode-only steps (one device-fed, sampled token per row; no CPU row padding)."""

@@ -35,6 +35,23 @@ def record_launches(runner, launches: list) -> None:
     runner.launch_forward = recording
 
 
+def device_bound(monkeypatch, cycles: int = 2_000_000) -> None:
+    """Every graph replay first spins the compute stream ~1 ms (torch.cuda._sleep), so the device,
+    not the host, sets the pace: each tick finds the oldest step still running and launches the
+    next into the other slot. Without it the tiny model is host-bound on an H100: every tick commits
+    the finished step first and relaunches slot 0 (engine_loop.py), so slot 1 never replays
+    (2026-11-27: the `{0}` failures; docs/cuda.md, "Which step reads which outputs")."""
+    from slipstream.runtime.cuda_graphs import CapturedForward
+
+    replay = CapturedForward.replay
+
+    def slow(self):
+        torch.cuda._sleep(cycles)
+        return replay(self)
+
+    monkeypatch.setattr(CapturedForward, "replay", slow)
+
+
 def gpu(**kw):
     base = dict(model="tiny-random", device="cuda", max_batch_size=16, max_num_batched_tokens=64,
                 kv_cache_tokens=8192, page_size=8, graph_batch_sizes=(1, 4, 16))
@@ -196,17 +213,22 @@ def test_cuda_grammar_rows_at_depth_2_sample_late_and_switch_greedy_graphs_off(a
     assert sum(runner.graphs.replays.values()) > 0
 
 
-def test_cuda_eager_sampling_of_replayed_logits_in_both_slots():
+def test_cuda_eager_sampling_of_replayed_logits_in_both_slots(monkeypatch):
     """Greedy rows with logprobs replay decode graphs (not greedy ones) and sample their logits
     eagerly; both slots' graphs share one pool, so a replay could overwrite the other slot's logits
-    if its sampling were not enqueued first. Tokens and logprobs equal the eager (no graphs) run."""
+    if its sampling were not enqueued first. Tokens and logprobs equal the eager (no graphs) run,
+    host-bound (slot 0 reused after each commit) and device-bound (both slots in flight)."""
     reqs = [(p, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=True)) for p in PROMPTS]
     eager, _ = run(gpu(cuda_graphs=False), reqs)
-    graphed, replays = run(gpu(), reqs, lambda e: dict(e._parts.runner.graphs.replays))
-    assert tokens(graphed) == tokens(eager)
-    for g, w in zip(graphed, eager):
-        np.testing.assert_allclose(g.logprobs, w.logprobs, rtol=0, atol=1e-4)
-    assert {slot for slot, _ in replays} == {0, 1} and sum(replays.values()) >= 10
+    for slowed in (False, True):
+        if slowed:
+            device_bound(monkeypatch)
+        graphed, replays = run(gpu(), reqs, lambda e: dict(e._parts.runner.graphs.replays))
+        assert tokens(graphed) == tokens(eager)
+        for g, w in zip(graphed, eager):
+            np.testing.assert_allclose(g.logprobs, w.logprobs, rtol=0, atol=1e-4)
+        assert sum(replays.values()) >= 10
+    assert {slot for slot, _ in replays} == {0, 1}
 
 
 def test_cuda_decode_steps_above_the_largest_bucket_mix_with_replays():

@@ -49,7 +49,7 @@ def shared_pool_graphs(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
 
 
-def run(reqs, graphs, depth=2, inspect=None, **kw):
+def run(reqs, graphs, depth=2, prepare=None, **kw):
     cfg = EngineConfig(**{**CFG, **kw}, pipeline_depth=depth)
     launches = []
 
@@ -60,6 +60,8 @@ def run(reqs, graphs, depth=2, inspect=None, **kw):
             if graphs:
                 cuda_graphs.install_graphs(runner, engine._parts.device, cfg)
             record_launches(runner, launches)
+            if prepare is not None:
+                prepare(runner)
             outs = await asyncio.gather(*(engine.complete(p, sp) for p, sp in reqs))
             return outs, runner, launches
 
@@ -80,6 +82,43 @@ def test_logits_sampled_after_replays_in_both_slots_equal_eager(shared_pool_grap
     for g, w in zip(graphed[:2], eager[:2]):
         np.testing.assert_allclose(g.logprobs, w.logprobs, rtol=0, atol=1e-5)
     assert {slot for slot, _ in runner.graphs.replays} == {0, 1} and not runner.greedy_graphs.replays
+
+
+def host_bound(runner) -> list:
+    """The host waits for each step's copy before its tick ends (a host slower than the device,
+    like the tiny model on an H100): the next tick finds the step done and commits it first.
+    Returns the (slot, other slot in flight) of each launch."""
+    sample, launch, seen = runner.launch_sampling, runner.launch_forward, []
+
+    def waiting(slot, packed, rows=None, bitmask=None, final=True):
+        sample(slot, packed, rows, bitmask, final)
+        if final:
+            slot.copy_done.synchronize()
+
+    def watched(slot, step_id, packed, unmasked=False):
+        seen.append((slot.index, any(not s.is_free for s in runner.slots if s is not slot)))
+        launch(slot, step_id, packed, unmasked)
+
+    runner.launch_sampling, runner.launch_forward = waiting, watched
+    return seen
+
+
+@needs_triton
+def test_a_host_bound_loop_reuses_slot_0_only_after_committing_it(shared_pool_graphs):
+    """Depth 2, host-bound: every step lands in slot 0 and replays slot 0's graphs, always after the
+    step before it was committed (never two steps in flight): what the H100 showed on 2026-11-27
+    ({0} replays). Every graph writes one shared buffer, so a step reading a later step's logits
+    would change tokens or logprobs."""
+    reqs = [(p, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=True)) for p in SHORT[:3]]
+    eager, _, _ = run(reqs, graphs=False)
+    watch = []
+    graphed, runner, _ = run(reqs, graphs=True, prepare=lambda r: watch.append(host_bound(r)))
+    seen = watch[0]
+    assert tokens(graphed) == tokens(eager)
+    for g, w in zip(graphed, eager):
+        np.testing.assert_allclose(g.logprobs, w.logprobs, rtol=0, atol=1e-5)
+    assert seen and all(slot == 0 and not overlapped for slot, overlapped in seen)
+    assert {slot for slot, _ in runner.graphs.replays} == {0}
 
 
 @needs_triton

@@ -82,13 +82,16 @@ def fake_cuda(monkeypatch):
     return api
 
 
-async def _start(cfg, fail_mixed=False):
+async def _start(cfg, fail_mixed=False, only_start=False):
     """An engine with graphs installed the way assemble does on CUDA; `fail_mixed`: every mixed
-    capture is invalidated mid-way (what the H100 run's collected graph did)."""
+    capture is invalidated mid-way (what the H100 run's collected graph did); `only_start`: the
+    captures record a stand-in forward (no request will run)."""
     engine = await Engine(cfg).start()
     runner, device = engine._parts.runner, engine._parts.device
     device.compute.stream = "compute"  # (what _capture records on)
     runner.model.set_kernel_backend("triton")  # what a graph holds: the device attention (interpreted here)
+    if only_start:
+        runner.forward_from = lambda t, *args, **kw: torch.zeros(1)
     if fail_mixed:
         forward = runner.forward_from
 
@@ -105,8 +108,8 @@ async def _start(cfg, fail_mixed=False):
 
 @needs_triton
 def test_a_failed_capture_turns_one_cache_off_and_the_next_engines_start(fake_cuda):
-    reqs = [([5 + i, 40, 7, 99 - i, 12][: 3 + i % 3], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
-                                                                     logprobs=i % 2 == 0)) for i in range(4)]
+    reqs = [([5 + i, 40, 7, 99 - i, 12][: 3 + i % 3], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True,
+                                                                     logprobs=i % 2 == 0)) for i in range(3)]
 
     async def first():
         eager = EngineConfig(**CFG)
@@ -136,10 +139,46 @@ def test_a_failed_capture_turns_one_cache_off_and_the_next_engines_start(fake_cu
     async def later():
         cfg = EngineConfig(**{**CFG, "graph_batch_sizes": (1, 1, 1)}, pipeline_depth=1, mixed_graphs=False)
         for _ in range(2, 11):
-            engine = await _start(cfg)
+            engine = await _start(cfg, only_start=True)
             runner = engine._parts.runner
             assert runner.graphs.failed is None and len(runner.graphs.graphs) == 1
             await engine.close()
             assert fake_cuda.clean and fake_cuda.refs[POOL] == 0
 
     asyncio.run(later())
+
+
+def check_graph_log_fields(warm: list, lazy: list, buckets: list, tokens: list, slots: int) -> None:
+    """The warmup and first-use lines of install_graphs (the CUDA test checks the same on a GPU):
+    one warmup line per (slot, bucket), mixed first and largest first; each line names its kind and
+    the size field of that kind (batch_size, or tokens for mixed), never the other's."""
+    size = {"decode": "batch_size", "greedy": "batch_size", "carry": "batch_size", "mixed": "tokens"}
+    for e in warm + lazy:
+        if e["event"] in ("cuda_graph_warmup", "cuda_graph_captured_on_first_use"):
+            field, other = size[e["kind"]], {"batch_size", "tokens"} - {size[e["kind"]]}
+            assert field in e and not other & e.keys(), e
+    decode = sorted(e["batch_size"] for e in warm if e["event"] == "cuda_graph_warmup" and e["kind"] == "decode")
+    assert decode == sorted(buckets * slots)
+    mixed = [e["tokens"] for e in warm if e["event"] == "cuda_graph_warmup" and e["kind"] == "mixed"]
+    assert mixed == [t for t in sorted(tokens, reverse=True) for _ in range(slots)]
+    assert [e["kind"] for e in warm if e["event"] == "cuda_graphs_memory"] == ["mixed", "decode", "greedy"]
+    assert "cuda_graph_warmup" not in [e["event"] for e in lazy]
+    first = {(e["kind"], e[size[e["kind"]]]) for e in lazy if e["event"] == "cuda_graph_captured_on_first_use"}
+    assert {("mixed", min(tokens)), ("decode", 1), ("greedy", 1)} <= first, first
+
+
+@needs_triton
+def test_warmup_and_first_use_log_lines_name_their_kind_and_size(fake_cuda):
+    cfg = dict(CFG, graph_batch_sizes=(1, 2, 2), pipeline_depth=1, mixed_graphs=True)
+
+    async def one(warmup):
+        with structlog.testing.capture_logs() as logs:
+            engine = await _start(EngineConfig(**cfg, warmup=warmup))
+            try:
+                await engine.complete([5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+            finally:
+                await engine.close()
+        return logs
+
+    warm, lazy = asyncio.run(one(True)), asyncio.run(one(False))
+    check_graph_log_fields(warm, lazy, [1, 2], [16, 32], slots=1)

@@ -27,7 +27,10 @@ Each graph's output stays alive (held here), so no later capture reuses it, but 
 output may sit where an earlier graph keeps intermediates: a replay can overwrite another graph's
 logits. That is safe because every step's sampling is enqueued (the tick finalizes the step it
 launched) before the next step is launched, so stream order consumes the logits first; the runner
-checks it before each replay (`ModelRunner._check_other_slots_sampled`). Mixed graphs are captured
+checks it before each replay (`ModelRunner._check_other_slots_sampled`). Two steps in the same
+slot never overlap (a slot is reacquired only after its step's commit), so a graph's reuse by the
+slot's next step is safe too; the whole argument: docs/cuda.md, "Which step reads which outputs".
+Mixed graphs are captured
 first at warmup: the largest token bucket needs the largest intermediates, and the pool is then
 sized once.
 """

@@ -13,6 +13,8 @@ import torch
 from slipstream import Engine, EngineConfig, SamplingParams
 from slipstream.runtime.batch import pack_step
 from slipstream.runtime.buckets import make_buckets, pick_bucket
+from idefics3_fixture import idefics3_folder  # noqa: F401 (a pytest fixture)
+from moondream_fixture import moondream_folder  # noqa: F401 (a pytest fixture)
 from test_engine_tiny import mixed_requests
 
 
@@ -214,6 +216,90 @@ def test_warmup_logs_every_bucket_and_skipping_it_captures_on_first_use():
     with structlog.testing.capture_logs() as lazy:
         asyncio.run(_complete_all(cuda_cfg(warmup=False), one))
     check_graph_log_fields(warm, lazy, make_buckets(1, 4, 16), [16, 32, 64], slots=2)
+
+
+async def _measured_without_sync(cfg, warm, measured):
+    """warm(engine) once (kernels compiled, graphs captured, shapes seen), then measured(engine)
+    with torch's sync debug mode on (CUDA): any synchronising call anywhere in the process raises,
+    which fails the step (or the preprocessing) and so the request. On the CPU the same workload
+    runs without the mode (the test's own logic, checked without a GPU). Returns (engine, what
+    measured() returned)."""
+    on_gpu = cfg.device == "cuda"
+    async with Engine(cfg) as engine:
+        await warm(engine)
+        if on_gpu:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            return engine, await measured(engine)
+        finally:
+            if on_gpu:
+                torch.cuda.set_sync_debug_mode(0)
+
+
+GREEDY8 = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+ON = pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+
+
+def on(device, **kw):
+    """cuda_cfg on `device` (the CPU: no graphs)."""
+    return cuda_cfg(device=device, **({} if device == "cuda" else {"graph_batch_sizes": None}), **kw)
+
+
+@ON
+def test_an_idefics3_image_step_has_no_hidden_sync(idefics3_folder, device):
+    """The encoder launch (pixels pinned off the loop, copied asynchronously: host_copy.stage_pixels)
+    and the step that gathers its features, beside decode rows; a new picture each round, so the
+    measured round encodes (no encoder-cache hit)."""
+    from image_util import picture
+
+    prompt = "<|im_start|>User:<image>What is this?<end_of_utterance>\nAssistant:"
+    cfg = on(device, model=str(idefics3_folder), max_num_batched_tokens=256)
+
+    def both(seed):
+        async def go(engine):
+            return await asyncio.gather(engine.complete(prompt, GREEDY8, images=[picture(100, 150, seed)]),
+                                        engine.complete("Hello there", GREEDY8))
+        return go
+
+    engine, outs = asyncio.run(_measured_without_sync(cfg, both(1), both(2)))
+    assert [len(o.token_ids) for o in outs] == [8, 8]
+
+
+@ON
+def test_a_moondream_point_and_detect_step_has_no_hidden_sync(moondream_folder, device):
+    """Moondream's own encode (pixels on the device before encode_image) and its carry steps (region
+    values fed back on the device), point and detect at once, a new picture per round."""
+    from image_util import picture
+
+    cfg = on(device, model=str(moondream_folder), max_num_batched_tokens=64, kv_cache_tokens=1024, max_batch_size=4)
+
+    def both(seed):
+        async def go(engine):
+            return await asyncio.gather(engine.point("", "cat", 3, images=[picture(60, 40, seed)]),
+                                        engine.detect("", "tree", 3, images=[picture(44, 52, seed + 10)]))
+        return go
+
+    engine, (point, detect) = asyncio.run(_measured_without_sync(cfg, both(1), both(2)))
+    assert list(point) == ["points"] and list(detect) == ["objects"]
+
+
+@ON
+def test_a_prefix_cache_hit_step_has_no_hidden_sync(device):
+    """Requests whose first pages are cached by the warm round: their pages are mapped at admission
+    and their first chunk starts past the hit."""
+    shared = [11 + i % 50 for i in range(40)]  # 5 full pages of 8 tokens
+
+    def round_(first):
+        async def go(engine):
+            cache = engine._parts.loop.planner.prefix_cache
+            before = cache.stats().hits
+            outs = await asyncio.gather(*(engine.complete(shared + [first + i, 3], GREEDY8) for i in range(4)))
+            return outs, cache.stats().hits - before
+        return go
+
+    _, (outs, hits) = asyncio.run(_measured_without_sync(on(device, max_num_batched_tokens=128), round_(100), round_(200)))
+    assert all(len(o.token_ids) == 8 for o in outs)
+    assert hits >= 4 * len(shared)  # every request of the measured round took the 5 pages from the cache
 
 
 @pytest.mark.cuda

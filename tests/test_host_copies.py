@@ -128,3 +128,31 @@ def test_a_preempted_penalised_request_is_readmitted_with_its_output_so_far():
     want, _ = asyncio.run(run())
     got, preemptions = asyncio.run(run(kv_cache_tokens=160))
     assert preemptions > 0 and got == want
+
+
+def test_pictures_are_pinned_on_the_preprocessing_thread_never_on_the_loop(monkeypatch):
+    """A CUDA engine's pixels (up to ~53 MB per Idefics3 picture) are put in pinned memory where the
+    picture is cut, on a worker thread; the encoder launch in the tick then only enqueues their copy
+    (host_copy.stage_pixels, which refuses pixels that are not pinned)."""
+    from types import SimpleNamespace
+
+    from image_util import picture
+    from slipstream.api import image_prompt
+
+    pinned = []
+    monkeypatch.setattr(image_prompt, "pin_pixels", lambda p: pinned.append(threading.current_thread()) or p)
+    processing = SimpleNamespace(
+        preprocess=lambda images: [SimpleNamespace(pixel_values=torch.zeros(1), num_image_tokens=2) for _ in images],
+        expand=lambda text, processed: text.replace("<image>", "##"))
+    tokenizer = SimpleNamespace(encode=lambda text: [7 if c == "#" else 1 for c in text])
+
+    async def submit(pin):
+        loop_thread = threading.current_thread()
+        ids, spans = await image_prompt.prepare_images_off_loop("<image>hi<image>", [picture(8, 8, 0)] * 2,
+                                                                ["a", "b"], processing, tokenizer, 7, None, pin=pin)
+        return loop_thread, ids, spans
+
+    loop_thread, ids, spans = asyncio.run(submit(False))
+    assert pinned == [] and len(spans) == 2
+    loop_thread, _, _ = asyncio.run(submit(True))
+    assert len(pinned) == 2 and loop_thread not in pinned

@@ -160,7 +160,8 @@ class SubmitMethods:
                                           "are expanded before tokenising)", param="prompt")
             check_prompt_chars(prompt, self.config.max_prompt_chars)
             ids, spans = await prepare_images_off_loop(prompt, images, fields, self._image_processing,
-                                                       self.tokenizer, image_token, skill)
+                                                       self.tokenizer, image_token, skill,
+                                                       pin=self.config.device == "cuda")
         elif isinstance(prompt, str):
             ids = await encode_off_loop(self.tokenizer, prompt, self.config.max_prompt_chars)
         else:

@@ -17,6 +17,7 @@ import numpy as np
 from slipstream.errors import InvalidRequestError
 from slipstream.images import load_image
 from slipstream.runtime.batch import ImageSpan
+from slipstream.runtime.host_copy import pin_pixels
 
 IMAGE_MARKER = "<image>"
 
@@ -49,11 +50,16 @@ def image_spans(ids: Sequence[int], image_token_id: int, processed: Sequence[Any
 
 
 def prepare_images(prompt: str, images: Sequence[Any], fields: Sequence[str], processing: Any, tokenizer: Any,
-                   image_token_id: int, skill: tuple[str, str] | None = None) -> tuple[list[int], list[ImageSpan]]:
+                   image_token_id: int, skill: tuple[str, str] | None = None,
+                   pin: bool = False) -> tuple[list[int], list[ImageSpan]]:
     """(token ids, image spans) of a text prompt with images (blocking: run it on a worker thread).
-    `skill` (kind, object): a region skill's template instead of the prompt (Moondream's point/detect)."""
+    `skill` (kind, object): a region skill's template instead of the prompt (Moondream's point/detect).
+    `pin` (a CUDA engine): the pixels are put in pinned memory here, so the encoder launch in the
+    tick only enqueues their copy (runtime/host_copy.py)."""
     loaded = [load_image(obj, field) for obj, field in zip(images, fields)]
     processed = processing.preprocess([im.image for im in loaded])
+    if pin:
+        processed = [pin_pixels(p) for p in processed]
     if skill is not None:
         ids = processing.skill_prompt_ids(skill[0], skill[1], processed, tokenizer)
     elif hasattr(processing, "prompt_ids"):  # a model whose prompt is built from ids (Moondream's template)
@@ -63,8 +69,8 @@ def prepare_images(prompt: str, images: Sequence[Any], fields: Sequence[str], pr
     return ids, image_spans(ids, image_token_id, processed, [im.digest for im in loaded])
 
 
-async def prepare_images_off_loop(*args: Any) -> tuple[list[int], list[ImageSpan]]:
-    return await asyncio.to_thread(prepare_images, *args)
+async def prepare_images_off_loop(*args: Any, pin: bool = False) -> tuple[list[int], list[ImageSpan]]:
+    return await asyncio.to_thread(prepare_images, *args, pin=pin)
 
 
 def split_chat_images(messages: Any, images: Sequence[Any] = ()) -> tuple[Any, list[Any], list[str]]:

@@ -46,3 +46,23 @@ def upload_array(values: np.ndarray, device: torch.device) -> torch.Tensor:
     out = torch.empty(host.shape, dtype=host.dtype, device=device)
     copy_to_device(out, host)
     return out
+
+
+def pin_pixels(processed):
+    """A preprocessed image (any family's dataclass with `pixel_values`) whose pixels sit in pinned
+    memory: run where the picture is made, off the event loop (api/image_prompt.py), so that the
+    encoder launch inside the tick only enqueues an asynchronous copy (`stage_pixels`)."""
+    import dataclasses
+
+    return dataclasses.replace(processed, pixel_values=processed.pixel_values.pin_memory())
+
+
+def stage_pixels(pixels: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The device copy of pixels pinned beforehand (`pin_pixels`), enqueued on the current stream;
+    pixels that are not pinned are refused (pinning them here would copy megabytes inside the tick,
+    and a pageable copy would block the host). On the CPU, the tensor itself."""
+    if device.type == "cpu":
+        return pixels
+    out = torch.empty(pixels.shape, dtype=pixels.dtype, device=device)
+    copy_to_device(out, pixels)
+    return out

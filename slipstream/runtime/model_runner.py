@@ -29,6 +29,7 @@ also swaps in the head encodings and returns the hidden states); a carry step wi
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -42,7 +43,7 @@ from slipstream.models.attention import AttentionMetadata, DeviceAttentionMetada
 from slipstream.models.carry_kind import CarryKind
 from slipstream.models.llama import ForwardBatch, KVCache, LlamaForCausalLM
 from slipstream.runtime.batch import ForwardInput, ImageSpan
-from slipstream.runtime.host_copy import upload_array
+from slipstream.runtime.host_copy import stage_pixels, upload_array
 from slipstream.runtime.carry import ChunkCarry, carry_input, read_carried, stage_chunk_carry
 from slipstream.runtime.step_slot import StepSlot, SlotState
 from slipstream.runtime.graphs import GraphCache
@@ -111,12 +112,12 @@ class ModelRunner:
 
     def launch_encoder(self, images: Sequence[ImageSpan]) -> None:
         """Enqueue the vision encoder on these images, on the compute stream (so every later forward
-        finds their outputs); returns at once. Pixels go up through pinned memory (no host wait)."""
+        finds their outputs); returns at once. Pixels go up from pinned memory (no host wait)."""
         vision = getattr(self.model, "vision", None)
         if vision is None:
             raise PipelineInvariantError("images launched on a model without a vision tower")
         # a model whose encoder needs more than pixels (Moondream: the crop tiling) encodes its own
-        # preprocessed image; its pixels move to the device inside (a blocking copy)
+        # preprocessed image, given its pixels on the device
         encode_image = getattr(self.model, "encode_image", None)
         dev, features = self.device.torch_device, self.features
         items = list(images)
@@ -124,10 +125,10 @@ class ModelRunner:
         def encode() -> None:
             for span in items:
                 p = span.processed
+                pixels = stage_pixels(p.pixel_values, dev)  # (pinned off the loop: host_copy.pin_pixels)
                 if encode_image is not None:
-                    out = encode_image(p)
+                    out = encode_image(dataclasses.replace(p, pixel_values=pixels))
                 else:
-                    pixels = upload_array(np.asarray(p.pixel_values), dev)
                     mask = getattr(p, "pixel_attention_mask", None)
                     mask = None if mask is None else np.asarray(mask)
                     # no padding (Idefics3's tiles never have any), known here on the host: no mask,

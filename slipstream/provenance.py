@@ -4,8 +4,9 @@
     print(header(provenance()))           # text/markdown outputs: a block of `- key: value` lines
     json.dump({"provenance": provenance(), ...})
 
-The git commit comes from the repository when there is one. A lent GPU machine receives a copy of
-the working tree without `.git`; there the commit is read from a stamp written here before the
+The git commit comes from the repository when this tree is the root of one. A lent GPU machine
+receives a copy of the working tree without `.git` (possibly inside some other git work tree,
+which does not count); there the commit is read from a stamp written here before the
 call (`python -m slipstream.provenance stamp`, into the carried `.whl/`), and the stamp records
 whether the tree was dirty and a hash of the uncommitted diff. A run is thus never labelled with a
 commit it did not run.
@@ -38,7 +39,12 @@ def _run(cmd: list[str], cwd: Path | None = None) -> str | None:
 
 
 def git_state(repo: Path = REPO) -> dict | None:
-    """{commit, dirty, diff_sha256} of a checkout, or None when `repo` is not one."""
+    """{commit, dirty, diff_sha256} of a checkout, or None when `repo` is not the root of one. A copy
+    of the tree that sits inside another repository's work tree is not (on 2026-11-27 a GPU run's
+    header named that other checkout's HEAD): git would answer for the enclosing one."""
+    top = _run(["git", "rev-parse", "--show-toplevel"], repo)
+    if top is None or Path(top).resolve() != Path(repo).resolve():
+        return None
     commit = _run(["git", "rev-parse", "HEAD"], repo)
     if commit is None:
         return None

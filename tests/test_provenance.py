@@ -46,3 +46,20 @@ def test_dirty_flag_and_diff_hash_follow_the_tree(tmp_path):
     (tmp_path / "b.txt").write_text("untracked\n")  # untracked files do not make a run dirty
     (tmp_path / "a.txt").write_text("one\n")
     assert prov_mod.git_state(tmp_path)["dirty"] is False
+
+
+def test_a_copy_inside_another_work_tree_reads_the_stamp_not_the_enclosing_head(tmp_path):
+    """The GPU machine's copy sat in another checkout: its HEAD (75da0d1) was printed as ours."""
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--allow-empty", "-m", "x"],
+                   cwd=tmp_path, check=True)
+    copy = tmp_path / "project"
+    copy.mkdir()
+    stamp = copy / ".whl" / "provenance-git.json"
+    assert prov_mod.git_state(copy) is None
+    assert prov_mod.git_info(repo=copy, stamp=stamp)["commit"] == "unknown"
+    stamp.parent.mkdir()
+    stamp.write_text(json.dumps({"commit": "a" * 40, "dirty": False, "diff_sha256": None}))
+    info = prov_mod.git_info(repo=copy, stamp=stamp)
+    assert info["commit"] == "a" * 40 and info["source"].startswith("stamp")
+    assert prov_mod.git_state(tmp_path)["commit"] != "a" * 40  # the enclosing checkout still answers for itself

@@ -35,3 +35,11 @@ def test_parse_drops_the_warmup_pass_and_counts_the_prefill_token():
 def test_parse_refuses_a_run_without_measured_passes():
     with pytest.raises(RuntimeError, match="1 result lines"):
         llamacpp_bench.parse_run(_line(1, 0.1, 1.0), "", 1, 128)
+
+
+def test_a_prebuilt_dist_names_its_snapshot(tmp_path):
+    """tools/llamacpp_peer.sh dist keeps .snapshot-commit/.snapshot-origin beside bin/ (no CMakeCache)."""
+    assert llamacpp_bench.llamacpp_commit(str(tmp_path)) == "unknown"
+    (tmp_path / ".snapshot-commit").write_text("0c1e570 2026-10-01\n")
+    (tmp_path / ".snapshot-origin").write_text("llama-cpp-python 0.3.36\n")
+    assert llamacpp_bench.llamacpp_commit(str(tmp_path)) == "0c1e570 2026-10-01 / llama-cpp-python 0.3.36"

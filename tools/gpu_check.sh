@@ -1,39 +1,30 @@
 #!/usr/bin/env bash
-# Everything this project measures on a GPU (run from the repo root there). Here, right before the call:
-#   bash tools/gpu_prepare.sh          # wheels, git stamp, llama.cpp source -> .whl/ (~25 MB; LLAMACPP=0: no source)
-# The cuda tests, one call of their own (run(command="bash tools/gpu_check.sh tests", carry=[".whl"], timeout_s=600)):
-#   tests = tests-kernels, then tests-engine, each a pytest process of its own:
-#     tests-kernels  `pytest -m cuda tests/ --ignore-glob='tests/*cuda*.py'`: the compiled kernels against their
-#                    references (attention, fused kernels and model, launch counts, logits processing, grammar
-#                    masks); cold, most of its time is Triton compiling. Limit 230 s.
-#     tests-engine   `pytest -m cuda tests/*cuda*.py`: whole engines (depth 2 == depth 1, graph replay == eager,
-#                    no hidden sync, warmup, event waits, mixed graphs); ~15 engine starts, each capturing its
-#                    graphs. Limit 320 s. Engine-level CUDA tests go in files named *cuda*.py.
-#   Each is stopped with SIGINT 15 s before its limit (pytest then prints its summary and writes its XML; a
-#   hung process gets SIGKILL at the limit) and, where the image has pytest-timeout, a single test with
-#   SIGALRM after 240 s. As they run: $OUT/cuda-tests-kernels.log, $OUT/cuda-tests-engine.log (pytest's output,
-#   unbuffered), then $OUT/cuda-tests-*.xml (JUnit) and $OUT/gpu.txt (GPU, provenance, each stage's rc and
-#   time); everything else in $OUT/logs.tgz at the end. Tests that need a package the image lacks (fastapi,
-#   uvicorn, openai, ray) skip; tests/test_gpu_image_collect.py checks on the CPU that no cuda test does.
-#   A stage cut short says rc=124 in gpu.txt (its log ends with "KeyboardInterrupt"); then a second call on the
-#   still warm machine (Triton's cache is kept) runs that stage alone with the whole budget:
-#   `ENGINE_LIMIT=560 bash tools/gpu_check.sh tests-engine` (or KERNELS_LIMIT=560 ... tests-kernels).
-# The issue-16 figures in two device calls (each under 600 s; run(..., carry=[".whl"], timeout_s=600)):
-#   1. LLAMACPP_SERVER=1 bash tools/gpu_check.sh llamacpp bench   # llama.cpp (CUDA, sm_90): batched-bench bf16/f16
-#      and llama-server bf16 tables; slipstream bench (mean/p90 idle, the prediction from depth 1)
-#   2. bash tools/gpu_check.sh peer             # slipstream d1/d2 vs transformers' configurations, fresh processes
-# If call 1's build ate the budget and `bench` was skipped, a third call: `bash tools/gpu_check.sh bench`.
-# Issues 14 and 15 (host path at 256 streams; kernels and mixed graphs), after the tests call:
-#   1. bash tools/gpu_check.sh bench profile profile-mixed   # idle mean/p90 at 1..256 streams, host vs forward;
-#      kernels/step + replay at batch 1/32/128/256; mixed-step host launch eager vs graph
-#   2. bash tools/gpu_check.sh peer                          # tokens/s and TTFT, depth 1 vs 2
-# Stages: tests (= tests-kernels tests-engine) peer bench llamacpp profile profile-mixed events bench-thread smoke
-# (default: tests). Each stage has its own time limit, cut to what is left of $BUDGET seconds (default 570), so a
-# hang costs one stage and the logs always come back. Every raw table starts with a provenance header
-# (slipstream/provenance.py).
+# Everything this project measures on a GPU, in ONE device call (run from the repo root there). Here, right before:
+#   bash tools/gpu_prepare.sh   # wheels, git stamp, llama.cpp (prebuilt CUDA dist, else its source) -> .whl/
+# Then: run(command="bash tools/gpu_check.sh", carry=[".whl"], timeout_s=600)
+#
+# Default stages, in this order (issue 35), each cut to what is left of $BUDGET (default 540 s):
+#   tests-engine   pytest -m cuda tests/*cuda*.py (whole engines; limit 150 s)
+#   tests-kernels  pytest -m cuda on the rest (compiled kernels vs references; limit 110 s)
+#   bench          slipstream bench, 1..256 streams, depth 1 and 2: period ÷ (forward+sampling), device idle
+#                  median/mean/p90, the prediction from depth 1 (limit 80 s)
+#   profile        tools/profile_forward_cuda.py: kernels/step, replay vs floor at batch 1/32/128/256 (limit 50 s)
+#   profile-mixed  tools/profile_mixed_cuda.py: mixed-step host launch, eager vs graph (limit 40 s)
+#   peer           slipstream d1/d2 and transformers cb-graphs at N = 1, 8, fresh processes (limit 100 s)
+#   llamacpp       llama.cpp (CUDA, sm_90) llama-batched-bench bf16 at N = 1, 8 (limit 80 s): the carried
+#                  prebuilt dist (.whl/llamacpp-cuda-sm90.tar.xz, tools/llamacpp_peer.sh dist), else the build
+#                  from .whl/llamacpp-src.tgz, started detached (setsid) when this script starts, so it
+#                  compiles while the tests run; this stage waits for it
+#   peer-static    transformers static-compile at N = 1, 8 (~75 s of compiling per N): only if >= 180 s are left
+# Other stages, by name: tests (= tests-engine tests-kernels), events, bench-thread, llamacpp-server, smoke.
+#
+# What comes back ($OUT, at most 8 files): gpu.txt (GPU, provenance, each stage's rc and time, as they end),
+# cuda-tests-engine.log, cuda-tests-kernels.log (pytest -v with tracebacks, live ERROR log lines with their
+# exc_info, the short summary), bench.md, profile.md, profile-mixed.md, peer.md (peer, llama.cpp, static-compile
+# tables, each with its provenance header, appended as each ends) and logs.tgz (JUnit XML, JSON, stderr, build
+# logs; rewritten after every stage). Every file is written as its stage ends, so a call cut short keeps what ran.
+# Without a GPU (a dry run here) the test stages collect and skip, every other stage says "skipped: no CUDA".
 set -uo pipefail
-# The device tool returns at most 8 files from $OUT: the test logs and gpu.txt are written there as they go,
-# every other log goes into $OUT/logs.tgz at the end, plus one table per stage while files are left.
 OUT=${OUT:-/tmp/gpu-out}
 LOGS=$(mktemp -d)
 mkdir -p "$OUT"
@@ -46,98 +37,121 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     fi
     export PYTHONPATH=/tmp/site:$PWD
 fi
-stages=${*:-tests}
-stages=$(echo " $stages " | sed 's/ tests / tests-kernels tests-engine /g')
-# provenance.py by path (-P: not its folder on sys.path): the header needs no third-party package
-prov() { python3 -P slipstream/provenance.py "$@"; }
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+stages=${*:-tests-engine tests-kernels bench profile profile-mixed peer llamacpp peer-static}
+stages=$(echo " $stages " | sed 's/ tests / tests-engine tests-kernels /g')
+prov() { python3 -P slipstream/provenance.py "$@"; }  # by path: the header needs no third-party package
+HAVE_CUDA=0
+python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null && HAVE_CUDA=1
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 || echo "no nvidia-smi"
   prov
-  date -u +%FT%TZ; echo "stages:$stages"; } > "$GPU_TXT" 2>&1
-show=("$GPU_TXT")
-LLAMA_BUILD=${LLAMA_BUILD:-build/llamacpp}  # ignored, not carried: kept between calls while the machine is warm
-# LLAMA_ARGS: extra tools/llamacpp_bench.py arguments (e.g. a short CPU check of this script);
-# LLAMACPP_SERVER=1: also build llama-server and run tools/llamacpp_server_bench.py (bf16)
+  date -u +%FT%TZ; echo "stages:$stages (budget ${BUDGET:-540} s, cuda=$HAVE_CUDA)"; } > "$GPU_TXT" 2>&1
 
-BUDGET=${BUDGET:-570}
+BUDGET=${BUDGET:-540}
 limit() { local left=$((BUDGET - SECONDS)); echo $(($1 < left ? $1 : (left > 1 ? left : 1))); }
+save_logs() { cp "$GPU_TXT" "$LOGS"/ 2>/dev/null; tar czf "$OUT/logs.tgz" -C "$LOGS" . 2>/dev/null; }
+append_peer() { [[ -s $1 ]] && { cat "$1"; echo; } >> "$OUT/peer.md"; }
+
+# --- llama.cpp: a prebuilt dist, else a detached build that runs while the tests do -------------------
+LLAMA=/tmp/llamacpp-cuda          # where the dist is unpacked (bin/ + .snapshot-*) or the build goes
+LLAMA_DONE=$LOGS/llamacpp-build.done
+cu13_libs() {  # torch's cuBLAS 13 / cudart 13 (nvidia/cu13/lib): what the dist links against
+    python3 -c "import glob, os, nvidia; print(':'.join(sorted({os.path.dirname(p) for d in nvidia.__path__
+                for p in glob.glob(os.path.join(d, '*', 'lib', 'libcublas.so.*'))})))" 2>/dev/null
+}
+if [[ " $stages " == *" llamacpp"* ]]; then
+    if [[ -f .whl/llamacpp-cuda-sm90.tar.xz ]]; then
+        mkdir -p "$LLAMA" && tar -xJf .whl/llamacpp-cuda-sm90.tar.xz -C "$LLAMA" && echo 0 > "$LLAMA_DONE"
+        echo "llama.cpp: prebuilt dist ($(head -1 "$LLAMA/BUILD-INFO" 2>/dev/null))" >> "$GPU_TXT"
+    elif [[ -f .whl/llamacpp-src.tgz && $HAVE_CUDA == 1 ]]; then
+        rm -rf /tmp/llamacpp-src && mkdir -p /tmp/llamacpp-src && tar -xzf .whl/llamacpp-src.tgz -C /tmp/llamacpp-src
+        # nice and 12 of 16 cores: the tests, then the bench, share the machine with it (their host times may
+        # suffer: gpu.txt says when it ended)
+        setsid nohup bash -c "LLAMACPP_CUDA=1 LLAMACPP_SERVER=${LLAMACPP_SERVER:-0} JOBS=12 nice -n 19 \
+            bash tools/llamacpp_peer.sh build /tmp/llamacpp-src $LLAMA > $LOGS/llamacpp-build.log 2>&1; \
+            echo \$? > $LLAMA_DONE" > /dev/null 2>&1 < /dev/null &
+        echo "llama.cpp: no prebuilt dist, building from source detached (started at ${SECONDS} s)" >> "$GPU_TXT"
+    else
+        echo 1 > "$LLAMA_DONE"; echo "llama.cpp: neither a dist nor a source snapshot in .whl/, or no CUDA" >> "$GPU_TXT"
+    fi
+fi
+
 for stage in $stages; do
     start=$SECONDS
     if ((SECONDS >= BUDGET - 5)); then echo "stage $stage: skipped, budget spent" | tee -a "$GPU_TXT"; continue; fi
+    if [[ $HAVE_CUDA == 0 && $stage != tests-* ]]; then
+        echo "stage $stage: skipped: no CUDA device (torch.cuda.is_available() is False)" | tee -a "$GPU_TXT"; continue
+    fi
+    rc=0
     case $stage in
-    tests-kernels|tests-engine)
-        if [[ $stage == tests-kernels ]]; then t=$(limit "${KERNELS_LIMIT:-230}"); sel=(tests/ --ignore-glob='tests/*cuda*.py')
-        else t=$(limit "${ENGINE_LIMIT:-320}"); sel=(tests/*cuda*.py); fi
+    tests-engine|tests-kernels)
+        if [[ $stage == tests-kernels ]]; then t=$(limit "${KERNELS_LIMIT:-110}"); sel=(tests/ --ignore-glob='tests/*cuda*.py')
+        else t=$(limit "${ENGINE_LIMIT:-150}"); sel=(tests/*cuda*.py); fi
         per_test=()
-        python3 -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout 240 --timeout-method signal)
-        # SIGINT first (pytest prints its summary and writes the XML), SIGKILL 15 s later if that hangs
-        timeout -s INT -k 15 $((t > 30 ? t - 15 : t)) python3 -m pytest -m cuda -p no:cacheprovider -q -rfEs \
-            --durations=15 "${per_test[@]}" --junitxml="$OUT/cuda-$stage.xml" "${sel[@]}" 2>&1 \
-            | tee "$OUT/cuda-$stage.log"; rc=${PIPESTATUS[0]}
-        { prov; echo; tail -40 "$OUT/cuda-$stage.log"; } > "$LOGS/cuda-$stage.md"; show+=("$LOGS/cuda-$stage.md") ;;
+        python3 -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout 120 --timeout-method signal)
+        # -v: each test's name; --tb=long: whole tracebacks; live ERROR lines (with exc_info) even for tests that
+        # pass; SIGINT first (pytest prints its summary and writes the XML), SIGKILL 15 s later if that hangs
+        timeout -s INT -k 15 $((t > 30 ? t - 15 : t)) python3 -m pytest -m cuda -p no:cacheprovider -v -rfEs \
+            --tb=long -o log_cli=true --log-cli-level=ERROR --durations=15 "${per_test[@]}" \
+            --junitxml="$LOGS/cuda-$stage.xml" "${sel[@]}" > "$OUT/cuda-$stage.log" 2>&1; rc=$?
+        tail -25 "$OUT/cuda-$stage.log" ;;
+    bench)  # mean/p90 idle, period ÷ (forward+sampling), the prediction from depth 1, the accounting identity
+        timeout $(limit 80) python3 -m slipstream.cli bench --device cuda --model random-smollm2-135m --dtype bfloat16 \
+            --streams 1 8 32 128 256 --len 128 --repeats 3 --no-progress --json-out "$LOGS/bench.json" \
+            > "$OUT/bench.md" 2>"$LOGS/bench.err"; rc=$? ;;
+    profile)
+        timeout $(limit 50) python3 tools/profile_forward_cuda.py > "$OUT/profile.md" 2>"$LOGS/profile.err"; rc=$? ;;
+    profile-mixed)
+        timeout $(limit 40) python3 tools/profile_mixed_cuda.py > "$OUT/profile-mixed.md" 2>"$LOGS/profile-mixed.err"; rc=$? ;;
+    peer)  # a fresh process per system; peer.json is rewritten after every system (a cut-off run keeps the rest)
+        timeout $(limit 100) python3 tools/peer_bench.py --device cuda --dtype bfloat16 --hf-configs cb-graphs \
+            --systems 'slipstream d1' 'slipstream d2' 'transformers cb-graphs' --concurrency 1 8 --repeats 2 \
+            --no-agreement --json-out "$LOGS/peer.json" > "$LOGS/peer.md" 2>"$LOGS/peer.err"; rc=$?
+        append_peer "$LOGS/peer.md" ;;
+    llamacpp|llamacpp-server)
+        while [[ ! -f $LLAMA_DONE ]] && ((SECONDS < BUDGET - 40)); do sleep 2; done
+        if [[ ! -f $LLAMA_DONE ]]; then rc=124; echo "stage $stage: the llama.cpp build did not end in time" >> "$GPU_TXT"
+        elif [[ $(cat "$LLAMA_DONE") != 0 ]]; then rc=$(cat "$LLAMA_DONE")
+        else
+            export LD_LIBRARY_PATH=$(cu13_libs)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+            if [[ $stage == llamacpp ]]; then
+                timeout $(limit 80) python3 tools/llamacpp_bench.py --build "$LLAMA" --dtype bf16 --concurrency 1 8 \
+                    --repeats 2 ${LLAMA_ARGS:-} --json-out "$LOGS/llamacpp-bf16.json" > "$LOGS/llamacpp-bf16.md" \
+                    2>"$LOGS/llamacpp-bf16.err"; rc=$?
+                append_peer "$LOGS/llamacpp-bf16.md"
+            else  # llama-server: sampling, streaming, its own scheduler
+                timeout $(limit 150) python3 tools/llamacpp_server_bench.py --build "$LLAMA" --dtype bf16 --concurrency 1 8 \
+                    ${LLAMA_ARGS:-} --json-out "$LOGS/llamacpp-server.json" > "$LOGS/llamacpp-server.md" \
+                    2>"$LOGS/llamacpp-server.err"; rc=$?
+                append_peer "$LOGS/llamacpp-server.md"
+            fi
+        fi
+        cp /tmp/llamacpp-cuda.build.log /tmp/llamacpp-cuda.configure.log "$LOGS"/ 2>/dev/null ;;
+    peer-static)  # compiles per batch size: only where its time allows
+        if ((BUDGET - SECONDS < 180)); then echo "stage $stage: skipped, $((BUDGET - SECONDS)) s left (< 180)" \
+            | tee -a "$GPU_TXT"; continue; fi
+        timeout $(limit 200) python3 tools/peer_bench.py --device cuda --dtype bfloat16 --hf-configs static-compile \
+            --systems 'transformers static-compile' --concurrency 1 8 --repeats 2 --no-agreement \
+            --json-out "$LOGS/peer-static.json" > "$LOGS/peer-static.md" 2>"$LOGS/peer-static.err"; rc=$?
+        append_peer "$LOGS/peer-static.md" ;;
     events)
         timeout $(limit 60) python3 tools/bench_event_wait.py --repeats 300 > "$LOGS/event-wait.md" 2>"$LOGS/event-wait.err"; rc=$?
-        show+=("$LOGS/event-wait.md") ;;
-    bench)  # mean/p90 idle, the prediction from depth 1 made before depth 2 runs, the accounting identity
-        timeout $(limit 170) python3 -m slipstream.cli bench --device cuda --model random-smollm2-135m --dtype bfloat16 \
-            --streams 1 8 32 128 256 --len 128 --repeats 3 --no-progress --json-out "$LOGS/bench.json" \
-            > "$LOGS/bench.md" 2>"$LOGS/bench.err"; rc=$?
-        show+=("$LOGS/bench.md") ;;
-    bench-thread)  # the same, with the loop woken by a pool thread instead of a host function
+        append_peer "$LOGS/event-wait.md" ;;
+    bench-thread)  # the loop woken by a pool thread instead of a host function
         timeout $(limit 150) python3 -m slipstream.cli bench --device cuda --model random-smollm2-135m --dtype bfloat16 \
             --streams 1 8 32 128 --len 128 --repeats 3 --no-progress --event-wait thread \
             > "$LOGS/bench-thread.md" 2>"$LOGS/bench-thread.err"; rc=$?
-        show+=("$LOGS/bench-thread.md") ;;
-    peer)  # a fresh process per system; transformers: cb-auto, cb-graphs, static-compile (tools/peer_hf.py, last:
-           # it compiles per batch size); peer.json is rewritten after every system, so a cut-off run keeps the rest
-        timeout $(limit 560) python3 tools/peer_bench.py --device cuda --dtype bfloat16 --json-out "$LOGS/peer.json" \
-            > "$LOGS/peer.md" 2>"$LOGS/peer.err"; rc=$?
-        show+=("$LOGS/peer.md") ;;
-    llamacpp)  # build from the carried snapshot (outside the repo's tracked tree), then bf16 and f16 rows
-        rc=0
-        if [[ ! -x $LLAMA_BUILD/bin/llama-batched-bench || ( ${LLAMACPP_SERVER:-0} == 1 && ! -x $LLAMA_BUILD/bin/llama-server ) ]]; then
-            rm -rf /tmp/llamacpp-src && mkdir -p /tmp/llamacpp-src && tar -xzf .whl/llamacpp-src.tgz -C /tmp/llamacpp-src
-            mkdir -p "$(dirname "$LLAMA_BUILD")"
-            JOBS=$(nproc) timeout $(limit 420) bash tools/llamacpp_peer.sh build /tmp/llamacpp-src "$LLAMA_BUILD" \
-                > "$LOGS/llamacpp-build.log" 2>&1; rc=$?
-            cp "$LLAMA_BUILD".build.log "$LLAMA_BUILD".configure.log "$LOGS"/ 2>/dev/null
-        fi
-        if ((rc == 0)); then
-            for dt in bf16 f16; do
-                timeout $(limit 75) python3 tools/llamacpp_bench.py --build "$LLAMA_BUILD" --dtype $dt ${LLAMA_ARGS:-} \
-                    --json-out "$LOGS/llamacpp-$dt.json" > "$LOGS/llamacpp-$dt.md" 2>"$LOGS/llamacpp-$dt.err"; rc=$((rc | $?))
-                show+=("$LOGS/llamacpp-$dt.md")
-            done
-            if [[ ${LLAMACPP_SERVER:-0} == 1 ]]; then  # llama-server: sampling, streaming, its own scheduler
-                timeout $(limit 150) python3 tools/llamacpp_server_bench.py --build "$LLAMA_BUILD" --dtype bf16 ${LLAMA_ARGS:-} \
-                    --json-out "$LOGS/llamacpp-server.json" > "$LOGS/llamacpp-server.md" 2>"$LOGS/llamacpp-server.err"; rc=$((rc | $?))
-                show+=("$LOGS/llamacpp-server.md")
-            fi
-        else
-            show+=("$LOGS/llamacpp-build.log")
-        fi ;;
-    profile)
-        timeout $(limit 60) python3 tools/profile_forward_cuda.py > "$LOGS/profile.md" 2>"$LOGS/profile.err"; rc=$?
-        show+=("$LOGS/profile.md") ;;
-    profile-mixed)  # issue 15: host launch cost of mixed steps, eager vs mixed-graph replay
-        timeout $(limit 120) python3 tools/profile_mixed_cuda.py > "$LOGS/profile-mixed.md" 2>"$LOGS/profile-mixed.err"; rc=$?
-        show+=("$LOGS/profile-mixed.md") ;;
+        append_peer "$LOGS/bench-thread.md" ;;
     smoke)
         timeout $(limit 100) python3 -m slipstream.cli bench --device cuda --model random-smollm2-135m --dtype bfloat16 \
             --streams 1 8 --len 32 --repeats 1 --no-progress > "$LOGS/smoke-bench.md" 2>"$LOGS/smoke-bench.err"; rc=$?
-        timeout $(limit 150) python3 tools/peer_bench.py --device cuda --dtype bfloat16 --concurrency 1 8 --output-len 32 \
-            --repeats 1 > "$LOGS/smoke-peer.md" 2>"$LOGS/smoke-peer.err"; rc=$((rc | $?))
-        show+=("$LOGS/smoke-bench.md" "$LOGS/smoke-peer.md") ;;
+        append_peer "$LOGS/smoke-bench.md" ;;
     *) echo "gpu_check: unknown stage $stage" >&2; exit 2 ;;
     esac
     echo "stage $stage: rc=$rc in $((SECONDS - start)) s" | tee -a "$GPU_TXT"
+    save_logs
 done
-for f in "${show[@]}"; do echo "== ${f##*/}"; cat "$f"; done
-for f in "$LOGS"/*.err; do [ -s "$f" ] && { echo "== ${f##*/} (last lines)"; tail -8 "$f"; }; done
-cp "$GPU_TXT" "$LOGS"/ 2>/dev/null
-tar czf "$OUT/logs.tgz" -C "$LOGS" .
-n=$(find "$OUT" -type f | wc -l)
-for f in "${show[@]}"; do
-    [[ $f == "$OUT"/* || -e $OUT/${f##*/} || ${f##*/} == cuda-tests-* ]] && continue  # tests: their .log is there
-    ((n < 8)) && cp "$f" "$OUT"/ && n=$((n + 1))
-done
+[[ -f $LLAMA_DONE ]] && echo "llama.cpp build: rc=$(cat "$LLAMA_DONE")" >> "$GPU_TXT"
+save_logs
+for f in "$LOGS"/*.err; do [[ -s $f ]] && { echo "== ${f##*/} (last lines)"; tail -6 "$f"; }; done
+for f in "$OUT"/bench.md "$OUT"/profile-mixed.md "$OUT"/peer.md "$GPU_TXT"; do [[ -s $f ]] && { echo "== ${f##*/}"; cat "$f"; }; done
 exit 0

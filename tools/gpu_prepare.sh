@@ -3,18 +3,26 @@
 #   1. the Python wheels its image lacks (tools/gpu_wheels.sh);
 #   2. the git state of this checkout (the copy sent there has no .git): .whl/provenance-git.json, read by
 #      slipstream/provenance.py, so raw outputs name the commit that really ran and whether it was dirty;
-#   3. a trimmed llama.cpp source snapshot (tools/llamacpp_peer.sh: no models/ or docs/), .whl/llamacpp-src.tgz,
-#      from $LLAMACPP_SRC (default /work/wt/llamacpp-src, outside this repository; made if missing).
-#      LLAMACPP=0 skips it (the `tests` stage needs only 1 and 2).
+#   3. llama.cpp: the prebuilt CUDA dist (sm_90, ~tens of MB, built on a CPU machine: tools/llamacpp_peer.sh
+#      toolkit + dist) from $LLAMACPP_DIST (default /work/wt/llamacpp-cuda/llamacpp-cuda-sm90.tar.xz) when it is
+#      there, else a trimmed source snapshot, .whl/llamacpp-src.tgz, from $LLAMACPP_SRC (default
+#      /work/wt/llamacpp-src, outside this repository; made if missing), which tools/gpu_check.sh then builds on
+#      the GPU machine, detached, while the tests run. LLAMACPP=0 skips it (the `tests` stages need only 1 and 2).
 # Run it right before the device call: a stamp written before a later commit would misname the run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/gpu_wheels.sh
 # by path, not `-m slipstream.provenance`: importing the package needs msgspec, torch, ... (-P: not its folder on sys.path)
 "${PYTHON:-python3}" -P slipstream/provenance.py stamp
+rm -f .whl/llamacpp-src.tgz .whl/llamacpp-cuda-sm90.tar.xz
 if [[ ${LLAMACPP:-1} != 0 ]]; then
-    src=${LLAMACPP_SRC:-/work/wt/llamacpp-src}
-    [[ -f $src/CMakeLists.txt ]] || bash tools/llamacpp_peer.sh source "$src"
-    bash tools/llamacpp_peer.sh pack "$src" .whl/llamacpp-src.tgz
+    dist=${LLAMACPP_DIST:-/work/wt/llamacpp-cuda/llamacpp-cuda-sm90.tar.xz}
+    if [[ -f $dist ]]; then
+        cp "$dist" .whl/llamacpp-cuda-sm90.tar.xz
+    else
+        src=${LLAMACPP_SRC:-/work/wt/llamacpp-src}
+        [[ -f $src/CMakeLists.txt ]] || bash tools/llamacpp_peer.sh source "$src"
+        bash tools/llamacpp_peer.sh pack "$src" .whl/llamacpp-src.tgz
+    fi
 fi
 du -sh .whl

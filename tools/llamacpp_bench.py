@@ -39,10 +39,11 @@ BUFFER_RE = re.compile(r"(\S+) +(model|KV|compute|output) buffer size =\s+([\d.]
 
 
 def llamacpp_commit(build: str) -> str:
-    """The snapshot's commit as written by tools/llamacpp_peer.sh source (next to the source tree)."""
+    """The snapshot's commit as written by tools/llamacpp_peer.sh source (next to the source tree, or in
+    a prebuilt dist beside bin/: tools/llamacpp_peer.sh dist)."""
     cache = os.path.join(build, "CMakeCache.txt")
-    src = None
-    if os.path.exists(cache):
+    src = build if os.path.exists(os.path.join(build, ".snapshot-commit")) else None
+    if src is None and os.path.exists(cache):
         for line in open(cache):
             if line.startswith("CMAKE_HOME_DIRECTORY:"):
                 src = line.split("=", 1)[1].strip()

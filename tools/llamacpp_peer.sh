@@ -6,12 +6,20 @@
 #   tools/llamacpp_peer.sh pack DIR TGZ   # that tree as a tarball small enough to carry to a lent GPU
 #   tools/llamacpp_peer.sh build DIR BUILD  # cmake + ninja: llama-batched-bench (+ llama-server if LLAMACPP_SERVER=1)
 #   tools/llamacpp_peer.sh bench BUILD [llamacpp_bench.py args...]
+#   tools/llamacpp_peer.sh toolkit TK        # a CUDA toolkit to build against WITHOUT a GPU: this machine's nvcc
+#                                            # ($CUDA_HOME, default /usr/local/cuda) + cuBLAS 13 headers/libs from the
+#                                            # nvidia-cublas wheel + a link-time libcuda stub (the driver's, at run time)
+#   tools/llamacpp_peer.sh dist SRC BUILD TXZ  # with TK's toolkit (LLAMACPP_TOOLKIT=TK): llama-batched-bench and
+#                                            # llama-server for sm_90, shared ggml libs (one copy of the CUDA code),
+#                                            # no -march=native, stripped, RPATH $ORIGIN -> TXZ (bin/ + .snapshot-*)
 #
 # Where the source comes from (first that is set / works):
 #   LLAMACPP_GIT_DIR   a git directory of ggml-org/llama.cpp (e.g. from the search tool's fetch) -> `git archive`
 #   otherwise          the llama.cpp tree vendored in the llama-cpp-python sdist from PyPI (pip download,
 #                      version $LLAMACPP_PY_VERSION, default 0.3.36): a snapshot of ggml-org/llama.cpp (MIT);
 #                      its commit is read from the sdist's submodule and written to DIR/.snapshot-commit.
+# A dist runs on the GPU image against its torch's cuBLAS 13 / cudart 13 (nvidia/cu13/lib, `cu13_libs` below puts
+# them on LD_LIBRARY_PATH) and the driver's libcuda.so.1; built with nvcc 13.0 (= the image's driver's CUDA).
 # CUDA is built when nvcc and a GPU are found (LLAMACPP_CUDA=0/1 overrides) (-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCH:-90}); else a CPU build.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -43,6 +51,57 @@ source_tree() {
     echo "llama.cpp source in $dest: $(cat "$dest/.snapshot-origin"), commit $(cat "$dest/.snapshot-commit"), $(du -sh "$dest" | cut -f1)"
 }
 
+toolkit() {
+    # cuBLAS 13.0.0.19: the oldest 13.x, so the binaries need no symbol a newer libcublas.so.13 (torch's) lacks
+    local tk=$1 home=${CUDA_HOME:-/usr/local/cuda} ver=${CUBLAS_VERSION:-13.0.0.19} dl
+    home=$(cd "$home" && pwd -P)
+    rm -rf "$tk" && mkdir -p "$(dirname "$tk")" && cp -a "$home" "$tk"
+    dl=$(mktemp -d)
+    "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 -d "$dl" "nvidia-cublas==$ver"
+    (cd "$dl" && unzip -q -o ./*.whl 'nvidia/cu13/include/*' 'nvidia/cu13/lib/libcublas.so.13' 'nvidia/cu13/lib/libcublasLt.so.13')
+    cp "$dl"/nvidia/cu13/include/* "$tk/include/" && cp "$dl"/nvidia/cu13/lib/* "$tk/lib/"
+    (cd "$tk/lib" && ln -sf libcublas.so.13 libcublas.so && ln -sf libcublasLt.so.13 libcublasLt.so)
+    rm -rf "$dl"
+    # libcuda.so.1 comes with the driver, absent here: a stub with its soname and the driver calls ggml-cuda makes
+    # (VMM pool), only for linking; at run time the loader takes the real one
+    mkdir -p "$tk/lib/stubs"
+    local fns="cuDeviceGet cuDeviceGetAttribute cuGetErrorString cuMemAddressFree cuMemAddressReserve cuMemCreate
+               cuMemGetAllocationGranularity cuMemMap cuMemRelease cuMemSetAccess cuMemUnmap"
+    for f in $fns; do echo "int $f(void) { return 999; }"; done > "$tk/lib/stubs/cuda_stub.c"
+    gcc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$tk/lib/stubs/libcuda.so" "$tk/lib/stubs/cuda_stub.c"
+    echo "CUDA toolkit in $tk: nvcc $("$tk/bin/nvcc" --version | grep -o 'release [0-9.]*'), cuBLAS $ver, libcuda stub"
+}
+
+dist() {
+    local src=$1 bld=$2 txz=$3 tk=${LLAMACPP_TOOLKIT:?set LLAMACPP_TOOLKIT to a toolkit dir (toolkit TK)} t0=$SECONDS
+    [[ -x $tk/bin/nvcc ]] || { echo "no nvcc in $tk" >&2; return 1; }
+    local flags=(-G Ninja -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+                 -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_APP=OFF
+                 -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=OFF -DGGML_CUDA=ON -DGGML_CUDA_NCCL=OFF
+                 -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCH:-90}-real" -DBUILD_SHARED_LIBS=ON
+                 -DCMAKE_CUDA_COMPILER="$tk/bin/nvcc" -DCUDAToolkit_ROOT="$tk" -DCMAKE_BUILD_RPATH='$ORIGIN'
+                 -DCMAKE_SHARED_LINKER_FLAGS=-Wl,--as-needed -DCMAKE_EXE_LINKER_FLAGS=-Wl,--as-needed)
+    mkdir -p "$bld"
+    cmake -S "$src" -B "$bld" "${flags[@]}" > "$bld.configure.log" 2>&1 || { tail -30 "$bld.configure.log"; return 1; }
+    cmake --build "$bld" --target llama-batched-bench llama-server -j "${JOBS:-$(nproc)}" > "$bld.build.log" 2>&1 \
+        || { tail -40 "$bld.build.log"; return 1; }
+    local stage
+    stage=$(mktemp -d)
+    mkdir -p "$stage/bin"
+    cp "$bld"/bin/llama-batched-bench "$bld"/bin/llama-server "$stage/bin/"
+    cp -P "$bld"/bin/*.so* "$stage/bin/"
+    strip --strip-unneeded "$stage"/bin/*
+    cp "$src/.snapshot-commit" "$src/.snapshot-origin" "$stage/"
+    { echo "built $(date -u +%FT%TZ) in $((SECONDS - t0)) s on $(uname -m), $(nproc) cores"
+      echo "nvcc: $("$tk/bin/nvcc" --version | tail -2 | head -1)"; echo "cmake ${flags[*]}"
+      echo "needs: $(objdump -p "$stage"/bin/*.so* "$stage"/bin/llama-* 2>/dev/null | awk '/NEEDED/ {print $2}' | sort -u | tr '\n' ' ')"
+    } > "$stage/BUILD-INFO"
+    tar -C "$stage" -cJf "$txz" . && rm -rf "$stage"
+    cat "$bld.configure.log" | grep -i "cuda\|cublas" | head -5 >&2 || true
+    echo "dist $txz: $(du -h "$txz" | cut -f1) (llama-batched-bench, llama-server, ggml libs, sm_${CUDA_ARCH:-90}) in $((SECONDS - t0)) s"
+}
+
 build() {
     local src=$1 bld=$2 cuda=OFF targets=(llama-batched-bench) server=OFF
     # a GPU and nvcc, unless LLAMACPP_CUDA=0/1 says otherwise (a machine may have nvcc but no GPU, nor cuBLAS)
@@ -62,6 +121,8 @@ case ${1:-} in
 source) source_tree "$2" ;;
 pack)   tar -C "$2" -czf "$3" . && du -h "$3" ;;
 build)  build "$2" "$3" ;;
+toolkit) toolkit "$2" ;;
+dist)   dist "$2" "$3" "$4" ;;
 bench)  bld=$2; shift 2; exec "$PY" "$here/llamacpp_bench.py" --build "$bld" "$@" ;;
-*) sed -n '2,16p' "$0"; exit 2 ;;
+*) sed -n '2,23p' "$0"; exit 2 ;;
 esac

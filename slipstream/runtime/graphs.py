@@ -11,9 +11,9 @@ tests). Invariants enforced here:
     (the runner samples only the real rows);
   - a step above the largest bucket runs eagerly, and that is logged once, not per step;
   - a capture that raises (at warmup or on first use) turns this cache off: its graphs are dropped,
-    every later step of its kind runs eagerly, and one error line says why (the error text is in
-    the line's message through exc_info, not only in its fields). The other caches go on; the
-    capture itself left the device as it was (runtime/graph_record.py).
+    every later step of its kind runs eagerly, and one error line says why (its `error` field, and
+    the traceback with the error text that any log handler prints under the line: exc_info). The
+    other caches go on; the capture itself left the device as it was (runtime/graph_record.py).
 Each slot needs its own graphs: a graph reads the slot's static input buffers and writes logits
 that must survive while the other slot's step runs.
 """

@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
-import structlog
 import torch
 
 from slipstream.errors import PipelineInvariantError
@@ -55,8 +54,6 @@ from slipstream.runtime.static_step import StaticStepTensors, fill_static, stati
 
 if TYPE_CHECKING:
     from slipstream.faults import FaultInjector
-
-log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True)

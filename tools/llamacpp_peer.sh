@@ -91,6 +91,11 @@ dist() {
     mkdir -p "$stage/bin"
     cp "$bld"/bin/llama-batched-bench "$bld"/bin/llama-server "$stage/bin/"
     cp -P "$bld"/bin/*.so* "$stage/bin/"
+    # OpenMP (ggml-cpu) travels too: the GPU image need not have GCC's runtime (libstdc++ it has, newer)
+    local lib
+    for lib in $(objdump -p "$stage"/bin/* 2>/dev/null | awk '/NEEDED/ && $2 ~ /^libgomp/ {print $2}' | sort -u); do
+        cp -L "$(ldconfig -p | awk -v l="$lib" '$1 == l {print $NF; exit}')" "$stage/bin/$lib"
+    done
     strip --strip-unneeded "$stage"/bin/*
     cp "$src/.snapshot-commit" "$src/.snapshot-origin" "$stage/"
     { echo "built $(date -u +%FT%TZ) in $((SECONDS - t0)) s on $(uname -m), $(nproc) cores"

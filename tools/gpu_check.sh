@@ -64,11 +64,13 @@ if [[ " $stages " == *" llamacpp"* ]]; then
         echo "llama.cpp: prebuilt dist ($(head -1 "$LLAMA/BUILD-INFO" 2>/dev/null))" >> "$GPU_TXT"
     elif [[ -f .whl/llamacpp-src.tgz && $HAVE_CUDA == 1 ]]; then
         rm -rf /tmp/llamacpp-src && mkdir -p /tmp/llamacpp-src && tar -xzf .whl/llamacpp-src.tgz -C /tmp/llamacpp-src
-        # nice and 12 of 16 cores: the tests, then the bench, share the machine with it (their host times may
-        # suffer: gpu.txt says when it ended)
-        setsid nohup bash -c "LLAMACPP_CUDA=1 LLAMACPP_SERVER=${LLAMACPP_SERVER:-0} JOBS=12 nice -n 19 \
-            bash tools/llamacpp_peer.sh build /tmp/llamacpp-src $LLAMA > $LOGS/llamacpp-build.log 2>&1; \
-            echo \$? > $LLAMA_DONE" > /dev/null 2>&1 < /dev/null &
+        # the same dist build as on a CPU machine (nvcc here, torch's cuBLAS 13), nice and 12 of 16 cores: the
+        # tests, then the bench, share the machine with it (their host times may suffer: gpu.txt says when it ended)
+        cublas=$(dirname "$(cu13_libs | cut -d: -f1)")
+        setsid nohup bash -c "CUBLAS_DIR=$cublas bash tools/llamacpp_peer.sh toolkit /tmp/llamacpp-tk \
+            && LLAMACPP_TOOLKIT=/tmp/llamacpp-tk JOBS=12 nice -n 19 bash tools/llamacpp_peer.sh dist /tmp/llamacpp-src \
+               /tmp/llamacpp-build /tmp/llamacpp-dist.tar.xz && mkdir -p $LLAMA && tar -xJf /tmp/llamacpp-dist.tar.xz -C $LLAMA; \
+            echo \$? > $LLAMA_DONE" > "$LOGS/llamacpp-build.log" 2>&1 < /dev/null &
         echo "llama.cpp: no prebuilt dist, building from source detached (started at ${SECONDS} s)" >> "$GPU_TXT"
     else
         echo 1 > "$LLAMA_DONE"; echo "llama.cpp: neither a dist nor a source snapshot in .whl/, or no CUDA" >> "$GPU_TXT"
@@ -125,7 +127,7 @@ for stage in $stages; do
                 append_peer "$LOGS/llamacpp-server.md"
             fi
         fi
-        cp /tmp/llamacpp-cuda.build.log /tmp/llamacpp-cuda.configure.log "$LOGS"/ 2>/dev/null ;;
+        cp /tmp/llamacpp-build.build.log /tmp/llamacpp-build.configure.log "$LOGS"/ 2>/dev/null ;;
     peer-static)  # compiles per batch size: only where its time allows
         if ((BUDGET - SECONDS < 180)); then echo "stage $stage: skipped, $((BUDGET - SECONDS)) s left (< 180)" \
             | tee -a "$GPU_TXT"; continue; fi

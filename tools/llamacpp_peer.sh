@@ -8,7 +8,8 @@
 #   tools/llamacpp_peer.sh bench BUILD [llamacpp_bench.py args...]
 #   tools/llamacpp_peer.sh toolkit TK        # a CUDA toolkit to build against WITHOUT a GPU: this machine's nvcc
 #                                            # ($CUDA_HOME, default /usr/local/cuda) + cuBLAS 13 headers/libs from the
-#                                            # nvidia-cublas wheel + a link-time libcuda stub (the driver's, at run time)
+#                                            # nvidia-cublas wheel (or an installed one: CUBLAS_DIR=.../nvidia/cu13)
+#                                            # + a link-time libcuda stub (the driver's, at run time)
 #   tools/llamacpp_peer.sh dist SRC BUILD TXZ  # with TK's toolkit (LLAMACPP_TOOLKIT=TK): llama-batched-bench and
 #                                            # llama-server for sm_90, shared ggml libs (one copy of the CUDA code),
 #                                            # no -march=native, stripped, RPATH $ORIGIN -> TXZ (bin/ + .snapshot-*)
@@ -56,13 +57,20 @@ toolkit() {
     local tk=$1 home=${CUDA_HOME:-/usr/local/cuda} ver=${CUBLAS_VERSION:-13.0.0.19} dl
     home=$(cd "$home" && pwd -P)
     rm -rf "$tk" && mkdir -p "$(dirname "$tk")" && cp -a "$home" "$tk"
-    dl=$(mktemp -d)
-    "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 -d "$dl" "nvidia-cublas==$ver"
-    (cd "$dl" && unzip -q -o ./*.whl 'nvidia/cu13/include/*' 'nvidia/cu13/lib/libcublas.so.13' 'nvidia/cu13/lib/libcublasLt.so.13')
-    cp "$dl"/nvidia/cu13/include/* "$tk/include/" && cp "$dl"/nvidia/cu13/lib/* "$tk/lib/"
+    if [[ -n ${CUBLAS_DIR:-} ]]; then  # an installed nvidia-cublas (e.g. torch's nvidia/cu13 on the GPU image)
+        ver="from $CUBLAS_DIR"
+        ln -sf "$CUBLAS_DIR"/include/cublas*.h "$tk/include/"
+        ln -sf "$CUBLAS_DIR"/lib/libcublas.so.13 "$CUBLAS_DIR"/lib/libcublasLt.so.13 "$tk/lib/"
+    else
+        dl=$(mktemp -d)
+        "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+            --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 -d "$dl" "nvidia-cublas==$ver"
+        (cd "$dl" && unzip -q -o ./*.whl 'nvidia/cu13/include/*' 'nvidia/cu13/lib/libcublas.so.13' \
+            'nvidia/cu13/lib/libcublasLt.so.13')
+        cp "$dl"/nvidia/cu13/include/* "$tk/include/" && cp "$dl"/nvidia/cu13/lib/* "$tk/lib/"
+        rm -rf "$dl"
+    fi
     (cd "$tk/lib" && ln -sf libcublas.so.13 libcublas.so && ln -sf libcublasLt.so.13 libcublasLt.so)
-    rm -rf "$dl"
     # libcuda.so.1 comes with the driver, absent here: a stub with its soname and the driver calls ggml-cuda makes
     # (VMM pool), only for linking; at run time the loader takes the real one
     mkdir -p "$tk/lib/stubs"

@@ -44,6 +44,9 @@ class FakeGraphApi:
         self.streams: list = ["default"]  # the current stream, innermost last
         self.calls: list[str] = []
 
+    def prepare(self) -> None:
+        pass
+
     def new_graph(self) -> FakeGraph:
         return FakeGraph(self)
 

@@ -349,12 +349,12 @@ def test_a_failed_mixed_capture_leaves_eager_prefill_and_the_decode_graphs(monke
             runner = engine._parts.runner
             with structlog.testing.capture_logs() as logs:
                 cuda_graphs.install_graphs(runner, engine._parts.device, cfg)
-            return runner, logs
+            counts = [len(c.graphs) for c in (runner.mixed_graphs, runner.graphs, runner.greedy_graphs)]
+            return runner, logs, counts  # (counted before close, which releases every graph)
 
-    runner, logs = asyncio.run(run())
-    assert runner.mixed_graphs.failed and not runner.mixed_graphs.graphs
-    assert len(runner.graphs.graphs) == 2 * 3 and runner.graphs.failed is None  # decode: 2 slots × buckets 1, 2, 4
-    assert len(runner.greedy_graphs.graphs) == 2 * 3
+    runner, logs, counts = asyncio.run(run())
+    assert runner.mixed_graphs.failed and counts == [0, 2 * 3, 2 * 3]  # decode, greedy: 2 slots × buckets 1, 2, 4
+    assert runner.graphs.failed is None and runner.greedy_graphs.failed is None
     errors = [e for e in logs if e.get("log_level") == "error"]
     assert [(e["event"], e["kind"]) for e in errors] == [("cuda_graph_capture_failed", "mixed")]
     assert "operation not permitted" in errors[0]["error"] and errors[0]["exc_info"]

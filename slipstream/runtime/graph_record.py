@@ -33,6 +33,12 @@ class GraphApi:
     def new_graph(self) -> Any:
         return torch.cuda.CUDAGraph()
 
+    def prepare(self) -> None:
+        """What torch.cuda.graph does before a capture: the cached blocks go back, so the pool is
+        measured alone (tests/test_memory_budget.py) and the capture has the most memory."""
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
     def stream(self, stream) -> Any:
         return torch.cuda.stream(stream)
 
@@ -60,6 +66,7 @@ def record(run: Callable[[], Any], pool, stream, device: torch.device, api: Grap
     """(graph, what run() returned): run() captured on `stream` into `pool`. Raises what failed,
     after putting the stream, the allocator and the pool back as they were before the capture."""
     api = API if api is None else api
+    api.prepare()
     graph = api.new_graph()
     collecting = gc.isenabled()
     gc.disable()

@@ -54,8 +54,8 @@ def image_prompt(length, eos_at, salt, images):
 
 
 def make_loop(depth, num_pages=64, max_batch=4, step_tokens=16, seed=0, prefix_caching=False,
-              encoder_cache_tokens=64, max_encoder_tokens=16):
-    runner = FakeRunner(PAGE, seed=seed)
+              encoder_cache_tokens=64, max_encoder_tokens=16, duplicate_writes="random"):
+    runner = FakeRunner(PAGE, seed=seed, duplicate_writes=duplicate_writes)
     pool = RefereedPool(num_pages, runner.referee)
     planner = Planner(pool, PAGE, max_batch, step_tokens, prefix_caching=prefix_caching,
                       encoder_cache_tokens=encoder_cache_tokens, max_encoder_tokens=max_encoder_tokens)

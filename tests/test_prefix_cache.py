@@ -187,6 +187,18 @@ def test_preempted_sequences_recompute_from_their_cached_prefix():
         check_results(reqs, results, loop, pool)
 
 
+def test_cached_tokens_count_what_the_first_admission_found():
+    """A preempted sequence is recomputed from its own pages, which it registered meanwhile: those hits
+    are not the cache's gift to the request. usage.cached_tokens (OpenAI's, vLLM's) counts what its
+    first admission found; these prompts are unique, so 0 each (it reported up to the whole prompt)."""
+    reqs = [(make_prompt(10, None, 100 + s) + [s], 12, s, None) for s in range(6)]
+    for depth in (1, 2):
+        results, loop, pool = asyncio.run(run_workload(depth, reqs, num_pages=10, max_batch=4, prefix_caching=True))
+        check_results(reqs, results, loop, pool)
+        assert any(seq.num_preemptions and seq.num_reused for _, seq in results.values()), "no recompute hit"
+        assert [out.usage.cached_tokens for out, _ in results.values()] == [0] * len(reqs)
+
+
 # --- the engine (tiny-random, batch_invariant) ------------------------------------------------------
 
 def engine_cfg(depth, caching, **kw):

@@ -22,3 +22,17 @@ def test_one_token_pages_never_share_the_bos_page_across_images(md, want):  # no
     assert second[0].usage.cached_tokens == 0
     check(same[0], want[(QUESTIONS[1], "image")])
     assert same[0].usage.cached_tokens >= 17  # the same picture still hits its whole prefix
+
+
+def test_the_encoder_cache_is_keyed_by_the_cache_salt(md):  # noqa: F811
+    """Two tenants (salts) with one picture each encode it; the same salt again is a hit, with prefix
+    caching off too (the salt isolates the encoder cache whatever the pages do)."""
+    async def run():
+        async with Engine(config(md[0], 1)) as engine:
+            for salt, caching in (("a", True), ("b", True), ("a", True), ("b", False), (None, False)):
+                params = SamplingParams(max_tokens=2, temperature=0.0, cache_salt=salt, prefix_caching=caching)
+                await engine.complete(QUESTIONS[0], params, images=[IMAGE])
+            return await engine.stats()
+    stats = asyncio.run(run())
+    # a, b, unsalted: misses; b again: a hit; a again: its pages (image included) from the prefix cache
+    assert (stats["encoder_cache_misses"], stats["encoder_cache_hits"]) == (3, 1)

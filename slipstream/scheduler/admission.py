@@ -68,7 +68,7 @@ class Admission:
             cache.count(seq, len(hit))
         self.pages.give(seq, need)
         if seq.images and self.encoder_cache is not None:
-            self.encoder_cache.acquire(seq)
+            self.encoder_cache.acquire(seq, reused)
         self.running.append(seq)
         return seq
 

@@ -71,3 +71,13 @@ def page_extra(extra: bytes, images: Sequence[tuple[int, int, bytes]], lo: int, 
 def salt_key(cache_salt: str | None) -> bytes:
     """The `extra` bytes of a request's cache salt (none: b"", the router's unsalted hashes)."""
     return b"" if cache_salt is None else b"salt:" + cache_salt.encode("utf-8")
+
+
+def image_key(digest: bytes, cache_salt: str | None) -> bytes:
+    """An image's key (ImageSpan.digest: its encoder-cache entry, the runner's output, its pages'
+    extra key) from its pixels' digest and the request's cache salt: tenants with different salts
+    never share an encoder output either, so none can time whether another sent the same picture.
+    Unsalted requests keep the digest itself."""
+    if cache_salt is None:
+        return digest
+    return hashlib.blake2b(salt_key(cache_salt) + digest, digest_size=32).digest()

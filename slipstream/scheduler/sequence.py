@@ -62,9 +62,10 @@ class Sequence:
     num_cached_tokens: int = 0
     num_registered_pages: int = 0  # leading pages of `pages` the cache maps (registered or hit)
     block_hashes: list[bytes] = field(default_factory=list)  # chain hashes of its known full pages so far
-    # images of its prompt, in position order (scheduler/encoder_cache.py); held: it has references
+    # images of its prompt, in position order (scheduler/encoder_cache.py); held: the digests it holds
+    # references to (those its chunks feed)
     images: list[ImageSpan] = field(default_factory=list)
-    images_held: bool = False
+    images_held: tuple[bytes, ...] = ()
     # its first positions attend both ways (Moondream's BOS + image): computed in one chunk (chunking.py)
     bidirectional_len: int = 0
     user: Any = None  # the request object of the API layer (opaque to the scheduler)

@@ -36,3 +36,36 @@ def test_the_encoder_cache_is_keyed_by_the_cache_salt(md):  # noqa: F811
     stats = asyncio.run(run())
     # a, b, unsalted: misses; b again: a hit; a again: its pages (image included) from the prefix cache
     assert (stats["encoder_cache_misses"], stats["encoder_cache_hits"]) == (3, 1)
+
+
+@pytest.mark.parametrize("budget", [17, 18])
+def test_no_image_request_waits_for_a_decode_batch_to_end(md, budget):  # noqa: F811
+    """Two rows, a 17-token prefix: a budget of 17 leaves 16 tokens beside one decoding row, so the
+    second request's prefix never fit until the first request ended (its first token came after the
+    other's last). Such a budget is refused by name; the smallest one allowed admits the prefix."""
+    async def run():
+        async with Engine(config(md[0], 1, max_batch_size=2, max_num_batched_tokens=budget)) as engine:
+            order = []
+
+            async def long():
+                params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+                async for _ in engine.stream(QUESTIONS[0], params, images=[IMAGE]):
+                    started.set()
+                order.append("long")
+
+            started = asyncio.Event()
+            task = asyncio.create_task(long())
+            await asyncio.wait({task, asyncio.ensure_future(started.wait())}, return_when=asyncio.FIRST_COMPLETED)
+            if task.done():
+                task.result()  # (a refusal)
+            await engine.complete(QUESTIONS[1], SamplingParams(max_tokens=1, temperature=0.0), images=[OTHER])
+            order.append("short")
+            await task
+            return order
+
+    if budget == 17:
+        with pytest.raises(InvalidRequestError, match="max_num_batched_tokens >= 18") as err:
+            asyncio.run(run())
+        assert err.value.param == "images"
+    else:
+        assert asyncio.run(run()) == ["short", "long"]

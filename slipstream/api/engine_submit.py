@@ -133,13 +133,17 @@ class SubmitMethods:
 
     def _bidirectional_len(self, spans: list) -> int:
         """The prompt's leading positions that attend both ways (Moondream's BOS + image): computed in
-        one chunk (scheduler/chunking.py), so a step must hold them all."""
+        one chunk (scheduler/chunking.py), so a step must hold them all beside a full batch of decode
+        rows (planned first, one token each): with less, a prefix waits until a decoding request ends,
+        without bound under steady traffic. Refused here rather than starved."""
         measure = getattr(self._image_processing, "bidirectional_len", None)
         n = measure(spans) if measure is not None else 0
-        if n > self.config.max_num_batched_tokens:
-            raise InvalidRequestError(f"images: this model computes its image prefix of {n} tokens in one step, more "
-                                      f"than max_num_batched_tokens={self.config.max_num_batched_tokens}; start the "
-                                      f"engine with max_num_batched_tokens >= {n} (--max-num-batched-tokens)",
+        budget, others = self.config.max_num_batched_tokens, self.config.max_batch_size - 1
+        if n and n + others > budget:
+            raise InvalidRequestError(f"images: this model computes its image prefix of {n} tokens in one step, beside "
+                                      f"up to {others} decoding requests (max_batch_size={others + 1}), more than "
+                                      f"max_num_batched_tokens={budget}; start the engine with max_num_batched_tokens "
+                                      f">= {n + others} (--max-num-batched-tokens) or a smaller max_batch_size",
                                       param="images")
         return n
 

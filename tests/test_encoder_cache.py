@@ -3,10 +3,8 @@ whose pages all came from the prefix cache is neither encoded nor counted nor ke
 keyed by the image's digest and the request's cache salt (one tenant cannot time another's picture)."""
 import asyncio
 
-from fake_runner import EOS, NullDetok, reference
-from slipstream.api.output_processor import RequestState
-from slipstream.outputs import CompletionOutput, RequestMetrics
-from slipstream.params import SamplingParams
+from fake_clients import ended, submit_greedy
+from fake_runner import reference
 from slipstream.runtime.batch import ImageSpan, SamplingRow
 from slipstream.scheduler.block_hash import image_key
 from slipstream.scheduler.encoder_cache import EncoderCache
@@ -42,13 +40,8 @@ def test_a_repeat_served_from_the_prefix_cache_neither_encodes_nor_misses():
         task = asyncio.create_task(loop.run())
         outs = []
         for name in ("a", "b"):
-            req = RequestState(name, prompt, SamplingParams(max_tokens=4, temperature=0.0), NullDetok(),
-                               frozenset({EOS}), RequestMetrics(0.0))
-            seq = Sequence(name, prompt, 4, SamplingRow(), user=req, images=list(spans))
-            loop.submit(seq)
-            while not isinstance(item := await asyncio.wait_for(req.queue.get(), 30), CompletionOutput):
-                pass
-            outs.append((item, seq))
+            seq = submit_greedy(loop, name, prompt, spans)
+            outs.append((await asyncio.wait_for(ended(seq), 30), seq))
         loop.close()
         await task
         return outs, loop

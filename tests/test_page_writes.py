@@ -5,11 +5,8 @@ import asyncio
 
 import pytest
 
-from fake_runner import EOS, NullDetok, make_prompt, reference
-from slipstream.api.output_processor import RequestState
-from slipstream.errors import StepFailedError
-from slipstream.outputs import CompletionOutput, RequestMetrics
-from slipstream.params import SamplingParams
+from fake_clients import ended, submit_greedy
+from fake_runner import make_prompt, reference
 from slipstream.runtime.batch import SamplingRow
 from slipstream.scheduler.page_pool import PagePool
 from slipstream.scheduler.page_reservation import PageReservation
@@ -68,24 +65,11 @@ def test_an_abort_after_a_failed_step_leaves_no_stale_page_write(depth):
                 kept_for_s.append(seqs["s"].row in loop.planner.pages._writes[::3])
                 loop.abort(seqs["s"])  # before the next step: its row goes to w1 or w2
                 for name, prompt in (("w1", w1), ("w2", w2)):
-                    seqs[name] = submit(name, prompt, [])
+                    seqs[name] = submit_greedy(loop, name, prompt)
 
         loop.planner.pages.requeue = requeue_then_abort_s
         task = asyncio.create_task(loop.run())
         seqs = {}
-
-        def submit(name, prompt, spans):
-            req = RequestState(name, prompt, SamplingParams(max_tokens=4, temperature=0.0), NullDetok(),
-                               frozenset({EOS}), RequestMetrics(0.0))
-            seq = Sequence(name, prompt, 4, SamplingRow(), user=req, images=list(spans))
-            loop.submit(seq)
-            return seq
-
-        async def ended(seq):
-            while True:
-                item = await seq.user.queue.get()
-                if isinstance(item, (CompletionOutput, StepFailedError)):
-                    return item
 
         async def result(seq):  # the loop's error (the referee's) as soon as it dies
             item = asyncio.ensure_future(ended(seq))
@@ -98,7 +82,7 @@ def test_an_abort_after_a_failed_step_leaves_no_stale_page_write(depth):
         outs = {}
         for group in ([("r0", r0, []), ("r1", r1, [])], [("t", t, st), ("s", s, ss)], [("v", r1, [])]):
             for name, prompt, spans in group:  # (no yield between: admitted by the same plan)
-                seqs[name] = submit(name, prompt, spans)
+                seqs[name] = submit_greedy(loop, name, prompt, spans)
             for name, *_ in group:
                 outs[name] = await result(seqs[name])
         for name in ("w1", "w2"):

@@ -17,8 +17,9 @@ writes it (checked at `register`: registering before the commit that completed i
 Page-table writes: a step's entries reach the device as one scatter (`RowTables.apply`), and with
 a repeated (row, index) CUDA leaves which value lands undefined (the CPU applies them in order, the
 last winning). The fake keeps one of the repeats as the real device may: the first, or one chosen
-at random (`duplicate_writes`, default "random"); the referee follows the same choice. So a step
-that carries a stale entry beside a new one for the same place fails a test here too.
+at random (`duplicate_writes`, default "random"); the referee follows the same choice, and fails
+a step whose entries map one place to two pages. So a step that carries a stale entry beside a new
+one for the same place fails a test here too.
 
 Images: an ImageSpan's `processed` is a tuple of ints (its "pixels"); the fake encoder turns them
 into `num_features` ints (`fake_features`), and the forward writes those, not the placeholder ids,
@@ -172,6 +173,14 @@ class Referee:
     def check_register(self, page: int) -> None:
         if page in self.referenced(2):
             raise AssertionError(f"page {page} registered in the prefix cache while an in-flight step writes it")
+
+    @staticmethod
+    def check_scatter(writes: list[tuple[int, int, int]]) -> None:
+        pages: dict[tuple[int, int], int] = {}
+        for row, index, page in writes:
+            if pages.setdefault((row, index), page) != page:
+                raise AssertionError(f"a step maps row {row} index {index} to pages {pages[row, index]} and {page}: "
+                                     "one scatter with repeated indices (undefined on CUDA)")
 
     def check_writes(self, written: set[int]) -> None:
         cached = written & self.pool.registered if self.pool is not None else set()
@@ -342,7 +351,9 @@ class FakeRunner:
         slot.host_result, slot.sampled, slot.copied = None, {}, None
         slot.carried, slot.host_carried = {}, None
         # the persistent batch as the host's launch order sees it (what the step will reference)
-        writes = self._scatter([tuple(int(x) for x in w) for w in packed.page_writes])
+        writes = [tuple(int(x) for x in w) for w in packed.page_writes]
+        self.referee.check_scatter(writes)
+        writes = self._scatter(writes)
         for row, index, page in writes:
             self._apply_page(self.launch_pages, row, index, page)
         dec = [int(r) for r in packed.decode_rows]

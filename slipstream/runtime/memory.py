@@ -11,6 +11,7 @@ the KV pool), is the budget: `utilization` of it goes to KV pages; the rest stay
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Any
 
 import structlog
 import torch
@@ -37,8 +38,9 @@ def kv_pages_for_memory(free_bytes: int, utilization: float, bytes_per_page: int
     if pages < min_pages:
         raise InvalidRequestError(
             f"KV cache: {free_bytes / GiB:.2f} GiB free, less {reserved_bytes / GiB:.2f} GiB reserved for graphs, "
-            f"sampling and encoder outputs, x gpu_memory_utilization {utilization} holds {pages} pages of {bytes_per_page} bytes, fewer "
-            f"than the {min_pages} one longest request needs; raise gpu_memory_utilization, lower max_model_len, "
+            f"sampling and encoder outputs, x gpu_memory_utilization {utilization} holds {pages} pages of "
+            f"{bytes_per_page} bytes, fewer than the {min_pages} one longest request needs; raise "
+            "gpu_memory_utilization, lower max_model_len, "
             "or lower max_batch_size / the graph buckets / encoder_cache_tokens")
     return pages
 
@@ -108,7 +110,7 @@ def runtime_reserve(config, vocab_size: int, hidden_size: int, intermediate_size
 
 
 def profile_free_memory(model, config, device, num_tokens: int, page_size: int, dtype: torch.dtype,
-                        image: object = None) -> int:
+                        image: Any = None) -> int:
     """Free device bytes after weights and the profiled step (`profile_step`)."""
     dev = device.torch_device
     profile_step(model, config, dev, num_tokens, page_size, dtype, image)
@@ -120,7 +122,7 @@ def profile_free_memory(model, config, device, num_tokens: int, page_size: int, 
 
 
 def profile_step(model, config, dev: torch.device, num_tokens: int, page_size: int, dtype: torch.dtype,
-                 image: object = None) -> None:
+                 image: Any = None) -> None:
     """One forward of `num_tokens` prompt tokens on a throwaway cache; then, with `image` (the
     processing's `largest_input`), the vision tower on it, as `ModelRunner.launch_encoder` runs it.
     Nothing is kept: the allocator holds on to the peak."""

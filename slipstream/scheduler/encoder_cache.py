@@ -4,8 +4,9 @@ the runner keeps the tensors, `Runner.launch_encoder` / `Runner.drop_features`).
 Rules, enforced here:
   * An admitted sequence holds a reference to each of its images (`acquire` at admission, `release`
     when its pages and row are released: finished, aborted or preempted, always with no step of it
-    in flight), except an image whose pages all came from the prefix cache: no chunk feeds it. A preempted sequence gives its references back and takes them again when it is
-    re-admitted: its images stay hittable meanwhile, like its cached pages.
+    in flight), except an image whose pages all came from the prefix cache: no chunk feeds it. A
+    preempted sequence gives its references back and takes them again when it is re-admitted (for
+    the images its new hit does not cover): its images stay hittable meanwhile, like its pages.
   * An entry with references is never evicted, so no launched step ever reads a dropped output
     (a step's sequences hold their references until it commits).
   * Entries without references stay hittable in LRU order while the cache holds at most

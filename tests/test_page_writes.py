@@ -36,8 +36,9 @@ def test_a_released_holders_pending_writes_go_with_it():
 def test_an_abort_after_a_failed_step_leaves_no_stale_page_write(depth):
     """The review's reproduction: a request admitted without a chunk into a step that fails keeps its
     page-table entries for the next step (PageReservation.requeue); it is aborted before that step and
-    another request takes its row with other pages. Applied first-wins, the stale entry sent the new
-    request's K/V into a page the prefix cache holds (the referee's check) and a later hit read it."""
+    another request takes its row with other pages. The referee fails the step that maps one place to
+    two pages; applied first-wins (without that check) the stale entry sent the new request's K/V into
+    a page the prefix cache holds, which a later hit would read."""
     s, ss = image_prompt(16, None, 41, [(4, 4, pixels(42))])  # its image starts right after the hit page
     r1 = s[:4] + [3 + (i * 13) % 200 for i in range(12)]  # same first page as s, text only
     r0 = [s[0] + 1, 16] + [5 + (i * 7) % 200 for i in range(14)]

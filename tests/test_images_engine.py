@@ -80,9 +80,11 @@ def test_greedy_tokens_equal_transformers(idefics3_folder, hf, depth):  # noqa: 
     assert three.token_ids == want["three"]
     assert chatted.token_ids == want["chat"]
     assert again.token_ids == want["one"]
-    # 4 distinct pictures (ONE, THREE) encoded once each; the chat's two are hits; the repeat's pages,
-    # its image's included, all come from the prefix cache: it takes no entry (issue 37)
-    assert stats["encoder_cache_misses"] == 4 and stats["encoder_cache_hits"] == 2
+    # 4 distinct pictures (ONE, THREE) encoded once each. The repeat's pages, its image's included, all
+    # come from the prefix cache: it takes no entry (issue 37). The chat's second picture is a hit; its
+    # first one too, unless PROMPT_3 and the chat (the same text before the same first picture) were
+    # admitted one after the other's pages were cached (timing, at depth 2): then it takes no entry
+    assert stats["encoder_cache_misses"] == 4 and stats["encoder_cache_hits"] in (1, 2)
     assert stats["encoder_cache_entries"] == 4 and stats["encoder_cache_bytes"] > 0
     assert "slipstream_encoder_cache_hits_total" in metrics and "slipstream_encoder_cache_bytes" in metrics
 

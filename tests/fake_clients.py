@@ -2,8 +2,30 @@
 yields), aborted after its own count of yields if it has one, and awaited to its end."""
 import asyncio
 
+from fake_runner import EOS, NullDetok
+from slipstream.api.output_processor import RequestState
 from slipstream.errors import StepFailedError
-from slipstream.outputs import CompletionOutput
+from slipstream.outputs import CompletionOutput, RequestMetrics
+from slipstream.params import SamplingParams
+from slipstream.runtime.batch import SamplingRow
+from slipstream.scheduler.sequence import Sequence
+
+
+def submit_greedy(loop, name: str, prompt: list[int], spans=(), max_tokens: int = 4) -> Sequence:
+    """Submit a greedy token-only request (with its image spans) at once; returns its sequence."""
+    req = RequestState(name, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0), NullDetok(),
+                       frozenset({EOS}), RequestMetrics(0.0))
+    seq = Sequence(name, prompt, max_tokens, SamplingRow(), user=req, images=list(spans))
+    loop.submit(seq)
+    return seq
+
+
+async def ended(seq):
+    """Its CompletionOutput, or the StepFailedError it failed with."""
+    while True:
+        item = await seq.user.queue.get()
+        if isinstance(item, (CompletionOutput, StepFailedError)):
+            return item
 
 
 async def serve_requests(loop, jobs, timeout: float = 60.0) -> dict:
@@ -21,11 +43,7 @@ async def serve_requests(loop, jobs, timeout: float = 60.0) -> dict:
             for _ in range(abort_after):
                 await asyncio.sleep(0)
             loop.abort(seq)
-        while True:
-            item = await seq.user.queue.get()
-            if isinstance(item, (CompletionOutput, StepFailedError)):
-                results[i] = (item, seq)
-                return
+        results[i] = (await ended(seq), seq)
 
     await asyncio.wait_for(asyncio.gather(*(client(i, *job) for i, job in enumerate(jobs))), timeout)
     loop.close()

@@ -14,6 +14,13 @@ Prefix cache: a page registered in the cache must never be written by a step (ch
 against the pool's registered pages), and a page may be registered only when no in-flight step
 writes it (checked at `register`: registering before the commit that completed it is caught).
 
+Page-table writes: a step's entries reach the device as one scatter (`RowTables.apply`), and with
+a repeated (row, index) CUDA leaves which value lands undefined (the CPU applies them in order, the
+last winning). The fake keeps one of the repeats as the real device may: the first, or one chosen
+at random (`duplicate_writes`, default "random"); the referee follows the same choice, and fails
+a step whose entries map one place to two pages. So a step that carries a stale entry beside a new
+one for the same place fails a test here too.
+
 Images: an ImageSpan's `processed` is a tuple of ints (its "pixels"); the fake encoder turns them
 into `num_features` ints (`fake_features`), and the forward writes those, not the placeholder ids,
 into the KV at the image's positions — so a feature fed to the wrong position, a missing encode or
@@ -167,6 +174,14 @@ class Referee:
         if page in self.referenced(2):
             raise AssertionError(f"page {page} registered in the prefix cache while an in-flight step writes it")
 
+    @staticmethod
+    def check_scatter(writes: list[tuple[int, int, int]]) -> None:
+        pages: dict[tuple[int, int], int] = {}
+        for row, index, page in writes:
+            if pages.setdefault((row, index), page) != page:
+                raise AssertionError(f"a step maps row {row} index {index} to pages {pages[row, index]} and {page}: "
+                                     "one scatter with repeated indices (undefined on CUDA)")
+
     def check_writes(self, written: set[int]) -> None:
         cached = written & self.pool.registered if self.pool is not None else set()
         if cached:
@@ -276,8 +291,9 @@ class FakeSlot:
 
 
 class FakeRunner:
-    def __init__(self, page_size: int, seed: int = 0, max_delay: int = 3):
-        self.page_size = page_size
+    def __init__(self, page_size: int, seed: int = 0, max_delay: int = 3, duplicate_writes: str = "random"):
+        assert duplicate_writes in ("first", "last", "random"), duplicate_writes
+        self.page_size, self.duplicate_writes = page_size, duplicate_writes
         self.slots = [FakeSlot(0), FakeSlot(1)]
         self.kv: dict[int, int] = {}  # KV index -> token
         self.last_token: dict[int, int] = {}  # row -> its newest sampled token
@@ -336,6 +352,8 @@ class FakeRunner:
         slot.carried, slot.host_carried = {}, None
         # the persistent batch as the host's launch order sees it (what the step will reference)
         writes = [tuple(int(x) for x in w) for w in packed.page_writes]
+        self.referee.check_scatter(writes)
+        writes = self._scatter(writes)
         for row, index, page in writes:
             self._apply_page(self.launch_pages, row, index, page)
         dec = [int(r) for r in packed.decode_rows]
@@ -394,6 +412,17 @@ class FakeRunner:
         slot.sample_rows = [int(r) for r in packed.sample_rows]
         self._launch_encodes(step_id)
         self.streams[0].launch(forward)
+
+    def _scatter(self, writes: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+        """The entries one scatter leaves in the table: of a repeated (row, index), the one this
+        device picks (undefined on CUDA: first, last or any)."""
+        by_place: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+        for w in writes:
+            by_place.setdefault(w[:2], []).append(w)
+        if len(by_place) == len(writes):
+            return writes
+        pick = {"first": lambda ws: ws[0], "last": lambda ws: ws[-1], "random": self._rng.choice}[self.duplicate_writes]
+        return [pick(ws) for ws in by_place.values()]
 
     def _kv_index(self, row: int, pos: int) -> int:
         return self.dev_pages[row][pos // self.page_size] * self.page_size + pos % self.page_size

@@ -80,8 +80,11 @@ def test_greedy_tokens_equal_transformers(idefics3_folder, hf, depth):  # noqa: 
     assert three.token_ids == want["three"]
     assert chatted.token_ids == want["chat"]
     assert again.token_ids == want["one"]
-    # 4 distinct pictures (ONE, THREE) encoded once each; the repeat and the chat's two are hits
-    assert stats["encoder_cache_misses"] == 4 and stats["encoder_cache_hits"] == 3
+    # 4 distinct pictures (ONE, THREE) encoded once each. The repeat's pages, its image's included, all
+    # come from the prefix cache: it takes no entry (issue 37). The chat's second picture is a hit; its
+    # first one too, unless PROMPT_3 and the chat (the same text before the same first picture) were
+    # admitted one after the other's pages were cached (timing, at depth 2): then it takes no entry
+    assert stats["encoder_cache_misses"] == 4 and stats["encoder_cache_hits"] in (1, 2)
     assert stats["encoder_cache_entries"] == 4 and stats["encoder_cache_bytes"] > 0
     assert "slipstream_encoder_cache_hits_total" in metrics and "slipstream_encoder_cache_bytes" in metrics
 
@@ -136,7 +139,8 @@ def test_skills_take_images(idefics3_folder):  # noqa: F811
     points, detected, misses, hits = asyncio.run(main())
     assert set(points) == {"points"} and all(set(p) == {"x", "y"} for p in points["points"])
     assert all(set(o) == {"x_min", "y_min", "x_max", "y_max"} for o in detected)
-    assert misses == 1 and hits >= 1  # both skills saw the image (the second from the encoder cache)
+    # encoded once: the second skill's pages up to past the image come from the prefix cache
+    assert misses == 1 and hits == 0
 
 
 def test_a_text_model_refuses_a_skills_image():

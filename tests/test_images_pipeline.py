@@ -12,7 +12,7 @@ import random
 import numpy as np
 import pytest
 
-from fake_clients import serve_requests
+from fake_clients import ended, serve_requests, submit_greedy
 from fake_runner import EOS, FakeRunner, IMAGE, NullDetok, RefereedPool, RefereedRows, make_prompt, reference
 from slipstream.outputs import CompletionOutput, RequestMetrics
 from slipstream.params import SamplingParams
@@ -54,8 +54,8 @@ def image_prompt(length, eos_at, salt, images):
 
 
 def make_loop(depth, num_pages=64, max_batch=4, step_tokens=16, seed=0, prefix_caching=False,
-              encoder_cache_tokens=64, max_encoder_tokens=16):
-    runner = FakeRunner(PAGE, seed=seed)
+              encoder_cache_tokens=64, max_encoder_tokens=16, duplicate_writes="random"):
+    runner = FakeRunner(PAGE, seed=seed, duplicate_writes=duplicate_writes)
     pool = RefereedPool(num_pages, runner.referee)
     planner = Planner(pool, PAGE, max_batch, step_tokens, prefix_caching=prefix_caching,
                       encoder_cache_tokens=encoder_cache_tokens, max_encoder_tokens=max_encoder_tokens)
@@ -416,23 +416,10 @@ def test_a_failed_step_keeps_the_page_writes_of_a_request_it_did_not_carry(depth
         loop.launch = logged
         task = asyncio.create_task(loop.run())
 
-        def submit(name, prompt, spans):
-            req = RequestState(name, prompt, SamplingParams(max_tokens=4, temperature=0.0), NullDetok(),
-                               frozenset({EOS}), RequestMetrics(0.0))
-            seq = Sequence(name, prompt, 4, SamplingRow(), user=req, images=list(spans))
-            loop.submit(seq)
-            return seq
-
-        async def result(seq):
-            while True:
-                item = await seq.user.queue.get()
-                if isinstance(item, (CompletionOutput, StepFailedError)):
-                    return item
-
         outs = {}
         for group in ([("r0", r0, []), ("r1", r1, [])], [("t", t, st), ("s", s, ss)], [("v", r1, [])]):
-            seqs = [submit(*g) for g in group]  # (no yield between: admitted by the same plan)
-            for (name, *_), item in zip(group, await asyncio.wait_for(asyncio.gather(*map(result, seqs)), 30)):
+            seqs = [submit_greedy(loop, *g) for g in group]  # (no yield between: admitted by the same plan)
+            for (name, *_), item in zip(group, await asyncio.wait_for(asyncio.gather(*map(ended, seqs)), 30)):
                 outs[name] = item
         loop.close()
         await task

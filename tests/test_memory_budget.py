@@ -126,7 +126,7 @@ def test_sampling_peak_temporaries_stay_under_the_reserved_bytes_per_logit(monke
 def test_kv_sizing_subtracts_the_reserve_and_names_it_when_nothing_fits():
     assert kv_pages_for_memory(10_000, 0.5, 100, 1) == 50
     assert kv_pages_for_memory(10_000, 0.5, 100, 1, reserved_bytes=4_000) == 30
-    with pytest.raises(InvalidRequestError, match="reserved for graphs and sampling"):
+    with pytest.raises(InvalidRequestError, match="reserved for graphs, sampling and encoder outputs"):
         kv_pages_for_memory(10_000, 0.9, 100, 2, reserved_bytes=12_000)
 
 
@@ -143,7 +143,7 @@ def test_engine_kv_sizing_subtracts_the_reserve_and_logs_it(monkeypatch):
     cfg = EngineConfig(model="random-smollm2-135m", device="cuda", dtype="bfloat16", max_batch_size=256,
                        max_num_batched_tokens=512)
     free = 40 * 2**30
-    monkeypatch.setattr(memory, "profile_free_memory", lambda *a: free)
+    monkeypatch.setattr(memory, "profile_free_memory", lambda *a, **k: free)
     device = types.SimpleNamespace(kind="cuda")
     with structlog.testing.capture_logs() as logs:
         pages = assemble.kv_pages(cfg, None, mcfg, device, max_model_len=8192)

@@ -17,9 +17,11 @@ from fake_runner import make_prompt
 from invariance import invariant_config
 from slipstream import Engine, InvalidRequestError, SamplingParams
 from slipstream.errors import PipelineInvariantError
+from slipstream.runtime.batch import ImageSpan, SamplingRow
 from slipstream.scheduler.block_hash import block_hashes, salt_key
 from slipstream.scheduler.page_pool import PagePool
 from slipstream.scheduler.prefix_cache import PrefixCache
+from slipstream.scheduler.sequence import Sequence
 from slipstream.serve import prefix_router
 from test_pipeline_invariants import PAGE, check_results, run_workload
 
@@ -48,6 +50,19 @@ def test_a_salt_changes_every_hash():
     plain, a, b = (block_hashes(ids, 8, salt_key(s)) for s in (None, "a", "b"))
     assert plain == block_hashes(ids, 8)
     assert not set(plain) & set(a) and not set(a) & set(b)
+
+
+def test_pages_inside_a_bidirectional_prefix_are_keyed_by_the_whole_prefix():
+    """Moondream's BOS attends to the image after it: with pages of one token, BOS's page holds no
+    image yet its K/V differs with the picture (issue 37, item 2). The engine's hashes equal these."""
+    ids = [1] + [9] * 6 + list(range(20, 29))  # BOS, 6 placeholders, text
+    a, b = (block_hashes(ids, 1, b"", [(1, 7, d)], bidirectional_len=7) for d in (b"A", b"B"))
+    assert block_hashes(ids, 1, b"", [(1, 7, b"A")])[0] == block_hashes(ids, 1, b"", [(1, 7, b"B")])[0]
+    assert a[0] != b[0] and not set(a) & set(b)
+    seq = Sequence("s", ids, 1, SamplingRow(), images=[ImageSpan(1, 7, b"A", 6)], bidirectional_len=7)
+    cache = PrefixCache(PagePool(4), 1)
+    cache.hashes(seq, 3)  # extended later, past the prefix's end
+    assert cache.hashes(seq, 12) == a[:12]
 
 
 @pytest.mark.parametrize("bad", [dict(cache_salt=""), dict(cache_salt=3), dict(cache_salt="x" * 257),
@@ -170,6 +185,18 @@ def test_preempted_sequences_recompute_from_their_cached_prefix():
                                                        prefix_caching=True))
         assert loop.planner.num_preemptions > 0 and loop.planner.prefix_cache.stats().hits > 0
         check_results(reqs, results, loop, pool)
+
+
+def test_cached_tokens_count_what_the_first_admission_found():
+    """A preempted sequence is recomputed from its own pages, which it registered meanwhile: those hits
+    are not the cache's gift to the request. usage.cached_tokens (OpenAI's, vLLM's) counts what its
+    first admission found; these prompts are unique, so 0 each (it reported up to the whole prompt)."""
+    reqs = [(make_prompt(10, None, 100 + s) + [s], 12, s, None) for s in range(6)]
+    for depth in (1, 2):
+        results, loop, pool = asyncio.run(run_workload(depth, reqs, num_pages=10, max_batch=4, prefix_caching=True))
+        check_results(reqs, results, loop, pool)
+        assert any(seq.num_preemptions and seq.num_reused for _, seq in results.values()), "no recompute hit"
+        assert [out.usage.cached_tokens for out, _ in results.values()] == [0] * len(reqs)
 
 
 # --- the engine (tiny-random, batch_invariant) ------------------------------------------------------

@@ -46,19 +46,25 @@ class EngineParts:
             release_graphs(self.runner)
 
 
-def kv_pages(config: EngineConfig, model, mcfg, device, max_model_len: int) -> int:
-    """Pages in the pool, the scratch page included: from kv_cache_tokens, or from free GPU memory."""
+def kv_pages(config: EngineConfig, model, mcfg, device, max_model_len: int, processing=None) -> int:
+    """Pages in the pool, the scratch page included: from kv_cache_tokens, or from free GPU memory.
+    `processing`: the model's image processing (None: text only)."""
     if config.kv_cache_tokens is not None or device.kind != "cuda":
         return ceil_div(config.kv_cache_tokens or CPU_KV_TOKENS, config.page_size) + 1
-    from slipstream.runtime.memory import engine_reserve, kv_bytes_per_page, kv_pages_for_memory, profile_free_memory
+    from slipstream.runtime import memory
 
     dtype = DTYPES[config.dtype]
-    free = profile_free_memory(model, mcfg, device, config.max_num_batched_tokens, config.page_size, dtype)
-    # graphs, sampling and tables come after the KV pool
-    reserve = engine_reserve(config, mcfg, dtype, carry=getattr(model, "carry_heads", None) is not None)
+    image = processing.largest_input() if processing is not None else None  # the vision tower's peak too
+    free = memory.profile_free_memory(model, mcfg, device, config.max_num_batched_tokens, config.page_size, dtype,
+                                      image=image)
+    # graphs, sampling, tables and encoder outputs come after the KV pool
+    reserve = memory.engine_reserve(config, mcfg, dtype, carry=getattr(model, "carry_heads", None) is not None,
+                                    images=processing is not None)
     log.info("memory_reserved_before_kv", **reserve.gib())
-    return kv_pages_for_memory(free, config.gpu_memory_utilization, kv_bytes_per_page(mcfg, config.page_size, dtype),
-                               min_pages=ceil_div(max_model_len, config.page_size) + 1, reserved_bytes=reserve.total)
+    return memory.kv_pages_for_memory(free, config.gpu_memory_utilization,
+                                      memory.kv_bytes_per_page(mcfg, config.page_size, dtype),
+                                      min_pages=ceil_div(max_model_len, config.page_size) + 1,
+                                      reserved_bytes=reserve.total)
 
 
 def assemble(config: EngineConfig) -> EngineParts:
@@ -80,7 +86,8 @@ def _assemble(config: EngineConfig, device, invariant: bool) -> EngineParts:
     if device.kind == "cuda":
         model.set_kernel_backend("triton")
     max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
-    num_pages = kv_pages(config, model, mcfg, device, max_model_len)
+    processing = image_processing(model, mcfg)
+    num_pages = kv_pages(config, model, mcfg, device, max_model_len, processing)
     kv = KVCache(mcfg, num_pages, config.page_size, DTYPES[config.dtype], device.torch_device)
     log.info("kv_cache_allocated", pages=num_pages, page_size=config.page_size, gib=round(kv.bytes() / 1024**3, 2))
     row_multiple = 1
@@ -107,7 +114,7 @@ def _assemble(config: EngineConfig, device, invariant: bool) -> EngineParts:
     metrics = EngineMetrics(model=config.model).attach(
         loop, pool, tracer, encoder_row_bytes=row_bytes if getattr(mcfg, "image_token_id", None) is not None else None)
     return EngineParts(device, runner, pool, loop, tokenizer, mcfg, max_model_len, metrics, tracer, row_bytes,
-                       image_processing(model, mcfg))
+                       processing)
 
 
 def image_processing(model, mcfg):

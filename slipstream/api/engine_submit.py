@@ -11,6 +11,7 @@ Every check names the field it failed on.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Sequence
 
 from slipstream import validate as check
@@ -26,7 +27,7 @@ from slipstream.api.interface import Prompt
 from slipstream.api.encode import check_prompt_chars, encode_off_loop
 from slipstream.api.image_prompt import IMAGE_MARKER, prepare_images_off_loop
 from slipstream.api.output_processor import RequestState
-from slipstream.scheduler.block_hash import salt_key
+from slipstream.scheduler.block_hash import image_key, salt_key
 from slipstream.scheduler.sequence import Sequence as SchedSeq
 from slipstream.images import ImageLike, check_image_count, require_vision
 
@@ -50,6 +51,8 @@ class SubmitMethods:
         spec = params.grammar_spec()
         skill = self._region_skill(spec, prompt, images)
         ids, spans = await self._prompt_ids(prompt, images, fields, skill)
+        if spans and params.cache_salt is not None:  # its images are keyed by the salt too (block_hash.image_key)
+            spans = [replace(s, digest=image_key(s.digest, params.cache_salt)) for s in spans]
         bidirectional = self._bidirectional_len(spans)
         if len(ids) + params.max_tokens > self.max_model_len:
             raise InvalidRequestError(f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
@@ -130,13 +133,17 @@ class SubmitMethods:
 
     def _bidirectional_len(self, spans: list) -> int:
         """The prompt's leading positions that attend both ways (Moondream's BOS + image): computed in
-        one chunk (scheduler/chunking.py), so a step must hold them all."""
+        one chunk (scheduler/chunking.py), so a step must hold them all beside a full batch of decode
+        rows (planned first, one token each): with less, a prefix waits until a decoding request ends,
+        without bound under steady traffic. Refused here rather than starved."""
         measure = getattr(self._image_processing, "bidirectional_len", None)
         n = measure(spans) if measure is not None else 0
-        if n > self.config.max_num_batched_tokens:
-            raise InvalidRequestError(f"images: this model computes its image prefix of {n} tokens in one step, more "
-                                      f"than max_num_batched_tokens={self.config.max_num_batched_tokens}; start the "
-                                      f"engine with max_num_batched_tokens >= {n} (--max-num-batched-tokens)",
+        budget, others = self.config.max_num_batched_tokens, self.config.max_batch_size - 1
+        if n and n + others > budget:
+            raise InvalidRequestError(f"images: this model computes its image prefix of {n} tokens in one step, beside "
+                                      f"up to {others} decoding requests (max_batch_size={others + 1}), more than "
+                                      f"max_num_batched_tokens={budget}; start the engine with max_num_batched_tokens "
+                                      f">= {n + others} (--max-num-batched-tokens) or a smaller max_batch_size",
                                       param="images")
         return n
 

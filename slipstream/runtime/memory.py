@@ -1,14 +1,17 @@
 """Sizing the KV pool from GPU memory, like vLLM's gpu_memory_utilization.
 
 Order at start: weights are loaded, then one profiling forward of the largest step the planner
-can emit (max_num_batched_tokens prompt tokens) runs on a throwaway cache, so the allocator
-reserves its peak activations. What the driver still reports free after that, less what the
-graphs, sampling and the runner's tables will take (`RuntimeReserve`, all allocated after the KV
-pool), is the budget: `utilization` of it goes to KV pages; the rest stays for fragmentation.
+can emit (max_num_batched_tokens prompt tokens) runs on a throwaway cache, and for a model that
+takes images the vision tower encodes the largest image its processing makes (the runner encodes
+one image at a time, before the forward that reads it), so the allocator reserves the larger of
+the two peaks. What the driver still reports free after that, less what the graphs, sampling, the
+runner's tables and the encoder cache's outputs will take (`RuntimeReserve`, all allocated after
+the KV pool), is the budget: `utilization` of it goes to KV pages; the rest stays for fragmentation.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Any
 
 import structlog
 import torch
@@ -34,10 +37,11 @@ def kv_pages_for_memory(free_bytes: int, utilization: float, bytes_per_page: int
     pages = max(0, int((free_bytes - reserved_bytes) * utilization) // bytes_per_page)
     if pages < min_pages:
         raise InvalidRequestError(
-            f"KV cache: {free_bytes / GiB:.2f} GiB free, less {reserved_bytes / GiB:.2f} GiB reserved for graphs and "
-            f"sampling, x gpu_memory_utilization {utilization} holds {pages} pages of {bytes_per_page} bytes, fewer "
-            f"than the {min_pages} one longest request needs; raise gpu_memory_utilization, lower max_model_len, "
-            "or lower max_batch_size / the graph buckets")
+            f"KV cache: {free_bytes / GiB:.2f} GiB free, less {reserved_bytes / GiB:.2f} GiB reserved for graphs, "
+            f"sampling and encoder outputs, x gpu_memory_utilization {utilization} holds {pages} pages of "
+            f"{bytes_per_page} bytes, fewer than the {min_pages} one longest request needs; raise "
+            "gpu_memory_utilization, lower max_model_len, "
+            "or lower max_batch_size / the graph buckets / encoder_cache_tokens")
     return pages
 
 
@@ -62,6 +66,9 @@ class RuntimeReserve:
     sampling: int  # one sampling group of S rows (SAMPLING_BYTES_PER_LOGIT)
     history: int  # HistoryTables: R x V int32 + 2 bool (penalties, min_tokens)
     slot_buffers: int  # StepSlot device buffers: sampled ids, logprobs, top_logprobs, groups, masks
+    encoder_cache: int  # a model that takes images: the EncoderCache's bound, encoder_cache_tokens output
+    #                     rows of the text width in the model dtype (entries that admitted requests hold
+    #                     may exceed it while they run: scheduler/encoder_cache.py)
 
     @property
     def total(self) -> int:
@@ -72,11 +79,13 @@ class RuntimeReserve:
 
 
 def runtime_reserve(config, vocab_size: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
-                    decode_buckets: list[int], token_buckets: list[int], carry: bool = False) -> RuntimeReserve:
-    """What graphs, sampling and the runner's tables need beyond the weights, the KV pool and the
-    profiled forward. `config`: the EngineConfig (max_batch_size, pipeline_depth, cuda_graphs,
-    mixed_graphs); the bucket lists as the graph caches build them (empty: no such graphs);
-    `carry`: the model has carry heads (its carry decode graphs are captured at warm-up too)."""
+                    decode_buckets: list[int], token_buckets: list[int], carry: bool = False,
+                    encoder_rows: int = 0) -> RuntimeReserve:
+    """What graphs, sampling, the runner's tables and the encoder cache need beyond the weights, the
+    KV pool and the profiled step. `config`: the EngineConfig (max_batch_size, pipeline_depth,
+    cuda_graphs, mixed_graphs); the bucket lists as the graph caches build them (empty: no such
+    graphs); `carry`: the model has carry heads (its carry decode graphs are captured at warm-up
+    too); `encoder_rows`: the encoder outputs kept (0: a text-only model)."""
     from slipstream.runtime.batch import MAX_TOP_LOGPROBS
     from slipstream.runtime.step_slot import MAX_GROUPS
 
@@ -96,12 +105,27 @@ def runtime_reserve(config, vocab_size: int, hidden_size: int, intermediate_size
         eager_logits=slots * S * V * (4 + model_logits),
         sampling=S * V * SAMPLING_BYTES_PER_LOGIT,
         history=S * V * 6,
-        slot_buffers=slots * (8 + S * (8 + 4 + MAX_TOP_LOGPROBS * 12 + MAX_GROUPS * (8 + 4 * words_for(V)))))
+        slot_buffers=slots * (8 + S * (8 + 4 + MAX_TOP_LOGPROBS * 12 + MAX_GROUPS * (8 + 4 * words_for(V)))),
+        encoder_cache=encoder_rows * hidden_size * dtype.itemsize)
 
 
-def profile_free_memory(model, config, device, num_tokens: int, page_size: int, dtype: torch.dtype) -> int:
-    """Free device bytes after weights and one forward of `num_tokens` prompt tokens."""
+def profile_free_memory(model, config, device, num_tokens: int, page_size: int, dtype: torch.dtype,
+                        image: Any = None) -> int:
+    """Free device bytes after weights and the profiled step (`profile_step`)."""
     dev = device.torch_device
+    profile_step(model, config, dev, num_tokens, page_size, dtype, image)
+    torch.cuda.synchronize(dev)
+    free = device.free_memory()
+    log.info("memory_profiled", tokens=min(num_tokens, config.max_position_embeddings), image=image is not None,
+             peak_gib=round(torch.cuda.max_memory_allocated(dev) / GiB, 2), free_gib=round(free / GiB, 2))
+    return free
+
+
+def profile_step(model, config, dev: torch.device, num_tokens: int, page_size: int, dtype: torch.dtype,
+                 image: Any = None) -> None:
+    """One forward of `num_tokens` prompt tokens on a throwaway cache; then, with `image` (the
+    processing's `largest_input`), the vision tower on it, as `ModelRunner.launch_encoder` runs it.
+    Nothing is kept: the allocator holds on to the peak."""
     pages = ceil_div(num_tokens, page_size) + 1
     kv = KVCache(config, pages, page_size, dtype, dev)
     n = min(num_tokens, config.max_position_embeddings)
@@ -113,17 +137,17 @@ def profile_free_memory(model, config, device, num_tokens: int, page_size: int, 
                          torch.tensor([n - 1], device=dev), meta)
     with torch.no_grad():
         model(batch, kv)
-    torch.cuda.synchronize(dev)
-    del kv, batch
-    free = device.free_memory()
-    log.info("memory_profiled", tokens=n, peak_gib=round(torch.cuda.max_memory_allocated(dev) / GiB, 2),
-             free_gib=round(free / GiB, 2))
-    return free
+        del kv, batch
+        if image is not None:  # its output is the encoder cache's (RuntimeReserve.encoder_cache)
+            encode_image = getattr(model, "encode_image", None)  # (Moondream: crops and their tiling)
+            encode_image(image) if encode_image is not None else model.vision.encode(image.pixel_values)
 
 
-def engine_reserve(config, mcfg, dtype: torch.dtype, carry: bool = False) -> RuntimeReserve:
-    """runtime_reserve for an EngineConfig and a model config, with the engine's own buckets."""
+def engine_reserve(config, mcfg, dtype: torch.dtype, carry: bool = False, images: bool = False) -> RuntimeReserve:
+    """runtime_reserve for an EngineConfig and a model config, with the engine's own buckets;
+    `images`: the model takes images (its encoder cache is reserved)."""
     from slipstream.runtime.buckets import make_buckets, token_buckets
 
     return runtime_reserve(config, mcfg.vocab_size, mcfg.hidden_size, mcfg.intermediate_size, dtype,
-                           make_buckets(*config.buckets()), token_buckets(*config.token_bucket_range()), carry)
+                           make_buckets(*config.buckets()), token_buckets(*config.token_bucket_range()), carry,
+                           config.encoder_cache_tokens if images else 0)

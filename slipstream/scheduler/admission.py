@@ -9,7 +9,9 @@ Rules, enforced here:
   * Prefix-cache hits are mapped here and only here, before the sequence's first step: a running
     sequence's page row is never remapped while a step of it is in flight. Hit pages count as
     shared (a reference each), so admission needs free pages only for the rest, and the sequence
-    starts computing at the first token after them (the token budget counts only those).
+    starts computing at the first token after them (the token budget counts only those). What the
+    first admission maps is the request's `usage.cached_tokens`; a re-admission after a preemption
+    hits the sequence's own pages and leaves it unchanged.
   * An admitted sequence holds a reference to each of its images' encoder-cache entries until it
     is released (EncoderCache.acquire here, release in Preemption.release).
 """
@@ -59,12 +61,14 @@ class Admission:
         self.pages.share(seq, hit)
         reused = len(hit) * self.pages.page_size
         seq.num_scheduled = seq.num_computed = seq.num_reused = reused
+        if not seq.num_preemptions:  # (lookup leaves the last prompt token uncached)
+            seq.num_cached_tokens = reused
         seq.num_registered_pages = len(hit)
         if cache is not None:
             cache.count(seq, len(hit))
         self.pages.give(seq, need)
         if seq.images and self.encoder_cache is not None:
-            self.encoder_cache.acquire(seq)
+            self.encoder_cache.acquire(seq, reused)
         self.running.append(seq)
         return seq
 

@@ -6,6 +6,10 @@ whole prefixes: a page's K/V depends on every earlier token (causal attention), 
 page) and the digests of the images whose placeholder tokens the page holds (`page_extra`: two
 prompts with the same text and other images never share a page). A partial last page has no hash:
 a page still being filled is not shared.
+
+A bidirectional prefix (Moondream's BOS + image) breaks "never on later ones": each of its positions
+attends to the whole prefix, so every page that overlaps it also carries the whole prefix's key
+(`prefix_extra`: its token ids and images), even a page holding BOS alone (page_size 1).
 """
 from __future__ import annotations
 
@@ -22,16 +26,32 @@ def chain_hash(parent: bytes, page_ids: Sequence[int], extra: bytes = b"") -> by
 
 
 def block_hashes(ids: Sequence[int], page_size: int, extra: bytes = b"",
-                 images: Sequence[tuple[int, int, bytes]] = ()) -> list[bytes]:
+                 images: Sequence[tuple[int, int, bytes]] = (), bidirectional_len: int = 0) -> list[bytes]:
     """Chained 16-byte hashes of the full `page_size`-token blocks of `ids`; `images`: (start, end,
-    digest) of each image's placeholder positions (none: the extra key is `extra` on every page)."""
+    digest) of each image's placeholder positions (none: the extra key is `extra` on every page);
+    `bidirectional_len`: the leading positions that attend both ways (0: none)."""
     if page_size <= 0:
         raise ValueError(f"page_size must be positive, got {page_size}")
+    prefix = prefix_extra(extra, ids[:bidirectional_len], images) if bidirectional_len else b""
     out, prev = [], ROOT
     for start in range(0, len(ids) - page_size + 1, page_size):
-        prev = chain_hash(prev, ids[start:start + page_size], page_extra(extra, images, start, start + page_size))
+        key = page_extra(extra, images, start, start + page_size)
+        prev = chain_hash(prev, ids[start:start + page_size], prefix + key if start < bidirectional_len else key)
         out.append(prev)
     return out
+
+
+def prefix_extra(extra: bytes, prefix_ids: Sequence[int], images: Sequence[tuple[int, int, bytes]]) -> bytes:
+    """The key every page overlapping a bidirectional prefix carries before its own extra key: a tag,
+    then a fixed-length hash of the salt, the prefix's token ids and the images inside it (so the
+    concatenation stays unambiguous: no other extra key starts with the tag)."""
+    n = len(prefix_ids)
+    h = hashlib.blake2b(array("q", prefix_ids).tobytes(), digest_size=16)
+    h.update(hashlib.blake2b(extra, digest_size=16).digest())
+    for start, end, d in images:
+        if start < n:
+            h.update(array("q", (start, end, len(d))).tobytes() + d)
+    return b"bidirectional:" + h.digest()
 
 
 def page_extra(extra: bytes, images: Sequence[tuple[int, int, bytes]], lo: int, hi: int) -> bytes:
@@ -51,3 +71,13 @@ def page_extra(extra: bytes, images: Sequence[tuple[int, int, bytes]], lo: int, 
 def salt_key(cache_salt: str | None) -> bytes:
     """The `extra` bytes of a request's cache salt (none: b"", the router's unsalted hashes)."""
     return b"" if cache_salt is None else b"salt:" + cache_salt.encode("utf-8")
+
+
+def image_key(digest: bytes, cache_salt: str | None) -> bytes:
+    """An image's key (ImageSpan.digest: its encoder-cache entry, the runner's output, its pages'
+    extra key) from its pixels' digest and the request's cache salt: tenants with different salts
+    never share an encoder output either, so none can time whether another sent the same picture.
+    Unsalted requests keep the digest itself."""
+    if cache_salt is None:
+        return digest
+    return hashlib.blake2b(salt_key(cache_salt) + digest, digest_size=32).digest()

@@ -4,8 +4,9 @@ the runner keeps the tensors, `Runner.launch_encoder` / `Runner.drop_features`).
 Rules, enforced here:
   * An admitted sequence holds a reference to each of its images (`acquire` at admission, `release`
     when its pages and row are released: finished, aborted or preempted, always with no step of it
-    in flight). A preempted sequence gives its references back and takes them again when it is
-    re-admitted: its images stay hittable meanwhile, like its cached pages.
+    in flight), except an image whose pages all came from the prefix cache: no chunk feeds it. A
+    preempted sequence gives its references back and takes them again when it is re-admitted (for
+    the images its new hit does not cover): its images stay hittable meanwhile, like its pages.
   * An entry with references is never evicted, so no launched step ever reads a dropped output
     (a step's sequences hold their references until it commits).
   * Entries without references stay hittable in LRU order while the cache holds at most
@@ -14,6 +15,8 @@ Rules, enforced here:
   * An image's encoder runs once per entry: `needs_encode` is true until a step that feeds its rows
     is planned with the encode (`launched`). A step that failed forgets its launches (`unlaunch`):
     the next step that needs the rows encodes again.
+  * Entries are keyed by `ImageSpan.digest`, which holds the request's cache salt
+    (`block_hash.image_key`): requests with different salts never share one.
 Counters: a hit is an image of an admitted sequence whose entry existed (encoded or about to be);
 a miss creates the entry, so misses == encoder runs (failures apart).
 """
@@ -52,10 +55,13 @@ class EncoderCache:
         self.hits = self.misses = self.evictions = 0
         self._dropped: list[bytes] = []  # evicted, not yet dropped by the runner
 
-    def acquire(self, seq: Sequence) -> None:
-        """A reference to each of its images (admission)."""
+    def acquire(self, seq: Sequence, start: int = 0) -> None:
+        """A reference to each of its images that a chunk will feed (admission; its first chunk starts
+        at `start`, where its prefix-cache hit ends): an image whose pages all came from the prefix
+        cache is never encoded nor read, so it is neither counted nor kept."""
         assert not seq.images_held, f"{seq.request_id}: images acquired twice"
-        for span in seq.images:
+        held = tuple(span for span in seq.images if span.end > start)
+        for span in held:
             entry = self._entries.get(span.digest)
             if entry is None:
                 entry = self._entries[span.digest] = _Entry(span.num_features)
@@ -65,20 +71,18 @@ class EncoderCache:
                 self.hits += 1
                 self._lru.pop(span.digest, None)
             entry.refs += 1
-        seq.images_held = True
+        seq.images_held = tuple(span.digest for span in held)
         self._evict()
 
     def release(self, seq: Sequence) -> None:
         """Drop its references (its pages and row are being released: nothing of it is in flight)."""
-        if not seq.images_held:
-            return
-        seq.images_held = False
-        for span in seq.images:
-            entry = self._entries[span.digest]
+        held, seq.images_held = seq.images_held, ()
+        for digest in held:
+            entry = self._entries[digest]
             entry.refs -= 1
             assert entry.refs >= 0, f"{seq.request_id}: encoder-cache reference dropped twice"
             if entry.refs == 0:
-                self._lru[span.digest] = None
+                self._lru[digest] = None
         self._evict()
 
     def needs_encode(self, digest: bytes) -> bool:

@@ -1,6 +1,11 @@
 """Page reservation: hands pool pages to admitted sequences and records the page-table entries
 (row, index, page) the next step carries to the runner. Knows nothing of which sequence should get
-pages; admission and the Planner decide that, preemption makes room."""
+pages; admission and the Planner decide that, preemption makes room.
+
+Rule, enforced here: the entries a step carries name each (row, index) at most once. The runner
+applies them as one scatter, and with repeated indices the value that lands is undefined on CUDA.
+Only a row's holder has entries for it, and a released holder's entries not yet in a step go with
+its pages (`free`), including those a failed step gave back (`requeue`)."""
 from __future__ import annotations
 
 from slipstream.intmath import ceil_div
@@ -47,16 +52,25 @@ class PageReservation:
         """Entries of failed steps (flat triples, launch order): a failed forward never applied them,
         and a sequence admitted in such a step without a chunk in it is not failed with it, so the
         next step carries again every entry a live sequence still holds (before newer ones); the
-        rest belong to failed sequences, whose rows and pages are being given back."""
+        rest belong to failed sequences, whose rows and pages are being given back. (Two failed steps
+        may both hold one place's entry for the same page: kept once.)"""
         holders = {seq.row: seq for seq in running if not seq.finished and seq.row is not None}
         kept: list[int] = []
+        seen: set[tuple[int, int]] = set()
         for i in range(0, len(writes), 3):
             row, index, page = writes[i], writes[i + 1], writes[i + 2]
             seq = holders.get(row)
-            if seq is not None and index < len(seq.pages) and seq.pages[index] == page:
+            if seq is not None and index < len(seq.pages) and seq.pages[index] == page and (row, index) not in seen:
+                seen.add((row, index))
                 kept += (row, index, page)
         self._writes = kept + self._writes
 
     def free(self, seq: Sequence) -> None:
+        """Give back its pages (it is being released, its row too). Its entries not yet in a step go
+        with them: the row's next holder maps other pages at the same indices, and one step carrying
+        both is a scatter with repeated indices (undefined on CUDA: the stale page may win)."""
         self.pool.free(seq.pages[::-1])  # last pages first: the LRU evicts a prefix's tail before its head
         seq.pages = []
+        writes, row = self._writes, seq.row
+        if writes and row in writes[::3]:
+            self._writes = [x for i in range(0, len(writes), 3) if writes[i] != row for x in writes[i:i + 3]]

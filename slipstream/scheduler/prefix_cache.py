@@ -11,13 +11,15 @@ Rules, enforced here:
     own copy unregistered (it is freed like any uncached page).
   * The pool evicts only pages with refcount 0 (PagePool); eviction forgets the hash here.
   * A page holding an image's placeholder tokens is keyed by the image's digest too
-    (`block_hash.page_extra`): its K/V depends on the image, not on the placeholder ids.
+    (`block_hash.page_extra`): its K/V depends on the image, not on the placeholder ids. A page
+    inside a bidirectional prefix is keyed by the whole prefix (`block_hash.prefix_extra`): its
+    K/V depends on the later positions of the prefix too (Moondream's BOS sees the image).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from slipstream.scheduler.block_hash import ROOT, chain_hash, page_extra
+from slipstream.scheduler.block_hash import ROOT, chain_hash, page_extra, prefix_extra
 from slipstream.scheduler.page_pool import PagePool
 from slipstream.scheduler.sequence import Sequence
 
@@ -54,9 +56,13 @@ class PrefixCache:
         if len(hashes) < num_pages:
             extra = seq.cache_extra or b""
             images = [(s.start, s.end, s.digest) for s in seq.images]
+            bidi = seq.bidirectional_len
+            prefix = prefix_extra(extra, seq.prompt_ids[:bidi], images) if bidi and len(hashes) * ps < bidi else b""
             prev = hashes[-1] if hashes else ROOT
             for i in range(len(hashes), num_pages):
                 key = page_extra(extra, images, i * ps, (i + 1) * ps) if images else extra
+                if i * ps < bidi:
+                    key = prefix + key
                 # a page whose inputs include carried values hashes them too: same tokens, other values,
                 # other K/V
                 if seq.carried:

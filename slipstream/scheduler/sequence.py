@@ -57,11 +57,15 @@ class Sequence:
     cache_extra: bytes | None = b""  # extra key of its block hashes (the cache salt); None: no caching
     num_computed: int = 0
     num_reused: int = 0  # known tokens mapped from the cache at its last admission (its first chunk starts there)
+    # prompt tokens its first admission mapped from the cache (usage.cached_tokens): a recompute after a
+    # preemption hits pages it registered itself, which are no gift of the cache to the request
+    num_cached_tokens: int = 0
     num_registered_pages: int = 0  # leading pages of `pages` the cache maps (registered or hit)
     block_hashes: list[bytes] = field(default_factory=list)  # chain hashes of its known full pages so far
-    # images of its prompt, in position order (scheduler/encoder_cache.py); held: it has references
+    # images of its prompt, in position order (scheduler/encoder_cache.py); held: the digests it holds
+    # references to (those its chunks feed)
     images: list[ImageSpan] = field(default_factory=list)
-    images_held: bool = False
+    images_held: tuple[bytes, ...] = ()
     # its first positions attend both ways (Moondream's BOS + image): computed in one chunk (chunking.py)
     bidirectional_len: int = 0
     user: Any = None  # the request object of the API layer (opaque to the scheduler)
@@ -71,11 +75,6 @@ class Sequence:
     # the tick ends it at the token that completes its grammar (no stop strings): what lets a matcher
     # with `mask_by_output_index` be sampled at launch (constraints.py)
     ends_with_grammar: bool = False
-
-    @property
-    def num_cached_tokens(self) -> int:
-        """Prompt tokens whose K/V came from the cache at its last admission (usage.cached_tokens)."""
-        return min(self.num_reused, len(self.prompt_ids))
 
     @property
     def min_chunk(self) -> int:

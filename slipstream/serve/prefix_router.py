@@ -14,7 +14,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Hashable, Sequence, TypeVar
 
-from slipstream.scheduler.block_hash import block_hashes, salt_key
+from slipstream.scheduler.block_hash import block_hashes, image_key, salt_key
 
 __all__ = ["block_hashes", "PrefixTable", "Choice", "choose"]
 
@@ -104,6 +104,8 @@ def request_hashes(ids: Sequence[int], page_size: int, params: object = None,
     """The chain a replica's prefix cache keys this request's pages by: salted with its
     SamplingParams.cache_salt as the engine salts them (block_hash.salt_key). Requests with
     different salts never share a replica's pages, so their prefixes must not attract each other.
-    `images`: (start, end, digest) of each image in the expanded `ids`, as the engine keys the pages
-    holding them (block_hash.page_extra); without images the chain is the text's alone."""
-    return block_hashes(ids, page_size, salt_key(getattr(params, "cache_salt", None)), images)
+    `images`: (start, end, pixel digest) of each image in the expanded `ids`, keyed with the salt as
+    the engine keys the pages holding them (block_hash.image_key, page_extra); without images the
+    chain is the text's alone."""
+    salt = getattr(params, "cache_salt", None)
+    return block_hashes(ids, page_size, salt_key(salt), [(s, e, image_key(d, salt)) for s, e, d in images])

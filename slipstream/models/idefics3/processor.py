@@ -140,6 +140,13 @@ class Idefics3Processing:
                 rows=rows, cols=cols, num_image_tokens=len(frames) * self.tokens_per_tile))
         return out
 
+    def largest_input(self) -> ProcessedImage:
+        """The image with the most tiles this processing makes (the engine profiles the vision tower's
+        peak on it before sizing the KV pool): a square at the longest edge. Without resizing nothing
+        bounds a picture's side; MAX_SIDE (transformers' bound on a resized side) is taken."""
+        side = self.config.longest_edge if self.config.do_resize else MAX_SIDE
+        return self.preprocess([Image.new("RGB", (side, side))])[0]
+
     def image_text(self, image: ProcessedImage) -> str:
         """What one `<image>` marker becomes: a tagged run of placeholders per tile, a newline after
         each row, then (after one more newline when split) the global view."""

@@ -76,6 +76,14 @@ class MoondreamProcessing:
     def preprocess(self, images: Sequence["Image.Image"]) -> list[MoondreamImage]:
         return [preprocess(im, self.config.vision) for im in images]
 
+    def largest_input(self) -> MoondreamImage:
+        """An image of `max_crops` local crops, the most `preprocess` makes (the engine profiles the
+        vision tower's peak on it before sizing the KV pool); its pixels do not matter."""
+        v = self.config.vision
+        rows = max(r for r in range(1, v.max_crops + 1) if v.max_crops % r == 0 and r * r <= v.max_crops)
+        return MoondreamImage(pixel_values=torch.zeros(1 + v.max_crops, v.in_channels, v.crop_size, v.crop_size),
+                              tiling=(rows, v.max_crops // rows), num_image_tokens=v.tokens_per_image)
+
     def prompt_ids(self, prompt: str, processed: Sequence[MoondreamImage], tokenizer: Any) -> list[int]:
         """[BOS, image placeholders..., query prefix, " " + question, query suffix]. The question is
         the prompt without its `<image>` marker (none, or one at its start)."""

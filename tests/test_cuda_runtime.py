@@ -245,6 +245,19 @@ def on(device, **kw):
     return cuda_cfg(device=device, **kw)
 
 
+@pytest.mark.cuda
+def test_pinned_pixels_are_one_contiguous_pinned_range():
+    """Tensor.pin_memory() keeps a strided layout; the encoder launch copies only a contiguous one."""
+    from slipstream.models.idefics3.processor import ProcessedImage
+    from slipstream.runtime.host_copy import pin_pixels, stage_pixels
+
+    strided = torch.arange(2 * 8 * 8 * 3, dtype=torch.float32).reshape(2, 8, 8, 3).permute(0, 3, 1, 2)
+    image = ProcessedImage(strided, torch.ones(2, 8, 8, dtype=torch.bool), rows=0, cols=0, num_image_tokens=8)
+    pinned = pin_pixels(image).pixel_values
+    assert pinned.is_pinned() and pinned.is_contiguous() and torch.equal(pinned, strided)
+    assert torch.equal(stage_pixels(pinned, torch.device("cuda")).cpu(), strided)
+
+
 @ON
 def test_an_idefics3_image_step_has_no_hidden_sync(idefics3_folder, device):
     """The encoder launch (pixels pinned off the loop, copied asynchronously: host_copy.stage_pixels)

@@ -62,7 +62,7 @@ cu13_libs() {  # torch's cuBLAS 13 / cudart 13 (nvidia/cu13/lib): what the dist 
 }
 if [[ " $stages " == *" llamacpp"* ]]; then
     if [[ -f .whl/llamacpp-cuda-sm90.tar.xz ]]; then  # (a failed unpack ends the stage at once, not at the budget)
-        mkdir -p "$LLAMA" && tar -xJf .whl/llamacpp-cuda-sm90.tar.xz -C "$LLAMA" && echo 0 > "$LLAMA_DONE" \
+        rm -rf "$LLAMA" && mkdir -p "$LLAMA" && tar -xJf .whl/llamacpp-cuda-sm90.tar.xz -C "$LLAMA" && echo 0 > "$LLAMA_DONE" \
             || echo 1 > "$LLAMA_DONE"
         echo "llama.cpp: prebuilt dist ($(head -1 "$LLAMA/BUILD-INFO" 2>/dev/null)), unpack rc=$(cat "$LLAMA_DONE")" >> "$GPU_TXT"
     elif [[ -f .whl/llamacpp-src.tgz && $HAVE_CUDA == 1 && ${BUDGET:-540} -lt 420 ]]; then

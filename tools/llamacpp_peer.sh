@@ -7,7 +7,8 @@
 #   tools/llamacpp_peer.sh build DIR BUILD  # cmake + ninja: llama-batched-bench (+ llama-server if LLAMACPP_SERVER=1)
 #   tools/llamacpp_peer.sh bench BUILD [llamacpp_bench.py args...]
 #   tools/llamacpp_peer.sh toolkit TK        # a CUDA toolkit to build against WITHOUT a GPU: this machine's nvcc
-#                                            # ($CUDA_HOME, default /usr/local/cuda) + cuBLAS 13 headers/libs from the
+#                                            # ($CUDA_HOME, default /usr/local/cuda, else the nvcc on PATH; its lib/
+#                                            # or lib64/, whichever it has) + cuBLAS 13 headers/libs from the
 #                                            # nvidia-cublas wheel (or an installed one: CUBLAS_DIR=.../nvidia/cu13)
 #                                            # + a link-time libcuda stub (the driver's, at run time)
 #   tools/llamacpp_peer.sh dist SRC BUILD TXZ  # with TK's toolkit (LLAMACPP_TOOLKIT=TK): llama-batched-bench and
@@ -150,5 +151,5 @@ build)  build "$2" "$3" ;;
 toolkit) toolkit "$2" ;;
 dist)   dist "$2" "$3" "$4" ;;
 bench)  bld=$2; shift 2; exec "$PY" "$here/llamacpp_bench.py" --build "$bld" "$@" ;;
-*) sed -n '2,23p' "$0"; exit 2 ;;
+*) sed -n '2,24p' "$0"; exit 2 ;;
 esac

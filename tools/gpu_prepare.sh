@@ -4,11 +4,12 @@
 #   2. the git state of this checkout (the copy sent there has no .git): .whl/provenance-git.json, read by
 #      slipstream/provenance.py, so raw outputs name the commit that really ran and whether it was dirty;
 #   3. llama.cpp: the prebuilt CUDA dist (sm_90, ~tens of MB, built on a CPU machine: tools/llamacpp_peer.sh
-#      toolkit + dist) from $LLAMACPP_DIST when it is set, else the first of
+#      toolkit + dist) from $LLAMACPP_DIST when it is set, else the first that is there of
 #      /work/wt/llamacpp-cuda/llamacpp-cuda-sm90.tar.xz and /tmp/llcuda/llamacpp-cuda-sm90.tar.xz (where the
-#      build in docs/results/llamacpp-cuda-2026-11-27/README.md writes it) that is there, else a trimmed source snapshot, .whl/llamacpp-src.tgz, from $LLAMACPP_SRC (default
-#      /work/wt/llamacpp-src, outside this repository; made if missing), which tools/gpu_check.sh then builds on
-#      the GPU machine, detached, while the tests run. LLAMACPP=0 skips it (the `tests` stages need only 1 and 2).
+#      build of docs/results/llamacpp-cuda-2026-11-27/README.md writes it; a truncated one is refused), else a
+#      trimmed source snapshot, .whl/llamacpp-src.tgz, from $LLAMACPP_SRC (default /work/wt/llamacpp-src,
+#      outside this repository; made if missing), which tools/gpu_check.sh then builds on the GPU machine,
+#      detached, while the tests run (budget >= 420 s). LLAMACPP=0 skips it (the `tests` stages need only 1, 2).
 # Run it right before the device call: a stamp written before a later commit would misname the run.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -30,15 +30,20 @@ def test_a_copy_without_git_reads_the_stamp_and_says_so(tmp_path):
     assert info["commit"] == "f" * 40 and info["dirty"] is True and info["source"].startswith("stamp")
 
 
-def test_dirty_flag_and_diff_hash_follow_the_tree(tmp_path):
+def _one_commit_repo(path):
+    """A git repository in `path` with a.txt committed ("one")."""
     def git(*args):
-        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=path, check=True,
                        capture_output=True)
 
     git("init", "-q")
-    (tmp_path / "a.txt").write_text("one\n")
+    (path / "a.txt").write_text("one\n")
     git("add", "a.txt")
     git("commit", "-qm", "one")
+
+
+def test_dirty_flag_and_diff_hash_follow_the_tree(tmp_path):
+    _one_commit_repo(tmp_path)
     clean = prov_mod.git_state(tmp_path)
     assert clean["dirty"] is False and clean["diff_sha256"] is None and len(clean["commit"]) == 40
     (tmp_path / "a.txt").write_text("two\n")
@@ -69,14 +74,7 @@ def test_a_copy_inside_another_work_tree_reads_the_stamp_not_the_enclosing_head(
 def test_the_stamp_wins_over_a_copy_that_carries_its_own_repository(tmp_path):
     """2026-11-27, H200: the copy sent there carried a git repository at the session's first commit
     (99596d0) plus a diff, and the header said `99596d0 (dirty)` for a run of e8fbc7a."""
-    def git(*args):
-        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
-                       capture_output=True)
-
-    git("init", "-q")
-    (tmp_path / "a.txt").write_text("one\n")
-    git("add", "a.txt")
-    git("commit", "-qm", "one")
+    _one_commit_repo(tmp_path)
     (tmp_path / "a.txt").write_text("two\n")
     own = prov_mod.git_state(tmp_path)
     assert own["dirty"] is True

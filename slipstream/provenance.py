@@ -4,12 +4,14 @@
     print(header(provenance()))           # text/markdown outputs: a block of `- key: value` lines
     json.dump({"provenance": provenance(), ...})
 
-The git commit comes from the repository when this tree is the root of one. A lent GPU machine
-receives a copy of the working tree without `.git` (possibly inside some other git work tree,
-which does not count); there the commit is read from a stamp written here before the
-call (`python -m slipstream.provenance stamp`, into the carried `.whl/`), and the stamp records
-whether the tree was dirty and a hash of the uncommitted diff. A run is thus never labelled with a
-commit it did not run.
+The commit comes from a stamp whenever there is one (`.whl/provenance-git.json`, written here right
+before a GPU call by tools/gpu_prepare.sh: `python -m slipstream.provenance stamp`), and from git
+only without one. The copy of the tree a lent GPU machine receives may carry no `.git`, sit inside
+another git work tree, or carry a git repository of its own at some other commit (2026-11-27 on an
+H200: `99596d0 (dirty)` for a run of e8fbc7a), so there git cannot be trusted, and the stamp records
+the commit, whether the tree was dirty and a hash of the uncommitted diff. When git answers
+differently, the header says so beside the stamp. (Delete a stale `.whl/provenance-git.json` on a
+development machine: it wins there too.)
 """
 from __future__ import annotations
 
@@ -55,13 +57,19 @@ def git_state(repo: Path = REPO) -> dict | None:
             "source": "git"}
 
 
-def git_info(repo: Path = REPO, stamp: Path = STAMP) -> dict:
+def git_info(repo: Path = REPO, stamp: Path | None = None) -> dict:
+    """The stamp's commit whenever the stamp is there (default `STAMP`), else git's, else "unknown"."""
+    stamp = STAMP if stamp is None else stamp
     state = git_state(repo)
-    if state is not None:
-        return state
     if stamp.exists():
         data = json.loads(stamp.read_text())
-        return {**data, "source": f"stamp {stamp.name}, written {data.get('stamp_written_utc', '?')} before the call"}
+        source = f"stamp {stamp.name}, written {data.get('stamp_written_utc', '?')} before the call"
+        keys = ("commit", "dirty", "diff_sha256")
+        if state is not None and [state[k] for k in keys] != [data.get(k) for k in keys]:
+            source += f"; git here says {state['commit'][:12]}{' (dirty)' if state['dirty'] else ''}, not used"
+        return {**data, "source": source}
+    if state is not None:
+        return state
     return {"commit": "unknown", "dirty": None, "diff_sha256": None, "source": "no git checkout and no stamp"}
 
 

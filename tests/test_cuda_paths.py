@@ -198,11 +198,11 @@ def test_cuda_grammar_rows_at_depth_2_sample_late_and_switch_greedy_graphs_off(a
             runner = engine._parts.runner
             record_launches(runner, launches)
             outs = await asyncio.gather(*(engine.complete(p, sp) for p, sp in reqs))
-            return outs, runner
+            return outs, sum(runner.graphs.replays.values())  # (before close, which releases the graphs)
 
     d1, _ = asyncio.run(go(gpu(pipeline_depth=1)))
     launches.clear()
-    d2, runner = asyncio.run(go(gpu()))
+    d2, replays = asyncio.run(go(gpu()))
     assert tokens(d2) == tokens(d1)
     for i, out in enumerate(d2):
         if i % 3 == 0:  # the grammar held: parities alternate, starting odd
@@ -210,7 +210,7 @@ def test_cuda_grammar_rows_at_depth_2_sample_late_and_switch_greedy_graphs_off(a
     masked = [(u, s) for u, s, dec in launches if dec and not u]
     assert masked and not any(s for _, s in masked)  # a live grammar: no greedy graph samples
     assert any(s for u, s, dec in launches if u)  # once the grammar rows are done, greedy graphs again
-    assert sum(runner.graphs.replays.values()) > 0
+    assert replays > 0
 
 
 def test_cuda_eager_sampling_of_replayed_logits_in_both_slots(monkeypatch):

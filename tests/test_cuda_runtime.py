@@ -48,10 +48,17 @@ def cuda_cfg(depth=2, **kw):
     return EngineConfig(**base)
 
 
-async def _complete_all(cfg, reqs):
+async def _complete_all(cfg, reqs, inspect=lambda engine: engine):
+    """(token ids, inspect(engine)): inspect runs before close, which releases the graphs."""
     async with Engine(cfg) as engine:
         outs = await asyncio.gather(*(engine.complete(p, sp) for p, sp, _ in reqs))
-        return [o.token_ids for o in outs], engine
+        return [o.token_ids for o in outs], inspect(engine)
+
+
+def _replays(engine):
+    """(decode and greedy replays by (slot, bucket), mixed replays): counted while the engine is open."""
+    runner = engine._parts.runner
+    return runner.graphs.replays + runner.greedy_graphs.replays, sum(runner.mixed_graphs.replays.values())
 
 
 @pytest.mark.cuda
@@ -63,15 +70,12 @@ def test_depth2_equals_depth1_on_gpu_64_mixed_requests(monkeypatch):
     reqs = [(p, SamplingParams(max_tokens=sp.max_tokens, temperature=0.0, stop=sp.stop,
                                stop_token_ids=sp.stop_token_ids), d) for p, sp, d in mixed_requests(64)]
     d1, _ = asyncio.run(_complete_all(cuda_cfg(1), reqs))
-    d2, engine = asyncio.run(_complete_all(cuda_cfg(2), reqs))
+    d2, (decode_steps, mixed_steps) = asyncio.run(_complete_all(cuda_cfg(2), reqs, _replays))
     assert d2 == d1
-    runner = engine._parts.runner  # (warmup captured every bucket: count the replays, not the graphs)
-    assert sum((runner.graphs.replays + runner.greedy_graphs.replays).values()) >= 20
-    assert sum(runner.mixed_graphs.replays.values()) > 0
+    assert sum(decode_steps.values()) >= 20 and mixed_steps > 0  # (warmup captured every bucket: count replays)
     device_bound(monkeypatch)
-    slowed, engine = asyncio.run(_complete_all(cuda_cfg(2), reqs))
+    slowed, (decode_steps, _) = asyncio.run(_complete_all(cuda_cfg(2), reqs, _replays))
     assert slowed == d1
-    decode_steps = engine._parts.runner.graphs.replays + engine._parts.runner.greedy_graphs.replays
     assert {slot for slot, _ in decode_steps} == {0, 1}
 
 
@@ -243,6 +247,19 @@ ON = pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest
 def on(device, **kw):
     """cuda_cfg on `device` (the CPU ignores its graph settings)."""
     return cuda_cfg(device=device, **kw)
+
+
+@pytest.mark.cuda
+def test_pinned_pixels_are_one_contiguous_pinned_range():
+    """Tensor.pin_memory() keeps a strided layout; the encoder launch copies only a contiguous one."""
+    from slipstream.models.idefics3.processor import ProcessedImage
+    from slipstream.runtime.host_copy import pin_pixels, stage_pixels
+
+    strided = torch.arange(2 * 8 * 8 * 3, dtype=torch.float32).reshape(2, 8, 8, 3).permute(0, 3, 1, 2)
+    image = ProcessedImage(strided, torch.ones(2, 8, 8, dtype=torch.bool), rows=0, cols=0, num_image_tokens=8)
+    pinned = pin_pixels(image).pixel_values
+    assert pinned.is_pinned() and pinned.is_contiguous() and torch.equal(pinned, strided)
+    assert torch.equal(stage_pixels(pinned, torch.device("cuda")).cpu(), strided)
 
 
 @ON

@@ -130,6 +130,25 @@ def test_a_preempted_penalised_request_is_readmitted_with_its_output_so_far():
     assert preemptions > 0 and got == want
 
 
+def test_pixels_for_the_encoder_must_be_contiguous_on_the_cpu_as_on_a_gpu():
+    """Idefics3's tiles came out of preprocessing as a CHW view of HWC memory: on the H200 the
+    encoder launch refused them, on the CPU nothing looked (2026-11-27). Now both refuse them."""
+    strided = torch.zeros(2, 8, 8, 3).permute(0, 3, 1, 2)
+    with pytest.raises(PipelineInvariantError, match="not contiguous"):
+        host_copy.stage_pixels(strided, torch.device("cpu"))
+    dense = strided.contiguous()
+    assert host_copy.stage_pixels(dense, torch.device("cpu")) is dense
+
+
+def test_idefics3_preprocessing_gives_contiguous_pixels():
+    from image_util import picture
+    from slipstream.models.idefics3.config import ProcessingConfig
+    from slipstream.models.idefics3.processor import Idefics3Processing
+
+    (image,) = Idefics3Processing(ProcessingConfig(longest_edge=128, tile=64), 4).preprocess([picture(100, 150, 0)])
+    assert image.pixel_values.shape[0] > 1 and image.pixel_values.is_contiguous()
+
+
 def test_pictures_are_pinned_on_the_preprocessing_thread_never_on_the_loop(monkeypatch):
     """A CUDA engine's pixels (up to ~53 MB per Idefics3 picture) are put in pinned memory where the
     picture is cut, on a worker thread; the encoder launch in the tick then only enqueues their copy

@@ -29,7 +29,8 @@ async def _cuda_steps(**kw):
         tables = {k: v.cpu() for k, v in _tables(runner).items()}
         used = slice(PAGE, PAGE * (1 + PAGES_PER_ROW * 6))  # every row's pages, not the scratch page
         kv = runner.kv.k[:, used].float().cpu(), runner.kv.v[:, used].float().cpu()
-        return [w for w, _ in logits], tables, kv, runner.mixed_graphs
+        cache = runner.mixed_graphs  # None without mixed graphs; its graphs read before close releases them
+        return [w for w, _ in logits], tables, kv, cache and sorted(cache.graphs)
 
 
 @pytest.mark.cuda
@@ -38,8 +39,8 @@ def test_cuda_mixed_graph_replay_equals_eager(dtype, tol):
     """Real graphs of buckets 16, 32 and 64 (chunks only; decode rows + final and non-final chunks;
     one capture replayed for two different steps) against the eager forward of the same steps."""
     want, t_want, kv_want, _ = asyncio.run(_cuda_steps(dtype=dtype, mixed_graphs=False))
-    got, t_got, kv_got, cache = asyncio.run(_cuda_steps(dtype=dtype, warmup=False))
-    assert sorted(cache.graphs) == [(0, 32), (0, 64), (1, 16), (1, 32)]
+    got, t_got, kv_got, captured = asyncio.run(_cuda_steps(dtype=dtype, warmup=False))
+    assert captured == [(0, 32), (0, 64), (1, 16), (1, 32)]
     for w, g in zip(want, got):
         torch.testing.assert_close(g, w, rtol=tol, atol=tol)  # other matmul row counts may round differently
     for name in t_want:
@@ -55,12 +56,13 @@ def test_cuda_engine_with_mixed_graphs_gives_the_eager_tokens_and_replays_them()
     async def run(**kw):
         async with Engine(_cuda_cfg(max_batch_size=16, graph_batch_sizes=(1, 4, 16), **kw)) as engine:
             outs = await asyncio.gather(*(engine.complete(p, sp) for p, sp, _ in reqs))
-            return [o.token_ids for o in outs], engine._parts.runner.mixed_graphs
+            cache = engine._parts.runner.mixed_graphs  # (read before close, which releases the graphs)
+            return [o.token_ids for o in outs], cache and (sorted(cache.graphs), sum(cache.replays.values()))
 
     eager, _ = asyncio.run(run(mixed_graphs=False))
-    graphed, cache = asyncio.run(run(warmup=False))
+    graphed, (captured, replays) = asyncio.run(run(warmup=False))
     assert graphed == eager
-    assert cache.graphs and {t for _, t in cache.graphs} <= {16, 32, 64}
+    assert captured and {t for _, t in captured} <= {16, 32, 64} and replays > 0
 
 
 @pytest.mark.cuda

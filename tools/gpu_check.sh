@@ -14,9 +14,11 @@
 #   llamacpp       llama.cpp (CUDA, sm_90) llama-batched-bench bf16 at N = 1, 8 (limit 80 s): the carried
 #                  prebuilt dist (.whl/llamacpp-cuda-sm90.tar.xz, tools/llamacpp_peer.sh dist), else the build
 #                  from .whl/llamacpp-src.tgz, started detached (setsid) when this script starts, so it
-#                  compiles while the tests run; this stage waits for it
+#                  compiles while the tests run (only with BUDGET >= 420 s); this stage waits for it
 #   peer-static    transformers static-compile at N = 1, 8 (~75 s of compiling per N): only if >= 180 s are left
 # Other stages, by name: tests (= tests-engine tests-kernels), events, bench-thread, llamacpp-server, smoke.
+# A short call reruns what failed, e.g. the engine tests and llama.cpp from a prebuilt dist in ~150 s:
+#   run(command="BUDGET=150 ENGINE_LIMIT=90 bash tools/gpu_check.sh tests-engine llamacpp", carry=[".whl"], timeout_s=200)
 #
 # What comes back ($OUT, at most 8 files): gpu.txt (GPU, provenance, each stage's rc and time, as they end),
 # cuda-tests-engine.log, cuda-tests-kernels.log (pytest -v with tracebacks, live ERROR log lines with their
@@ -59,9 +61,13 @@ cu13_libs() {  # torch's cuBLAS 13 / cudart 13 (nvidia/cu13/lib): what the dist 
                 for p in glob.glob(os.path.join(d, '*', 'lib', 'libcublas.so.*'))})))" 2>/dev/null
 }
 if [[ " $stages " == *" llamacpp"* ]]; then
-    if [[ -f .whl/llamacpp-cuda-sm90.tar.xz ]]; then
-        mkdir -p "$LLAMA" && tar -xJf .whl/llamacpp-cuda-sm90.tar.xz -C "$LLAMA" && echo 0 > "$LLAMA_DONE"
-        echo "llama.cpp: prebuilt dist ($(head -1 "$LLAMA/BUILD-INFO" 2>/dev/null))" >> "$GPU_TXT"
+    if [[ -f .whl/llamacpp-cuda-sm90.tar.xz ]]; then  # (a failed unpack ends the stage at once, not at the budget)
+        rm -rf "$LLAMA" && mkdir -p "$LLAMA" && tar -xJf .whl/llamacpp-cuda-sm90.tar.xz -C "$LLAMA" && echo 0 > "$LLAMA_DONE" \
+            || echo 1 > "$LLAMA_DONE"
+        echo "llama.cpp: prebuilt dist ($(head -1 "$LLAMA/BUILD-INFO" 2>/dev/null)), unpack rc=$(cat "$LLAMA_DONE")" >> "$GPU_TXT"
+    elif [[ -f .whl/llamacpp-src.tgz && $HAVE_CUDA == 1 && ${BUDGET:-540} -lt 420 ]]; then
+        echo 1 > "$LLAMA_DONE"  # the build takes ~7 minutes of the machine's 16 cores
+        echo "llama.cpp: no prebuilt dist and a budget of ${BUDGET} s (< 420): no build from source" >> "$GPU_TXT"
     elif [[ -f .whl/llamacpp-src.tgz && $HAVE_CUDA == 1 ]]; then
         rm -rf /tmp/llamacpp-src && mkdir -p /tmp/llamacpp-src && tar -xzf .whl/llamacpp-src.tgz -C /tmp/llamacpp-src
         # the same dist build as on a CPU machine (nvcc here, torch's cuBLAS 13), nice and 12 of 16 cores: the

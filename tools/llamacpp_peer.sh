@@ -7,7 +7,8 @@
 #   tools/llamacpp_peer.sh build DIR BUILD  # cmake + ninja: llama-batched-bench (+ llama-server if LLAMACPP_SERVER=1)
 #   tools/llamacpp_peer.sh bench BUILD [llamacpp_bench.py args...]
 #   tools/llamacpp_peer.sh toolkit TK        # a CUDA toolkit to build against WITHOUT a GPU: this machine's nvcc
-#                                            # ($CUDA_HOME, default /usr/local/cuda) + cuBLAS 13 headers/libs from the
+#                                            # ($CUDA_HOME, default /usr/local/cuda, else the nvcc on PATH; its lib/
+#                                            # or lib64/, whichever it has) + cuBLAS 13 headers/libs from the
 #                                            # nvidia-cublas wheel (or an installed one: CUBLAS_DIR=.../nvidia/cu13)
 #                                            # + a link-time libcuda stub (the driver's, at run time)
 #   tools/llamacpp_peer.sh dist SRC BUILD TXZ  # with TK's toolkit (LLAMACPP_TOOLKIT=TK): llama-batched-bench and
@@ -54,31 +55,44 @@ source_tree() {
 
 toolkit() {
     # cuBLAS 13.0.0.19: the oldest 13.x, so the binaries need no symbol a newer libcublas.so.13 (torch's) lacks
-    local tk=$1 home=${CUDA_HOME:-/usr/local/cuda} ver=${CUBLAS_VERSION:-13.0.0.19} dl
+    local tk=$1 home=${CUDA_HOME:-} ver=${CUBLAS_VERSION:-13.0.0.19} dl lib stub="libcuda stub"
+    if [[ -z $home ]]; then  # /usr/local/cuda, else the toolkit of the nvcc on PATH
+        home=/usr/local/cuda
+        [[ -x $home/bin/nvcc ]] || home=$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")
+    fi
+    [[ -x $home/bin/nvcc ]] || { echo "toolkit: no nvcc in $home/bin (set CUDA_HOME)" >&2; return 1; }
     home=$(cd "$home" && pwd -P)
     rm -rf "$tk" && mkdir -p "$(dirname "$tk")" && cp -a "$home" "$tk"
+    # the libraries' folder: lib/ in a toolkit made of wheels (this machine's), lib64 -> targets/x86_64-linux/lib
+    # in NVIDIA's packages (the GPU image's; 2026-11-27 on the H200: "ln: target '/tmp/llamacpp-tk/lib/'")
+    lib=$tk/lib
+    [[ -d $lib || ! -d $tk/lib64 ]] || lib=$tk/lib64
+    mkdir -p "$tk/include" "$lib/stubs"
     if [[ -n ${CUBLAS_DIR:-} ]]; then  # an installed nvidia-cublas (e.g. torch's nvidia/cu13 on the GPU image)
         ver="from $CUBLAS_DIR"
         ln -sf "$CUBLAS_DIR"/include/cublas*.h "$tk/include/"
-        ln -sf "$CUBLAS_DIR"/lib/libcublas.so.13 "$CUBLAS_DIR"/lib/libcublasLt.so.13 "$tk/lib/"
+        ln -sf "$CUBLAS_DIR"/lib/libcublas.so.13 "$CUBLAS_DIR"/lib/libcublasLt.so.13 "$lib/"
     else
         dl=$(mktemp -d)
         "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
             --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 -d "$dl" "nvidia-cublas==$ver"
         (cd "$dl" && unzip -q -o ./*.whl 'nvidia/cu13/include/*' 'nvidia/cu13/lib/libcublas.so.13' \
             'nvidia/cu13/lib/libcublasLt.so.13')
-        cp "$dl"/nvidia/cu13/include/* "$tk/include/" && cp "$dl"/nvidia/cu13/lib/* "$tk/lib/"
+        cp "$dl"/nvidia/cu13/include/* "$tk/include/" && cp "$dl"/nvidia/cu13/lib/* "$lib/"
         rm -rf "$dl"
     fi
-    (cd "$tk/lib" && ln -sf libcublas.so.13 libcublas.so && ln -sf libcublasLt.so.13 libcublasLt.so)
+    (cd "$lib" && ln -sf libcublas.so.13 libcublas.so && ln -sf libcublasLt.so.13 libcublasLt.so)
     # libcuda.so.1 comes with the driver, absent here: a stub with its soname and the driver calls ggml-cuda makes
-    # (VMM pool), only for linking; at run time the loader takes the real one
-    mkdir -p "$tk/lib/stubs"
-    local fns="cuDeviceGet cuDeviceGetAttribute cuGetErrorString cuMemAddressFree cuMemAddressReserve cuMemCreate
-               cuMemGetAllocationGranularity cuMemMap cuMemRelease cuMemSetAccess cuMemUnmap"
-    for f in $fns; do echo "int $f(void) { return 999; }"; done > "$tk/lib/stubs/cuda_stub.c"
-    gcc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$tk/lib/stubs/libcuda.so" "$tk/lib/stubs/cuda_stub.c"
-    echo "CUDA toolkit in $tk: nvcc $("$tk/bin/nvcc" --version | grep -o 'release [0-9.]*'), cuBLAS $ver, libcuda stub"
+    # (VMM pool), only for linking; at run time the loader takes the real one. A full toolkit brings its own.
+    if [[ -f $lib/stubs/libcuda.so ]]; then
+        stub="the toolkit's libcuda stub"
+    else
+        local fns="cuDeviceGet cuDeviceGetAttribute cuGetErrorString cuMemAddressFree cuMemAddressReserve cuMemCreate
+                   cuMemGetAllocationGranularity cuMemMap cuMemRelease cuMemSetAccess cuMemUnmap"
+        for f in $fns; do echo "int $f(void) { return 999; }"; done > "$lib/stubs/cuda_stub.c"
+        gcc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$lib/stubs/libcuda.so" "$lib/stubs/cuda_stub.c"
+    fi
+    echo "CUDA toolkit in $tk (libraries in ${lib#"$tk"/}): nvcc $("$tk/bin/nvcc" --version | grep -o 'release [0-9.]*'), cuBLAS $ver, $stub"
 }
 
 dist() {
@@ -110,7 +124,7 @@ dist() {
       echo "nvcc: $("$tk/bin/nvcc" --version | tail -2 | head -1)"; echo "cmake ${flags[*]}"
       echo "needs: $(objdump -p "$stage"/bin/*.so* "$stage"/bin/llama-* 2>/dev/null | awk '/NEEDED/ {print $2}' | sort -u | tr '\n' ' ')"
     } > "$stage/BUILD-INFO"
-    tar -C "$stage" -cJf "$txz" . && rm -rf "$stage"
+    tar -C "$stage" -cJf "$txz.partial" . && mv "$txz.partial" "$txz" && rm -rf "$stage"  # (whole or absent)
     cat "$bld.configure.log" | grep -i "cuda\|cublas" | head -5 >&2 || true
     echo "dist $txz: $(du -h "$txz" | cut -f1) (llama-batched-bench, llama-server, ggml libs, sm_${CUDA_ARCH:-90}) in $((SECONDS - t0)) s"
 }
@@ -137,5 +151,5 @@ build)  build "$2" "$3" ;;
 toolkit) toolkit "$2" ;;
 dist)   dist "$2" "$3" "$4" ;;
 bench)  bld=$2; shift 2; exec "$PY" "$here/llamacpp_bench.py" --build "$bld" "$@" ;;
-*) sed -n '2,23p' "$0"; exit 2 ;;
+*) sed -n '2,24p' "$0"; exit 2 ;;
 esac

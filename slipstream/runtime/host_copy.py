@@ -49,19 +49,26 @@ def upload_array(values: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 def pin_pixels(processed):
-    """A preprocessed image (any family's dataclass with `pixel_values`) whose pixels sit in pinned
-    memory: run where the picture is made, off the event loop (api/image_prompt.py), so that the
-    encoder launch inside the tick only enqueues an asynchronous copy (`stage_pixels`)."""
+    """A preprocessed image (any family's dataclass with `pixel_values`) whose pixels sit in one
+    contiguous range of pinned memory: run where the picture is made, off the event loop
+    (api/image_prompt.py), so that the encoder launch inside the tick only enqueues an asynchronous
+    copy (`stage_pixels`). Not `Tensor.pin_memory()`, which keeps a strided layout (the H200 run of
+    2026-11-27: Idefics3's tiles, HWC memory seen as CHW, were refused at launch)."""
     import dataclasses
 
-    return dataclasses.replace(processed, pixel_values=processed.pixel_values.pin_memory())
+    pixels = processed.pixel_values
+    pinned = torch.empty(pixels.shape, dtype=pixels.dtype, pin_memory=True)
+    pinned.copy_(pixels)
+    return dataclasses.replace(processed, pixel_values=pinned)
 
 
 def stage_pixels(pixels: torch.Tensor, device: torch.device) -> torch.Tensor:
     """The device copy of pixels pinned beforehand (`pin_pixels`), enqueued on the current stream;
     pixels that are not pinned are refused (pinning them here would copy megabytes inside the tick,
-    and a pageable copy would block the host). On the CPU, the tensor itself."""
+    and a pageable copy would block the host). On the CPU, the tensor itself, refused as on a GPU
+    when it is not contiguous (a processor's strided pixels fail the CPU tests too)."""
     if device.type == "cpu":
+        check_host_side(pixels, pixels, "pixels for the encoder")
         return pixels
     out = torch.empty(pixels.shape, dtype=pixels.dtype, device=device)
     copy_to_device(out, pixels)

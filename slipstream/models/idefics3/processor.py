@@ -130,7 +130,9 @@ class Idefics3Processing:
         out = []
         for image in images:
             frames, rows, cols = self._tiles(to_rgb(image))
-            pixels = np.stack([self._pixels(f) for f in frames])
+            # contiguous: astype and stack keep the HWC memory order of each frame's CHW view, and the
+            # encoder launch copies only one contiguous range (runtime/host_copy.stage_pixels)
+            pixels = np.ascontiguousarray(np.stack([self._pixels(f) for f in frames]))
             t = self.config.tile
             if pixels.shape[-2:] != (t, t):  # cannot happen: every frame is one tile
                 raise AssertionError(f"frame of {pixels.shape[-2:]} pixels, expected {t}x{t}")

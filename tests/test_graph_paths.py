@@ -131,14 +131,14 @@ def test_a_replay_while_the_other_slots_sampling_is_not_launched_is_refused(shar
         runner = _runner(device)
         cuda_graphs.install_graphs(runner, device, EngineConfig(**CFG))
         packed = pack_step(np.array([1, 2], np.int64), [])
-        runner.launch_forward(runner.slots[0], 0, packed)
+        first = runner.launch_forward(0, packed)  # (masked: its sampling is launched apart)
         with pytest.raises(PipelineInvariantError, match="could overwrite"):
-            runner.launch_forward(runner.slots[1], 1, packed)
-        runner.launch_sampling(runner.slots[0], packed)  # now it may: stream order reads slot 0's logits first
+            runner.launch_forward(1, packed)
+        runner.launch_sampling(first)  # now it may: stream order reads slot 0's logits first
         runner.slots[1].release()
-        runner.launch_forward(runner.slots[1], 1, packed)
-        runner.launch_sampling(runner.slots[1], packed)
-        runner.device.copy.record().synchronize()
+        second = runner.launch_forward(1, packed)
+        runner.launch_sampling(second)
+        second.copy_done.synchronize()
         assert runner.graphs.replays == {(0, 2): 1, (1, 2): 1}
     finally:
         device.close()

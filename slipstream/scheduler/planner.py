@@ -9,11 +9,23 @@ A step is planned in four parts, each in its own module with the rules it enforc
   prefix_cache.py      full pages of committed K/V by block hash, mapped at admission (None: off)
   encoder_cache.py     images' encoder outputs by digest, held by admitted sequences
   encoder_budget.py    the image encodes a step may plan (a chunk ends before an image that does not fit)
+
+The steady batch. Most steps change nothing: no sequence joins, leaves or needs a page. After a plan
+whose step has only decode rows and leaves nobody out (no prompt to chunk, no row blocked, nobody
+admissible), the Planner keeps that step's decode list and hands it out again, untouched, for as
+many steps as every row has samples and page positions left (`DecodeRows.repeats`); anything that
+could change the choice ends it at once (`batch_changed`: a request added, finished or released, a
+failed step's page entries put back), and the next plan is a full one. A repeat costs no per-row
+work here, and the engine loop launches the same ForwardInput again, which the runner reuses as it
+staged it. With SLIPSTREAM_CHECK_INVARIANTS=1 (the tests) each repeat is checked against what a
+full choice of decode rows would give.
 """
 from __future__ import annotations
 
+import os
 from collections import deque
 
+from slipstream.errors import PipelineInvariantError
 from slipstream.runtime.batch import SeqWork
 from slipstream.scheduler.admission import Admission
 from slipstream.scheduler.chunking import next_chunk, prompt_shares
@@ -39,20 +51,50 @@ class Planner:
         self.max_encoder_tokens = max_encoder_tokens
         self.admission = Admission(max_batch_size, self.pages, self.prefix_cache, self.encoder_cache)
         self.preemption = Preemption(self.admission, self.pages, self.encoder_cache)
+        self._steady: list[Sequence] | None = None  # the steady batch's decode rows (None: plan in full)
+        self._repeats = 0  # steps it may still be handed out
+        self.check = os.environ.get("SLIPSTREAM_CHECK_INVARIANTS") == "1"
 
     def add(self, seq: Sequence) -> None:
         self.admission.add(seq)
+        self._steady = None
+
+    def batch_changed(self) -> None:
+        """Something the choice of decode rows depends on changed: the next plan is a full one."""
+        self._steady = None
 
     def plan(self, depth: int) -> Step | None:
+        steady = self._steady
+        if steady is not None and self._repeats > 0:  # nothing joined, left or needs a page
+            self._repeats -= 1
+            if self.check:
+                self._check_steady(steady, depth)
+            return Step(steady, [], [], [])
+        self._steady = None
         rows = choose_decode_rows(self.running, depth, self.max_batch_size, self.max_step_tokens,
                                   self.page_size, self._reserve)
         budget = self.max_step_tokens - len(rows.decode)
-        prompts = self._admit(rows.prompts, min(self.max_batch_size - len(rows.decode), budget), rows.blocked)
-        encoder = EncoderBudget(self.encoder_cache, self.max_encoder_tokens)
-        chunks, chunk_seqs = self._chunks(prompts, budget, encoder)
+        room = min(self.max_batch_size - len(rows.decode), budget)
+        prompts = self._admit(rows.prompts, room, rows.blocked)
+        chunks, chunk_seqs, encodes = self._chunks(prompts, budget) if prompts else ([], [], [])
         if not rows.decode and not chunks:
             return None  # (page writes wait for the next step that is planned)
-        return Step(rows.decode, chunks, chunk_seqs, self.pages.take_writes(), encoder.encodes)
+        drops = self.encoder_cache.take_dropped() if self.encoder_cache.dropped else []
+        if not prompts and not rows.blocked and (self.num_waiting == 0 or room <= 0 or not self.admission.free_rows):
+            self._steady, self._repeats = rows.decode, rows.repeats  # (nobody to admit until a change)
+        return Step(rows.decode, chunks, chunk_seqs, self.pages.take_writes(), encodes, drops)
+
+    def _check_steady(self, steady: list[Sequence], depth: int) -> None:
+        """The repeat equals a full choice of decode rows made now, which would reserve no page."""
+        def no_page(seq: Sequence, end: int, victims: list[Sequence]) -> bool:
+            raise PipelineInvariantError(f"{seq.request_id} needs a page in a steady step")
+
+        rows = choose_decode_rows(self.running, depth, self.max_batch_size, self.max_step_tokens,
+                                  self.page_size, no_page)
+        room = min(self.max_batch_size - len(rows.decode), self.max_step_tokens - len(rows.decode))
+        if rows.decode != steady or rows.prompts or (self.num_waiting and room > 0 and self.admission.free_rows):
+            raise PipelineInvariantError(f"a steady step of {len(steady)} rows where a full plan would choose "
+                                         f"{len(rows.decode)} rows and {len(rows.prompts)} prompts")
 
     def _admit(self, prompts: list[Sequence], room: int, blocked: bool) -> list[Sequence]:
         """Prompts that can still join, up to `room`: running ones first (a decode row's victims are
@@ -62,24 +104,27 @@ class Planner:
             prompts.append(seq)
         return prompts
 
-    def _chunks(self, prompts: list[Sequence], budget: int, encoder: EncoderBudget
-                ) -> tuple[list[SeqWork], list[Sequence]]:
+    def _chunks(self, prompts: list[Sequence], budget: int) -> tuple[list[SeqWork], list[Sequence], list]:
         """Each prompt's chunk of its fair share of `budget`, where its pages can be had without
-        preempting and its images' encodes fit the step's encoder budget."""
+        preempting and its images' encodes fit the step's encoder budget; and those encodes."""
         chunks, chunk_seqs = [], []
+        encoder = None
         for seq, share in zip(prompts, prompt_shares(prompts, budget)):
             encodes: list = []
             if seq.images and share > 0:
+                if encoder is None:  # (a step without images never makes one)
+                    encoder = EncoderBudget(self.encoder_cache, self.max_encoder_tokens)
                 share, encodes = encoder.cut(seq, share)
             if share < seq.min_chunk:  # the encoder budget cut its bidirectional prefix: next step
                 continue
             work = next_chunk(seq, share) if share > 0 else None
             if work is None or not self._reserve(seq, work.end_pos, victims=[]):
                 continue
-            encoder.take(encodes)
+            if encodes:
+                encoder.take(encodes)
             chunks.append(work)
             chunk_seqs.append(seq)
-        return chunks, chunk_seqs
+        return chunks, chunk_seqs, encoder.encodes if encoder is not None else []
 
     def _reserve(self, seq: Sequence, end_pos: int, victims: list[Sequence]) -> bool:
         """Pages for positions up to `end_pos`, preempting the newest of `victims` if none are free."""
@@ -94,9 +139,11 @@ class Planner:
 
     def release(self, seq: Sequence) -> None:
         self.preemption.release(seq)
+        self._steady = None
 
     def drop_waiting(self, seq: Sequence) -> None:
         self.admission.drop_waiting(seq)
+        self._steady = None
 
     # --- state the engine loop, its metrics and the tests read -------------------------------------
 

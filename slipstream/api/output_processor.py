@@ -302,12 +302,15 @@ class OutputProcessor(TextPhase):
                 self._deliver_error(req, _wrap(RequestFailedError, f"detokenising tokens {tokens} of request "
                                                                    f"{req.request_id} failed: {e!r}", e))
                 return
-            req.processed = start + len(tokens)
+            req.processed = end = start + len(tokens)
             if text:
                 req.pieces.append(text)  # (nothing is held back without stop strings: `pending` stays empty)
             if req.streaming:
                 req.queue.put_nowait(StreamDelta(req.request_id, text, tokens))
-            self._observe(req, start, req.processed)
+            if self.pass_observers:  # (self._observe, spelled out: the common case of every pass)
+                self._ranges.append((req.metrics, start, end, len(req.prompt_ids)))
+            for observe in self.token_observers:
+                observe(req.metrics.token_times, start, end, req.metrics.arrival, len(req.prompt_ids))
             return
         self._apply(req, self._texts(req, start, out[start:len(out) if end_at is None else end_at], end_at,
                                      req.end_reason, req.end_drops_text, req.grammar_done_at, seq.max_tokens))

@@ -38,9 +38,13 @@ class Mailbox:
 
     async def get(self):
         while not self.items:
-            self._waiter = asyncio.get_running_loop().create_future()
-            await self._waiter
+            await self.wait()
         return self.items.popleft()
+
+    def wait(self) -> asyncio.Future:
+        """A future done when an item is put (the reader awaits it when `items` is empty)."""
+        self._waiter = waiter = asyncio.get_running_loop().create_future()
+        return waiter
 
     def pending(self) -> list:
         """The items not read yet, oldest first (a copy)."""
@@ -81,7 +85,10 @@ class RequestStream:
                 box = self._box = self._seq.user.queue
             items = box.items
             while True:
-                item = items.popleft() if items else await box.get()
+                if not items:
+                    await box.wait()
+                    continue
+                item = items.popleft()
                 if type(item) is StreamDelta:
                     if not self._carry and (item.text or item.finish_reason is not None):
                         return item

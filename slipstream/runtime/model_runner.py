@@ -29,7 +29,7 @@ also swaps in the head encodings and returns the hidden states); a carry step wi
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
@@ -210,7 +210,11 @@ class ModelRunner(EncoderLaunch):
         slot = self._free_slot()
         staged = slot.staged
         if staged is None or staged.packed is not packed or staged.unmasked is not unmasked:
-            staged = self._stage(slot, packed, unmasked)
+            if (staged is not None and staged.unmasked is unmasked and packed.decode_rows is staged.packed.decode_rows
+                    and not packed.chunks):  # the same rows: only other page-table entries
+                staged = self._restage_writes(slot, staged, packed)
+            else:
+                staged = self._stage(slot, packed, unmasked)
         elif staged.updates is not None:
             raise PipelineInvariantError(f"step {step_id} relaunches an input that writes the row tables")
         step = LaunchedStep(step_id, slot, staged, staged.num_samples)
@@ -256,6 +260,15 @@ class ModelRunner(EncoderLaunch):
         writes = lay.w or lay.c
         staged = Staged(packed, unmasked, graphed, arena.tensors(lay), arena.updates(lay) if writes else None, carry,
                         stage_chunk_carry(packed) if carry and graphed is None else None, needs)
+        slot.staged = staged
+        return staged
+
+    @staticmethod
+    def _restage_writes(slot: StepSlot, staged: Staged, packed: ForwardInput) -> Staged:
+        """`packed` shares every array but its page-table entries with the input the slot holds
+        (ForwardInput.with_page_writes): only those are staged; path, views and needs stay."""
+        updates = slot.arena.stage_writes(packed.page_writes) if len(packed.page_writes) else None
+        staged = replace(staged, packed=packed, updates=updates)
         slot.staged = staged
         return staged
 
@@ -310,9 +323,11 @@ class ModelRunner(EncoderLaunch):
         staged, step_id = step.staged, step.step_id
         packed, tensors, updates, carry = staged.packed, staged.tensors, staged.updates, staged.chunk_carry
         rows, host_attention = self.rows, self.device.unified_memory
-        if updates is None and carry is None and not packed.embed_sources and packed.bidirectional_lens is None:
-            def forward() -> None:  # a text step that writes no row table: the common case
+        if carry is None and not packed.embed_sources and packed.bidirectional_lens is None:
+            def forward() -> None:  # a text step: the common case
                 self._check_fault(step_id)
+                if updates is not None:
+                    rows.apply(updates, packed)
                 step.logits = self.forward_from(tensors, host_attention)
 
             self.device.compute.launch(forward, "forward")

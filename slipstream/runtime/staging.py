@@ -168,6 +168,20 @@ class StepArena:
             self._used_f = NUM_FLOATS * c
         return Layout(d, tc, c, n, n_pad, w, packed.max_query_len, d - packed.num_decode)
 
+    def stage_writes(self, writes: np.ndarray) -> RowUpdates:
+        """Only the page-table entries of a step whose other inputs this arena holds already (the
+        same decode rows as its last step): written, uploaded, and the updates that apply them."""
+        w = len(writes)
+        at = self.offsets["page_writes"]
+        self.host_np[at:at + 3 * w] = writes.reshape(-1)
+        if not self.device.unified_memory:
+            def h2d() -> None:
+                copy_to_device(self.dev[at:at + 3 * w], self.host[at:at + 3 * w])
+
+            self.device.upload.launch(h2d, "h2d")
+            self.device.compute.wait(self.device.upload.record())
+        return self.updates(Layout(d=0, tc=0, c=0, n=0, n_pad=0, w=w, max_q_len=1))
+
     def upload(self) -> None:
         """Copy the used prefixes host→device on the upload stream; the compute stream waits for it."""
         if self.device.unified_memory:

@@ -10,8 +10,6 @@ Rules, enforced here:
     never creates a zombie; only EOS/stop/abort do.
   * A row that needs a page it cannot get may preempt only sequences after it in admission order
     (`reserve` is handed those as victims; preemption.py picks the newest).
-  * `repeats`: the steps the chosen rows can take again with no row needing a page or passing
-    max_tokens (the Planner's steady batch relies on it).
 """
 from __future__ import annotations
 
@@ -26,9 +24,6 @@ class DecodeRows(NamedTuple):
     decode: list[Sequence]  # one device-fed token each
     prompts: list[Sequence]  # admitted sequences with host-known tokens to prefill (or recompute)
     blocked: bool  # a row could not get its page: admit nobody new this step
-    # how many more steps every decode row can take without a check: each has that many samples left
-    # (max_tokens) and positions left in its pages after this step's (the Planner's steady batch)
-    repeats: int
 
 
 def choose_decode_rows(running: list[Sequence], depth: int, max_rows: int, budget: int, page_size: int,
@@ -41,7 +36,6 @@ def choose_decode_rows(running: list[Sequence], depth: int, max_rows: int, budge
     decode: list[Sequence] = []
     prompts: list[Sequence] = []
     blocked = False
-    repeats = 1 << 62
     running = list(running)  # (preemption removes victims from the running list)
     for i, seq in enumerate(running):
         if seq.finished or seq.preempting or seq.inflight_refs >= depth or seq.row is None:
@@ -53,8 +47,7 @@ def choose_decode_rows(running: list[Sequence], depth: int, max_rows: int, budge
                 prompts.append(seq)
             continue
         # seq.max_tokens - outputs - pending = seq.samples_left
-        left = seq.max_tokens - outputs - pending
-        if len(decode) >= max_rows or budget <= 0 or left <= 0:
+        if len(decode) >= max_rows or budget <= 0 or seq.max_tokens - outputs - pending <= 0:
             continue
         end = seq.num_scheduled + 1
         if end > len(seq.pages) * page_size and not reserve(seq, end, running[i:]):
@@ -62,8 +55,4 @@ def choose_decode_rows(running: list[Sequence], depth: int, max_rows: int, budge
             continue
         decode.append(seq)
         budget -= 1
-        room = len(seq.pages) * page_size - end
-        left = room if room < left - 1 else left - 1
-        if left < repeats:
-            repeats = left
-    return DecodeRows(decode, prompts, blocked, repeats)
+    return DecodeRows(decode, prompts, blocked)

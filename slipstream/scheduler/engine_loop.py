@@ -191,9 +191,14 @@ class EngineLoop:
 
     def _pack(self, step: Step) -> ForwardInput:
         """The runner-side input of a planned step (the one place the loop builds it). The Planner's
-        steady batch hands out the same decode list again: its input is the same ForwardInput."""
-        if step.decode is self._steady_rows and not step.chunks and not step.page_writes:
-            return self._steady_input
+        steady batch hands out the same decode list again: its input is the same ForwardInput, or
+        that input with the step's page-table entries."""
+        if step.decode is self._steady_rows and not step.chunks:
+            steady = self._steady_input
+            assert steady is not None
+            if not step.page_writes:
+                return steady
+            return steady.with_page_writes(np.asarray(step.page_writes, np.int64).reshape(-1, 3))
         rows = np.fromiter((seq.row for seq in step.decode), np.int64, len(step.decode))
         packed = pack_step(rows, step.chunks, np.asarray(step.page_writes, np.int64).reshape(-1, 3),
                            self.row_multiple)

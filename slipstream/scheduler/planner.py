@@ -10,15 +10,19 @@ A step is planned in four parts, each in its own module with the rules it enforc
   encoder_cache.py     images' encoder outputs by digest, held by admitted sequences
   encoder_budget.py    the image encodes a step may plan (a chunk ends before an image that does not fit)
 
-The steady batch. Most steps change nothing: no sequence joins, leaves or needs a page. After a plan
-whose step has only decode rows and leaves nobody out (no prompt to chunk, no row blocked, nobody
-admissible), the Planner keeps that step's decode list and hands it out again, untouched, for as
-many steps as every row has samples and page positions left (`DecodeRows.repeats`); anything that
-could change the choice ends it at once (`batch_changed`: a request added, finished or released, a
-failed step's page entries put back), and the next plan is a full one. A repeat costs no per-row
-work here, and the engine loop launches the same ForwardInput again, which the runner reuses as it
-staged it. With SLIPSTREAM_CHECK_INVARIANTS=1 (the tests) each repeat is checked against what a
-full choice of decode rows would give.
+The steady batch. Most steps change nothing: no sequence joins or leaves. After a plan whose step
+has only decode rows and leaves nobody out (no prompt to chunk, no row blocked, nobody admissible),
+the Planner keeps that step's decode list and hands it out again, untouched, step after step
+(`_repeat`). What a row will need is known when the batch forms: the step at which it runs out of
+page positions, and the one at which it runs out of samples (max_tokens); each row is put on that
+step's list (`_due`), so a repeat looks only at the rows due now: one that needs a page gets one
+(the step carries the page-table entry; if the pool is short, a full plan decides who waits or is
+preempted), one out of samples ends the batch. Anything else that could change the choice ends it
+at once (`batch_changed`: a request added, finished or released, a failed step's page entries put
+back), and the next plan is a full one. The engine loop launches the same ForwardInput for the
+same list again (with the step's page entries, if any), which the runner reuses as it staged it.
+With SLIPSTREAM_CHECK_INVARIANTS=1 (the tests) each repeat is checked against what a full choice of
+decode rows would give.
 """
 from __future__ import annotations
 
@@ -52,7 +56,8 @@ class Planner:
         self.admission = Admission(max_batch_size, self.pages, self.prefix_cache, self.encoder_cache)
         self.preemption = Preemption(self.admission, self.pages, self.encoder_cache)
         self._steady: list[Sequence] | None = None  # the steady batch's decode rows (None: plan in full)
-        self._repeats = 0  # steps it may still be handed out
+        self._plans = 0  # plans made: the steady batch's clock
+        self._due: dict[int, list[Sequence]] = {}  # plan -> rows of the steady batch to look at then
         self.check = os.environ.get("SLIPSTREAM_CHECK_INVARIANTS") == "1"
 
     def add(self, seq: Sequence) -> None:
@@ -64,12 +69,38 @@ class Planner:
         self._steady = None
 
     def plan(self, depth: int) -> Step | None:
-        steady = self._steady
-        if steady is not None and self._repeats > 0:  # nothing joined, left or needs a page
-            self._repeats -= 1
-            if self.check:
-                self._check_steady(steady, depth)
-            return Step(steady, [], [], [])
+        self._plans += 1
+        if self._steady is not None:
+            step = self._repeat(self._steady)
+            if step is not None:
+                if self.check:
+                    self._check_steady(self._steady, depth)
+                return step
+        return self._full_plan(depth)
+
+    def _repeat(self, steady: list[Sequence]) -> Step | None:
+        """The steady batch again, with pages for the rows that need one now; None: it ended."""
+        due = self._due.pop(self._plans, None)
+        if due is not None:
+            for seq in due:
+                if seq.max_tokens - len(seq.output_ids) - seq.pending_samples <= 0:
+                    self._steady = None  # out of samples: it leaves the batch
+                    return None
+                end = seq.num_scheduled + 1
+                if end > len(seq.pages) * self.page_size and not self._reserve(seq, end, victims=[]):
+                    self._steady = None  # the pool is short: a full plan decides
+                    return None
+                self._schedule(seq)
+        return Step(steady, [], [], self.pages.take_writes() if due else [])
+
+    def _schedule(self, seq: Sequence) -> None:
+        """Put a steady row on the list of the plan at which it runs out of page positions or of
+        samples, whichever comes first (counting from this plan, before its step is launched)."""
+        left = seq.max_tokens - len(seq.output_ids) - seq.pending_samples
+        room = len(seq.pages) * self.page_size - seq.num_scheduled
+        self._due.setdefault(self._plans + min(left, room), []).append(seq)
+
+    def _full_plan(self, depth: int) -> Step | None:
         self._steady = None
         rows = choose_decode_rows(self.running, depth, self.max_batch_size, self.max_step_tokens,
                                   self.page_size, self._reserve)
@@ -81,7 +112,9 @@ class Planner:
             return None  # (page writes wait for the next step that is planned)
         drops = self.encoder_cache.take_dropped() if self.encoder_cache.dropped else []
         if not prompts and not rows.blocked and (self.num_waiting == 0 or room <= 0 or not self.admission.free_rows):
-            self._steady, self._repeats = rows.decode, rows.repeats  # (nobody to admit until a change)
+            self._steady, self._due = rows.decode, {}  # (nobody to admit until a change)
+            for seq in rows.decode:
+                self._schedule(seq)
         return Step(rows.decode, chunks, chunk_seqs, self.pages.take_writes(), encodes, drops)
 
     def _check_steady(self, steady: list[Sequence], depth: int) -> None:

@@ -32,7 +32,7 @@ Periods that span an idle engine (nothing to run) are not observed: they are not
 
 Cost: at depth 1 anything the loop does after a commit is device idle, so the tick only appends a
 few numbers per step to queues (about 0.1 µs each); per-token figures (TTFT, ITL, token counts) are
-queued by the output stage, off the tick. Queues are folded into the histograms (one vectorised
+queued by the output stage, off the tick, in one call per pass (`on_pass`). Queues are folded into the histograms (one vectorised
 bucket count per fold) and counters when the registry is collected (a scrape, `text()`), on the
 scraper's thread, or by the loop once a queue gets long. Gauges are read at scrape time, and so
 are the prefix cache's series (from `planner.prefix_cache.stats()`: nothing on the tick).

@@ -308,10 +308,13 @@ def test_engine_with_stand_in_graphs_of_both_kinds_gives_the_eager_tokens(monkey
                         if e["event"] == "cuda_graph_warmup"]
                 assert warm == [("mixed", 32)] * 2 + [("mixed", 16)] * 2 + [
                     (kind, b) for kind in ("decode", "greedy") for b in (4, 4, 2, 2, 1, 1)]
-            sample_group = SamplingLauncher._sample_group
+            sample_group, greedy = SamplingLauncher._sample_group, ModelRunner._launch_greedy
             monkeypatch.setattr(SamplingLauncher, "_sample_group", lambda *a: staged.append(1) or sample_group(*a))
+            monkeypatch.setattr(ModelRunner, "_launch_greedy", lambda self, step: staged.append(
+                not step.staged.sampled_in_graph) or greedy(self, step))  # (an argmax behind an eager forward)
             outs = await asyncio.gather(*(engine.complete(p, sp) for p, sp in zip(prompts, params)))
             monkeypatch.setattr(SamplingLauncher, "_sample_group", sample_group)
+            monkeypatch.setattr(ModelRunner, "_launch_greedy", greedy)
             return [(o.token_ids, o.logprobs) for o in outs], runner.mixed_graphs, engine.loop.num_steps
 
     staged = []
@@ -323,7 +326,7 @@ def test_engine_with_stand_in_graphs_of_both_kinds_gives_the_eager_tokens(monkey
         assert (got is None) == (want is None) and (got is None or np.allclose(got, want, rtol=0, atol=1e-5))
     # decode steps with the penalised or the seeded random row sample eagerly; the rest in the graph
     assert replays.count("mixed") >= 3 and replays.count("decode") >= 3 and replays.count("greedy") >= 3
-    assert len(staged) == steps - replays.count("greedy")  # a greedy-graph step samples no group
+    assert sum(staged) == steps - replays.count("greedy")  # a greedy-graph step samples nothing after it
     assert cache.eager_steps > 0  # the 48-token first step is above the largest bucket
 
 

@@ -426,7 +426,7 @@ def encoder_leaks(engine: Engine) -> int:
     that the cache no longer knows (dropped ones included once the next launch drops them)."""
     cache, runner = engine.loop.planner.encoder_cache, engine._parts.runner
     held = sum(e.refs > 0 for e in cache._entries.values())
-    pending = set(cache._dropped)
+    pending = set(cache.dropped)
     return held + len(set(runner.features) - pending - set(cache._entries))
 
 

@@ -22,6 +22,14 @@ upload streams: `launch(fn, label)`), and asyncio's task factory.
 
     python tools/step_profile.py                    # N = 1, L = 2000, 3 repeats
     python tools/step_profile.py --streams 256 --len 200
+    python tools/step_profile.py --py-spy 500       # also: where in the code, by function
+
+With --py-spy RATE the tool runs itself under py-spy (sampling every thread RATE times a second,
+the venv's py-spy or one on PATH) and adds, per thread, the functions under slipstream/ with their
+share of the thread's samples taken while the engine ran (inclusive: the function and what it
+called; self: its own code, torch and C calls it made not below another slipstream function),
+converted into µs per step with the thread's CPU per step from the table. Sampling is
+statistical and costs the process time of its own; the table above it is the precise part.
 """
 from __future__ import annotations
 
@@ -204,6 +212,44 @@ def report(intervals: list[dict], n: int, depth: int, length: int) -> str:
     return "\n".join(lines)
 
 
+def fold_samples(raw: str, per_step: dict[str, float], top: int = 18) -> str:
+    """py-spy's raw stacks -> per thread, the slipstream functions' shares in µs per step."""
+    import re
+
+    def frame(f: str) -> tuple[str, str]:
+        m = re.match(r"(.*) \((.*?):\d+\)$", f)
+        return (m.group(1), m.group(2)) if m else (f, "")
+
+    pkg = str(ROOT / "slipstream") + "/"
+    incl: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    own: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    total: dict[str, int] = defaultdict(int)
+    for line in raw.splitlines():
+        stack, _, n = line.rpartition(" ")
+        frames = [frame(f) for f in stack.split(";")]
+        name = frames[0][0]
+        thread = ("loop" if "MainThread" in name else "stream compute" if "slipstream-compute" in name
+                  else "stream copy" if "slipstream-copy" in name else None)
+        ours = [f"{file[len(pkg):]}:{fn}" for fn, file in frames[1:] if file.startswith(pkg)]
+        if thread is None or thread == "loop" and "Runner.run" not in stack:
+            continue  # (not the event loop's run: imports)
+        total[thread] += int(n)
+        for o in dict.fromkeys(ours):
+            incl[thread][o] += int(n)
+        if ours:
+            own[thread][ours[-1]] += int(n)
+    lines = ["", "by function (py-spy samples of the whole run, steady or not; µs per step = share of the thread's "
+                 "samples × its CPU per step above)"]
+    for thread in ("loop", "stream compute", "stream copy"):
+        if not total[thread]:
+            continue
+        scale = per_step.get(thread, 0.0) / total[thread]
+        lines += ["", f"{thread} ({total[thread]} samples)", "", "| function | µs inclusive | µs self |", "|---|---:|---:|"]
+        for fn, c in sorted(incl[thread].items(), key=lambda kv: -kv[1])[:top]:
+            lines.append(f"| {fn} | {c * scale:.1f} | {own[thread].get(fn, 0) * scale:.1f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -212,7 +258,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--depth", type=int, default=2, choices=[1, 2])
     ap.add_argument("--no-header", action="store_true")
+    ap.add_argument("--py-spy", type=int, default=0, metavar="RATE", help="also sample with py-spy at RATE Hz")
+    ap.add_argument("--emit-totals", metavar="PATH", help=argparse.SUPPRESS)  # (the run under py-spy)
     args = ap.parse_args(argv)
+    if args.py_spy:
+        return _under_py_spy(args, argv)
     from slipstream.logging_setup import configure_logging
 
     configure_logging("warning")
@@ -226,6 +276,31 @@ def main(argv: list[str] | None = None) -> int:
     if not intervals:
         raise SystemExit("no steady steps: raise --len")
     print(report(intervals, args.streams, args.depth, args.length))
+    if args.emit_totals:
+        totals = {t: statistics.fmean(iv.get((t, "total"), 0.0) for iv in intervals) * 1e6
+                  for t in {t for iv in intervals for t, w in iv if w == "total"}}
+        Path(args.emit_totals).write_text(__import__("json").dumps(totals))
+    return 0
+
+
+def _under_py_spy(args, argv: list[str]) -> int:
+    import json
+    import os
+    import shutil
+    import subprocess
+    import tempfile
+
+    spy = shutil.which("py-spy", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    if spy is None:
+        raise SystemExit("py-spy not found (pip install py-spy)")
+    rest = [a for i, a in enumerate(argv) if a != "--py-spy" and (i == 0 or argv[i - 1] != "--py-spy")
+            and not a.startswith("--py-spy=")]
+    with tempfile.TemporaryDirectory() as tmp:
+        raw, totals = os.path.join(tmp, "raw.txt"), os.path.join(tmp, "totals.json")
+        subprocess.run([spy, "record", "-r", str(args.py_spy), "--threads", "-f", "raw", "-o", raw, "--",
+                        sys.executable, __file__, *rest, "--emit-totals", totals], check=True,
+                       stderr=subprocess.DEVNULL)
+        print(fold_samples(Path(raw).read_text(), json.loads(Path(totals).read_text())))
     return 0
 
 

@@ -368,6 +368,8 @@ class ModelRunner(EncoderLaunch):
         rows, slot, step_id, n = self.rows, step.slot, step.step_id, step.num_samples
         greedy = not step.staged.sampled_in_graph and n > 0
         table_rows = step.staged.tensors.sample_rows
+        if table_rows.shape[0] != n:  # a decode graph's bucket pads the rows (and its logits)
+            table_rows = table_rows[:n]
 
         def sample() -> None:
             if self._faults is not None:

@@ -119,6 +119,7 @@ class EngineLoop:
     async def _run(self) -> None:
         while not self._closing:
             if not self.pipeline.inflight and not self.planner.has_work():
+                self._steady_rows = self._steady_input = None  # (idle: no finished sequence kept alive)
                 self._wake.clear()
                 self.idle_waits += 1
                 await self._wake.wait()

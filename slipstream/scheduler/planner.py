@@ -62,11 +62,13 @@ class Planner:
 
     def add(self, seq: Sequence) -> None:
         self.admission.add(seq)
-        self._steady = None
+        self.batch_changed()
 
     def batch_changed(self) -> None:
-        """Something the choice of decode rows depends on changed: the next plan is a full one."""
+        """Something the choice of decode rows depends on changed: the next plan is a full one (and
+        nothing here keeps a finished sequence alive)."""
         self._steady = None
+        self._due = {}
 
     def plan(self, depth: int) -> Step | None:
         self._plans += 1
@@ -84,11 +86,11 @@ class Planner:
         if due is not None:
             for seq in due:
                 if seq.max_tokens - len(seq.output_ids) - seq.pending_samples <= 0:
-                    self._steady = None  # out of samples: it leaves the batch
+                    self.batch_changed()  # out of samples: it leaves the batch
                     return None
                 end = seq.num_scheduled + 1
                 if end > len(seq.pages) * self.page_size and not self._reserve(seq, end, victims=[]):
-                    self._steady = None  # the pool is short: a full plan decides
+                    self.batch_changed()  # the pool is short: a full plan decides
                     return None
                 self._schedule(seq)
         return Step(steady, [], [], self.pages.take_writes() if due else [])
@@ -101,7 +103,7 @@ class Planner:
         self._due.setdefault(self._plans + min(left, room), []).append(seq)
 
     def _full_plan(self, depth: int) -> Step | None:
-        self._steady = None
+        self.batch_changed()
         rows = choose_decode_rows(self.running, depth, self.max_batch_size, self.max_step_tokens,
                                   self.page_size, self._reserve)
         budget = self.max_step_tokens - len(rows.decode)
@@ -172,11 +174,11 @@ class Planner:
 
     def release(self, seq: Sequence) -> None:
         self.preemption.release(seq)
-        self._steady = None
+        self.batch_changed()
 
     def drop_waiting(self, seq: Sequence) -> None:
         self.admission.drop_waiting(seq)
-        self._steady = None
+        self.batch_changed()
 
     # --- state the engine loop, its metrics and the tests read -------------------------------------
 

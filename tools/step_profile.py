@@ -22,14 +22,16 @@ upload streams: `launch(fn, label)`), and asyncio's task factory.
 
     python tools/step_profile.py                    # N = 1, L = 2000, 3 repeats
     python tools/step_profile.py --streams 256 --len 200
-    python tools/step_profile.py --py-spy 500       # also: where in the code, by function
+    python tools/step_profile.py --functions        # also: where in the code, by function
 
-With --py-spy RATE the tool runs itself under py-spy (sampling every thread RATE times a second,
-the venv's py-spy or one on PATH) and adds, per thread, the functions under slipstream/ with their
-share of the thread's samples taken while the engine ran (inclusive: the function and what it
-called; self: its own code, torch and C calls it made not below another slipstream function),
-converted into µs per step with the thread's CPU per step from the table. Sampling is
-statistical and costs the process time of its own; the table above it is the precise part.
+With --functions the measured runs go under cProfile on the loop's thread and on the compute
+stream's thread, with each thread's CPU clock as the timer, and the functions (Python and C: torch
+ops, builtins) that took the most CPU are listed per thread in µs per step (self: their own time;
+with callees: cumulative), with their calls per step. A deterministic profiler charges its own
+cost to every call it sees (about a microsecond on this machine), so these figures exceed the
+table's: they say where, the table says how much. (A sampling profiler is the other way; py-spy
+on this machine counts a stream thread asleep in its queue as busy, so it cannot tell which
+thread's time is CPU.) Divided by all steps of the measured runs, prefill and drain included.
 """
 from __future__ import annotations
 
@@ -143,8 +145,10 @@ def instrument_streams(device, accounts: Accounts) -> None:
         done.wait()
 
 
-async def profile(n: int, length: int, repeats: int, depth: int) -> tuple[list[dict], int]:
-    """Per steady interval: {(thread, what): CPU seconds}; and the number of steady steps."""
+async def profile(n: int, length: int, repeats: int, depth: int, functions: bool = False
+                  ) -> tuple[list[dict], "Functions | None", int]:
+    """Per steady interval: {(thread, what): CPU seconds}; the profiles by function (--functions) and
+    the steps of the measured runs."""
     from bench_host import PROMPT_LEN, StepRecord, null_model, run_once, steady  # noqa: F401
 
     from slipstream.api.engine import Engine
@@ -164,12 +168,19 @@ async def profile(n: int, length: int, repeats: int, depth: int) -> tuple[list[d
     timings: dict[int, dict] = {}
     engine.loop.observers.append(lambda step: (snaps.__setitem__(step.step_id, accounts.snapshot()),
                                                timings.__setitem__(step.step_id, dict(step.timings))))
+    sampler = Functions(engine._parts.device) if functions else None
+    steps = 0
     try:
         await run_once(engine, n, min(length, 64))  # warm-up
         for _ in range(repeats):
             snaps.clear()
             timings.clear()
+            if sampler is not None:
+                sampler.on()
             records, _ = await run_once(engine, n, length)
+            if sampler is not None:
+                sampler.off()
+            steps += len(records)
             for rec, *_ in steady(records, n):
                 a, b = snaps[rec.step_id - 1], snaps[rec.step_id]
                 delta = {k: b.get(k, 0.0) - a.get(k, 0.0) for k in b}
@@ -179,7 +190,7 @@ async def profile(n: int, length: int, repeats: int, depth: int) -> tuple[list[d
                 intervals.append(delta)
     finally:
         await engine.close()
-    return intervals, len(intervals)
+    return intervals, sampler, steps
 
 
 def report(intervals: list[dict], n: int, depth: int, length: int) -> str:
@@ -212,42 +223,42 @@ def report(intervals: list[dict], n: int, depth: int, length: int) -> str:
     return "\n".join(lines)
 
 
-def fold_samples(raw: str, per_step: dict[str, float], top: int = 18) -> str:
-    """py-spy's raw stacks -> per thread, the slipstream functions' shares in µs per step."""
-    import re
+class Functions:
+    """cProfile on the loop's thread and on the compute stream's thread (see --functions)."""
 
-    def frame(f: str) -> tuple[str, str]:
-        m = re.match(r"(.*) \((.*?):\d+\)$", f)
-        return (m.group(1), m.group(2)) if m else (f, "")
+    def __init__(self, device):
+        import cProfile
 
-    pkg = str(ROOT / "slipstream") + "/"
-    incl: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-    own: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-    total: dict[str, int] = defaultdict(int)
-    for line in raw.splitlines():
-        stack, _, n = line.rpartition(" ")
-        frames = [frame(f) for f in stack.split(";")]
-        name = frames[0][0]
-        thread = ("loop" if "MainThread" in name else "stream compute" if "slipstream-compute" in name
-                  else "stream copy" if "slipstream-copy" in name else None)
-        ours = [f"{file[len(pkg):]}:{fn}" for fn, file in frames[1:] if file.startswith(pkg)]
-        if thread is None or thread == "loop" and "Runner.run" not in stack:
-            continue  # (not the event loop's run: imports)
-        total[thread] += int(n)
-        for o in dict.fromkeys(ours):
-            incl[thread][o] += int(n)
-        if ours:
-            own[thread][ours[-1]] += int(n)
-    lines = ["", "by function (py-spy samples of the whole run, steady or not; µs per step = share of the thread's "
-                 "samples × its CPU per step above)"]
-    for thread in ("loop", "stream compute", "stream copy"):
-        if not total[thread]:
-            continue
-        scale = per_step.get(thread, 0.0) / total[thread]
-        lines += ["", f"{thread} ({total[thread]} samples)", "", "| function | µs inclusive | µs self |", "|---|---:|---:|"]
-        for fn, c in sorted(incl[thread].items(), key=lambda kv: -kv[1])[:top]:
-            lines.append(f"| {fn} | {c * scale:.1f} | {own[thread].get(fn, 0) * scale:.1f} |")
-    return "\n".join(lines)
+        self.device = device
+        self.loop = cProfile.Profile(time.thread_time)
+        self.compute = cProfile.Profile(time.thread_time)
+
+    def on(self) -> None:
+        self.device.compute.launch(self.compute.enable)
+        self.device.compute.record().synchronize()
+        self.loop.enable()
+
+    def off(self) -> None:
+        self.loop.disable()
+        self.device.compute.launch(self.compute.disable)
+        self.device.compute.record().synchronize()
+
+    def report(self, steps: int, top: int = 22) -> str:
+        import pstats
+
+        lines = ["", f"by function (cProfile, each thread's CPU clock; the measured runs' {steps} steps, prefill and "
+                     "drain included; µs per step, calls per step; this tool's own instruments left out)"]
+        for name, prof in (("loop", self.loop), ("stream compute", self.compute)):
+            stats = pstats.Stats(prof).stats  # (file, line, function) -> (cc, nc, tottime, cumtime, callers)
+            mine = (__file__, "<built-in method time.thread_time>")  # (this tool's own instruments)
+            rows = sorted(((k, v) for k, v in stats.items() if k[0] != mine[0] and k[2] != mine[1]),
+                          key=lambda kv: -kv[1][2])[:top]
+            lines += ["", name, "", "| function | µs self | µs with callees | calls |", "|---|---:|---:|---:|"]
+            for (file, line, fn), (_, nc, tt, ct, _) in rows:
+                where = file[file.rindex("/slipstream/") + 12:] + ":" if "/slipstream/" in file else \
+                    ("" if file == "~" else file.rsplit("/", 1)[-1] + ":")
+                lines.append(f"| {where}{fn} | {1e6 * tt / steps:.1f} | {1e6 * ct / steps:.1f} | {nc / steps:.1f} |")
+        return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -258,11 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--depth", type=int, default=2, choices=[1, 2])
     ap.add_argument("--no-header", action="store_true")
-    ap.add_argument("--py-spy", type=int, default=0, metavar="RATE", help="also sample with py-spy at RATE Hz")
-    ap.add_argument("--emit-totals", metavar="PATH", help=argparse.SUPPRESS)  # (the run under py-spy)
+    ap.add_argument("--functions", action="store_true", help="also: CPU by function (cProfile)")
     args = ap.parse_args(argv)
-    if args.py_spy:
-        return _under_py_spy(args, argv)
     from slipstream.logging_setup import configure_logging
 
     configure_logging("warning")
@@ -272,37 +280,14 @@ def main(argv: list[str] | None = None) -> int:
         print(header(" ".join(["python", "tools/step_profile.py", *argv])), end="")
     import uvloop
 
-    intervals, _ = uvloop.run(profile(args.streams, args.length, args.repeats, args.depth))
+    intervals, sampler, steps = uvloop.run(profile(args.streams, args.length, args.repeats, args.depth,
+                                                   args.functions))
     if not intervals:
         raise SystemExit("no steady steps: raise --len")
     print(report(intervals, args.streams, args.depth, args.length))
-    if args.emit_totals:
-        totals = {t: statistics.fmean(iv.get((t, "total"), 0.0) for iv in intervals) * 1e6
-                  for t in {t for iv in intervals for t, w in iv if w == "total"}}
-        Path(args.emit_totals).write_text(__import__("json").dumps(totals))
+    if sampler is not None:
+        print(sampler.report(steps))
     return 0
-
-
-def _under_py_spy(args, argv: list[str]) -> int:
-    import json
-    import os
-    import shutil
-    import subprocess
-    import tempfile
-
-    spy = shutil.which("py-spy", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
-    if spy is None:
-        raise SystemExit("py-spy not found (pip install py-spy)")
-    rest = [a for i, a in enumerate(argv) if a != "--py-spy" and (i == 0 or argv[i - 1] != "--py-spy")
-            and not a.startswith("--py-spy=")]
-    with tempfile.TemporaryDirectory() as tmp:
-        raw, totals = os.path.join(tmp, "raw.txt"), os.path.join(tmp, "totals.json")
-        subprocess.run([spy, "record", "-r", str(args.py_spy), "--threads", "-f", "raw", "-o", raw, "--",
-                        sys.executable, __file__, *rest, "--emit-totals", totals], check=True,
-                       stderr=subprocess.DEVNULL)
-        print(fold_samples(Path(raw).read_text(), json.loads(Path(totals).read_text())))
-    return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,19 +1,21 @@
-"""Runs steps on a device: forward on the compute stream, sampling after it, D2H on the copy stream.
+"""Runs steps on a device: forward on the compute stream, sampling after it, the copy back.
 
 The runner knows nothing about requests. It owns the model, the KV cache, the StepSlots and the
 persistent batch: per-row device tables indexed by the row a sequence holds for its whole life —
 runtime/row_tables.py (RowTables: each row's newest sampled token, next position, KV page-table
 row, and sampling parameters with the index of its next output token). A step arrives as a
-`ForwardInput` (runtime/batch.py); the runner stages it in the slot's StepArena (staging.py, and
-static_step.py for mixed graphs) and runs it on one of three paths, chosen by `_choose_graph`:
-a decode graph (decode-only steps; a greedy decode graph also samples plain greedy rows), a mixed
-graph (steps with prefill chunks), or eagerly. A decode step uploads only its row ids; stream
-order (a step's table writes precede the next step's reads on the compute stream) keeps every
-read current at depth 1 and 2.
+`ForwardInput` (runtime/batch.py); `launch_forward` takes the next free slot in turn, stages the
+input in the slot's StepArena (staging.py, and static_step.py for mixed graphs) unless the slot
+holds it already (a steady batch relaunches the same input: only new page-table entries are
+staged), and returns the step's `LaunchedStep` (step_slot.py). The path, chosen once per staged
+input (graph_choice.py): a decode graph (decode-only steps; a greedy decode graph also samples
+plain greedy rows), a mixed graph (steps with prefill chunks), or eagerly. Stream order (a step's
+table writes precede the next step's reads on the compute stream) keeps every read current at
+depth 1 and 2.
 
 Invariants, enforced by the scheduler and checked in tests (tests/fake_runner.py mirrors them):
   * row 0 is never held by a sequence: padding tokens use it, its page row stays all zeros (the
-    scratch page), its position is reset to 0 by every step;
+    scratch page), its position is reset to 0 by every step that has padding;
   * a row is handed to a new sequence only when no launched step references it, and the new
     sequence's first chunk rewrites its position, parameters and output index.
 
@@ -21,19 +23,21 @@ With `graphs` set (CUDA), a decode-only step replays the captured graph of its s
 (inputs gathered from the tables → layers → logits → positions advanced). With `mixed_graphs`
 set, a step with prefill chunks of at most the largest token bucket replays the graph of its slot
 and token bucket, reading the fixed-shape layout of slipstream/runtime/static_step.py. Any other
-step, and every step of a model on the host (reference) attention, runs eagerly. Sampling is
-eager (runtime/sampling_launch.py: SamplingLauncher), except in a greedy decode graph (forward_greedy).
-A step with a row whose sequence has carry tokens (a carry step, runtime/carry.py) replays, when
+step, and every step of a model on the host (reference) attention, runs eagerly. An unmasked step
+is sampled right behind its forward: plain greedy rows by RowTables.greedy (or inside a greedy
+decode graph: forward_greedy), other rows by the SamplingLauncher (runtime/sampling_launch.py); a
+masked step's groups come through launch_sampling. Then the runner launches the copy to the slot's
+host landing buffers (on the copy stream; on a unified-memory device, on the compute stream). A
+step with a row whose sequence has carry tokens (a carry step, runtime/carry.py) replays, when
 decode-only, the carry decode graph of its slot and bucket (`carry_graphs`: forward_carry, which
 also swaps in the head encodings and returns the hidden states); a carry step with chunks runs eagerly.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import structlog
 import torch
 
 from slipstream.errors import PipelineInvariantError
@@ -41,15 +45,14 @@ from slipstream.intmath import round_up
 from slipstream.models.attention import AttentionMetadata, DeviceAttentionMetadata
 from slipstream.models.carry_kind import CarryKind
 from slipstream.models.llama import ForwardBatch, KVCache, LlamaForCausalLM
-from slipstream.runtime.batch import ForwardInput, ImageSpan
+from slipstream.runtime.batch import ForwardInput
 from slipstream.runtime.host_copy import copy_to_host, upload_array
 from slipstream.runtime.carry import ChunkCarry, carry_input, read_carried, stage_chunk_carry
 from slipstream.runtime.encoder_launch import EncoderLaunch
+from slipstream.runtime.graph_choice import GraphChoice
 from slipstream.runtime.step_slot import LaunchedStep, Staged, StepSlot
-from slipstream.runtime.graphs import GraphCache
 from slipstream.runtime.row_tables import RowTables
 from slipstream.runtime.runner_api import SampledTokens
-from slipstream.runtime.sampling_args import GroupNeeds
 from slipstream.runtime.sampling_launch import SamplingLauncher
 from slipstream.runtime.staging import StepArena, StepTensors
 from slipstream.runtime.static_step import StaticStepTensors, fill_static, static_inputs
@@ -57,44 +60,10 @@ from slipstream.runtime.static_step import StaticStepTensors, fill_static, stati
 if TYPE_CHECKING:
     from slipstream.faults import FaultInjector
 
-log = structlog.get_logger(__name__)
 
 
-@dataclass(frozen=True)
-class _Graphed:
-    """How a step replays a captured graph (no _Graphed: it runs eagerly)."""
-
-    cache: GraphCache
-    bucket: int  # rows (decode) or tokens (mixed) the graph was captured for
-    graph: Any  # what the cache's capture returned: .replay() -> logits (or ids when `samples`)
-    mixed: bool  # a mixed graph: reads the static layout (static_step.py), not a padded decode layout
-    samples: bool  # a greedy decode graph: it samples every row too (launch_sampling only stamps)
-    carry: bool = False  # a carry decode graph: replay() -> (logits, hidden) (forward_carry)
-
-
-class _GraphCacheField:
-    """A graph cache of the runner (None: none). Installing or dropping one forgets what the slots
-    staged: their graph choice was made without it."""
-
-    def __set_name__(self, owner, name: str) -> None:
-        self.name = "_" + name
-
-    def __get__(self, runner, owner=None) -> GraphCache | None:
-        return getattr(runner, self.name, None)
-
-    def __set__(self, runner, cache: GraphCache | None) -> None:
-        setattr(runner, self.name, cache)
-        for slot in runner.slots:
-            slot.staged = None
-
-
-class ModelRunner(EncoderLaunch):
+class ModelRunner(GraphChoice, EncoderLaunch):
     """Implements slipstream.runtime.runner_api.Runner on a Device."""
-
-    graphs = _GraphCacheField()  # CUDA graphs of decode steps (slipstream/runtime/cuda_graphs.py)
-    mixed_graphs = _GraphCacheField()  # ... of mixed/prefill steps, by token bucket
-    greedy_graphs = _GraphCacheField()  # decode graphs that also sample (all rows plain greedy)
-    carry_graphs = _GraphCacheField()  # decode graphs of carry steps (forward_carry)
 
     def __init__(self, model: LlamaForCausalLM, kv: KVCache, device, max_rows: int, max_tokens: int,
                  max_pages: int, num_slots: int = 2, row_multiple: int = 1):
@@ -272,32 +241,6 @@ class ModelRunner(EncoderLaunch):
         slot.staged = staged
         return staged
 
-    def _choose_graph(self, slot: StepSlot, packed: ForwardInput, unmasked: bool, carry: bool,
-                      needs: GroupNeeds) -> _Graphed | None:
-        """The graph this step replays, capturing it on first use; None: the step runs eagerly.
-        A carry step replays only a carry decode graph (decode-only); with chunks it runs eagerly."""
-        if carry:
-            cache = self.carry_graphs
-            hit = cache.lookup(slot.index, packed.num_decode) if cache is not None and self._graphable(packed) else None
-            return None if cache is None or hit is None else _Graphed(cache, hit[0], hit[1], mixed=False,
-                                                                       samples=False, carry=True)
-        if self._graphable(packed):
-            assert self.graphs is not None
-            hit = self.graphs.lookup(slot.index, packed.num_decode)
-            if hit is None:
-                return None
-            if unmasked and self.greedy_graphs is not None and needs.plain_greedy:
-                greedy = self.greedy_graphs.lookup(slot.index, packed.num_decode)
-                assert greedy is not None  # (the same buckets as self.graphs)
-                return _Graphed(self.greedy_graphs, greedy[0], greedy[1], mixed=False, samples=True)
-            return _Graphed(self.graphs, hit[0], hit[1], mixed=False, samples=False)
-        if self._mixed_graphable(packed):
-            hit = self._mixed_graph(slot, packed)
-            if hit is not None:
-                assert self.mixed_graphs is not None
-                return _Graphed(self.mixed_graphs, hit[0], hit[1], mixed=True, samples=False)
-        return None
-
     def _launch_graph(self, step: LaunchedStep) -> None:
         slot, staged = step.slot, step.staged
         graphed = staged.graphed
@@ -420,28 +363,6 @@ class ModelRunner(EncoderLaunch):
                 raise PipelineInvariantError(f"step {step.step_id} replays a graph while step {owner.step_id}'s "
                                              "sampling is not launched: the replay could overwrite its logits")
 
-    def _mixed_graph(self, slot: StepSlot, packed: ForwardInput):
-        """The mixed graph of this step's token bucket, or None (eager). A capture that fails on first
-        use turns mixed graphs off: eager prefill steps still work."""
-        assert self.mixed_graphs is not None
-        try:
-            return self.mixed_graphs.lookup(slot.index, packed.num_tokens)
-        except Exception as e:  # noqa: BLE001 - newer than decode graphs; logged, not silent
-            self.mixed_graphs = None
-            log.error("mixed_graph_capture_failed", effect="prefill and mixed steps run eagerly", error=repr(e))
-            return None
-
-    def _graphable(self, packed: ForwardInput) -> bool:
-        """Decode-only steps (one device-fed, sampled token per row; no CPU row padding)."""
-        return self.graphs is not None and self.row_multiple == 1 and packed.num_decode > 0 and packed.decode_only
-
-    def _mixed_graphable(self, packed: ForwardInput) -> bool:
-        """Steps with prefill chunks, when the model reads device attention metadata (a graph cannot
-        hold the host-side reference attention) and no CPU row padding is asked for."""
-        return (self.mixed_graphs is not None and self.row_multiple == 1 and not packed.decode_only
-                and self.model.backend == "triton" and not packed.has_embeds  # image rows: eager
-                and packed.bidirectional_lens is None)  # (the graph's attention is plain causal)
-
     # --- commit ---------------------------------------------------------------------------------
 
     def is_done(self, step: LaunchedStep) -> bool:
@@ -478,8 +399,11 @@ class ModelRunner(EncoderLaunch):
                 pass
 
     def recover(self, steps: list[LaunchedStep]) -> bool:
-        """After drain: free the failed steps' slots and clear the device's sticky errors."""
+        """After drain: free the failed steps' slots and clear the device's sticky errors. What the
+        slots staged is forgotten: a failed stream may have skipped an upload."""
         for step in steps:
             if step.slot.owner is step:
                 step.slot.abandon()
+        for slot in self.slots:
+            slot.staged = None
         return self.device.recover()

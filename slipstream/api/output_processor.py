@@ -46,7 +46,9 @@ from slipstream.scheduler.sequence import Sequence
 
 log = structlog.get_logger(__name__)
 STAGE_SLICE = 64  # requests processed between two looks at the clock
-STAGE_SLICE_S = 0.0005  # the longest a pass holds the loop before it yields (a tick may be waiting)
+# the most CPU time a pass takes before it yields to the loop (a tick may be waiting): the loop
+# thread's clock, so a process the machine deschedules mid-pass does not yield for time it never had
+STAGE_SLICE_S = 0.001
 
 
 @dataclass(eq=False)
@@ -219,8 +221,8 @@ class OutputProcessor(TextPhase):
 
     async def run_stage(self) -> None:
         """The stage as a task on the engine's loop: a pass whenever commits left work, yielding to
-        the loop once it has held it STAGE_SLICE_S (so one pass covers every request a step
-        committed, and a tick waits at most that long for it)."""
+        the loop once it has taken STAGE_SLICE_S of CPU (so one pass covers every request a step
+        committed, and a tick waits about that long for it at most)."""
         self._ready = asyncio.Event()
         if self._todo:
             self._ready.set()
@@ -232,7 +234,7 @@ class OutputProcessor(TextPhase):
                 continue
             # (work stays in self._todo until processed: if the loop stops between slices,
             # process_pending finds it there)
-            t0 = time.perf_counter()
+            t0 = time.thread_time()
             while self._todo:
                 todo, self._todo = self._todo[:STAGE_SLICE], self._todo[STAGE_SLICE:]
                 for req in todo:
@@ -240,9 +242,9 @@ class OutputProcessor(TextPhase):
                 self._end_pass()
                 # an idle stage must not keep its last requests (prompt, output, queue) alive
                 del todo, req
-                if self._todo and time.perf_counter() - t0 >= STAGE_SLICE_S:
+                if self._todo and time.thread_time() - t0 >= STAGE_SLICE_S:
                     await asyncio.sleep(0)
-                    t0 = time.perf_counter()
+                    t0 = time.thread_time()
 
     async def _threaded_pass(self) -> None:
         """The text phase of every queued request on the worker thread, then delivery here. While the

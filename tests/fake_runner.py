@@ -36,7 +36,6 @@ import inspect
 import random
 
 from slipstream.faults import InjectedFault
-from slipstream.runtime.step_slot import SlotState
 from slipstream.runtime.runner_api import SampledTokens
 from slipstream.scheduler.page_pool import PagePool
 
@@ -262,14 +261,6 @@ class FakeSlot:
     def __init__(self, index: int):
         self.index, self.owner = index, None
 
-    @property
-    def is_free(self) -> bool:
-        return self.owner is None
-
-    @property
-    def state(self) -> SlotState:
-        return SlotState.FREE if self.owner is None else SlotState.IN_FLIGHT
-
     def release(self) -> None:
         assert self.owner is not None
         self.owner = None
@@ -344,7 +335,7 @@ class FakeRunner:
         return self._streams
 
     def launch_forward(self, step_id, packed, unmasked=False) -> FakeLaunch:
-        slot = next((s for s in self.slots if s.is_free), None)
+        slot = next((s for s in self.slots if s.owner is None), None)
         assert slot is not None, "no free slot: more steps in flight than the depth"
         step = slot.owner = FakeLaunch(step_id, slot, packed)
         # the persistent batch as the host's launch order sees it (what the step will reference)

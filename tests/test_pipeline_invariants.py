@@ -72,7 +72,7 @@ def check_results(requests, results, loop, pool):
             assert out.finish_reason == ("stop" if want[-1] == EOS else "length")
         assert seq.inflight_refs == 0 and seq.pending_samples == 0 and not seq.pages and seq.row is None
     assert pool.num_free == pool.total and pool.num_held() == 0, "pages leaked (or a reference left)"
-    assert not loop.pipeline.inflight and all(s.state.value == "free" for s in loop.runner.slots)
+    assert not loop.pipeline.inflight and all(s.owner is None for s in loop.runner.slots)
     assert not loop.planner.running and loop.planner.num_waiting == 0
 
 

@@ -8,7 +8,7 @@ on the device and as a host landing buffer. Everything that belongs to one step 
 `LaunchedStep`, which `ModelRunner.launch_forward` returns and the engine loop hands back to
 launch its late sampling, await its tokens and read them.
 
-Lifecycle, enforced here: a slot is FREE or owned by one launched step, from `acquire` (launch) to
+Lifecycle, enforced here: a slot is free or owned by one launched step (`owner`), from `acquire` (launch) to
 `release` (after the commit has read the host landing buffer). A slot is not free when the device
 is done with it, only when the host has consumed its copy: its host buffer is the landing site of
 a copy that may still be in flight. Acquiring a slot that is not free raises SlotReuseError.
@@ -21,7 +21,6 @@ buffers), and raises instead.
 """
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -40,11 +39,6 @@ if TYPE_CHECKING:
 
 POISON = -7
 MAX_GROUPS = 2
-
-
-class SlotState(enum.Enum):
-    FREE = "free"
-    IN_FLIGHT = "in_flight"
 
 
 @dataclass(frozen=True, eq=False)
@@ -105,14 +99,6 @@ class StepSlot:
         else:
             self.group_dev = torch.zeros_like(self.group_host, device=device.torch_device)
             self.mask_dev = torch.zeros(MAX_GROUPS, max_samples, words, dtype=torch.int32, device=device.torch_device)
-
-    @property
-    def is_free(self) -> bool:
-        return self.owner is None
-
-    @property
-    def state(self) -> SlotState:
-        return SlotState.FREE if self.owner is None else SlotState.IN_FLIGHT
 
     def acquire(self, step: LaunchedStep) -> None:
         if self.owner is not None:

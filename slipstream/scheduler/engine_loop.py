@@ -271,7 +271,7 @@ class EngineLoop:
     def describe_state(self) -> dict:
         now = time.perf_counter()
         return {
-            "slots": [f"{s.index}:{s.state.value}:step={s.owner.step_id if s.owner else None}"
+            "slots": [f"{s.index}:" + (f"step={s.owner.step_id}" if s.owner else "free")
                       for s in getattr(self.runner, "slots", ())],
             "inflight_steps": [f"{s.step_id}:{s.kind}:{len(s.seqs)} seqs"
                                f":age={now - s.timings.get('t_launch', now):.3f}s"

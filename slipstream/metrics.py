@@ -32,7 +32,7 @@ Periods that span an idle engine (nothing to run) are not observed: they are not
 
 Cost: at depth 1 anything the loop does after a commit is device idle, so the tick only appends a
 few numbers per step to queues (about 0.1 µs each); per-token figures (TTFT, ITL, token counts) are
-queued by the output stage, off the tick. Queues are folded into the histograms (one vectorised
+queued by the output stage, off the tick, in one call per pass (`on_pass`). Queues are folded into the histograms (one vectorised
 bucket count per fold) and counters when the registry is collected (a scrape, `text()`), on the
 scraper's thread, or by the loop once a queue gets long. Gauges are read at scrape time, and so
 are the prefix cache's series (from `planner.prefix_cache.stats()`: nothing on the tick).
@@ -238,7 +238,7 @@ class EngineMetrics:
         if encoder_row_bytes is not None:
             self.registry.register(EncoderCacheCollector(planner.encoder_cache, self.model, encoder_row_bytes))
         loop.observers.append(self.on_commit)
-        loop.outputs.token_observers.append(self.on_tokens)
+        loop.outputs.pass_observers.append(self.on_pass)
         loop.outputs.finish_observers.append(self.on_finish)
         if tracer is not None:  # device-measured period, idle and forward
             self._device_period = True
@@ -261,17 +261,26 @@ class EngineMetrics:
         if len(self.itl.queue) > _FOLD_AT or len(self.bookkeeping.queue) > _FOLD_AT:
             self._folder.collect()
 
-    def on_tokens(self, token_times: list[float], start: int, end: int, arrival: float, prompt_len: int) -> None:
-        """Output tokens start..end of one request were processed (by the output stage, off the tick):
-        TTFT at its first, inter-token latencies between consecutive commits."""
-        if end <= start:
-            return
-        self.generation_tokens.queue.append(end - start)
-        if start == 0:
-            self.ttft.queue.append(token_times[0] - arrival)
-            self.prompt_tokens.queue.append(prompt_len)
-            start = 1
-        self.itl.queue.extend(map(operator.sub, token_times[start:end], token_times[start - 1:end - 1]))
+    def on_pass(self, ranges: list) -> None:
+        """One output-stage pass (off the tick): each request's output tokens start..end were
+        processed, as (RequestMetrics, start, end, prompt_len): TTFT at a request's first token,
+        inter-token latencies between consecutive commits, the tokens counted once per pass."""
+        itl, sub, tokens = self.itl.queue, operator.sub, 0
+        for m, start, end, prompt_len in ranges:
+            if end <= start:
+                continue
+            tokens += end - start
+            times = m.token_times
+            if start == 0:
+                self.ttft.queue.append(times[0] - m.arrival)
+                self.prompt_tokens.queue.append(prompt_len)
+                start = 1
+            if end - start == 1:
+                itl.append(times[start] - times[start - 1])
+            elif end > start:
+                itl.extend(map(sub, times[start:end], times[start - 1:end - 1]))
+        if tokens:
+            self.generation_tokens.queue.append(tokens)
 
     def on_step(self, rec) -> None:
         if rec.contiguous:

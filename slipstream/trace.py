@@ -141,13 +141,13 @@ class Tracer:
         loop.observers.append(self.on_commit)
         forward, sampling = runner.launch_forward, runner.launch_sampling
 
-        def launch_forward(slot, step_id, packed, *a, **kw):
+        def launch_forward(step_id, packed, *a, **kw):
             self._current = step_id
-            return forward(slot, step_id, packed, *a, **kw)
+            return forward(step_id, packed, *a, **kw)
 
-        def launch_sampling(slot, *a, **kw):
-            self._current = slot.step_id
-            return sampling(slot, *a, **kw)
+        def launch_sampling(step, *a, **kw):
+            self._current = step.step_id
+            return sampling(step, *a, **kw)
 
         runner.launch_forward, runner.launch_sampling = launch_forward, launch_sampling
         self._streams = (device.compute, device.copy)
@@ -181,7 +181,8 @@ class Tracer:
         t_launch = tm.get("t_launch", 0.0)
         plan, launch = tm.get("plan", 0.0), tm.get("launch", 0.0)
         self.host[k] = HostStep(k, step.kind, len(step.seqs), step.packed.num_tokens,
-                                getattr(step.slot, "index", 0), t_launch - launch - plan, plan, launch,
+                                getattr(getattr(step.launched, "slot", None), "index", 0), t_launch - launch - plan,
+                                plan, launch,
                                 tm.get("t_finalize", t_launch), tm.get("finalize", 0.0), tm.get("commit_wait", 0.0),
                                 tm.get("commit", 0.0), tm.get("t_committed", 0.0), self._loop.idle_waits)
         # every span of steps ≤ k has been reported: each stream reports before its events fire

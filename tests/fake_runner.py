@@ -43,7 +43,6 @@ import inspect
 import random
 
 from slipstream.faults import InjectedFault
-from slipstream.runtime.step_slot import SlotState
 from slipstream.runtime.runner_api import SampledTokens
 from slipstream.scheduler.page_pool import PagePool
 
@@ -272,22 +271,28 @@ class FakeStream:
 
 
 class FakeSlot:
+    """Buffers of a step in flight (here: its landing site), free or owned by one FakeLaunch."""
+
     def __init__(self, index: int):
-        self.index, self.state, self.step_id = index, SlotState.FREE, -1
+        self.index, self.owner = index, None
+
+    def release(self) -> None:
+        assert self.owner is not None
+        self.owner = None
+
+
+class FakeLaunch:
+    """The fake's record of one launched step (the runner's Launched)."""
+
+    def __init__(self, step_id: int, slot: FakeSlot, packed):
+        self.step_id, self.slot, self.packed = step_id, slot, packed
         self.contexts: list[list[int]] = []
         self.sampled: dict[int, int] = {}
         self.carried: dict[int, tuple[int, tuple[float, ...]]] = {}  # sampling row -> (kind, values)
         self.host_carried: dict | None = None
         self.host_result: list[int] | None = None
         self.copied: FakeEvent | None = None
-
-    @property
-    def is_free(self) -> bool:
-        return self.state is SlotState.FREE
-
-    def release(self) -> None:
-        assert self.state is SlotState.IN_FLIGHT
-        self.state = SlotState.FREE
+        self.sample_rows: list[int] = []
 
 
 class FakeRunner:
@@ -345,11 +350,10 @@ class FakeRunner:
             self._streams = (FakeStream(self._rng, self._max_delay), FakeStream(self._rng, self._max_delay))
         return self._streams
 
-    def launch_forward(self, slot, step_id, packed, unmasked=False) -> None:
-        assert slot.state is SlotState.FREE, "slot reused while in flight"
-        slot.state, slot.step_id = SlotState.IN_FLIGHT, step_id
-        slot.host_result, slot.sampled, slot.copied = None, {}, None
-        slot.carried, slot.host_carried = {}, None
+    def launch_forward(self, step_id, packed, unmasked=False) -> FakeLaunch:
+        slot = next((s for s in self.slots if s.owner is None), None)
+        assert slot is not None, "no free slot: more steps in flight than the depth"
+        step = slot.owner = FakeLaunch(step_id, slot, packed)
         # the persistent batch as the host's launch order sees it (what the step will reference)
         writes = [tuple(int(x) for x in w) for w in packed.page_writes]
         self.referee.check_scatter(writes)
@@ -407,11 +411,14 @@ class FakeRunner:
                 self.kv[self._kv_index(row, pos)] = tok
             sampling = [(r, self.dev_pos[r]) for r in dec] + [(row, start + len(tokens))
                                                               for row, tokens, start, sample in chunks if sample]
-            slot.contexts = [[self.kv[self._kv_index(r, p)] for p in range(kv)] for r, kv in sampling]
+            step.contexts = [[self.kv[self._kv_index(r, p)] for p in range(kv)] for r, kv in sampling]
 
-        slot.sample_rows = [int(r) for r in packed.sample_rows]
+        step.sample_rows = [int(r) for r in packed.sample_rows]
         self._launch_encodes(step_id)
         self.streams[0].launch(forward)
+        if unmasked:
+            self.launch_sampling(step)
+        return step
 
     def _scatter(self, writes: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
         """The entries one scatter leaves in the table: of a repeated (row, index), the one this
@@ -433,53 +440,55 @@ class FakeRunner:
         pages.extend([0] * (index + 1 - len(pages)))
         pages[index] = page
 
-    def launch_sampling(self, slot, packed, rows=None, bitmask=None, final=True) -> None:
+    def launch_sampling(self, step, rows=None, bitmask=None, final=True) -> None:
         compute, copy = self.streams
-        n = packed.num_samples
+        n = step.packed.num_samples
         rows = list(range(n)) if rows is None else list(rows)
-        table_rows = slot.sample_rows
+        table_rows = step.sample_rows
 
         def sample() -> None:
             for i in rows:
                 carry_map = self.carry_maps.get(table_rows[i], {})
-                tok = next_token(slot.contexts[i], bool(carry_map))
+                tok = next_token(step.contexts[i], bool(carry_map))
                 self.last_token[table_rows[i]] = tok
-                slot.sampled[i] = tok
+                step.sampled[i] = tok
                 kind = carry_map.get(tok, 0)
                 if kind:  # its next input is this value, decoded from this step's "hidden state"
-                    values = head_value(slot.contexts[i], kind)
+                    values = head_value(step.contexts[i], kind)
                     self.carry_values[table_rows[i]] = values
-                    slot.carried[i] = (kind, values)
+                    step.carried[i] = (kind, values)
 
         compute.launch(sample)
         if final:
             copy.wait(compute.record())  # the copy waits for exactly this step's sampling
 
             def copy_out() -> None:
-                slot.host_result = [slot.sampled[i] for i in range(n)]
-                slot.host_carried = dict(slot.carried) or None
+                step.host_result = [step.sampled[i] for i in range(n)]
+                step.host_carried = dict(step.carried) or None
 
             copy.launch(copy_out)
-            slot.copied = copy.record()  # carries a failed stream's error to read_sampled
+            step.copied = copy.record()  # carries a failed stream's error to read_sampled
 
-    def is_done(self, slot) -> bool:
-        return slot.copied is not None and slot.copied.is_set()
+    def is_done(self, step) -> bool:
+        return step.copied is not None and step.copied.is_set()
 
-    async def read_sampled(self, slot) -> SampledTokens:
-        await slot.copied.wait()
-        if getattr(slot.copied, "error", None) is not None:
-            raise slot.copied.error
-        self.referee.steps.pop(slot.step_id)
-        return SampledTokens(slot.host_result, [0.0] * len(slot.host_result), None, slot.host_carried)
+    async def read_sampled(self, step) -> SampledTokens:
+        await step.copied.wait()
+        if getattr(step.copied, "error", None) is not None:
+            raise step.copied.error
+        self.referee.steps.pop(step.step_id)
+        step.slot.release()
+        return SampledTokens(step.host_result, None, None, step.host_carried)
 
     async def drain(self) -> None:
         for stream in self.streams:
             await stream.record().wait()
 
-    def recover(self, slots) -> bool:
+    def recover(self, steps) -> bool:
         for stream in self.streams:
             stream.clear_error()
-        for slot in slots:
-            self.referee.steps.pop(slot.step_id, None)
-            slot.release()
+        for step in steps:
+            self.referee.steps.pop(step.step_id, None)
+            if step.slot.owner is step:
+                step.slot.release()
         return True

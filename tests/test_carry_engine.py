@@ -174,7 +174,7 @@ def test_steps_without_carry_rows_never_touch_the_carry_table():
     reqs = [(prompt(i, 5), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)) for i in range(3)]
     outs, runner, _ = run(reqs, 2, inspect=inspect)
     assert heads_box[0].decoded == 0 and all(o.carried is None for o in outs)
-    assert not any(s.carry_step for s in runner.slots)
+    assert not any(s.staged is not None and s.staged.carry for s in runner.slots)
 
 
 class _Untouchable(torch.Tensor):

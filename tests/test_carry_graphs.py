@@ -40,9 +40,9 @@ def run(cfg, reqs, graphs: bool, cpu_graphs: bool = False):
                 runner.graphs = runner.greedy_graphs = runner.carry_graphs = runner.mixed_graphs = None
             launch_eager = runner._launch_eager
 
-            def counting(step_id, slot, packed, *args):
-                stats["eager_carry_decode"] += slot.carry_step and packed.decode_only
-                launch_eager(step_id, slot, packed, *args)
+            def counting(step):
+                stats["eager_carry_decode"] += step.staged.carry and step.staged.packed.decode_only
+                launch_eager(step)
 
             runner._launch_eager = counting
             outs = await asyncio.gather(*(engine.complete(p, sp) for p, sp in reqs))

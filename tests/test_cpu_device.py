@@ -94,3 +94,43 @@ def test_compute_stream_threads_are_its_own():
     finally:
         d.close()
     assert make_device("cpu").forward_threads == max(1, before - 1)  # the default leaves the loop a core
+
+
+async def test_an_event_completed_at_any_point_of_its_await_wakes_the_loop():
+    """CPUEvent's two sides share `_done` and `_waiters` without a lock: the stream thread sets done,
+    then reads the waiters; the loop appends its waiter, then reads done again. Completing the event
+    between any two bytecodes of `wait_async` must still let it return. (Mutant: without the second
+    read of `_done`, a completion between the first read and the append hangs the await.)"""
+    import sys
+
+    from slipstream.runtime import cpu_device
+
+    k, points = 0, 1
+    while k <= points:
+        ev, seen = cpu_device.CPUEvent(), [0]
+
+        def local(frame, event, arg):
+            if event == "opcode":
+                if seen[0] == k:
+                    ev._complete()  # what the stream's thread does, here between two bytecodes
+                seen[0] += 1
+            return local
+
+        def tracer(frame, event, arg):
+            if frame.f_code is not cpu_device.CPUEvent.wait_async.__code__:
+                return None
+            frame.f_trace_opcodes = True
+            return local
+
+        sys.settrace(tracer)
+        try:
+            waiting = asyncio.ensure_future(ev.wait_async())
+            await asyncio.sleep(0)
+        finally:
+            sys.settrace(None)
+        if not ev.query():
+            ev._complete()  # (k past the await's bytecodes)
+        await asyncio.wait_for(waiting, 1.0)
+        points = seen[0]
+        k += 1
+    assert points > 10

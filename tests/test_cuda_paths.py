@@ -28,9 +28,10 @@ def record_launches(runner, launches: list) -> None:
     """Each forward launch appended as (unmasked, sampled in the graph, decode only)."""
     launch = runner.launch_forward
 
-    def recording(slot, step_id, packed, unmasked=False):
-        launch(slot, step_id, packed, unmasked)
-        launches.append((unmasked, slot.sampled_in_graph, packed.decode_only))
+    def recording(step_id, packed, unmasked=False):
+        step = launch(step_id, packed, unmasked)
+        launches.append((unmasked, step.staged.sampled_in_graph, packed.decode_only))
+        return step
 
     runner.launch_forward = recording
 

@@ -11,6 +11,7 @@ from invariance import invariant_config
 from slipstream import Engine, EngineConfig, InvalidRequestError, SamplingParams
 from slipstream.errors import PipelineInvariantError, SlotReuseError
 from slipstream.runtime.batch import SeqWork, pack_step
+from slipstream.runtime.step_slot import LaunchedStep
 
 
 def cfg(depth, **kw):
@@ -170,18 +171,19 @@ async def test_slot_reuse_guard_fires_when_misused():
         runner = engine._parts.runner
         works = [SeqWork(row=1, tokens=[5, 6, 7], start_pos=0, sample=True)]
         packed = pack_step(np.zeros(0, np.int64), works, np.array([[1, 0, 1]]), 4)
-        slot = runner.slots[0]
-        runner.launch_forward(slot, 1000, packed)
-        with pytest.raises(SlotReuseError):
-            runner.launch_forward(slot, 1001, packed)  # relaunch before its commit read the host buffer
+        step = runner.launch_forward(1000, packed)  # masked: its sampling is launched apart
+        with pytest.raises(SlotReuseError):  # its buffers are step 1000's until its commit read them
+            step.slot.acquire(LaunchedStep(1001, step.slot, step.staged))
         with pytest.raises(PipelineInvariantError):
-            slot.read_host()  # reading before the copy was even enqueued
-        runner.launch_sampling(slot, packed)
-        ids, logprobs, _, _ = await runner.read_sampled(slot)
-        assert len(ids) == len(logprobs) == 1
-        slot.release()
+            step.slot.read_host(step, 1, False)  # reading before the copy was even enqueued
+        runner.launch_forward(1001, packed)  # the other slot
+        with pytest.raises(PipelineInvariantError, match="no free StepSlot"):
+            runner.launch_forward(1002, packed)
+        runner.launch_sampling(step)
+        ids, logprobs, _, _ = await runner.read_sampled(step)  # frees its slot
+        assert len(ids) == 1 and logprobs is None
         with pytest.raises(PipelineInvariantError):
-            slot.release()
+            step.slot.release()
 
 
 async def test_logprobs_are_returned_per_token():

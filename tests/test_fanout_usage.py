@@ -147,7 +147,7 @@ def _run_processor(params, tokens, tops=None):
     seq = Sequence("r", [1, 2], params.max_tokens, SamplingRow(), user=req)
     for i, t in enumerate(tokens):
         if not seq.finished:
-            proc.accept(seq, t, -0.5, None if tops is None else tops[i])  # the tick
+            proc.accept([seq], [t], [-0.5], None if tops is None else [tops[i]])  # the tick
             proc.process_pending()  # the output stage
     return req.output
 
@@ -205,7 +205,7 @@ def test_a_stop_string_found_a_pass_late_cuts_the_tokens_committed_after_it():
     req = RequestState("r", [1], params, _CharDetok(), frozenset(), RequestMetrics(0.0))
     seq = Sequence("r", [1], 20, SamplingRow(), user=req)
     for t in [ord(c) for c in "abXcde"]:  # six commits before the stage runs once
-        proc.accept(seq, t, -0.25)
+        proc.accept([seq], [t], [-0.25])
     assert not seq.finished  # a stop string is the stage's to find
     proc.process_pending()
     out = req.output

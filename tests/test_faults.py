@@ -22,8 +22,8 @@ from slipstream.errors import (
     StepTimeoutError,
 )
 from slipstream.faults import FaultInjector, InjectedFault, install
+from slipstream.runtime.step_slot import LaunchedStep, StepSlot
 from slipstream.runtime.cpu_device import CPUDevice
-from slipstream.runtime.step_slot import StepSlot
 
 
 def cfg(depth, **kw):
@@ -170,19 +170,19 @@ def test_stream_wait_carries_the_error_across_streams():
 def test_slot_rejects_tokens_stamped_by_another_step():
     dev = CPUDevice()
     try:
-        slot = StepSlot(0, dev, max_samples=4, vocab_size=32)
-        slot.acquire(7)
-        slot.num_samples = 2
+        slot = StepSlot(0, dev, max_samples=4, vocab_size=32, arena=None)
+        step = LaunchedStep(7, slot, staged=None)
+        slot.acquire(step)
         slot.sampled[:2] = torch.tensor([3, 4])
         slot.stamp.fill_(6)  # sampling of step 7 never ran: the stamp is the previous step's
-        slot.host_sampled_and_stamp.copy_(slot.sampled_and_stamp)
-        slot.copy_done = dev.copy.record()
-        slot.copy_done.synchronize()
+        slot.host_stamp_and_sampled.copy_(slot.stamp_and_sampled)
+        step.copy_done = dev.copy.record()
+        step.copy_done.synchronize()
         with pytest.raises(PipelineInvariantError, match="stale"):
-            slot.read_host()
+            slot.read_host(step, 2, False)
         slot.stamp.fill_(7)
-        slot.host_sampled_and_stamp.copy_(slot.sampled_and_stamp)
-        assert slot.read_host()[0] == [3, 4]
+        slot.host_stamp_and_sampled.copy_(slot.stamp_and_sampled)
+        assert slot.read_host(step, 2, False)[0] == [3, 4]
     finally:
         dev.close()
 

@@ -12,11 +12,12 @@ import structlog
 
 from engine_util import wait_all_free
 from slipstream import Engine, EngineConfig, InvalidRequestError, SamplingParams
-from slipstream.runtime.batch import SamplingRow, SeqWork, pack_step
+from slipstream.runtime.batch import MAX_CARRY_TOKENS, SamplingRow, SeqWork, pack_step
 from slipstream.runtime.buckets import make_buckets, pick_bucket
 from slipstream.runtime.cpu_device import CPUDevice
 from slipstream.runtime.graphs import GraphCache
 from slipstream.runtime.memory import kv_pages_for_memory
+from slipstream.runtime.sampling_args import NO_CARRY, FloatColumn, IntColumn
 from slipstream.runtime.staging import Layout, StepArena
 from test_engine_tiny import mixed_requests
 
@@ -100,7 +101,7 @@ def test_arena_pads_a_decode_step_to_its_bucket_with_the_scratch_row():
         arena = StepArena(dev, max_tokens=16, max_seqs=8, max_pages=4)
         packed = pack_step(np.array([3, 5]), [], np.array([[3, 1, 9], [5, 0, 11]]))
         lay = arena.fill(packed, pad_decode=4)
-        assert lay == Layout(d=4, tc=0, c=0, n=4, n_pad=4, w=2, max_q_len=1)
+        assert lay == Layout(d=4, tc=0, c=0, n=4, n_pad=4, w=2, max_q_len=1, pad_rows=2)
         t, u = arena.tensors(lay), arena.updates(lay)
         assert t.decode_rows.tolist() == [3, 5, 0, 0]  # padding rows are row 0: page row all scratch
         assert t.query_start.tolist() == [0, 1, 2, 3, 4] and t.sample_indices.tolist() == [0, 1, 2, 3]
@@ -126,8 +127,12 @@ def test_arena_stages_chunks_after_the_decode_rows():
         assert t.chunk_pos.tolist() == [0, 1, 2, 4, 5, 0, 0] and t.chunk_token_rows.tolist() == [2, 2, 2, 4, 4, 0, 0]
         assert t.query_start.tolist() == [0, 1, 4, 6] and t.chunk_ends.tolist() == [3, 6]
         assert t.sample_indices.tolist() == [0, 3, 0, 0] and t.sample_rows.tolist() == [6, 2]  # (padded to 4)
-        assert u.param_rows.tolist() == [2, 4] and u.params_int[:, 0].tolist() == [3, 11, 0, 0, 0] + [-1] * 4  # INT_PARAMS, NO_CARRY
-        assert u.params_float[:, 0].tolist() == [0.5, 1.0, 0.0, 0.0, 1.0, 0.0]  # FLOAT_PARAMS
+        assert u.param_rows.tolist() == [2, 4]
+        ints, floats = u.params_int[:, 0], u.params_float[:, 0]
+        assert (ints[IntColumn.TOP_K], ints[IntColumn.SEED], ints[IntColumn.OUTPUT_INDEX]) == (3, 11, 0)
+        assert ints[IntColumn.CARRY:].tolist() == [NO_CARRY] * MAX_CARRY_TOKENS
+        assert (floats[FloatColumn.TEMPERATURE], floats[FloatColumn.TOP_P], floats[FloatColumn.REPETITION_PENALTY],
+                floats[FloatColumn.MIN_P]) == (0.5, 1.0, 1.0, 0.0)
     finally:
         dev.close()
 
@@ -162,7 +167,7 @@ class EagerGraph:
     def replay(self):
         tensors = self.arena.tensors(Layout.decode_bucket(self.bucket))
         kv = (self.runner.rows.pos[tensors.decode_rows] + 1).tolist()  # what the forward will see
-        self.log.append((self.bucket, self.slot.num_samples, kv))
+        self.log.append((self.bucket, self.slot.owner.num_samples, kv))
         return self.runner.forward_from(tensors, host_attention=True)
 
 

@@ -90,14 +90,18 @@ def host_bound(runner) -> list:
     Returns the (slot, other slot in flight) of each launch."""
     sample, launch, seen = runner.launch_sampling, runner.launch_forward, []
 
-    def waiting(slot, packed, rows=None, bitmask=None, final=True):
-        sample(slot, packed, rows, bitmask, final)
+    def waiting(step, rows=None, bitmask=None, final=True):
+        sample(step, rows, bitmask, final)
         if final:
-            slot.copy_done.synchronize()
+            step.copy_done.synchronize()
 
-    def watched(slot, step_id, packed, unmasked=False):
-        seen.append((slot.index, any(not s.is_free for s in runner.slots if s is not slot)))
-        launch(slot, step_id, packed, unmasked)
+    def watched(step_id, packed, unmasked=False):
+        busy = any(s.owner is not None for s in runner.slots)
+        step = launch(step_id, packed, unmasked)
+        seen.append((step.slot.index, busy))
+        if step.sampled:  # (an unmasked step is sampled and copied inside its launch)
+            step.copy_done.synchronize()
+        return step
 
     runner.launch_sampling, runner.launch_forward = waiting, watched
     return seen
@@ -170,14 +174,14 @@ def test_a_replay_while_the_other_slots_sampling_is_not_launched_is_refused(shar
         runner = _runner(device)
         cuda_graphs.install_graphs(runner, device, EngineConfig(**CFG))
         packed = pack_step(np.array([1, 2], np.int64), [])
-        runner.launch_forward(runner.slots[0], 0, packed)
+        first = runner.launch_forward(0, packed)  # (masked: its sampling is launched apart)
         with pytest.raises(PipelineInvariantError, match="could overwrite"):
-            runner.launch_forward(runner.slots[1], 1, packed)
-        runner.launch_sampling(runner.slots[0], packed)  # now it may: stream order reads slot 0's logits first
+            runner.launch_forward(1, packed)
+        runner.launch_sampling(first)  # now it may: stream order reads slot 0's logits first
         runner.slots[1].release()
-        runner.launch_forward(runner.slots[1], 1, packed)
-        runner.launch_sampling(runner.slots[1], packed)
-        runner.device.copy.record().synchronize()
+        second = runner.launch_forward(1, packed)
+        runner.launch_sampling(second)
+        second.copy_done.synchronize()
         assert runner.graphs.replays == {(0, 2): 1, (1, 2): 1}
     finally:
         device.close()

@@ -14,7 +14,7 @@ import torch
 
 from slipstream import Engine, EngineConfig, SamplingParams
 from slipstream.errors import PipelineInvariantError
-from slipstream.runtime import host_copy, row_tables, sampling_launch
+from slipstream.runtime import host_copy, model_runner, row_tables
 from slipstream.runtime.row_tables import HistoryTables
 
 CFG = dict(model="tiny-random", max_batch_size=8, max_num_batched_tokens=64, kv_cache_tokens=4096, page_size=8)
@@ -42,13 +42,13 @@ def test_top_logprobs_of_two_rows_copy_whole_contiguous_rows(monkeypatch):
     """n = 2 rows asking for top_logprobs = 3 (< 20): every device->host copy goes through the
     helper, and its host side is contiguous. (Mutant: copying [:n, :top] again fails the step.)"""
     seen = []
-    real = sampling_launch.copy_to_host
+    real = model_runner.copy_to_host
 
     def spy(dst, src):
         seen.append((tuple(dst.shape), dst.is_contiguous()))
         real(dst, src)
 
-    monkeypatch.setattr(sampling_launch, "copy_to_host", spy)
+    monkeypatch.setattr(model_runner, "copy_to_host", spy)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, top_logprobs=3)
     outs = asyncio.run(_complete([params, params]))
     for out in outs:

@@ -169,11 +169,11 @@ def test_a_prompt_chunked_through_an_image():
     def instrument(loop):
         launch = loop.runner.launch_forward
 
-        def logged(slot, step_id, packed, **kw):
+        def logged(step_id, packed, **kw):
             for w in packed.chunks:
                 if w.images and 0 < len(w.images[0].feature_index) < 12:
                     split.append(w.images[0].feature_index.tolist())
-            return launch(slot, step_id, packed, **kw)
+            return launch(step_id, packed, **kw)
 
         loop.runner.launch_forward = logged
 

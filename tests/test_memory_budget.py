@@ -79,8 +79,8 @@ def test_slot_buffers_and_history_tables_are_what_the_reserve_predicts():
     device = types.SimpleNamespace(torch_device=torch.device("cpu"), unified_memory=False,
                                    host_buffer=lambda shape, dtype: torch.empty(shape, dtype=dtype))
     rows = cfg.max_batch_size + 1  # what the runner allocates (row 0 is the scratch row)
-    slot = StepSlot(0, device, rows, mcfg.vocab_size)
-    on_device = _nbytes(slot.sampled_and_stamp, slot.logprobs, slot.top_values, slot.top_ids, slot.group_dev,
+    slot = StepSlot(0, device, rows, mcfg.vocab_size, arena=None)
+    on_device = _nbytes(slot.stamp_and_sampled, slot.logprobs, slot.top_values, slot.top_ids, slot.group_dev,
                         slot.mask_dev)
     assert r.slot_buffers == cfg.pipeline_depth * on_device
     h = HistoryTables(rows, mcfg.vocab_size, "cpu")

@@ -21,7 +21,7 @@ from slipstream.models.llama import KVCache
 from slipstream.runtime.batch import SamplingRow, SeqWork, pack_step
 from slipstream.runtime.buckets import token_buckets
 from slipstream.runtime.cpu_device import CPUDevice
-from slipstream.runtime.step_slot import StepSlot
+from slipstream.runtime.sampling_launch import SamplingLauncher
 from slipstream.runtime.graphs import MIXED, GraphCache
 from slipstream.runtime.model_runner import ModelRunner
 from slipstream.runtime.staging import StepArena
@@ -211,11 +211,11 @@ def _run(runner, steps, hidden_states=True):
         runner.model.logits = lambda x: hidden.append(x) or logits_of(x)
     for i, (decode, chunks, new_rows) in enumerate(steps):
         packed = pack_step(np.array(decode, np.int64), chunks, _pages(*new_rows) if new_rows else None)
-        slot = runner.slots[i % 2]
-        runner.launch_forward(slot, i, packed)
+        step = runner.launch_forward(i, packed)
+        slot = step.slot
         runner.device.compute.record().synchronize()
         n = packed.num_samples
-        got = slot.logits[:n].clone()
+        got = step.logits[:n].clone()
         logits.append((got, hidden[-1][:n].clone() if hidden_states else None))
         # stands in for sampling: the same tokens in every run, so runs compare step by step even
         # where near-ties could sample differently (bfloat16 on a GPU)
@@ -308,10 +308,13 @@ def test_engine_with_stand_in_graphs_of_both_kinds_gives_the_eager_tokens(monkey
                         if e["event"] == "cuda_graph_warmup"]
                 assert warm == [("mixed", 32)] * 2 + [("mixed", 16)] * 2 + [
                     (kind, b) for kind in ("decode", "greedy") for b in (4, 4, 2, 2, 1, 1)]
-            stage_group = StepSlot.stage_group
-            monkeypatch.setattr(StepSlot, "stage_group", lambda *a: staged.append(1) or stage_group(*a))
+            sample_group, greedy = SamplingLauncher._sample_group, ModelRunner._launch_greedy
+            monkeypatch.setattr(SamplingLauncher, "_sample_group", lambda *a: staged.append(1) or sample_group(*a))
+            monkeypatch.setattr(ModelRunner, "_launch_greedy", lambda self, step: staged.append(
+                not step.staged.sampled_in_graph) or greedy(self, step))  # (an argmax behind an eager forward)
             outs = await asyncio.gather(*(engine.complete(p, sp) for p, sp in zip(prompts, params)))
-            monkeypatch.setattr(StepSlot, "stage_group", stage_group)
+            monkeypatch.setattr(SamplingLauncher, "_sample_group", sample_group)
+            monkeypatch.setattr(ModelRunner, "_launch_greedy", greedy)
             return [(o.token_ids, o.logprobs) for o in outs], runner.mixed_graphs, engine.loop.num_steps
 
     staged = []
@@ -323,7 +326,7 @@ def test_engine_with_stand_in_graphs_of_both_kinds_gives_the_eager_tokens(monkey
         assert (got is None) == (want is None) and (got is None or np.allclose(got, want, rtol=0, atol=1e-5))
     # decode steps with the penalised or the seeded random row sample eagerly; the rest in the graph
     assert replays.count("mixed") >= 3 and replays.count("decode") >= 3 and replays.count("greedy") >= 3
-    assert len(staged) == steps - replays.count("greedy")  # a greedy-graph step stages no sampling group
+    assert sum(staged) == steps - replays.count("greedy")  # a greedy-graph step samples nothing after it
     assert cache.eager_steps > 0  # the 48-token first step is above the largest bucket
 
 
@@ -389,11 +392,9 @@ def test_a_graph_replay_while_the_other_slot_is_unsampled_is_refused():
         runner = _runner(dev)
         runner.mixed_graphs = GraphCache(token_buckets(16, 32), 2, lambda s, t: ReplayAgain(runner, s, t, []),
                                          kind=MIXED)
-        runner.launch_forward(runner.slots[0], 0, pack_step(np.array([], np.int64), [_chunk(1, 0, 10, True)],
-                                                              _pages(1)))
+        runner.launch_forward(0, pack_step(np.array([], np.int64), [_chunk(1, 0, 10, True)], _pages(1)))
         with pytest.raises(PipelineInvariantError, match="sampling is not launched"):
-            runner.launch_forward(runner.slots[1], 1, pack_step(np.array([], np.int64), [_chunk(2, 0, 20, True)],
-                                                                  _pages(2)))
+            runner.launch_forward(1, pack_step(np.array([], np.int64), [_chunk(2, 0, 20, True)], _pages(2)))
         runner.device.compute.record().synchronize()
     finally:
         dev.close()

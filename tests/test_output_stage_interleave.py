@@ -138,13 +138,13 @@ async def _tick_scenario(name, k):
     stage = asyncio.create_task(proc.run_stage())
     try:
         for t in _chars(before):
-            proc.accept(seq, t)
+            proc.accept([seq], [t])
         await _turns()
         assert len(pool.work) == 1  # the stage handed the pass to its thread, which has not run it
         start, stop, seen, fired = _with_thread_at(k, pool.run_pending)
         start()
         try:
-            proc.accept(seq, ord(during)) if during is not None else proc.abort(seq)
+            proc.accept([seq], [ord(during)]) if during is not None else proc.abort(seq)
         finally:
             stop()
         if not fired[0]:
@@ -154,7 +154,7 @@ async def _tick_scenario(name, k):
         for t in _chars(after):
             if seq.finished:
                 break
-            proc.accept(seq, t)
+            proc.accept([seq], [t])
             await _turns()
         assert req.output is not None, f"no output (thread ran at bytecode {k})"
         return req.output, seen[0]
@@ -203,9 +203,9 @@ async def _close_scenario(k):
     live, live_seq = _request("live", SamplingParams(max_tokens=10))
     ended, ended_seq = _request("ended", SamplingParams(max_tokens=10), _chars("h"))
     for t in _chars("ab"):
-        proc.accept(live_seq, t)
+        proc.accept([live_seq], [t])
     for t in _chars("xyh"):
-        proc.accept(ended_seq, t)  # the tick ends it (stop token): only the stage's pass delivers it
+        proc.accept([ended_seq], [t])  # the tick ends it (stop token): only the stage's pass delivers it
     await _turns()
     assert len(pool.work) == 1  # both in the thread's pass, not run yet
     proc.abort(live_seq)  # as Engine.close does: queued again, while still in the thread's pass
@@ -236,9 +236,10 @@ async def test_closing_during_a_threaded_pass_neither_duplicates_nor_drops_it():
 
 
 async def test_closing_between_slices_of_a_loop_stage_pass_drops_nothing(monkeypatch):
-    """The loop stage yields every STAGE_SLICE requests; a close in between used to leave the rest of
-    the pass in the cancelled stage's hands (never delivered)."""
+    """The loop stage yields between slices of STAGE_SLICE requests (here every one); a close in
+    between used to leave the rest of the pass in the cancelled stage's hands (never delivered)."""
     monkeypatch.setattr(op, "STAGE_SLICE", 1)
+    monkeypatch.setattr(op, "STAGE_SLICE_S", 0.0)
     proc = OutputProcessor()
     loop = _engine_loop(proc)
     task = asyncio.create_task(loop.run())
@@ -254,7 +255,7 @@ async def test_closing_between_slices_of_a_loop_stage_pass_drops_nothing(monkeyp
     proc._process = closing_process
     for req, seq in reqs:
         for t in _chars("ab"):
-            proc.accept(seq, t)
+            proc.accept([seq], [t])
     await task
     await _turns()
     assert [[(o.text, o.finish_reason) for o in _outputs(req)] for req, _ in reqs] == [[("ab", "length")]] * 3
@@ -284,7 +285,7 @@ async def test_a_stop_string_that_wins_over_a_later_abort_is_counted_as_stop():
     stage = asyncio.create_task(proc.run_stage())
     try:
         for t in _chars("ab"):
-            proc.accept(seq, t)
+            proc.accept([seq], [t])
         await _turns()
         assert len(pool.work) == 1  # the pass that finds "b" is with the thread
         proc.abort(seq)  # ends the sequence first: the tick's reason is "abort"

@@ -72,7 +72,7 @@ def check_results(requests, results, loop, pool):
             assert out.finish_reason == ("stop" if want[-1] == EOS else "length")
         assert seq.inflight_refs == 0 and seq.pending_samples == 0 and not seq.pages and seq.row is None
     assert pool.num_free == pool.total and pool.num_held() == 0, "pages leaked (or a reference left)"
-    assert not loop.pipeline.inflight and all(s.state.value == "free" for s in loop.runner.slots)
+    assert not loop.pipeline.inflight and all(s.owner is None for s in loop.runner.slots)
     assert not loop.planner.running and loop.planner.num_waiting == 0
 
 
@@ -98,18 +98,18 @@ def test_a_step_already_done_is_committed_before_the_next_launch():
         runner = loop.runner
         is_done, launch, read = runner.is_done, runner.launch_forward, runner.read_sampled
 
-        def logged_is_done(slot):
-            done = is_done(slot)
-            events.append(("done?", slot.step_id, done))
+        def logged_is_done(step):
+            done = is_done(step)
+            events.append(("done?", step.step_id, done))
             return done
 
-        async def logged_read(slot):
-            events.append(("commit", slot.step_id))
-            return await read(slot)
+        async def logged_read(step):
+            events.append(("commit", step.step_id))
+            return await read(step)
 
         runner.is_done, runner.read_sampled = logged_is_done, logged_read
-        runner.launch_forward = lambda slot, step_id, packed, **kw: events.append(("launch", step_id)) or launch(
-            slot, step_id, packed, **kw)
+        runner.launch_forward = lambda step_id, packed, **kw: events.append(("launch", step_id)) or launch(
+            step_id, packed, **kw)
 
     reqs = [(make_prompt(5 + s, None, s), 12, 3 * s, None) for s in range(6)]
     done = overlapped = 0

@@ -122,13 +122,13 @@ def test_output_text_costs_the_same_per_token_at_any_length():
     def per_token(n):
         t0 = time.perf_counter()
         for _ in range(n):
-            outputs.accept(s, 7)  # the tick
+            outputs.accept([s], [7])  # the tick
             outputs.process_pending()  # the output stage: text and delivery
         return (time.perf_counter() - t0) / n
 
     early = min(per_token(700) for _ in range(3))  # best of 3: a busy machine only adds time
     for _ in range(28_000):
-        outputs.accept(s, 7)
+        outputs.accept([s], [7])
         outputs.process_pending()
     late = min(per_token(700) for _ in range(3))  # the text is now ~3 MB: a copy per token is ~100x slower
     assert late < 5 * early, (early, late)

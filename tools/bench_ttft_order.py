@@ -69,14 +69,14 @@ async def run_order(order: str, concurrency: int, args) -> list[float]:
         runner = engine._parts.runner
         real_launch = runner.launch_forward
 
-        def launch_forward(slot, step_id, packed, **kw):
+        def launch_forward(step_id, packed, **kw):
             if len(packed.chunk_rows):
                 _busy(args.prefill_launch_ms)
-            return real_launch(slot, step_id, packed, **kw)
+            return real_launch(step_id, packed, **kw)
 
         runner.launch_forward = launch_forward
         if order == "depth 2, launch first":
-            runner.is_done = lambda slot: False
+            runner.is_done = lambda step: False
         params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
         ttfts: list[float] = []
         commit_ttft: list[float] = []

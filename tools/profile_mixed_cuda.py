@@ -85,7 +85,7 @@ async def main_async(args) -> None:
               "| forward launch host µs, eager | replay launch host µs | forward device ms, eager "
               "| replay device ms |")
         print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-        arena, slot = runner.arenas[0], runner.slots[0]
+        arena = runner.arenas[0]
         step_id = 0
         for t in args.tokens:
             packed, _ = mixed_step(t, args.decode, args.chunk, rng)
@@ -108,10 +108,10 @@ async def main_async(args) -> None:
                 with torch.cuda.stream(compute):
                     reset()
                 t0 = time.perf_counter()
-                runner.launch_forward(slot, step_id, packed)
+                launched = runner.launch_forward(step_id, packed)
                 out.append((time.perf_counter() - t0) * 1e6)
                 runner.device.compute.record().synchronize()
-                slot.release()
+                launched.slot.release()
                 runner.mixed_graphs = graphs
 
             lay = arena.fill(packed)

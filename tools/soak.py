@@ -31,6 +31,8 @@ left after each round are reported beside pages (leaked encoder entries: referen
 outputs the runner holds that the cache forgot).
 
     python tools/soak.py --requests 2000 --rounds 2 --images   # issue 30
+    python tools/soak.py --requests 5000 --rounds 2 --images --shared-prefixes --seed 5   # issue 36: with
+                                                           # --images, shared prefixes start token prompts only
 
 --skills mixes the spatial skills in (issue 31): a share of requests are `point` / `detect` calls
 (greedy, 1-4 objects, one picture of the pool with --images), some cancelled (the awaiting task,
@@ -259,7 +261,7 @@ def random_request(rng: random.Random, rid: str, delay: float) -> Planned:
         images = [rng.choice(IMAGES) for _ in range(rng.randint(1, 3))]
         words = "".join(chr(rng.randrange(97, 123)) for _ in range(rng.randint(1, 20)))
         prompt = "".join(f"<image>{words}{i}" for i in range(len(images))) + "?"
-    if SHARED and rng.random() < SHARED_RATE:
+    if SHARED and isinstance(prompt, list) and rng.random() < SHARED_RATE:  # (text with images: none)
         prompt = rng.choice(SHARED) + prompt[:rng.randint(0, 24)]
         if rng.random() < 0.2:
             kw["cache_salt"] = rng.choice(["tenant-a", "tenant-b"])
@@ -426,7 +428,7 @@ def encoder_leaks(engine: Engine) -> int:
     that the cache no longer knows (dropped ones included once the next launch drops them)."""
     cache, runner = engine.loop.planner.encoder_cache, engine._parts.runner
     held = sum(e.refs > 0 for e in cache._entries.values())
-    pending = set(cache._dropped)
+    pending = set(cache.dropped)
     return held + len(set(runner.features) - pending - set(cache._entries))
 
 

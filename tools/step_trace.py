@@ -16,6 +16,12 @@ default output_stage "loop": detokenising, stop checks, stream delivery; the str
 asyncio itself). Every event on the loop thread counts then, and depth is the longest chain of
 slipstream frames on the stack.
 
+With --scope step (the default) the window is the interval's, and the CPU device's stream threads
+are traced too while it is open: the forward, the sampling, the copy and the events that ran on
+them in that window (in a steady state, one step's device work). This is everything one steady
+decode step crosses: the tick, the output stage and the stream consumers on the loop, and the
+device's side. `depth` stays the loop thread's.
+
 A tick is kept when it committed a full-batch decode step and launched one (N rows both), after a
 few warm ticks; the tool traces --ticks of them and prints each one's counts and, for the median one
 (by slipstream calls), the files with their functions and the deepest slipstream call chain.
@@ -101,12 +107,13 @@ def _type_of(code, module_globals) -> str | None:
 class Tracer:
     """The sys.setprofile hook for one tick: counts events whose frame descends from the tick's frame."""
 
-    def __init__(self, trace: TickTrace, whole_thread: bool = False):
-        self.trace = trace
+    def __init__(self, trace: TickTrace | None, whole_thread: bool = False):
+        self.trace = trace  # None (a stream thread's hook between windows): nothing counts
         self.whole_thread = whole_thread  # --scope interval: every event on this thread counts
         self.root = None  # the tick coroutine's frame, set on its first event
         self.seen: list = []  # frames already counted (kept alive so their ids stay unique)
         self.seen_ids: set[int] = set()
+        self.device = False  # a stream thread's hook: its frames do not count towards the depth
 
     def _chain(self, frame) -> list | None:
         """Frames from `frame` up to the tick's frame, or None when the tick is not a caller."""
@@ -120,6 +127,8 @@ class Tracer:
         return chain if self.whole_thread else None
 
     def __call__(self, frame, event, arg) -> None:
+        if self.trace is None:
+            return
         if self.root is None and not self.whole_thread:
             if event == "call" and frame.f_code.co_name == "tick" and _rel(frame.f_code.co_filename):
                 self.root = frame
@@ -147,7 +156,7 @@ class Tracer:
         if kind:
             self.trace.types.add(kind)
         ours = [f for f in reversed(chain) if _rel(f.f_code.co_filename)]
-        if len(ours) > self.trace.max_depth:
+        if not self.device and len(ours) > self.trace.max_depth:
             self.trace.max_depth = len(ours)
             self.trace.deepest = [f"{_rel(f.f_code.co_filename)}:{f.f_code.co_qualname}" for f in ours]
 
@@ -168,12 +177,19 @@ async def trace_ticks(n: int, depth: int, ticks: int, length: int, scope: str = 
     kept: list[TickTrace] = []
     count = [0]
     committed: list = []
-    loop.observers.append(lambda step: committed.append((step.kind, len(step.seqs))))
+    loop.observers.append(lambda step: committed.append(_shape(step)))
 
-    open_interval: list[TickTrace] = []  # --scope interval: the window still being traced
+    open_interval: list[TickTrace] = []  # --scope interval/step: the window still being traced
+    windowed = scope in ("interval", "step")
+    streams = _device_hooks(engine) if scope == "step" else []  # the stream threads' hooks (step)
+
+    def set_window(trace: TickTrace | None) -> None:
+        for hook in streams:
+            hook.trace = trace
 
     def close_interval() -> None:
         sys.setprofile(None)
+        set_window(None)
         if open_interval and open_interval.pop().committed == ("decode", n):
             kept.append(trace_of[0])
 
@@ -181,13 +197,14 @@ async def trace_ticks(n: int, depth: int, ticks: int, length: int, scope: str = 
 
     async def traced_tick() -> bool:
         count[0] += 1
-        if scope == "interval":
+        if windowed:
             close_interval()
         if count[0] <= WARM_TICKS or len(kept) >= ticks:
             return await real_tick()
         trace = trace_of[0] = TickTrace(count[0])
         committed.clear()
-        sys.setprofile(Tracer(trace, whole_thread=scope == "interval"))
+        sys.setprofile(Tracer(trace, whole_thread=windowed))
+        set_window(trace)
         try:
             result = await real_tick()
         finally:
@@ -196,13 +213,14 @@ async def trace_ticks(n: int, depth: int, ticks: int, length: int, scope: str = 
         inflight = loop.pipeline.inflight
         if committed and inflight:
             trace.committed = committed[-1]
-            trace.launched = (inflight[-1].kind, len(inflight[-1].seqs))
+            trace.launched = _shape(inflight[-1])
         steady = trace.committed == trace.launched == ("decode", n)
-        if scope == "interval":
+        if windowed:
             if steady:
                 open_interval.append(trace)  # kept when the next tick starts
             else:
                 sys.setprofile(None)
+                set_window(None)
         elif steady:
             kept.append(trace)
         return result
@@ -218,11 +236,32 @@ async def trace_ticks(n: int, depth: int, ticks: int, length: int, scope: str = 
         await asyncio.gather(*(consume(p) for p in prompts(n)))
     finally:
         sys.setprofile(None)
+        set_window(None)
         loop.tick = real_tick
         await engine.close()
     if len(kept) < ticks:
         raise RuntimeError(f"only {len(kept)} steady ticks of {ticks}: raise --len")
     return kept
+
+
+def _shape(step) -> tuple[str, int]:
+    """(kind, rows) of a step, read from its plain fields: the tool's own reads call no slipstream code."""
+    return ("prefill" if step.chunks else "decode"), len(step.decode) + len(step.chunk_seqs)
+
+
+def _device_hooks(engine) -> list[Tracer]:
+    """A profile hook on each of the CPU device's stream threads (installed by work launched on the
+    stream, so it runs on that thread), counting into the open window's trace while one is open."""
+    device = engine._parts.device
+    hooks = []
+    for stream in dict.fromkeys((device.compute, device.copy, device.upload)):
+        hook = Tracer(None, whole_thread=True)
+        hook.device = True
+        stream.launch(lambda hook=hook: sys.setprofile(hook))
+        hooks.append(hook)
+    for stream in dict.fromkeys((device.compute, device.copy, device.upload)):
+        stream.record().synchronize()
+    return hooks
 
 
 def sampling_files() -> dict[str, list[str]]:
@@ -256,8 +295,11 @@ def sampling_files() -> dict[str, list[str]]:
 
 
 def report(traces: list[TickTrace], n: int, depth: int, scope: str = "tick") -> str:
-    what = ("one steady decode tick (commit + plan + launch + finalize)" if scope == "tick" else
-            "the loop thread from one steady decode tick's start to the next's (the tick + output stage + asyncio)")
+    what = {"tick": "one steady decode tick (commit + plan + launch + finalize)",
+            "interval": "the loop thread from one steady decode tick's start to the next's (the tick + output "
+                        "stage + asyncio)",
+            "step": "one steady decode step: the loop thread from one steady tick's start to the next's (the tick, "
+                    "the output stage, the stream consumers) and the device's stream threads meanwhile"}[scope]
     lines = [f"{what}, N={n}, depth {depth}, null model, CPU", "",
              "| tick | files | functions | slipstream calls | Python calls | C calls | depth | types |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -296,8 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--depth", type=int, default=2, choices=[1, 2])
     ap.add_argument("--ticks", type=int, default=5, help="steady ticks to trace")
     ap.add_argument("--len", type=int, default=32, dest="length", help="output tokens per stream")
-    ap.add_argument("--scope", choices=["tick", "interval"], default="tick",
-                    help="tick: the tick's own call tree; interval: the loop thread from tick to tick")
+    ap.add_argument("--scope", choices=["step", "tick", "interval"], default="step",
+                    help="step: the loop thread from tick to tick and the device's threads meanwhile; tick: the "
+                         "tick's own call tree; interval: the loop thread from tick to tick")
     ap.add_argument("--no-header", action="store_true", help="no provenance header")
     args = ap.parse_args(argv)
     if args.length < WARM_TICKS + 2 * args.ticks + 4:

@@ -98,7 +98,8 @@ class Engine(SubmitMethods, SkillMethods):
             self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
                                              timeout_s=self.config.grammar_timeout_s,
                                              factories=region_factories(*region) if region else None)
-            self._loop_task = asyncio.create_task(self._run_loop(), name="slipstream-engine-loop")
+            self._loop_task = asyncio.create_task(self.loop.run(), name="slipstream-engine-loop")
+            self._loop_task.add_done_callback(self._loop_ended)
         except BaseException:  # a failed start leaves no device threads and no gc hold behind
             if self._parts is not None:
                 self._parts.close()
@@ -109,18 +110,16 @@ class Engine(SubmitMethods, SkillMethods):
                  pipeline_depth=self.config.pipeline_depth, kv_pages=self._parts.pool.total)
         return self
 
-    async def _run_loop(self) -> None:
-        try:
-            await self.loop.run()
-        except asyncio.CancelledError:
+    def _loop_ended(self, task: asyncio.Task) -> None:
+        """The engine loop's task is done (its own coroutine, so no frame of this file is resumed
+        with it at every step)."""
+        if task.cancelled():
             # cancelled, not closed: asyncio.run() tearing down after the application raised. The
             # device's threads stop now, before the interpreter does (a thread still inside torch
             # when it finalizes aborts the process: "terminate called without an active exception")
             self._parts.close()
-            raise
-        except Exception as e:  # the loop already failed every waiter with it
-            log.error("engine_loop_died", error=repr(e))
-            raise
+        elif isinstance(task.exception(), Exception):  # the loop already failed every waiter with it
+            log.error("engine_loop_died", error=repr(task.exception()))
 
     async def close(self) -> None:
         if self._loop_task is None:
@@ -131,7 +130,7 @@ class Engine(SubmitMethods, SkillMethods):
         self.loop.close()
         try:
             await self._loop_task
-        except BaseException:  # noqa: BLE001 - already reported by _run_loop
+        except BaseException:  # noqa: BLE001 - already reported by _loop_ended
             pass
         self._loop_task = None
         try:

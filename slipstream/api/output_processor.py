@@ -1,8 +1,9 @@
 """Request-side output processing, split in two so the tick stays short.
 
-On the tick (`accept`, called by the commit for every live row): append the token, time it,
-advance the grammar matcher (the next mask depends on it), and end the request when a token id
-decides it — a stop token id, a finished grammar, max_tokens. Constant work, no text.
+On the tick (`accept`, called once per commit with its live rows): append each token, time it,
+queue the request for the stage; and only for the rows it concerns, advance the grammar matcher
+(the next mask depends on it), keep logprobs, and end the request when a token id decides it — a
+stop token id, a finished grammar, max_tokens. Constant work per row, no text.
 
 Off the tick (the output stage: `run_stage`, a task beside the engine loop; `process_pending`
 when the loop stops): detokenise the tokens committed since the last pass, scan stop strings, stream
@@ -14,7 +15,9 @@ is cut back to the stop, so text and token ids equal what a blocking loop would 
 A pass has two phases: the text phase (`_texts`: detokenise, scan stops; slipstream/api/output_text.py,
 which holds it and says what it may read and write) and the delivery phase (`_apply`: end the
 sequence, cut, stream, finish), which this file holds with the tick's side and the stage's
-scheduling. With EngineConfig(output_stage="thread") the text phase of a whole pass runs on a
+scheduling. A request without stop strings that nothing ended is passed in one step on the loop
+(detokenise its new tokens, stream them): the common case. With EngineConfig(output_stage="thread")
+the text phase of a whole pass runs on a
 worker thread while the loop goes on ticking; delivery always runs on the loop (asyncio queues,
 scheduler state). When the loop stops, `process_pending` first delivers the thread's pass in
 flight (waiting for it, or running it on the loop if the thread never started it), then processes
@@ -31,15 +34,21 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from slipstream.api.mailbox import Mailbox
+import structlog
+
+from slipstream.api.request_stream import Mailbox
 from slipstream.api.output_text import TextPhase, _Outcome, _RequestFailed, _Work, _wrap
-from slipstream.errors import GrammarError, GrammarMatchError, RequestFailedError, SlipstreamError
+from slipstream.errors import GrammarError, GrammarMatchError, PipelineInvariantError, RequestFailedError, SlipstreamError
 from slipstream.outputs import CompletionOutput, RequestMetrics, StreamDelta, Usage
 from slipstream.params import SamplingParams
 from slipstream.scheduler.output_sink import Finish
 from slipstream.scheduler.sequence import Sequence
 
-STAGE_SLICE = 128  # requests processed between yields to the loop, so a tick is never held long
+log = structlog.get_logger(__name__)
+STAGE_SLICE = 64  # requests processed between two looks at the clock
+# the most CPU time a pass takes before it yields to the loop (a tick may be waiting): the loop
+# thread's clock, so a process the machine deschedules mid-pass does not yield for time it never had
+STAGE_SLICE_S = 0.001
 
 
 @dataclass(eq=False)
@@ -69,6 +78,14 @@ class RequestState:
     grammar_done_at: int | None = None  # output length at which the grammar completed
     closed: bool = False  # final output (or error) delivered
     top_logprobs: list[dict[int, float]] = field(default_factory=list)  # SamplingParams.top_logprobs > 0
+    # what the tick reads for every token (set from the fields above at construction)
+    token_times: list[float] = field(init=False, repr=False)  # metrics.token_times
+    plain: bool = field(init=False, repr=False)  # no logprobs, no grammar, no stop strings: a token decides
+    # nothing but a stop token id or max_tokens (once its first token is in)
+
+    def __post_init__(self) -> None:
+        self.token_times = self.metrics.token_times
+        self.plain = not self.params.logprobs and self.matcher is None and not self.params.stop
 
     @property
     def text(self) -> str:
@@ -87,8 +104,12 @@ class OutputProcessor(TextPhase):
         self._inflight: tuple[list[_Work], Future] | None = None  # the thread's pass, not delivered yet
         self.commit_time = 0.0  # set by the EngineLoop before each commit: the time of every token in it
         self._ready: asyncio.Event | None = None
-        # fn(token_times, start, end, arrival, prompt_len) per request and pass (metrics), off the tick
+        # fn(token_times, start, end, arrival, prompt_len) per request and pass, off the tick (tools)
         self.token_observers: list = []
+        # fn([(RequestMetrics, start, end, prompt_len), ...]) once per pass (metrics): what each request's
+        # output tokens start..end were; collected in `_ranges` while the pass runs
+        self.pass_observers: list = []
+        self._ranges: list[tuple[RequestMetrics, int, int, int]] = []
         # fn(reason) once per request, with the finish_reason its caller sees ("abort" for an error):
         # counted here, not where the tick ends a sequence, since a stop string found by the stage
         # can still win over an abort that ended the sequence first (metrics)
@@ -99,16 +120,40 @@ class OutputProcessor(TextPhase):
 
     # --- on the tick ----------------------------------------------------------------------------
 
-    def accept(self, seq: Sequence, token: int, logprob: float = 0.0, top: dict[int, float] | None = None) -> None:
-        """top: the step's SamplingParams.top_logprobs alternatives {token id: logprob}, most likely first."""
-        req: RequestState = seq.user
+    def accept(self, seqs: list[Sequence], tokens: list[int], logprobs: list[float] | None = None,
+               tops: list[dict[int, float] | None] | None = None) -> None:
+        """One commit's live rows: `tokens[i]` is `seqs[i]`'s token, `logprobs` (None: no row asked)
+        its logprob, `tops` its top_logprobs alternatives {token id: logprob}, most likely first. A
+        row's processing that raises fails only its request."""
+        now, todo, queued = self.commit_time, self._todo, False
+        for i, seq in enumerate(seqs):  # the hot loop: a plain row is an append, a time and a queue
+            req: RequestState = seq.user
+            token = tokens[i]
+            out = seq.output_ids
+            out.append(token)
+            req.token_times.append(now)
+            if not req.queued:
+                req.queued = queued = True
+                todo.append(req)
+            if req.plain and req.seq is not None and token not in req.stop_token_ids and len(out) < seq.max_tokens:
+                continue
+            try:
+                self._decide(seq, req, token, 0.0 if logprobs is None else logprobs[i], None if tops is None else tops[i])
+            except PipelineInvariantError:
+                raise
+            except Exception as e:  # noqa: BLE001 - one request's processing failed: only it fails
+                log.warning("commit_request_failed", request_id=seq.request_id, error=repr(e))
+                self.fail(seq, e)
+        if queued and self._ready is not None:
+            self._ready.set()
+
+    def _decide(self, seq: Sequence, req: RequestState, token: int, logprob: float, top: dict[int, float] | None) -> None:
+        """What a committed token means beyond its append: the first token, logprobs, the grammar,
+        and the end of the request when a token id decides it."""
         out = seq.output_ids
-        out.append(token)
-        now = self.commit_time
         m = req.metrics
-        m.token_times.append(now)
         if m.first_token is None:
-            m.first_token = now
+            m.first_token = self.commit_time
             req.seq = seq
         if req.params.logprobs:
             req.logprobs.append(logprob)
@@ -125,8 +170,6 @@ class OutputProcessor(TextPhase):
                 return
             if req.grammar_done_at is None and matcher.is_terminated():
                 req.grammar_done_at = len(out)
-        if not req.queued:
-            self._queue(req)
         if req.params.stop:
             return  # ended by the output stage, which sees the text
         if token in req.stop_token_ids:
@@ -178,7 +221,8 @@ class OutputProcessor(TextPhase):
 
     async def run_stage(self) -> None:
         """The stage as a task on the engine's loop: a pass whenever commits left work, yielding to
-        the loop every STAGE_SLICE requests."""
+        the loop once it has taken STAGE_SLICE_S of CPU (so one pass covers every request a step
+        committed, and a tick waits about that long for it at most)."""
         self._ready = asyncio.Event()
         if self._todo:
             self._ready.set()
@@ -190,14 +234,17 @@ class OutputProcessor(TextPhase):
                 continue
             # (work stays in self._todo until processed: if the loop stops between slices,
             # process_pending finds it there)
+            t0 = time.thread_time()
             while self._todo:
                 todo, self._todo = self._todo[:STAGE_SLICE], self._todo[STAGE_SLICE:]
                 for req in todo:
                     self._process(req)
+                self._end_pass()
                 # an idle stage must not keep its last requests (prompt, output, queue) alive
                 del todo, req
-                if self._todo:
+                if self._todo and time.thread_time() - t0 >= STAGE_SLICE_S:
                     await asyncio.sleep(0)
+                    t0 = time.thread_time()
 
     async def _threaded_pass(self) -> None:
         """The text phase of every queued request on the worker thread, then delivery here. While the
@@ -226,6 +273,7 @@ class OutputProcessor(TextPhase):
         outcomes = self._texts_of(work) if future.cancel() else future.result()
         for w, outcome in zip(work, outcomes):
             self._apply(w[0], outcome)
+        self._end_pass()
 
     def process_pending(self) -> None:
         """One synchronous pass (when the engine loop stops, for what the stage had not reached). The
@@ -234,6 +282,7 @@ class OutputProcessor(TextPhase):
         todo, self._todo = self._todo, []
         for req in todo:
             self._process(req)
+        self._end_pass()
 
     def _process(self, req: RequestState) -> None:
         """Both phases on the loop. The snapshot is passed as arguments, not built as a _Work (as
@@ -244,6 +293,27 @@ class OutputProcessor(TextPhase):
         if req.closed or seq is None:
             return
         out, end_at, start = seq.output_ids, req.end_at, req.processed
+        if end_at is None and not req.params.stop and self.faults is None:  # nothing ends it here: push, stream
+            tokens = out[start:]
+            if not tokens:
+                return
+            try:
+                text = req.detok.push(tokens)
+            except Exception as e:  # noqa: BLE001 - as in _push: only this request fails
+                self._finish(seq, "abort")
+                self._deliver_error(req, _wrap(RequestFailedError, f"detokenising tokens {tokens} of request "
+                                                                   f"{req.request_id} failed: {e!r}", e))
+                return
+            req.processed = end = start + len(tokens)
+            if text:
+                req.pieces.append(text)  # (nothing is held back without stop strings: `pending` stays empty)
+            if req.streaming:
+                req.queue.put_nowait(StreamDelta(req.request_id, text, tokens))
+            if self.pass_observers:  # (self._observe, spelled out: the common case of every pass)
+                self._ranges.append((req.metrics, start, end, len(req.prompt_ids)))
+            for observe in self.token_observers:
+                observe(req.metrics.token_times, start, end, req.metrics.arrival, len(req.prompt_ids))
+            return
         self._apply(req, self._texts(req, start, out[start:len(out) if end_at is None else end_at], end_at,
                                      req.end_reason, req.end_drops_text, req.grammar_done_at, seq.max_tokens))
 
@@ -281,8 +351,21 @@ class OutputProcessor(TextPhase):
             self._finish(seq, "abort")
             self._deliver_error(req, f.error)
             return
+        self._observe(req, o.start, o.end)
+
+    def _observe(self, req: RequestState, start: int, end: int) -> None:
+        """Output tokens start..end of a request were processed (per-token metrics, off the tick)."""
+        if self.pass_observers:
+            self._ranges.append((req.metrics, start, end, len(req.prompt_ids)))
         for observe in self.token_observers:
-            observe(req.metrics.token_times, o.start, o.end, req.metrics.arrival, len(req.prompt_ids))
+            observe(req.metrics.token_times, start, end, req.metrics.arrival, len(req.prompt_ids))
+
+    def _end_pass(self) -> None:
+        """After a pass (or a slice of one): its processed ranges to the pass observers, in one call."""
+        ranges, self._ranges = self._ranges, []
+        if ranges:
+            for observe in self.pass_observers:
+                observe(ranges)
 
     def _close(self, seq: Sequence, req: RequestState, reason: str, token_ids: list[int], flush: bool) -> None:
         if flush:

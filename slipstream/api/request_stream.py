@@ -1,6 +1,10 @@
-"""RequestStream: the deltas of one request of an in-process Engine (Engine.stream / chat_stream)."""
+"""The outputs of one request of an in-process Engine, on their way to its reader: the `Mailbox`
+the output stage fills (deltas, the final output or an error), and the `RequestStream` that reads
+it for Engine.stream / chat_stream (Engine.complete reads it too)."""
 from __future__ import annotations
 
+import asyncio
+from collections import deque
 from typing import TYPE_CHECKING
 
 from slipstream.outputs import CompletionOutput, StreamDelta
@@ -9,6 +13,42 @@ from slipstream.params import SamplingParams
 if TYPE_CHECKING:
     from slipstream.api.engine import Engine
     from slipstream.scheduler.sequence import Sequence
+
+
+class Mailbox:
+    """A request's outputs for its single reader: put never blocks; get waits for the next item.
+
+    What asyncio.Queue does for one producer and one consumer, with less work per item (no task
+    accounting, no list of getters): the output stage puts one delta per request and pass, so at a
+    few hundred streams this is paid hundreds of times a step."""
+
+    __slots__ = ("items", "_waiter")
+
+    def __init__(self) -> None:
+        self.items: deque = deque()  # (its reader may pop what is there without awaiting `get`)
+        self._waiter: asyncio.Future | None = None
+
+    def put_nowait(self, item) -> None:
+        self.items.append(item)
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():  # (a reader cancelled while waiting left it cancelled)
+                waiter.set_result(None)
+
+    async def get(self):
+        while not self.items:
+            await self.wait()
+        return self.items.popleft()
+
+    def wait(self) -> asyncio.Future:
+        """A future done when an item is put (the reader awaits it when `items` is empty)."""
+        self._waiter = waiter = asyncio.get_running_loop().create_future()
+        return waiter
+
+    def pending(self) -> list:
+        """The items not read yet, oldest first (a copy)."""
+        return list(self.items)
 
 
 class RequestStream:
@@ -20,6 +60,7 @@ class RequestStream:
     def __init__(self, engine: Engine, request_id: str | None, params: SamplingParams | None, prompt: dict):
         self._engine, self._args = engine, (request_id, params, prompt)
         self._seq: Sequence | None = None
+        self._box: Mailbox | None = None  # the request's outputs, read here directly
         self._done = False
         self._carry: list[int] = []  # ids of tokens that produced no text yet (see _merge)
 
@@ -30,7 +71,8 @@ class RequestStream:
         if self._done:
             raise StopAsyncIteration
         try:
-            if self._seq is None:
+            box = self._box
+            if box is None:
                 request_id, params, prompt = self._args
                 images, fields = prompt.get("images", ()), None
                 if "messages" in prompt:
@@ -40,14 +82,24 @@ class RequestStream:
                     prompt = {"prompt": self._engine._chat_prompt(messages)}
                 self._seq = await self._engine._submit(prompt["prompt"], params, request_id, images=images,
                                                        fields=fields)
+                box = self._box = self._seq.user.queue
+            items = box.items
             while True:
-                item = await self._engine._next(self._seq)
-                if isinstance(item, CompletionOutput):
+                if not items:
+                    await box.wait()
+                    continue
+                item = items.popleft()
+                if type(item) is StreamDelta:
+                    if not self._carry and (item.text or item.finish_reason is not None):
+                        return item
+                    item = self._merge(item)
+                    if item is not None:
+                        return item
+                elif isinstance(item, CompletionOutput):
                     self._close()
                     raise StopAsyncIteration
-                item = self._merge(item)
-                if item is not None:
-                    return item
+                else:  # the request failed: its error
+                    raise item
         except BaseException:
             self._close()
             raise

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import codecs
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import structlog
@@ -70,13 +70,17 @@ class ByteStreamDetokenizer:
     """IncrementalDetokenizer's push / flush over a byte table."""
 
     def __init__(self, table: list[bytes]) -> None:
-        self._table = table
+        self._table, self._n = table, len(table)
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         self._decode = self._utf8.decode
 
-    def push(self, token_ids: Iterable[int]) -> str:
-        table, n = self._table, len(self._table)
-        data = b"".join([table[i] if i < n else b"" for i in token_ids])  # ids >= 0 (validated upstream)
+    def push(self, token_ids: Sequence[int]) -> str:
+        table, n = self._table, self._n
+        if len(token_ids) == 1:  # a pass per step: one token (ids >= 0, validated upstream)
+            i = token_ids[0]
+            data = table[i] if i < n else b""
+        else:
+            data = b"".join([table[i] if i < n else b"" for i in token_ids])
         return self._decode(data) if data else ""
 
     def flush(self) -> str:

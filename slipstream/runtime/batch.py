@@ -19,7 +19,7 @@ sequence's newest known token.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -193,6 +193,11 @@ class ForwardInput:
     @property
     def decode_only(self) -> bool:
         return not self.chunks
+
+    def with_page_writes(self, page_writes: np.ndarray) -> "ForwardInput":
+        """This input with other page-table entries (a steady batch's step whose rows got pages):
+        everything else is these very arrays, so a runner that staged this input stages only them."""
+        return replace(self, page_writes=page_writes)
 
     @property
     def max_query_len(self) -> int:

@@ -8,6 +8,7 @@ error, instead of being lost on a worker thread.
 """
 from __future__ import annotations
 
+import _thread
 import asyncio
 import queue
 import threading
@@ -20,43 +21,54 @@ if TYPE_CHECKING:  # (device.py makes devices: a runtime import would be a circl
 
 
 class CPUEvent:
+    """One-shot: completed once, by the stream thread that reaches it. A lock held from creation to
+    completion lets threads block on it (`synchronize`, another stream's `wait`); the asyncio loop
+    registers a future instead. No Condition: an event per step is made and completed on the hot
+    path, and a lock costs a fraction of threading.Event's notify."""
+
     __slots__ = ("_done", "_error", "_waiters", "_lock")
 
     def __init__(self) -> None:
-        self._done = threading.Event()
+        self._done = False
         self._error: BaseException | None = None
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
-        self._lock = threading.Lock()
+        self._lock = _thread.allocate_lock()
+        self._lock.acquire()
 
     def _complete(self, error: BaseException | None = None) -> None:
-        with self._lock:
-            self._error = error
-            self._done.set()
-            waiters, self._waiters = self._waiters, []
-        for loop, fut in waiters:
+        """On the stream's thread. `_done` is written before `_waiters` is read, and wait_async
+        appends before it reads `_done` again: (under the GIL's ordering) one of the two sides
+        sees the other, so no waiter is missed; both may resolve it (harmless)."""
+        self._error = error
+        self._done = True
+        self._lock.release()
+        for loop, fut in self._waiters:
             loop.call_soon_threadsafe(_resolve, fut)
 
     def query(self) -> bool:
-        return self._done.is_set()
+        return self._done
 
     def synchronize(self) -> None:
-        self._done.wait()
+        self.synchronize_quietly()
         self._raise()
 
     def _raise(self) -> None:
         if self._error is not None:
             raise self._error
 
+    def synchronize_quietly(self) -> None:
+        """Block until completed, without raising its error (a stream adopts it instead)."""
+        if not self._done:
+            self._lock.acquire()
+            self._lock.release()
+
     async def wait_async(self) -> None:
-        if not self._done.is_set():
-            loop = asyncio.get_running_loop()
-            fut = loop.create_future()
-            with self._lock:
-                registered = not self._done.is_set()
-                if registered:
-                    self._waiters.append((loop, fut))
-            if registered:
-                await fut
+        if not self._done:
+            fut = asyncio.get_running_loop().create_future()
+            self._waiters.append((fut.get_loop(), fut))
+            if self._done:  # completed meanwhile: its thread may have read the waiters before
+                _resolve(fut)
+            await fut
         self._raise()
 
 
@@ -101,6 +113,9 @@ class CPUStream:
             item = self._queue.get()
             if item is _STOP:
                 return
+            if type(item) is CPUEvent:  # recorded here: everything launched before it has run
+                item._complete(self._error)
+                continue
             fn, label = item
             if self._error is not None and not isinstance(fn, _EventOp):
                 continue  # a failed stream skips work, but still completes events (with the error)
@@ -118,7 +133,7 @@ class CPUStream:
 
     def record(self) -> CPUEvent:
         ev = CPUEvent()
-        self._queue.put((_EventOp(lambda: ev._complete(self._error)), ""))
+        self._queue.put(ev)
         return ev
 
     def wait(self, event: Event) -> None:
@@ -127,7 +142,7 @@ class CPUStream:
         assert isinstance(event, CPUEvent), "a stream waits only for its own device's events"
 
         def adopt() -> None:
-            event._done.wait()
+            event.synchronize_quietly()
             if event._error is not None and self._error is None:
                 self._error = event._error
 

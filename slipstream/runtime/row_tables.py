@@ -48,6 +48,7 @@ class RowTables:
         self.pages = z(max_rows, max_pages)
         self.sampling = SamplingTables(max_rows, device)
         self.carry_values = torch.zeros(max_rows, MAX_CARRY_VALUES, dtype=torch.float32, device=device)
+        self.ones = torch.ones(max_rows, dtype=torch.int64, device=device)  # (greedy)
         self.history: HistoryTables | None = None
 
     def apply(self, u: RowUpdates, packed: ForwardInput) -> None:
@@ -63,15 +64,28 @@ class RowTables:
                 self.history = HistoryTables(self.max_rows, self.vocab_size, self.device)
             self.history.rebuild(rebuild)
 
+    def greedy(self, logits: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Sample plain greedy rows (no temperature, logprobs, penalties, min_p/min_tokens, mask,
+        carry): argmax, each row's newest token and next output index, and the ids into `out` (a
+        slot's sampled ids). What a greedy decode graph captures too; padding rows (row 0) write
+        row 0."""
+        ids = logits.argmax(dim=-1)
+        self.sampling.output_index.index_add_(0, rows, self.ones[:rows.shape[0]])
+        self.last_token.index_copy_(0, rows, ids)
+        out[:ids.shape[0]].copy_(ids)
+        return ids
+
     def kv_indices(self, token_rows: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
         """The KV index each token writes (its cache entry): its row's page for the position, and the offset in it."""
         return self.pages[token_rows, positions // page_size] * page_size + positions % page_size
 
-    def set_positions(self, rows: torch.Tensor, positions: torch.Tensor) -> None:
-        """pos[rows] = positions (the step's context lengths), then the scratch row back to 0: padding
-        rows and sequences use row 0, which must start every step at position 0."""
+    def set_positions(self, rows: torch.Tensor, positions: torch.Tensor, scratch: bool = True) -> None:
+        """pos[rows] = positions (the step's context lengths), then (`scratch`: row 0 may be among
+        them) the scratch row back to 0: padding rows and sequences use row 0, which must start
+        every step at position 0."""
         self.pos.index_copy_(0, rows, positions)
-        self.pos[SCRATCH_ROW:SCRATCH_ROW + 1].zero_()
+        if scratch:
+            self.pos[SCRATCH_ROW:SCRATCH_ROW + 1].zero_()
 
 
 class HistoryTables:

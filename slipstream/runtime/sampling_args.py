@@ -15,7 +15,8 @@ field of SamplingArgs None when no row of the group needs it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from enum import IntEnum
 from typing import NamedTuple, Sequence as Seq
 
 import numpy as np
@@ -23,29 +24,54 @@ import torch
 
 from slipstream.runtime.batch import MAX_CARRY_KIND, MAX_CARRY_TOKENS, SamplingRow, SeqWork
 
-# rows of the int and float parameter tables; `stage_params` writes them and `gather` reads them in
-# this order (tests/test_graph_buckets.py checks a staged chunk, tests/test_sampling_args.py the round trip)
-# The carry tokens of a row (SamplingRow.carry) follow the five parameters, one int each, packed
-# as token id << 8 | kind; unused entries are NO_CARRY, which matches no token.
+class IntColumn(IntEnum):
+    """The rows of the int parameter table, by name: the one place their order is declared
+    (`stage_params` writes them, `SamplingTables` reads them, tests check a staged chunk by name).
+    CARRY is the first of MAX_CARRY_TOKENS columns: a row's carry tokens (SamplingRow.carry), one
+    int each, packed as token id << 8 | kind; unused entries are NO_CARRY, which matches no token."""
+
+    TOP_K = 0
+    SEED = 1
+    OUTPUT_INDEX = 2  # advanced on the device by every sample of the row
+    LOGPROBS = 3
+    MIN_TOKENS = 4
+    CARRY = 5
+
+
+class FloatColumn(IntEnum):
+    """The rows of the float parameter table, by name."""
+
+    TEMPERATURE = 0
+    TOP_P = 1
+    PRESENCE_PENALTY = 2
+    FREQUENCY_PENALTY = 3
+    REPETITION_PENALTY = 4
+    MIN_P = 5
+
+
 NO_CARRY = -1
-NUM_INTS, NUM_FLOATS = 5 + MAX_CARRY_TOKENS, 6
-_CARRY_AT = 5
-
-
-def _ints(s: SamplingRow, output_index: int) -> tuple[int, ...]:
-    carry = [token << 8 | kind for token, kind in s.carry]
-    carry += [NO_CARRY] * (MAX_CARRY_TOKENS - len(carry))
-    return (s.top_k, s.seed, output_index, int(s.logprobs), s.min_tokens, *carry)
-
-
-def _floats(s: SamplingRow) -> tuple[float, float, float, float, float, float]:
-    return s.temperature, s.top_p, s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.min_p
+NUM_INTS, NUM_FLOATS = IntColumn.CARRY + MAX_CARRY_TOKENS, len(FloatColumn)
 
 
 def stage_params(chunks: Seq[SeqWork], ints: np.ndarray, floats: np.ndarray) -> None:
-    """Write the chunks' parameters into host arrays [NUM_INTS, c] and [NUM_FLOATS, c]."""
-    ints[:] = np.array([_ints(w.sampling, w.output_index) for w in chunks], np.int64).T
-    floats[:] = np.array([_floats(w.sampling) for w in chunks], np.float32).T
+    """Write the chunks' parameters into host arrays [NUM_INTS, c] and [NUM_FLOATS, c], column by name."""
+    rows = [w.sampling for w in chunks]
+    ints[IntColumn.TOP_K] = [s.top_k for s in rows]
+    ints[IntColumn.SEED] = [s.seed for s in rows]
+    ints[IntColumn.OUTPUT_INDEX] = [w.output_index for w in chunks]
+    ints[IntColumn.LOGPROBS] = [s.logprobs for s in rows]
+    ints[IntColumn.MIN_TOKENS] = [s.min_tokens for s in rows]
+    carry = ints[IntColumn.CARRY:IntColumn.CARRY + MAX_CARRY_TOKENS]
+    carry[:] = NO_CARRY
+    for j, s in enumerate(rows):
+        for k, (token, kind) in enumerate(s.carry):
+            carry[k, j] = token << 8 | kind
+    floats[FloatColumn.TEMPERATURE] = [s.temperature for s in rows]
+    floats[FloatColumn.TOP_P] = [s.top_p for s in rows]
+    floats[FloatColumn.PRESENCE_PENALTY] = [s.presence_penalty for s in rows]
+    floats[FloatColumn.FREQUENCY_PENALTY] = [s.frequency_penalty for s in rows]
+    floats[FloatColumn.REPETITION_PENALTY] = [s.repetition_penalty for s in rows]
+    floats[FloatColumn.MIN_P] = [s.min_p for s in rows]
 
 
 # host mirror bits: what a row needs from the sampling kernels
@@ -91,11 +117,12 @@ class GroupNeeds:
     logprobs: bool  # some row wants its sampled token's logprob
     top_logprobs: int  # the largest top_logprobs of the group (0: none)
     carry: bool = False  # some row has carry tokens: the group decodes head values (row_tables.py)
+    # argmax is all the group needs (what a greedy decode graph may sample); derived, read every step
+    plain_greedy: bool = field(init=False)
 
-    @property
-    def plain_greedy(self) -> bool:
-        """argmax is all the group needs (what a greedy decode graph may sample)."""
-        return not (self.random or self.penalties or self.min_tokens or self.logprobs or self.carry)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "plain_greedy", not (self.random or self.penalties or self.min_tokens
+                                                      or self.logprobs or self.carry))
 
 
 @dataclass(frozen=True)
@@ -122,8 +149,8 @@ class SamplingTables:
     def __init__(self, max_rows: int, device: torch.device):
         self.ints = torch.zeros(NUM_INTS, max_rows, dtype=torch.int64, device=device)
         self.floats = torch.zeros(NUM_FLOATS, max_rows, dtype=torch.float32, device=device)
-        self.output_index = self.ints[2]  # advanced on the device by every sample of the row
-        self.carry_maps = self.ints[_CARRY_AT:]  # [MAX_CARRY_TOKENS, R] packed carry tokens
+        self.output_index = self.ints[IntColumn.OUTPUT_INDEX]
+        self.carry_maps = self.ints[IntColumn.CARRY:]  # [MAX_CARRY_TOKENS, R] packed carry tokens
         self._needs = np.zeros(max_rows, np.uint8)
         self.top_logprobs = np.zeros(max_rows, np.int64)  # per row (read_sampled keeps each row's own k)
         self.carry_rows: set[int] = set()  # rows whose sequence has carry tokens (empty: no step checks more)
@@ -165,15 +192,19 @@ class SamplingTables:
 
     def gather(self, rows: torch.Tensor, needs: GroupNeeds) -> SamplingArgs:
         """The group's parameters on the device (`rows` [n]), only the fields `needs` asks for."""
-        top_k, seed, output_index, _logprobs, min_tokens = self.ints[:_CARRY_AT, rows]
+        i = self.ints[:, rows]
+        output_index, min_tokens = i[IntColumn.OUTPUT_INDEX], i[IntColumn.MIN_TOKENS] if needs.min_tokens else None
         if not (needs.random or needs.penalties):
-            return SamplingArgs(output_index, min_tokens=min_tokens if needs.min_tokens else None)
-        temperature, top_p, presence, frequency, repetition, min_p = self.floats[:, rows]
-        return SamplingArgs(
-            output_index,
-            draw=Draw(temperature, seed, TopKTopP(top_k, top_p) if needs.filtered else None) if needs.random else None,
-            penalties=Penalties(presence, frequency, repetition) if needs.penalties else None,
-            min_tokens=min_tokens if needs.min_tokens else None, min_p=min_p if needs.min_p else None)
+            return SamplingArgs(output_index, min_tokens=min_tokens)
+        f = self.floats[:, rows]
+        draw = None
+        if needs.random:
+            filtered = TopKTopP(i[IntColumn.TOP_K], f[FloatColumn.TOP_P]) if needs.filtered else None
+            draw = Draw(f[FloatColumn.TEMPERATURE], i[IntColumn.SEED], filtered)
+        penalties = Penalties(f[FloatColumn.PRESENCE_PENALTY], f[FloatColumn.FREQUENCY_PENALTY],
+                              f[FloatColumn.REPETITION_PENALTY]) if needs.penalties else None
+        return SamplingArgs(output_index, draw=draw, penalties=penalties, min_tokens=min_tokens,
+                            min_p=f[FloatColumn.MIN_P] if needs.min_p else None)
 
     def advance(self, rows: torch.Tensor, args: SamplingArgs) -> None:
         """After a group sampled: each row's next token has the next output index."""

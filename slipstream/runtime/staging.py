@@ -42,6 +42,10 @@ class StepTensors:
     sample_indices: torch.Tensor  # [n + padding]
     sample_rows: torch.Tensor  # [n]
     max_q_len: int
+    decode_only: bool = False  # no chunk tokens (nor padding tokens): the decode rows are the whole step
+    # row 0 may be among its sequences (padding): the step resets its position. Always for a graph's
+    # layout (captured on an all-padding step); only an eager step without padding leaves it out
+    scratch: bool = True
 
 
 @dataclass(frozen=True)
@@ -65,11 +69,12 @@ class Layout:
     n_pad: int
     w: int
     max_q_len: int
+    pad_rows: int = 0  # decode rows of padding (row 0) after the step's own
 
     @classmethod
     def decode_bucket(cls, rows: int) -> "Layout":
         """A decode-only step padded to `rows`: what a captured graph of that bucket reads."""
-        return cls(d=rows, tc=0, c=0, n=rows, n_pad=rows, w=0, max_q_len=1)
+        return cls(d=rows, tc=0, c=0, n=rows, n_pad=rows, w=0, max_q_len=1, pad_rows=rows)
 
 
 class StepArena:
@@ -161,7 +166,21 @@ class StepArena:
             stage_params(packed.chunks, ints, floats)
             self._used = max(self._used, at + NUM_INTS * c)
             self._used_f = NUM_FLOATS * c
-        return Layout(d, tc, c, n, n_pad, w, packed.max_query_len)
+        return Layout(d, tc, c, n, n_pad, w, packed.max_query_len, d - packed.num_decode)
+
+    def stage_writes(self, writes: np.ndarray) -> RowUpdates:
+        """Only the page-table entries of a step whose other inputs this arena holds already (the
+        same decode rows as its last step): written, uploaded, and the updates that apply them."""
+        w = len(writes)
+        at = self.offsets["page_writes"]
+        self.host_np[at:at + 3 * w] = writes.reshape(-1)
+        if not self.device.unified_memory:
+            def h2d() -> None:
+                copy_to_device(self.dev[at:at + 3 * w], self.host[at:at + 3 * w])
+
+            self.device.upload.launch(h2d, "h2d")
+            self.device.compute.wait(self.device.upload.record())
+        return self.updates(Layout(d=0, tc=0, c=0, n=0, n_pad=0, w=w, max_q_len=1))
 
     def upload(self) -> None:
         """Copy the used prefixes host→device on the upload stream; the compute stream waits for it."""
@@ -191,7 +210,7 @@ class StepArena:
             chunk_token_rows=v("chunk_token_rows", lay.tc), chunk_rows=v("chunk_rows", lay.c),
             chunk_ends=v("chunk_ends", lay.c), query_start=v("query_start", lay.d + lay.c + 1),
             sample_indices=v("sample_indices", lay.n_pad), sample_rows=v("sample_rows", lay.n),
-            max_q_len=lay.max_q_len)
+            max_q_len=lay.max_q_len, decode_only=not (lay.tc or lay.c), scratch=bool(lay.pad_rows or lay.tc or lay.c))
 
     def updates(self, lay: Layout) -> RowUpdates:
         c = lay.c

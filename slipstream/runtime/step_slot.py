@@ -1,10 +1,17 @@
-"""StepSlot: the buffers one in-flight step (decode rows, prompt chunks or both) owns, allocated
-once and reused (ping-pong). The brief calls it DecodeSlot.
+"""A step in flight on the runner: the buffers it owns (`StepSlot`) and the record of its launch
+(`LaunchedStep`). The brief calls the slot a DecodeSlot.
 
-Lifecycle, enforced here: FREE --acquire (launch)--> IN_FLIGHT --release (after the commit has
-read the host landing buffer)--> FREE. A slot is not free when the device is done with it, only
-when the host has consumed its copy: its host buffer is the landing site of a copy that may still
-be in flight. Acquiring a slot that is not free raises SlotReuseError.
+`StepSlot` is buffers only, allocated once and reused (ping-pong): the step's staged inputs (its
+`StepArena`, and `staged`: which ForwardInput the arena holds and how it runs), the sampled ids with
+their stamp, logprobs, top_logprobs, carried values, sampling groups' row indices and masks, each
+on the device and as a host landing buffer. Everything that belongs to one step is on its
+`LaunchedStep`, which `ModelRunner.launch_forward` returns and the engine loop hands back to
+launch its late sampling, await its tokens and read them.
+
+Lifecycle, enforced here: a slot is free or owned by one launched step (`owner`), from `acquire` (launch) to
+`release` (after the commit has read the host landing buffer). A slot is not free when the device
+is done with it, only when the host has consumed its copy: its host buffer is the landing site of
+a copy that may still be in flight. Acquiring a slot that is not free raises SlotReuseError.
 
 After a commit reads the landing buffer, the slot poisons it, so a reader that runs before the
 next copy has landed sees POISON instead of stale tokens that look plausible. The step's last
@@ -14,41 +21,61 @@ buffers), and raises instead.
 """
 from __future__ import annotations
 
-import enum
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from slipstream.errors import PipelineInvariantError, SlotReuseError
 from slipstream.grammar.bitmask import words_for
-from slipstream.runtime.batch import MAX_CARRY_VALUES, MAX_TOP_LOGPROBS
+from slipstream.runtime.batch import MAX_CARRY_VALUES, MAX_TOP_LOGPROBS, ForwardInput
 
 if TYPE_CHECKING:
+    from slipstream.runtime.carry import ChunkCarry
     from slipstream.runtime.device import Event
+    from slipstream.runtime.sampling_args import GroupNeeds
+    from slipstream.runtime.staging import RowUpdates, StepArena, StepTensors
 
 POISON = -7
 MAX_GROUPS = 2
 
 
-class SlotState(enum.Enum):
-    FREE = "free"
-    IN_FLIGHT = "in_flight"
+@dataclass(frozen=True, eq=False)
+class Staged:
+    """A ForwardInput staged in a slot's arena, and how it runs there. A steady batch relaunches the
+    same ForwardInput (the scheduler's persistent batch): then this is reused as it is, with no
+    staging, no graph choice and no upload (ModelRunner.launch_forward)."""
+
+    packed: ForwardInput
+    unmasked: bool  # no sampling group of it carries a grammar mask (launch_forward's argument)
+    graphed: Any  # ModelRunner's graph choice (_Graphed), None: it runs eagerly
+    tensors: StepTensors  # device views of its inputs in the slot's arena
+    updates: RowUpdates | None  # row-table writes before its forward; None: none
+    carry: bool  # a carry step (runtime/carry.py)
+    chunk_carry: ChunkCarry | None  # its chunks' carried inputs (eager carry steps)
+    needs: GroupNeeds  # what sampling all its rows needs (from the host mirrors, at staging)
+    sampled_in_graph: bool = field(init=False)  # its greedy decode graph samples every row (launch_sampling stamps)
+    num_samples: int = field(init=False)  # (its input's sampling rows, read at every launch and commit)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sampled_in_graph", self.graphed is not None and self.graphed.samples)
+        object.__setattr__(self, "num_samples", self.packed.num_samples)
 
 
 class StepSlot:
-    def __init__(self, index: int, device, max_samples: int, vocab_size: int):
+    def __init__(self, index: int, device, max_samples: int, vocab_size: int, arena: StepArena):
         self.index = index
-        self.state = SlotState.FREE
-        self.step_id = -1
-        # [max_samples] sampled ids, then the stamp: one buffer, so one copy carries both
-        self.sampled_and_stamp = torch.zeros(max_samples + 1, dtype=torch.int64, device=device.torch_device)
-        self.sampled, self.stamp = self.sampled_and_stamp[:max_samples], self.sampled_and_stamp[max_samples:]
+        self.arena = arena
+        self.staged: Staged | None = None  # what the arena holds now (set by the runner when it stages)
+        self.owner: LaunchedStep | None = None  # the step in flight in this slot
+        # [stamp, sampled ids]: one buffer, so one copy of its first n + 1 entries carries both
+        self.stamp_and_sampled = torch.zeros(max_samples + 1, dtype=torch.int64, device=device.torch_device)
+        self.stamp, self.sampled = self.stamp_and_sampled[:1], self.stamp_and_sampled[1:]
         self.stamp.fill_(-1)
-        self.host_sampled_and_stamp = device.host_buffer((max_samples + 1,), torch.int64)
-        self.host_sampled = self.host_sampled_and_stamp[:max_samples]
-        self.host_stamp = self.host_sampled_and_stamp[max_samples:]
-        self.host_sampled_and_stamp.fill_(POISON)
+        self.host_stamp_and_sampled = device.host_buffer((max_samples + 1,), torch.int64)
+        self._host = self.host_stamp_and_sampled.numpy()
+        self._host[:] = POISON
         self.logprobs = torch.zeros(max_samples, dtype=torch.float32, device=device.torch_device)
         self.host_logprobs = device.host_buffer((max_samples,), torch.float32)
         # top_logprobs alternatives (SamplingParams.top_logprobs): copied only for steps that want them
@@ -56,14 +83,10 @@ class StepSlot:
         self.top_ids = torch.zeros(max_samples, MAX_TOP_LOGPROBS, dtype=torch.int64, device=device.torch_device)
         self.host_top_values = device.host_buffer((max_samples, MAX_TOP_LOGPROBS), torch.float32)
         self.host_top_ids = device.host_buffer((max_samples, MAX_TOP_LOGPROBS), torch.int64)
-        self.top_k = 0  # the largest top_logprobs of the current step's rows (0: none)
         # a carry step's (kind, values...) per sampling row (runtime/carry.py), copied with its tokens
         self.carry_out = torch.zeros(max_samples, 1 + MAX_CARRY_VALUES, dtype=torch.float32,
                                      device=device.torch_device)
         self.host_carry = device.host_buffer((max_samples, 1 + MAX_CARRY_VALUES), torch.float32)
-        self.carry_step = False  # the current step has a row with carry tokens
-        self.hidden: torch.Tensor | None = None  # a carry step's hidden states of its sample rows
-        self.sample_rows_host: np.ndarray | None = None  # the current step's sampling rows
         # Sampling groups (all rows at once, or unconstrained rows at launch and constrained rows at
         # finalize): each stages its sampling-row indices and packed allowed-token masks in host
         # buffers of its own, uploaded in one go (pinned on CUDA; shared memory on the CPU). The
@@ -76,66 +99,72 @@ class StepSlot:
         else:
             self.group_dev = torch.zeros_like(self.group_host, device=device.torch_device)
             self.mask_dev = torch.zeros(MAX_GROUPS, max_samples, words, dtype=torch.int32, device=device.torch_device)
-        self.sample_rows: torch.Tensor | None = None  # device view: the step's rows receiving samples
-        self.groups = 0  # sampling groups launched for the current step
-        self.logits: torch.Tensor | None = None  # written by the forward, read by sampling
-        self.num_samples = 0
-        self.sample_done: Event | None = None  # events of the step currently in this slot
-        self.copy_done: Event | None = None
-        self.sampled_in_graph = False  # its decode graph sampled every row (ModelRunner.forward_greedy)
 
-    @property
-    def is_free(self) -> bool:
-        return self.state is SlotState.FREE
-
-    def acquire(self, step_id: int) -> None:
-        if self.state is not SlotState.FREE:
+    def acquire(self, step: LaunchedStep) -> None:
+        if self.owner is not None:
             raise SlotReuseError(
-                f"slot {self.index} relaunched for step {step_id} while step {self.step_id} "
+                f"slot {self.index} relaunched for step {step.step_id} while step {self.owner.step_id} "
                 "has not been committed (its host landing buffer may still be receiving a copy)"
             )
-        self.state = SlotState.IN_FLIGHT
-        self.step_id = step_id
-        self.sample_done = self.copy_done = None
-        self.sampled_in_graph = False
-        self.groups = 0
-        self.top_k = 0
-        self.carry_step = False
+        self.owner = step
 
-    def stage_group(self, rows, bitmask) -> int:
-        """Write one sampling group's row indices (and masks) into its host buffers; returns the group."""
-        g = self.groups
-        if g >= MAX_GROUPS:
-            raise PipelineInvariantError(f"slot {self.index}: more than {MAX_GROUPS} sampling groups in one step")
-        self.groups += 1
+    def stage_group(self, g: int, rows, bitmask) -> None:
+        """Write sampling group `g`'s row indices (and masks) into its host buffers."""
         k = len(rows)
         self.group_host[g].numpy()[:k] = rows
         if bitmask is not None:
             self.mask_host[g, :k].numpy()[:] = bitmask
-        return g
 
-    def read_host(self) -> tuple[list[int], list[float]]:
-        """Sampled ids and their logprobs of the step in this slot; valid once copy_done completed."""
-        if self.state is not SlotState.IN_FLIGHT or self.copy_done is None or not self.copy_done.query():
+    def read_host(self, step: LaunchedStep, n: int, logprobs: bool) -> tuple[list[int], list[float] | None]:
+        """The step's n sampled ids (and their logprobs, if asked); valid once its copy completed."""
+        if self.owner is not step or step.copy_done is None or not step.copy_done.query():
             raise PipelineInvariantError(f"slot {self.index}: host buffer read before its copy landed")
-        ids = self.host_sampled[: self.num_samples].tolist()
+        host = self._host
+        stamp, ids = int(host[0]), host[1:n + 1].tolist()
         if POISON in ids:
             raise PipelineInvariantError(f"slot {self.index}: poisoned token read (copy did not land)")
-        stamp = int(self.host_stamp[0])
-        if self.num_samples and stamp != self.step_id:
-            raise PipelineInvariantError(f"slot {self.index}: step {self.step_id} read tokens stamped by step {stamp} "
+        if n and stamp != step.step_id:
+            raise PipelineInvariantError(f"slot {self.index}: step {step.step_id} read tokens stamped by step {stamp} "
                                          "(its sampling never ran: stale device buffer)")
-        self.host_sampled[: self.num_samples].fill_(POISON)
-        self.host_stamp.fill_(POISON)
-        return ids, self.host_logprobs[: self.num_samples].tolist()
+        host[:n + 1] = POISON
+        return ids, self.host_logprobs[:n].tolist() if logprobs else None
 
     def release(self) -> None:
-        if self.state is not SlotState.IN_FLIGHT:
+        if self.owner is None:
             raise PipelineInvariantError(f"slot {self.index} released twice")
-        self.state = SlotState.FREE
-        self.logits = self.hidden = None
+        self.owner.logits = self.owner.hidden = None
+        self.owner = None
 
     def abandon(self) -> None:
         """Free the slot of a failed step without reading it (the device has drained)."""
-        self.host_sampled_and_stamp.fill_(POISON)
+        self._host[:] = POISON
         self.release()
+
+
+@dataclass(eq=False)
+class LaunchedStep:
+    """The runner's record of one step from its launch to its commit: the one runtime type of a
+    launched step. The engine loop holds it (`Step.launched`) and only hands it back."""
+
+    step_id: int
+    slot: StepSlot
+    staged: Staged
+    num_samples: int = 0  # its sampling rows (the staged input's)
+    groups: int = 0  # sampling groups launched
+    top_k: int = 0  # the largest top_logprobs of its sampled rows (0: none; copied back only then)
+    logprobs: bool = False  # some sampled row returns its logprob (copied back only then)
+    sampled: bool = False  # its final sampling is launched: nothing of it reads its logits after that
+    logits: torch.Tensor | None = None  # written by its forward on the compute stream, read by its sampling
+    hidden: torch.Tensor | None = None  # a carry step's hidden states of its sample rows
+    copy_done: Event | None = None  # its tokens are on the host
+
+    @property
+    def sample_rows_host(self) -> np.ndarray:
+        return self.staged.packed.sample_rows
+
+    def next_group(self) -> int:
+        g = self.groups
+        if g >= MAX_GROUPS:
+            raise PipelineInvariantError(f"step {self.step_id}: more than {MAX_GROUPS} sampling groups")
+        self.groups += 1
+        return g

@@ -53,7 +53,7 @@ class EncoderCache:
         self._lru: OrderedDict[bytes, None] = OrderedDict()  # entries without references, oldest first
         self.features = 0
         self.hits = self.misses = self.evictions = 0
-        self._dropped: list[bytes] = []  # evicted, not yet dropped by the runner
+        self.dropped: list[bytes] = []  # evicted, not yet dropped by the runner (`take_dropped`)
 
     def acquire(self, seq: Sequence, start: int = 0) -> None:
         """A reference to each of its images that a chunk will feed (admission; its first chunk starts
@@ -103,7 +103,7 @@ class EncoderCache:
 
     def take_dropped(self) -> list[bytes]:
         """Digests evicted since the last call, for `Runner.drop_features`."""
-        dropped, self._dropped = self._dropped, []
+        dropped, self.dropped = self.dropped, []
         return dropped
 
     def _evict(self) -> None:
@@ -111,7 +111,7 @@ class EncoderCache:
             digest, _ = self._lru.popitem(last=False)
             self.features -= self._entries.pop(digest).num_features
             self.evictions += 1
-            self._dropped.append(digest)
+            self.dropped.append(digest)
 
     def stats(self) -> EncoderCacheStats:
         return EncoderCacheStats(self.hits, self.misses, len(self._entries), self.features, self.evictions)

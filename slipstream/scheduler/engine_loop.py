@@ -73,6 +73,9 @@ class EngineLoop:
         self.error: BaseException | None = None
         self.step_timeout_s = step_timeout_s
         self.failed_steps = 0  # steps whose launched work raised (their requests failed)
+        # the steady batch's decode list (the Planner hands the same list out) and its packed input
+        self._steady_rows: list[Sequence] | None = None
+        self._steady_input: ForwardInput | None = None
 
     # --- requests -----------------------------------------------------------------------------
 
@@ -116,6 +119,7 @@ class EngineLoop:
     async def _run(self) -> None:
         while not self._closing:
             if not self.pipeline.inflight and not self.planner.has_work():
+                self._steady_rows = self._steady_input = None  # (idle: no finished sequence kept alive)
                 self._wake.clear()
                 self.idle_waits += 1
                 await self._wake.wait()
@@ -142,7 +146,7 @@ class EngineLoop:
         # work behind it to keep busy, and its first tokens would otherwise wait out the next
         # launch (an eager prefill launch costs the host tens of ms on CUDA). Period unchanged:
         # a host-bound loop does the same commit + launch per step in either order.
-        committed = bool(inflight) and self.runner.is_done(inflight[0].slot)
+        committed = bool(inflight) and self.runner.is_done(inflight[0].launched)
         if committed:
             await self.commit(inflight[0])
         t0 = time.perf_counter()
@@ -160,55 +164,61 @@ class EngineLoop:
         return launched is not None or committed
 
     def launch(self, step: Step) -> Step:
-        slot = next((s for s in self.runner.slots if s.is_free), None)
-        if slot is None:
-            raise PipelineInvariantError("no free StepSlot although fewer than depth steps are in flight")
         packed = self._pack(step)
-        step.launched(self.num_steps, packed, slot)
+        step_id = self.num_steps
         self.num_steps += 1
-        self._launch_encoder(step)
-        self.runner.launch_forward(slot, step.step_id, packed, unmasked=not self.constraints.live)
+        if step.encodes or step.drops:
+            self._launch_images(step)
+        masked = self.constraints.live  # some live request has a grammar: which rows need a mask, when
+        step.step_id, step.packed = step_id, packed
+        step.launched = self.runner.launch_forward(step_id, packed, unmasked=not masked)
         self.pipeline.on_launch(step)
-        if self.constraints.live:  # some live request has a grammar: which rows need a mask, when
+        if masked:
             sampling = step.sampling_seqs()
             early, step.late_rows = self.constraints.split(sampling)
             if early or not step.late_rows:
                 mask = self.constraints.masks(sampling, early)
-                self.runner.launch_sampling(slot, packed, early, mask, final=not step.late_rows)
-        else:  # no grammar anywhere: every row samples right behind the forward, unmasked
-            self.runner.launch_sampling(slot, packed)
+                self.runner.launch_sampling(step.launched, early, mask, final=not step.late_rows)
         step.timings["t_launch"] = time.perf_counter()
         return step
 
-    def _launch_encoder(self, step: Step) -> None:
+    def _launch_images(self, step: Step) -> None:
         """Images this step feeds first are encoded right before its forward, on the same stream;
         outputs the encoder cache evicted are dropped first (no launched step reads them)."""
-        cache = self.planner.encoder_cache
-        dropped = cache.take_dropped()
-        if dropped:
-            self.runner.drop_features(dropped)
+        if step.drops:
+            self.runner.drop_features(step.drops)
         if step.encodes:
             self.runner.launch_encoder(step.encodes)
 
     def _pack(self, step: Step) -> ForwardInput:
-        """The runner-side input of a planned step (the one place the loop builds it)."""
+        """The runner-side input of a planned step (the one place the loop builds it). The Planner's
+        steady batch hands out the same decode list again: its input is the same ForwardInput, or
+        that input with the step's page-table entries."""
+        if step.decode is self._steady_rows and not step.chunks:
+            steady = self._steady_input
+            assert steady is not None
+            if not step.page_writes:
+                return steady
+            return steady.with_page_writes(np.asarray(step.page_writes, np.int64).reshape(-1, 3))
         rows = np.fromiter((seq.row for seq in step.decode), np.int64, len(step.decode))
-        return pack_step(rows, step.chunks, np.asarray(step.page_writes, np.int64).reshape(-1, 3),
-                         self.row_multiple)
+        packed = pack_step(rows, step.chunks, np.asarray(step.page_writes, np.int64).reshape(-1, 3),
+                           self.row_multiple)
+        if not step.chunks and not step.page_writes:
+            self._steady_rows, self._steady_input = step.decode, packed
+        return packed
 
     async def commit(self, step: Step) -> None:
         t0 = time.perf_counter()
         try:
-            result = await self.runner.read_sampled(step.slot)
+            result = await self.runner.read_sampled(step.launched)
         except PipelineInvariantError:
             raise
         except Exception as e:  # noqa: BLE001 - launched work of this step raised on some stream
             await self._recover(step, e)
             return
         t1 = time.perf_counter()
-        step.slot.release()  # the host buffer has been read: the slot may take a new step
         self.outputs.commit_time = t1  # one clock read per step: the commit time of all its tokens
-        self.pipeline.on_commit(step, result.ids, result.logprobs, self._accept, result.top, result.carried)
+        self.pipeline.on_commit(step, result, self.outputs.accept)
         t2 = time.perf_counter()
         step.timings.update(commit_wait=t1 - t0, commit=t2 - t1, t_committed=t2)
         for observe in self.observers:
@@ -219,19 +229,10 @@ class EngineLoop:
         step.timings["t_finalize"] = t0
         if step.late_rows:  # every step before this one is committed: matchers are current
             mask = self.constraints.masks(step.sampling_seqs(), step.late_rows)
-            self.runner.launch_sampling(step.slot, step.packed, step.late_rows, mask, final=True)
+            self.runner.launch_sampling(step.launched, step.late_rows, mask, final=True)
         step.timings["finalize"] = time.perf_counter() - t0
 
     # --- failure ----------------------------------------------------------------------------
-
-    def _accept(self, seq: Sequence, token: int, logprob: float, top: dict[int, float] | None = None) -> None:
-        try:
-            self.outputs.accept(seq, token, logprob, top)
-        except PipelineInvariantError:
-            raise
-        except Exception as e:  # noqa: BLE001 - one request's processing failed: only it fails
-            log.warning("commit_request_failed", request_id=seq.request_id, error=repr(e))
-            self.outputs.fail(seq, e)
 
     async def _recover(self, failed: Step, error: BaseException) -> None:
         """`failed` (the oldest step) raised: fail the requests of every step in flight, drain, recover."""
@@ -245,9 +246,10 @@ class EngineLoop:
                 e.__cause__ = error
                 self.outputs.fail(seq, e)
         await self.runner.drain()
-        recovered = self.runner.recover([step.slot for step in steps])
+        recovered = self.runner.recover([step.launched for step in steps])
         # page-table entries of requests these steps did not carry (admitted without a chunk): again
         self.planner.pages.requeue([w for step in steps for w in step.page_writes], self.planner.running)
+        self.planner.batch_changed()
         for step in steps:
             for span in step.encodes:  # a failed stream may have skipped them: encode again when needed
                 self.planner.encoder_cache.unlaunch(span.digest)
@@ -269,7 +271,8 @@ class EngineLoop:
     def describe_state(self) -> dict:
         now = time.perf_counter()
         return {
-            "slots": [f"{s.index}:{s.state.value}:step={getattr(s, 'step_id', None)}" for s in self.runner.slots],
+            "slots": [f"{s.index}:" + (f"step={s.owner.step_id}" if s.owner else "free")
+                      for s in getattr(self.runner, "slots", ())],
             "inflight_steps": [f"{s.step_id}:{s.kind}:{len(s.seqs)} seqs"
                                f":age={now - s.timings.get('t_launch', now):.3f}s"
                                for s in self.pipeline.inflight],

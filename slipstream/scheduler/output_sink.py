@@ -19,14 +19,18 @@ Finish = Callable[[Sequence, str], bool]  # Pipeline.finish: mark finished, rele
 class OutputSink(Protocol):
     faults: object  # tests only: a slipstream.faults.FaultInjector, or None
     commit_time: float  # perf_counter of the commit being applied (set by the EngineLoop): token times
-    token_observers: list  # fn(token_times, start, end, arrival, prompt_len) per processed range (metrics)
+    token_observers: list  # fn(token_times, start, end, arrival, prompt_len) per processed range (tools)
+    pass_observers: list  # fn([(RequestMetrics, start, end, prompt_len), ...]) once per pass (metrics)
 
     def bind(self, finish: Finish) -> None:
         """Called once by the EngineLoop that owns the sink."""
 
-    def accept(self, seq: Sequence, token: int, logprob: float = 0.0, top: dict[int, float] | None = None) -> None:
-        """A committed token of a live (not finished) sequence; `top`: its top_logprobs alternatives
-        {token id: logprob}, most likely first, when the request asked for them."""
+    def accept(self, seqs: list[Sequence], tokens: list[int], logprobs: list[float] | None = None,
+               tops: list[dict[int, float] | None] | None = None) -> None:
+        """A commit's tokens of live (not finished) sequences, once per commit: `tokens[i]` is
+        `seqs[i]`'s; `logprobs` None when no row asked for them; `tops[i]` its top_logprobs
+        alternatives {token id: logprob}, most likely first, when its request asked for them. A
+        request whose processing fails is failed alone."""
 
     def abort(self, seq: Sequence) -> None:
         """End the request with finish_reason "abort"."""

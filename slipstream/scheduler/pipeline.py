@@ -18,13 +18,17 @@ from __future__ import annotations
 
 import os
 from collections import deque
-from itertools import repeat
 from typing import Callable
 
 from slipstream.errors import PipelineInvariantError
+from slipstream.runtime.runner_api import SampledTokens
 from slipstream.scheduler.planner import Planner
 from slipstream.scheduler.sequence import Sequence, SeqStatus
 from slipstream.scheduler.step import Step
+
+# accept(live sequences, their tokens, logprobs or None, top_logprobs alternatives or None): the output
+# sink's tick side (OutputSink.accept), one call per commit
+Accept = Callable[[list[Sequence], list[int], "list[float] | None", "list[dict[int, float] | None] | None"], None]
 
 
 class Pipeline:
@@ -62,45 +66,74 @@ class Pipeline:
     def oldest(self) -> Step:
         return self.inflight[0]
 
-    def on_commit(self, step: Step, sampled: list[int], logprobs: list[float],
-                  accept: Callable[..., None], top: dict[int, dict[int, float]] | None = None,
-                  carried: dict[int, tuple[int, tuple[float, ...]]] | None = None) -> None:
-        """Apply a step's sampled tokens (sampling-row order: decode rows, then sampling chunks).
-        `accept(seq, token, logprob[, alternatives])` appends and runs the tick's stop checks; `top`
-        holds the top_logprobs alternatives of the sampling rows that asked for them; `carried` the
-        (kind, values) of the rows that sampled a carry token, kept as `Sequence.carried` of the
-        token's output index (not for a zombie)."""
+    def on_commit(self, step: Step, result: SampledTokens, accept: Accept) -> None:
+        """Apply a step's sampled tokens (`result`, in sampling-row order: decode rows, then sampling
+        chunks): the counts of every row first, then one `accept(seqs, tokens, logprobs, tops)` for
+        the live rows (it appends and runs the tick's stop checks, which may finish some), then the
+        releases. `result.top` holds the top_logprobs alternatives of the rows that asked for them;
+        `result.carried` the (kind, values) of the rows that sampled a carry token, kept as
+        `Sequence.carried` of the token's output index (not for a zombie)."""
         if not self.inflight or self.inflight[0] is not step:
             raise PipelineInvariantError(f"step {step.step_id} committed out of launch order")
         self.inflight.popleft()
-        d = len(step.decode)
-        n_chunk_samples = sum(w.sample for w in step.chunks)
+        sampled, logprobs, top, carried = result
+        decode = step.decode
+        d = len(decode)
+        n_chunk_samples = sum(w.sample for w in step.chunks) if step.chunks else 0
         if len(sampled) != d + n_chunk_samples:
             raise PipelineInvariantError(f"step {step.step_id}: {len(sampled)} sampled tokens for "
                                          f"{d + n_chunk_samples} sampling rows")
-        release, check = self.maybe_release, self.check_every_row
         cache, full = self.cache, self.planner.page_size
-        alternatives = repeat(None) if top is None else [top.get(i) for i in range(d)]
         keep = None
         if carried:  # before the loops: whether the row is a zombie is decided by its state now
             by_row = step.sampling_seqs()
             keep = [(by_row[i], value) for i, value in carried.items() if not by_row[i].finished]
-        for seq, token, logprob, alt in zip(step.decode, sampled, logprobs, alternatives):  # the hot loop
+        live: list[Sequence] = []
+        at: list[int] | None = None  # sampling rows of `live`, once a row is left out
+        later: list[Sequence] = []  # rows to release once the commit is applied (zombies, victims)
+        for i, seq in enumerate(decode):  # the hot loop: integer updates
             seq.inflight_refs -= 1
             seq.pending_samples -= 1
             if seq.finished:
                 self.zombie_commits += 1
+                later.append(seq)
+                if at is None:
+                    at = list(range(len(live)))
+                continue
+            seq.num_computed += 1  # the K/V of its input token (the previous sample) is written
+            if cache is not None and seq.num_computed - seq.num_registered_pages * full >= full:
+                if seq.cache_extra is not None:
+                    cache.register(seq)
+            live.append(seq)
+            if at is not None:
+                at.append(i)
+            if seq.preempting:
+                later.append(seq)
+        if step.chunks:
+            at = self._commit_chunks(step, live, list(range(len(live))) if at is None else at, d)
+        if live:
+            if at is None:  # every row lives: the tokens as they came
+                accept(live, sampled, logprobs, [top.get(i) for i in range(len(live))] if top else None)
             else:
-                seq.num_computed += 1  # the K/V of its input token (the previous sample) is written
-                if cache is not None and seq.num_computed - seq.num_registered_pages * full >= full:
-                    if seq.cache_extra is not None:
-                        cache.register(seq)
-                accept(seq, token, logprob, alt)
-                if check and not seq.finished:
+                accept(live, [sampled[i] for i in at], None if logprobs is None else [logprobs[i] for i in at],
+                       [top.get(i) for i in at] if top else None)
+        if self.check_every_row:
+            for seq in live:
+                if not seq.finished:
                     seq.check()
-            if seq.finished or seq.preempting:
-                release(seq)
-        at = d
+        for seq in step.chunk_seqs:
+            if not seq.finished:  # a zombie's skipped token leaves its counts behind, by design
+                seq.check()
+            self.maybe_release(seq)
+        for seq in later:
+            self.maybe_release(seq)
+        if keep:  # each row committed one token this step: its newest
+            for seq, value in keep:
+                seq.carried[len(seq.output_ids) - 1] = value
+
+    def _commit_chunks(self, step: Step, live: list[Sequence], at: list[int], d: int) -> list[int]:
+        """The chunks' counts; their live sampling rows join `live` (and their indices `at`)."""
+        cache, k = self.cache, d
         for seq, work in zip(step.chunk_seqs, step.chunks):
             seq.inflight_refs -= 1
             if not seq.finished:
@@ -108,19 +141,14 @@ class Pipeline:
                 if cache is not None and seq.cache_extra is not None:
                     cache.register(seq)
             if work.sample:
-                token, logprob = sampled[at], logprobs[at]
-                at += 1
                 seq.pending_samples -= 1
                 if seq.finished:
                     self.zombie_commits += 1
                 else:
-                    accept(seq, token, logprob, None if top is None else top.get(at - 1))
-            if not seq.finished:  # a zombie's skipped token leaves its counts behind, by design
-                seq.check()
-            release(seq)
-        if keep:  # each row committed one token this step: its newest
-            for seq, value in keep:
-                seq.carried[len(seq.output_ids) - 1] = value
+                    live.append(seq)
+                    at.append(k)
+                k += 1
+        return at
 
     def on_abandon(self, step: Step) -> None:
         """Drop a failed step without tokens; every sequence in it must already be finished."""
@@ -141,6 +169,7 @@ class Pipeline:
         if seq.finished:
             return False
         seq.finished, seq.finish_reason = True, reason
+        self.planner.batch_changed()
         for observe in self.finish_observers:
             observe(seq, reason)
         if seq.status is SeqStatus.WAITING:

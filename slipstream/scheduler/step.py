@@ -1,11 +1,15 @@
 """One step of the engine loop, as the scheduler sees it: what the Planner chose, then what launch
-adds. The runner-side input it is packed into is runtime/batch.py's `ForwardInput`."""
+adds. The runner-side input it is packed into is runtime/batch.py's `ForwardInput`; the runner's
+record of its launch is a `Launched` (runtime/runner_api.py; a LaunchedStep on a device).
+
+While the batch is steady the Planner hands out the same `decode` list step after step (the
+persistent batch): the loop then launches the same ForwardInput again (EngineLoop._pack)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from slipstream.runtime.batch import ForwardInput, ImageSpan, SeqWork
-from slipstream.runtime.runner_api import Slot
+from slipstream.runtime.runner_api import Launched
 from slipstream.scheduler.sequence import Sequence
 
 
@@ -18,15 +22,13 @@ class Step:
     chunk_seqs: list[Sequence]
     page_writes: list[int]  # flat (row, index, page) triples
     encodes: list[ImageSpan] = field(default_factory=list)  # images encoded right before its forward
-    # launched (EngineLoop.launch sets them through `launched`; reading one earlier raises)
+    drops: list[bytes] = field(default_factory=list)  # encoder outputs the encoder cache evicted: dropped first
+    # launched (set by EngineLoop.launch; reading one earlier raises)
     step_id: int = field(init=False, repr=False)
     packed: ForwardInput = field(init=False, repr=False)
-    slot: Slot = field(init=False, repr=False)  # the runner's StepSlot it runs in
+    launched: Launched = field(init=False, repr=False)  # the runner's record of it (its slot, its events)
     late_rows: list[int] = field(default_factory=list)  # sampling rows whose mask needs commit t-1
     timings: dict[str, float] = field(default_factory=dict)
-
-    def launched(self, step_id: int, packed: ForwardInput, slot: Slot) -> None:
-        self.step_id, self.packed, self.slot = step_id, packed, slot
 
     @property
     def seqs(self) -> list[Sequence]:

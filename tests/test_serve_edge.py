@@ -17,14 +17,21 @@ MAX_BODY, MAX_CHARS = 64 * 1024, 1000
 
 class CountingTokenizer(ByteTokenizer):
     encodes = 0
+    decode_threads: list = []
 
     def encode(self, text):
         CountingTokenizer.encodes += 1
         return super().encode(text)
 
+    def decode(self, ids, skip_special_tokens=True):
+        import threading
+
+        CountingTokenizer.decode_threads.append((len(ids), threading.current_thread().name))
+        return super().decode(ids, skip_special_tokens)
+
 
 class Backend:
-    model_name, vocab_size, max_model_len, max_prompt_chars = "edge-model", 512, 4096, MAX_CHARS
+    model_name, vocab_size, max_model_len, max_prompt_chars = "edge-model", 512, 2048, MAX_CHARS
 
     def __init__(self):
         self.tokenizer = CountingTokenizer(512)
@@ -92,6 +99,34 @@ def test_a_prompt_over_max_prompt_chars_is_400_before_it_is_tokenized(server, pa
     with httpx.Client(base_url=server.url) as http:
         err = _openai_error(http.post(path, json=body), 400, param)
     assert "characters" in err["message"] and CountingTokenizer.encodes == before
+
+
+def test_detokenize_takes_at_most_max_model_len_ids_off_the_loop(server):
+    """issue 37, item 8: 4.1 M ids held the loop 1.4 s; now at most the context's worth, decoded on
+    a worker thread when long (the uvicorn thread runs the loop)."""
+    CountingTokenizer.decode_threads.clear()
+    with httpx.Client(base_url=server.url) as http:
+        err = _openai_error(http.post("/detokenize", json={"tokens": [72] * (Backend.max_model_len + 1)}), 400,
+                            "tokens")
+        assert "2,048" in err["message"] and err["code"] == "too_many_tokens"
+        assert CountingTokenizer.decode_threads == []
+        r = http.post("/detokenize", json={"tokens": [72] * Backend.max_model_len})
+        assert r.status_code == 200 and r.json()["prompt"] == "E" * Backend.max_model_len
+        assert http.post("/detokenize", json={"tokens": [72, 73]}).json()["prompt"] == "EF"
+    (n, thread), (_, short_thread) = CountingTokenizer.decode_threads
+    assert n == Backend.max_model_len and thread != "uvicorn-test" and short_thread == "uvicorn-test"
+
+
+def test_a_detokenize_body_longer_than_its_ids_need_is_413_before_it_is_read(server):
+    from slipstream.serve.app import detokenize_body_limit
+
+    limit = detokenize_body_limit(Backend.max_model_len)
+    assert limit < MAX_BODY  # (else the server-wide limit is the one tested)
+    body = b'{"tokens": [' + b",".join([b"72"] * (limit // 3 + 1)) + b"]}"
+    with httpx.Client(base_url=server.url) as http:
+        err = _openai_error(http.post("/detokenize", content=body, headers={"content-type": "application/json"}),
+                            413)
+    assert err["code"] == "request_too_large" and f"{limit:,}" in err["message"]
 
 
 @pytest.mark.parametrize("raw", [

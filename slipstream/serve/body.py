@@ -11,19 +11,19 @@ from slipstream.serve.api_errors import ApiError
 from slipstream.serve.state import DEFAULT_MAX_BODY_BYTES  # noqa: F401 (the app imports it from here)
 
 
-def too_large(size: int, limit: int) -> ApiError:
+def too_large(size: int, limit: int, why: str = "--max-body-bytes") -> ApiError:
     return ApiError(413, f"request body of {size:,} bytes exceeds this server's limit of {limit:,} bytes "
-                         "(--max-body-bytes)", "invalid_request_error", None, "request_too_large")
+                         f"({why})", "invalid_request_error", None, "request_too_large")
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, limit: int, why: str = "--max-body-bytes") -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise too_large(int(declared), limit)
+        raise too_large(int(declared), limit, why)
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise too_large(size, limit)
+            raise too_large(size, limit, why)
         chunks.append(chunk)
     return b"".join(chunks)

@@ -14,7 +14,7 @@ from slipstream import validate as check
 from slipstream.api.engine import Engine, Prompt
 from slipstream.api.skills import check_skill_args
 from slipstream.errors import EngineClosedError, InvalidRequestError
-from slipstream.images import (ImageInput, ImageLike, ImageLimits, check_image_count, image_list, load_image,
+from slipstream.images import (ImageInput, ImageLike, ImageLimits, check_image_count, image_list, load_request_images,
                                model_accepts_images, require_vision)
 from slipstream.outputs import CompletionOutput
 from slipstream.params import EngineConfig, SamplingParams
@@ -73,7 +73,7 @@ class LLM:
             check_image_count(len(objs), f"{name}[{ImageLimits().max_images}]", ImageLimits())
             if objs:
                 require_vision(model_accepts_images(self.engine.model_config), f"{name}[0]")
-            out.append([load_image(o, f"{name}[{i}]") for i, o in enumerate(objs)])
+            out.append(load_request_images(objs, [f"{name}[{i}]" for i in range(len(objs))]))
         return out
 
     def chat(self, conversations: list[dict] | Sequence[list[dict]],

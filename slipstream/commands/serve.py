@@ -40,6 +40,12 @@ def register(sub) -> None:
     p.add_argument("--image-fetch-timeout", type=float, default=10.0,
                    help="seconds one remote image may take to fetch, connect to last byte")
     p.add_argument("--max-images", type=int, default=8, help="images per request; more get 400")
+    p.add_argument("--max-request-pixels", type=int, default=100_000_000,
+                   help="pixels of all of a request's images together (from their headers, before decoding); "
+                        "more get 400")
+    p.add_argument("--max-pixels-in-flight", type=int, default=400_000_000,
+                   help="pixels of decoded images the server holds at once (3 bytes each); a request that would "
+                        "pass it gets 429")
     serve_ray.add_args(p)
     p.add_argument("--max-batch-size", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
@@ -68,7 +74,9 @@ def image_serving(args):
     from slipstream.serve.images import ImageServing
 
     hosts = frozenset(h.strip().lower() for h in args.allowed_image_hosts.split(",") if h.strip())
-    return ImageServing(ImageLimits(max_images=args.max_images), hosts, args.image_fetch_timeout)
+    limits = ImageLimits(max_images=args.max_images, max_request_pixels=args.max_request_pixels,
+                         max_inflight_pixels=args.max_pixels_in_flight)
+    return ImageServing(limits, hosts, args.image_fetch_timeout)
 
 
 def _serve(args) -> int:

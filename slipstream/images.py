@@ -95,7 +95,7 @@ def decode_each(objs: Sequence[Any], fields: Sequence[str], limits: ImageLimits 
     """Yield each image decoded, one at a time, after every header was read and the count and the
     request's pixels checked: a caller that drops each picture before the next holds one at once."""
     objs, fields = list(objs), list(fields)
-    check_image_count(len(objs), fields[min(len(fields), limits.max_images + 1) - 1] if fields else "images", limits)
+    check_image_fields(fields, limits)
     opened, total = [], 0
     for obj, field in zip(objs, fields):
         item = _open(obj, field, limits)
@@ -287,6 +287,12 @@ def check_image_count(n: int, field: str, limits: ImageLimits = ImageLimits()) -
         raise _error(field, f"{n} images in one request; at most {limits.max_images} are accepted")
 
 
+def check_image_fields(fields: Sequence[str], limits: ImageLimits = ImageLimits()) -> None:
+    """The count of a request's images, refused naming the first one past the limit (every door alike)."""
+    if len(fields) > limits.max_images:
+        check_image_count(len(fields), fields[limits.max_images], limits)
+
+
 def require_vision(accepts_images: bool, field: str) -> None:
     """The refusal every entry gives an image sent to a text-only model (no vision tower)."""
     if not accepts_images:
@@ -347,5 +353,5 @@ async def load_images(objs: Sequence[Any], fields: Sequence[str],
         raise ValueError(f"load_images: {len(objs)} images but {len(fields)} field names")
     if not objs:
         return []
-    check_image_count(len(objs), fields[min(len(objs), limits.max_images + 1) - 1], limits)
+    check_image_fields(fields, limits)
     return await asyncio.get_running_loop().run_in_executor(None, load_request_images, objs, fields, limits)

@@ -92,7 +92,7 @@ async def run(args, lines: list[str]) -> None:
                         outcome = f"ok ({out.usage.prompt_tokens} prompt tokens)"
                     except SlipstreamError as e:
                         outcome = f"{type(e).__name__}(param={getattr(e, 'param', None)!r})"
-                    await asyncio.sleep(0.05)  # (finalizers and any release after the request)
+                    await asyncio.sleep(0.3)  # (finalizers, and the allocator trim they start on a thread)
                 after = rss_mb()
                 emit(lines, f"| {n} x {mp} | {k + 1} | {outcome} | {after:.1f} ({after - base:+.1f}) | "
                             f"{peak.peak:.1f} ({peak.peak - base:+.1f}) |")

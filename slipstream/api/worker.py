@@ -50,7 +50,7 @@ from slipstream.errors import (
     WorkerShuttingDownError,
     WorkerUnavailableError,
 )
-from slipstream.images import load_images, model_accepts_images, require_vision
+from slipstream.images import check_image_fields, load_images, model_accepts_images, require_vision
 from slipstream.params import EngineConfig, SamplingParams
 
 log = structlog.get_logger(__name__)
@@ -262,8 +262,9 @@ class Worker:
         try:
             prompt = msg.prompt if msg.messages is None else await self.engine.chat_prompt(msg.messages)
             images = {}
-            if msg.images:  # refused for a text model before anything is decoded; decoded off the loop
+            if msg.images:  # counted, then refused for a text model before anything is decoded; off the loop
                 fields = [f"images[{i}]" for i in range(len(msg.images))]
+                check_image_fields(fields)
                 require_vision(model_accepts_images(self.engine.model_config), fields[0])
                 images = {"images": await load_images(msg.images, fields)}
             if msg.stream:

@@ -278,6 +278,47 @@ def test_a_prompt_request_and_keep_alive_still_work(timed_server):
         assert r.status_code == 200 and "[DONE]" in r.text
 
 
+def _half_a_body(port: int) -> None:
+    """Headers promising 1,000 bytes of body, 10 of them, then a close (or nothing more)."""
+    import socket
+
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: 1000\r\n\r\n" + b'{"prompt":')
+    return s
+
+
+def _counts(url: str) -> tuple[float, float, float]:
+    text = httpx.get(url + "/metrics").text
+    return tuple(_count(text, "completions", status) for status in (499, 408, 500))
+
+
+def _wait_for(url: str, want, seconds: float = 5.0) -> tuple:
+    import time
+
+    deadline = time.monotonic() + seconds
+    while (got := _counts(url)) != want and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return got
+
+
+def test_a_client_gone_mid_body_is_its_own_outcome_not_a_crash(server):
+    """issue 37, item 12: it was logged as request_crashed with a traceback and counted as a 500."""
+    closed, timed_out, crashed = _counts(server.url)
+    _half_a_body(server.port).close()
+    assert _wait_for(server.url, (closed + 1, timed_out, crashed)) == (closed + 1, timed_out, crashed)
+
+
+def test_a_body_cut_by_the_read_timeout_is_a_408_not_a_crash(timed_server):
+    closed, timed_out, crashed = _counts(timed_server.url)
+    s = _half_a_body(timed_server.port)
+    try:
+        assert _wait_for(timed_server.url, (closed, timed_out + 1, crashed), READ_TIMEOUT + 5) == \
+            (closed, timed_out + 1, crashed)
+    finally:
+        s.close()
+
+
 # --- shutdown: a stream past the graceful timeout ends with an SSE error event ----------------
 class EndlessBackend(Backend):
     async def stream(self, ids, params, request_id):

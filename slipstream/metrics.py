@@ -221,6 +221,7 @@ class EngineMetrics:
         self._loop = None
         self._device_period = False
         self._last: tuple[float, int] | None = None  # (t_launch, idle_waits) of the previous commit
+        self.muted = False  # True: nothing is observed (a worker's warm-up request is not traffic)
 
     def attach(self, loop, pool, tracer=None, encoder_row_bytes: int | None = None) -> "EngineMetrics":
         """`encoder_row_bytes`: the model takes images (its encoder cache's series are exported)."""
@@ -247,9 +248,13 @@ class EngineMetrics:
 
     def on_finish(self, reason: str) -> None:
         """Called once per request as its caller gets its end (OutputProcessor), with that reason."""
+        if self.muted:
+            return
         self._finished.labels(self.model, reason).inc()
 
     def on_commit(self, step) -> None:
+        if self.muted:
+            return
         tm = step.timings
         self.steps.queue.append(1)
         self.bookkeeping.queue.append(tm.get("plan", 0.0) + tm.get("launch", 0.0) + tm.get("commit", 0.0)
@@ -264,7 +269,7 @@ class EngineMetrics:
     def on_tokens(self, token_times: list[float], start: int, end: int, arrival: float, prompt_len: int) -> None:
         """Output tokens start..end of one request were processed (by the output stage, off the tick):
         TTFT at its first, inter-token latencies between consecutive commits."""
-        if end <= start:
+        if end <= start or self.muted:
             return
         self.generation_tokens.queue.append(end - start)
         if start == 0:
@@ -274,7 +279,7 @@ class EngineMetrics:
         self.itl.queue.extend(map(operator.sub, token_times[start:end], token_times[start - 1:end - 1]))
 
     def on_step(self, rec) -> None:
-        if rec.contiguous:
+        if rec.contiguous and not self.muted:
             self.step_period.queue.append(rec.period)
             self.device_idle.queue.append(rec.idle)
             self.forward.queue.append(rec.forward)

@@ -137,7 +137,12 @@ class Worker:
     async def _serve_until_stopped(self, loop: asyncio.AbstractEventLoop) -> None:
         # warm up before binding: the first client never pays for lazy initialisation. A fixed
         # seed, so the engine's own seed sequence for unseeded requests is left as it was.
-        await self.engine.complete("warmup", SamplingParams(max_tokens=2, temperature=0.0, seed=0, ignore_eos=True))
+        # Not counted in the metrics: a scrape shows the traffic clients sent (issue 37).
+        self.engine.metrics.muted = True
+        try:
+            await self.engine.complete("warmup", SamplingParams(max_tokens=2, temperature=0.0, seed=0, ignore_eos=True))
+        finally:
+            self.engine.metrics.muted = False
         call = loop.call_soon_threadsafe
         self.io = WorkerIO(zmq.Context.instance(), self.address,
                            deliver=lambda ident, msg, params: call(self._on_message, ident, msg, params),

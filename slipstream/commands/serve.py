@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import signal
 
-from slipstream.cli import add_engine_args, engine_config
+from slipstream.cli import add_batch_args, add_engine_args, engine_config, needs_extra
 from slipstream.commands import serve_ray
 
 
 def register(sub) -> None:
     p = sub.add_parser("serve", help="serve the OpenAI API over HTTP (FastAPI + uvicorn)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     p.add_argument("--connect", action="append", metavar="ADDRESS", default=None,
                    help="a running `slipstream worker` (ipc://… or tcp://…); repeat to spread over several. "
                         "--model/--device are then the workers'")
@@ -47,10 +47,7 @@ def register(sub) -> None:
                    help="pixels of decoded images the server holds at once (3 bytes each); a request that would "
                         "pass it gets 429")
     serve_ray.add_args(p)
-    p.add_argument("--max-batch-size", type=int, default=32)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
+    add_batch_args(p)
     add_engine_args(p, log_level="info")
     p.set_defaults(func=_serve)
 
@@ -87,7 +84,7 @@ def _serve(args) -> int:
 
         from slipstream.serve.app import create_app
     except ImportError as e:
-        raise SystemExit(f"slipstream serve needs the `serve` extra ({e}): pip install 'slipstream[serve]'") from None
+        raise needs_extra("serve", "slipstream serve", e) from None
     app = create_app(build_backend(args), max_inflight=args.max_inflight, max_body_bytes=args.max_body_bytes,
                      images=image_serving(args))
     from slipstream.serve.read_timeout import read_timeout_protocol

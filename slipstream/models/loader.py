@@ -34,7 +34,9 @@ class LoadedModel:
 
 
 def _known_names() -> str:
-    return ", ".join(sorted(KNOWN_MODELS))
+    from slipstream.models.build import RANDOM  # (build imports this module)
+
+    return ", ".join(sorted(KNOWN_MODELS)) + "; random weights: " + ", ".join(sorted(RANDOM))
 
 
 def _packaged_file(name: str) -> Path:

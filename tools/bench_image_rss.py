@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import io
-import os
 import sys
 import tempfile
 import threading
@@ -23,14 +22,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the slipstream of this checkout
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tiny Idefics3 fixture
 
-from bench_lines import emit, report  # noqa: E402
+from bench_lines import emit, report_async, rss_mb  # noqa: E402
 
 SCENARIOS = [(8, 40), (2, 40), (8, 12)]  # (pictures per request, megapixels each)
-
-
-def rss_mb() -> float:
-    with open(f"/proc/{os.getpid()}/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 class Peak:
@@ -103,15 +97,7 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-
-    def body() -> list[str]:
-        lines: list[str] = []
-        import uvloop
-
-        uvloop.run(run(args, lines))
-        return lines
-
-    report(body, args.out)
+    report_async(run, args, args.out)
     return 0
 
 

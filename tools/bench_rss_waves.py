@@ -14,21 +14,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the slipstream of this checkout
 
-from bench_lines import emit, report  # noqa: E402
+from bench_lines import emit, report_async, rss_mb  # noqa: E402
 
 from slipstream import Engine, EngineConfig, SamplingParams  # noqa: E402
-
-
-def rss_mb() -> float:
-    with open(f"/proc/{os.getpid()}/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def slope(ys: list[float]) -> float:
@@ -93,15 +87,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-
-    def body() -> list[str]:
-        lines: list[str] = []
-        import uvloop
-
-        uvloop.run(run(args, lines))
-        return lines
-
-    report(body, args.out)
+    report_async(run, args, args.out)
     return 0
 
 

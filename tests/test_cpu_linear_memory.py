@@ -24,7 +24,7 @@ def test_every_row_count_up_to_two_blocks_costs_a_few_primitives():
     before = rss_mb()
     for m in range(2, 2 * ROW_BLOCK + 100, 3):
         layer(x[:m])
-    # the ladder's 32 sizes: ~15 MB; a primitive per row count: ~180 MB
+    # the ladder's 36 sizes: ~16 MB; a primitive per row count: ~180 MB
     assert rss_mb() - before < 32
 
 
@@ -42,9 +42,9 @@ def test_padding_changes_no_row():
 
 def test_the_ladder_is_small_and_wastes_little():
     sizes = {padded_rows(m) for m in range(1, ROW_BLOCK + 1)}
-    assert len(sizes) == 32 and max(sizes) == ROW_BLOCK
-    assert all(padded_rows(m) == m for m in range(1, 9))  # small decode batches run exactly
-    assert all(m <= padded_rows(m) <= m * 1.25 for m in range(9, ROW_BLOCK + 1))
+    assert len(sizes) == 36 and max(sizes) == ROW_BLOCK
+    assert all(padded_rows(m) == m for m in range(1, 17))  # small decode batches run exactly
+    assert all(m <= padded_rows(m) <= m * 1.25 for m in range(17, ROW_BLOCK + 1))
     cuts = {m: split_rows(m) for m in range(1, ROW_BLOCK + 1)}
-    assert cuts[129] == 128 and cuts[160] == cuts[150] == cuts[8] == 0  # 128 + 1, not 160; 150 -> 160
+    assert cuts[129] == 128 and cuts[160] == cuts[150] == cuts[16] == 0  # 128 + 1, not 160; 150 -> 160
     assert all(padded_rows(c) == c for c in cuts.values() if c)  # a split's first part is a ladder size

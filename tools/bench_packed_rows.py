@@ -24,7 +24,7 @@ from bench_lines import emit, pct, report  # noqa: E402
 from slipstream.models.cpu_linear import ROW_BLOCK, PackedLinear, padded_rows  # noqa: E402
 
 SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536)]  # q/o, k/v, gate/up, down (out, in)
-ROWS = [1, 3, 8, 9, 13, 17, 23, 33, 47, 65, 100, 129, 200, 257, 300, 512, 513, 700]
+ROWS = [1, 3, 8, 9, 16, 17, 23, 33, 47, 65, 100, 129, 200, 257, 300, 512, 513, 700]
 
 
 def exact(layer: PackedLinear, x: torch.Tensor) -> torch.Tensor:
@@ -63,7 +63,7 @@ def forward_table(args, lines: list[str]) -> None:
     emit(lines, "")
     emit(lines, "| step | rows | exact median | ladder median | ladder / exact median | mean | p90 |")
     emit(lines, "|---|---:|---:|---:|---:|---:|---:|")
-    for kind, n in [("decode", b) for b in (1, 8, 9, 12, 17, 24, 32)] + [("prefill", t) for t in (100, 129, 300, 512)]:
+    for kind, n in [("decode", b) for b in (1, 8, 9, 16, 17, 24, 32)] + [("prefill", t) for t in (100, 129, 300, 512)]:
         per = -(-(ctx + 1) // page) if kind == "decode" else -(-n // page)
         count = n if kind == "decode" else 1
         kv = KVCache(config, 1 + count * per, page, torch.float32, "cpu")

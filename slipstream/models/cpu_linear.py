@@ -17,12 +17,12 @@ against torch's default kernels (slipstream/runtime/cpu_invariance.py).
 oneDNN (and ideep above it) cache one primitive per input shape, ~0.5 MB each (generated code and
 buffers), up to 1,024 entries per cache, and a server's steps come in every row count up to its
 token budget: RSS grew by ~7 MB per wave of abandoned streams (issue 37; tools/bench_rss_waves.py).
-So every oneDNN call runs with a row count from a short ladder (`padded_rows`): exact up to 8
-(decode batches, where reading the weights dominates), then four sizes per doubling up to
-`ROW_BLOCK`, larger inputs split into blocks of it: 32 primitives per weight shape (~100 MB at most
-for SmolLM2-135M's five shapes). A row count between two sizes is padded with zero rows up to the
-next, or, when that wastes more, split into the size below plus the rest (`SPLIT_ROWS`): ~4% more
-rows computed on average over 9..512 rows, at most a fifth (tools/bench_packed_rows.py).
+So every oneDNN call runs with a row count from a short ladder (`padded_rows`): exact up to 16
+(decode batches), then four sizes per doubling up to `ROW_BLOCK`, larger inputs split into blocks of
+it: 36 primitives per weight shape (~90 MB at most for SmolLM2-135M's five shapes). A row count
+between two sizes is padded with zero rows up to the next, or, when that wastes more, split into the
+size below plus the rest (`SPLIT_ROWS`). What that costs is measured in tools/bench_packed_rows.py
+(docs/benchmarks.md, issue 37).
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ from slipstream.models.config import ModelConfig
 PACKABLE_DTYPES = (torch.float32,)
 _MADV_DONTNEED = 4
 ROW_BLOCK = 512  # rows per oneDNN call (the default token budget); larger inputs go in blocks
-EXACT_ROWS = 8
+EXACT_ROWS = 16
 # a further call costs about as much as this many rows (each call reads all the weights; measured
 # on SmolLM2-135M's shapes, one thread): split a row count when padding it wastes more
 SPLIT_ROWS = 8
@@ -51,7 +51,7 @@ def _step(m: int) -> int:
 
 def padded_rows(m: int) -> int:
     """The ladder size a call of `m` (1..ROW_BLOCK) rows runs with, padded: m up to EXACT_ROWS, then
-    the next multiple of a quarter of m's power of two (9 -> 10, 17 -> 20, 129 -> 160): 32 sizes."""
+    the next multiple of a quarter of m's power of two (17 -> 20, 33 -> 40, 129 -> 160): 36 sizes."""
     if m <= EXACT_ROWS:
         return m
     return -(-m // _step(m)) * _step(m)
@@ -65,6 +65,9 @@ def split_rows(m: int) -> int:
     below = m - m % _step(m)
     rest = m - below
     return below if rest and below + padded_rows(rest) + SPLIT_ROWS < padded_rows(m) else 0
+
+
+_PLANS = [(split_rows(m), padded_rows(m) - m) for m in range(ROW_BLOCK + 1)]  # m -> (cut, padding rows)
 
 
 @functools.lru_cache(maxsize=None)
@@ -93,14 +96,13 @@ class PackedLinear(nn.Module):
         if x.dim() != 2:
             return self.forward(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
         m = x.shape[0]
-        if m <= EXACT_ROWS:  # a decode step: as it comes (the hot path, no extra op)
+        if m <= EXACT_ROWS:  # most decode steps: as they come (the hot path, no extra op)
             return self._linear(x.contiguous(), self.packed, self.bias, "none", [], "")
         if m > ROW_BLOCK:
             return torch.cat([self.forward(x[i:i + ROW_BLOCK]) for i in range(0, m, ROW_BLOCK)])
-        cut = split_rows(m)
+        cut, pad = _PLANS[m]
         if cut:
             return torch.cat([self.forward(x[:cut]), self.forward(x[cut:])])
-        pad = padded_rows(m) - m
         y = self._linear(F.pad(x, (0, 0, 0, pad)) if pad else x.contiguous(), self.packed, self.bias, "none", [], "")
         return y[:m] if pad else y
 

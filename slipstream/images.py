@@ -213,7 +213,7 @@ def _decode(image: Image.Image, field: str) -> ImageInput:
 
 # --- the process's decoded pixels --------------------------------------------------------------
 TRIM_PIXELS = 16_000_000  # freed since the last trim: ask the allocator to return memory (48 MB as RGB)
-_lock = threading.Lock()
+_lock = threading.RLock()  # (a finalizer may run inside a held section, on a gc pass)
 _held = 0
 _freed = 0
 

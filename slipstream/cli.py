@@ -48,10 +48,25 @@ def add_log_args(p: argparse.ArgumentParser, default: str = "warning") -> None:
     p.set_defaults(default_log_level=default)
 
 
-def add_engine_args(p: argparse.ArgumentParser, log_level: str = "warning") -> None:
+def add_model_args(p: argparse.ArgumentParser, dtype: bool = True) -> None:
     p.add_argument("--model", default="smollm2-135m", help="model name, .gguf path, HF folder, or tiny-random / random-smollm2-135m (random weights)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model runs")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights and activations")
+    if dtype:
+        p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                       help="weights and activations")
+
+
+def add_batch_args(p: argparse.ArgumentParser) -> None:
+    """The engine's batch and page knobs (EngineConfig), for the commands that serve (worker, serve)."""
+    p.add_argument("--max-batch-size", type=int, default=32, help="sequences per step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="tokens per step: decode rows first, then prompt chunks share the rest")
+    p.add_argument("--page-size", type=int, default=16, help="KV positions per page of the paged cache")
+    p.add_argument("--seed", type=int, default=0, help="seeds the sampling of requests that give no seed")
+
+
+def add_engine_args(p: argparse.ArgumentParser, log_level: str = "warning") -> None:
+    add_model_args(p)
     p.add_argument("--pipeline-depth", type=int, default=2, choices=[1, 2], help="1: blocking, 2: pipelined")
     p.add_argument("--kv-cache-tokens", type=int, default=None,
                    help="KV pool in tokens (default: 32768 on the CPU, whose untouched pages take no memory; "
@@ -111,6 +126,13 @@ def check_device(args) -> None:
                                      "pip install 'slipstream[gpu]'") from None
 
 
+def needs_extra(extra: str, what: str, error: ImportError):
+    """The error a command raises when `extra` is not installed (one line, exit status 2)."""
+    from slipstream.errors import MissingExtraError
+
+    return MissingExtraError(f"{what} needs the `{extra}` extra ({error}): pip install 'slipstream[{extra}]'")
+
+
 def run_async(coro) -> int:
     """Run a command coroutine on uvloop (the engine's loop of choice)."""
     import uvloop
@@ -140,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # what was asked, for provenance headers
 
-    from slipstream.errors import DeviceUnavailableError, InvalidRequestError, ModelLoadError, SlipstreamError
+    from slipstream.errors import (DeviceUnavailableError, InvalidRequestError, MissingExtraError, ModelLoadError,
+                                   SlipstreamError)
     from slipstream.logging_setup import configure_logging, resolve_level
 
     try:
@@ -151,9 +174,10 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except SlipstreamError as e:
         # one line, no traceback: 2 for what was asked that cannot be done here (bad value, missing
-        # model, no GPU), 1 for what failed while running (worker gone, engine died)
+        # model, no GPU, an extra not installed), 1 for what failed while running (worker gone, engine died)
         print(f"slipstream: error: {e}", file=sys.stderr)
-        return 2 if isinstance(e, (InvalidRequestError, DeviceUnavailableError, ModelLoadError)) else 1
+        return 2 if isinstance(e, (InvalidRequestError, DeviceUnavailableError, ModelLoadError,
+                                   MissingExtraError)) else 1
     except KeyboardInterrupt:
         return 130
 

@@ -79,6 +79,11 @@ class DeviceUnavailableError(SlipstreamError, RuntimeError):
     """The requested device cannot be used here (e.g. device='cuda' without a GPU or a CUDA build of torch)."""
 
 
+class MissingExtraError(SlipstreamError, ImportError):
+    """A command or feature needs an optional extra that is not installed; the message names it
+    (`pip install 'slipstream[serve]'`)."""
+
+
 class PipelineInvariantError(SlipstreamError, AssertionError):
     """An internal pipeline invariant was broken (a bug in slipstream, never user input)."""
 

@@ -221,6 +221,7 @@ class EngineMetrics:
         self._loop = None
         self._device_period = False
         self._last: tuple[float, int] | None = None  # (t_launch, idle_waits) of the previous commit
+        self.muted = False  # True: nothing is observed (a worker's warm-up request is not traffic)
 
     def attach(self, loop, pool, tracer=None, encoder_row_bytes: int | None = None) -> "EngineMetrics":
         """`encoder_row_bytes`: the model takes images (its encoder cache's series are exported)."""
@@ -247,9 +248,13 @@ class EngineMetrics:
 
     def on_finish(self, reason: str) -> None:
         """Called once per request as its caller gets its end (OutputProcessor), with that reason."""
+        if self.muted:
+            return
         self._finished.labels(self.model, reason).inc()
 
     def on_commit(self, step) -> None:
+        if self.muted:
+            return
         tm = step.timings
         self.steps.queue.append(1)
         self.bookkeeping.queue.append(tm.get("plan", 0.0) + tm.get("launch", 0.0) + tm.get("commit", 0.0)
@@ -265,6 +270,8 @@ class EngineMetrics:
         """One output-stage pass (off the tick): each request's output tokens start..end were
         processed, as (RequestMetrics, start, end, prompt_len): TTFT at a request's first token,
         inter-token latencies between consecutive commits, the tokens counted once per pass."""
+        if self.muted:
+            return
         itl, sub, tokens = self.itl.queue, operator.sub, 0
         for m, start, end, prompt_len in ranges:
             if end <= start:
@@ -283,7 +290,7 @@ class EngineMetrics:
             self.generation_tokens.queue.append(tokens)
 
     def on_step(self, rec) -> None:
-        if rec.contiguous:
+        if rec.contiguous and not self.muted:
             self.step_period.queue.append(rec.period)
             self.device_idle.queue.append(rec.idle)
             self.forward.queue.append(rec.forward)

@@ -118,7 +118,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, f
             raise InvalidRequestError(f"json_schema must be a dict or JSON text, got {type(self.json_schema).__name__}",
                                       param="json_schema")
         if self.regex is not None:
-            check.text("regex", self.regex)
+            check.regex("regex", self.regex)
         if self.choice is not None:
             if not isinstance(self.choice, (list, tuple)) or not self.choice:
                 raise InvalidRequestError("choice must be a non-empty list of non-empty strings", param="choice")

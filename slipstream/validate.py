@@ -69,6 +69,51 @@ def text(name: str, value: Any, *, allow_empty: bool = False) -> str:
     return value
 
 
+MAX_REGEX_EXPANSION = 20_000  # positions a regex's counted repetitions spell out (a{10000}: 10,000)
+
+
+def regex(name: str, value: Any) -> str:
+    """A regex whose counted repetitions stay within MAX_REGEX_EXPANSION positions: llguidance
+    unrolls `{n}`, and `a{1000000}` took 1.3 s for its first mask, then failed at the first token
+    ("too many expressions constructed"), mid-generation (issue 37). Syntax Python's `re` does not
+    read (`\\p{L}`) is left to the grammar compiler."""
+    value = text(name, value)
+    size = _expansion(value)
+    if size > MAX_REGEX_EXPANSION:
+        raise InvalidRequestError(f"{name}: its counted repetitions ({{n}}, {{m,n}}) spell out {size:,} positions; "
+                                  f"at most {MAX_REGEX_EXPANSION:,} are accepted", param=name)
+    return value
+
+
+def _expansion(pattern: str) -> int:
+    import re._constants as c
+    import re._parser
+
+    try:
+        parsed = re._parser.parse(pattern)
+    except Exception:  # noqa: BLE001 - any syntax error: the grammar compiler's to report
+        return 0
+    repeats = {c.MAX_REPEAT, c.MIN_REPEAT, getattr(c, "POSSESSIVE_REPEAT", c.MAX_REPEAT)}
+
+    def size(items) -> int:
+        total = 0
+        for op, av in items:
+            if op in repeats:
+                lo, hi, sub = av
+                total += (hi if hi != c.MAXREPEAT else lo + 1) * size(sub)  # (* and + loop: one copy)
+            elif op is c.SUBPATTERN:
+                total += size(av[-1])
+            elif op is c.BRANCH:
+                total += sum(size(b) for b in av[1])
+            elif op is getattr(c, "ATOMIC_GROUP", None):
+                total += size(av)
+            else:
+                total += 1
+        return total
+
+    return size(parsed)
+
+
 def string_list(name: str, value: Any) -> list[str]:
     """None → [], a str → [str], a list of non-empty strings → itself."""
     if value is None:

@@ -101,3 +101,33 @@ async def test_an_application_gc_freeze_survives_an_engine():
         del kept
     finally:
         gc.unfreeze()
+
+
+async def test_the_watchdog_holds_no_step_it_looked_at():
+    """The watchdog's coroutine kept the last step it inspected as a local across its sleep, and
+    through it the step's sequences and requests: after the last step it saw, for good. The cycle
+    collector cannot free that, and test_finished_requests_… above failed when the watchdog woke
+    during one of its requests (issue 37's full-suite run)."""
+    import time
+    import weakref
+    from types import SimpleNamespace
+
+    from slipstream.scheduler.watchdog import Watchdog
+
+    class Step:
+        timings = {"t_launch": time.perf_counter() + 3600}  # never stalled
+
+    step = Step()
+    fake = SimpleNamespace(pipeline=SimpleNamespace(inflight=[step]))
+    dog = Watchdog(fake, timeout_s=0.02)  # wakes every 5 ms
+    task = asyncio.ensure_future(dog.run(asyncio.current_task()))
+    try:
+        await asyncio.sleep(0.05)  # it has looked at the step
+        seen = weakref.ref(step)
+        fake.pipeline.inflight.clear()
+        del step
+        await asyncio.sleep(0.05)
+        assert seen() is None
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

@@ -157,3 +157,53 @@ def test_unsupported_tokenizer():
 
     with pytest.raises(GrammarCompileError, match="llguidance grammars need"):
         GrammarCompiler(Odd(), 10).compile(GrammarSpec("regex", "a"))
+
+
+def _char_level(decoder: str | None):
+    """A character-level `tokenizers` BPE (as the tiny Idefics3's) with a decoder llguidance cannot
+    read from tokenizer.json (it reads byte-level and byte-fallback ones only)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+
+    from slipstream.models.tokenizer import Tokenizer as SlipTokenizer
+
+    special = ["<unk>", "<s>", "</s>"]
+    vocab = {t: i for i, t in enumerate(special + [chr(c) for c in range(32, 127)] + ["\n", "ab", "\u2581no"])}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    if decoder is not None:
+        backend.decoder = getattr(decoders, decoder)()
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    return SlipTokenizer(backend, bos_token_id=1, eos_token_ids=[2], chat_template=None)
+
+
+@pytest.mark.parametrize("decoder", ["Fuse", "Metaspace"])
+def test_grammars_work_with_tokenizers_llguidance_cannot_read(decoder):
+    """issue 37, item 7: the tiny Idefics3's tokenizer (decoder Fuse) failed every regex, choice and
+    json_schema request with "can't determine decoder type"."""
+    tok = _char_level(decoder)
+    n = tok.vocab_size
+    c = GrammarCompiler(tok, n + 5)
+    m = c.compile(GrammarSpec("regex", "[a-z]{1,6}( [a-z]{1,6})?")).matcher()
+    assert allowed(m, n + 5) == {tok.token_to_id(ch) for ch in "abcdefghijklmnopqrstuvwxyz"} | {tok.token_to_id("ab")}
+    drive(m, [tok.token_to_id(ch) for ch in "ab cd"], n + 5)
+    assert 2 in allowed(m, n + 5)  # EOS may end it here
+    m = c.compile(GrammarSpec("choice", '["yes", "no"]')).matcher()
+    assert allowed(m, n + 5) == {tok.token_to_id("y"), tok.token_to_id("n")}
+    m = c.compile(GrammarSpec("json_schema", json.dumps(SCHEMA))).matcher()
+    drive(m, [tok.token_to_id(ch) for ch in '{"name": "x", "age": 7}'], n + 5)
+    assert m.is_terminated() or 2 in allowed(m, n + 5)
+    if decoder == "Metaspace":  # "\u2581no" is " no" after another token, though "no" alone
+        m = c.compile(GrammarSpec("regex", "a[ x]no")).matcher()
+        drive(m, [tok.token_to_id("a"), tok.token_to_id("\u2581no")], n + 5)
+        assert 2 in allowed(m, n + 5)
+
+
+def test_the_tiny_idefics3_tokenizer_takes_grammars():
+    from idefics3_fixture import _char_tokenizer
+
+    from slipstream.models.tokenizer import Tokenizer as SlipTokenizer
+
+    backend, n = _char_tokenizer()
+    tok = SlipTokenizer(backend, bos_token_id=1, eos_token_ids=[3], chat_template=None)
+    m = GrammarCompiler(tok, n).compile(GrammarSpec("choice", '["yes", "no", "maybe"]')).matcher()
+    drive(m, tok.encode("maybe"), n)
+    assert m.is_terminated() or 3 in allowed(m, n)

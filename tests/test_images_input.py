@@ -166,15 +166,15 @@ async def test_load_images_decodes_on_another_thread_while_the_loop_runs(monkeyp
     loop_thread = threading.get_ident()
     ticked = threading.Event()
     seen = []
-    real = images.load_image
+    real = images.load_request_images
 
-    def slow_load(obj, field, limits):
+    def slow_load(objs, fields, limits):
         seen.append(threading.get_ident())
         # the loop must be free to tick while this decode runs; on the loop it would wait in vain
         seen.append(ticked.wait(timeout=5))
-        return real(obj, field, limits)
+        return real(objs, fields, limits)
 
-    monkeypatch.setattr(images, "load_image", slow_load)
+    monkeypatch.setattr(images, "load_request_images", slow_load)
 
     async def ticker():
         await asyncio.sleep(0)

@@ -172,3 +172,45 @@ def test_load_progress_bar_only_for_the_cli_on_a_terminal(monkeypatch):
     assert list(bar) == items and "loading weights" in sys.stderr.getvalue()
     monkeypatch.setattr(sys, "stderr", io.StringIO())  # not a terminal: no bar
     assert logging_setup.load_progress(items, 3, "x") is items
+
+
+@pytest.mark.parametrize("argv", [
+    ["timeline", "--steps", "0", "--model", "tiny-random"],
+    ["bench", "--repeats", "0", "--model", "tiny-random"],
+    ["serve", "--ray", "--connect", "ipc:///tmp/none.sock"],
+    ["serve", "--ray", "--min-replicas", "1"],
+])
+def test_bad_values_of_every_command_are_one_error_line(argv, capsys):
+    """issue 37, item 14: timeline, bench and serve --ray printed their own formats (or exit 1)."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("slipstream: error: ") and err.count("\n") == 1, err
+
+
+def test_every_option_of_every_command_says_what_it_does():
+    """issue 37, item 15: --max-message-bytes, --max-batch-size, --page-size, --seed, --max-replicas,
+    bench/timeline's --model/--device/--dtype had no help; `--no-trace (default: True)` read backwards."""
+    import argparse
+
+    from slipstream.cli import build_parser
+
+    parser = build_parser()
+    subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    missing, backwards = [], []
+    for name, sub in subs.choices.items():
+        for action in sub._actions:
+            if not action.option_strings or isinstance(action, argparse._HelpAction):
+                continue
+            if not action.help or action.help.startswith("(default"):
+                missing.append(f"{name} {action.option_strings[0]}")
+            if isinstance(action, argparse._StoreFalseAction):
+                backwards.append(f"{name} {action.option_strings[0]}")
+    assert not missing, missing
+    assert not backwards, backwards  # a --no-X flag whose default shows as True: use --X/--no-X
+
+
+def test_an_unknown_model_is_told_every_name_it_could_have_been(capsys):
+    assert main(["generate", "hi", "--model", "no-such-model"]) == 2
+    err = capsys.readouterr().err
+    for name in ("smollm2-135m", "tiny-random", "random-smollm2-135m"):
+        assert name in err, err

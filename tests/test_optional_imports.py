@@ -100,3 +100,23 @@ with contextlib.redirect_stderr(err):
     assert result["backend"] == "reference"  # left as it was
     status, stderr = result["cli"]
     assert status == 2 and "--device cuda needs the `triton` package" in stderr, result["cli"]
+
+
+def test_a_missing_extra_is_one_error_line_naming_it():
+    """issue 37, item 14: `serve` and `timeline` without their extras printed their own formats and
+    exit codes; every command now says `slipstream: error: ...` and exits 2, naming the extra."""
+    result = run_hidden("""
+import contextlib, io
+from slipstream.cli import main
+result = {}
+for argv in (["serve", "--model", "tiny-random"], ["serve", "--ray", "--model", "tiny-random"],
+             ["timeline", "--model", "tiny-random"]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        status = main(argv)
+    result[" ".join(argv[:2])] = [status, err.getvalue()]
+""")
+    for cmd, extra in {"serve --model": "serve", "serve --ray": "ray", "timeline --model": "plot"}.items():
+        status, err = result[cmd]
+        assert status == 2 and err.startswith("slipstream: error: ") and err.count("\n") == 1, (cmd, err)
+        assert f"pip install 'slipstream[{extra}]'" in err, (cmd, err)

@@ -3,6 +3,8 @@ import argparse
 
 import pytest
 
+from slipstream.errors import InvalidRequestError
+
 pytest.importorskip("ray.serve")
 
 from slipstream.commands import serve as serve_cmd  # noqa: E402
@@ -23,7 +25,7 @@ def test_cli_fixed_replicas_and_autoscaling_pass_through():
     o = options(parse("--ray", "--replicas", "2", "--min-replicas", "1", "--max-replicas", "8"))
     assert o.autoscaling == {"min_replicas": 1, "max_replicas": 8, "initial_replicas": 2,
                              "target_ongoing_requests": 32.0}
-    with pytest.raises(SystemExit, match="go together"):
+    with pytest.raises(InvalidRequestError, match="go together"):  # `slipstream: error: ...`, exit 2
         options(parse("--ray", "--min-replicas", "1"))
 
 

@@ -48,3 +48,17 @@ def test_defaults_are_neutral():
     p = SamplingParams()
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_p, p.min_tokens,
             p.top_logprobs, p.n) == (0.0, 0.0, 1.0, 0.0, 0, 0, 1)
+
+
+@pytest.mark.parametrize("regex", ["a{1000000}", "(a{100}){1000}", "x(ab){20000}"])
+def test_a_regex_that_expands_past_the_matchers_reach_is_refused_at_the_call(regex):
+    """issue 37, item 12: regex="a{1000000}" was accepted, then failed mid-generation with
+    GrammarMatchError ("too many expressions constructed") after a 1.3 s first mask."""
+    with pytest.raises(InvalidRequestError, match="repetition") as info:
+        SamplingParams(regex=regex)
+    assert info.value.param == "regex"
+
+
+@pytest.mark.parametrize("regex", ["[a-z]{1,6}( [a-z]{1,6})?", "a{10000}", "(ab)*c+", r"\p{L}{3}", "[0-9]{1,20000}"])
+def test_ordinary_regexes_pass(regex):
+    assert SamplingParams(regex=regex).regex == regex

@@ -17,14 +17,21 @@ MAX_BODY, MAX_CHARS = 64 * 1024, 1000
 
 class CountingTokenizer(ByteTokenizer):
     encodes = 0
+    decode_threads: list = []
 
     def encode(self, text):
         CountingTokenizer.encodes += 1
         return super().encode(text)
 
+    def decode(self, ids, skip_special_tokens=True):
+        import threading
+
+        CountingTokenizer.decode_threads.append((len(ids), threading.current_thread().name))
+        return super().decode(ids, skip_special_tokens)
+
 
 class Backend:
-    model_name, vocab_size, max_model_len, max_prompt_chars = "edge-model", 512, 4096, MAX_CHARS
+    model_name, vocab_size, max_model_len, max_prompt_chars = "edge-model", 512, 2048, MAX_CHARS
 
     def __init__(self):
         self.tokenizer = CountingTokenizer(512)
@@ -92,6 +99,34 @@ def test_a_prompt_over_max_prompt_chars_is_400_before_it_is_tokenized(server, pa
     with httpx.Client(base_url=server.url) as http:
         err = _openai_error(http.post(path, json=body), 400, param)
     assert "characters" in err["message"] and CountingTokenizer.encodes == before
+
+
+def test_detokenize_takes_at_most_max_model_len_ids_off_the_loop(server):
+    """issue 37, item 8: 4.1 M ids held the loop 1.4 s; now at most the context's worth, decoded on
+    a worker thread when long (the uvicorn thread runs the loop)."""
+    CountingTokenizer.decode_threads.clear()
+    with httpx.Client(base_url=server.url) as http:
+        err = _openai_error(http.post("/detokenize", json={"tokens": [72] * (Backend.max_model_len + 1)}), 400,
+                            "tokens")
+        assert "2,048" in err["message"] and err["code"] == "too_many_tokens"
+        assert CountingTokenizer.decode_threads == []
+        r = http.post("/detokenize", json={"tokens": [72] * Backend.max_model_len})
+        assert r.status_code == 200 and r.json()["prompt"] == "E" * Backend.max_model_len
+        assert http.post("/detokenize", json={"tokens": [72, 73]}).json()["prompt"] == "EF"
+    (n, thread), (_, short_thread) = CountingTokenizer.decode_threads
+    assert n == Backend.max_model_len and thread != "uvicorn-test" and short_thread == "uvicorn-test"
+
+
+def test_a_detokenize_body_longer_than_its_ids_need_is_413_before_it_is_read(server):
+    from slipstream.serve.app import detokenize_body_limit
+
+    limit = detokenize_body_limit(Backend.max_model_len)
+    assert limit < MAX_BODY  # (else the server-wide limit is the one tested)
+    body = b'{"tokens": [' + b",".join([b"72"] * (limit // 3 + 1)) + b"]}"
+    with httpx.Client(base_url=server.url) as http:
+        err = _openai_error(http.post("/detokenize", content=body, headers={"content-type": "application/json"}),
+                            413)
+    assert err["code"] == "request_too_large" and f"{limit:,}" in err["message"]
 
 
 @pytest.mark.parametrize("raw", [
@@ -241,6 +276,47 @@ def test_a_prompt_request_and_keep_alive_still_work(timed_server):
             time.sleep(READ_TIMEOUT / 2)
         r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "stream": True})
         assert r.status_code == 200 and "[DONE]" in r.text
+
+
+def _half_a_body(port: int) -> None:
+    """Headers promising 1,000 bytes of body, 10 of them, then a close (or nothing more)."""
+    import socket
+
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: 1000\r\n\r\n" + b'{"prompt":')
+    return s
+
+
+def _counts(url: str) -> tuple[float, float, float]:
+    text = httpx.get(url + "/metrics").text
+    return tuple(_count(text, "completions", status) for status in (499, 408, 500))
+
+
+def _wait_for(url: str, want, seconds: float = 5.0) -> tuple:
+    import time
+
+    deadline = time.monotonic() + seconds
+    while (got := _counts(url)) != want and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return got
+
+
+def test_a_client_gone_mid_body_is_its_own_outcome_not_a_crash(server):
+    """issue 37, item 12: it was logged as request_crashed with a traceback and counted as a 500."""
+    closed, timed_out, crashed = _counts(server.url)
+    _half_a_body(server.port).close()
+    assert _wait_for(server.url, (closed + 1, timed_out, crashed)) == (closed + 1, timed_out, crashed)
+
+
+def test_a_body_cut_by_the_read_timeout_is_a_408_not_a_crash(timed_server):
+    closed, timed_out, crashed = _counts(timed_server.url)
+    s = _half_a_body(timed_server.port)
+    try:
+        assert _wait_for(timed_server.url, (closed, timed_out + 1, crashed), READ_TIMEOUT + 5) == \
+            (closed, timed_out + 1, crashed)
+    finally:
+        s.close()
 
 
 # --- shutdown: a stream past the graceful timeout ends with an SSE error event ----------------

@@ -189,3 +189,13 @@ async def test_fetched_bytes_count_against_the_body_budget(images_host):
     with pytest.raises(InvalidRequestError, match="--max-body-bytes") as info:
         await request_images(parts, serving, True, 2 * len(OK_PNG) - 1)
     assert info.value.param == "b"
+
+
+def test_pixel_budgets_refuse_a_request_400_and_a_full_server_429():
+    """issue 37, item 9: a request's pictures are budgeted together (400 naming the one that passes
+    it, from the headers) and the server's decoded pixels at once (429: retry later)."""
+    limits = ImageLimits(max_request_pixels=100, max_inflight_pixels=50)  # OK_PNG is 10x7 = 70 pixels
+    with ThreadServer(VisionBackend(engine_config()), images=ImageServing(limits)) as server:
+        assert_400(chat(server, data_url(OK_PNG), data_url(OK_PNG)), 2, "140 pixels", "at most 100")
+        r = chat(server, data_url(OK_PNG))
+        assert r.status_code == 429 and "retry" in r.json()["error"]["message"], r.text

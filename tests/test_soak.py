@@ -55,3 +55,33 @@ async def test_soak_with_moondream_region_skills(monkeypatch):
     assert report.skills > 40 and report.skills_compared > 25 and not report.mismatches
     assert report.lost == report.duplicated == report.leaked_pages == report.leaked_encoder_entries == 0
     assert report.encoder_hits > 0 and report.failed_steps > 0
+
+
+def test_a_whole_class_of_requests_failing_fails_the_soak():
+    """issue 37, item 7: on the tiny Idefics3 every regex and choice request failed to compile and
+    the soak counted those as expected typed errors; a class with no success now fails it."""
+    from soak import Planned, Report, _count
+
+    from slipstream import SamplingParams
+    from slipstream.errors import GrammarCompileError, StepFailedError
+
+    regex = [Planned(f"g{i}", [5], SamplingParams(regex="[a-z]+"), 0.0) for i in range(12)]
+    plain = [Planned(f"p{i}", [5], SamplingParams(), 0.0) for i in range(12)]
+    results = {p.rid: GrammarCompileError("llguidance cannot use this tokenizer") for p in regex}
+    results |= {p.rid: StepFailedError("injected") for p in plain[:6]}  # failures beside successes: fine
+    results |= {p.rid: "ok-stream" for p in plain[6:]}
+    report = Report()
+    _count(regex + plain, results, report)
+    assert not report.ok and list(report.failed_classes) == ["regex"]
+    assert "regex: 0 of 12 succeeded" in format_report(report)
+
+
+async def test_the_soak_watches_memory_on_the_default_path():
+    """issue 37, item 6: the soaks ran batch-invariant only, where the oneDNN primitives never grew.
+    On the default path the memory rule holds; a difference from depth 1 is reported, not failed."""
+    report = await soak(200, rounds=2, seed=11, log=lambda *_: None, rates={}, batch_invariant=False)
+    assert not report.exact and len(report.rss_mb) == 2 and report.rss_growth_mb <= 64
+    assert report.lost == report.duplicated == report.leaked_pages == 0 and not report.untyped
+    assert report.ok, format_report(report)
+    report.mismatches.append("a near-tie")
+    assert report.ok  # (batch-invariant engines would fail it)

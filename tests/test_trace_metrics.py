@@ -193,6 +193,18 @@ def test_bench_json_and_tables(capsys, tmp_path):
     assert "predicted before depth 2 ran" in captured.err
 
 
+def test_bench_says_a_warning_once(capsys, monkeypatch):
+    """issue 37, item 15: the disagreement warning went to stderr and into the tables' notes."""
+    import slipstream.bench_report as report
+    from slipstream.cli import main
+
+    monkeypatch.setattr(report, "disagreement", lambda observed: "repeats disagree (a test's warning)")
+    assert main(["bench", "--model", "tiny-random", "--streams", "2", "--len", "6", "--repeats", "1",
+                 "--no-progress"]) == 0
+    captured = capsys.readouterr()
+    assert (captured.out + captured.err).count("repeats disagree (a test's warning)") == 1
+
+
 def test_cost_model_arithmetic():
     from slipstream.bench import RunResult, StepStats, compare, zombie_tax
 

@@ -36,9 +36,10 @@ async def test_frames_with_images_are_bounded_and_named(worker):
         # images past --max-image-bytes: refused, naming `images`, before anything is decoded
         (err,) = await raw.ask(generate("big", [b"\0" * 12_000, b"\0" * 12_000]))
         assert (err.code, err.param, err.request_id) == ("MessageTooLargeError", "images", "big")
-        # text past --max-message-bytes does not hide behind images
+        # text past --max-message-bytes does not hide behind images; the prompt is named, as the
+        # Engine names a prompt over its limit (issue 37, item 11)
         (err,) = await raw.ask(generate("text", [b"\0" * 100], prompt="x" * (MAX_BYTES + 10)))
-        assert (err.code, err.param, err.request_id) == ("MessageTooLargeError", None, "text")
+        assert (err.code, err.param, err.request_id) == ("InvalidRequestError", "prompt", "text")
         # a frame over max_message_bytes only because of its images is read: this model has no vision
         (err,) = await raw.ask(generate("ok", [encoded(), b"\0" * (MAX_BYTES + 10)]))
         assert (err.code, err.param) == ("InvalidRequestError", "images[0]"), err

@@ -112,10 +112,23 @@ async def test_worker_serves_prometheus_metrics(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     w = start_worker(ipc_address(tmp_path), tmp_path, "--metrics-port", str(port))
+
+    def scrape() -> str:
+        return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+
+    def total(text: str, name: str) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
     try:
         async with Client(w.address, timeout=10) as client:
-            await client.complete("hello", SamplingParams(max_tokens=4, temperature=0.0))
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+            await client.stats()  # ready: the warm-up request is behind it
+            before = scrape()  # issue 37, item 15: the warm-up request was counted
+            assert total(before, "slipstream_requests_finished_total") == 0
+            assert total(before, "slipstream_generation_tokens_total") == 0
+            await client.complete("hello", SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        text = scrape()
+        assert total(text, "slipstream_requests_finished_total") == 1
+        assert total(text, "slipstream_generation_tokens_total") == 4
         for series in ("slipstream_step_period_seconds", "slipstream_device_idle_seconds",
                        "slipstream_forward_seconds", "slipstream_queue_depth", "slipstream_running_sequences",
                        "slipstream_kv_pages_free", "slipstream_ttft_seconds",

@@ -1,7 +1,9 @@
 """What the table-printing benchmark tools share: a percentile, the lines of their tables (printed
-as they come), a raw file with the provenance header, and seeded random pictures."""
+as they come), a raw file with the provenance header (of a plain or an asyncio body), the process's
+RSS, and seeded random pictures."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Callable
 
@@ -28,6 +30,23 @@ def report(body: Callable[[], list[str]], out: Path | None) -> None:
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(head + "\n".join(lines) + "\n")
+
+
+def report_async(run: Callable, args, out: Path | None) -> None:
+    """`report` of `await run(args, lines)` on uvloop (the engine's loop of choice)."""
+    def body() -> list[str]:
+        import uvloop
+
+        lines: list[str] = []
+        uvloop.run(run(args, lines))
+        return lines
+
+    report(body, out)
+
+
+def rss_mb() -> float:
+    with open(f"/proc/{os.getpid()}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def picture(seed: int, width: int, height: int):

@@ -126,6 +126,8 @@ class Client(WorkerConnection, SkillMethods):
         self._check_open()
         if params is not None and not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if params is not None:  # values forced in behind the frozen Struct: refused as the Engine does
+            params.check()
         images = prompt.get("images") or []
         if "messages" in prompt:
             prompt = {"messages": check.messages(prompt["messages"])}

@@ -29,7 +29,7 @@ from slipstream.api.image_prompt import IMAGE_MARKER, prepare_images_off_loop
 from slipstream.api.output_processor import RequestState
 from slipstream.scheduler.block_hash import image_key, salt_key
 from slipstream.scheduler.sequence import Sequence as SchedSeq
-from slipstream.images import ImageLike, check_image_count, require_vision
+from slipstream.images import ImageLike, check_image_fields, require_vision
 
 
 class SubmitMethods:
@@ -159,9 +159,9 @@ class SubmitMethods:
         fields = list(fields) if fields is not None else [f"images[{i}]" for i in range(len(images))]
         image_token = self.model_config.image_token_id
         spans: list = []
-        if images:
+        if images:  # the count first, as every door (issue 37: `images` here, `images[8]` elsewhere)
+            check_image_fields(fields)
             require_vision(self._image_processing is not None, fields[0])
-            check_image_count(len(images), "images")
             if not isinstance(prompt, str):
                 raise InvalidRequestError("prompt: a request with images needs a text prompt (its <image> markers "
                                           "are expanded before tokenising)", param="prompt")

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from slipstream.errors import InvalidRequestError
-from slipstream.images import load_image
+from slipstream.images import decode_each
 from slipstream.runtime.batch import ImageSpan
 from slipstream.runtime.host_copy import pin_pixels
 
@@ -56,17 +56,19 @@ def prepare_images(prompt: str, images: Sequence[Any], fields: Sequence[str], pr
     `skill` (kind, object): a region skill's template instead of the prompt (Moondream's point/detect).
     `pin` (a CUDA engine): the pixels are put in pinned memory here, so the encoder launch in the
     tick only enqueues their copy (runtime/host_copy.py)."""
-    loaded = [load_image(obj, field) for obj, field in zip(images, fields)]
-    processed = processing.preprocess([im.image for im in loaded])
-    if pin:
-        processed = [pin_pixels(p) for p in processed]
+    processed, digests = [], []
+    for im in decode_each(images, fields):  # one decoded picture alive at a time (issue 37)
+        pictures = processing.preprocess([im.image])
+        processed += [pin_pixels(p) for p in pictures] if pin else pictures
+        digests.append(im.digest)
+        del im
     if skill is not None:
         ids = processing.skill_prompt_ids(skill[0], skill[1], processed, tokenizer)
     elif hasattr(processing, "prompt_ids"):  # a model whose prompt is built from ids (Moondream's template)
         ids = processing.prompt_ids(prompt, processed, tokenizer)
     else:
-        ids = tokenizer.encode(processing.expand(with_markers(prompt, len(loaded)), processed))
-    return ids, image_spans(ids, image_token_id, processed, [im.digest for im in loaded])
+        ids = tokenizer.encode(processing.expand(with_markers(prompt, len(processed)), processed))
+    return ids, image_spans(ids, image_token_id, processed, digests)
 
 
 async def prepare_images_off_loop(*args: Any, pin: bool = False) -> tuple[list[int], list[ImageSpan]]:

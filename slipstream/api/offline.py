@@ -14,7 +14,7 @@ from slipstream import validate as check
 from slipstream.api.engine import Engine, Prompt
 from slipstream.api.skills import check_skill_args
 from slipstream.errors import EngineClosedError, InvalidRequestError
-from slipstream.images import (ImageInput, ImageLike, ImageLimits, check_image_count, image_list, load_image,
+from slipstream.images import (ImageInput, ImageLike, ImageLimits, check_image_count, image_list, load_request_images,
                                model_accepts_images, require_vision)
 from slipstream.outputs import CompletionOutput
 from slipstream.params import EngineConfig, SamplingParams
@@ -54,9 +54,9 @@ class LLM:
             except InvalidRequestError as e:
                 raise InvalidRequestError(f"prompts[{i}]: {e}", param=f"prompts[{i}]") from None
         per_images = self._images(images, len(batch), single)
-        if not any(per_images):  # text only: the engine is called exactly as before
-            return self._call(self._gather(self.engine.complete, batch, per_prompt))
-        calls = [lambda x, p, imgs=imgs: self.engine.complete(x, p, images=imgs) for imgs in per_images]
+        calls = [_naming(f"prompts[{i}]", "prompt", self.engine.complete if not imgs else
+                         lambda x, p, imgs=imgs: self.engine.complete(x, p, images=imgs))
+                 for i, imgs in enumerate(per_images)]
         return self._call(self._gather_each(calls, batch, per_prompt))
 
     def _images(self, images, n: int, single: bool) -> list[list[ImageInput]]:
@@ -73,7 +73,7 @@ class LLM:
             check_image_count(len(objs), f"{name}[{ImageLimits().max_images}]", ImageLimits())
             if objs:
                 require_vision(model_accepts_images(self.engine.model_config), f"{name}[0]")
-            out.append([load_image(o, f"{name}[{i}]") for i, o in enumerate(objs)])
+            out.append(load_request_images(objs, [f"{name}[{i}]" for i in range(len(objs))]))
         return out
 
     def chat(self, conversations: list[dict] | Sequence[list[dict]],
@@ -95,7 +95,8 @@ class LLM:
                 check.messages(messages)
             except InvalidRequestError as e:
                 raise InvalidRequestError(f"conversations[{i}]: {e}", param=f"conversations[{i}]") from None
-        return self._call(self._gather(self.engine.chat, batch, per_prompt))
+        calls = [_naming(f"conversations[{i}]", "messages", self.engine.chat) for i in range(len(batch))]
+        return self._call(self._gather_each(calls, batch, per_prompt))
 
     # --- skills (slipstream/api/skills.py): Moondream-compatible result dicts ------------------
 
@@ -171,12 +172,8 @@ class LLM:
             raise
 
     @staticmethod
-    async def _gather(method, inputs: list, params: list) -> list:
-        """All at once; the first failure cancels (aborts) the rest before it is raised."""
-        return await LLM._gather_each([method] * len(inputs), inputs, params)
-
-    @staticmethod
     async def _gather_each(methods: list, inputs: list, params: list) -> list:
+        """All at once; the first failure cancels (aborts) the rest before it is raised."""
         tasks = [asyncio.ensure_future(m(x, p)) for m, x, p in zip(methods, inputs, params)]
         try:
             return list(await asyncio.gather(*tasks))
@@ -193,6 +190,20 @@ class LLM:
 
 
 _SETTLE_S = 30.0  # how long an interrupted call waits for its requests' aborts
+
+
+def _naming(name: str, field: str, method):
+    """`method` whose InvalidRequestError about `field` (the engine's name for its one input) names
+    the input of this call instead: `prompt` -> `prompts[1]`, `prompt[3]` -> `prompts[1][3]`."""
+    async def call(x, p):
+        try:
+            return await method(x, p)
+        except InvalidRequestError as e:
+            param = e.param or ""
+            if param != field and not param.startswith(field + "["):
+                raise
+            raise InvalidRequestError(f"{name}: {e}", param=name + param[len(field):]) from None
+    return call
 
 
 def _image_parts(messages, name: str) -> list[str]:

@@ -75,6 +75,7 @@ class Header(msgspec.Struct):
     request_id: str | None = None
     seq: int | None = None
     images: msgspec.Raw = msgspec.Raw(b"\x90")  # (a view, not a copy) its size tells what made a frame too large
+    prompt: msgspec.Raw = msgspec.Raw(b"\xc0")  # (the same, for a Generate's prompt: named as the Engine names it)
 
 
 # --- worker -> client ----------------------------------------------------------------------------

@@ -50,7 +50,7 @@ from slipstream.errors import (
     WorkerShuttingDownError,
     WorkerUnavailableError,
 )
-from slipstream.images import load_images, model_accepts_images, require_vision
+from slipstream.images import check_image_fields, load_images, model_accepts_images, require_vision
 from slipstream.params import EngineConfig, SamplingParams
 
 log = structlog.get_logger(__name__)
@@ -137,7 +137,12 @@ class Worker:
     async def _serve_until_stopped(self, loop: asyncio.AbstractEventLoop) -> None:
         # warm up before binding: the first client never pays for lazy initialisation. A fixed
         # seed, so the engine's own seed sequence for unseeded requests is left as it was.
-        await self.engine.complete("warmup", SamplingParams(max_tokens=2, temperature=0.0, seed=0, ignore_eos=True))
+        # Not counted in the metrics: a scrape shows the traffic clients sent (issue 37).
+        self.engine.metrics.muted = True
+        try:
+            await self.engine.complete("warmup", SamplingParams(max_tokens=2, temperature=0.0, seed=0, ignore_eos=True))
+        finally:
+            self.engine.metrics.muted = False
         call = loop.call_soon_threadsafe
         self.io = WorkerIO(zmq.Context.instance(), self.address,
                            deliver=lambda ident, msg, params: call(self._on_message, ident, msg, params),
@@ -262,8 +267,9 @@ class Worker:
         try:
             prompt = msg.prompt if msg.messages is None else await self.engine.chat_prompt(msg.messages)
             images = {}
-            if msg.images:  # refused for a text model before anything is decoded; decoded off the loop
+            if msg.images:  # counted, then refused for a text model before anything is decoded; off the loop
                 fields = [f"images[{i}]" for i in range(len(msg.images))]
+                check_image_fields(fields)
                 require_vision(model_accepts_images(self.engine.model_config), fields[0])
                 images = {"images": await load_images(msg.images, fields)}
             if msg.stream:

@@ -188,14 +188,19 @@ class WorkerIO:
                                     header)
         self._deliver(identity, msg, params)
 
-    def _too_large(self, data: bytes) -> tuple[MessageTooLargeError, Header | None] | None:
+    def _too_large(self, data: bytes) -> tuple[SlipstreamError, Header | None] | None:
         """A frame over max_message_bytes is refused unless image bytes (within max_image_bytes) are
         what it carries beyond that; the error names `images` when they are to blame."""
         header = self._decoder.header(data)
-        images = len(header.images) if header is not None else 0
+        images = len(header.images) if header is not None and len(header.images) > 1 else 0  # ([] is 1 byte)
         if len(data) - images > self.max_message_bytes:
-            return MessageTooLargeError(f"message of {len(data)} bytes ({images} of them images) exceeds "
-                                        f"max_message_bytes={self.max_message_bytes}"), header
+            prompt = len(header.prompt) if header is not None else 0
+            if len(data) - images - prompt <= self.max_message_bytes:  # the prompt is to blame: as in process
+                return InvalidRequestError(f"prompt: {prompt:,} bytes encoded exceed this worker's max_message_bytes="
+                                           f"{self.max_message_bytes:,} (slipstream worker --max-message-bytes)",
+                                           param="prompt"), header
+            return MessageTooLargeError(f"message of {len(data):,} bytes ({images:,} of them images) exceeds "
+                                        f"max_message_bytes={self.max_message_bytes:,}"), header
         if images > self.max_image_bytes:
             return MessageTooLargeError(f"images: {images:,} bytes of images exceed this worker's "
                                         f"max_image_bytes={self.max_image_bytes:,}", param="images"), header

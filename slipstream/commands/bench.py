@@ -15,14 +15,13 @@ import sys
 
 from slipstream.runtime.event_waits import EVENT_WAITS
 
-from slipstream.cli import add_log_args
+from slipstream.cli import add_log_args, add_model_args
+from slipstream.errors import InvalidRequestError
 
 
 def register(sub) -> None:
     p = sub.add_parser("bench", help="depth 1 vs depth 2 decode benchmark, Photon-style tables")
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    add_model_args(p)
     p.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32], help="concurrent streams (one run each)")
     p.add_argument("--len", type=int, default=32, dest="output_len", help="output tokens per stream (ignore_eos)")
     p.add_argument("--event-wait", default="auto", choices=EVENT_WAITS,
@@ -43,8 +42,7 @@ def _bench(args) -> int:
     from slipstream.provenance import header, provenance
 
     if min(args.streams) < 1 or args.output_len < 2 or args.repeats < 1:
-        print("slipstream bench: --streams >= 1, --len >= 2 and --repeats >= 1", file=sys.stderr)
-        return 2
+        raise InvalidRequestError("bench: need --streams >= 1, --len >= 2 and --repeats >= 1")
     # one unit per committed step: a run is one prefill step and L − 1 decode steps
     total = 2 * args.repeats * args.output_len * len(args.streams)
     bar = tqdm(total=total, unit="step", file=sys.stderr, disable=args.no_progress or None, dynamic_ncols=True)
@@ -75,8 +73,9 @@ def _bench(args) -> int:
                                  event_wait=args.event_wait, on_predict=on_predict))
     finally:
         bar.close()
-    for line in warnings(rows):
-        print(line, file=sys.stderr)
+    if args.json:  # (the tables carry it in their notes: said once either way)
+        for line in warnings(rows):
+            print(line, file=sys.stderr)
     meta = {"provenance": prov, "model": args.model, "device": args.device, "dtype": args.dtype,
             "event_wait": args.event_wait, "repeats": args.repeats, "output_len": args.output_len}
     doc = json.dumps(to_json(rows, meta), indent=2)

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import signal
 
-from slipstream.cli import add_engine_args, engine_config
+from slipstream.cli import add_batch_args, add_engine_args, engine_config, needs_extra
 from slipstream.commands import serve_ray
+from slipstream.images import ImageLimits
 
 
 def register(sub) -> None:
     p = sub.add_parser("serve", help="serve the OpenAI API over HTTP (FastAPI + uvicorn)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     p.add_argument("--connect", action="append", metavar="ADDRESS", default=None,
                    help="a running `slipstream worker` (ipc://… or tcp://…); repeat to spread over several. "
                         "--model/--device are then the workers'")
@@ -40,11 +41,14 @@ def register(sub) -> None:
     p.add_argument("--image-fetch-timeout", type=float, default=10.0,
                    help="seconds one remote image may take to fetch, connect to last byte")
     p.add_argument("--max-images", type=int, default=8, help="images per request; more get 400")
+    p.add_argument("--max-request-pixels", type=int, default=ImageLimits.max_request_pixels,
+                   help="pixels of all of a request's images together (from their headers, before decoding); "
+                        "more get 400")
+    p.add_argument("--max-pixels-in-flight", type=int, default=ImageLimits.max_inflight_pixels,
+                   help="pixels of decoded images the server holds at once (3 bytes each); a request that would "
+                        "pass it gets 429")
     serve_ray.add_args(p)
-    p.add_argument("--max-batch-size", type=int, default=32)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
+    add_batch_args(p)
     add_engine_args(p, log_level="info")
     p.set_defaults(func=_serve)
 
@@ -64,11 +68,12 @@ def build_backend(args):
 
 
 def image_serving(args):
-    from slipstream.images import ImageLimits
     from slipstream.serve.images import ImageServing
 
     hosts = frozenset(h.strip().lower() for h in args.allowed_image_hosts.split(",") if h.strip())
-    return ImageServing(ImageLimits(max_images=args.max_images), hosts, args.image_fetch_timeout)
+    limits = ImageLimits(max_images=args.max_images, max_request_pixels=args.max_request_pixels,
+                         max_inflight_pixels=args.max_pixels_in_flight)
+    return ImageServing(limits, hosts, args.image_fetch_timeout)
 
 
 def _serve(args) -> int:
@@ -79,7 +84,7 @@ def _serve(args) -> int:
 
         from slipstream.serve.app import create_app
     except ImportError as e:
-        raise SystemExit(f"slipstream serve needs the `serve` extra ({e}): pip install 'slipstream[serve]'") from None
+        raise needs_extra("serve", "slipstream serve", e) from None
     app = create_app(build_backend(args), max_inflight=args.max_inflight, max_body_bytes=args.max_body_bytes,
                      images=image_serving(args))
     from slipstream.serve.read_timeout import read_timeout_protocol

@@ -9,6 +9,9 @@ from __future__ import annotations
 import signal
 import threading
 
+from slipstream.cli import needs_extra
+from slipstream.errors import InvalidRequestError
+
 
 def add_args(p) -> None:
     g = p.add_argument_group("Ray Serve (--ray)")
@@ -16,11 +19,12 @@ def add_args(p) -> None:
     g.add_argument("--replicas", type=int, default=1, help="engine replicas (with --ray)")
     g.add_argument("--ray-address", default=None, help="an existing Ray cluster ('auto' or HOST:PORT); "
                    "default: start a local one")
-    g.add_argument("--num-cpus-per-replica", type=float, default=1.0)
+    g.add_argument("--num-cpus-per-replica", type=float, default=1.0, help="CPUs Ray reserves for each replica")
     g.add_argument("--num-gpus-per-replica", type=float, default=0.0, help="1 on a GPU cluster")
     g.add_argument("--min-replicas", type=int, default=None, help="with --max-replicas: Ray Serve autoscaling "
                    "instead of a fixed --replicas")
-    g.add_argument("--max-replicas", type=int, default=None)
+    g.add_argument("--max-replicas", type=int, default=None, help="with --min-replicas: the most replicas "
+                   "autoscaling may start")
     g.add_argument("--target-ongoing-requests", type=float, default=32.0, help="autoscaling target per replica")
     g.add_argument("--imbalance-threshold", type=int, default=8, help="queue-length spread past which prefix "
                    "affinity gives way to power-of-two-choices")
@@ -31,7 +35,8 @@ def options(args):
 
     autoscaling = None
     if (args.min_replicas is None) != (args.max_replicas is None):
-        raise SystemExit("--min-replicas and --max-replicas go together")
+        raise InvalidRequestError("--min-replicas and --max-replicas go together",
+                                  param="min_replicas" if args.max_replicas is None else "max_replicas")
     if args.min_replicas is not None:
         autoscaling = {"min_replicas": args.min_replicas, "max_replicas": args.max_replicas,
                        "initial_replicas": max(args.min_replicas, min(args.replicas, args.max_replicas)),
@@ -42,15 +47,15 @@ def options(args):
 
 
 def run(args, config) -> int:
+    if args.connect:
+        raise InvalidRequestError("--ray and --connect are two different back ends: give one", param="connect")
     try:
         import ray
         from ray import serve
 
         from slipstream.serve.ray_app import build_app
     except ImportError as e:
-        raise SystemExit(f"slipstream serve --ray needs the `ray` extra ({e}): pip install 'slipstream[ray]'") from None
-    if args.connect:
-        raise SystemExit("--ray and --connect are two different back ends: give one")
+        raise needs_extra("ray", "slipstream serve --ray", e) from None
     opts = options(args)
     ray.init(address=args.ray_address)
     stop = threading.Event()

@@ -9,23 +9,22 @@ stream runs (the bubble). Both panels share one time axis, so the shorter pipeli
 from __future__ import annotations
 
 import asyncio
-import sys
 
 LANES = ["plan", "launch", "finalize", "commit", "forward", "sample", "copy"]
 SLOT_COLORS = {0: ("#4c72b0", "#a6bddb"), 1: ("#dd8452", "#f5c9a8")}  # (device, host) per slot
 IDLE = "#d62728"
 
-from slipstream.cli import add_log_args
+from slipstream.cli import add_log_args, add_model_args, needs_extra
+from slipstream.errors import InvalidRequestError
 
 
 def register(sub) -> None:
     p = sub.add_parser("timeline", help="PNG of host vs device activity, depth 1 vs depth 2")
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--streams", type=int, default=8)
+    add_model_args(p, dtype=False)
+    p.add_argument("--streams", type=int, default=8, help="concurrent streams (one run per depth)")
     p.add_argument("--len", type=int, default=24, dest="output_len", help="output tokens per stream")
     p.add_argument("--steps", type=int, default=4, help="consecutive decode steps to draw")
-    p.add_argument("--out", default="timeline.png")
+    p.add_argument("--out", default="timeline.png", help="the PNG to write")
     p.add_argument("--zoom", type=float, default=0.0, metavar="MS",
                    help="add a column showing MS milliseconds from the end of a forward (0: none)")
     add_log_args(p)
@@ -43,7 +42,8 @@ async def capture(model: str, device: str, depth: int, streams: int, output_len:
         tracer = engine.tracer
         steady = [t for t in traces if t.kind == "decode" and t.num_seqs == streams and t.contiguous]
         if len(steady) < steps:
-            raise SystemExit(f"slipstream timeline: only {len(steady)} steady steps; raise --len")
+            raise InvalidRequestError(f"timeline: only {len(steady)} steady decode steps for --steps {steps}; "
+                                      "raise --len", param="len")
         mid = len(steady) // 2 - steps // 2
         window = steady[mid: mid + steps]
         first, last = window[0].step_id, window[-1].step_id
@@ -135,13 +135,11 @@ def render(panels: list[dict], out: str, title: str, zoom_ms: float = 0.0) -> No
 
 def _timeline(args) -> int:
     if args.steps < 1 or args.streams < 1 or args.output_len < args.steps + 4:
-        print("slipstream timeline: need --steps >= 1, --streams >= 1, --len >= --steps + 4", file=sys.stderr)
-        return 2
+        raise InvalidRequestError("timeline: need --steps >= 1, --streams >= 1, --len >= --steps + 4")
     try:
         import matplotlib  # noqa: F401
-    except ImportError:
-        print("slipstream timeline: needs matplotlib (pip install 'slipstream[plot]')", file=sys.stderr)
-        return 2
+    except ImportError as e:
+        raise needs_extra("plot", "slipstream timeline", e) from None
     panels = [asyncio.run(capture(args.model, args.device, d, args.streams, args.output_len, args.steps))
               for d in (1, 2)]
     title = f"{args.model} on {args.device}, {args.streams} streams: {args.steps} decode steps"

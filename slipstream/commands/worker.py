@@ -1,7 +1,9 @@
 """`slipstream worker --bind ADDRESS`: serve one engine to slipstream.Client over ZeroMQ."""
 from __future__ import annotations
 
-from slipstream.cli import add_engine_args, engine_config
+import argparse
+
+from slipstream.cli import add_batch_args, add_engine_args, engine_config
 
 
 def register(sub) -> None:
@@ -12,7 +14,9 @@ def register(sub) -> None:
                    help="ipc:///path/to.sock or tcp://127.0.0.1:PORT")
     p.add_argument("--max-queued", type=int, default=256,
                    help="unfinished requests allowed beyond the batch; more are answered 'overloaded'")
-    p.add_argument("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES)
+    p.add_argument("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES,
+                   help="largest message a client may send (a prompt past it is refused naming `prompt`; images "
+                        "have their own bound)")
     p.add_argument("--max-image-bytes", type=int, default=MAX_IMAGE_BYTES,
                    help="a request's encoded image bytes, allowed beyond --max-message-bytes; more are refused "
                         "naming `images`")
@@ -22,15 +26,13 @@ def register(sub) -> None:
     p.add_argument("--heartbeat", type=float, default=0.5, help="seconds between heartbeats to clients")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests get to finish after SIGTERM/SIGINT")
-    p.add_argument("--max-batch-size", type=int, default=32)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
+    add_batch_args(p)
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on http://127.0.0.1:PORT/metrics")
-    p.add_argument("--no-trace", dest="trace", action="store_false",
-                   help="do not trace steps: saves ~0.1 ms per step (tools/bench_trace_cost.py), but leaves the "
-                        "bubble series (slipstream_device_idle_seconds, slipstream_forward_seconds) empty")
+    p.add_argument("--trace", action=argparse.BooleanOptionalAction, default=True,
+                   help="trace steps for the bubble series (slipstream_device_idle_seconds, "
+                        "slipstream_forward_seconds); --no-trace saves ~0.1 ms per step (tools/bench_trace_cost.py) "
+                        "and leaves them empty")
     add_engine_args(p, log_level="info")  # start/ready/client/shutdown lines are the point
     p.set_defaults(func=_worker)
 

@@ -3,9 +3,14 @@
 The llguidance tokenizer is built once per slipstream tokenizer and cached:
 
 * a `slipstream.models.tokenizer.Tokenizer` (or a bare `tokenizers.Tokenizer`) is handed over as its
-  tokenizer.json text (`backend.to_str()`), which llguidance reads natively (byte-level BPE included);
-* the test `ByteTokenizer` (ids 3..258 = bytes 0..255) is described byte by byte through
-  `llguidance.TokenizerWrapper`; its other ids become special tokens that never match text;
+  tokenizer.json text (`backend.to_str()`), which llguidance reads natively when its decoder is
+  byte-level or byte-fallback;
+* any other `tokenizers` decoder (the tiny Idefics3's Fuse, Metaspace, none: llguidance "can't
+  determine decoder type") is described token by token through `llguidance.TokenizerWrapper`: each
+  id's bytes as it decodes after a plain character (so a leading space a decoder drops at the start
+  of a text is kept), special tokens as specials (issue 37);
+* the test `ByteTokenizer` (ids 3..258 = bytes 0..255) is described byte by byte the same way; its
+  other ids become special tokens that never match text;
 * anything else is refused with GrammarCompileError.
 
 Each compiled grammar keeps one `LLMatcher` as a template; a sequence's matcher is a deep copy, so the
@@ -34,24 +39,54 @@ _lltoks: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 _lltok_lock = threading.Lock()
 
 
-class _ByteTokens:
-    """The duck-typed tokenizer `llguidance.TokenizerWrapper` reads, for the byte-level test tokenizer."""
+class _TokenBytes:
+    """The duck-typed tokenizer `llguidance.TokenizerWrapper` reads: every id's bytes, the special
+    ids, and an encoder of text. It holds no reference to the slipstream tokenizer (the weak key of
+    the cache)."""
 
-    def __init__(self, tokenizer: Any) -> None:
-        from slipstream.models.byte_tokenizer import OFFSET
-
-        self._offset = OFFSET  # no reference to the tokenizer: it is the weak key of the cache
-        self.eos_token_id = tokenizer.eos_token_ids[0]
-        self.bos_token_id = tokenizer.bos_token_id
-        n = int(tokenizer.vocab_size)
-        self.tokens = [
-            bytes([i - OFFSET]) if OFFSET <= i < OFFSET + 256 else f"<|special_{i}|>".encode() for i in range(n)
-        ]
-        self.special_token_ids = [i for i in range(n) if not OFFSET <= i < OFFSET + 256]
+    def __init__(self, tokens: list[bytes], special: list[int], eos: int, bos: int | None, encode) -> None:
+        self.tokens, self.special_token_ids = tokens, special
+        self.eos_token_id, self.bos_token_id = eos, bos
+        self._encode = encode
 
     def __call__(self, s: bytes | str) -> list[int]:
-        data = s if isinstance(s, bytes) else s.encode("utf-8")
-        return [b + self._offset for b in data]
+        return self._encode(s.decode("utf-8", errors="replace") if isinstance(s, bytes) else s)
+
+    @classmethod
+    def of_bytes(cls, tokenizer: Any) -> _TokenBytes:
+        """The byte-level test tokenizer: ids OFFSET.. are the bytes 0..255, the rest special."""
+        from slipstream.models.byte_tokenizer import OFFSET
+
+        n = int(tokenizer.vocab_size)
+        tokens = [bytes([i - OFFSET]) if OFFSET <= i < OFFSET + 256 else f"<|special_{i}|>".encode() for i in range(n)]
+        special = [i for i in range(n) if not OFFSET <= i < OFFSET + 256]
+        return cls(tokens, special, tokenizer.eos_token_ids[0], tokenizer.bos_token_id,
+                   lambda text: [b + OFFSET for b in text.encode("utf-8")])
+
+    @classmethod
+    def of_hf(cls, tokenizer: Any, backend: Any, n: int, eos: int) -> _TokenBytes:
+        """A `tokenizers` backend whose decoder llguidance cannot read: each id as it decodes after
+        a plain character (byte-level and byte-fallback vocabularies keep their exact bytes)."""
+        from slipstream.models.utf8_tail import _BYTE_PIECE, token_bytes_of
+
+        special = {i for i, t in backend.get_added_tokens_decoder().items() if t.special and i < n}
+        exact = token_bytes_of(tokenizer) if hasattr(tokenizer, "backend") else None
+        anchor = backend.token_to_id("a")
+        head = backend.decode([anchor]) if anchor is not None else ""
+        tokens = []
+        for i in range(n):
+            if i in special:
+                tokens.append((backend.id_to_token(i) or f"<|special_{i}|>").encode())
+            elif exact is not None:
+                tokens.append(exact(i))
+            elif m := _BYTE_PIECE.fullmatch(backend.id_to_token(i) or ""):  # byte fallback, any decoder
+                tokens.append(bytes([int(m.group(1), 16)]))
+            else:
+                text = backend.decode([anchor, i]) if anchor is not None else ""
+                text = text[len(head):] if anchor is not None and text.startswith(head) else backend.decode([i])
+                tokens.append(text.encode("utf-8"))
+        return cls(tokens, sorted(special), eos, getattr(tokenizer, "bos_token_id", None),
+                   lambda text: backend.encode(text, add_special_tokens=False).ids)
 
 
 def _build_lltokenizer(tokenizer: Any) -> Any:
@@ -65,7 +100,7 @@ def _build_lltokenizer(tokenizer: Any) -> Any:
         raise GrammarCompileError("llguidance grammars need a tokenizer with an EOS token")
     n_vocab = int(tokenizer.vocab_size)
     if isinstance(tokenizer, ByteTokenizer):
-        return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteTokens(tokenizer)), n_vocab=n_vocab,
+        return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_TokenBytes.of_bytes(tokenizer)), n_vocab=n_vocab,
                                       eos_token=eos)
     backend = tokenizer if isinstance(tokenizer, HFTokenizer) else getattr(tokenizer, "backend", None)
     if not isinstance(backend, HFTokenizer):
@@ -73,7 +108,12 @@ def _build_lltokenizer(tokenizer: Any) -> Any:
             f"llguidance grammars need a Hugging Face `tokenizers` tokenizer or the byte tokenizer, "
             f"not {type(tokenizer).__name__}"
         )
-    return llguidance.LLTokenizer(backend.to_str(), n_vocab=n_vocab, eos_token=eos)
+    try:
+        return llguidance.LLTokenizer(backend.to_str(), n_vocab=n_vocab, eos_token=eos)
+    except ValueError:  # a tokenizer.json llguidance cannot read ("can't determine decoder type"): token by token
+        pass
+    wrapper = _TokenBytes.of_hf(tokenizer, backend, n_vocab, eos[0])
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(wrapper), n_vocab=n_vocab, eos_token=eos)
 
 
 def ll_tokenizer(tokenizer: Any) -> Any:

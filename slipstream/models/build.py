@@ -8,13 +8,12 @@ from pathlib import Path
 import structlog
 import torch
 
-from slipstream.models.config import ModelConfig, smollm2_135m_config, tiny_config
+from slipstream.models.config import RANDOM_CONFIGS, TINY, ModelConfig
 from slipstream.models.llama import LlamaForCausalLM
 
 log = structlog.get_logger(__name__)
 
-TINY = "tiny-random"
-RANDOM = {TINY: tiny_config, "random-smollm2-135m": smollm2_135m_config}  # random weights, byte tokenizer
+RANDOM = RANDOM_CONFIGS  # random weights, byte tokenizer (in config.py: the loader names them too)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

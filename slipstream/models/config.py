@@ -111,3 +111,7 @@ def smollm2_135m_config() -> ModelConfig:
         eos_token_ids=(2,),
         name="random-smollm2-135m",
     )
+
+
+TINY = "tiny-random"
+RANDOM_CONFIGS = {TINY: tiny_config, "random-smollm2-135m": smollm2_135m_config}  # random weights, byte tokenizer

@@ -13,6 +13,17 @@ as soon as its packed copy exists, and pages it occupied in a file mapping (a sa
 entry) are handed back to the kernel at once (`release_file_pages`), so resident memory holds one
 copy of the weights, not two. Only used off the batch-invariant path: invariance is calibrated
 against torch's default kernels (slipstream/runtime/cpu_invariance.py).
+
+oneDNN (and ideep above it) cache one primitive per input shape, 0.35–0.8 MB each (generated code
+and buffers; tools/bench_packed_rows.py --primitive-memory), up to 1,024 entries per cache, and a
+server's steps come in every row count up to its token budget: RSS grew by ~7 MB per wave of
+abandoned streams (issue 37; tools/bench_rss_waves.py).
+So every oneDNN call runs with a row count from a short ladder (`padded_rows`): exact up to 16
+(decode batches), then four sizes per doubling up to `ROW_BLOCK`, larger inputs split into blocks of
+it: 36 primitives per weight shape (~90 MB at most for SmolLM2-135M's five shapes). A row count
+between two sizes is padded with zero rows up to the next, or, when that wastes more, split into the
+size below plus the rest (`SPLIT_ROWS`). What that costs is measured in tools/bench_packed_rows.py
+(docs/benchmarks.md, issue 37).
 """
 from __future__ import annotations
 
@@ -22,11 +33,42 @@ import mmap
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from slipstream.models.config import ModelConfig
 
 PACKABLE_DTYPES = (torch.float32,)
 _MADV_DONTNEED = 4
+ROW_BLOCK = 512  # rows per oneDNN call (the default token budget); larger inputs go in blocks
+EXACT_ROWS = 16
+# a further call costs about as much as this many rows (each call reads all the weights; measured
+# on SmolLM2-135M's shapes, one thread): split a row count when padding it wastes more
+SPLIT_ROWS = 8
+
+
+def _step(m: int) -> int:
+    return 1 << ((m - 1).bit_length() - 3)  # a quarter of m's power of two (m > EXACT_ROWS)
+
+
+def padded_rows(m: int) -> int:
+    """The ladder size a call of `m` (1..ROW_BLOCK) rows runs with, padded: m up to EXACT_ROWS, then
+    the next multiple of a quarter of m's power of two (17 -> 20, 33 -> 40, 129 -> 160): 36 sizes."""
+    if m <= EXACT_ROWS:
+        return m
+    return -(-m // _step(m)) * _step(m)
+
+
+def split_rows(m: int) -> int:
+    """Where a call of `m` rows is split in two (0: padded, not split): after the ladder size below
+    m, when the rest padded plus a call's cost is less than padding m (129 -> 128 + 1)."""
+    if m <= EXACT_ROWS:
+        return 0
+    below = m - m % _step(m)
+    rest = m - below
+    return below if rest and below + padded_rows(rest) + SPLIT_ROWS < padded_rows(m) else 0
+
+
+_PLANS = [(split_rows(m), padded_rows(m) - m) for m in range(ROW_BLOCK + 1)]  # m -> (cut, padding rows)
 
 
 @functools.lru_cache(maxsize=None)
@@ -49,9 +91,21 @@ class PackedLinear(nn.Module):
         # Plain attributes, not parameters: an opaque mkldnn tensor cannot be moved, cast or saved.
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
         self.bias = None if bias is None else bias.detach().contiguous().clone()
+        self._linear = torch.ops.mkldnn._linear_pointwise
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+        if x.dim() != 2:
+            return self.forward(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
+        m = x.shape[0]
+        if m <= EXACT_ROWS:  # most decode steps: as they come (the hot path, no extra op)
+            return self._linear(x.contiguous(), self.packed, self.bias, "none", [], "")
+        if m > ROW_BLOCK:
+            return torch.cat([self.forward(x[i:i + ROW_BLOCK]) for i in range(0, m, ROW_BLOCK)])
+        cut, pad = _PLANS[m]
+        if cut:
+            return torch.cat([self.forward(x[:cut]), self.forward(x[cut:])])
+        y = self._linear(F.pad(x, (0, 0, 0, pad)) if pad else x.contiguous(), self.packed, self.bias, "none", [], "")
+        return y[:m] if pad else y
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from slipstream.errors import ModelNotFoundError
-from slipstream.models.config import ModelConfig
+from slipstream.models.config import RANDOM_CONFIGS, ModelConfig
 from slipstream.models.gguf_loader import load_gguf
 from slipstream.models.hf_loader import load_hf_folder
 from slipstream.models.hub import hf_cache_dir, resolve_hf_id
@@ -34,7 +34,7 @@ class LoadedModel:
 
 
 def _known_names() -> str:
-    return ", ".join(sorted(KNOWN_MODELS))
+    return ", ".join(sorted(KNOWN_MODELS)) + "; random weights: " + ", ".join(sorted(RANDOM_CONFIGS))
 
 
 def _packaged_file(name: str) -> Path:

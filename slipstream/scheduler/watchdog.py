@@ -19,12 +19,19 @@ class Watchdog:
     async def run(self, loop_task: asyncio.Task) -> None:
         while True:
             await asyncio.sleep(self.period_s)
-            inflight = self.loop.pipeline.inflight
-            if not inflight:
-                continue
-            step = inflight[0]
-            waited = time.perf_counter() - step.timings.get("t_launch", time.perf_counter())
-            if waited > self.timeout_s:
-                self.loop.on_stall(step, waited)
-                loop_task.cancel()
+            if self._stalled(loop_task):
                 return
+
+    def _stalled(self, loop_task: asyncio.Task) -> bool:
+        # (a function of its own: the step it looks at is not held across the sleep, with the
+        # sequences and requests it references, after the step is gone)
+        inflight = self.loop.pipeline.inflight
+        if not inflight:
+            return False
+        step = inflight[0]
+        waited = time.perf_counter() - step.timings.get("t_launch", time.perf_counter())
+        if waited > self.timeout_s:
+            self.loop.on_stall(step, waited)
+            loop_task.cancel()
+            return True
+        return False

@@ -5,11 +5,14 @@ one that connects and sends nothing, or drips a byte a second into its headers o
 for ever. This protocol (uvicorn's httptools one, as `slipstream serve` uses) arms a timer when
 the connection opens and when a request begins, and disarms it once the request is fully read:
 a request not read within `read_timeout_s` closes its connection. The handler, if one is waiting
-on the body, sees the client disconnect.
+on the body, sees the client disconnect; the request's scope says the timer did it (`READ_TIMED_OUT`,
+a 408 then, slipstream/serve/body.py).
 """
 from __future__ import annotations
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from slipstream.serve.body import READ_TIMED_OUT
 
 DEFAULT_READ_TIMEOUT_S = 30.0  # `slipstream serve --request-read-timeout`
 
@@ -29,6 +32,8 @@ def read_timeout_protocol(read_timeout_s: float) -> type[HttpToolsProtocol]:
 
         def _read_timed_out(self) -> None:
             self._read_timer = None
+            if self.cycle is not None and not self.cycle.response_complete:
+                self.cycle.scope[READ_TIMED_OUT] = True
             if not self.transport.is_closing():
                 self.transport.close()
 

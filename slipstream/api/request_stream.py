@@ -5,6 +5,7 @@ from typing import TYPE_CHECKING
 
 from slipstream.outputs import CompletionOutput, StreamDelta
 from slipstream.params import SamplingParams
+from slipstream.tool_calls.plan import make_plan, with_calls
 
 if TYPE_CHECKING:
     from slipstream.api.engine import Engine
@@ -22,6 +23,8 @@ class RequestStream:
         self._seq: Sequence | None = None
         self._done = False
         self._carry: list[int] = []  # ids of tokens that produced no text yet (see _merge)
+        self._tools = False  # chat with tools: deltas carry their content and tool_calls
+        self._parser = None
 
     def __aiter__(self) -> "RequestStream":
         return self
@@ -37,7 +40,11 @@ class RequestStream:
                     from slipstream.api.image_prompt import split_chat_images
 
                     messages, images, fields = split_chat_images(prompt["messages"], images)
-                    prompt = {"prompt": self._engine._chat_prompt(messages)}
+                    plan = make_plan(self._engine.tokenizer, *prompt["tools"]) if "tools" in prompt else None
+                    if plan is not None:
+                        plan, params = plan.params(params)
+                        self._tools, self._parser = True, plan.parser()
+                    prompt = {"prompt": self._engine._chat_prompt(messages, plan)}
                 self._seq = await self._engine._submit(prompt["prompt"], params, request_id, images=images,
                                                        fields=fields)
             while True:
@@ -47,7 +54,7 @@ class RequestStream:
                     raise StopAsyncIteration
                 item = self._merge(item)
                 if item is not None:
-                    return item
+                    return with_calls(item, self._parser) if self._tools else item
         except BaseException:
             self._close()
             raise

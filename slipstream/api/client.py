@@ -66,12 +66,13 @@ class Client(WorkerConnection, SkillMethods):
                    tool_choice: ToolChoice = None, parallel_tool_calls: bool = True
                    ) -> CompletionOutput | list[CompletionOutput]:
         """The worker applies its model's chat template (Engine.chat), tools included."""
-        kw = _tools_kw(tools, tool_choice, parallel_tool_calls, params)
+        tools_args = (tools, tool_choice, parallel_tool_calls)
+        _tools_kw(*tools_args, params)  # refused before the images are encoded
         wire = await self._wire_images(images)
         if wants_fan_out(params):
             return await fan_out(lambda p, rid: self._complete(rid, p, messages=messages, images=wire), params,
                                  request_id)
-        return await self._complete(request_id, params, messages=messages, images=wire, **kw)
+        return await self._complete(request_id, params, messages=messages, images=wire, tools=tools_args)
 
     def chat_stream(self, messages: Messages, params: SamplingParams | None = None,
                     request_id: str | None = None, *, images: Sequence[ImageLike] = (), tools: Tools = None,
@@ -134,9 +135,7 @@ class Client(WorkerConnection, SkillMethods):
             raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
         images = prompt.get("images") or []
         if "messages" in prompt:
-            tools = prompt.get("tools") or {}
-            if isinstance(tools, tuple):  # (chat_stream's arguments, checked at the stream's first step)
-                tools = _tools_kw(*tools, params)
+            tools = _tools_kw(*prompt["tools"], params) if "tools" in prompt else {}
             prompt = {"messages": check.messages(prompt["messages"]), **tools}
         else:  # token ids are range-checked by the worker, which knows the vocabulary
             prompt = {"prompt": check.prompt(prompt["prompt"], vocab_size=2**63)}

@@ -50,7 +50,8 @@ async def test_engine_chat_with_tools():
     assert [(p.name, "".join(q.arguments for q in pieces if q.index == p.index)) for p in pieces if p.id] == \
         [(call.name, call.arguments)]
     assert [(c.name, c.arguments) for c in named.tool_calls] == [("stop", "{}")]
-    assert (none.text, none.content, none.tool_calls) == (plain.text, plain.text, [])  # none: no tools in the prompt
+    assert (none.content, none.tool_calls) == (none.text, [])  # none: a plain answer (the tools in its prompt)
+    assert len(none.prompt_token_ids) > len(plain.prompt_token_ids) + 100
     assert plain.content is None and plain.tool_calls is None
     assert '<tool_call>\n{"name": "say", "arguments": {"word": "beta", "n": 2}}\n</tool_call>' in prompt
     assert "<tool_response>\ndone\n</tool_response>" in prompt

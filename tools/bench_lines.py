@@ -1,7 +1,9 @@
 """What the table-printing benchmark tools share: a percentile, the lines of their tables (printed
-as they come), a raw file with the provenance header, and seeded random pictures."""
+as they come), a raw file with the provenance header, seeded random pictures, and stopping a server."""
 from __future__ import annotations
 
+import signal
+import subprocess
 from pathlib import Path
 from typing import Callable
 
@@ -36,3 +38,12 @@ def picture(seed: int, width: int, height: int):
 
     rs = np.random.RandomState(seed)
     return Image.fromarray(rs.randint(0, 256, (height, width, 3), dtype=np.uint8), "RGB")
+
+
+def stop(proc: subprocess.Popen, timeout: float = 30) -> None:
+    """SIGTERM (a server drains and exits), then SIGKILL after `timeout` seconds."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()

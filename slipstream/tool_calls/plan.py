@@ -6,7 +6,7 @@ parser that splits the output into the answer's text and its calls. Engine.chat,
 HTTP server (which tokenizes itself and may send the request to a worker) all go through it.
 
 How the choice constrains the output:
-- `none`: no grammar, no tools in the prompt, nothing parsed: a plain answer.
+- `none`: the tools are in the prompt (as vLLM does), but no grammar and nothing parsed: a plain answer.
 - `auto`: the tool-call grammar in `auto` mode: free text, calls valid once started (a lazy grammar).
 - `required` / a named function: the output is calls only (a named function: exactly one call of it).
 A `json_schema` in the params (OpenAI's response_format) constrains the text answer of `auto`: the
@@ -43,8 +43,7 @@ class ToolPlan:
         return self.request.choice
 
     def prompt(self, tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        tools = self.request.tools if self.choice != "none" else ()
-        return render_prompt(self.format, tokenizer, messages, tools, add_generation_prompt)
+        return render_prompt(self.format, tokenizer, messages, self.request.tools, add_generation_prompt)
 
     def params(self, params: SamplingParams | None) -> tuple["ToolPlan", SamplingParams]:
         """(this plan as the params make it, the params with the tool-call grammar)."""

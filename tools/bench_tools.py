@@ -101,7 +101,8 @@ async def bench(args, lines: list[str]) -> None:
     if args.engine:
         from slipstream import Engine, EngineConfig
 
-        async with Engine(EngineConfig(model=args.model, device=args.device, max_batch_size=CLIENTS)) as engine:
+        config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_batch_size=CLIENTS)
+        async with Engine(config) as engine:
             await run_pairs(args, lines, lambda *a: engine_load(engine, *a), "in-process Engine")
         return
     import httpx  # (not on a GPU machine's image: --engine needs none of the serve extra)
@@ -124,7 +125,7 @@ async def bench(args, lines: list[str]) -> None:
 
 
 async def run_pairs(args, lines: list[str], run, where: str) -> None:
-    emit(lines, f"model {args.model}, {args.device}, {where}, {CLIENTS} clients x {args.rounds} requests of "
+    emit(lines, f"model {args.model} ({args.dtype}), {args.device}, {where}, {CLIENTS} clients x {args.rounds} requests of "
                 f"max_tokens {args.max_tokens}; A: all plain, B: {CLIENTS // 2} plain + {CLIENTS // 2} tool_choice "
                 f"required; {args.pairs} A/B pairs after a warm-up of each")
     for tool_clients in (0, CLIENTS // 2):  # warm-up: compiles the grammar, caches the prompt's pages
@@ -164,6 +165,7 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--engine", action="store_true", help="an in-process Engine instead of `slipstream serve`")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", help="with --engine")
     p.add_argument("--out", default=None, help="also write the provenance header and the lines to this file")
     args = p.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

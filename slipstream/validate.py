@@ -176,7 +176,7 @@ def _history_call(field: str, call: Any) -> dict[str, Any]:
     if not isinstance(f, dict):
         raise InvalidRequestError(f"{field} must be {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}",
                                   param=field)
-    args = f.get("arguments", "{}")
+    args = f.get("arguments")
     if isinstance(args, dict):
         args = json.dumps(args)
     return {"id": text(f"{field}.id", call.get("id", ""), allow_empty=True), "type": "function",

@@ -36,6 +36,10 @@ async def test_engine_chat_with_tools():
             with pytest.raises(InvalidRequestError) as e:
                 await engine.chat(ASK, **bad)
             assert e.value.param == param
+        with pytest.raises(InvalidRequestError) as e:  # a history call without its arguments
+            await engine.chat([*ASK, {"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "say"}}]}],
+                              tools=TOOLS)
+        assert e.value.param == "messages[1].tool_calls[0].function.arguments"
         with pytest.raises(InvalidRequestError) as e:
             await engine.chat(ASK, SamplingParams(n=2), tools=TOOLS)
         assert e.value.param == "n"

@@ -16,7 +16,6 @@ are refused alongside tools.
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,6 +103,7 @@ def has_tool_messages(messages: Any) -> bool:
 
 
 def with_calls(d: StreamDelta, parser: ToolCallParser | None) -> StreamDelta:
+    """A chat stream's delta with its `content` and `tool_calls` pieces (the request's parser state)."""
     if parser is None:
         return dataclasses.replace(d, content=d.text, tool_calls=[])
     content, calls = parser.push(d.text)

@@ -123,7 +123,8 @@ async def test_multi_turn_with_tool_results(server):
                                              max_tokens=300, seed=1)
         calls = r.choices[0].message.tool_calls
         messages.append(r.choices[0].message.model_dump(exclude_none=True))  # as agent loops send it back
-        messages += [{"role": "tool", "tool_call_id": c.id, "content": json.dumps({"ok": i})} for i, c in enumerate(calls)]
+        messages += [{"role": "tool", "tool_call_id": c.id, "content": json.dumps({"ok": i})}
+                     for i, c in enumerate(calls)]
         r2 = await oa.chat.completions.create(model="m", messages=messages, tools=TOOLS, tool_choice="none",
                                               max_tokens=5, seed=2)
         assert r2.choices[0].message.content and not r2.choices[0].message.tool_calls
@@ -163,7 +164,8 @@ async def test_responses_streamed_and_not(server):
     assert [e.sequence_number for e in events] == list(range(len(events)))
     final = events[-1].response
     assert [(o.name, o.arguments) for o in final.output] == [(o.name, o.arguments) for o in r.output]
-    assert "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta") == r.output[0].arguments
+    pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert "".join(pieces) == r.output[0].arguments
     assert final.usage.output_tokens == r.usage.output_tokens and final.usage.input_tokens == r.usage.input_tokens
     assert text.status == "incomplete" and text.incomplete_details.reason == "max_output_tokens"
     assert [e.type for e in text_events] == [

@@ -28,7 +28,8 @@ SHOT = [{"role": "user", "content": "Weather in Oslo and Lima?"},
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}},
             {"id": "b", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Lima"}'}}]},
-        {"role": "tool", "tool_call_id": "a", "content": "5 C"}, {"role": "tool", "tool_call_id": "b", "content": "20 C"},
+        {"role": "tool", "tool_call_id": "a", "content": "5 C"},
+        {"role": "tool", "tool_call_id": "b", "content": "20 C"},
         {"role": "assistant", "content": "Oslo is at 5 C and Lima at 20 C."}]
 
 

@@ -20,7 +20,8 @@ from slipstream.tool_calls.spec import MAX_TOOLS, tool_request
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
                                             "days": {"type": "integer", "minimum": 1, "maximum": 9}},
            "required": ["city", "days"], "additionalProperties": False}
-TIME = {"type": "object", "properties": {"tz": {"enum": ["utc", "cet"]}}, "required": ["tz"], "additionalProperties": False}
+TIME = {"type": "object", "properties": {"tz": {"enum": ["utc", "cet"]}}, "required": ["tz"],
+        "additionalProperties": False}
 TOOLS = [("get_weather", json.dumps(WEATHER)), ("get_time", json.dumps(TIME))]
 W_ARGS, T_ARGS = '{"city": "Paris", "days": 3}', '{"tz": "utc"}'
 

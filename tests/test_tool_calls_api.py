@@ -21,7 +21,8 @@ async def test_engine_chat_with_tools():
         out = await engine.chat(ASK, SEEDED, tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
         deltas = [d async for d in engine.chat_stream(ASK, SEEDED, tools=TOOLS, tool_choice="required",
                                                       parallel_tool_calls=False)]
-        named = await engine.chat(ASK, SEEDED, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "stop"}})
+        named = await engine.chat(ASK, SEEDED, tools=TOOLS,
+                                  tool_choice={"type": "function", "function": {"name": "stop"}})
         none = await engine.chat(ASK, SamplingParams(max_tokens=8, temperature=0), tools=TOOLS, tool_choice="none")
         plain = await engine.chat(ASK, SamplingParams(max_tokens=8, temperature=0))
         # a history with calls and results renders in the tool format whether or not tools are given

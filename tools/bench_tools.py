@@ -59,7 +59,8 @@ async def load(http, pid: int, tool_clients: int, rounds: int, max_tokens: int, 
         tokens = 0
         for r in range(rounds):
             tools = i < tool_clients
-            resp = await http.post("/v1/chat/completions", json={**body(tools, max_tokens), "seed": seed + 1000 * i + r})
+            request = {**body(tools, max_tokens), "seed": seed + 1000 * i + r}
+            resp = await http.post("/v1/chat/completions", json=request)
             resp.raise_for_status()
             out = resp.json()
             tokens += out["usage"]["completion_tokens"]
@@ -124,9 +125,9 @@ async def bench(args, lines: list[str]) -> None:
 
 
 async def run_pairs(args, lines: list[str], run, where: str) -> None:
-    emit(lines, f"model {args.model} ({args.dtype}), {args.device}, {where}, {CLIENTS} clients x {args.rounds} requests of "
-                f"max_tokens {args.max_tokens}; A: all plain, B: {CLIENTS // 2} plain + {CLIENTS // 2} tool_choice "
-                f"required; {args.pairs} A/B pairs after a warm-up of each")
+    emit(lines, f"model {args.model} ({args.dtype}), {args.device}, {where}, {CLIENTS} clients x {args.rounds} "
+                f"requests of max_tokens {args.max_tokens}; A: all plain, B: {CLIENTS // 2} plain + "
+                f"{CLIENTS // 2} tool_choice required; {args.pairs} A/B pairs after a warm-up of each")
     for tool_clients in (0, CLIENTS // 2):  # warm-up: compiles the grammar, caches the prompt's pages
         await run(tool_clients, 1, args.max_tokens, 0)
     runs: dict[str, list[tuple[int, float, float]]] = {"A": [], "B": []}
@@ -153,7 +154,8 @@ def table(lines: list[str], runs: dict) -> None:
                     f"| {statistics.median(cpk):.2f} | {statistics.fmean(cpk):.2f} | {pct(cpk, 0.9):.2f} |")
     ratios = [(tb / wb) / (ta / wa) for (ta, wa, _), (tb, wb, _) in zip(runs["A"], runs["B"])]
     emit(lines)
-    emit(lines, f"B/A tokens/s per pair: {', '.join(f'{r:.3f}' for r in ratios)}; median {statistics.median(ratios):.3f}")
+    emit(lines, f"B/A tokens/s per pair: {', '.join(f'{r:.3f}' for r in ratios)}; "
+                f"median {statistics.median(ratios):.3f}")
 
 
 def main() -> int:

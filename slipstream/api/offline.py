@@ -103,7 +103,8 @@ class LLM:
         chat = self.engine.chat
         if tools is not None or tool_choice is not None:
             tool_request(tools, tool_choice, parallel_tool_calls)  # refused before anything runs
-            chat = functools.partial(chat, tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls)
+            chat = functools.partial(chat, tools=tools, tool_choice=tool_choice,
+                                     parallel_tool_calls=parallel_tool_calls)
         return self._call(self._gather(chat, batch, per_prompt))
 
     # --- skills (slipstream/api/skills.py): Moondream-compatible result dicts ------------------

@@ -210,7 +210,9 @@ class ChatChunks:
         self.chat, self.prompt_tokens, self.include_usage, self.tools = chat, prompt_tokens, include_usage, tools
 
     def start(self) -> list[bytes]:
-        return [sse.event(render.chat_chunk(*self.head, {"role": "assistant", "content": ""}, None))] if self.chat else []
+        if not self.chat:
+            return []
+        return [sse.event(render.chat_chunk(*self.head, {"role": "assistant", "content": ""}, None))]
 
     def delta(self, delta) -> list[bytes]:
         finish = delta.finish_reason

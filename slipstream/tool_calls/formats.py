@@ -1,16 +1,15 @@
 """Which tool-call format a model writes, read from its chat template, and the prompt showing its tools.
 
-| family | chosen when the chat template | a call is written | tools, calls and results reach the prompt through |
-|---|---|---|---|
-| `hermes` | renders `tools` and writes `<tool_call>` (Qwen2.5, Hermes) | `<tool_call>\\n{"name": …, "arguments": {…}}\\n</tool_call>`, a block per call | the template |
-| `llama3_json` | renders `tools` and is a Llama 3 template | `{"name": …, "parameters": {…}}` opening the answer; one call | the template |
-| `smollm2` | is SmolLM2's (it has no tool section) | `<tool_call>[{"name": …, "arguments": {…}}, …]</tool_call>` | a system message slipstream writes |
-| `generic` | anything else, or no template | as `hermes` | a system message slipstream writes |
+The families (docs/tools.md has the table): `hermes` (the template renders `tools` and writes
+`<tool_call>`: Qwen2.5, Hermes), `llama3_json` (a Llama 3 template that renders `tools`: bare
+`{"name": …, "parameters": {…}}` opening the answer, one call), `smollm2` (SmolLM2's template, which
+has no tool section: `<tool_call>[{…}, …]</tool_call>`) and `generic` (anything else: as hermes).
+The first two render the tools, the calls and the results through the template itself.
 
 Where slipstream writes the prompt (`smollm2`, `generic`), the tools go into the system message
 (appended to the conversation's own, or a new first one), an assistant message's calls are written
 as the model writes them (so the history looks like its own output) and a tool result becomes a
-user message `<tool_response>\\n…\\n</tool_response>` (consecutive results share one).
+user message `<tool_response>\n…\n</tool_response>` (consecutive results share one).
 """
 from __future__ import annotations
 

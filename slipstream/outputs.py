@@ -1,6 +1,7 @@
 """What requests return: the final completion and streamed deltas."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import msgspec
@@ -34,6 +35,29 @@ class Usage(msgspec.Struct, frozen=True):
     cached_tokens: int = 0
 
 
+class ToolCall(msgspec.Struct, frozen=True):
+    """One function call the model made (chat with `tools`, docs/tools.md). `arguments` is JSON text,
+    valid against the function's `parameters` schema whenever the call is complete (the request did
+    not stop inside it: finish_reason "stop")."""
+
+    id: str  # "call_..." (OpenAI's tool_call_id, which a tool message answers)
+    name: str
+    arguments: str
+
+    def parsed_arguments(self) -> dict:
+        return json.loads(self.arguments)
+
+
+class ToolCallDelta(msgspec.Struct, frozen=True):
+    """A piece of call `index` in a stream: its id and name when the call starts (arguments ""),
+    then fragments of its arguments' JSON text."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
 @dataclass
 class CompletionOutput:
     request_id: str
@@ -50,6 +74,10 @@ class CompletionOutput:
     # the carried values: output token index -> the head values that token carried (its grammar's
     # carry tokens; docs/moondream.md, "The carry"); None when the request's grammar has no carry tokens
     carried: dict[int, list[float]] | None = None
+    # chat with `tools` (docs/tools.md): `text` split into the answer's text (`content`) and the calls;
+    # both None when the request had no tools
+    content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
     def __post_init__(self) -> None:
         if self.usage is None:
@@ -64,3 +92,6 @@ class StreamDelta:
     token_ids: list[int]
     finish_reason: str | None = None  # set on the last delta
     usage: Usage | None = None  # set on the last delta (a streamed request's usage, cached_tokens included)
+    # chat_stream with `tools`: the part of `text` that is the answer's text, and what it added to the calls
+    content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None

@@ -6,6 +6,7 @@ InvalidRequestError naming the field. `bool` is refused where an integer or a nu
 """
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -160,8 +161,10 @@ def prompt(value: Any, vocab_size: int) -> str | list[int]:
 CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
 
 
-def messages(value: Any) -> list[dict[str, str]]:
-    """OpenAI-style chat messages: [{"role": str, "content": str | [{"type": "text", "text": str}]}]."""
+def messages(value: Any) -> list[dict[str, Any]]:
+    """OpenAI-style chat messages: [{"role": str, "content": str | [{"type": "text", "text": str}]}].
+    An assistant message may carry `tool_calls` (its content may then be None), a tool message its
+    `tool_call_id` and `name`; they are kept, checked and normalised (`_tool_fields`)."""
     if not isinstance(value, (list, tuple)) or not value:
         raise InvalidRequestError(f"messages must be a non-empty list of {{'role', 'content'}} dicts, "
                                   f"got {_type_name(value)} {value!r:.80}", param="messages")
@@ -175,6 +178,9 @@ def messages(value: Any) -> list[dict[str, str]]:
             raise InvalidRequestError(f"messages[{i}].role must be one of {CHAT_ROLES}, got {role!r}",
                                       param=f"messages[{i}].role")
         content = m.get("content")
+        extra = _tool_fields(i, role, m)
+        if content is None and "tool_calls" in extra:
+            content = ""
         if isinstance(content, (list, tuple)):  # OpenAI content parts: text, and image slots
             parts = []
             for j, part in enumerate(content):
@@ -187,11 +193,40 @@ def messages(value: Any) -> list[dict[str, str]]:
                 parts.append(text(f"messages[{i}].content[{j}].text", part.get("text"), allow_empty=True))
             if None in parts:  # kept as parts: the chat template places the images
                 out.append({"role": role, "content": [{"type": "image"} if p is None else {"type": "text", "text": p}
-                                                      for p in parts]})
+                                                      for p in parts], **extra})
                 continue
             content = "".join(parts)
-        out.append({"role": role, "content": text(f"messages[{i}].content", content, allow_empty=True)})
+        out.append({"role": role, "content": text(f"messages[{i}].content", content, allow_empty=True), **extra})
     return out
+
+
+def _tool_fields(i: int, role: str, m: dict) -> dict[str, Any]:
+    """An assistant's `tool_calls` as [{"id", "type": "function", "function": {"name", "arguments": JSON
+    text}}]; a tool message's `tool_call_id` and `name`. Fields other roles carry are ignored."""
+    out: dict[str, Any] = {}
+    if role == "assistant" and m.get("tool_calls") is not None:
+        calls = m["tool_calls"]
+        if not isinstance(calls, (list, tuple)):
+            raise InvalidRequestError(f"messages[{i}].tool_calls must be a list", param=f"messages[{i}].tool_calls")
+        out["tool_calls"] = [_history_call(f"messages[{i}].tool_calls[{j}]", c) for j, c in enumerate(calls)]
+    if role == "tool":
+        for key in ("tool_call_id", "name"):
+            if m.get(key) is not None:
+                out[key] = text(f"messages[{i}].{key}", m[key])
+    return out
+
+
+def _history_call(field: str, call: Any) -> dict[str, Any]:
+    f = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(f, dict):
+        raise InvalidRequestError(f"{field} must be {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}",
+                                  param=field)
+    args = f.get("arguments")
+    if isinstance(args, dict):
+        args = json.dumps(args)
+    return {"id": text(f"{field}.id", call.get("id", ""), allow_empty=True), "type": "function",
+            "function": {"name": text(f"{field}.function.name", f.get("name")),
+                         "arguments": text(f"{field}.function.arguments", args, allow_empty=True)}}
 
 
 def request_id(value: Any) -> str | None:

@@ -19,6 +19,7 @@ EXTRA_MODULES = {
     "slipstream.serve.app": {"fastapi", "starlette"},
     "slipstream.serve.generation": {"starlette"},
     "slipstream.serve.skills": {"starlette"},
+    "slipstream.serve.responses": {"starlette"},
     "slipstream.serve.body": {"starlette"},
     "slipstream.serve.server": {"uvicorn"},
     "slipstream.serve.read_timeout": {"uvicorn"},

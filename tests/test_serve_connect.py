@@ -81,6 +81,23 @@ async def test_disconnect_frees_the_workers_pages(served):
     await wait_pages_free(serve.url, timeout=1.5)  # the 1000 tokens would take seconds
 
 
+async def test_tool_calls_over_workers_equal_in_process(served):
+    """The front end renders the tools and sends the tool-call grammar in the params: a worker runs it."""
+    serve, _ = served
+    tools = [{"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["n"],
+        "additionalProperties": False}}}]
+    async with Engine(engine_config()) as engine:
+        want = await engine.chat(CHAT, SamplingParams(max_tokens=200, temperature=0.9, seed=4), tools=tools,
+                                 tool_choice="required", parallel_tool_calls=False)
+    async with client(serve) as oa:
+        r = await oa.chat.completions.create(model="m", messages=CHAT, tools=tools, tool_choice="required",
+                                             parallel_tool_calls=False, max_tokens=200, temperature=0.9, seed=4)
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in r.choices[0].message.tool_calls] == \
+        [(c.name, c.arguments) for c in want.tool_calls]
+
+
 async def test_sigterm_drains_in_flight_streams(served):
     serve, _ = served
     async with client(serve) as oa:

@@ -169,3 +169,28 @@ async def test_n_fans_out_on_the_client_like_the_engine(worker):
             await client._complete(None, SamplingParams(n=2, max_tokens=2), prompt="x")  # as a raw client would
         with pytest.raises(InvalidRequestError):
             [d async for d in client.stream("x", SamplingParams(n=2))]
+
+
+async def test_tools_travel_and_match_the_engine(worker):
+    """chat with tools through a worker: the same calls as the in-process Engine, streamed deltas with
+    their content and call pieces, and the checks' errors naming the field before anything is sent."""
+    tools = [{"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["n"],
+        "additionalProperties": False}}}]
+    ask = [{"role": "user", "content": "pick"}]
+    params = SamplingParams(max_tokens=60, temperature=0.9, seed=3)
+    async with Engine(engine_config()) as engine:
+        want = await engine.chat(ask, params, tools=tools, tool_choice="required", parallel_tool_calls=False)
+    async with Client(worker.address, timeout=10) as client:
+        got = await client.chat(ask, params, tools=tools, tool_choice="required", parallel_tool_calls=False)
+        deltas = [d async for d in client.chat_stream(ask, params, tools=tools, tool_choice="required",
+                                                      parallel_tool_calls=False)]
+        with pytest.raises(InvalidRequestError) as e:
+            await client.chat(ask, tools=tools, tool_choice={"type": "function", "function": {"name": "nope"}})
+        assert e.value.param == "tool_choice"
+    assert (got.text, got.content, [(c.name, c.arguments) for c in got.tool_calls]) == \
+        (want.text, want.content, [(c.name, c.arguments) for c in want.tool_calls])
+    assert "".join(d.text for d in deltas) == want.text and "".join(d.content for d in deltas) == want.content == ""
+    pieces = [p for d in deltas for p in d.tool_calls]
+    assert pieces[0].id.startswith("call_") and pieces[0].name == "pick"
+    assert "".join(p.arguments for p in pieces) == want.tool_calls[0].arguments

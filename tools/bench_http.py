@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import socket
 import statistics
 import subprocess
@@ -27,6 +26,7 @@ import httpx
 import uvloop
 
 sys.path.insert(0, os.path.dirname(__file__))
+from bench_lines import stop  # noqa: E402
 from provenance import header  # noqa: E402
 
 from slipstream import Engine, EngineConfig, SamplingParams  # noqa: E402
@@ -130,11 +130,7 @@ async def bench(args) -> list:
                 print(f"  {sc.name}: done", file=sys.stderr)
             return rows
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
 
 
 def table(rows) -> str:

@@ -1,9 +1,11 @@
 """What the table-printing benchmark tools share: a percentile, the lines of their tables (printed
 as they come), a raw file with the provenance header (of a plain or an asyncio body), the process's
-RSS, and seeded random pictures."""
+RSS, seeded random pictures, and stopping a server."""
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 from pathlib import Path
 from typing import Callable
 
@@ -55,3 +57,12 @@ def picture(seed: int, width: int, height: int):
 
     rs = np.random.RandomState(seed)
     return Image.fromarray(rs.randint(0, 256, (height, width, 3), dtype=np.uint8), "RGB")
+
+
+def stop(proc: subprocess.Popen, timeout: float = 30) -> None:
+    """SIGTERM (a server drains and exits), then SIGKILL after `timeout` seconds."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()

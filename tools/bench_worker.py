@@ -13,7 +13,6 @@ import argparse
 import asyncio
 import os
 import platform
-import signal
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,8 @@ import os as _os
 import sys as _sys
 
 _sys.path.insert(0, _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))))  # this checkout
+
+from bench_lines import stop  # noqa: E402 (tools/, the script's folder)
 
 from slipstream import Client, Engine, EngineConfig, SamplingParams  # noqa: E402
 
@@ -89,11 +90,7 @@ async def bench(args) -> list[tuple[Scenario, float, float, int]]:
                 print(f"  {sc.name}: engine {rows[-1][1]:.3f} s, worker {rows[-1][2]:.3f} s", file=sys.stderr)
         return rows
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
 
 
 def table(rows) -> str:

@@ -18,7 +18,7 @@ import msgspec
 from slipstream import validate as check
 from slipstream.api.client_connection import WorkerConnection, _Pending
 from slipstream.api.client_stream import ClientStream
-from slipstream.api.interface import DeltaStream, Messages, Prompt
+from slipstream.api.interface import DeltaStream, Messages, Prompt, ToolChoice, Tools
 from slipstream.api.skills import SkillMethods
 from slipstream.api.fanout import fan_out, wants_fan_out
 from slipstream.api.protocol import (
@@ -34,6 +34,8 @@ from slipstream.errors import InvalidRequestError
 from slipstream.images import ImageLike, image_list, images_to_bytes
 from slipstream.outputs import CompletionOutput
 from slipstream.params import SamplingParams
+from slipstream.tool_calls.plan import tool_dicts
+from slipstream.tool_calls.spec import tool_request
 
 
 class Client(WorkerConnection, SkillMethods):
@@ -60,18 +62,23 @@ class Client(WorkerConnection, SkillMethods):
         return ClientStream(self, request_id, params, {"prompt": prompt, "images": images})
 
     async def chat(self, messages: Messages, params: SamplingParams | None = None,
-                   request_id: str | None = None, *, images: Sequence[ImageLike] = ()
+                   request_id: str | None = None, *, images: Sequence[ImageLike] = (), tools: Tools = None,
+                   tool_choice: ToolChoice = None, parallel_tool_calls: bool = True
                    ) -> CompletionOutput | list[CompletionOutput]:
-        """The worker applies its model's chat template (Engine.chat)."""
+        """The worker applies its model's chat template (Engine.chat), tools included."""
+        tools_args = (tools, tool_choice, parallel_tool_calls)
+        _tools_kw(*tools_args, params)  # refused before the images are encoded
         wire = await self._wire_images(images)
         if wants_fan_out(params):
             return await fan_out(lambda p, rid: self._complete(rid, p, messages=messages, images=wire), params,
                                  request_id)
-        return await self._complete(request_id, params, messages=messages, images=wire)
+        return await self._complete(request_id, params, messages=messages, images=wire, tools=tools_args)
 
     def chat_stream(self, messages: Messages, params: SamplingParams | None = None,
-                    request_id: str | None = None, *, images: Sequence[ImageLike] = ()) -> DeltaStream:
-        return ClientStream(self, request_id, params, {"messages": messages, "images": images})
+                    request_id: str | None = None, *, images: Sequence[ImageLike] = (), tools: Tools = None,
+                    tool_choice: ToolChoice = None, parallel_tool_calls: bool = True) -> DeltaStream:
+        return ClientStream(self, request_id, params, {"messages": messages, "images": images,
+                                                       "tools": (tools, tool_choice, parallel_tool_calls)})
 
     async def chat_prompt(self, messages: Messages) -> str:
         """Rendered by the worker, with its model's chat template."""
@@ -130,7 +137,8 @@ class Client(WorkerConnection, SkillMethods):
             params.check()
         images = prompt.get("images") or []
         if "messages" in prompt:
-            prompt = {"messages": check.messages(prompt["messages"])}
+            tools = _tools_kw(*prompt["tools"], params) if "tools" in prompt else {}
+            prompt = {"messages": check.messages(prompt["messages"]), **tools}
         else:  # token ids are range-checked by the worker, which knows the vocabulary
             prompt = {"prompt": check.prompt(prompt["prompt"], vocab_size=2**63)}
         if images:
@@ -152,3 +160,13 @@ class Client(WorkerConnection, SkillMethods):
             del self._pending[p.request_id]
         if not finished and not self._closed:  # cancelled or closed early: free the worker's pages
             self._send_nowait(Abort(v=PROTOCOL_VERSION, seq=0, request_id=p.request_id))
+
+
+def _tools_kw(tools, tool_choice, parallel_tool_calls, params) -> dict:
+    """The Generate fields of chat's tools, checked here as the worker checks them (it checks again)."""
+    request = tool_request(tools, tool_choice, parallel_tool_calls)
+    if request is None:
+        return {}
+    if params is not None and isinstance(params, SamplingParams) and params.n > 1:
+        raise InvalidRequestError("n > 1 is not available with tools; send n requests", param="n")
+    return {"tools": tool_dicts(tools), "tool_choice": tool_choice, "parallel_tool_calls": parallel_tool_calls}

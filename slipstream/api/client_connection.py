@@ -295,7 +295,7 @@ class WorkerConnection:
                 return  # a request we already gave up on (aborted, cancelled, timed out)
             if isinstance(msg, Delta):
                 p.queue.put_nowait(StreamDelta(p.request_id, msg.text, msg.token_ids, msg.finish_reason,
-                                                 msg.usage))
+                                                 msg.usage, msg.content, msg.tool_calls))
             elif isinstance(msg, Result):
                 p.queue.put_nowait(output_from_wire(msg.output, p.sent_at))
             else:

@@ -21,7 +21,7 @@ from slipstream.errors import EngineAlreadyStartedError, EngineClosedError, Inva
 from slipstream.outputs import CompletionOutput
 from slipstream.params import EngineConfig, SamplingParams
 from slipstream.models.byte_stream import byte_table
-from slipstream.api.interface import DeltaStream, Messages, Prompt
+from slipstream.api.interface import DeltaStream, Messages, Prompt, ToolChoice, Tools
 from slipstream.api.engine_submit import SubmitMethods
 from slipstream.api.fanout import fan_out, wants_fan_out
 from slipstream.api.image_prompt import split_chat_images
@@ -29,6 +29,7 @@ from slipstream.api.protocol import HealthReply
 from slipstream.api.request_stream import RequestStream
 from slipstream.api.skills import SkillMethods
 from slipstream.scheduler.sequence import Sequence as SchedSeq
+from slipstream.tool_calls.plan import ToolPlan, has_tool_messages, make_plan, tool_prompt
 from slipstream.images import ImageLike, require_vision
 
 log = structlog.get_logger(__name__)
@@ -205,24 +206,32 @@ class Engine(SubmitMethods, SkillMethods):
         return RequestStream(self, request_id, params, {"prompt": prompt, "images": images})
 
     async def chat(self, messages: Messages, params: SamplingParams | None = None,
-                   request_id: str | None = None, *, images: Sequence[ImageLike] = ()
+                   request_id: str | None = None, *, images: Sequence[ImageLike] = (), tools: Tools = None,
+                   tool_choice: ToolChoice = None, parallel_tool_calls: bool = True
                    ) -> CompletionOutput | list[CompletionOutput]:
         """`messages` may carry OpenAI image parts ({"type": "image_url", ...} or {"type": "image",
-        "image": ...}); `images` fill `<image>` markers written in the messages' text."""
+        "image": ...}); `images` fill `<image>` markers written in the messages' text. With `tools`
+        the output's `content` and `tool_calls` are filled (docs/tools.md)."""
         messages, found, fields = split_chat_images(messages, images)
         if found:  # before the template sees image parts it may not know
             require_vision(self._image_processing is not None, fields[0])
-        return await self._complete(self._chat_prompt(messages), params, request_id, found, fields)
+        plan = make_plan(self.tokenizer, tools, tool_choice, parallel_tool_calls)
+        if plan is None:
+            return await self._complete(self._chat_prompt(messages), params, request_id, found, fields)
+        plan, params = plan.params(params)
+        return plan.output(await self._complete(self._chat_prompt(messages, plan), params, request_id, found, fields))
 
     def chat_stream(self, messages: Messages, params: SamplingParams | None = None,
-                    request_id: str | None = None, *, images: Sequence[ImageLike] = ()) -> DeltaStream:
-        return RequestStream(self, request_id, params, {"messages": messages, "images": images})
+                    request_id: str | None = None, *, images: Sequence[ImageLike] = (), tools: Tools = None,
+                    tool_choice: ToolChoice = None, parallel_tool_calls: bool = True) -> DeltaStream:
+        return RequestStream(self, request_id, params, {"messages": messages, "images": images,
+                                                        "tools": (tools, tool_choice, parallel_tool_calls)})
 
     async def chat_prompt(self, messages: Messages) -> str:
         """The prompt text; image parts become `<image>` markers."""
         return self._chat_prompt(split_chat_images(messages)[0])
 
-    def _chat_prompt(self, messages: Messages) -> str:
+    def _chat_prompt(self, messages: Messages, plan: ToolPlan | None = None) -> str:
         messages = check.messages(messages)
         self._check_running()
         chars = sum(len(m["content"]) if isinstance(m["content"], str) else  # capped before the template renders them
@@ -231,6 +240,8 @@ class Engine(SubmitMethods, SkillMethods):
             raise InvalidRequestError(f"messages have {chars:,} characters of content; this engine takes at most "
                                       f"{self.config.max_prompt_chars:,} (EngineConfig.max_prompt_chars)",
                                       param="messages")
+        if plan is not None or has_tool_messages(messages):
+            return tool_prompt(self.tokenizer, messages, plan)
         try:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         except Exception as e:  # noqa: BLE001 - a template rejects what the caller sent

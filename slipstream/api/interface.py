@@ -26,6 +26,8 @@ from slipstream.params import SamplingParams
 
 Prompt = str | list[int]  # text, or token ids
 Messages = list[dict]  # chat messages: [{"role": "user", "content": "..."}, ...]
+Tools = Sequence[dict] | None  # OpenAI function tools: [{"type": "function", "function": {"name", ...}}, ...]
+ToolChoice = str | dict | None  # "auto" | "none" | "required" | {"type": "function", "function": {"name"}}
 
 # Public methods only one side has, because only its transport has the concept.
 TRANSPORT_EXTRAS = {"Engine": frozenset(), "Client": frozenset({"wait_connected"})}
@@ -71,13 +73,19 @@ class EngineAPI(Protocol):
         """As `complete`, delta by delta (see the module docstring for what is yielded)."""
 
     async def chat(self, messages: Messages, params: SamplingParams | None = None,
-                   request_id: str | None = None, *, images: Sequence[ImageLike] = ()
+                   request_id: str | None = None, *, images: Sequence[ImageLike] = (), tools: Tools = None,
+                   tool_choice: ToolChoice = None, parallel_tool_calls: bool = True
                    ) -> CompletionOutput | list[CompletionOutput]:
-        """`complete` on the model's chat template applied to `messages` (with a generation prompt)."""
+        """`complete` on the model's chat template applied to `messages` (with a generation prompt).
+        With `tools` (OpenAI's function tools; `tool_choice` "auto" by default) the model may call
+        them, each call valid against its function's schema, and the output's `content` and
+        `tool_calls` hold the answer's text and the parsed calls (docs/tools.md)."""
 
     def chat_stream(self, messages: Messages, params: SamplingParams | None = None,
-                    request_id: str | None = None, *, images: Sequence[ImageLike] = ()) -> DeltaStream:
-        """`stream` on the model's chat template applied to `messages`."""
+                    request_id: str | None = None, *, images: Sequence[ImageLike] = (), tools: Tools = None,
+                    tool_choice: ToolChoice = None, parallel_tool_calls: bool = True) -> DeltaStream:
+        """`stream` on the model's chat template applied to `messages`; with `tools` each delta also
+        carries its `content` and `tool_calls` pieces."""
 
     async def chat_prompt(self, messages: Messages) -> str:
         """The prompt text `chat` would generate from (InvalidRequestError if the template refuses)."""

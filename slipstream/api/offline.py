@@ -7,17 +7,20 @@ event loop of its own (a notebook): the engine's loop is never the caller's.
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 from typing import Sequence
 
 from slipstream import validate as check
 from slipstream.api.engine import Engine, Prompt
+from slipstream.api.interface import ToolChoice, Tools
 from slipstream.api.skills import check_skill_args
 from slipstream.errors import EngineClosedError, InvalidRequestError
 from slipstream.images import (ImageInput, ImageLike, ImageLimits, check_image_count, image_list, load_request_images,
                                model_accepts_images, require_vision)
 from slipstream.outputs import CompletionOutput
 from slipstream.params import EngineConfig, SamplingParams
+from slipstream.tool_calls.spec import tool_request
 
 
 class LLM:
@@ -77,11 +80,13 @@ class LLM:
         return out
 
     def chat(self, conversations: list[dict] | Sequence[list[dict]],
-             params: SamplingParams | Sequence[SamplingParams] | None = None
+             params: SamplingParams | Sequence[SamplingParams] | None = None, *, tools: Tools = None,
+             tool_choice: ToolChoice = None, parallel_tool_calls: bool = True
              ) -> list[CompletionOutput | list[CompletionOutput]]:
         """Answer one conversation (a list of {"role", "content"} messages) or a list of them (n > 1: as generate).
         Content may be a list of OpenAI parts, images included ({"type": "image", "image": ...} or
-        {"type": "image_url", ...}); they pass through to Engine.chat."""
+        {"type": "image_url", ...}); they pass through to Engine.chat. `tools` (the same for every
+        conversation): each output's `content` and `tool_calls` (docs/tools.md)."""
         single = isinstance(conversations, list) and (not conversations or isinstance(conversations[0], dict))
         batch = [conversations] if single else _batch(conversations, "conversations")
         per_prompt = _per_prompt(params, len(batch))
@@ -95,7 +100,12 @@ class LLM:
                 check.messages(messages)
             except InvalidRequestError as e:
                 raise InvalidRequestError(f"conversations[{i}]: {e}", param=f"conversations[{i}]") from None
-        calls = [_naming(f"conversations[{i}]", "messages", self.engine.chat) for i in range(len(batch))]
+        chat = self.engine.chat
+        if tools is not None or tool_choice is not None:
+            tool_request(tools, tool_choice, parallel_tool_calls)  # refused before anything runs
+            chat = functools.partial(chat, tools=tools, tool_choice=tool_choice,
+                                     parallel_tool_calls=parallel_tool_calls)
+        calls = [_naming(f"conversations[{i}]", "messages", chat) for i in range(len(batch))]
         return self._call(self._gather_each(calls, batch, per_prompt))
 
     # --- skills (slipstream/api/skills.py): Moondream-compatible result dicts ------------------

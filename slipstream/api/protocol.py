@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 
 from slipstream import errors
-from slipstream.outputs import CompletionOutput, RequestMetrics, Usage
+from slipstream.outputs import CompletionOutput, RequestMetrics, ToolCallDelta, Usage
 
 PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 1 << 20  # default bound on one inbound frame; larger ones get a ProtocolError
@@ -30,7 +30,11 @@ class _In(msgspec.Struct, tag_field="type", kw_only=True):
 class Generate(_In, tag="generate"):
     request_id: str  # chosen by the client, unique among its unfinished requests
     prompt: str | list[int] | None = None
-    messages: list[dict[str, str]] | None = None  # chat: the worker applies the chat template
+    messages: list[dict[str, Any]] | None = None  # chat: the worker applies the chat template
+    # chat with tools (Engine.chat's arguments, checked by the worker; docs/tools.md)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     # Decoded separately, so a bad value is answered as InvalidRequestError for this request.
     params: msgspec.Raw = msgspec.Raw(b"\x80")  # an empty map: SamplingParams() defaults
     stream: bool = False  # True: Delta messages, the last one with finish_reason; False: one Result
@@ -54,7 +58,7 @@ class HealthRequest(_In, tag="health"):
 
 class ChatPromptRequest(_In, tag="chat_prompt"):
     seq: int
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
 
 
 class MetricsRequest(_In, tag="metrics"):
@@ -91,6 +95,8 @@ class Delta(_Out, tag="delta"):
     token_ids: list[int]
     finish_reason: str | None = None  # set on the last delta of a stream, which ends it
     usage: Usage | None = None  # set on the last delta (cached_tokens included)
+    content: str | None = None  # chat with tools: the answer's text in `text`
+    tool_calls: list[ToolCallDelta] | None = None  # chat with tools: what `text` added to the calls
 
 
 class Result(_Out, tag="result"):

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from slipstream.outputs import CompletionOutput, StreamDelta
 from slipstream.params import SamplingParams
+from slipstream.tool_calls.plan import make_plan, with_calls
 
 if TYPE_CHECKING:
     from slipstream.api.engine import Engine
@@ -63,6 +64,8 @@ class RequestStream:
         self._box: Mailbox | None = None  # the request's outputs, read here directly
         self._done = False
         self._carry: list[int] = []  # ids of tokens that produced no text yet (see _merge)
+        self._tools = False  # chat with tools: deltas carry their content and tool_calls
+        self._parser = None
 
     def __aiter__(self) -> "RequestStream":
         return self
@@ -79,7 +82,11 @@ class RequestStream:
                     from slipstream.api.image_prompt import split_chat_images
 
                     messages, images, fields = split_chat_images(prompt["messages"], images)
-                    prompt = {"prompt": self._engine._chat_prompt(messages)}
+                    plan = make_plan(self._engine.tokenizer, *prompt["tools"]) if "tools" in prompt else None
+                    if plan is not None:
+                        plan, params = plan.params(params)
+                        self._tools, self._parser = True, plan.parser()
+                    prompt = {"prompt": self._engine._chat_prompt(messages, plan)}
                 self._seq = await self._engine._submit(prompt["prompt"], params, request_id, images=images,
                                                        fields=fields)
                 box = self._box = self._seq.user.queue
@@ -90,11 +97,11 @@ class RequestStream:
                     continue
                 item = items.popleft()
                 if type(item) is StreamDelta:
-                    if not self._carry and (item.text or item.finish_reason is not None):
-                        return item
-                    item = self._merge(item)
-                    if item is not None:
-                        return item
+                    if self._carry or not (item.text or item.finish_reason is not None):
+                        item = self._merge(item)
+                        if item is None:
+                            continue
+                    return with_calls(item, self._parser) if self._tools else item
                 elif isinstance(item, CompletionOutput):
                     self._close()
                     raise StopAsyncIteration

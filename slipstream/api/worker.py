@@ -265,19 +265,26 @@ class Worker:
         rid, send, ident = msg.request_id, self.io.send, session.identity
         engine_id = f"{session.tag}/{rid}"  # unique across clients; the client sees its own id
         try:
-            prompt = msg.prompt if msg.messages is None else await self.engine.chat_prompt(msg.messages)
-            images = {}
+            tools = msg.messages is not None and (msg.tools is not None or msg.tool_choice is not None)
+            prompt = msg.prompt if msg.messages is None or tools else await self.engine.chat_prompt(msg.messages)
+            kw: dict = {}
             if msg.images:  # counted, then refused for a text model before anything is decoded; off the loop
                 fields = [f"images[{i}]" for i in range(len(msg.images))]
                 check_image_fields(fields)
                 require_vision(model_accepts_images(self.engine.model_config), fields[0])
-                images = {"images": await load_images(msg.images, fields)}
+                kw["images"] = await load_images(msg.images, fields)
+            if tools:  # Engine.chat renders the tools, adds their grammar and parses the calls
+                kw.update(tools=msg.tools, tool_choice=msg.tool_choice, parallel_tool_calls=msg.parallel_tool_calls)
             if msg.stream:
-                async for d in self.engine.stream(prompt, params, request_id=engine_id, **images):
+                stream = (self.engine.chat_stream(msg.messages, params, request_id=engine_id, **kw) if tools
+                          else self.engine.stream(prompt, params, request_id=engine_id, **kw))
+                async for d in stream:
                     send(ident, Delta(request_id=rid, text=d.text, token_ids=d.token_ids,
-                                      finish_reason=d.finish_reason, usage=d.usage))
+                                      finish_reason=d.finish_reason, usage=d.usage, content=d.content,
+                                      tool_calls=d.tool_calls))
             else:
-                out = await self.engine.complete(prompt, params, request_id=engine_id, **images)
+                out = await (self.engine.chat(msg.messages, params, request_id=engine_id, **kw) if tools
+                             else self.engine.complete(prompt, params, request_id=engine_id, **kw))
                 send(ident, Result(request_id=rid, output=output_to_wire(out, rid)))
         except asyncio.CancelledError:
             if not session.gone:  # cancelled at the shutdown deadline, and the client is still there

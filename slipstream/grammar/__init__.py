@@ -1,6 +1,6 @@
 """Constrained decoding: grammar specs, compiled grammars, per-sequence matchers, packed bitmasks.
 
-See docs/grammars.md. Built-in kinds: json_schema, regex, choice (llguidance) and the spatial skills
+See docs/grammars.md. Built-in kinds: json_schema, regex, choice, tool_calls (llguidance) and the spatial skills
 point, detect, segment; plugins register under the `slipstream.grammars` entry-point group.
 
 Names are imported lazily, so `from slipstream.grammar.base import GrammarSpec` (done by

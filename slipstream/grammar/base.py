@@ -29,7 +29,7 @@ from slipstream.models.carry_kind import CarryKind
 class GrammarSpec(msgspec.Struct, frozen=True):
     """What a request's output must match; hashable, so it is the compile-cache key."""
 
-    kind: str  # "json_schema" | "regex" | "choice" | "point" | "detect" | "segment" | a plugin name
+    kind: str  # "json_schema" | "regex" | "choice" | "tool_calls" | "point" | "detect" | "segment" | a plugin name
     value: str = ""  # schema JSON text / regex / choice list as JSON text / object name for skills
     max_objects: int = 16
 

@@ -31,7 +31,7 @@ from slipstream.errors import GrammarCompileError, GrammarMatchError
 from slipstream.grammar.base import GrammarSpec
 from slipstream.grammar.bitmask import clear_from, words_for
 
-LLGUIDANCE_KINDS = ("json_schema", "regex", "choice")
+LLGUIDANCE_KINDS = ("json_schema", "regex", "choice", "tool_calls")
 
 JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
@@ -137,7 +137,7 @@ def _regex_literal(text: str) -> str:
 
 
 def grammar_source(spec: GrammarSpec) -> str:
-    """The llguidance grammar (its JSON form) for a json_schema / regex / choice spec."""
+    """The llguidance grammar (its JSON form) for a json_schema / regex / choice / tool_calls spec."""
     import llguidance
 
     if spec.kind == "json_schema":
@@ -162,10 +162,15 @@ def grammar_source(spec: GrammarSpec) -> str:
             raise GrammarCompileError("invalid choice list: expected a non-empty JSON list of strings")
         alternatives = "|".join(f"(?:{_regex_literal(c)})" for c in dict.fromkeys(choices))
         return llguidance.LLMatcher.grammar_from_regex(alternatives)
+    if spec.kind == "tool_calls":
+        from slipstream.grammar.tool_calls import tool_call_source
+
+        return llguidance.LLMatcher.grammar_from_lark(tool_call_source(spec.value))
     raise GrammarCompileError(f"llguidance does not handle grammar kind {spec.kind!r}")
 
 
-_ERROR_PREFIX = {"json_schema": "invalid JSON schema", "regex": "invalid regex", "choice": "invalid choice list"}
+_ERROR_PREFIX = {"json_schema": "invalid JSON schema", "regex": "invalid regex", "choice": "invalid choice list",
+                 "tool_calls": "invalid tools"}
 
 
 class LLGuidanceGrammar:
@@ -182,7 +187,7 @@ class LLGuidanceGrammar:
         template = llguidance.LLMatcher(self.lltok, source, log_level=0, limits=limits)
         if template.is_error():
             detail = _first_line(template.get_error())
-            if spec.kind != "json_schema":
+            if spec.kind in ("regex", "choice"):
                 detail += f" (in {spec.value!r})"
             raise GrammarCompileError(f"{_ERROR_PREFIX[spec.kind]}: {detail}")
         self._template = template
@@ -260,5 +265,5 @@ def _first_line(msg: str) -> str:
 
 
 def build_llguidance(spec: GrammarSpec, tokenizer: Any, vocab_size: int) -> LLGuidanceGrammar:
-    """Registry factory for json_schema / regex / choice."""
+    """Registry factory for json_schema / regex / choice / tool_calls."""
     return LLGuidanceGrammar(spec, tokenizer, vocab_size)

@@ -25,7 +25,7 @@ ENTRY_POINT_GROUP = "slipstream.grammars"
 
 Factory = Callable[[GrammarSpec, Any, int], Grammar]
 
-BUILTIN_KINDS = ("json_schema", "regex", "choice", "point", "detect", "segment")
+BUILTIN_KINDS = ("json_schema", "regex", "choice", "tool_calls", "point", "detect", "segment")
 
 _registered: dict[str, Factory] = {}
 _loaded: dict[str, Factory] = {}  # entry points already imported, by name
@@ -33,7 +33,7 @@ _lock = threading.Lock()
 
 
 def _builtin(kind: str) -> Factory | None:
-    if kind in ("json_schema", "regex", "choice"):
+    if kind in ("json_schema", "regex", "choice", "tool_calls"):
         from slipstream.grammar.llguidance_backend import build_llguidance
 
         return build_llguidance

@@ -45,10 +45,12 @@ def row_keys(seeds: torch.Tensor, output_index: torch.Tensor) -> torch.Tensor:
 
 
 def uniforms(keys: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[n, vocab] float32 uniforms in (0, 1), a pure function of (key, token id)."""
+    """[n, vocab] float32 uniforms in (0, 1), a pure function of (key, token id). 23 bits: every
+    (k + 0.5) / 2**23 is exact in float32, so none rounds to 1.0, whose noise would be +inf (a
+    masked token's logit -inf + inf = NaN, which argmax picks; 24 bits did that once in 2**24)."""
     cols = (torch.arange(vocab, device=keys.device, dtype=torch.int64) * _COL_SALT) & _M32
     h = hash32(keys[:, None] ^ cols[None, :])
-    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
 def _filter_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from slipstream.api.encode import encode_off_loop
 from slipstream.errors import InvalidRequestError, SlipstreamError
-from slipstream.serve import generation, skills
+from slipstream.serve import generation, responses, skills
 from slipstream.serve.api_errors import ApiError, from_slipstream, invalid
 from slipstream.serve.body import DEFAULT_MAX_BODY_BYTES, read_body
 from slipstream.serve.backend import Backend
@@ -46,7 +46,7 @@ def _json(obj, status: int = 200) -> Response:
 
 
 _ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/v1/point": "point",
-              "/v1/detect": "detect"}
+              "/v1/detect": "detect", "/v1/responses": "responses"}
 
 
 def create_app(backend: Backend, max_inflight: int = 1024, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
@@ -105,6 +105,10 @@ def create_app(backend: Backend, max_inflight: int = 1024, max_body_bytes: int =
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await generation.handle(state, request, chat=True)
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:  # stateless (slipstream/serve/responses.py)
+        return await responses.handle(state, request)
 
     @app.post("/v1/point")
     async def point(request: Request) -> Response:  # Moondream's cloud API (slipstream/serve/skills.py)

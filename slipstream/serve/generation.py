@@ -13,7 +13,7 @@ from starlette.responses import Response, StreamingResponse
 from slipstream.api.fanout import fan_out, wants_fan_out
 from slipstream.api.encode import encode_off_loop
 from slipstream.errors import InvalidRequestError, SlipstreamError
-from slipstream.serve import render, sse
+from slipstream.serve import chat_tools, render, sse
 from slipstream.serve.api_errors import ApiError, from_decode_error, from_slipstream, invalid
 from slipstream.serve.body import read_body
 from slipstream.serve.images import request_images
@@ -55,9 +55,12 @@ def check_chat_chars(state: ServerState, messages) -> None:
                       f"{state.max_prompt_chars:,}", "messages", "prompt_too_long")
 
 
-def chat_text(tokenizer, messages, add_generation_prompt: bool = True) -> str:
+def chat_text(tokenizer, messages, add_generation_prompt: bool = True, plan=None) -> str:
     """The model's chat template over the messages; a template that refuses them (roles out of order,
-    a role it does not know) is the request's fault: 400 naming `messages`."""
+    a role it does not know) is the request's fault: 400 naming `messages`. With tools (`plan`) or calls
+    and results in the history: the tool format's rendering (serve/chat_tools.py)."""
+    if chat_tools.uses_tools(messages, plan):
+        return chat_tools.prompt_text(tokenizer, messages, plan, add_generation_prompt)
     parts = [{"role": m.role, "content": m.template_content()} for m in messages]
     n_images = len(image_parts(messages))
     try:
@@ -71,13 +74,15 @@ def chat_text(tokenizer, messages, add_generation_prompt: bool = True) -> str:
         raise invalid(f"the chat template failed on these messages: {e}", "messages") from None
 
 
-async def prompt_ids(state: ServerState, req: CompletionRequest | ChatCompletionRequest) -> tuple[list[int], str]:
-    """Token ids of the prompt (chat template applied), and the field to blame for a bad prompt.
-    Its size is checked first; a long one is tokenized off the event loop (slipstream/api/encode.py)."""
+async def prompt_ids(state: ServerState, req: CompletionRequest | ChatCompletionRequest,
+                     plan=None) -> tuple[list[int], str]:
+    """Token ids of the prompt (chat template applied, with the tools of `plan`), and the field to blame
+    for a bad prompt. Its size is checked first; a long one is tokenized off the event loop
+    (slipstream/api/encode.py)."""
     b = state.backend
     if isinstance(req, ChatCompletionRequest):
         check_chat_chars(state, req.messages)
-        ids, field = await _encode_text(state, chat_text(b.tokenizer, req.messages), "messages"), "messages"
+        ids, field = await _encode_text(state, chat_text(b.tokenizer, req.messages, plan=plan), "messages"), "messages"
     elif isinstance(req.prompt, str):
         ids, field = await _encode_text(state, req.prompt, "prompt"), "prompt"
     else:
@@ -116,21 +121,34 @@ async def until_disconnect(request: Request, awaitable) -> Any:
 
 
 async def handle(state: ServerState, request: Request, chat: bool) -> Response:
-    endpoint = "chat" if chat else "completions"
     t0 = time.perf_counter()
     rid = new_request_id("chatcmpl" if chat else "cmpl", request.headers.get("x-request-id"))
     req = decode_body(await read_body(request, state.max_body_bytes), chat)
     # completions' logprobs: 0 asks for the sampled tokens' logprobs (as OpenAI): refused like >= 1
     if req.stream and (req.logprobs if chat else req.logprobs is not None):
         raise invalid("logprobs are not available on streamed responses yet; use stream=false", "logprobs")
+    want_logprobs = bool(req.logprobs) or (not chat and req.logprobs == 0)
+    return await generate(state, request, req, rid, t0, ChatStyle(chat, want_logprobs))
+
+
+async def generate(state: ServerState, request: Request, req: CompletionRequest | ChatCompletionRequest, rid: str,
+                   t0: float, style, tools: tuple | None = None) -> Response:
+    """Run one decoded request and answer it in `style` (ChatStyle here; serve/responses.py's for
+    /v1/responses, which passes its `tools` (tools, tool_choice, parallel_tool_calls) apart)."""
+    chat, endpoint = isinstance(req, ChatCompletionRequest), style.endpoint
     if req.stream and req.n > 1:
         raise invalid("n > 1 is not available on streamed responses; use stream=false", "n")
-    want_logprobs = bool(req.logprobs) or (not chat and req.logprobs == 0)
+    if tools is None and chat:
+        tools = (req.tools, req.tool_choice, req.parallel_tool_calls)
+    plan = chat_tools.plan_of(state.backend.tokenizer, *tools) if tools is not None else None
     images = await _images(state, req) if chat else []
-    ids, _ = await prompt_ids(state, req)
-    params, grammar_param = sampling_params(req, want_logprobs, len(ids), state.backend.max_model_len)
+    ids, _ = await prompt_ids(state, req, plan)
+    params, grammar_param = sampling_params(req, style.logprobs, len(ids), state.backend.max_model_len)
+    if plan is not None:
+        plan, params, grammar_param = chat_tools.constrain(plan, params, grammar_param)
+    parser = plan.parser() if plan is not None else None
     # with images the engine gets the text: it expands each <image> marker into the image's tokens
-    prompt = chat_text(state.backend.tokenizer, req.messages) if images else ids
+    prompt = chat_text(state.backend.tokenizer, req.messages, plan=plan) if images else ids
     images_kw = {"images": images} if images else {}
     model = state.backend.model_name
     state.admit()
@@ -141,7 +159,8 @@ async def handle(state: ServerState, request: Request, chat: bool) -> Response:
             deltas = state.backend.stream(prompt, params, rid, **images_kw)
             first = await _first(request, deltas, grammar_param)
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            body = _stream_body(state, rid, created, model, chat, len(ids), first, deltas, include_usage, t0, endpoint)
+            events = style.events(rid, created, model, len(ids), include_usage, parser)
+            body = _stream_body(state, rid, len(ids), first, deltas, events, t0, endpoint)
             released = True  # the body releases it when the stream ends
             return StreamingResponse(body, media_type="text/event-stream",
                                      headers={"x-request-id": rid, "cache-control": "no-cache"})
@@ -149,14 +168,11 @@ async def handle(state: ServerState, request: Request, chat: bool) -> Response:
             outs = await until_disconnect(request, _complete(state, prompt, params, rid, images_kw))
         except SlipstreamError as e:
             raise from_slipstream(e, grammar_param) from None
-        tok = state.backend.tokenizer
-        if chat:
-            lps = [render.chat_logprobs(tok, o) if want_logprobs else None for o in outs]
-            body = render.chat(rid, created, model, outs, lps)
-        else:
-            lps = [render.completion_logprobs(tok, o) if want_logprobs else None for o in outs]
-            body = render.completion(rid, created, model, outs, lps)
-        _done(state, rid, endpoint, 200, t0, len(ids), body["usage"]["completion_tokens"], outs[0].finish_reason)
+        if plan is not None:
+            outs = [plan.output(o) for o in outs]
+        body = style.body(state.backend.tokenizer, rid, created, model, outs)
+        _done(state, rid, endpoint, 200, t0, len(ids), sum(o.usage.completion_tokens for o in outs),
+              outs[0].finish_reason)
         return Response(_encode(body), media_type="application/json", headers={"x-request-id": rid})
     except ClientGone:
         _done(state, rid, endpoint, 499, t0, len(ids), 0, "abort")
@@ -164,6 +180,59 @@ async def handle(state: ServerState, request: Request, chat: bool) -> Response:
     finally:
         if not released:
             state.release()
+
+
+class ChatStyle:
+    """The answers of /v1/completions and /v1/chat/completions: a JSON body, or SSE chunks then [DONE]."""
+
+    def __init__(self, chat: bool, logprobs: bool) -> None:
+        self.chat, self.logprobs = chat, logprobs
+        self.endpoint = "chat" if chat else "completions"
+
+    def body(self, tok, rid: str, created: int, model: str, outs: list) -> dict:
+        if self.chat:
+            lps = [render.chat_logprobs(tok, o) if self.logprobs else None for o in outs]
+            return render.chat(rid, created, model, outs, lps)
+        lps = [render.completion_logprobs(tok, o) if self.logprobs else None for o in outs]
+        return render.completion(rid, created, model, outs, lps)
+
+    def events(self, rid: str, created: int, model: str, prompt_tokens: int, include_usage: bool, parser):
+        return ChatChunks(rid, created, model, self.chat, prompt_tokens, include_usage,
+                          chat_tools.ToolChunks(parser) if parser is not None else None)
+
+
+class ChatChunks:
+    """The SSE events of one chat or completion stream (what `_stream_body` sends, in order)."""
+
+    def __init__(self, rid: str, created: int, model: str, chat: bool, prompt_tokens: int, include_usage: bool,
+                 tools: chat_tools.ToolChunks | None) -> None:
+        self.head = (rid, created, model)
+        self.chat, self.prompt_tokens, self.include_usage, self.tools = chat, prompt_tokens, include_usage, tools
+
+    def start(self) -> list[bytes]:
+        if not self.chat:
+            return []
+        return [sse.event(render.chat_chunk(*self.head, {"role": "assistant", "content": ""}, None))]
+
+    def delta(self, delta) -> list[bytes]:
+        finish = delta.finish_reason
+        if self.tools is not None:
+            body = self.tools.delta(delta.text, finish is not None)
+            finish = self.tools.finish(finish) if finish is not None else None
+            if body is None and finish is None:
+                return []
+            return [sse.event(render.chat_chunk(*self.head, body or {}, finish))]
+        if not delta.text and finish is None:
+            return []
+        chunk = render.chat_chunk if self.chat else render.completion_chunk
+        return [sse.event(chunk(*self.head, {"content": delta.text} if self.chat else delta.text, finish))]
+
+    def end(self, n_out: int, cached: int) -> list[bytes]:
+        usage = [sse.event(render.usage_chunk(*self.head, self.chat, self.prompt_tokens, n_out, cached))]
+        return (usage if self.include_usage else []) + [sse.DONE]
+
+    def error(self, err: ApiError) -> list[bytes]:
+        return [sse.event(err.body()), sse.DONE]
 
 
 async def _images(state: ServerState, req: ChatCompletionRequest) -> list:
@@ -193,36 +262,34 @@ async def _first(request: Request, deltas: AsyncIterator, grammar_param: str | N
         raise from_slipstream(e, grammar_param) from None
 
 
-async def _stream_body(state: ServerState, rid: str, created: int, model: str, chat: bool, prompt_tokens: int,
-                       first, deltas: AsyncIterator, include_usage: bool, t0: float, endpoint: str):
+async def _stream_body(state: ServerState, rid: str, prompt_tokens: int, first, deltas: AsyncIterator, events,
+                       t0: float, endpoint: str):
+    """Sends `events`' SSE for the deltas; ends the request (released, logged, counted) however it ends."""
     n_out, status, finish, cached = 0, 200, None, 0
-    chunk = render.chat_chunk if chat else render.completion_chunk
     task = asyncio.current_task()
     state.streams.add(task)
     try:
-        if chat:
-            yield sse.event(render.chat_chunk(rid, created, model, {"role": "assistant", "content": ""}, None))
+        for event in events.start():
+            yield event
         delta = first
         while delta is not None:
             n_out += len(delta.token_ids)
             finish = delta.finish_reason
             if delta.usage is not None:  # the last delta's (a backend may give none: then 0)
                 cached = delta.usage.cached_tokens
-            if delta.text or finish is not None:
-                body = {"content": delta.text} if chat else delta.text
-                yield sse.event(chunk(rid, created, model, body, finish))
+            for event in events.delta(delta):
+                yield event
             if finish is not None:
                 break
             delta = await anext(deltas, None)
-        if include_usage:
-            yield sse.event(render.usage_chunk(rid, created, model, chat, prompt_tokens, n_out, cached))
-        yield sse.DONE
+        for event in events.end(n_out, cached):
+            yield event
     except SlipstreamError as e:  # after the 200: the failure travels as an SSE error event
         err = from_slipstream(e)
         status = err.status
         log.warning("stream_failed", request_id=rid, error=repr(e))
-        yield sse.event(err.body())
-        yield sse.DONE
+        for event in events.error(err):
+            yield event
     except asyncio.CancelledError:
         if not state.ending_streams:  # the client went away
             status, finish = 499, "abort"
@@ -231,8 +298,8 @@ async def _stream_body(state: ServerState, rid: str, created: int, model: str, c
         status, finish = 503, "abort"
         err = ApiError(503, "the server is shutting down; this stream ran past its --shutdown-timeout",
                        "service_unavailable", None, "shutting_down")
-        yield sse.event(err.body())
-        yield sse.DONE
+        for event in events.error(err):
+            yield event
     except BaseException:
         status, finish = 499, "abort"
         raise

@@ -2,7 +2,7 @@
 
 Ranges are declared with `Meta` so a bad value fails here, where msgspec knows the field's path,
 rather than later in SamplingParams. Fields OpenAI defines but slipstream cannot honour are
-accepted when they ask for nothing (no logit_bias, no tools, no echo) and refused otherwise;
+accepted when they ask for nothing (no logit_bias, no echo) and refused otherwise;
 fields nobody defines are ignored, as the OpenAI server does. See docs/serving.md.
 """
 from __future__ import annotations
@@ -13,6 +13,7 @@ import msgspec
 from msgspec import Meta
 
 from slipstream.params import MAX_CACHE_SALT, MAX_N, MAX_TOP_LOGPROBS
+from slipstream.tool_calls.spec import MAX_TOOLS
 from slipstream.validate import CHAT_ROLES
 
 PositiveInt = Annotated[int, Meta(ge=1)]
@@ -103,10 +104,25 @@ class ImageUrlPart(msgspec.Struct, tag_field="type", tag="image_url"):
 IMAGE_MARKER = "<image>"  # where an image part stood, in the text the chat template renders
 
 
-class ChatMessage(msgspec.Struct):
+class CalledFunction(msgspec.Struct):
+    name: str
+    arguments: str  # JSON text, as OpenAI returned it
+
+
+class HistoryToolCall(msgspec.Struct, kw_only=True):
+    """A call in an assistant message of the history (what an earlier answer returned)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
     role: Literal[CHAT_ROLES]  # as the Engine: one the chat templates know
     content: str | list[TextPart | ImageUrlPart] | None = None
     name: str | None = None
+    tool_calls: list[HistoryToolCall] | None = None  # assistant
+    tool_call_id: str | None = None  # tool: the call this message answers
 
     def text(self) -> str:
         """The content as text; each image part becomes IMAGE_MARKER (none in a text-only request)."""
@@ -133,13 +149,34 @@ def image_parts(messages: list[ChatMessage]) -> list[tuple[str, str]]:
             for j, p in enumerate(m.content) if isinstance(p, ImageUrlPart)]
 
 
+class FunctionDef(msgspec.Struct, kw_only=True):
+    name: str  # checked by slipstream/tool_calls/spec.py, which names the field
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # accepted: calls always follow the schema (docs/tools.md)
+
+
+class ChatTool(msgspec.Struct, kw_only=True):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(msgspec.Struct):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_Sampling, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None  # needs logprobs: true
-    tools: Annotated[list[Any], Meta(max_length=0)] | None = None
-    tool_choice: Literal["none"] | None = None
+    tools: Annotated[list[ChatTool], Meta(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
 
 

@@ -5,8 +5,9 @@ from typing import Any
 
 from slipstream.models.byte_stream import byte_table
 from slipstream.outputs import CompletionOutput
+from slipstream.serve.chat_tools import message as tool_message
 
-FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+FINISH = {"stop": "stop", "length": "length", "abort": "abort", "tool_calls": "tool_calls"}
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
@@ -80,10 +81,16 @@ def completion(rid: str, created: int, model: str, outs: list[CompletionOutput],
 
 def chat(rid: str, created: int, model: str, outs: list[CompletionOutput], logprobs: list[dict | None]) -> dict:
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": i, "message": {"role": "assistant", "content": out.text},
-                         "logprobs": lp, "finish_reason": FINISH[out.finish_reason]}
+            "choices": [{"index": i, **_chat_message(out), "logprobs": lp}
                         for i, (out, lp) in enumerate(zip(outs, logprobs))],
             "usage": usage_of(outs)}
+
+
+def _chat_message(out: CompletionOutput) -> dict:
+    if out.tool_calls is None:
+        return {"message": {"role": "assistant", "content": out.text}, "finish_reason": FINISH[out.finish_reason]}
+    message, finish = tool_message(out)  # the request had tools: content and the parsed calls
+    return {"message": message, "finish_reason": FINISH[finish]}
 
 
 def completion_chunk(rid: str, created: int, model: str, text: str, finish: str | None) -> dict:

@@ -9,7 +9,7 @@ import torch
 from slipstream.api.output_processor import OutputProcessor
 from slipstream.intmath import ceil_div
 from slipstream.metrics import EngineMetrics
-from slipstream.models.build import DTYPES, build_model
+from slipstream.models.build import DTYPES, build_model, cpu_backend_available
 from slipstream.models.llama import KVCache
 from slipstream.params import EngineConfig
 from slipstream.runtime.cpu_invariance import row_multiple_for
@@ -72,9 +72,11 @@ def assemble(config: EngineConfig) -> EngineParts:
 def _assemble(config: EngineConfig, device, invariant: bool) -> EngineParts:
     # Invariance is calibrated against torch's default kernels, so it keeps the dense model.
     model, tokenizer, mcfg = build_model(config.model, config.dtype, device.torch_device, config.seed,
-                                         pack=not invariant)
+                                         pack=not invariant, weights=config.weights, invariant=invariant)
     if device.kind == "cuda":
         model.set_kernel_backend("triton")
+    elif not invariant and config.dtype == "float32" and cpu_backend_available(model):
+        model.set_kernel_backend("cpu")  # compiled kernels (models/llama_cpu.py); invariance keeps the reference
     max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
     num_pages = kv_pages(config, model, mcfg, device, max_model_len)
     kv = KVCache(mcfg, num_pages, config.page_size, DTYPES[config.dtype], device.torch_device)

@@ -143,14 +143,17 @@ ALWAYS_INLINE void u4_panel(const job_t *j, i64 p, i64 m0, const int MB, const i
         for (int m = 0; m < MB; m++)
             for (int h = 0; h < CHAINS(MB); h++) t[m][h] = (v16){0};
         const uint8_t *vg = v + g * 256;
-        for (int c = 0; c < 16; c++) {
-            const v16i b = widen_u8(vg + c * 16);
-            const v16 lo = __builtin_convertvector(b & 15, v16), hi = __builtin_convertvector(b >> 4, v16);
-            const int h = CHAINS(MB) == 4 ? 2 * (c & 1) : 0; /* low and high halves: separate sums */
+        for (int c = 0; c < 16; c += 2) { /* two columns a step: chain indices known at compile time */
+            const v16i b0 = widen_u8(vg + c * 16), b1 = widen_u8(vg + c * 16 + 16);
+            const v16 lo0 = __builtin_convertvector(b0 & 15, v16), hi0 = __builtin_convertvector(b0 >> 4, v16);
+            const v16 lo1 = __builtin_convertvector(b1 & 15, v16), hi1 = __builtin_convertvector(b1 >> 4, v16);
+            const int h = CHAINS(MB) == 4 ? 2 : 0; /* low and high halves (and odd columns): separate sums */
             for (int m = 0; m < MB; m++) {
                 const float *xm = j->x + (m0 + m) * K + g * 32;
-                t[m][h] += lo * xm[c];
-                t[m][h + 1] += hi * xm[16 + c];
+                t[m][0] += lo0 * xm[c];
+                t[m][1] += hi0 * xm[16 + c];
+                t[m][h] += lo1 * xm[c + 1];
+                t[m][h + 1] += hi1 * xm[17 + c];
             }
         }
         const v16 s = load_scales(j->sc, (p * G + g) * PANEL, f16);
@@ -171,9 +174,11 @@ ALWAYS_INLINE void i8_panel(const job_t *j, i64 p, i64 m0, const int MB, const i
         for (int m = 0; m < MB; m++)
             for (int h = 0; h < CHAINS(MB); h++) t[m][h] = (v16){0};
         const int8_t *vg = v + g * GS * PANEL;
-        for (int c = 0; c < GS; c++) {
-            const v16 w = widen_i8(vg + c * PANEL);
-            for (int m = 0; m < MB; m++) t[m][c % CHAINS(MB)] += w * j->x[(m0 + m) * K + g * GS + c];
+        for (int c = 0; c < GS; c += CHAINS(MB)) { /* one column per chain a step */
+            for (int h = 0; h < CHAINS(MB); h++) {
+                const v16 w = widen_i8(vg + (c + h) * PANEL);
+                for (int m = 0; m < MB; m++) t[m][h] += w * j->x[(m0 + m) * K + g * GS + c + h];
+            }
         }
         const v16 s = load_scales(j->sc, (p * G + g) * PANEL, f16);
         if (j->of) {

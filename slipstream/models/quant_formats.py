@@ -77,6 +77,28 @@ class QuantWeight:
         part = self.map(lambda t: t[lo:hi])
         return replace(part, rows=min(self.rows, PANEL * hi) - PANEL * lo)
 
+    def take(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` [T] as float32 [T, cols] (an embedding lookup): gathers, no host sync, so it runs
+        on any device and inside a CUDA graph."""
+        ids = ids.reshape(-1).to(torch.int64)
+        t, k, gs = ids.numel(), self.cols, self.group
+        g = k // gs
+        p, r = ids // PANEL, ids % PANEL
+
+        def lane(part: torch.Tensor, inner: int) -> torch.Tensor:  # [T, ..., inner, 16] -> row r's [T, ..., inner]
+            v = part.index_select(0, p).view(t, -1, PANEL)
+            return v.gather(2, r.view(t, 1, 1).expand(t, v.shape[1], 1)).view(t, -1, inner)
+
+        if self.kind == "u4":
+            b = lane(self.values, 16)  # [T, G, 16] bytes: columns j and j + 16
+            q = torch.cat([b & 15, b >> 4], dim=2).float()
+        else:
+            q = lane(self.values, gs).float()
+        w = q * lane(self.scales, 1).float()
+        if self.offsets is not None:
+            w = w + lane(self.offsets, 1).float()
+        return w.reshape(t, g * gs)
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float matrix [rows, cols] (computed in float32, then cast)."""
         p, k, gs = self.values.shape[0], self.cols, self.group

@@ -9,8 +9,6 @@ dequantized model instead when the compiled kernels are missing on the CPU).
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -66,10 +64,8 @@ def cpu_rows(w: QuantWeight, ids: torch.Tensor, lib=None) -> torch.Tensor:
 
         lib = native_kernels()
     ids = ids.reshape(-1).to(torch.int64).contiguous()
-    if lib is None:  # expand only the panels that hold the rows
-        panels, where = torch.unique(ids // 16, return_inverse=True)
-        part = replace(w.map(lambda t: t.index_select(0, panels)), rows=panels.numel() * 16)
-        return part.dequantize()[where * 16 + ids % 16]
+    if lib is None:
+        return w.take(ids)
     k = w.cols
     out = torch.empty(ids.numel(), k, dtype=torch.float32)
     lib.sq_dequant_rows(_KIND[w.kind], w.values.data_ptr(), w.scales.data_ptr(), _ptr(w.offsets),

@@ -77,6 +77,7 @@ def _assemble(config: EngineConfig, device, invariant: bool) -> EngineParts:
         model.set_kernel_backend("triton")
     elif not invariant and config.dtype == "float32" and cpu_backend_available(model):
         model.set_kernel_backend("cpu")  # compiled kernels (models/llama_cpu.py); invariance keeps the reference
+        calibrate_forward_threads(device, model)
     max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
     num_pages = kv_pages(config, model, mcfg, device, max_model_len)
     kv = KVCache(mcfg, num_pages, config.page_size, DTYPES[config.dtype], device.torch_device)
@@ -106,6 +107,27 @@ def _assemble(config: EngineConfig, device, invariant: bool) -> EngineParts:
         loop, pool, tracer, encoder_row_bytes=row_bytes if getattr(mcfg, "image_token_id", None) is not None else None)
     return EngineParts(device, runner, pool, loop, tokenizer, mcfg, max_model_len, metrics, tracer, row_bytes,
                        image_processing(model, mcfg))
+
+
+def calibrate_forward_threads(device, model) -> None:
+    """The compute stream's thread count, as measured on this machine (runtime/cpu_threads.py). A
+    failed measurement only logs: the device keeps its default."""
+    from slipstream.runtime.cpu_threads import forward_threads
+
+    ceiling, chosen = torch.get_num_threads(), []
+
+    def measure() -> None:
+        try:
+            chosen.append(forward_threads(model, ceiling))
+        except Exception as exc:  # noqa: BLE001 - a measurement must not stop the engine
+            torch.set_num_threads(device.forward_threads)
+            log.warning("cpu_forward_threads_kept", threads=device.forward_threads, error=f"{type(exc).__name__}: {exc}")
+
+    device.compute.launch(measure)
+    device.compute.record().synchronize()
+    torch.set_num_threads(ceiling)  # a setting on the stream's thread also moves the process default (cpu_device.py)
+    if chosen:
+        device.forward_threads = chosen[0]
 
 
 def image_processing(model, mcfg):

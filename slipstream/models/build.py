@@ -71,6 +71,17 @@ def _load_packed(spec: str, seed: int):
     return config, weights, packed, tokenizer
 
 
+def release_heap() -> None:
+    """Hand freed heap memory back to the kernel (glibc; elsewhere a no-op). Loading leaves ~25 MB of
+    freed parse buffers (the tokenizer's JSON) in the heap, which would otherwise stay resident."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def forget_loaded() -> None:
     """Drop the process's shared loads (dense and packed): the next build loads afresh."""
     _load_cached.cache_clear()
@@ -134,6 +145,7 @@ def build_model(spec: str, dtype: str, device: torch.device, seed: int = 0, pack
         loaded = _load_quantized(spec)
         config, tokenizer = loaded.config, loaded.tokenizer
         model = LlamaForCausalLM.from_quantized(config, loaded.weights, DTYPES[dtype], device, invariant)
+        release_heap()
         log.info("model_ready", model=spec, layers=config.num_layers, vocab=config.vocab_size, dtype=dtype,
                  device=str(device), weights="quantized", seconds=round(time.perf_counter() - t0, 2))
         return model, tokenizer, config

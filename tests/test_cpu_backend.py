@@ -19,10 +19,12 @@ pytestmark = pytest.mark.skipif(native_kernels() is None, reason="no C compiler:
 Q = gguf.GGMLQuantizationType
 
 
-@pytest.fixture(scope="module")
-def quant_gguf(tmp_path_factory):
-    """A tiny llama GGUF in the formats gguf-py can write: Q4_1 attention, Q4_0/Q5_1 MLP, Q8_0 embedding."""
-    path = tmp_path_factory.mktemp("q") / "tiny-q.gguf"
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def quant_gguf(request, tmp_path_factory):
+    """A tiny GGUF in the formats gguf-py can write: Q4_1 attention, Q4_0/Q5_1 MLP, Q8_0 embedding;
+    llama with an untied Q5_0 head, qwen2 with a tied head and q/k/v biases."""
+    family = request.param
+    path = tmp_path_factory.mktemp("q") / f"tiny-{family}-q.gguf"
     vocab = byte_vocab()
     bos, eos = special_ids(vocab)
     quantize = {"token_embd.weight": Q.Q8_0, "output.weight": Q.Q5_0}
@@ -31,8 +33,8 @@ def quant_gguf(tmp_path_factory):
                          f"blk.{i}.attn_v.weight": Q.Q4_1, f"blk.{i}.attn_output.weight": Q.Q8_0,
                          f"blk.{i}.ffn_gate.weight": Q.Q4_0, f"blk.{i}.ffn_up.weight": Q.Q4_0,
                          f"blk.{i}.ffn_down.weight": Q.Q5_1})
-    write_gguf(path, "llama", hf_model("llama", len(vocab.tokens), seed=11, bos=bos, eos=eos), vocab,
-               pre="llama-bpe", quantize=quantize)
+    write_gguf(path, family, hf_model(family, len(vocab.tokens), seed=11, bos=bos, eos=eos), vocab,
+               pre="llama-bpe" if family == "llama" else "qwen2", quantize=quantize)
     forget_loaded()
     yield str(path)
     forget_loaded()
@@ -121,6 +123,12 @@ def test_batch_invariant_with_quantized_weights(quant_gguf):
     """Quantized products in invariant mode (one x row per pass): depth 1 and depth 2, and a request
     alone or beside others, give the same greedy tokens."""
     base = dict(model=quant_gguf, kv_cache_tokens=256, batch_invariant=True)
+    parts = assemble(EngineConfig(**base))
+    try:
+        layers = [m for m in parts.runner.model.modules() if isinstance(m, QuantLinear)]
+        assert len(layers) == 2 * 7 + 1 and all(m.invariant for m in layers)  # the lm_head too, tied or not
+    finally:
+        parts.close()
     deep = generate(EngineConfig(**base, pipeline_depth=2), PROMPTS)
     assert generate(EngineConfig(**base, pipeline_depth=1), PROMPTS) == deep
     assert generate(EngineConfig(**base), PROMPTS[:1]) == deep[:1]

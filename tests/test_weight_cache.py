@@ -238,3 +238,36 @@ def test_unused_entries_and_stale_temp_files_are_pruned(gguf_file, cache, monkey
     os.utime(entry, (month_ago, month_ago))
     load_model(str(gguf_file))  # a hit marks the entry used again
     assert time.time() - entry.stat().st_mtime < 3600
+
+
+def resident_kb(path) -> int:
+    """This process's resident memory in mappings of `path` (/proc/self/smaps)."""
+    total, current = 0, None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            parts = line.split()
+            if "-" in parts[0] and len(parts) >= 5:
+                current = parts[5] if len(parts) > 5 else None
+            elif parts[0] == "Rss:" and current == str(path):
+                total += int(parts[1])
+    return total
+
+
+def test_a_hit_reads_the_entry_but_keeps_little_of_it_resident(gguf_file, tmp_path):
+    """The checksums touch every page; they are handed back at once, so a load does not hold the
+    weights resident before a forward reads them (what keeps RSS after loading low)."""
+    from quant_util import random_weight
+
+    from slipstream.models.weight_cache import load_entry, store_entry
+
+    config, weights, tokenizer = gguf_loader.load_gguf(gguf_file, quantized=True)
+    weights["extra.weight"] = random_weight("Q8_0", 1024, 1024)  # 1 MB: whole pages to hand back
+    weights["extra.bias"] = torch.randn(256 * 1024)
+    entry = tmp_path / "entry.v2.safetensors"
+    store_entry(entry, config, weights, tokenizer)
+    _, loaded, _ = load_entry(entry)
+    size_kb = entry.stat().st_size / 1024
+    assert resident_kb(entry) < size_kb / 4  # tensor edges and the header stay
+    for w in loaded.values():  # and the data is all there
+        (w.dequantize() if isinstance(w, QuantWeight) else w).sum()
+    assert resident_kb(entry) > size_kb * 3 / 4

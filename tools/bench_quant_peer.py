@@ -10,7 +10,11 @@ load average is recorded before every run. The workload for both: N sequences of
 ids prefilled together, then --gen tokens each, greedy; the decode rate is N x (gen - 1) tokens over
 the time from the last sequence's first token to the end, the same quantity as llama-batched-bench's
 S_TG (N x ntg / t_tg). CPU: the child process's user + system seconds per generated token (whole
-process: load and prefill included, on both sides).
+process: load and prefill included, on both sides); with --marginal N each configuration also runs
+with N more tokens per sequence, and the difference of the two runs' CPU seconds over the difference
+of their tokens is the CPU cost of one more decoded token, free of start-up and prefill (CPU time
+moves far less with the machine's load than wall time does; the start-up's own spread, ~0.3 s,
+divided by N x sequences is its error).
 
   slipstream   an Engine (EngineConfig defaults: weights="quantized", the "cpu" kernel backend), the
                N requests submitted together as token ids, ignore_eos; `--slipstream-threads` sets
@@ -74,9 +78,9 @@ async def _slipstream_child(args) -> dict:
             "cpu_ms_per_token": cpu / tokens * 1e3}
 
 
-def run_slipstream(args, n: int, engine: dict, threads: int | None) -> dict:
+def run_slipstream(args, n: int, engine: dict, threads: int | None, gen: int) -> dict:
     cmd = [sys.executable, __file__, "--child", "--model", args.model, "--batch", str(n), "--prompt-len",
-           str(args.prompt_len), "--gen", str(args.gen), "--engine", json.dumps(engine)]
+           str(args.prompt_len), "--gen", str(gen), "--engine", json.dumps(engine)]
     env = dict(os.environ)
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
@@ -90,11 +94,11 @@ def run_slipstream(args, n: int, engine: dict, threads: int | None) -> dict:
     return res
 
 
-def run_llamacpp(args, n: int, threads: int, fa: str, gguf: str) -> dict:
+def run_llamacpp(args, n: int, threads: int, fa: str, gguf: str, gen: int) -> dict:
     exe = Path(args.llamacpp) / "bin" / "llama-batched-bench"
-    ctx = n * (args.prompt_len + args.gen + 16)
+    ctx = n * (args.prompt_len + gen + 16)
     cmd = [str(exe), "-m", gguf, "-c", str(ctx), "-b", "2048", "-ub", "512", "-npp", str(args.prompt_len),
-           "-ntg", str(args.gen - 1), "-npl", str(n), "-t", str(threads), "-fa", fa, "--output-format", "jsonl"]
+           "-ntg", str(gen - 1), "-npl", str(n), "-t", str(threads), "-fa", fa, "--output-format", "jsonl"]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -102,7 +106,7 @@ def run_llamacpp(args, n: int, threads: int, fa: str, gguf: str) -> dict:
         raise RuntimeError(f"{' '.join(cmd)} exited {out.returncode}:\n{out.stderr[-3000:]}")
     row = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")][-1]
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    tokens = n * args.gen
+    tokens = n * gen
     return {"decode_tok_s": row["speed_tg"], "prefill_s": row["t_pp"], "tokens": tokens,
             "cpu_ms_per_token": cpu / tokens * 1e3, "process_cpu_s": cpu, "command": " ".join(cmd)}
 
@@ -127,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="torch threads (OMP_NUM_THREADS) of the slipstream process; 0: its default")
     ap.add_argument("--llamacpp-threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--llamacpp-fa", nargs="+", default=["on"], choices=["on", "off"])
+    ap.add_argument("--marginal", type=int, default=0, metavar="EXTRA",
+                    help="also run with EXTRA more tokens per sequence: CPU per extra token (0: off)")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--json-out", type=Path)
@@ -148,28 +154,41 @@ def main(argv: list[str] | None = None) -> int:
         lines: list[str] = []
         emit(lines, f"GGUF: {gguf}; prompt {args.prompt_len} token ids, {args.gen} generated per sequence, greedy; "
                     f"{args.rounds} rounds, configurations alternating in order\n")
-        emit(lines, "| round | N | system | load before | decode tok/s | prefill s | CPU ms / token |")
-        emit(lines, "|---:|---:|---|---|---:|---:|---:|")
+        emit(lines, "| round | N | system | load before | decode tok/s | prefill s | CPU ms / token | "
+                    "marginal CPU ms / token |")
+        emit(lines, "|---:|---:|---|---|---:|---:|---:|---:|")
+
+        def one(c: dict, n: int, gen: int) -> dict:
+            if c["side"] == "slipstream":
+                return run_slipstream(args, n, c["engine"], c["threads"], gen)
+            return run_llamacpp(args, n, c["threads"], c["fa"], gguf, gen)
+
         for r in range(args.rounds):
             order = confs if r % 2 == 0 else confs[::-1]
             for n in args.batches:
                 for name, c in order:
                     before = load()
-                    if c["side"] == "slipstream":
-                        res = run_slipstream(args, n, c["engine"], c["threads"])
-                    else:
-                        res = run_llamacpp(args, n, c["threads"], c["fa"], gguf)
+                    res = one(c, n, args.gen)
                     res["load_before"] = before
+                    if args.marginal:
+                        long = one(c, n, args.gen + args.marginal)
+                        res["marginal_cpu_ms_per_token"] = ((long["process_cpu_s"] - res["process_cpu_s"])
+                                                            / (long["tokens"] - res["tokens"]) * 1e3)
+                        res["long_decode_tok_s"] = long["decode_tok_s"]
                     results.setdefault((n, name), []).append(res)
+                    marginal = f"{res['marginal_cpu_ms_per_token']:.2f}" if args.marginal else "-"
                     emit(lines, f"| {r + 1} | {n} | {name} | {before} | {res['decode_tok_s']:.1f} | "
-                                f"{res['prefill_s']:.3f} | {res['cpu_ms_per_token']:.2f} |")
+                                f"{res['prefill_s']:.3f} | {res['cpu_ms_per_token']:.2f} | {marginal} |")
         emit(lines, "\nSummary (decode tok/s over rounds: median, mean, p90 / min-max; CPU ms per token median)\n")
-        emit(lines, "| N | system | median | mean | p90 | min - max | CPU ms / token |")
-        emit(lines, "|---:|---|---:|---:|---:|---|---:|")
+        emit(lines, "| N | system | median | mean | p90 | min - max | CPU ms / token | marginal CPU ms / token |")
+        emit(lines, "|---:|---|---:|---:|---:|---|---:|---:|")
         for (n, name), rs in sorted(results.items(), key=lambda kv: (kv[0][0], kv[0][1])):
             xs = [x["decode_tok_s"] for x in rs]
+            marginal = (f"{statistics.median(x['marginal_cpu_ms_per_token'] for x in rs):.2f}" if args.marginal
+                        else "-")
             emit(lines, f"| {n} | {name} | {statistics.median(xs):.1f} | {statistics.fmean(xs):.1f} | {pct(xs, 0.9):.1f} | "
-                        f"{min(xs):.1f} - {max(xs):.1f} | {statistics.median(x['cpu_ms_per_token'] for x in rs):.2f} |")
+                        f"{min(xs):.1f} - {max(xs):.1f} | {statistics.median(x['cpu_ms_per_token'] for x in rs):.2f} | "
+                        f"{marginal} |")
         emit(lines, f"\nload average at the end: {load()}")
         return lines
 

@@ -50,7 +50,8 @@ def test_measured_once_then_read_back(tmp_path, monkeypatch):
 
 def test_engine_takes_the_recorded_choice(tmp_path, monkeypatch):
     monkeypatch.setenv("SLIPSTREAM_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(cpu_threads, "time_decode_step", lambda model, threads, repeats=0: {n: 10.0 / n for n in threads})
+    monkeypatch.setattr(cpu_threads, "time_decode_step",
+                        lambda model, threads, repeats=0: {n: 10.0 / n for n in threads})
     parts = assemble(EngineConfig(model="tiny-random", kv_cache_tokens=256))
     try:
         ceiling = torch.get_num_threads()

@@ -73,7 +73,7 @@ def test_rotary_kv_and_attention_match_the_reference():
     qkv = torch.randn(6, (hq + 2 * hk) * d, generator=g)
     cos_t, sin_t = torch.randn(32, d, generator=g), torch.randn(32, d, generator=g)
     k_cache, v_cache = torch.randn(40, hk, d, generator=g), torch.randn(40, hk, d, generator=g)
-    q, k, v = qkv[:, :hq * d].view(6, hq, d), qkv[:, hq * d:(hq + hk) * d].view(6, hk, d), qkv[:, (hq + hk) * d:].view(6, hk, d)
+    q, k, v = (part.reshape(6, -1, d) for part in qkv.split([hq * d, hk * d, hk * d], dim=1))
     cos, sin = cos_t[positions].unsqueeze(1), sin_t[positions].unsqueeze(1)
     ref_q, ref_k = rotate_half_reference(q, cos, sin), rotate_half_reference(k, cos, sin)
     ref_kc, ref_vc = k_cache.clone(), v_cache.clone()

@@ -100,8 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     from bench_lines import emit, pct, report
 
     checkouts = [c.resolve() for c in args.checkouts]
-    labels = {c: f"{c} ({subprocess.run(['git', '-C', str(c), 'rev-parse', '--short', 'HEAD'], capture_output=True, text=True).stdout.strip()})"
-              for c in checkouts}
+    def commit(c: Path) -> str:
+        return subprocess.run(["git", "-C", str(c), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True).stdout.strip()
+
+    labels = {c: f"{c} ({commit(c)})" for c in checkouts}
     results: dict[Path, list[dict]] = {c: [] for c in checkouts}
 
     def body() -> list[str]:

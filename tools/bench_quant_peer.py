@@ -186,9 +186,9 @@ def main(argv: list[str] | None = None) -> int:
             xs = [x["decode_tok_s"] for x in rs]
             marginal = (f"{statistics.median(x['marginal_cpu_ms_per_token'] for x in rs):.2f}" if args.marginal
                         else "-")
-            emit(lines, f"| {n} | {name} | {statistics.median(xs):.1f} | {statistics.fmean(xs):.1f} | {pct(xs, 0.9):.1f} | "
-                        f"{min(xs):.1f} - {max(xs):.1f} | {statistics.median(x['cpu_ms_per_token'] for x in rs):.2f} | "
-                        f"{marginal} |")
+            emit(lines, f"| {n} | {name} | {statistics.median(xs):.1f} | {statistics.fmean(xs):.1f} | "
+                        f"{pct(xs, 0.9):.1f} | {min(xs):.1f} - {max(xs):.1f} | "
+                        f"{statistics.median(x['cpu_ms_per_token'] for x in rs):.2f} | {marginal} |")
         emit(lines, f"\nload average at the end: {load()}")
         return lines
 

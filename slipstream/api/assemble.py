@@ -121,7 +121,8 @@ def calibrate_forward_threads(device, model) -> None:
             chosen.append(forward_threads(model, ceiling))
         except Exception as exc:  # noqa: BLE001 - a measurement must not stop the engine
             torch.set_num_threads(device.forward_threads)
-            log.warning("cpu_forward_threads_kept", threads=device.forward_threads, error=f"{type(exc).__name__}: {exc}")
+            log.warning("cpu_forward_threads_kept", threads=device.forward_threads,
+                        error=f"{type(exc).__name__}: {exc}")
 
     device.compute.launch(measure)
     device.compute.record().synchronize()

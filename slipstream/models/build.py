@@ -119,11 +119,12 @@ def quantized_source(spec: str, device: torch.device) -> bool:
 
 def cpu_backend_available(model) -> bool:
     """Whether `model` can run on the "cpu" kernel backend (models/llama_cpu.py): a Llama-family model
-    (not Moondream's own layout) and the compiled kernels loaded."""
+    (not Moondream's own layout) still on the reference backend, and the compiled kernels loaded."""
     from slipstream.models.cpu_kernels import native_kernels
     from slipstream.models.llama import LlamaForCausalLM
 
-    return isinstance(model, LlamaForCausalLM) and model.vision is None and native_kernels() is not None
+    return (isinstance(model, LlamaForCausalLM) and model.vision is None and model.backend == "reference"
+            and native_kernels() is not None)
 
 
 def build_model(spec: str, dtype: str, device: torch.device, seed: int = 0, pack: bool = False,

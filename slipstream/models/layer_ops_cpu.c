@@ -195,7 +195,8 @@ int sq_attention(const float *q, i64 ldq, const float *k_cache, const float *v_c
                 const i64 n = kv_lens[s] - (qs[s + 1] - t) + 1; /* keys up to the row's own position */
                 const float *qt = q + t * ldq;
                 float *ot = out + t * Hq * D;
-#define DV_CASE(DVV) case DVV: attend(qt, k_cache, v_cache, page_table + s * P, ps, n, hk, group, Hk, DVV, scale, ot, scores); break;
+#define DV_CASE(DVV)                                                                                         \
+    case DVV: attend(qt, k_cache, v_cache, page_table + s * P, ps, n, hk, group, Hk, DVV, scale, ot, scores); break;
                 switch (D / 16) {
                     DV_CASE(1) DV_CASE(2) DV_CASE(3) DV_CASE(4) DV_CASE(5) DV_CASE(6) DV_CASE(7) DV_CASE(8)
                 }

@@ -141,12 +141,6 @@ class _Body(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-def _cpu_supports(model, batch) -> bool:
-    from slipstream.models.llama_cpu import supports
-
-    return supports(model, batch)
-
-
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -271,14 +265,18 @@ class LlamaForCausalLM(nn.Module):
         if batch.carry is not None:
             assert self.carry_heads is not None, "a carry step on a model without carry heads"
             x = apply_carry(self.carry_heads, x, batch.carry)
-        if self.backend == "triton":
+        backend = self.backend
+        if backend == "cpu":
+            from slipstream.models import llama_cpu
+
+            if not llama_cpu.supports(self, batch):  # (a bidirectional prefix, an odd head size)
+                backend = "reference"
+        if backend == "triton":
             from slipstream.models.llama_triton import forward_triton
 
             x = forward_triton(self, x, batch, kv)
-        elif self.backend == "cpu" and _cpu_supports(self, batch):
-            from slipstream.models.llama_cpu import forward_cpu
-
-            x = forward_cpu(self, x, batch, kv)
+        elif backend == "cpu":
+            x = llama_cpu.forward_cpu(self, x, batch, kv)
         else:
             rotate = self.rope.for_positions(batch.positions, x.dtype)
             for layer in self.model.layers:

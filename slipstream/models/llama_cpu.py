@@ -15,27 +15,23 @@ computing, so each layer here is:
     down matmul
 
 (layer_ops_cpu.c; the matmuls are quant_matmul_cpu.c for quantized weights, else the layer's own
-module: oneDNN-packed or dense). Float32 activations; results match the reference backend within
-float32 rounding (tests/test_cpu_backend.py), not bit for bit, and are not batch-invariant: the
-batch-invariant engine keeps the reference backend. Moondream-style bidirectional prefixes are not
-handled here (llama.py keeps those models on the reference backend).
+module: oneDNN-packed or dense). When every projection is quantized and fused, the whole stack is one
+call into llama_forward_cpu.c (`decoder_layers`), which holds the GIL only to start. Float32
+activations; results match the reference backend within float32 rounding (tests/test_cpu_backend.py),
+not bit for bit, and are not batch-invariant: the batch-invariant engine keeps the reference backend.
+A step with a bidirectional prefix (Moondream-style) runs on the reference backend (`supports`).
 """
 from __future__ import annotations
+
+import ctypes
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-import ctypes
-
 from slipstream.models.cpu_kernels import Layer, QMat, native_kernels
 from slipstream.models.quant_formats import concat
-from slipstream.models.quant_linear import QuantLinear, cpu_matmul
-
-
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
+from slipstream.models.quant_linear import QuantLinear, cpu_matmul, ptr_or_none as _ptr
 
 def _fuse(linears: list[nn.Module]) -> QuantLinear | None:
     """A QuantLinear over `linears` stacked, each re-pointed at its panels of it (one copy in memory)."""

@@ -19,7 +19,8 @@ _KIND = {"u4": 0, "i8": 1}
 REFERENCE_CHUNK_PANELS = 256  # panels (of 16 rows) expanded at a time by the reference path
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
+def ptr_or_none(t: torch.Tensor | None) -> int | None:
+    """A tensor's address for ctypes, None (NULL) for no tensor."""
     return None if t is None else t.data_ptr()
 
 
@@ -49,9 +50,9 @@ def cpu_matmul(x: torch.Tensor, w: QuantWeight, invariant: bool = False, lib=Non
     y = torch.empty(m, n, dtype=torch.float32)
     f16 = int(w.scales.dtype == torch.float16)
     if w.kind == "u4":
-        lib.sq_gemm_u4(x.data_ptr(), m, k, w.values.data_ptr(), w.scales.data_ptr(), _ptr(w.offsets), f16, n,
+        lib.sq_gemm_u4(x.data_ptr(), m, k, w.values.data_ptr(), w.scales.data_ptr(), ptr_or_none(w.offsets), f16, n,
                        y.data_ptr(), n, int(invariant))
-    elif lib.sq_gemm_i8(x.data_ptr(), m, k, w.values.data_ptr(), w.scales.data_ptr(), _ptr(w.offsets), f16,
+    elif lib.sq_gemm_i8(x.data_ptr(), m, k, w.values.data_ptr(), w.scales.data_ptr(), ptr_or_none(w.offsets), f16,
                         w.group, n, y.data_ptr(), n, int(invariant)) != 0:
         raise ValueError(f"no int8 kernel for groups of {w.group}")
     return y
@@ -68,7 +69,7 @@ def cpu_rows(w: QuantWeight, ids: torch.Tensor, lib=None) -> torch.Tensor:
         return w.take(ids)
     k = w.cols
     out = torch.empty(ids.numel(), k, dtype=torch.float32)
-    lib.sq_dequant_rows(_KIND[w.kind], w.values.data_ptr(), w.scales.data_ptr(), _ptr(w.offsets),
+    lib.sq_dequant_rows(_KIND[w.kind], w.values.data_ptr(), w.scales.data_ptr(), ptr_or_none(w.offsets),
                         int(w.scales.dtype == torch.float16), k, w.group, ids.data_ptr(), ids.numel(),
                         out.data_ptr())
     return out
@@ -83,7 +84,7 @@ def dequantize(w: QuantWeight, dtype: torch.dtype = torch.float32) -> torch.Tens
         return torch.cat([c.dequantize(dtype) for c in _chunks(w)])
     n, k = w.shape
     out = torch.empty(n, k, dtype=torch.float32)
-    lib.sq_dequant_rows(_KIND[w.kind], w.values.data_ptr(), w.scales.data_ptr(), _ptr(w.offsets),
+    lib.sq_dequant_rows(_KIND[w.kind], w.values.data_ptr(), w.scales.data_ptr(), ptr_or_none(w.offsets),
                         int(w.scales.dtype == torch.float16), k, w.group, None, n, out.data_ptr())
     return out.to(dtype)
 

@@ -74,8 +74,9 @@ def kernels(lines, emit) -> None:
 async def engine_rate(path: str, weights: str, n: int, gen: int) -> tuple[float, float]:
     from slipstream import Engine, EngineConfig, SamplingParams
 
+    # a fixed KV pool (not sized from free memory: what the GPU reports free is shared with other tenants)
     cfg = EngineConfig(model=path, device="cuda", dtype="bfloat16", weights=weights, max_batch_size=32,
-                       graph_batch_sizes=(1, 16, 32), mixed_graphs=False)
+                       graph_batch_sizes=(1, 16, 32), mixed_graphs=False, kv_cache_tokens=16384, max_model_len=1024)
     t0 = time.perf_counter()
     async with Engine(cfg) as engine:
         start = time.perf_counter() - t0

@@ -41,11 +41,15 @@ def quant_gguf(request, tmp_path_factory):
 
 
 def forward_logits(model, config, steps):
-    """Logits of a 7-token prompt chunk, then decode steps of the sequence (the host_batch helper)."""
+    """Logits of a prompt fed as a chunk that samples nothing (3 tokens) and one that does, then decode
+    steps of the sequence (the host_batch helper)."""
     from host_batch import Chunk, host_batch
 
     kv = KVCache(config, 8, 4, torch.float32, "cpu")
-    out, pos, tokens = [], 0, [5, 9, 77, 3, 101, 44, 12]
+    prompt = [5, 9, 77, 3, 101, 44, 12, 8, 31, 2]
+    batch, _ = host_batch([Chunk(tokens=prompt[:3], start_pos=0, pages=[1, 2, 3, 4], sample=False)], 4)
+    assert model(batch, kv).shape[0] == 0  # a step with no sampled row
+    out, pos, tokens = [], 3, prompt[3:]
     for n in steps:
         batch, _ = host_batch([Chunk(tokens=tokens[:n], start_pos=pos, pages=[1, 2, 3, 4])], 4)
         logits = model(batch, kv)

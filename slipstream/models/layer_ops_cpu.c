@@ -72,14 +72,13 @@ ALWAYS_INLINE v16 vexp(v16 x) {
     return p * scale;
 }
 
-/* rows `rows` (all T when NULL) of: x += delta (every row, when delta is given), then
- * out[i] = x[row] / sqrt(mean(x[row]^2) + eps) * w.  H % 16 == 0. */
+/* x += delta (all T rows, when delta is given), then for nrows rows (`rows[i]`, or row i when rows is
+ * NULL): out[i] = x[row] / sqrt(mean(x[row]^2) + eps) * w.  H % 16 == 0. */
 void sq_add_rms_norm(float *x, const float *delta, const float *w, float eps, float *out, i64 T, i64 H,
                      const i64 *rows, i64 nrows) {
     if (delta)
         for (i64 i = 0; i < T * H; i += 16) st(x + i, ld(x + i) + ld(delta + i));
-    const i64 n = rows ? nrows : T;
-    for (i64 i = 0; i < n; i++) {
+    for (i64 i = 0; i < nrows; i++) {
         const float *xr = x + (rows ? rows[i] : i) * H;
         v16 a = (v16){0}, b = (v16){0};
         i64 h = 0;

@@ -150,7 +150,8 @@ def forward_cpu(model, x: torch.Tensor, batch, kv) -> torch.Tensor:
     for layer in model.model.layers:
         a, m = layer.self_attn, layer.mlp
         ln = layer.input_layernorm
-        lib.sq_add_rms_norm(x.data_ptr(), _ptr(delta), ln.weight.data_ptr(), ln.eps, h.data_ptr(), t, hidden, None, 0)
+        lib.sq_add_rms_norm(x.data_ptr(), _ptr(delta), ln.weight.data_ptr(), ln.eps, h.data_ptr(), t, hidden,
+                            None, t)
         if getattr(a, "qkv_cpu", None) is not None:
             qkv = _linear(a.qkv_cpu, h, lib)
             q, k, v = qkv, qkv[:, hq * d:], qkv[:, (hq + hk) * d:]
@@ -166,7 +167,8 @@ def forward_cpu(model, x: torch.Tensor, batch, kv) -> torch.Tensor:
             raise ValueError(f"no CPU attention kernel for head_dim {d}, {hq} heads over {hk}")
         o = _linear(a.o_proj, attn, lib).contiguous()
         ln = layer.post_attention_layernorm
-        lib.sq_add_rms_norm(x.data_ptr(), o.data_ptr(), ln.weight.data_ptr(), ln.eps, h.data_ptr(), t, hidden, None, 0)
+        lib.sq_add_rms_norm(x.data_ptr(), o.data_ptr(), ln.weight.data_ptr(), ln.eps, h.data_ptr(), t, hidden,
+                            None, t)
         inter = c.intermediate_size
         if getattr(m, "gate_up_cpu", None) is not None:
             gu = _linear(m.gate_up_cpu, h, lib)

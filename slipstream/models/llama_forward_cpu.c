@@ -68,13 +68,13 @@ int sq_decoder_forward(const layer_t *layers, i64 L, float eps, float *x, i64 T,
     for (i64 l = 0; l < L && rc == 0; l++) {
         const layer_t *ly = layers + l;
         float *kc = k_cache + l * layer_stride, *vc = v_cache + l * layer_stride;
-        sq_add_rms_norm(x, delta, ly->ln1, eps, h, T, H, NULL, 0);
+        sq_add_rms_norm(x, delta, ly->ln1, eps, h, T, H, NULL, T);
         matmul(&ly->qkv, h, T, qkv);
         sq_rotary_kv(qkv, qkv + Hq * D, qkv + (Hq + Hk) * D, wqkv, wqkv, wqkv, pos, cos_t, sin_t, kc, vc, kv_idx,
                      T, Hq, Hk, D);
         rc = sq_attention(qkv, wqkv, kc, vc, qs, kv_lens, pages, P, ps, S, Hq, Hk, D, scale, attn);
         matmul(&ly->o, attn, T, o);
-        sq_add_rms_norm(x, o, ly->ln2, eps, h, T, H, NULL, 0);
+        sq_add_rms_norm(x, o, ly->ln2, eps, h, T, H, NULL, T);
         matmul(&ly->gate_up, h, T, gu);
         sq_silu_mul(gu, 2 * I, gu + I, 2 * I, act, T, I);
         matmul(&ly->down, act, T, o);

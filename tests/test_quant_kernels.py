@@ -121,3 +121,24 @@ def test_no_compiler_means_no_kernels_and_a_dequantized_model(monkeypatch, tmp_p
         assert [e["event"] for e in logs] == ["cpu_kernels_unavailable", "weights_dequantized"]
     finally:
         cpu_kernels.native_kernels.cache_clear()
+
+
+def test_a_compiler_without_openmp_builds_single_threaded_kernels(monkeypatch, tmp_path):
+    """Apple's clang refuses -fopenmp: the build is retried without it (one thread, same results)."""
+    import shutil
+
+    cc = tmp_path / "cc-no-openmp"
+    gcc = shutil.which("gcc") or "cc"
+    cc.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && exit 1; done\nexec {gcc} "$@"\n')
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.setenv("SLIPSTREAM_CACHE_DIR", str(tmp_path / "cache"))
+    cpu_kernels.native_kernels.cache_clear()
+    try:
+        single = cpu_kernels.native_kernels()
+        assert single is not None and single.sq_max_threads() == 1
+        w = random_weight("Q4_1", 32, 256)
+        x = torch.randn(3, 256)
+        assert close(cpu_matmul(x, w, lib=single), x.double() @ w.dequantize().double().T)
+    finally:
+        cpu_kernels.native_kernels.cache_clear()

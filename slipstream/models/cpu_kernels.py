@@ -70,14 +70,18 @@ def library_path(cc: str) -> Path:
 
 
 def compile_library(cc: str, out: Path) -> float:
-    """Compile SOURCES into `out` (atomically: a temp file renamed into place); returns the seconds."""
+    """Compile SOURCES into `out` (atomically: a temp file renamed into place); returns the seconds. A
+    compiler without OpenMP (Apple's clang) gets a second try without it: single-threaded kernels."""
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=out.name + ".", suffix=".tmp")
     os.close(fd)
     t0 = time.perf_counter()
     try:
-        done = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-lm", "-o", tmp], capture_output=True, text=True,
-                              timeout=300)
+        for flags in (FLAGS, tuple(f for f in FLAGS if f != "-fopenmp")):
+            done = subprocess.run([cc, *flags, *map(str, SOURCES), "-lm", "-o", tmp], capture_output=True,
+                                  text=True, timeout=300)
+            if done.returncode == 0:
+                break
         if done.returncode != 0:
             raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-2000:]}")
         os.chmod(tmp, 0o755)

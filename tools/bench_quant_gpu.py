@@ -5,7 +5,7 @@
 1. Kernels: x [M, K] bf16 times each weight shape of SmolLM2-135M (the projections and the lm_head),
    M = 1, 8, 32: `quant_matmul_triton` on Q4_1 and Q8_0 weights (the default model's formats) against
    F.linear on the same weights dequantized to bf16 (cuBLAS). CUDA-event time per call, median of 100
-   after 20 warm-ups, and the bytes of weights read per microsecond.
+   after 20 warm-ups (profile_forward_cuda.event_ms), and the bytes of weights read per microsecond.
 2. Engines: random-smollm2-135m written as a Q4_1 GGUF (tools/random_gguf.py --dtype q4_1: the default
    model's formats and shapes, random weights), EngineConfig(device="cuda", dtype="bfloat16") with
    weights "quantized" and "dequantized", CUDA graphs on (decode buckets 1, 16, 32; no mixed graphs),
@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -29,20 +28,10 @@ SHAPES = {"q_proj / o_proj": (576, 576), "k_proj / v_proj": (192, 576), "gate / 
           "down": (576, 1536), "lm_head": (49152, 576)}
 
 
-def cuda_ms(fn, reps: int = 100, warmup: int = 20) -> float:
-    import torch
+def cuda_ms(fn) -> float:
+    from profile_forward_cuda import event_ms  # CUDA-event median, as the other GPU tools time
 
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return event_ms(fn, repeats=100, warmup=20)
 
 
 def kernels(lines, emit) -> None:

@@ -74,6 +74,9 @@ def add_engine_args(p: argparse.ArgumentParser, log_level: str = "warning") -> N
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for torch's kernels; the CPU forward runs on one fewer (at least 1), leaving "
                         "the engine loop a core (default: torch's own choice, or OMP_NUM_THREADS)")
+    p.add_argument("--weights", default="quantized", choices=["quantized", "dequantized"],
+                   help="a GGUF's quantized matrices: kept quantized and computed with as such, or expanded to "
+                        "--dtype at load (more memory; docs/models.md)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="CPU: results independent of batch composition and pipeline depth (row padding, "
                         "float64 attention; slower: docs/architecture.md)")
@@ -89,6 +92,7 @@ def engine_config(args, **overrides):
     fields = dict(model=args.model, device=args.device, dtype=args.dtype, pipeline_depth=args.pipeline_depth,
                   kv_cache_tokens=getattr(args, "kv_cache_tokens", None),
                   batch_invariant=getattr(args, "batch_invariant", False),
+                  weights=getattr(args, "weights", "quantized"),
                   prefix_caching=getattr(args, "prefix_caching", True))
     fields.update(overrides)
     return EngineConfig(**fields)

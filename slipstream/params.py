@@ -8,6 +8,7 @@ import msgspec
 from slipstream import validate as check
 from slipstream.errors import InvalidRequestError
 from slipstream.grammar.base import GrammarSpec
+from slipstream.models import WEIGHT_MODES
 from slipstream.runtime.batch import MAX_TOP_LOGPROBS  # (one constant: the runner sizes its buffers by it)
 from slipstream.runtime.buckets import make_buckets
 from slipstream.runtime.event_waits import EVENT_WAITS
@@ -149,6 +150,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, met
     #                                     the CPU, gpu_memory_utilization of free memory on CUDA
     max_model_len: int | None = None  # default: the model's context length
     batch_invariant: bool = False  # True: CPU results independent of batch composition (tests; slower)
+    # "quantized": a GGUF's quantized matrices stay quantized in memory and are computed with as such
+    # (docs/models.md, "Quantized weights"); "dequantized": expanded to `dtype` at load (other sources
+    # always are)
+    weights: str = "quantized"
     seed: int = 0  # seeds requests that give none
     trace: bool = False  # keep per-step host timings and device spans (benchmarks, timelines)
     grammar_timeout_s: float = 10.0  # compile timeout of a constraint grammar
@@ -204,6 +209,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, met
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise InvalidRequestError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}",
                                       param="gpu_memory_utilization")
+        if self.weights not in WEIGHT_MODES:
+            raise InvalidRequestError(f"weights must be one of {WEIGHT_MODES}, got {self.weights!r}", param="weights")
         if self.output_stage not in OUTPUT_STAGES:
             raise InvalidRequestError(f"output_stage must be one of {OUTPUT_STAGES}, got {self.output_stage!r}",
                                       param="output_stage")

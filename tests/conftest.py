@@ -3,6 +3,10 @@ import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("SLIPSTREAM_WEIGHT_CACHE", "0")  # tests never write the user's cache; cache tests opt in
+if "SLIPSTREAM_CACHE_DIR" not in os.environ:  # the compiled CPU kernels: built once per run, shared by subprocesses
+    import tempfile
+
+    os.environ["SLIPSTREAM_CACHE_DIR"] = tempfile.mkdtemp(prefix="slipstream-test-cache-")
 os.environ.setdefault("SLIPSTREAM_CHECK_INVARIANTS", "1")  # Sequence.check() on every row at every commit
 sys.path.insert(0, os.path.dirname(__file__))  # test helpers (fake_runner) import by name
 # test-and-tool helpers that are not the library (host_batch, hf_oracle, launch_counter)

@@ -29,7 +29,7 @@ def test_default_is_the_fast_path_without_the_probe(monkeypatch):
         assert isinstance(parts.runner.model.lm_head, PackedLinear)  # tied: packed from the embedding
         assert layer.self_attn.compute_dtype is None and parts.runner.row_multiple == 1
         assert calls == []  # the start-up invariance probe runs only with invariance on
-        assert parts.device.forward_threads == max(1, torch.get_num_threads() - 1)
+        assert 1 <= parts.device.forward_threads <= torch.get_num_threads()  # measured (test_cpu_threads.py)
     finally:
         parts.close()
 

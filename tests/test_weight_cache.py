@@ -1,6 +1,9 @@
-"""The converted-GGUF cache: hits skip dequantisation, damaged entries are rebuilt, keys follow the file."""
+"""The converted-GGUF cache: hits skip conversion, damaged entries are rebuilt, keys follow the contents
+(not the path), quantized weights stay quantized in it, and unused entries are pruned."""
 import os
+import time
 
+import gguf
 import pytest
 import torch
 from model_families import byte_vocab, hf_model, special_ids, write_gguf
@@ -8,16 +11,25 @@ from structlog.testing import capture_logs
 
 from slipstream.models import gguf_loader, loader
 from slipstream.models.loader import load_model
-from slipstream.models.weight_cache import cache_root, entry_path
+from slipstream.models.quant_formats import QuantWeight, concat
+from slipstream.models.weight_cache import cache_root, entry_path, prune
+
+Q = gguf.GGMLQuantizationType
 
 
 @pytest.fixture(scope="module")
 def gguf_file(tmp_path_factory):
+    """A tiny qwen2 GGUF with quantized projections and embedding (q/k/v, gate/up stack in the cache)."""
     root = tmp_path_factory.mktemp("wc")
     vocab = byte_vocab()
     bos, eos = special_ids(vocab)
+    quantize = {"token_embd.weight": Q.Q8_0}
+    for i in range(2):
+        quantize.update({f"blk.{i}.attn_q.weight": Q.Q4_1, f"blk.{i}.attn_k.weight": Q.Q4_1,
+                         f"blk.{i}.attn_v.weight": Q.Q4_1, f"blk.{i}.ffn_gate.weight": Q.Q4_0,
+                         f"blk.{i}.ffn_up.weight": Q.Q4_0, f"blk.{i}.ffn_down.weight": Q.Q8_0})
     write_gguf(root / "tiny.gguf", "qwen2", hf_model("qwen2", len(vocab.tokens), seed=7, bos=bos, eos=eos), vocab,
-               pre="qwen2")
+               pre="qwen2", quantize=quantize)
     return root / "tiny.gguf"
 
 
@@ -32,8 +44,8 @@ def events(logs):
     return [e["event"] for e in logs]
 
 
-def load_counting(path, monkeypatch):
-    """load_model, returning (loaded, whether the GGUF was dequantised)."""
+def load_counting(path, monkeypatch, weights="dequantized"):
+    """load_model, returning (loaded, whether the GGUF was converted)."""
     calls = []
     real = gguf_loader.load_gguf
 
@@ -42,14 +54,21 @@ def load_counting(path, monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(loader, "load_gguf", counting)
-    return load_model(str(path)), bool(calls)
+    return load_model(str(path), weights=weights), bool(calls)
+
+
+def same_weight(a, b) -> bool:
+    if isinstance(a, QuantWeight):
+        return isinstance(b, QuantWeight) and all(torch.equal(x, y) for x, y in zip(a.tensors().values(),
+                                                                                    b.tensors().values()))
+    return torch.equal(a, b)
 
 
 def assert_same(a, b):
     assert a.config == b.config
     assert set(a.weights) == set(b.weights)
     for name in a.weights:
-        assert torch.equal(a.weights[name], b.weights[name]), name
+        assert same_weight(a.weights[name], b.weights[name]), name
     for text in ("Hello world! 12345", "<|im_start|>hi<|im_end|>", "🤖"):
         assert a.tokenizer.encode(text) == b.tokenizer.encode(text)
     assert a.tokenizer.eos_token_ids == b.tokenizer.eos_token_ids
@@ -60,19 +79,42 @@ def assert_same(a, b):
 def test_second_load_is_a_hit_and_identical(gguf_file, cache, monkeypatch):
     first, converted = load_counting(gguf_file, monkeypatch)
     assert converted
-    entry = entry_path(gguf_file, torch.float32)
+    entry = entry_path(gguf_file)
     assert entry.parent == cache / "weights" and entry.is_file()
     assert [p.name for p in entry.parent.iterdir()] == [entry.name]  # no temp file left behind
     with capture_logs() as logs:
         second, converted = load_counting(gguf_file, monkeypatch)
     assert not converted and events(logs) == ["weight_cache_hit"]
     assert_same(first, second)
+    fresh = gguf_loader.load_gguf(gguf_file)[1]  # what the GGUF dequantises to, no cache involved
+    assert all(torch.equal(fresh[n], second.weights[n]) for n in fresh)
+
+
+def test_quantized_weights_stay_quantized_and_stacked(gguf_file, cache, monkeypatch):
+    """The entry holds the quantized containers (a fifth of float32's size here), and the projections
+    stored stacked come back as adjacent views: fusing them copies nothing."""
+    dense, _ = load_counting(gguf_file, monkeypatch)
+    quant, converted = load_counting(gguf_file, monkeypatch, weights="quantized")
+    assert not converted  # one entry serves both weight modes
+    q = quant.weights
+    assert isinstance(q["model.embed_tokens.weight"], QuantWeight) and q["model.embed_tokens.weight"].source == "Q8_0"
+    assert isinstance(q["model.layers.0.mlp.down_proj.weight"], QuantWeight)
+    assert isinstance(q["model.norm.weight"], torch.Tensor)
+    for name, w in q.items():
+        expect = dense.weights[name]
+        assert torch.equal(w.dequantize() if isinstance(w, QuantWeight) else w, expect), name
+    parts = [q[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"]
+    fused = concat(parts)
+    assert fused.values.data_ptr() == parts[0].values.data_ptr()  # a view, not a copy
+    assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
+    dense_bytes = sum(t.numel() * 4 for t in dense.weights.values())
+    assert entry_path(gguf_file).stat().st_size < dense_bytes / 2
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "garbage", "empty"])
 def test_damaged_entry_is_detected_and_rebuilt(gguf_file, cache, monkeypatch, damage):
     good, _ = load_counting(gguf_file, monkeypatch)
-    entry = entry_path(gguf_file, torch.float32)
+    entry = entry_path(gguf_file)
     data = bytearray(entry.read_bytes())
     if damage == "truncate":
         data = data[: len(data) // 2]
@@ -95,31 +137,34 @@ def test_damaged_entry_is_detected_and_rebuilt(gguf_file, cache, monkeypatch, da
     assert not converted  # the rebuilt entry is good again
 
 
-def test_key_follows_the_file_and_dtype(gguf_file, cache, tmp_path):
-    copy = tmp_path / "tiny.gguf"
+def test_key_follows_the_contents_not_the_path(gguf_file, cache, tmp_path, monkeypatch):
+    """A copy elsewhere (another venv's install, re-downloaded with a new mtime) is the same entry;
+    a change inside the file is a new one."""
+    copy = tmp_path / "elsewhere" / "tiny.gguf"
+    copy.parent.mkdir()
     copy.write_bytes(gguf_file.read_bytes())
-    key32 = entry_path(copy, torch.float32)
-    assert entry_path(copy, torch.bfloat16) != key32
+    key = entry_path(gguf_file)
+    assert entry_path(copy) == key
     st = copy.stat()
-    os.utime(copy, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
-    assert entry_path(copy, torch.float32) != key32  # rewritten (new mtime): a new entry
-    os.utime(copy, ns=(st.st_atime_ns, st.st_mtime_ns))
-    assert entry_path(copy, torch.float32) == key32
+    os.utime(copy, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert entry_path(copy) == key
+    load_model(str(gguf_file))
+    load_model(str(copy))
+    assert len(list((cache / "weights").iterdir())) == 1
     data = bytearray(copy.read_bytes())
-    data[100] ^= 0xFF  # same size, same mtime, different header bytes
+    data[100] ^= 0xFF  # same size, different header bytes
     copy.write_bytes(bytes(data))
-    os.utime(copy, ns=(st.st_atime_ns, st.st_mtime_ns))
-    assert entry_path(copy, torch.float32) != key32
+    assert entry_path(copy) != key
 
 
-def test_bfloat16_entries(gguf_file, cache, monkeypatch):
+def test_one_entry_for_every_dtype(gguf_file, cache, monkeypatch):
     a = loader.load_model(str(gguf_file), dtype=torch.bfloat16)
-    b, converted = load_counting(gguf_file, monkeypatch)  # float32: its own entry, converted afresh
-    assert converted
-    c = loader.load_model(str(gguf_file), dtype=torch.bfloat16)
-    assert all(t.dtype == torch.bfloat16 for t in c.weights.values())
-    assert_same(a, c)
-    assert len(list((cache / "weights").iterdir())) == 2
+    b, converted = load_counting(gguf_file, monkeypatch)
+    assert not converted
+    assert all(t.dtype == torch.bfloat16 for t in a.weights.values())
+    assert all(t.dtype == torch.float32 for t in b.weights.values())
+    assert all(torch.equal(a.weights[n], b.weights[n].bfloat16()) for n in a.weights)
+    assert len(list((cache / "weights").iterdir())) == 1
 
 
 def test_disabled_and_default_location(gguf_file, tmp_path, monkeypatch):
@@ -161,7 +206,7 @@ def test_generate_no_weight_cache_flag(gguf_file, cache, monkeypatch, capsys):
 
     forget_loaded()  # engines in one process share a load; this test needs two
     assert main(argv + ["--no-weight-cache"]) == 0
-    assert not cache.exists()
+    assert not (cache / "weights").exists()
     monkeypatch.setenv("SLIPSTREAM_WEIGHT_CACHE", "1")  # the flag sets it to 0 for the rest of the process
     forget_loaded()
     assert main(argv) == 0  # without the flag the same run fills the cache
@@ -169,24 +214,60 @@ def test_generate_no_weight_cache_flag(gguf_file, cache, monkeypatch, capsys):
     assert len(list((cache / "weights").iterdir())) == 1
 
 
-def test_outdated_entries_and_stale_temp_files_are_pruned(gguf_file, cache, tmp_path, monkeypatch):
-    here, there = tmp_path / "a" / "tiny.gguf", tmp_path / "b" / "tiny.gguf"  # same name, two places
-    for p in (here, there):
-        p.parent.mkdir()
-        p.write_bytes(gguf_file.read_bytes())
-    load_model(str(here))
-    load_model(str(there))
+def test_unused_entries_and_stale_temp_files_are_pruned(gguf_file, cache, monkeypatch):
+    """Entries unused for the age limit go (a GGUF deleted since, an older slipstream's format), then
+    the least recently used beyond the size limit; the entry being stored, recent temp files (a
+    writer at work) and recently used entries stay."""
+    load_model(str(gguf_file))
     weights = cache / "weights"
-    assert len(list(weights.iterdir())) == 2  # one per file: a shared name does not evict
-    old_entry = entry_path(here, torch.float32)
-    stale, fresh = weights / (old_entry.name + ".x.tmp"), weights / (old_entry.name + ".y.tmp")
-    stale.write_bytes(b"half")
-    fresh.write_bytes(b"half")
-    os.utime(stale, (0, 0))  # a crashed writer, long ago; `fresh` may be a writer at work now
-    st = here.stat()
-    os.utime(here, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # "re-downloaded"
-    load_model(str(here))
-    names = {p.name for p in weights.iterdir()}
-    assert entry_path(here, torch.float32).name in names and old_entry.name not in names
-    assert entry_path(there, torch.float32).name in names
-    assert fresh.name in names and stale.name not in names
+    entry = entry_path(gguf_file)
+    old_format = weights / "tiny-0123456789abcdef-a7b8120f-float32.safetensors"  # a format-1 entry
+    unused, recent = weights / "gone-1111.v2.safetensors", weights / "kept-2222.v2.safetensors"
+    stale, fresh = weights / (entry.name + ".x.tmp"), weights / (entry.name + ".y.tmp")
+    for p in (old_format, unused, recent, stale, fresh):
+        p.write_bytes(b"x" * 1000)
+    month_ago = time.time() - 30 * 86400
+    for p in (old_format, unused, stale):
+        os.utime(p, (month_ago, month_ago))
+    monkeypatch.setenv("SLIPSTREAM_WEIGHT_CACHE_DAYS", "14")
+    removed = prune(weights, keep=entry)
+    assert {p.name for p in removed} == {old_format.name, unused.name, stale.name}
+    assert {p.name for p in weights.iterdir()} == {entry.name, recent.name, fresh.name}
+    monkeypatch.setenv("SLIPSTREAM_WEIGHT_CACHE_GB", str(entry.stat().st_size / 1e9))  # room for `keep` only
+    assert prune(weights, keep=entry) == [recent]
+    os.utime(entry, (month_ago, month_ago))
+    load_model(str(gguf_file))  # a hit marks the entry used again
+    assert time.time() - entry.stat().st_mtime < 3600
+
+
+def resident_kb(path) -> int:
+    """This process's resident memory in mappings of `path` (/proc/self/smaps)."""
+    total, current = 0, None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            parts = line.split()
+            if "-" in parts[0] and len(parts) >= 5:
+                current = parts[5] if len(parts) > 5 else None
+            elif parts[0] == "Rss:" and current == str(path):
+                total += int(parts[1])
+    return total
+
+
+def test_a_hit_reads_the_entry_but_keeps_little_of_it_resident(gguf_file, tmp_path):
+    """The checksums touch every page; they are handed back at once, so a load does not hold the
+    weights resident before a forward reads them (what keeps RSS after loading low)."""
+    from quant_util import random_weight
+
+    from slipstream.models.weight_cache import load_entry, store_entry
+
+    config, weights, tokenizer = gguf_loader.load_gguf(gguf_file, quantized=True)
+    weights["extra.weight"] = random_weight("Q8_0", 1024, 1024)  # 1 MB: whole pages to hand back
+    weights["extra.bias"] = torch.randn(256 * 1024)
+    entry = tmp_path / "entry.v2.safetensors"
+    store_entry(entry, config, weights, tokenizer)
+    _, loaded, _ = load_entry(entry)
+    size_kb = entry.stat().st_size / 1024
+    assert resident_kb(entry) < size_kb / 4  # tensor edges and the header stay
+    for w in loaded.values():  # and the data is all there
+        (w.dequantize() if isinstance(w, QuantWeight) else w).sum()
+    assert resident_kb(entry) > size_kb * 3 / 4

@@ -5,9 +5,13 @@ token per sequence through the model (no sampling, no scheduler). Prints a markd
 
     python tools/bench_forward.py [--model smollm2-135m] [--batches 1 8 32] [--repeats 10] [--threads N]
 
-Three variants, interleaved per batch size: batch-invariant (what EngineConfig(batch_invariant=True)
-runs), dense float32 without padding, and the default (oneDNN-packed projections, batched decode
-attention).
+Variants, interleaved per batch size: the default (the GGUF's weights kept quantized, the "cpu" kernel
+backend: compiled kernels, models/llama_cpu.py), and the dequantized float32 model on the reference
+backend three ways: batch-invariant (what EngineConfig(batch_invariant=True) runs), dense without
+padding, and oneDNN-packed projections (the dequantized mode's default before issue 39), and packed
+on the cpu backend (what `--weights dequantized` runs now). For a model that is not a GGUF (random
+weights) the quantized variant is left out. `--threads` sets torch's intra-op threads (run it at 1
+and 2: the engine measures its own choice at start, runtime/cpu_threads.py).
 """
 from __future__ import annotations
 
@@ -48,10 +52,12 @@ def forward_ms(model, config, batch: int, context: int, repeats: int, warmup: in
     return times
 
 
-VARIANTS = {  # label -> (packed projections, invariant: fp64 attention + padded rows)
-    "batch-invariant (dense, fp64 attention, rows padded)": (False, True),
-    "dense fp32, unpadded": (False, False),
-    "packed (oneDNN) fp32, unpadded: the default": (True, False),
+VARIANTS = {  # label -> (model: weights mode + packed, kernel backend, invariant: fp64 attention + padded rows)
+    "quantized, cpu backend: the default": (("quantized", False), "cpu", False),
+    "dequantized, batch-invariant (dense, fp64 attention, rows padded)": (("dequantized", False), "reference", True),
+    "dequantized, dense fp32, reference": (("dequantized", False), "reference", False),
+    "dequantized, packed (oneDNN), reference": (("dequantized", True), "reference", False),
+    "dequantized, packed (oneDNN), cpu backend": (("dequantized", True), "cpu", False),
 }
 
 
@@ -69,21 +75,29 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     print(header(provenance()), flush=True)
-    models = {packed: build_model(args.model, "float32", torch.device("cpu"), pack=packed) for packed in (False, True)}
-    config = models[False][2]
+    from slipstream.models.build import quantized_source
+
+    keys = {k for k, _, _ in VARIANTS.values()}
+    if not quantized_source(args.model, torch.device("cpu")):
+        keys.discard(("quantized", False))
+    models = {k: build_model(args.model, "float32", torch.device("cpu"), pack=k[1], weights=k[0])[0] for k in keys}
+    config = next(iter(models.values())).config
     print(f"model={args.model} torch={torch.__version__} threads={torch.get_num_threads()} context={args.context}")
     print("| batch | variant | forward median (ms) | mean | p90 | min | max | ms / token |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|")
     for b in args.batches:  # variants interleaved per batch size: a load change hits all of them alike
-        for label, (packed, invariant) in VARIANTS.items():
-            model = models[packed][0]
+        for label, (key, backend, invariant) in VARIANTS.items():
+            if key not in models:
+                continue
+            model = models[key]
+            model.set_kernel_backend(backend)
             model.set_attention_dtype(torch.float64 if invariant else None)
             t = forward_ms(model, config, b, args.context, args.repeats, args.warmup,
                            row_multiple_for(config) if invariant else 1)
             med, p90 = statistics.median(t), statistics.quantiles(t, n=10, method="inclusive")[8]
             print(f"| {b} | {label} | {med:.1f} | {statistics.fmean(t):.1f} | {p90:.1f} | {min(t):.1f} | "
                   f"{max(t):.1f} | {med / b:.2f} |", flush=True)
-        models[False][0].set_attention_dtype(None)
+            model.set_attention_dtype(None)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ tokens turned into text and delivered) per step, with the tokens per delta a con
     python tools/bench_host.py --streams 1 4 --repeats 1 --len 16
 
 The seam (what this tool depends on, so it survives refactors of the scheduler and runtime):
-  * `slipstream.api.assemble.build_model(spec, dtype, torch_device, seed, pack=...) -> (model, tokenizer,
+  * `slipstream.api.assemble.build_model(spec, dtype, torch_device, seed, pack=..., ...) -> (model, tokenizer,
     ModelConfig)`, patched for the duration of `Engine.start()` to return a NullModel;
   * the model contract: called as `model(batch, kv)` with `batch.sample_indices` (one row per
     sampled token) and returns logits [len(sample_indices), vocab]; `model.config.vocab_size`
@@ -111,7 +111,7 @@ def null_model(max_rows: int):
         raise RuntimeError("slipstream.api.assemble.build_model is gone: move the seam of tools/bench_host.py")
     real = assemble.build_model
 
-    def build(spec: str, dtype: str, device: torch.device, seed: int = 0, pack: bool = False):
+    def build(spec: str, dtype: str, device: torch.device, seed: int = 0, pack: bool = False, **_):
         config = RANDOM[spec]()
         return NullModel(config, max_rows, device), ByteTokenizer(config.vocab_size), config
 

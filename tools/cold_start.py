@@ -1,8 +1,11 @@
 """Cold start with and without the converted-weights cache: first start (empty cache) vs second start.
 
 Each start is a fresh Python process, timed from the parent (interpreter start and imports included):
-  weights  - `build_model(spec, pack=True)`: the model is built as the engine builds it on the CPU by
-             default (projections packed for oneDNN) and ready for a forward
+  weights  - `build_model(spec, weights=W, pack=True)`: the model is built as the engine builds it on the
+             CPU (W "quantized", the default: the GGUF's quantized matrices kept, the compiled CPU kernels
+             built at the first start; "dequantized": float32, projections packed for oneDNN), ready
+             for a forward; its RSS right after the build is recorded beside the peak
+  (--weights lists the modes; each runs its own first and second starts)
   generate - `slipstream generate PROMPT --max-tokens 1`: a whole CLI run to the first token
 Peak RSS is each child's own (os.wait4).
 The cache lives in a temporary directory (SLIPSTREAM_CACHE_DIR), emptied before every first start, so
@@ -32,8 +35,9 @@ t0 = time.perf_counter()
 import torch
 from slipstream.models.build import build_model
 t1 = time.perf_counter()
-build_model({spec!r}, "float32", torch.device("cpu"), pack=True)  # the engine's default CPU build
-print(json.dumps({{"import_s": t1 - t0, "build_s": time.perf_counter() - t1}}))
+build_model({spec!r}, "float32", torch.device("cpu"), pack=True, weights={weights!r})  # as the engine builds it
+rss = int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+print(json.dumps({{"import_s": t1 - t0, "build_s": time.perf_counter() - t1, "rss_after_build_mb": rss}}))
 """
 
 
@@ -59,11 +63,12 @@ def provenance(argv: list[str], started: datetime.datetime) -> str:
     ])
 
 
-def start(kind: str, spec: str, env: dict[str, str]) -> dict[str, float]:
+def start(kind: str, spec: str, env: dict[str, str], weights: str) -> dict[str, float]:
     if kind == "weights":
-        cmd = [sys.executable, "-c", CHILD.format(spec=spec)]
+        cmd = [sys.executable, "-c", CHILD.format(spec=spec, weights=weights)]
     else:
-        cmd = [sys.executable, "-m", "slipstream.cli", "generate", "Hi", "--max-tokens", "1", "--model", spec]
+        cmd = [sys.executable, "-m", "slipstream.cli", "generate", "Hi", "--max-tokens", "1", "--model", spec,
+               "--weights", weights]
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=out, stderr=err)
@@ -92,6 +97,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--kinds", nargs="+", default=["weights", "generate"], choices=["weights", "generate"])
+    ap.add_argument("--weights", nargs="+", default=["quantized"], choices=["quantized", "dequantized"])
     ap.add_argument("--out", type=Path, help="also write the report (header + table + raw rows) here")
     args = ap.parse_args()
     started = datetime.datetime.now(datetime.timezone.utc)
@@ -102,25 +108,28 @@ def main() -> None:
     try:
         for kind in args.kinds:
             for rep in range(args.repeats):
-                shutil.rmtree(cache, ignore_errors=True)
-                for which in ("first", "second"):
-                    r = start(kind, args.model, env)
-                    rows.append({"kind": kind, "repeat": rep, "start": which, **r})
-                    print(json.dumps(rows[-1]), file=sys.stderr)
+                for weights in args.weights:  # modes interleaved within a repeat
+                    shutil.rmtree(cache, ignore_errors=True)
+                    for which in ("first", "second"):
+                        r = start(kind, args.model, env, weights)
+                        rows.append({"kind": kind, "weights": weights, "repeat": rep, "start": which, **r})
+                        print(json.dumps(rows[-1]), file=sys.stderr)
     finally:
         shutil.rmtree(cache, ignore_errors=True)
     lines = [provenance(sys.argv[1:], started), "",
              f"model {args.model}, {args.repeats} repeats, seconds", "",
-             "| start | what | wall median | mean | p90 | min | build_model median | mean | p90 | min "
-             "| peak RSS MB median | max |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| weights | start | what | wall median | mean | p90 | min | build_model median | mean | p90 | min "
+             "| RSS after build MB median | peak RSS MB median | max |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for kind in args.kinds:
-        for which in ("first", "second"):
-            sel = [r for r in rows if r["kind"] == kind and r["start"] == which]
-            build = summary([r["build_s"] for r in sel]) if kind == "weights" else "- | - | - | -"
-            rss = [r["peak_rss_mb"] for r in sel]
-            lines.append(f"| {which} | {kind} | {summary([r['wall_s'] for r in sel])} | {build} "
-                         f"| {statistics.median(rss):.0f} | {max(rss):.0f} |")
+        for weights in args.weights:
+            for which in ("first", "second"):
+                sel = [r for r in rows if r["kind"] == kind and r["start"] == which and r["weights"] == weights]
+                build = summary([r["build_s"] for r in sel]) if kind == "weights" else "- | - | - | -"
+                after = f"{statistics.median(r['rss_after_build_mb'] for r in sel):.0f}" if kind == "weights" else "-"
+                rss = [r["peak_rss_mb"] for r in sel]
+                lines.append(f"| {weights} | {which} | {kind} | {summary([r['wall_s'] for r in sel])} | {build} "
+                             f"| {after} | {statistics.median(rss):.0f} | {max(rss):.0f} |")
     lines += ["", "raw rows:", *(json.dumps(r) for r in rows)]
     report = "\n".join(lines)
     print(report)

@@ -23,6 +23,9 @@
 # A dist runs on the GPU image against its torch's cuBLAS 13 / cudart 13 (nvidia/cu13/lib, `cu13_libs` below puts
 # them on LD_LIBRARY_PATH) and the driver's libcuda.so.1; built with nvcc 13.0 (= the image's driver's CUDA).
 # CUDA is built when nvcc and a GPU are found (LLAMACPP_CUDA=0/1 overrides) (-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCH:-90}); else a CPU build.
+# LLAMACPP_NATIVE=0: no -march=native; AVX2/FMA/F16C/BMI2 and AVX-512 (F, VBMI, VNNI, BF16) + AVX-VNNI named
+#   instead (the 2-core development machine: its native build segfaulted in ggml's AMX path).
+# LLAMACPP_BENCH=1 also builds llama-bench (token generation at batch 1, threads and flash attention swept).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 PY=${PYTHON:-python3}
@@ -139,6 +142,9 @@ build() {
                  -DLLAMA_BUILD_SERVER=$server -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_CURL=OFF
                  -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=ON -DGGML_CUDA=$cuda -DBUILD_SHARED_LIBS=OFF)
     [[ $cuda == ON ]] && flags+=(-DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCH:-90}")
+    [[ ${LLAMACPP_NATIVE:-1} == 0 ]] && flags+=(-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON
+                                                 -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON)
+    [[ ${LLAMACPP_BENCH:-0} == 1 ]] && targets+=(llama-bench)
     cmake -S "$src" -B "$bld" "${flags[@]}" > "$bld.configure.log" 2>&1 || { tail -30 "$bld.configure.log"; return 1; }
     cmake --build "$bld" --target "${targets[@]}" -j "${JOBS:-$(nproc)}" > "$bld.build.log" 2>&1 || { tail -40 "$bld.build.log"; return 1; }
     echo "built ${targets[*]} (GGML_CUDA=$cuda) in $bld"

@@ -1,6 +1,7 @@
 """Write slipstream's random-weight model (e.g. `random-smollm2-135m`, seed 0) as a llama.cpp GGUF.
 
     python tools/random_gguf.py --spec random-smollm2-135m --dtype f16 --out /tmp/smollm2-random-f16.gguf
+    (--dtype q4_1: projections Q4_1, embedding Q8_0, as the default model's GGUF)
 
 The same weights slipstream and tools/peer_bench.py's transformers twin run (slipstream.models.build.
 random_weights), renamed to GGUF's llama names, q/k rows permuted to llama.cpp's rotary layout (the
@@ -25,7 +26,7 @@ sys.path.insert(0, os.path.dirname(_TOOLS))  # this checkout's slipstream
 from slipstream.models.build import RANDOM, random_weights  # noqa: E402
 from slipstream.models.gguf_loader import _GLOBAL_NAMES, _LAYER_NAMES  # noqa: E402
 
-FILE_TYPES = {"f32": 0, "f16": 1, "bf16": 32}  # llama_ftype: ALL_F32, MOSTLY_F16, MOSTLY_BF16
+FILE_TYPES = {"f32": 0, "f16": 1, "bf16": 32, "q4_1": 3}  # llama_ftype: ALL_F32, MOSTLY_F16, MOSTLY_BF16, MOSTLY_Q4_1
 
 
 def permute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -76,7 +77,7 @@ def write(spec: str, dtype: str, out: str, seed: int = 0, vocab: str = "syntheti
         w.add_bos_token_id(1)
         w.add_eos_token_id(2)
     qtype = {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,
-             "bf16": gguf.GGMLQuantizationType.BF16}[dtype]
+             "bf16": gguf.GGMLQuantizationType.BF16, "q4_1": gguf.GGMLQuantizationType.Q4_1}[dtype]
     for hf, t in weights.items():
         if hf == "lm_head.weight" and config.tie_word_embeddings:
             continue  # tied: llama.cpp reuses token_embd
@@ -85,7 +86,11 @@ def write(spec: str, dtype: str, out: str, seed: int = 0, vocab: str = "syntheti
         elif ".k_proj." in hf:
             t = permute_qk(t, config.num_kv_heads)
         data = t.float().contiguous().numpy()
-        if data.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
+        # q4_1: the mix of the default model's file (SmolLM2-135M-Instruct.Q4_1.gguf): Q8_0 embedding
+        if qtype == gguf.GGMLQuantizationType.Q4_1 and hf in ("model.embed_tokens.weight", "lm_head.weight"):
+            w.add_tensor(gguf_name(hf), gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0),
+                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        elif data.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
             w.add_tensor(gguf_name(hf), data.astype(np.float32))
         elif qtype == gguf.GGMLQuantizationType.F16:
             w.add_tensor(gguf_name(hf), data.astype(np.float16))

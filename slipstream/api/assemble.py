@@ -9,7 +9,7 @@ import torch
 from slipstream.api.output_processor import OutputProcessor
 from slipstream.intmath import ceil_div
 from slipstream.metrics import EngineMetrics
-from slipstream.models.build import DTYPES, build_model
+from slipstream.models.build import DTYPES, build_model, cpu_backend_available
 from slipstream.models.llama import KVCache
 from slipstream.params import EngineConfig
 from slipstream.runtime.cpu_invariance import row_multiple_for
@@ -82,9 +82,12 @@ def assemble(config: EngineConfig) -> EngineParts:
 def _assemble(config: EngineConfig, device, invariant: bool) -> EngineParts:
     # Invariance is calibrated against torch's default kernels, so it keeps the dense model.
     model, tokenizer, mcfg = build_model(config.model, config.dtype, device.torch_device, config.seed,
-                                         pack=not invariant)
+                                         pack=not invariant, weights=config.weights, invariant=invariant)
     if device.kind == "cuda":
         model.set_kernel_backend("triton")
+    elif not invariant and config.dtype == "float32" and cpu_backend_available(model):
+        model.set_kernel_backend("cpu")  # compiled kernels (models/llama_cpu.py); invariance keeps the reference
+        calibrate_forward_threads(device, model)
     max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
     processing = image_processing(model, mcfg)
     num_pages = kv_pages(config, model, mcfg, device, max_model_len, processing)
@@ -115,6 +118,28 @@ def _assemble(config: EngineConfig, device, invariant: bool) -> EngineParts:
         loop, pool, tracer, encoder_row_bytes=row_bytes if getattr(mcfg, "image_token_id", None) is not None else None)
     return EngineParts(device, runner, pool, loop, tokenizer, mcfg, max_model_len, metrics, tracer, row_bytes,
                        processing)
+
+
+def calibrate_forward_threads(device, model) -> None:
+    """The compute stream's thread count, as measured on this machine (runtime/cpu_threads.py). A
+    failed measurement only logs: the device keeps its default."""
+    from slipstream.runtime.cpu_threads import forward_threads
+
+    ceiling, chosen = torch.get_num_threads(), []
+
+    def measure() -> None:
+        try:
+            chosen.append(forward_threads(model, ceiling))
+        except Exception as exc:  # noqa: BLE001 - a measurement must not stop the engine
+            torch.set_num_threads(device.forward_threads)
+            log.warning("cpu_forward_threads_kept", threads=device.forward_threads,
+                        error=f"{type(exc).__name__}: {exc}")
+
+    device.compute.launch(measure)
+    device.compute.record().synchronize()
+    torch.set_num_threads(ceiling)  # a setting on the stream's thread also moves the process default (cpu_device.py)
+    if chosen:
+        device.forward_threads = chosen[0]
 
 
 def image_processing(model, mcfg):

@@ -36,7 +36,15 @@ def _load_cached(spec: str):
     """Engines in one process (blocking vs pipelined, tests) share one dequantised checkpoint."""
     from slipstream.models.loader import load_model
 
-    return load_model(spec, dtype=torch.float32)
+    return load_model(spec, dtype=torch.float32, weights="dequantized")
+
+
+@functools.lru_cache(maxsize=1)
+def _load_quantized(spec: str):
+    """Like _load_cached, for a GGUF kept quantized (QuantWeight parts mapped from the weight cache)."""
+    from slipstream.models.loader import load_model
+
+    return load_model(spec, weights="quantized")
 
 
 @functools.lru_cache(maxsize=1)
@@ -53,7 +61,7 @@ def _load_packed(spec: str, seed: int):
     else:
         from slipstream.models.loader import load_model
 
-        loaded = load_model(spec, dtype=torch.float32)
+        loaded = load_model(spec, dtype=torch.float32, weights="dequantized")
         config, weights, tokenizer = loaded.config, dict(loaded.weights), loaded.tokenizer
         del loaded  # its dict must not keep the dense matrices alive
     t0 = time.perf_counter()
@@ -62,10 +70,22 @@ def _load_packed(spec: str, seed: int):
     return config, weights, packed, tokenizer
 
 
+def release_heap() -> None:
+    """Hand freed heap memory back to the kernel (glibc; elsewhere a no-op). Loading leaves ~25 MB of
+    freed parse buffers (the tokenizer's JSON) in the heap, which would otherwise stay resident."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def forget_loaded() -> None:
     """Drop the process's shared loads (dense and packed): the next build loads afresh."""
     _load_cached.cache_clear()
     _load_packed.cache_clear()
+    _load_quantized.cache_clear()
 
 
 def moondream_folder(spec: str) -> Path | None:
@@ -78,9 +98,40 @@ def moondream_folder(spec: str) -> Path | None:
     return path if is_moondream_folder(path) else None
 
 
-def build_model(spec: str, dtype: str, device: torch.device, seed: int = 0, pack: bool = False):
-    """Returns (model, tokenizer, ModelConfig). `pack`: on the CPU in float32, the projections run
-    through oneDNN with prepacked weights (slipstream/models/cpu_linear.py); elsewhere ignored."""
+def quantized_source(spec: str, device: torch.device) -> bool:
+    """Whether `spec` can run with quantized weights on `device`: a GGUF file, and on the CPU the
+    compiled kernels (without them the quantized path would expand every weight on every step; the
+    dequantized model is the fast fallback, and the reason is logged)."""
+    from slipstream.models.loader import is_gguf
+
+    if spec in RANDOM or not is_gguf(spec):
+        return False
+    if torch.device(device).type == "cpu":
+        from slipstream.models.cpu_kernels import native_kernels
+
+        if native_kernels() is None:
+            log.warning("weights_dequantized", model=spec,
+                        reason="the compiled CPU kernels are unavailable (cpu_kernels_unavailable says why)")
+            return False
+    return True
+
+
+def cpu_backend_available(model) -> bool:
+    """Whether `model` can run on the "cpu" kernel backend (models/llama_cpu.py): a Llama-family model
+    (not Moondream's own layout) still on the reference backend, and the compiled kernels loaded."""
+    from slipstream.models.cpu_kernels import native_kernels
+    from slipstream.models.llama import LlamaForCausalLM
+
+    return (isinstance(model, LlamaForCausalLM) and model.vision is None and model.backend == "reference"
+            and native_kernels() is not None)
+
+
+def build_model(spec: str, dtype: str, device: torch.device, seed: int = 0, pack: bool = False,
+                weights: str = "dequantized", invariant: bool = False):
+    """Returns (model, tokenizer, ModelConfig). `weights="quantized"`: a GGUF's quantized matrices stay
+    quantized (models/quant_linear.py; `invariant`: batch-invariant CPU products); other sources, or
+    "dequantized": float weights, where `pack` (CPU, float32) runs the projections through oneDNN
+    with prepacked weights (slipstream/models/cpu_linear.py)."""
     t0 = time.perf_counter()
     moondream = moondream_folder(spec)
     if moondream is not None:  # its own layout: never packed (the Llama fast path does not apply)
@@ -90,6 +141,14 @@ def build_model(spec: str, dtype: str, device: torch.device, seed: int = 0, pack
         log.info("model_ready", model=spec, layers=model.config.num_layers, vocab=model.config.vocab_size,
                  dtype=dtype, device=str(device), architecture="moondream", seconds=round(time.perf_counter() - t0, 2))
         return model, tokenizer, model.config
+    if weights == "quantized" and quantized_source(spec, device):
+        loaded = _load_quantized(spec)
+        config, tokenizer = loaded.config, loaded.tokenizer
+        model = LlamaForCausalLM.from_quantized(config, loaded.weights, DTYPES[dtype], device, invariant)
+        release_heap()
+        log.info("model_ready", model=spec, layers=config.num_layers, vocab=config.vocab_size, dtype=dtype,
+                 device=str(device), weights="quantized", seconds=round(time.perf_counter() - t0, 2))
+        return model, tokenizer, config
     from slipstream.models.cpu_linear import can_pack
 
     if pack and can_pack(DTYPES[dtype], device):

@@ -1,7 +1,8 @@
-"""Loading a llama.cpp GGUF file: dequantised weights in Hugging Face naming, config and tokenizer.
+"""Loading a llama.cpp GGUF file: weights in Hugging Face naming, config and tokenizer.
 
-Architectures `llama` and `qwen2` (llama + q/k/v biases). Weights are dequantised once at load time
-(the engine computes in float), so a Q4 file costs full float memory; loader.py caches the result.
+Architectures `llama` and `qwen2` (llama + q/k/v biases). With `quantized=True` every matrix in a
+format of quant_formats.QUANTIZED_TYPES is repacked, still quantized, into a QuantWeight; everything
+else (and every tensor with `quantized=False`) is dequantised to float. loader.py caches the result.
 For `llama`, llama.cpp's converter permutes the rows of q/k projections to its interleaved RoPE
 layout; we undo that so the weights equal the original Hugging Face checkpoint's. `qwen2` files use
 llama.cpp's NeoX rotary layout and are stored unpermuted. A `rope_freqs` tensor (Llama-3.1/3.2
@@ -27,6 +28,7 @@ from slipstream.errors import (
 from slipstream.logging_setup import load_progress
 from slipstream.models.config import ModelConfig
 from slipstream.models.hf_loader import check_weights
+from slipstream.models.quant_formats import QUANTIZED_TYPES, QuantWeight, repack
 from slipstream.models.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
@@ -185,10 +187,26 @@ def _dequantize(tensor: Any, path: Path, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(out).to(dtype)
 
 
+def _repack(tensor: Any, path: Path, permute_rows=None) -> QuantWeight | None:
+    """The tensor still quantized, or None when its type (or shape) has no quantized container.
+    `permute_rows` reorders the rows of its raw blocks first (a row of blocks is one matrix row)."""
+    name = tensor.tensor_type.name
+    if name not in QUANTIZED_TYPES or len(tensor.shape) != 2 or tensor.data.ndim != 2:
+        return None
+    raw = tensor.data
+    if permute_rows is not None:
+        raw = permute_rows(torch.from_numpy(np.array(raw))).numpy()
+    try:
+        return repack(name, raw, int(tensor.shape[0]))
+    except ValueError as exc:  # data shorter than the header claims
+        raise CorruptModelError(f"{path}: tensor {tensor.name!r} data is malformed ({exc})") from exc
+
+
 def load_gguf(
-    path: str | Path, dtype: torch.dtype = torch.float32
-) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
-    """Read config, dequantised HF-named weights and tokenizer from a llama / qwen2 GGUF."""
+    path: str | Path, dtype: torch.dtype = torch.float32, quantized: bool = False
+) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantWeight], Tokenizer]:
+    """Read config, HF-named weights and tokenizer from a llama / qwen2 GGUF: dequantised to `dtype`,
+    or, with `quantized`, kept quantized where quant_formats can (float32 elsewhere)."""
     path = Path(path)
     if not path.is_file():
         raise ModelNotFoundError(f"{path}: no such GGUF file")
@@ -212,18 +230,22 @@ def load_gguf(
     )
     config = _config(meta, tensors, path, tokenizer.eos_token_ids)
 
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, torch.Tensor | QuantWeight] = {}
     for name, tensor in load_progress(tensors.items(), len(tensors), "loading weights"):
         if name == ROPE_FREQS:
             continue  # already in config.rope_freq_factors
         target = hf_name(name)
         if target is None or (target.endswith(".bias") and not config.attention_bias):
             raise UnsupportedArchitectureError(f"{path}: tensor {name!r} has no {arch} counterpart")
-        w = _dequantize(tensor, path, dtype)
-        if arch == "llama" and ".attn_q." in name:
-            w = unpermute_qk(w, config.num_heads)
-        elif arch == "llama" and ".attn_k." in name:
-            w = unpermute_qk(w, config.num_kv_heads)
+        permute = None
+        if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
+            heads = config.num_heads if ".attn_q." in name else config.num_kv_heads
+            permute = lambda t, heads=heads: unpermute_qk(t, heads)  # noqa: E731
+        w = _repack(tensor, path, permute) if quantized else None
+        if w is None:
+            w = _dequantize(tensor, path, dtype)
+            if permute is not None:
+                w = permute(w)
         weights[target] = w
     check_weights(config, weights, path)
     log.info("gguf_load_done", path=str(path), tensors=len(weights),

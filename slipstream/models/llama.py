@@ -179,21 +179,64 @@ class LlamaForCausalLM(nn.Module):
         model.load_state_dict({k: v for k, v in weights.items() if k != "lm_head.weight"}, strict=True, assign=True)
         return model.eval().requires_grad_(False)
 
+    @classmethod
+    def from_quantized(cls, config: ModelConfig, weights: dict, dtype: torch.dtype, device,
+                       invariant: bool = False) -> "LlamaForCausalLM":
+        """A model computing with its quantized weights: each QuantWeight in `weights` (a projection, the
+        embedding, the lm_head) becomes a QuantLinear / QuantEmbedding (models/quant_linear.py, its
+        bias taken along); the other tensors load as usual. A tied lm_head shares the embedding's
+        QuantWeight. `invariant`: CPU products whose rows do not depend on the batch."""
+        from slipstream.models.quant_formats import QuantWeight
+        from slipstream.models.quant_linear import QuantEmbedding, QuantLinear
+
+        with torch.device("meta"):
+            model = cls(config)
+        dense = {k: v for k, v in weights.items() if not isinstance(v, QuantWeight)}
+        for name, w in weights.items():
+            if not isinstance(w, QuantWeight):
+                continue
+            w = w.map(lambda t: t.to(device))
+            module = name.removesuffix(".weight")
+            if module == "model.embed_tokens":
+                model.model.embed_tokens = QuantEmbedding(w, dtype)
+                if config.tie_word_embeddings:
+                    model.lm_head = QuantLinear(w, invariant=invariant)
+                continue
+            bias = dense.pop(f"{module}.bias", None)
+            parent, _, attr = module.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, attr,
+                    QuantLinear(w, None if bias is None else bias.to(device=device, dtype=dtype), invariant))
+        if config.tie_word_embeddings:
+            dense.pop("lm_head.weight", None)
+        model.load_state_dict(dense, strict=True, assign=True)
+        # (QuantLinear / QuantEmbedding hold no parameters or buffers: .to leaves them as they are)
+        return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
     def set_attention_dtype(self, dtype: torch.dtype | None) -> None:
         for layer in self.model.layers:
             layer.self_attn.compute_dtype = dtype
 
     def set_kernel_backend(self, backend: str, options: "TritonOptions | None" = None) -> None:
-        """"reference" (PyTorch ops; attention per sequence over host metadata) or "triton" (the GPU
+        """"reference" (PyTorch ops; attention per sequence over host metadata), "triton" (the GPU
         path, slipstream/models/llama_triton.py: few graph-capturable launches per layer; `options`
-        default to llama_triton.TRITON_DEFAULTS). Projections are fused here, after loading, and stay
+        default to llama_triton.TRITON_DEFAULTS) or "cpu" (compiled CPU kernels, float32,
+        slipstream/models/llama_cpu.py). Projections are fused here, after loading, and stay
         fused (fuse_projections=False only skips fusing)."""
-        if backend not in ("reference", "triton"):
-            raise ValueError(f"kernel backend must be 'reference' or 'triton', got {backend!r}")
+        if backend not in ("reference", "triton", "cpu"):
+            raise ValueError(f"kernel backend must be 'reference', 'triton' or 'cpu', got {backend!r}")
         if backend == "triton":  # refused now, not at the first forward
             from slipstream.models.triton_jit import require_triton
 
             require_triton("the triton kernel backend")
+        if backend == "cpu":
+            from slipstream.errors import DeviceUnavailableError
+            from slipstream.models.cpu_kernels import native_kernels
+            from slipstream.models.llama_cpu import fuse_projections_cpu
+
+            if native_kernels() is None:
+                raise DeviceUnavailableError("the cpu kernel backend needs the compiled CPU kernels "
+                                             "(cpu_kernels_unavailable in the log says why)")
+            fuse_projections_cpu(self)
         self.backend = backend
         if backend == "triton":
             from slipstream.models import llama_triton
@@ -222,10 +265,18 @@ class LlamaForCausalLM(nn.Module):
         if batch.carry is not None:
             assert self.carry_heads is not None, "a carry step on a model without carry heads"
             x = apply_carry(self.carry_heads, x, batch.carry)
-        if self.backend == "triton":
+        backend = self.backend
+        if backend == "cpu":
+            from slipstream.models import llama_cpu
+
+            if not llama_cpu.supports(self, batch):  # (a bidirectional prefix, an odd head size)
+                backend = "reference"
+        if backend == "triton":
             from slipstream.models.llama_triton import forward_triton
 
             x = forward_triton(self, x, batch, kv)
+        elif backend == "cpu":
+            x = llama_cpu.forward_cpu(self, x, batch, kv)
         else:
             rotate = self.rope.for_positions(batch.positions, x.dtype)
             for layer in self.model.layers:

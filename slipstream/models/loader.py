@@ -8,12 +8,14 @@ from pathlib import Path
 import torch
 
 from slipstream.errors import ModelNotFoundError
+from slipstream.models import WEIGHT_MODES
 from slipstream.models.config import RANDOM_CONFIGS, ModelConfig
 from slipstream.models.gguf_loader import load_gguf
 from slipstream.models.hf_loader import load_hf_folder
 from slipstream.models.hub import hf_cache_dir, resolve_hf_id
 from slipstream.models.idefics3.config import is_idefics3_folder
 from slipstream.models.idefics3.loader import load_idefics3_folder
+from slipstream.models.quant_formats import QuantWeight
 from slipstream.models.tokenizer import Tokenizer
 from slipstream.models.weight_cache import cache_enabled, entry_path, load_entry, reopen_mapped, store_entry
 
@@ -28,7 +30,7 @@ KNOWN_MODELS: dict[str, tuple[str, str, str]] = {
 @dataclass
 class LoadedModel:
     config: ModelConfig
-    weights: dict[str, torch.Tensor]
+    weights: dict[str, torch.Tensor | QuantWeight]  # QuantWeight only for weights="quantized" GGUF files
     tokenizer: Tokenizer
     path: Path
 
@@ -71,32 +73,54 @@ def resolve_model_path(spec: str) -> Path:
                              f"Hugging Face id (org/name) found in {hf_cache_dir()}")
 
 
-def _load_gguf_cached(path: Path, dtype: torch.dtype):
-    """load_gguf through the converted-weights cache (see weight_cache.py)."""
-    if not cache_enabled():
-        return load_gguf(path, dtype)
+def is_gguf(spec: str) -> bool:
+    """Whether `spec` names a GGUF file (False for folders, hub ids and names that resolve to none)."""
     try:
-        entry = entry_path(path, dtype)
+        path = resolve_model_path(spec)
+    except ModelNotFoundError:
+        return False
+    return path.is_file()
+
+
+def _load_gguf_cached(path: Path):
+    """load_gguf(quantized=True) through the converted-weights cache (see weight_cache.py)."""
+    if not cache_enabled():
+        return load_gguf(path, quantized=True)
+    try:
+        entry = entry_path(path)
     except OSError:  # unreadable or vanished: let load_gguf raise its typed error
-        return load_gguf(path, dtype)
-    hit = load_entry(entry, dtype)
+        return load_gguf(path, quantized=True)
+    hit = load_entry(entry)
     if hit is not None:
         return hit
-    config, weights, tokenizer = load_gguf(path, dtype)
-    store_entry(entry, config, weights, tokenizer, source=path)
+    config, weights, tokenizer = load_gguf(path, quantized=True)
+    store_entry(entry, config, weights, tokenizer)
     if entry.is_file():  # serve from the file, like a hit: its pages can be released (weight_cache.py)
         weights = reopen_mapped(entry, weights)
     return config, weights, tokenizer
 
 
-def load_model(spec: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Load weights (dequantised to `dtype`), config and tokenizer; directories are HF folders (Llama,
-    Qwen2, or Idefics3 with its vision tower), files GGUF."""
+def dequantize_weights(weights: dict[str, torch.Tensor | QuantWeight], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every weight as a `dtype` tensor (QuantWeights expanded one at a time)."""
+    from slipstream.models.quant_linear import dequantize
+
+    return {name: dequantize(w, dtype) if isinstance(w, QuantWeight) else w.to(dtype) for name, w in weights.items()}
+
+
+def load_model(spec: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32,
+               weights: str = "dequantized") -> LoadedModel:
+    """Load weights, config and tokenizer; directories are HF folders (Llama, Qwen2, or Idefics3 with its
+    vision tower), files GGUF. `weights`: "dequantized" gives `dtype` tensors; "quantized" keeps a
+    GGUF's quantized matrices as QuantWeight (other tensors float32; HF folders are always `dtype`)."""
+    if weights not in WEIGHT_MODES:
+        raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {weights!r}")
     path = resolve_model_path(spec)
     if path.is_dir():
         name = path.name if Path(spec).expanduser().exists() else spec  # a hub id names itself, not its commit
         load = load_idefics3_folder if is_idefics3_folder(path) else load_hf_folder
-        config, weights, tokenizer = load(path, dtype, name=name)
+        config, tensors, tokenizer = load(path, dtype, name=name)
     else:
-        config, weights, tokenizer = _load_gguf_cached(path, dtype)
-    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, path=path)
+        config, tensors, tokenizer = _load_gguf_cached(path)
+        if weights == "dequantized":
+            tensors = dequantize_weights(tensors, dtype)
+    return LoadedModel(config=config, weights=tensors, tokenizer=tokenizer, path=path)

@@ -1,0 +1,144 @@
+"""Quantized GGUF models on the CPU: what the engine builds, the "cpu" kernel backend against the reference
+backend and the dequantized model, and batch invariance with quantized weights."""
+import asyncio
+
+import gguf
+import pytest
+import torch
+from model_families import byte_vocab, hf_model, special_ids, write_gguf
+
+from slipstream import Engine, EngineConfig, SamplingParams
+from slipstream.api.assemble import assemble
+from slipstream.errors import InvalidRequestError
+from slipstream.models.build import build_model, forget_loaded
+from slipstream.models.cpu_kernels import native_kernels
+from slipstream.models.llama import KVCache
+from slipstream.models.quant_linear import QuantEmbedding, QuantLinear
+
+pytestmark = pytest.mark.skipif(native_kernels() is None, reason="no C compiler: no compiled CPU kernels")
+Q = gguf.GGMLQuantizationType
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def quant_gguf(request, tmp_path_factory):
+    """A tiny GGUF in the formats gguf-py can write: Q4_1 attention, Q4_0/Q5_1 MLP, Q8_0 embedding;
+    llama with an untied Q5_0 head, qwen2 with a tied head and q/k/v biases."""
+    family = request.param
+    path = tmp_path_factory.mktemp("q") / f"tiny-{family}-q.gguf"
+    vocab = byte_vocab()
+    bos, eos = special_ids(vocab)
+    quantize = {"token_embd.weight": Q.Q8_0, "output.weight": Q.Q5_0}
+    for i in range(2):
+        quantize.update({f"blk.{i}.attn_q.weight": Q.Q4_1, f"blk.{i}.attn_k.weight": Q.Q4_1,
+                         f"blk.{i}.attn_v.weight": Q.Q4_1, f"blk.{i}.attn_output.weight": Q.Q8_0,
+                         f"blk.{i}.ffn_gate.weight": Q.Q4_0, f"blk.{i}.ffn_up.weight": Q.Q4_0,
+                         f"blk.{i}.ffn_down.weight": Q.Q5_1})
+    write_gguf(path, family, hf_model(family, len(vocab.tokens), seed=11, bos=bos, eos=eos), vocab,
+               pre="llama-bpe" if family == "llama" else "qwen2", quantize=quantize)
+    forget_loaded()
+    yield str(path)
+    forget_loaded()
+
+
+def forward_logits(model, config, steps):
+    """Logits of a prompt fed as a chunk that samples nothing (3 tokens) and one that does, then decode
+    steps of the sequence (the host_batch helper)."""
+    from host_batch import Chunk, host_batch
+
+    kv = KVCache(config, 8, 4, torch.float32, "cpu")
+    prompt = [5, 9, 77, 3, 101, 44, 12, 8, 31, 2]
+    batch, _ = host_batch([Chunk(tokens=prompt[:3], start_pos=0, pages=[1, 2, 3, 4], sample=False)], 4)
+    assert model(batch, kv).shape[0] == 0  # a step with no sampled row
+    out, pos, tokens = [], 3, prompt[3:]
+    for n in steps:
+        batch, _ = host_batch([Chunk(tokens=tokens[:n], start_pos=pos, pages=[1, 2, 3, 4])], 4)
+        logits = model(batch, kv)
+        out.append(logits)
+        pos, tokens = pos + n, [int(logits[-1].argmax())] * 7
+    return torch.cat(out)
+
+
+def test_engine_builds_quantized_layers_on_the_cpu_backend(quant_gguf):
+    parts = assemble(EngineConfig(model=quant_gguf, kv_cache_tokens=64))
+    try:
+        model = parts.runner.model
+        attn = model.model.layers[0].self_attn
+        assert model.backend == "cpu" and isinstance(attn.q_proj, QuantLinear)
+        assert attn.qkv_cpu is not None and attn.qkv_cpu.qweight.source == "Q4_1"  # fused for the kernel
+        assert isinstance(model.model.embed_tokens, QuantEmbedding) and isinstance(model.lm_head, QuantLinear)
+        assert not any(p.numel() > 1000 for p in model.parameters())  # no float copy of a matrix
+    finally:
+        parts.close()
+    parts = assemble(EngineConfig(model=quant_gguf, kv_cache_tokens=64, weights="dequantized"))
+    try:
+        assert type(parts.runner.model.model.layers[0].mlp.down_proj).__name__ == "PackedLinear"
+    finally:
+        parts.close()
+
+
+def test_cpu_backend_matches_reference_and_dequantized(quant_gguf):
+    """Prefill then decode: the cpu backend on quantized weights, the reference backend on the same
+    weights, and the dequantized model agree within float32 rounding."""
+    quant, _, config = build_model(quant_gguf, "float32", torch.device("cpu"), weights="quantized")
+    dense, _, _ = build_model(quant_gguf, "float32", torch.device("cpu"), weights="dequantized")
+    steps = [7, 1, 1, 1]
+    reference = forward_logits(dense, config, steps)
+    quant.set_kernel_backend("reference")
+    on_reference = forward_logits(quant, config, steps)
+    quant.set_kernel_backend("cpu")
+    on_cpu = forward_logits(quant, config, steps)
+    scale = reference.abs().max().item()
+    assert (on_reference - reference).abs().max().item() < 1e-5 * scale
+    assert (on_cpu - reference).abs().max().item() < 1e-5 * scale
+    assert torch.equal(on_cpu.argmax(-1), reference.argmax(-1))
+
+
+def test_dense_model_on_the_cpu_backend():
+    """A float model (random weights, dense and oneDNN-packed) runs the same kernels between its
+    projections (llama_cpu.forward_cpu's per-layer loop)."""
+    from slipstream.models.config import tiny_config
+
+    config = tiny_config()
+    for pack in (False, True):
+        model, _, _ = build_model("tiny-random", "float32", torch.device("cpu"), pack=pack)
+        reference = forward_logits(model, config, [7, 1, 1])
+        model.set_kernel_backend("cpu")
+        assert (forward_logits(model, config, [7, 1, 1]) - reference).abs().max().item() < 1e-4
+        model.set_kernel_backend("reference")
+
+
+def generate(config, prompts, n=12):
+    async def run():
+        async with Engine(config) as engine:
+            params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+            async def one(p):
+                return [t async for d in engine.stream(p, params) for t in d.token_ids]
+
+            return await asyncio.gather(*(one(p) for p in prompts))
+
+    return asyncio.run(run())
+
+
+PROMPTS = ["Hello world", "the quick brown fox", "12345", "a b c d e f"]
+
+
+def test_batch_invariant_with_quantized_weights(quant_gguf):
+    """Quantized products in invariant mode (one x row per pass): depth 1 and depth 2, and a request
+    alone or beside others, give the same greedy tokens."""
+    base = dict(model=quant_gguf, kv_cache_tokens=256, batch_invariant=True)
+    parts = assemble(EngineConfig(**base))
+    try:
+        layers = [m for m in parts.runner.model.modules() if isinstance(m, QuantLinear)]
+        assert len(layers) == 2 * 7 + 1 and all(m.invariant for m in layers)  # the lm_head too, tied or not
+    finally:
+        parts.close()
+    deep = generate(EngineConfig(**base, pipeline_depth=2), PROMPTS)
+    assert generate(EngineConfig(**base, pipeline_depth=1), PROMPTS) == deep
+    assert generate(EngineConfig(**base), PROMPTS[:1]) == deep[:1]
+
+
+def test_weights_field_is_validated():
+    with pytest.raises(InvalidRequestError) as e:
+        EngineConfig(weights="int4")
+    assert e.value.param == "weights"

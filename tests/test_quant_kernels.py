@@ -1,0 +1,144 @@
+"""The compiled CPU kernels against torch references: the quantized matmul per format (within 1e-5 of
+the output's magnitude of dequantize-then-matmul in float64), its batch-invariant mode, row lookups,
+and the fused layer steps (norm, rotary + KV write, paged attention, SiLU*up)."""
+import pytest
+import torch
+import torch.nn.functional as F
+from quant_util import FORMATS, random_weight
+
+from slipstream.models import cpu_kernels
+from slipstream.models.attention import AttentionMetadata, paged_attention_reference
+from slipstream.models.quant_linear import cpu_matmul, cpu_rows, dequantize, reference_matmul
+from slipstream.models.rotary import rotate_half_reference
+
+lib = cpu_kernels.native_kernels()
+pytestmark = pytest.mark.skipif(lib is None, reason="no C compiler: the compiled CPU kernels are unavailable")
+TOL = 1e-5  # of max |y|: float32 accumulation over K <= 1536 (observed <= 5e-7)
+
+
+def close(y, ref):
+    return (y.double() - ref).abs().max().item() <= TOL * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_matmul_matches_dequantize_then_matmul(name):
+    w = random_weight(name, 83, 512)  # 6 panels, the last partial
+    ref_w = w.dequantize().double()
+    g = torch.Generator().manual_seed(1)
+    for m in (1, 2, 3, 8, 9, 33):
+        x = torch.randn(m, 512, generator=g)
+        ref = x.double() @ ref_w.T
+        assert close(cpu_matmul(x, w, lib=lib), ref), m
+        assert close(cpu_matmul(x, w, invariant=True, lib=lib), ref), m
+    assert close(reference_matmul(x, w), ref)  # the fallback's path
+
+
+@pytest.mark.parametrize("name", ["Q4_1", "Q8_0", "Q6_K"])
+def test_invariant_rows_do_not_depend_on_the_batch(name):
+    w = random_weight(name, 48, 256)
+    x = torch.randn(17, 256, generator=torch.Generator().manual_seed(2))
+    full = cpu_matmul(x, w, invariant=True, lib=lib)
+    for m in range(1, 17):
+        assert torch.equal(cpu_matmul(x[:m], w, invariant=True, lib=lib), full[:m]), m
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_rows_and_dequantize_are_exact(name):
+    w = random_weight(name, 37, 256)
+    ids = torch.tensor([0, 36, 17, 17, 3])
+    assert torch.equal(cpu_rows(w, ids, lib=lib), w.dequantize()[ids])
+    assert torch.equal(dequantize(w), w.dequantize())
+
+
+def test_add_rms_norm():
+    g = torch.Generator().manual_seed(3)
+    x, delta, w = torch.randn(5, 96, generator=g), torch.randn(5, 96, generator=g), torch.randn(96, generator=g)
+    summed = x + delta
+    ref = summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + 1e-5) * w
+    out = torch.empty(2, 96)
+    rows = torch.tensor([4, 1])
+    lib.sq_add_rms_norm(x.data_ptr(), delta.data_ptr(), w.data_ptr(), 1e-5, out.data_ptr(), 5, 96, rows.data_ptr(), 2)
+    assert torch.equal(x, summed)  # the residual is updated in place
+    torch.testing.assert_close(out, ref[rows], rtol=1e-5, atol=1e-6)
+
+
+def test_rotary_kv_and_attention_match_the_reference():
+    """Two sequences, GQA (4 heads over 2): a 5-token prompt chunk after 3 cached tokens, and a decode
+    token after 20; rotary, the KV writes and the causal attention as the reference path does them."""
+    g = torch.Generator().manual_seed(4)
+    hq, hk, d, ps = 4, 2, 48, 4  # d: a rotary half of 24, past one vector of 16
+    positions = torch.tensor([3, 4, 5, 6, 7, 20])
+    pages = [[5, 2], [1, 7, 3, 9, 4, 6]]
+    kv_idx = torch.tensor([pages[0][p // ps] * ps + p % ps for p in range(3, 8)] + [pages[1][5] * ps + 0])
+    qkv = torch.randn(6, (hq + 2 * hk) * d, generator=g)
+    cos_t, sin_t = torch.randn(32, d, generator=g), torch.randn(32, d, generator=g)
+    k_cache, v_cache = torch.randn(40, hk, d, generator=g), torch.randn(40, hk, d, generator=g)
+    q, k, v = (part.reshape(6, -1, d) for part in qkv.split([hq * d, hk * d, hk * d], dim=1))
+    cos, sin = cos_t[positions].unsqueeze(1), sin_t[positions].unsqueeze(1)
+    ref_q, ref_k = rotate_half_reference(q, cos, sin), rotate_half_reference(k, cos, sin)
+    ref_kc, ref_vc = k_cache.clone(), v_cache.clone()
+    ref_kc[kv_idx], ref_vc[kv_idx] = ref_k, v
+    meta = AttentionMetadata([0, 5, 6], [8, 21], pages, ps)
+    ref_out = paged_attention_reference(ref_q, ref_kc, ref_vc, meta, torch.zeros_like(ref_q))
+
+    w = qkv.stride(0)
+    lib.sq_rotary_kv(qkv.data_ptr(), qkv[:, hq * d:].data_ptr(), qkv[:, (hq + hk) * d:].data_ptr(), w, w, w,
+                     positions.data_ptr(), cos_t.data_ptr(), sin_t.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                     kv_idx.data_ptr(), 6, hq, hk, d)
+    torch.testing.assert_close(qkv[:, :hq * d].view(6, hq, d), ref_q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k_cache, ref_kc, rtol=1e-5, atol=1e-5)
+    assert torch.equal(v_cache, ref_vc)
+    table = torch.tensor([p + [0] * (6 - len(p)) for p in pages])
+    qs, lens = torch.tensor([0, 5, 6]), torch.tensor([8, 21])
+    out = torch.zeros(6, hq * d)
+    assert lib.sq_attention(qkv.data_ptr(), w, k_cache.data_ptr(), v_cache.data_ptr(), qs.data_ptr(), lens.data_ptr(),
+                            table.data_ptr(), 6, ps, 2, hq, hk, d, d ** -0.5, out.data_ptr()) == 0
+    torch.testing.assert_close(out.view(6, hq, d), ref_out, rtol=1e-4, atol=1e-5)
+
+
+def test_silu_mul():
+    gu = torch.randn(3, 2 * 64, generator=torch.Generator().manual_seed(5)) * 6  # exp over a wide range
+    out = torch.empty(3, 64)
+    lib.sq_silu_mul(gu.data_ptr(), 128, gu[:, 64:].data_ptr(), 128, out.data_ptr(), 3, 64)
+    torch.testing.assert_close(out, F.silu(gu[:, :64]) * gu[:, 64:], rtol=2e-6, atol=1e-6)
+
+
+def test_no_compiler_means_no_kernels_and_a_dequantized_model(monkeypatch, tmp_path):
+    """Without the kernels (no compiler here) the quantized CPU path is off: native_kernels() says
+    so once, and a GGUF loads dequantized instead (models/build.py)."""
+    from structlog.testing import capture_logs
+
+    from slipstream.models import build
+
+    monkeypatch.setenv("CC", "no-such-compiler")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setenv("SLIPSTREAM_CACHE_DIR", str(tmp_path / "cache"))  # no library built here yet
+    cpu_kernels.native_kernels.cache_clear()
+    try:
+        with capture_logs() as logs:
+            assert cpu_kernels.native_kernels() is None
+            assert not build.quantized_source("smollm2-135m", torch.device("cpu"))
+        assert [e["event"] for e in logs] == ["cpu_kernels_unavailable", "weights_dequantized"]
+    finally:
+        cpu_kernels.native_kernels.cache_clear()
+
+
+def test_a_compiler_without_openmp_builds_single_threaded_kernels(monkeypatch, tmp_path):
+    """Apple's clang refuses -fopenmp: the build is retried without it (one thread, same results)."""
+    import shutil
+
+    cc = tmp_path / "cc-no-openmp"
+    gcc = shutil.which("gcc") or "cc"
+    cc.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && exit 1; done\nexec {gcc} "$@"\n')
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.setenv("SLIPSTREAM_CACHE_DIR", str(tmp_path / "cache"))
+    cpu_kernels.native_kernels.cache_clear()
+    try:
+        single = cpu_kernels.native_kernels()
+        assert single is not None and single.sq_max_threads() == 1
+        w = random_weight("Q4_1", 32, 256)
+        x = torch.randn(3, 256)
+        assert close(cpu_matmul(x, w, lib=single), x.double() @ w.dequantize().double().T)
+    finally:
+        cpu_kernels.native_kernels.cache_clear()

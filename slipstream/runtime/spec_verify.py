@@ -59,7 +59,11 @@ def spec_layout(num_drafts, device: torch.device | str = "cpu", max_drafts: int 
     if len(k) and int(k.max()) > width:
         raise ValueError(f"a row has {int(k.max())} drafts, more than max_drafts={width}")
     dev = torch.device(device)
-    return SpecLayout(*(torch.from_numpy(a).to(dev) for a in (k, owner, offset, start)), width)
+
+    def up(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a).to(dev)
+
+    return SpecLayout(up(k), up(owner), up(offset), up(start), width)
 
 
 def verify_inputs(last_token: torch.Tensor, drafts: torch.Tensor, lay: SpecLayout) -> torch.Tensor:
@@ -159,7 +163,7 @@ def rejection_accept(logits: torch.Tensor, args: SamplingArgs, drafts: torch.Ten
     if history is not None:
         history = expand_history(history, drafts, lay)
     logits = process_group(logits, pos_args, history, bitmask)
-    if pos_args.draw is None:
+    if pos_args.draw is None or args.draw is None:
         greedy_pos = torch.ones(logits.shape[0], dtype=torch.bool, device=dev)
         x = logits
         seed = torch.zeros(n, dtype=torch.int64, device=dev)

@@ -34,16 +34,19 @@ class NgramDrafter:
         self.history.append(rows, tokens, counts)
 
     def propose(self, rows: torch.Tensor) -> Proposal:
-        w = self.history.window(rows, self.window)  # [n, W]
+        m = self.max_n
+        padded = self.history.window(rows, self.window + m)  # m more on the left: each shift is a view
+        padded[:, :m] = NO_TOKEN  # (matches stay inside the window)
+        w = padded[:, m:]  # [n, W]
         n, width = w.shape
         dev = w.device
         starts = torch.arange(width, device=dev)
-        # run[:, c]: the n-gram before c equals the newest n tokens, for n = 1, 2, ... (cumulative AND)
+        # run[:, c]: the n-gram before c equals the newest n tokens, for n = 1, 2, ... (cumulative AND;
+        # padding never matches: that would need c >= W)
         run = torch.ones(n, width, dtype=torch.bool, device=dev)
         best = torch.full((n,), -1, dtype=torch.int64, device=dev)
-        for t in range(1, self.max_n + 1):
-            before = torch.cat([w.new_full((n, t), NO_TOKEN), w[:, :width - t]], 1)  # before[:, c] = w[:, c - t]
-            run &= before == w[:, width - t:width - t + 1]  # (padding never matches: it would need c >= W)
+        for t in range(1, m + 1):
+            run &= padded[:, m - t:m - t + width] == w[:, width - t:width - t + 1]  # w[:, c - t] == w[:, -t]
             if t >= self.min_n:  # the latest start matching t tokens; a longer n overrides a shorter one
                 latest = torch.where(run, starts, -1).amax(1)
                 best = torch.where(latest >= 0, latest, best)

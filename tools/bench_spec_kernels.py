@@ -3,16 +3,17 @@
     python tools/bench_spec_kernels.py [--vocab 49152] [--batches 1 8 32] [--drafts 2 4 8] [--out FILE]
 
 For each batch n and draft count k (every row speculating, V = SmolLM2's 49,152 by default), on
-random logits, CPU time of one thread (torch runs one intra-op thread, as the engine's compute
-stream does on a 2-core machine) per call, microseconds:
+random logits, CPU time (user + system) of one thread per call, in microseconds (torch runs one
+intra-op thread, as the engine's compute stream does on a 2-core machine):
 
   sample (today)       sampler.sample_group over n rows: what a non-speculative step samples
   verify               verify_inputs + target_tokens over n(k + 1) positions + replay_accept
   draft                TokenHistory.append of the emitted tokens + NgramDrafter.propose (window 1024)
+  spec phase           verify then draft: what a speculating step samples instead of `sample`
   rejection            rejection_accept with draft distributions [n, k, V] (a sampled draft model)
 
-each for greedy rows and for random rows (temperature 0.8, seeded). Cases interleave within a
-repeat, so a load change hits them alike. Warm-up, then --repeats calls; median, mean and p90.
+each for greedy rows and for random rows (temperature 0.8, seeded). Cases take turns within a
+round, so a load change hits them alike (`measure`); median, mean and p90.
 """
 from __future__ import annotations
 
@@ -65,18 +66,26 @@ def cases(n: int, k: int, vocab: int, random: bool, window: int) -> dict:
         history.length[rows] = 1500  # (keep the context length fixed across repeats)
         return drafter.propose(rows)
 
+    def phase():
+        verify()
+        draft()
+
     verdict = verify()
     return {"sample (today)": lambda: sample_group(logits[:n], args), "verify": verify, "draft": draft,
-            "rejection": lambda: rejection_accept(logits, args, drafts, q, lay)}
+            "spec phase": phase, "rejection": lambda: rejection_accept(logits, args, drafts, q, lay)}
 
 
-def measure(fns: dict, repeats: int, warmup: int = 3) -> dict[str, list[float]]:
+def measure(fns: dict, rounds: int, block: int = 4) -> dict[str, list[float]]:
+    """Each case `block` times in a row (after one untimed call), the cases in turn, `rounds` times: a
+    small kernel timed right behind a large one is charged the kernel's freeing of the large one's
+    memory (system time), so each case is timed behind itself; "spec phase" is timed whole."""
     times: dict[str, list[float]] = {name: [] for name in fns}
-    for i in range(warmup + repeats):
+    for _ in range(rounds):
         for name, fn in fns.items():
-            t0 = time.thread_time()
             fn()
-            if i >= warmup:
+            for _ in range(block):
+                t0 = time.thread_time()
+                fn()
                 times[name].append((time.thread_time() - t0) * 1e6)
     return times
 
@@ -87,7 +96,7 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--drafts", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--window", type=int, default=1024)
-    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=5, help="rounds of 4 timed calls per case")
     ap.add_argument("--out", type=Path, default=None, help="also write the report here")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -95,13 +104,13 @@ def main() -> None:
     def body() -> list[str]:
         lines: list[str] = []
         emit(lines, f"\nV = {args.vocab}, n-gram window {args.window}, torch threads {torch.get_num_threads()}, "
-                    f"{args.repeats} timed calls per cell; CPU microseconds per call (thread_time)\n")
+                    f"{4 * args.rounds} timed calls per cell; CPU microseconds per call (thread_time)\n")
         emit(lines, "| rows | k | rows sample | case | median | mean | p90 |")
         emit(lines, "|---:|---:|---|---|---:|---:|---:|")
         for n in args.batches:
             for k in args.drafts:
                 for random in (False, True):
-                    times = measure(cases(n, k, args.vocab, random, args.window), args.repeats)
+                    times = measure(cases(n, k, args.vocab, random, args.window), args.rounds)
                     for name, xs in times.items():
                         emit(lines, f"| {n} | {k} | {'random' if random else 'greedy'} | {name} | "
                                     f"{statistics.median(xs):.0f} | {statistics.fmean(xs):.0f} | {pct(xs, 0.9):.0f} |")

@@ -8,6 +8,7 @@ intra-op thread, as the engine's compute stream does on a 2-core machine):
 
   sample (today)       sampler.sample_group over n rows: what a non-speculative step samples
   verify               verify_inputs + target_tokens over n(k + 1) positions + replay_accept
+  verify point         rejection_accept of point drafts (one row of noise per row, not per position)
   draft                TokenHistory.append of the emitted tokens + NgramDrafter.propose (window 1024)
   spec phase           verify then draft: what a speculating step samples instead of `sample`
   rejection            rejection_accept with draft distributions [n, k, V] (a sampled draft model)
@@ -71,7 +72,8 @@ def cases(n: int, k: int, vocab: int, random: bool, window: int) -> dict:
         draft()
 
     verdict = verify()
-    return {"sample (today)": lambda: sample_group(logits[:n], args), "verify": verify, "draft": draft,
+    return {"sample (today)": lambda: sample_group(logits[:n], args), "verify": verify,
+            "verify point": lambda: rejection_accept(logits, args, drafts, None, lay), "draft": draft,
             "spec phase": phase, "rejection": lambda: rejection_accept(logits, args, drafts, q, lay)}
 
 

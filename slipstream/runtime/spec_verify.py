@@ -149,14 +149,17 @@ def _position_keys(seed: torch.Tensor, output_index: torch.Tensor, salt: int) ->
     return hash32(row_keys(seed, output_index) ^ salt)
 
 
-def rejection_accept(logits: torch.Tensor, args: SamplingArgs, drafts: torch.Tensor, draft_probs: torch.Tensor,
+def rejection_accept(logits: torch.Tensor, args: SamplingArgs, drafts: torch.Tensor, draft_probs: torch.Tensor | None,
                      lay: SpecLayout, history: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                      bitmask: torch.Tensor | None = None) -> Verdict:
     """Rejection sampling from raw logits [P, V] (with `target_tokens`' history and masks), the rows'
-    args [n], drafts [n, K] and the distributions they were drawn from, draft_probs [n, K, V].
-    Greedy rows (temperature 0, or no draw) accept a draft equal to the argmax and emit the argmax.
-    The noise of position j is keyed on (seed, output index + j); the bonus token after k
-    acceptances is the draw non-speculative decoding makes at that index."""
+    args [n], drafts [n, K] and the distributions they were drawn from, draft_probs [n, K, V]; None:
+    point drafts (q = 1 at the draft: accepted with probability p(d), else a draw from p without d,
+    exact for drafts chosen any way that does not read this step's noise, e.g. n-gram). Greedy rows
+    (temperature 0, or no draw) accept a draft equal to the argmax and emit the argmax. The noise
+    of position j is keyed on (seed, output index + j); the bonus token after k acceptances is the
+    draw non-speculative decoding makes at that index. It draws one row of noise per row, where
+    replay draws one per position."""
     n, k = lay.num_drafts.shape[0], lay.max_drafts
     dev = logits.device
     pos_args = expand_args(args, lay)
@@ -165,39 +168,42 @@ def rejection_accept(logits: torch.Tensor, args: SamplingArgs, drafts: torch.Ten
     logits = process_group(logits, pos_args, history, bitmask)
     if pos_args.draw is None or args.draw is None:
         greedy_pos = torch.ones(logits.shape[0], dtype=torch.bool, device=dev)
-        x = logits
-        seed = torch.zeros(n, dtype=torch.int64, device=dev)
+        x, seed = logits, torch.zeros(n, dtype=torch.int64, device=dev)
     else:
         greedy_pos = pos_args.draw.temperature <= 0
-        x = draw_logits(logits, pos_args.draw)
-        seed = args.draw.seed
+        x, seed = draw_logits(logits, pos_args.draw), args.draw.seed
     argmax = x.argmax(-1)
-    p = torch.where(greedy_pos[:, None], torch.nn.functional.one_hot(argmax, x.shape[-1]).to(x.dtype), x.softmax(-1))
+    p = x.softmax(-1)  # (a greedy row's p is one-hot at argmax: written out where it is read)
     out0 = args.output_index
     cols = torch.arange(k, device=dev)
-    # acceptance of d_j, row-major [n, K]: u * q(d) <= p(d), never for a token p excludes
-    flat = lay.start[:, None] + cols[None, :]  # position of d_{j+1}'s test is j (x0's row: predicts d1)
+    # acceptance of d_{j+1} at position j, [n, K]: u * q(d) <= p(d), never for a token p excludes
     live = cols[None, :] < lay.num_drafts[:, None]
-    flat = torch.where(live, flat, lay.start[:, None])
+    at = torch.where(live, lay.start[:, None] + cols[None, :], lay.start[:, None]).reshape(-1)
     d = drafts.clamp(min=0)
-    p_d = p[flat.reshape(-1), d.reshape(-1)].reshape(n, k) if k else p.new_zeros(n, 0)
-    q_d = draft_probs.gather(2, d[:, :, None])[:, :, 0] if k else p_d
+    p_d = torch.where(greedy_pos[at], (argmax[at] == d.reshape(-1)).to(p.dtype),
+                      p[at, d.reshape(-1)]).reshape(n, k)
+    q_d = torch.ones_like(p_d) if draft_probs is None or not k else draft_probs.gather(2, d[:, :, None])[:, :, 0]
     u = uniforms(_position_keys(seed[:, None], out0[:, None] + cols[None, :], _ACCEPT_SALT).reshape(-1), 1)
     ok = (u.reshape(n, k) * q_d <= p_d) & (p_d > 0) & live
     accepted = ok.to(torch.int64).cumprod(1).sum(1)
     # the token after the accepted drafts: from the residual at a rejection, from p after all k
-    at = lay.start + accepted
+    nxt_at = lay.start + accepted
     rejected = accepted < lay.num_drafts
-    p_at = p.index_select(0, at)
-    q_at = draft_probs[torch.arange(n, device=dev), accepted.clamp(max=max(k - 1, 0))] if k else torch.zeros_like(p_at)
-    residual = (p_at - q_at).clamp(min=0)
+    p_at = p.index_select(0, nxt_at)
+    if not k:
+        residual = p_at
+    elif draft_probs is None:  # max(p - one-hot(d), 0) is p without d
+        d_at = d.gather(1, accepted.clamp(max=k - 1)[:, None])
+        residual = p_at.scatter(1, d_at, 0.0)
+    else:
+        residual = (p_at - draft_probs[torch.arange(n, device=dev), accepted.clamp(max=k - 1)]).clamp(min=0)
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_at)  # p == q (to rounding)
-    scores = torch.where(rejected[:, None], residual.log(), x.index_select(0, at))
+    scores = torch.where(rejected[:, None], residual.log(), x.index_select(0, nxt_at))
     keys = torch.where(rejected, _position_keys(seed, out0 + accepted, _RESIDUAL_SALT),
                        row_keys(seed, out0 + accepted))
     g = uniforms(keys, x.shape[-1])
     drawn = (scores - (-g.log()).log()).argmax(-1)
-    nxt = torch.where(greedy_pos.index_select(0, at), argmax.index_select(0, at), drawn)
+    nxt = torch.where(greedy_pos.index_select(0, nxt_at), argmax.index_select(0, nxt_at), drawn)
     tokens = torch.cat([drafts, drafts.new_full((n, 1), NO_TOKEN)], 1)
     tokens = tokens.scatter(1, accepted[:, None], nxt[:, None])
     return _verdict(accepted, tokens)

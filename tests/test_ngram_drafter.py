@@ -29,7 +29,8 @@ def loaded(seqs: list[list[int]], max_len: int = 64) -> TokenHistory:
     h = TokenHistory(len(seqs) + 1, max_len)
     for row, seq in enumerate(seqs, start=1):
         t = torch.tensor(seq, dtype=torch.int64)
-        h.write_chunks(torch.full_like(t, row), torch.arange(len(seq)), t, torch.tensor([row]), torch.tensor([len(seq)]))
+        h.write_chunks(torch.full_like(t, row), torch.arange(len(seq)), t, torch.tensor([row]),
+                       torch.tensor([len(seq)]))
     return h
 
 

@@ -29,8 +29,9 @@ def on(device: str):
     temperature[::4] = 0.0
     args = SamplingArgs(torch.arange(N) % 11, draw=Draw(temperature, torch.arange(N) * 3,
                                                         TopKTopP(torch.full((N,), 50), torch.full((N,), 0.9))))
-    moved = SamplingArgs(args.output_index.to(device),
-                         draw=Draw(*(t.to(device) for t in args.draw[:2]), TopKTopP(*(t.to(device) for t in args.draw.filter))))
+    d = args.draw
+    moved = SamplingArgs(args.output_index.to(device), draw=Draw(d.temperature.to(device), d.seed.to(device),
+                                                                 TopKTopP(*(t.to(device) for t in d.filter))))
     return (logits.to(device), drafts.to(device), q.to(device), moved, spec_layout(k, device, max_drafts=K))
 
 

@@ -6,7 +6,8 @@ j = 0). A group's positions are flat, row after row (`SpecLayout`): logits [P, V
 drafts are padded [n, K]. Nothing here reads the host: the accepted counts, the emitted tokens and
 each row's next input stay on the device (docs/speculative.md).
 
-Two acceptance rules; both keep the output distribution exactly the target model's:
+Three acceptance rules; each keeps the output distribution exactly the target model's (which rows use
+which: docs/speculative.md, "Acceptance"):
 
 replay (`replay_accept`): every position is sampled as non-speculative decoding samples that output
     index (sampler.sample_group on `expand_args`: penalties counting the drafts before it, the
@@ -22,6 +23,9 @@ rejection (`rejection_accept`; Leviathan et al. 2023, Chen et al. 2023): for dra
     from norm(max(p - q, 0)); after k acceptances draw the bonus token from p. It accepts with
     probability 1 - TV(p, q), more than replay of drafts drawn with the target's noise, but a seeded
     row's tokens then depend on its drafts (and so on k), not on the seed alone.
+
+point drafts (`rejection_accept` without draft_probs): rejection with q a point mass at the draft:
+    replay's acceptance, p(d), from one row of noise per row instead of one per position.
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ import torch
 
 from slipstream.grammar.bitmask import bitmask_to_bool
 from slipstream.runtime.logits_process import apply_penalties, min_p_filter, suppress_stop_tokens
-from slipstream.runtime.sampling_args import SamplingArgs
+from slipstream.runtime.sampling_args import Draw, SamplingArgs
 
 _M32 = 0xFFFFFFFF
 _MUL1, _MUL2 = 0x7FEB352D, 0x1B873593  # odd, < 2**31: x * m < 2**63 for x < 2**32
@@ -67,27 +67,34 @@ def _filter_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
     return x.scatter(-1, order, sorted_x.masked_fill(drop, float("-inf")))
 
 
+def draw_logits(logits: torch.Tensor, draw: Draw) -> torch.Tensor:
+    """What a draw samples from: random rows' logits [n, V] at their temperature with top-k / top-p
+    applied (softmax of a row is its distribution); greedy rows' logits come back unscaled.
+    Speculative verification (runtime/spec_verify.py) reads the same distribution."""
+    temperature = draw.temperature
+    x = logits / torch.where(temperature > 0, temperature, torch.ones_like(temperature))[:, None]
+    if draw.filter is not None:
+        x = _filter_top_k_top_p(x, *draw.filter)
+    return x
+
+
 def sample(logits: torch.Tensor, args: SamplingArgs) -> torch.Tensor:
     """logits [n, V] float32 -> token ids [n] int64. Rows with temperature 0 are greedy."""
     greedy = logits.argmax(dim=-1)
     if args.draw is None:
         return greedy
-    temperature = args.draw.temperature
-    is_random = temperature > 0
-    x = logits / torch.where(is_random, temperature, torch.ones_like(temperature))[:, None]
-    if args.draw.filter is not None:
-        x = _filter_top_k_top_p(x, *args.draw.filter)
+    x = draw_logits(logits, args.draw)
     u = uniforms(row_keys(args.draw.seed, args.output_index), logits.shape[-1])
     drawn = (x - (-u.log()).log()).argmax(dim=-1)
-    return torch.where(is_random, drawn, greedy)
+    return torch.where(args.draw.temperature > 0, drawn, greedy)
 
 
-def sample_group(logits: torch.Tensor, args: SamplingArgs,
-                 history: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                 bitmask: torch.Tensor | None = None) -> torch.Tensor:
-    """One sampling group's logits [n, V] -> ids [n], in the order penalties → grammar mask →
-    min_tokens → min_p → sample, each only where `args` says a row needs it. `history`: the rows'
-    (output counts, prompt mask, stop mask) when args.needs_history; `bitmask`: packed allowed tokens."""
+def process_group(logits: torch.Tensor, args: SamplingArgs,
+                  history: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                  bitmask: torch.Tensor | None = None) -> torch.Tensor:
+    """One sampling group's logits [n, V] after penalties → grammar mask → min_tokens → min_p, each only
+    where `args` says a row needs it. `history`: the rows' (output counts, prompt mask, stop mask) when
+    args.needs_history; `bitmask`: packed allowed tokens."""
     if args.penalties is not None:
         assert history is not None
         logits = apply_penalties(logits, history[0], history[1], *args.penalties)
@@ -99,4 +106,11 @@ def sample_group(logits: torch.Tensor, args: SamplingArgs,
     if args.min_p is not None:
         assert args.draw is not None  # min_p is only set for random rows
         logits = min_p_filter(logits, args.draw.temperature, args.min_p)
-    return sample(logits, args)
+    return logits
+
+
+def sample_group(logits: torch.Tensor, args: SamplingArgs,
+                 history: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                 bitmask: torch.Tensor | None = None) -> torch.Tensor:
+    """One sampling group's logits [n, V] -> ids [n]: `process_group`, then `sample`."""
+    return sample(process_group(logits, args, history, bitmask), args)

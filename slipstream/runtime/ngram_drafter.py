@@ -1,0 +1,58 @@
+"""Prompt-lookup (n-gram) drafting on the device, for the whole group in one set of kernels.
+
+A row's newest n tokens (n from `max_n` down to `min_n`) are looked up in its last `window` tokens
+(prompt and output); the latest earlier occurrence of the longest n that has one gives the drafts:
+the tokens that followed it. When the continuation runs into the present (repetition with period
+p shorter than k), it is extended periodically: draft j is the token p places before it. No extra
+model, no host work: the proposal is a few [n, window] comparisons and one gather.
+
+In the window w (w[-1] the newest token) a continuation start c (c < len(w)) matches n tokens when
+w[c - t] == w[-t] for t = 1..n; the period is p = len(w) - c, and draft j is w[c + j % p].
+"""
+from __future__ import annotations
+
+import torch
+
+from slipstream.runtime.drafter import Proposal
+from slipstream.runtime.token_history import NO_TOKEN, TokenHistory
+
+
+class NgramDrafter:
+    def __init__(self, history: TokenHistory, max_drafts: int = 4, min_n: int = 1, max_n: int = 3,
+                 window: int = 1024):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n} max_n={max_n}")
+        if window <= max_n:
+            raise ValueError(f"window={window} must exceed max_n={max_n}")
+        self.history, self.max_drafts = history, max_drafts
+        self.min_n, self.max_n, self.window = min_n, max_n, window
+
+    def on_chunks(self, token_rows, positions, tokens, chunk_rows, chunk_ends) -> None:
+        self.history.write_chunks(token_rows, positions, tokens, chunk_rows, chunk_ends)
+
+    def on_emitted(self, rows: torch.Tensor, tokens: torch.Tensor, counts: torch.Tensor) -> None:
+        self.history.append(rows, tokens, counts)
+
+    def propose(self, rows: torch.Tensor) -> Proposal:
+        m = self.max_n
+        padded = self.history.window(rows, self.window + m)  # m more on the left: each shift is a view
+        padded[:, :m] = NO_TOKEN  # (matches stay inside the window)
+        w = padded[:, m:]  # [n, W]
+        n, width = w.shape
+        dev = w.device
+        starts = torch.arange(width, device=dev)
+        # run[:, c]: the n-gram before c equals the newest n tokens, for n = 1, 2, ... (cumulative AND;
+        # padding never matches: that would need c >= W)
+        run = torch.ones(n, width, dtype=torch.bool, device=dev)
+        best = torch.full((n,), -1, dtype=torch.int64, device=dev)
+        for t in range(1, m + 1):
+            run &= padded[:, m - t:m - t + width] == w[:, width - t:width - t + 1]  # w[:, c - t] == w[:, -t]
+            if t >= self.min_n:  # the latest start matching t tokens; a longer n overrides a shorter one
+                latest = torch.where(run, starts, -1).amax(1)
+                best = torch.where(latest >= 0, latest, best)
+        matched = best >= 0
+        period = (width - best).clamp(min=1)
+        cols = best.clamp(min=0)[:, None] + torch.arange(self.max_drafts, device=dev)[None, :] % period[:, None]
+        drafts = w.gather(1, cols.clamp(max=width - 1))
+        filler = w[:, -1:].clamp(min=0).expand_as(drafts)  # any id is a correct draft; this one is cheap
+        return Proposal(torch.where(matched[:, None], drafts, filler), matched)

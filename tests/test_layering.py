@@ -44,9 +44,9 @@ def _is_type_checking(node: ast.If) -> bool:
         isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
 
 
-def imports(path: Path, known: set[str]) -> list[tuple[str, bool]]:
+def imports(path: Path, known: set[str], deferred: bool = True) -> list[tuple[str, bool]]:
     """(imported module, under TYPE_CHECKING) for every import in the file; `from pkg import mod`
-    names the submodule when it is one."""
+    names the submodule when it is one. `deferred=False` leaves out the imports inside functions."""
     name = module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out: list[tuple[str, bool]] = []
@@ -64,16 +64,16 @@ def imports(path: Path, known: set[str]) -> list[tuple[str, bool]]:
                 for a in child.names:
                     sub = f"{mod}.{a.name}"
                     out.append((sub if sub in known else mod, typing_only))
-            else:
+            elif deferred or not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 visit(child, typing_only or (isinstance(child, ast.If) and _is_type_checking(child)))
 
     visit(ast.parse(path.read_text(), str(path)), False)
     return out
 
 
-def graph() -> dict[str, list[tuple[str, bool]]]:
+def graph(deferred: bool = True) -> dict[str, list[tuple[str, bool]]]:
     mods = modules()
-    return {m: imports(p, set(mods)) for m, p in mods.items()}
+    return {m: imports(p, set(mods), deferred) for m, p in mods.items()}
 
 
 def rank(module: str) -> int | None:

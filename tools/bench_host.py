@@ -34,8 +34,8 @@ The seam (what this tool depends on, so it survives refactors of the scheduler a
   * the model contract: called as `model(batch, kv)` with `batch.sample_indices` (one row per
     sampled token) and returns logits [len(sample_indices), vocab]; `model.config.vocab_size`
     (if the runner starts calling other model methods, NullModel needs them too);
-  * `slipstream.models.build.RANDOM["tiny-random"]` (the config) and
-    `slipstream.models.byte_tokenizer.ByteTokenizer` / `OFFSET`;
+  * `slipstream.models.loading.build.RANDOM["tiny-random"]` (the config) and
+    `slipstream.models.tokenizers.byte_tokenizer.ByteTokenizer` / `OFFSET`;
   * the public API: Engine, EngineConfig (max_batch_size, max_num_batched_tokens,
     kv_cache_tokens, batch_invariant, pipeline_depth), SamplingParams, `engine.stream`;
   * `engine.loop.outputs.token_observers` (called once per request and output-stage pass, with
@@ -83,7 +83,7 @@ class NullModel(nn.Module):
     def __init__(self, config, max_rows: int, device: torch.device):
         super().__init__()
         self.config = config
-        from slipstream.models.byte_tokenizer import OFFSET
+        from slipstream.models.tokenizers.byte_tokenizer import OFFSET
 
         logits = torch.zeros(max_rows, config.vocab_size, dtype=torch.float32, device=device)
         rows = torch.arange(max_rows, device=device)
@@ -104,8 +104,8 @@ class NullModel(nn.Module):
 def null_model(max_rows: int):
     """Within the block, engines assembled from a random-weight spec get a NullModel."""
     from slipstream.api import assemble
-    from slipstream.models.build import RANDOM
-    from slipstream.models.byte_tokenizer import ByteTokenizer
+    from slipstream.models.loading.build import RANDOM
+    from slipstream.models.tokenizers.byte_tokenizer import ByteTokenizer
 
     if not hasattr(assemble, "build_model"):
         raise RuntimeError("slipstream.api.assemble.build_model is gone: move the seam of tools/bench_host.py")

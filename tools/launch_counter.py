@@ -14,7 +14,7 @@ import importlib
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from slipstream.models import triton_jit
+from slipstream.models.kernels import triton_jit
 
 # every module that launches a Triton kernel through `jitted` (each imported it by name)
 KERNEL_MODULES = ("add_norm_triton", "attention_triton", "gate_up_silu_triton", "rotary_kv_triton",

@@ -553,7 +553,7 @@ def _record_submissions(engine: Engine, slow_detok_s: float = 0.0) -> list:
 def _check_texts(engine: Engine, seqs: list, report: Report) -> None:
     """Every output's text against its token ids decoded afresh: less a final stop token (its text
     is not output), cut at the first stop string."""
-    from slipstream.models.byte_stream import make_detokenizer
+    from slipstream.models.tokenizers.byte_stream import make_detokenizer
 
     for q in seqs:
         req, out = q.user, q.user.output

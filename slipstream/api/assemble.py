@@ -9,8 +9,8 @@ import torch
 from slipstream.api.output_processor import OutputProcessor
 from slipstream.intmath import ceil_div
 from slipstream.metrics import EngineMetrics
-from slipstream.models.build import DTYPES, build_model, cpu_backend_available
-from slipstream.models.llama import KVCache
+from slipstream.models.loading.build import DTYPES, build_model, cpu_backend_available
+from slipstream.models.llama.model import KVCache
 from slipstream.params import EngineConfig
 from slipstream.runtime.cpu_invariance import row_multiple_for
 from slipstream.runtime.device import make_device
@@ -86,7 +86,7 @@ def _assemble(config: EngineConfig, device, invariant: bool) -> EngineParts:
     if device.kind == "cuda":
         model.set_kernel_backend("triton")
     elif not invariant and config.dtype == "float32" and cpu_backend_available(model):
-        model.set_kernel_backend("cpu")  # compiled kernels (models/llama_cpu.py); invariance keeps the reference
+        model.set_kernel_backend("cpu")  # compiled kernels (models/llama/forward_cpu.py); invariance keeps the reference
         calibrate_forward_threads(device, model)
     max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
     processing = image_processing(model, mcfg)

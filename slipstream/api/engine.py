@@ -20,7 +20,7 @@ from slipstream import validate as check
 from slipstream.errors import EngineAlreadyStartedError, EngineClosedError, InvalidRequestError, WrongEventLoopError
 from slipstream.outputs import CompletionOutput
 from slipstream.params import EngineConfig, SamplingParams
-from slipstream.models.byte_stream import byte_table
+from slipstream.models.tokenizers.byte_stream import byte_table
 from slipstream.api.interface import DeltaStream, Messages, Prompt, ToolChoice, Tools
 from slipstream.api.engine_submit import SubmitMethods
 from slipstream.api.fanout import fan_out, wants_fan_out

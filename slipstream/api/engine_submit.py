@@ -19,7 +19,7 @@ from slipstream.errors import GrammarCompileError, GrammarError, InvalidRequestE
 from slipstream.intmath import ceil_div
 from slipstream.outputs import RequestMetrics
 from slipstream.params import SamplingParams
-from slipstream.models.byte_stream import make_detokenizer
+from slipstream.models.tokenizers.byte_stream import make_detokenizer
 from slipstream.grammar.base import carry_tokens, resolve_carry
 from slipstream.grammar.region import REGION_KINDS
 from slipstream.runtime.batch import MAX_CARRY_TOKENS, MAX_CARRY_VALUES, SamplingRow

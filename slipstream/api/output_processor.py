@@ -58,7 +58,7 @@ class RequestState:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    detok: object  # IncrementalDetokenizer or ByteStreamDetokenizer (models/byte_stream.py)
+    detok: object  # IncrementalDetokenizer or ByteStreamDetokenizer (models/tokenizers/byte_stream.py)
     stop_token_ids: frozenset[int]
     metrics: RequestMetrics
     queue: Mailbox = field(default_factory=Mailbox)

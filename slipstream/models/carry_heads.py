@@ -8,7 +8,7 @@ Kind 0 is a plain token id. Both must be device tensor ops only: no `.item()`, n
 shapes (the runtime runs them for every row of a step that has a carry row; docs/moondream.md,
 "The carry").
 
-The forward honours two fields of `ForwardBatch` (models/llama.py):
+The forward honours two fields of `ForwardBatch` (models/llama/model.py):
   * `carry` (a `CarryInput`): token rows whose kind is > 0 take `encode(kind, values)` instead of
     their token's embedding;
   * `return_hidden`: the forward returns `(logits, hidden)`, hidden [N, H] for the sample rows:

@@ -19,8 +19,8 @@ import torch
 from slipstream.errors import InvalidRequestError
 from slipstream.grammar.bitmask import words_for
 from slipstream.intmath import ceil_div
-from slipstream.models.attention import AttentionMetadata, DeviceAttentionMetadata
-from slipstream.models.llama import ForwardBatch, KVCache
+from slipstream.models.kernels.attention import AttentionMetadata, DeviceAttentionMetadata
+from slipstream.models.llama.model import ForwardBatch, KVCache
 
 log = structlog.get_logger(__name__)
 GiB = 1024**3

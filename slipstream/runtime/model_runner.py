@@ -42,9 +42,9 @@ import torch
 
 from slipstream.errors import PipelineInvariantError
 from slipstream.intmath import round_up
-from slipstream.models.attention import AttentionMetadata, DeviceAttentionMetadata
+from slipstream.models.kernels.attention import AttentionMetadata, DeviceAttentionMetadata
 from slipstream.models.carry_kind import CarryKind
-from slipstream.models.llama import ForwardBatch, KVCache, LlamaForCausalLM
+from slipstream.models.llama.model import ForwardBatch, KVCache, LlamaForCausalLM
 from slipstream.runtime.batch import ForwardInput
 from slipstream.runtime.host_copy import copy_to_host, upload_array
 from slipstream.runtime.carry import ChunkCarry, carry_input, read_carried, stage_chunk_carry

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from slipstream.models.byte_stream import byte_table
+from slipstream.models.tokenizers.byte_stream import byte_table
 from slipstream.outputs import CompletionOutput
 from slipstream.serve.chat_tools import message as tool_message
 

@@ -22,7 +22,7 @@ from slipstream.models.moondream.vision import VisionEncoder
 if TYPE_CHECKING:
     from PIL import Image
 
-    from slipstream.models.llama import ForwardBatch, KVCache
+    from slipstream.models.llama.model import ForwardBatch, KVCache
 
 
 class MoondreamForCausalLM(nn.Module):

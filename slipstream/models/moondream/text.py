@@ -6,7 +6,7 @@ projection with bias; the MLP is fc1 -> GELU(tanh) -> fc2, with biases. After th
 LayerNorm and an lm_head with bias. Module names follow the public reference's state dict
 (`text.blocks.0.attn.qkv`, `text.wte`, `text.post_ln`, `text.lm_head`).
 
-It takes the same `ForwardBatch` and `KVCache` as the Llama family (slipstream/models/llama.py), so
+It takes the same `ForwardBatch` and `KVCache` as the Llama family (slipstream/models/llama/model.py), so
 the runtime drives it unchanged; `forward_hidden` also returns the last hidden state of the sampled
 rows (before the final LayerNorm: what the reference's region heads read). Nothing here reads a
 device value on the host, so a step can run inside a CUDA graph once the attention can.
@@ -26,14 +26,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slipstream.models.attention import paged_attention_reference, write_kv
-from slipstream.models.attention_triton import paged_attention_triton
+from slipstream.models.kernels.attention import paged_attention_reference, write_kv
+from slipstream.models.kernels.attention_triton import paged_attention_triton
 from slipstream.models.moondream.config import MoondreamTextConfig
 from slipstream.models.moondream.vision import GeluMLP
-from slipstream.models.rotary import rotate_half_reference
+from slipstream.models.kernels.rotary import rotate_half_reference
 
 if TYPE_CHECKING:
-    from slipstream.models.llama import ForwardBatch, KVCache
+    from slipstream.models.llama.model import ForwardBatch, KVCache
 
 
 class PartialRotary(nn.Module):

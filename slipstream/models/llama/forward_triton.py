@@ -14,7 +14,7 @@ weights take 0.09 ms to read (docs/results/h100-2026-11-22/). Here a decode laye
     down matmul
 
 The first layer's norm has nothing to add; the last layer's MLP output is added by the final norm,
-which reads only the sampled rows. The reference backend (llama.py) computes the same function with
+which reads only the sampled rows. The reference backend (llama/model.py) computes the same function with
 PyTorch ops; each kernel module has a reference function and tests/test_fused_kernels.py compares
 kernels, whole models and the launch count per layer.
 """
@@ -25,12 +25,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from slipstream.models.add_norm_triton import add_rms_norm_triton
-from slipstream.models.attention_triton import paged_attention_triton
-from slipstream.models.fused_projections import fuse_linears
-from slipstream.models.gate_up_silu_triton import gate_up_silu_triton
-from slipstream.models.rotary_kv_triton import rotary_kv_triton
-from slipstream.models.silu_mul_triton import silu_mul_triton
+from slipstream.models.kernels.add_norm_triton import add_rms_norm_triton
+from slipstream.models.kernels.attention_triton import paged_attention_triton
+from slipstream.models.kernels.fused_projections import fuse_linears
+from slipstream.models.kernels.gate_up_silu_triton import gate_up_silu_triton
+from slipstream.models.kernels.rotary_kv_triton import rotary_kv_triton
+from slipstream.models.kernels.silu_mul_triton import silu_mul_triton
 
 
 @dataclass(frozen=True)

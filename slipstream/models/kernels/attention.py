@@ -8,7 +8,7 @@ still changes the kernel's reduction order (a masked chunk vs one causal pass), 
 `compute_dtype=torch.float64` the math runs in double precision and is rounded back: reordering
 noise (~1e-16) vanishes in the rounding, and outputs no longer depend on batch composition or
 chunk boundaries (the pipelined loop batches differently from the blocking one and must still
-produce identical greedy tokens). The GPU kernel is slipstream/models/attention_triton.py.
+produce identical greedy tokens). The GPU kernel is slipstream/models/kernels/attention_triton.py.
 
 Without invariance (the default), a step whose sequences all decode one token runs as one batched
 SDPA call per layer over keys padded to the longest context (a mask hides the padding), and the

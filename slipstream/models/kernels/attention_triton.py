@@ -44,8 +44,8 @@ import math
 import torch
 
 # the program table (attention_blocks.query_blocks) is built on the host, by code that must not need triton
-from slipstream.models.attention_blocks import BLOCK_M
-from slipstream.models.triton_jit import MAX_COMBINE, SUM_COMBINE, interpreted, jitted, require_triton, tl, triton
+from slipstream.models.kernels.attention_blocks import BLOCK_M
+from slipstream.models.kernels.triton_jit import MAX_COMBINE, SUM_COMBINE, interpreted, jitted, require_triton, tl, triton
 
 _LOG2E = 1.4426950408889634
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -1,4 +1,4 @@
-/* The CPU forward's other fused steps (slipstream/models/llama_cpu.py), float32 throughout:
+/* The CPU forward's other fused steps (slipstream/models/llama/forward_cpu.py), float32 throughout:
  *   residual add + RMSNorm, rotary + KV-cache write, paged causal attention, SiLU(gate) * up.
  * Each replaces several torch ops (a dozen per layer at a decode step, each ~1-5 us of dispatch for
  * microseconds of arithmetic) and the attention reads keys and values in place through the KV

@@ -1,6 +1,6 @@
 """The Llama forward on the "cpu" kernel backend: compiled kernels, few calls per layer.
 
-The CPU counterpart of llama_triton.py. A decode step of a small model on the CPU spends as much time
+The CPU counterpart of llama/forward_triton.py. A decode step of a small model on the CPU spends as much time
 dispatching torch ops (RMSNorm alone is six, rotary eight, attention a gather and SDPA per layer) as
 computing, so each layer here is:
 
@@ -29,9 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slipstream.models.cpu_kernels import Layer, QMat, native_kernels
-from slipstream.models.quant_formats import concat
-from slipstream.models.quant_linear import QuantLinear, cpu_matmul, ptr_or_none as _ptr
+from slipstream.models.kernels.cpu_kernels import Layer, QMat, native_kernels
+from slipstream.models.kernels.quant_formats import concat
+from slipstream.models.kernels.quant_linear import QuantLinear, cpu_matmul, ptr_or_none as _ptr
 
 def _fuse(linears: list[nn.Module]) -> QuantLinear | None:
     """A QuantLinear over `linears` stacked, each re-pointed at its panels of it (one copy in memory)."""

@@ -9,7 +9,7 @@ Two paths compute the same function: the reference backend (PyTorch ops, attenti
 over host metadata; the CPU path) and the "triton" backend (the GPU path), built for few
 kernel launches per layer: one QKV and one gate-up matmul, the residual
 add folded into RMSNorm, the KV write folded into rotary, SiLU·up in the gate-up matmul
-(llama_triton.py, docs/cuda.md).
+(llama/forward_triton.py, docs/cuda.md).
 """
 from __future__ import annotations
 
@@ -20,13 +20,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slipstream.models.attention import AttentionMetadata, paged_attention_reference, write_kv
+from slipstream.models.kernels.attention import AttentionMetadata, paged_attention_reference, write_kv
 from slipstream.models.carry_heads import CarryHeads, CarryInput, apply_carry
 from slipstream.models.config import ModelConfig
-from slipstream.models.rotary import RotaryEmbedding
+from slipstream.models.kernels.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
-    from slipstream.models.llama_triton import TritonOptions
+    from slipstream.models.llama.forward_triton import TritonOptions
 
 
 @dataclass
@@ -88,7 +88,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.heads * self.head_dim, h, bias=False)
         self.compute_dtype: torch.dtype | None = None  # float64: batch/chunk-invariant results
-        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fused (weight, bias): llama_triton.py
+        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fused (weight, bias): llama/forward_triton.py
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache, rotate) -> torch.Tensor:
         """The reference path (PyTorch ops, attention over host metadata)."""
@@ -111,7 +111,7 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=False)
         self.up_proj = nn.Linear(h, i, bias=False)
         self.down_proj = nn.Linear(i, h, bias=False)
-        self.gate_up: torch.Tensor | None = None  # fused [2 * intermediate, hidden]: llama_triton.py
+        self.gate_up: torch.Tensor | None = None  # fused [2 * intermediate, hidden]: llama/forward_triton.py
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -148,7 +148,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = _Body(config)
         self.rope = RotaryEmbedding(config)
         self.backend = "reference"
-        self.triton_options = None  # llama_triton.TritonOptions, on the triton backend
+        self.triton_options = None  # forward_triton.TritonOptions, on the triton backend
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.carry_heads: CarryHeads | None = None  # heads whose values a row may carry (carry_heads.py)
@@ -169,7 +169,7 @@ class LlamaForCausalLM(nn.Module):
     @classmethod
     def from_packed(cls, config: ModelConfig, weights: dict[str, torch.Tensor], packed: dict[str, nn.Module]
                     ) -> "LlamaForCausalLM":
-        """A CPU model whose projections are slipstream.models.cpu_linear.PackedLinear layers (`packed`,
+        """A CPU model whose projections are slipstream.models.kernels.cpu_linear.PackedLinear layers (`packed`,
         by module name, from pack_weights) and whose other weights (embedding, norms) are `weights`."""
         with torch.device("meta"):
             model = cls(config)
@@ -183,11 +183,11 @@ class LlamaForCausalLM(nn.Module):
     def from_quantized(cls, config: ModelConfig, weights: dict, dtype: torch.dtype, device,
                        invariant: bool = False) -> "LlamaForCausalLM":
         """A model computing with its quantized weights: each QuantWeight in `weights` (a projection, the
-        embedding, the lm_head) becomes a QuantLinear / QuantEmbedding (models/quant_linear.py, its
+        embedding, the lm_head) becomes a QuantLinear / QuantEmbedding (models/kernels/quant_linear.py, its
         bias taken along); the other tensors load as usual. A tied lm_head shares the embedding's
         QuantWeight. `invariant`: CPU products whose rows do not depend on the batch."""
-        from slipstream.models.quant_formats import QuantWeight
-        from slipstream.models.quant_linear import QuantEmbedding, QuantLinear
+        from slipstream.models.kernels.quant_formats import QuantWeight
+        from slipstream.models.kernels.quant_linear import QuantEmbedding, QuantLinear
 
         with torch.device("meta"):
             model = cls(config)
@@ -218,20 +218,20 @@ class LlamaForCausalLM(nn.Module):
 
     def set_kernel_backend(self, backend: str, options: "TritonOptions | None" = None) -> None:
         """"reference" (PyTorch ops; attention per sequence over host metadata), "triton" (the GPU
-        path, slipstream/models/llama_triton.py: few graph-capturable launches per layer; `options`
-        default to llama_triton.TRITON_DEFAULTS) or "cpu" (compiled CPU kernels, float32,
-        slipstream/models/llama_cpu.py). Projections are fused here, after loading, and stay
+        path, slipstream/models/llama/forward_triton.py: few graph-capturable launches per layer; `options`
+        default to forward_triton.TRITON_DEFAULTS) or "cpu" (compiled CPU kernels, float32,
+        slipstream/models/llama/forward_cpu.py). Projections are fused here, after loading, and stay
         fused (fuse_projections=False only skips fusing)."""
         if backend not in ("reference", "triton", "cpu"):
             raise ValueError(f"kernel backend must be 'reference', 'triton' or 'cpu', got {backend!r}")
         if backend == "triton":  # refused now, not at the first forward
-            from slipstream.models.triton_jit import require_triton
+            from slipstream.models.kernels.triton_jit import require_triton
 
             require_triton("the triton kernel backend")
         if backend == "cpu":
             from slipstream.errors import DeviceUnavailableError
-            from slipstream.models.cpu_kernels import native_kernels
-            from slipstream.models.llama_cpu import fuse_projections_cpu
+            from slipstream.models.kernels.cpu_kernels import native_kernels
+            from slipstream.models.llama.forward_cpu import fuse_projections_cpu
 
             if native_kernels() is None:
                 raise DeviceUnavailableError("the cpu kernel backend needs the compiled CPU kernels "
@@ -239,10 +239,10 @@ class LlamaForCausalLM(nn.Module):
             fuse_projections_cpu(self)
         self.backend = backend
         if backend == "triton":
-            from slipstream.models import llama_triton
+            from slipstream.models.llama import forward_triton as llama_triton
 
             if options is not None and not isinstance(options, llama_triton.TritonOptions):
-                raise TypeError(f"options must be a llama_triton.TritonOptions, got {type(options).__name__}")
+                raise TypeError(f"options must be a forward_triton.TritonOptions, got {type(options).__name__}")
             self.triton_options = options or llama_triton.TRITON_DEFAULTS
             if self.triton_options.fuse_projections:
                 llama_triton.fuse_projections(self)
@@ -267,12 +267,12 @@ class LlamaForCausalLM(nn.Module):
             x = apply_carry(self.carry_heads, x, batch.carry)
         backend = self.backend
         if backend == "cpu":
-            from slipstream.models import llama_cpu
+            from slipstream.models.llama import forward_cpu as llama_cpu
 
             if not llama_cpu.supports(self, batch):  # (a bidirectional prefix, an odd head size)
                 backend = "reference"
         if backend == "triton":
-            from slipstream.models.llama_triton import forward_triton
+            from slipstream.models.llama.forward_triton import forward_triton
 
             x = forward_triton(self, x, batch, kv)
         elif backend == "cpu":

@@ -7,7 +7,7 @@ accumulates the gate columns n and the up columns I + n of the same rows side by
 hidden dim, then applies SiLU·up to the two accumulators and stores only the activation. The
 [T, 2I] intermediate never reaches memory. For many rows (prefill) cuBLAS's tiling wins on
 arithmetic, so the model uses this kernel only up to `TritonOptions.mlp_gemm_max_rows` rows
-(llama_triton.py).
+(llama/forward_triton.py).
 
 Rounding follows the reference MLP: each accumulator (fp32) is rounded to the activation dtype as
 the gate/up matmuls' outputs are, silu is rounded, and the product is rounded once. Only the
@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from slipstream.models.triton_jit import interpreted, jitted, require_triton, tl, triton
+from slipstream.models.kernels.triton_jit import interpreted, jitted, require_triton, tl, triton
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

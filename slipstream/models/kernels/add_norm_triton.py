@@ -6,7 +6,7 @@ launch (and an extra pass over the activations) twice per layer; a decode step o
 bound by launches, not bytes. Here one program per row loads both rows, adds them, writes the sum
 back into `residual` (in place) and the normalised row into a fresh output.
 
-Rounding follows the reference path (llama.py: `x = x + sublayer(...)`, then `RMSNorm.forward`):
+Rounding follows the reference path (llama/model.py: `x = x + sublayer(...)`, then `RMSNorm.forward`):
 the sum is rounded to the activation dtype before it is stored and normalised, the normalised row
 is rounded before the weight multiply, and the product is rounded once. Only the order of the
 sum of squares differs.
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from slipstream.models.triton_jit import SUM_COMBINE, interpreted, jitted, require_triton, tl, triton
+from slipstream.models.kernels.triton_jit import SUM_COMBINE, interpreted, jitted, require_triton, tl, triton
 
 if triton is not None:
     def _add_rms_norm_kernel(X, R, W, Y, ROWS, stride_x, stride_r, stride_y, n_cols, eps,

@@ -22,7 +22,7 @@ from typing import Any
 
 import structlog
 
-from slipstream.models.utf8_tail import token_bytes_of
+from slipstream.models.tokenizers.utf8_tail import token_bytes_of
 
 log = structlog.get_logger(__name__)
 
@@ -94,6 +94,6 @@ def make_detokenizer(tokenizer: Any, prompt_ids: Sequence[int] | None = None):
     table = byte_table(tokenizer)
     if table is not None:
         return ByteStreamDetokenizer(table)
-    from slipstream.models.tokenizer import IncrementalDetokenizer
+    from slipstream.models.tokenizers.tokenizer import IncrementalDetokenizer
 
     return IncrementalDetokenizer(tokenizer, prompt_ids)

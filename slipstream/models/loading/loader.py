@@ -10,14 +10,14 @@ import torch
 from slipstream.errors import ModelNotFoundError
 from slipstream.models import WEIGHT_MODES
 from slipstream.models.config import RANDOM_CONFIGS, ModelConfig
-from slipstream.models.gguf_loader import load_gguf
-from slipstream.models.hf_loader import load_hf_folder
-from slipstream.models.hub import hf_cache_dir, resolve_hf_id
+from slipstream.models.loading.gguf_loader import load_gguf
+from slipstream.models.loading.hf_loader import load_hf_folder
+from slipstream.models.loading.hub import hf_cache_dir, resolve_hf_id
 from slipstream.models.idefics3.config import is_idefics3_folder
 from slipstream.models.idefics3.loader import load_idefics3_folder
-from slipstream.models.quant_formats import QuantWeight
-from slipstream.models.tokenizer import Tokenizer
-from slipstream.models.weight_cache import cache_enabled, entry_path, load_entry, reopen_mapped, store_entry
+from slipstream.models.kernels.quant_formats import QuantWeight
+from slipstream.models.tokenizers.tokenizer import Tokenizer
+from slipstream.models.loading.weight_cache import cache_enabled, entry_path, load_entry, reopen_mapped, store_entry
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -102,7 +102,7 @@ def _load_gguf_cached(path: Path):
 
 def dequantize_weights(weights: dict[str, torch.Tensor | QuantWeight], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Every weight as a `dtype` tensor (QuantWeights expanded one at a time)."""
-    from slipstream.models.quant_linear import dequantize
+    from slipstream.models.kernels.quant_linear import dequantize
 
     return {name: dequantize(w, dtype) if isinstance(w, QuantWeight) else w.to(dtype) for name, w in weights.items()}
 

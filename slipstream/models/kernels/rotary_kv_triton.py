@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from slipstream.models.attention import write_kv
-from slipstream.models.rotary import rotate_half_reference
-from slipstream.models.triton_jit import interpreted, jitted, require_triton, tl, triton
+from slipstream.models.kernels.attention import write_kv
+from slipstream.models.kernels.rotary import rotate_half_reference
+from slipstream.models.kernels.triton_jit import interpreted, jitted, require_triton, tl, triton
 
 if triton is not None:
     def _rotary_kv_kernel(Q, K, V, KC, VC, POS, KV_INDICES, COS, SIN,

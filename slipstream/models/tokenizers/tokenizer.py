@@ -21,8 +21,8 @@ from tokenizers import Tokenizer as _HFTokenizer
 
 from slipstream.errors import CorruptModelError, UnsupportedArchitectureError
 from slipstream.models.json_file import read_json_object
-from slipstream.models.byte_bpe import _byte_alphabet, _byte_level_backend  # noqa: F401 (re-exported for tests)
-from slipstream.models.utf8_tail import drop_incomplete_char
+from slipstream.models.tokenizers.byte_bpe import _byte_alphabet, _byte_level_backend  # noqa: F401 (re-exported for tests)
+from slipstream.models.tokenizers.utf8_tail import drop_incomplete_char
 
 TOKEN_TYPE_UNKNOWN = 2  # SentencePiece's <unk>
 TOKEN_TYPE_CONTROL = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL: <|im_start|> and friends
@@ -85,7 +85,7 @@ class Tokenizer:
         (`gpt2`: SmolLM, Llama-3, Qwen2) or SentencePiece BPE (`llama`: Llama-2, TinyLlama, Mistral)."""
         model = fields.get("tokenizer.ggml.model")
         if model == "llama":
-            from slipstream.models.spm_tokenizer import spm_backend
+            from slipstream.models.tokenizers.spm_tokenizer import spm_backend
 
             backend, tokens, types = spm_backend(fields, source)
             spelled: set[str] | None = None

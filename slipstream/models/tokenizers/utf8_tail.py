@@ -44,7 +44,7 @@ def token_bytes_of(tokenizer: Any) -> TokenBytes | None:
         return b"" if special else content.encode("utf-8")  # special tokens are skipped in output
 
     if "ByteLevel" in kinds:
-        from slipstream.models.byte_bpe import _byte_alphabet
+        from slipstream.models.tokenizers.byte_bpe import _byte_alphabet
 
         byte_of = {c: b for b, c in _byte_alphabet().items()}
 

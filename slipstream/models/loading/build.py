@@ -9,7 +9,7 @@ import structlog
 import torch
 
 from slipstream.models.config import RANDOM_CONFIGS, TINY, ModelConfig
-from slipstream.models.llama import LlamaForCausalLM
+from slipstream.models.llama.model import LlamaForCausalLM
 
 log = structlog.get_logger(__name__)
 
@@ -34,7 +34,7 @@ def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor
 @functools.lru_cache(maxsize=1)
 def _load_cached(spec: str):
     """Engines in one process (blocking vs pipelined, tests) share one dequantised checkpoint."""
-    from slipstream.models.loader import load_model
+    from slipstream.models.loading.loader import load_model
 
     return load_model(spec, dtype=torch.float32, weights="dequantized")
 
@@ -42,7 +42,7 @@ def _load_cached(spec: str):
 @functools.lru_cache(maxsize=1)
 def _load_quantized(spec: str):
     """Like _load_cached, for a GGUF kept quantized (QuantWeight parts mapped from the weight cache)."""
-    from slipstream.models.loader import load_model
+    from slipstream.models.loading.loader import load_model
 
     return load_model(spec, weights="quantized")
 
@@ -51,15 +51,15 @@ def _load_quantized(spec: str):
 def _load_packed(spec: str, seed: int):
     """(config, dense rest, packed projections, tokenizer) for the CPU fast path, shared by the
     engines of one process like _load_cached; holds no dense copy of what it packed."""
-    from slipstream.models.cpu_linear import pack_weights
+    from slipstream.models.kernels.cpu_linear import pack_weights
 
     if spec in RANDOM:
-        from slipstream.models.byte_tokenizer import ByteTokenizer
+        from slipstream.models.tokenizers.byte_tokenizer import ByteTokenizer
 
         config = RANDOM[spec]()
         weights, tokenizer = random_weights(config, seed), ByteTokenizer(config.vocab_size)
     else:
-        from slipstream.models.loader import load_model
+        from slipstream.models.loading.loader import load_model
 
         loaded = load_model(spec, dtype=torch.float32, weights="dequantized")
         config, weights, tokenizer = loaded.config, dict(loaded.weights), loaded.tokenizer
@@ -102,12 +102,12 @@ def quantized_source(spec: str, device: torch.device) -> bool:
     """Whether `spec` can run with quantized weights on `device`: a GGUF file, and on the CPU the
     compiled kernels (without them the quantized path would expand every weight on every step; the
     dequantized model is the fast fallback, and the reason is logged)."""
-    from slipstream.models.loader import is_gguf
+    from slipstream.models.loading.loader import is_gguf
 
     if spec in RANDOM or not is_gguf(spec):
         return False
     if torch.device(device).type == "cpu":
-        from slipstream.models.cpu_kernels import native_kernels
+        from slipstream.models.kernels.cpu_kernels import native_kernels
 
         if native_kernels() is None:
             log.warning("weights_dequantized", model=spec,
@@ -117,10 +117,10 @@ def quantized_source(spec: str, device: torch.device) -> bool:
 
 
 def cpu_backend_available(model) -> bool:
-    """Whether `model` can run on the "cpu" kernel backend (models/llama_cpu.py): a Llama-family model
+    """Whether `model` can run on the "cpu" kernel backend (models/llama/forward_cpu.py): a Llama-family model
     (not Moondream's own layout) still on the reference backend, and the compiled kernels loaded."""
-    from slipstream.models.cpu_kernels import native_kernels
-    from slipstream.models.llama import LlamaForCausalLM
+    from slipstream.models.kernels.cpu_kernels import native_kernels
+    from slipstream.models.llama.model import LlamaForCausalLM
 
     return (isinstance(model, LlamaForCausalLM) and model.vision is None and model.backend == "reference"
             and native_kernels() is not None)
@@ -129,9 +129,9 @@ def cpu_backend_available(model) -> bool:
 def build_model(spec: str, dtype: str, device: torch.device, seed: int = 0, pack: bool = False,
                 weights: str = "dequantized", invariant: bool = False):
     """Returns (model, tokenizer, ModelConfig). `weights="quantized"`: a GGUF's quantized matrices stay
-    quantized (models/quant_linear.py; `invariant`: batch-invariant CPU products); other sources, or
+    quantized (models/kernels/quant_linear.py; `invariant`: batch-invariant CPU products); other sources, or
     "dequantized": float weights, where `pack` (CPU, float32) runs the projections through oneDNN
-    with prepacked weights (slipstream/models/cpu_linear.py)."""
+    with prepacked weights (slipstream/models/kernels/cpu_linear.py)."""
     t0 = time.perf_counter()
     moondream = moondream_folder(spec)
     if moondream is not None:  # its own layout: never packed (the Llama fast path does not apply)
@@ -149,7 +149,7 @@ def build_model(spec: str, dtype: str, device: torch.device, seed: int = 0, pack
         log.info("model_ready", model=spec, layers=config.num_layers, vocab=config.vocab_size, dtype=dtype,
                  device=str(device), weights="quantized", seconds=round(time.perf_counter() - t0, 2))
         return model, tokenizer, config
-    from slipstream.models.cpu_linear import can_pack
+    from slipstream.models.kernels.cpu_linear import can_pack
 
     if pack and can_pack(DTYPES[dtype], device):
         config, weights, packed, tokenizer = _load_packed(spec, seed if spec in RANDOM else 0)
@@ -158,7 +158,7 @@ def build_model(spec: str, dtype: str, device: torch.device, seed: int = 0, pack
                  device=str(device), packed=True, seconds=round(time.perf_counter() - t0, 2))
         return model, tokenizer, config
     if spec in RANDOM:
-        from slipstream.models.byte_tokenizer import ByteTokenizer
+        from slipstream.models.tokenizers.byte_tokenizer import ByteTokenizer
 
         config = RANDOM[spec]()
         weights, tokenizer = random_weights(config, seed), ByteTokenizer(config.vocab_size)

@@ -2,7 +2,7 @@
 
 Converting a GGUF (parsing its vocabulary, repacking or dequantising every tensor) costs seconds on
 every start; mapping the converted file back costs milliseconds. An entry holds each weight as the
-engine computes with it: a quantized tensor in its repacked container (models/quant_formats.py:
+engine computes with it: a quantized tensor in its repacked container (models/kernels/quant_formats.py:
 values, scales, offsets), anything else as float32. One entry serves every dtype and both weight
 modes (`EngineConfig.weights`): a dequantized model is expanded from it at load.
 
@@ -33,8 +33,8 @@ import structlog
 import torch
 
 from slipstream.models.config import ModelConfig
-from slipstream.models.quant_formats import QuantWeight, concat, split
-from slipstream.models.tokenizer import Tokenizer
+from slipstream.models.kernels.quant_formats import QuantWeight, concat, split
+from slipstream.models.tokenizers.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
 
@@ -45,7 +45,7 @@ SUFFIX = f".v{FORMAT_VERSION}.safetensors"
 _SAMPLES, _SAMPLE_BYTES, _HEADER_BYTES = 16, 64 << 10, 1 << 20
 _OFF = {"0", "false", "no", "off"}
 _PART = "#"  # "<weight name>#values" etc.: the parts of a QuantWeight
-# Projections the CPU forward multiplies at once (models/llama_cpu.py), stored stacked when their
+# Projections the CPU forward multiplies at once (models/llama/forward_cpu.py), stored stacked when their
 # containers allow: loaded back, the parts are adjacent views of one tensor, which fuse without a copy.
 FUSED = ((".self_attn.qkv_proj", (".self_attn.q_proj", ".self_attn.k_proj", ".self_attn.v_proj")),
          (".mlp.gate_up_proj", (".mlp.gate_proj", ".mlp.up_proj")))
@@ -157,7 +157,7 @@ def load_entry(entry: Path) -> tuple[ModelConfig, dict[str, torch.Tensor | Quant
     weights, not by a full copy at load."""
     if not entry.is_file():
         return None
-    from slipstream.models.cpu_linear import _file_mappings, release_file_pages
+    from slipstream.models.kernels.cpu_linear import _file_mappings, release_file_pages
 
     start = time.perf_counter()
     try:

@@ -6,7 +6,7 @@ GPU kernels without a GPU. Kernels use builtins only: tl.sum/tl.max are themselv
 functions fixed to one mode at import, so reductions go through `tl.reduce` with the combine
 functions below, which the interpreter recognises.
 
-Only the triton backend imports this module (models/llama.py imports llama_triton when the backend
+Only the triton backend imports this module (models/llama/model.py imports llama_triton when the backend
 is chosen), so the reference path never touches triton. Without triton every kernel module still
 imports (its kernels undefined, the combine functions None) and a kernel call raises
 DeviceUnavailableError through `require_triton`.

@@ -1,8 +1,8 @@
 """Rotary position embedding: the cos/sin tables and the reference rotation.
 
-Its own module because the reference model (llama.py) and the fused rotary + KV-write kernel's
-reference (rotary_kv_triton.py) both use it, and llama.py reaches that kernel through
-llama_triton.py: with the rotation in llama.py the three formed an import circle.
+Its own module because the reference model (llama/model.py) and the fused rotary + KV-write kernel's
+reference (rotary_kv_triton.py) both use it, and llama/model.py reaches that kernel through
+llama/forward_triton.py: with the rotation in llama/model.py the three formed an import circle.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """SiLU(gate) * up as one Triton kernel: the MLP's activation, reading the fused gate-up output.
 
-The reference MLP (llama.py) runs `F.silu(gate) * up`: two elementwise launches on the GPU. Here
+The reference MLP (llama/model.py) runs `F.silu(gate) * up`: two elementwise launches on the GPU. Here
 one program per (row, column block) reads gate and up, which may be the two column halves of one
 fused [T, 2 * intermediate] projection output (strided views: each row is addressed through its
 own stride), and writes a fresh contiguous [T, intermediate].
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from slipstream.models.triton_jit import interpreted, jitted, require_triton, tl, triton
+from slipstream.models.kernels.triton_jit import interpreted, jitted, require_triton, tl, triton
 
 BLOCK = 1024  # columns per program
 

@@ -1,5 +1,5 @@
 /* Quantized matrix products for the CPU: y[M, N] = x[M, K] @ W^T with W kept in a repacked GGUF layout
- * (slipstream/models/quant_formats.py), never expanded to float in memory.
+ * (slipstream/models/kernels/quant_formats.py), never expanded to float in memory.
  *
  * Layout: W's rows in panels of 16; within a panel, for each position along K, the 16 rows' values
  * side by side, so one load gives one vector lane per output row:
@@ -12,7 +12,7 @@
  * per group, t[m] += w[k] * x[m][k] over the group's columns, then acc[m] += scale * t[m] +
  * offset * sum_k x[m][k]. Up to 8 rows of x share one decoding of the weights. Written with GCC vector
  * extensions (16 floats: one AVX-512 register, two AVX2 ones, four NEON ones); only the widening of
- * bytes uses intrinsics. Compiled for the machine it runs on (slipstream/models/cpu_kernels.py,
+ * bytes uses intrinsics. Compiled for the machine it runs on (slipstream/models/kernels/cpu_kernels.py,
  * -march=native), parallel over panels with OpenMP, sharing torch's runtime and its thread setting.
  */
 #include <stdint.h>

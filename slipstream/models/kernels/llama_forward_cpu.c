@@ -1,5 +1,5 @@
 /* The whole decoder stack of llama_cpu.forward_cpu in one call, for models whose projections are all
- * quantized and fused (q/k/v and gate/up): the layer loop of llama_cpu.py without a return to Python
+ * quantized and fused (q/k/v and gate/up): the layer loop of llama/forward_cpu.py without a return to Python
  * between kernels. ctypes releases the GIL for the call, so the engine loop's Python runs meanwhile
  * instead of taking turns with the forward between every two kernels (docs/benchmarks.md,
  * "Quantized weights": what the forward thread lost to the loop). Same kernels, same order, same

@@ -64,7 +64,7 @@ def build_key(cc: str) -> str:
 
 
 def library_path(cc: str) -> Path:
-    from slipstream.models.weight_cache import cache_root
+    from slipstream.models.loading.weight_cache import cache_root
 
     return cache_root() / "kernels" / f"cpu-{build_key(cc)}.so"
 

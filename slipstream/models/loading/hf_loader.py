@@ -11,7 +11,7 @@ import torch
 
 from slipstream.errors import CorruptModelError, ModelNotFoundError, UnsupportedArchitectureError
 from slipstream.models.config import ModelConfig, llama3_rope_factors
-from slipstream.models.tokenizer import Tokenizer
+from slipstream.models.tokenizers.tokenizer import Tokenizer
 
 
 def llama_weight_names(config: ModelConfig) -> list[str]:

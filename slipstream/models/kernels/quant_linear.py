@@ -1,4 +1,4 @@
-"""Linear and embedding layers whose weights stay quantized (models/quant_formats.py).
+"""Linear and embedding layers whose weights stay quantized (models/kernels/quant_formats.py).
 
 On the CPU the product runs in the compiled kernels (quant_matmul_cpu.c, loaded by cpu_kernels.py):
 float32 activations times the weights expanded group by group in registers, never to a float matrix
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slipstream.models.quant_formats import QuantWeight
+from slipstream.models.kernels.quant_formats import QuantWeight
 
 _KIND = {"u4": 0, "i8": 1}
 REFERENCE_CHUNK_PANELS = 256  # panels (of 16 rows) expanded at a time by the reference path
@@ -39,7 +39,7 @@ def cpu_matmul(x: torch.Tensor, w: QuantWeight, invariant: bool = False, lib=Non
     """x [M, K] float32 @ W^T -> [M, N] float32 with the compiled kernels (`lib`, default: loaded).
     `invariant`: a row's result does not depend on M (quant_matmul_cpu.c), as batch invariance needs."""
     if lib is None:
-        from slipstream.models.cpu_kernels import native_kernels
+        from slipstream.models.kernels.cpu_kernels import native_kernels
 
         lib = native_kernels()
         if lib is None:
@@ -61,7 +61,7 @@ def cpu_matmul(x: torch.Tensor, w: QuantWeight, invariant: bool = False, lib=Non
 def cpu_rows(w: QuantWeight, ids: torch.Tensor, lib=None) -> torch.Tensor:
     """Rows `ids` of W as float32 [len(ids), K] (an embedding lookup)."""
     if lib is None:
-        from slipstream.models.cpu_kernels import native_kernels
+        from slipstream.models.kernels.cpu_kernels import native_kernels
 
         lib = native_kernels()
     ids = ids.reshape(-1).to(torch.int64).contiguous()
@@ -77,7 +77,7 @@ def cpu_rows(w: QuantWeight, ids: torch.Tensor, lib=None) -> torch.Tensor:
 
 def dequantize(w: QuantWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The float matrix, through the compiled kernels when loaded (no temporaries), else in torch."""
-    from slipstream.models.cpu_kernels import native_kernels
+    from slipstream.models.kernels.cpu_kernels import native_kernels
 
     lib = native_kernels() if w.device.type == "cpu" else None
     if lib is None:
@@ -105,7 +105,7 @@ class QuantLinear(nn.Module):
         if x.device.type == "cpu":
             y = cpu_matmul(x2, self.qweight, self.invariant)
         else:
-            from slipstream.models.quant_triton import quant_matmul_triton
+            from slipstream.models.kernels.quant_triton import quant_matmul_triton
 
             y = quant_matmul_triton(x2, self.qweight)
         if self.bias is not None:
@@ -130,7 +130,7 @@ class QuantEmbedding(nn.Module):
         if ids.device.type == "cpu":
             rows = cpu_rows(self.qweight, ids)
         else:
-            from slipstream.models.quant_triton import quant_rows_triton
+            from slipstream.models.kernels.quant_triton import quant_rows_triton
 
             rows = quant_rows_triton(self.qweight, ids.reshape(-1))
         return rows.to(self.dtype).view(*ids.shape, self.embedding_dim)

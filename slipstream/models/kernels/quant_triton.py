@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from slipstream.models.quant_formats import PANEL, QuantWeight
-from slipstream.models.triton_jit import interpreted, jitted, require_triton, tl, triton
+from slipstream.models.kernels.quant_formats import PANEL, QuantWeight
+from slipstream.models.kernels.triton_jit import interpreted, jitted, require_triton, tl, triton
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

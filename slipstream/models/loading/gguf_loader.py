@@ -27,9 +27,9 @@ from slipstream.errors import (
 )
 from slipstream.logging_setup import load_progress
 from slipstream.models.config import ModelConfig
-from slipstream.models.hf_loader import check_weights
-from slipstream.models.quant_formats import QUANTIZED_TYPES, QuantWeight, repack
-from slipstream.models.tokenizer import Tokenizer
+from slipstream.models.loading.hf_loader import check_weights
+from slipstream.models.kernels.quant_formats import QUANTIZED_TYPES, QuantWeight, repack
+from slipstream.models.tokenizers.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
 

@@ -81,7 +81,7 @@ def test_depth2_equals_depth1_on_gpu_64_mixed_requests(monkeypatch):
 
 def _hf_twin(dtype):
     """transformers' Llama with exactly the weights of slipstream's tiny-random model, on the GPU."""
-    from slipstream.models.loading.build import random_weights
+    from slipstream.models.llama.build import random_weights
     from slipstream.models.config import tiny_config
     from hf_oracle import hf_llama_from_weights
 

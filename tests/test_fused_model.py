@@ -10,7 +10,7 @@ pytest.importorskip("triton")
 
 from triton_model_util import NO_MLP_GEMM, UNFUSED, build, two_steps  # noqa: E402
 
-from slipstream.models.loading.build import random_weights  # noqa: E402
+from slipstream.models.llama.build import random_weights  # noqa: E402
 from slipstream.models.config import tiny_config  # noqa: E402
 from slipstream.models.llama.model import LlamaForCausalLM  # noqa: E402
 from slipstream.models.llama.forward_triton import fuse_projections  # noqa: E402

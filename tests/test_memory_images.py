@@ -60,7 +60,7 @@ def test_the_profiled_step_holds_the_vision_towers_peak(tmp_path):
     """The profile (here on the CPU, its allocations counted) runs the largest image through the
     vision tower after the text forward: its peak covers the tower's, however small the text step."""
     from moondream_fixture import tiny_moondream_folder
-    from slipstream.models.loading.build import build_model
+    from slipstream.models.llama.build import build_model
 
     model, _, mcfg = build_model(str(tiny_moondream_folder(tmp_path / "md")), "float32", torch.device("cpu"), 0)
     largest = MoondreamProcessing(model.moondream_config).largest_input()

@@ -105,10 +105,10 @@ def test_silu_mul():
 
 def test_no_compiler_means_no_kernels_and_a_dequantized_model(monkeypatch, tmp_path):
     """Without the kernels (no compiler here) the quantized CPU path is off: native_kernels() says
-    so once, and a GGUF loads dequantized instead (models/loading/build.py)."""
+    so once, and a GGUF loads dequantized instead (models/llama/build.py)."""
     from structlog.testing import capture_logs
 
-    from slipstream.models.loading import build
+    from slipstream.models.llama import build
 
     monkeypatch.setenv("CC", "no-such-compiler")
     monkeypatch.setenv("PATH", str(tmp_path))

@@ -39,7 +39,7 @@ def quantized_tiny(dtype, device):
     builds a GGUF's model, and its dequantized twin."""
     import gguf
 
-    from slipstream.models.loading.build import random_weights
+    from slipstream.models.llama.build import random_weights
     from slipstream.models.config import tiny_config
     from slipstream.models.llama.model import LlamaForCausalLM
     from slipstream.models.kernels.quant_formats import repack

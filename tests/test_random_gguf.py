@@ -18,7 +18,7 @@ _spec.loader.exec_module(random_gguf)
 def test_gguf_holds_slipstreams_weights_in_llamacpp_layout(tmp_path, dtype):
     import gguf
 
-    from slipstream.models.loading.build import random_weights
+    from slipstream.models.llama.build import random_weights
     from slipstream.models.config import tiny_config
     from slipstream.models.loading.gguf_loader import hf_name, unpermute_qk
 

@@ -202,7 +202,7 @@ def test_generate_no_weight_cache_flag(gguf_file, cache, monkeypatch, capsys):
         return args.func(args)
 
     argv = ["generate", "Hello", "--raw", "--max-tokens", "2", "--model", str(gguf_file)]
-    from slipstream.models.loading.build import forget_loaded
+    from slipstream.models.llama.build import forget_loaded
 
     forget_loaded()  # engines in one process share a load; this test needs two
     assert main(argv + ["--no-weight-cache"]) == 0

@@ -3,7 +3,7 @@ tests/test_kernel_launches.py."""
 import torch
 
 from slipstream.models.kernels.attention import DeviceAttentionMetadata
-from slipstream.models.loading.build import random_weights
+from slipstream.models.llama.build import random_weights
 from host_batch import Chunk, host_batch
 from slipstream.models.llama.model import KVCache, LlamaForCausalLM
 from slipstream.models.llama.forward_triton import TritonOptions

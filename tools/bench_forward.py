@@ -27,7 +27,7 @@ import sys as _sys
 _sys.path.insert(0, _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))))  # this checkout
 
 from slipstream.runtime.cpu_invariance import row_multiple_for  # noqa: E402
-from slipstream.models.loading.build import build_model  # noqa: E402
+from slipstream.models.llama.build import build_model  # noqa: E402
 from slipstream.models.llama.model import KVCache  # noqa: E402
 from host_batch import Chunk, host_batch  # noqa: E402
 
@@ -75,7 +75,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     print(header(provenance()), flush=True)
-    from slipstream.models.loading.build import quantized_source
+    from slipstream.models.llama.build import quantized_source
 
     keys = {k for k, _, _ in VARIANTS.values()}
     if not quantized_source(args.model, torch.device("cpu")):

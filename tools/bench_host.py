@@ -34,7 +34,7 @@ The seam (what this tool depends on, so it survives refactors of the scheduler a
   * the model contract: called as `model(batch, kv)` with `batch.sample_indices` (one row per
     sampled token) and returns logits [len(sample_indices), vocab]; `model.config.vocab_size`
     (if the runner starts calling other model methods, NullModel needs them too);
-  * `slipstream.models.loading.build.RANDOM["tiny-random"]` (the config) and
+  * `slipstream.models.llama.build.RANDOM["tiny-random"]` (the config) and
     `slipstream.models.tokenizers.byte_tokenizer.ByteTokenizer` / `OFFSET`;
   * the public API: Engine, EngineConfig (max_batch_size, max_num_batched_tokens,
     kv_cache_tokens, batch_invariant, pipeline_depth), SamplingParams, `engine.stream`;
@@ -104,7 +104,7 @@ class NullModel(nn.Module):
 def null_model(max_rows: int):
     """Within the block, engines assembled from a random-weight spec get a NullModel."""
     from slipstream.api import assemble
-    from slipstream.models.loading.build import RANDOM
+    from slipstream.models.llama.build import RANDOM
     from slipstream.models.tokenizers.byte_tokenizer import ByteTokenizer
 
     if not hasattr(assemble, "build_model"):

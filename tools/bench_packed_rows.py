@@ -51,7 +51,7 @@ def cpu_ms(fn, layers, xs, calls: int) -> float:
 def forward_table(args, lines: list[str]) -> None:
     from host_batch import Chunk, host_batch
 
-    from slipstream.models.loading.build import build_model
+    from slipstream.models.llama.build import build_model
     from slipstream.models.llama.model import KVCache
 
     model, _, config = build_model("random-smollm2-135m", "float32", torch.device("cpu"), pack=True)[:3]

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 
 from slipstream.models.kernels.attention import DeviceAttentionMetadata  # noqa: E402
-from slipstream.models.loading.build import RANDOM, random_weights  # noqa: E402
+from slipstream.models.llama.build import RANDOM, random_weights  # noqa: E402
 from host_batch import Chunk, host_batch  # noqa: E402
 from launch_counter import count_launches  # noqa: E402
 from slipstream.models.llama.model import KVCache, LlamaForCausalLM  # noqa: E402

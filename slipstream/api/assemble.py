@@ -9,7 +9,7 @@ import torch
 from slipstream.api.output_processor import OutputProcessor
 from slipstream.intmath import ceil_div
 from slipstream.metrics import EngineMetrics
-from slipstream.models.loading.build import DTYPES, build_model, cpu_backend_available
+from slipstream.models.llama.build import DTYPES, build_model, cpu_backend_available
 from slipstream.models.llama.model import KVCache
 from slipstream.params import EngineConfig
 from slipstream.runtime.cpu_invariance import row_multiple_for

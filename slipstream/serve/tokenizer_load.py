@@ -6,7 +6,7 @@ from typing import Any
 
 def load_tokenizer(spec: str) -> tuple[Any, int]:
     """(tokenizer, vocabulary size) for the spec a worker reports it serves."""
-    from slipstream.models.loading.build import RANDOM
+    from slipstream.models.llama.build import RANDOM
 
     if spec in RANDOM:
         from slipstream.models.tokenizers.byte_tokenizer import ByteTokenizer

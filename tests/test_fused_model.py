@@ -81,7 +81,7 @@ def test_cuda_graph_replay_equals_eager(options):
     """Every new kernel is graph-capturable: a captured mixed step replays to the eager logits."""
     _device("cuda")
     from host_batch import Chunk, host_batch
-    from slipstream.models.llama.model import KVCache
+    from slipstream.models.base import KVCache
     from triton_model_util import with_device_metadata
 
     cfg, dtype = tiny_config(), torch.bfloat16

@@ -16,9 +16,9 @@ from PIL import Image
 from host_batch import Chunk, host_batch
 from idefics3_fixture import IMAGE_SEQ_LEN, idefics3_folder  # noqa: F401 (a pytest fixture)
 from slipstream.errors import CorruptModelError, InvalidRequestError
-from slipstream.models.llama.build import build_model
+from slipstream.models.loading.build import build_model
 from slipstream.models.idefics3.processor import Idefics3Processing
-from slipstream.models.llama.model import KVCache
+from slipstream.models.base import KVCache
 
 pytest.importorskip("transformers")
 PAGE = 4

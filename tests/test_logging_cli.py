@@ -42,7 +42,7 @@ def test_library_use_prints_nothing_until_the_application_configures_logging():
         "sys.stderr.write('configured\\n')\n"
         "logging.basicConfig(level=logging.INFO, format='%(name)s|%(message)s|%(layers)s')\n"
         "import torch\n"
-        "from slipstream.models.llama.build import build_model\n"
+        "from slipstream.models.loading.build import build_model\n"
         "build_model('tiny-random', 'float32', torch.device('cpu'))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120)

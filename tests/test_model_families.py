@@ -22,7 +22,8 @@ from model_families import (
 )
 
 from slipstream.models.kernels.attention import AttentionMetadata
-from slipstream.models.llama.model import ForwardBatch, KVCache, LlamaForCausalLM
+from slipstream.models.base import ForwardBatch, KVCache
+from slipstream.models.llama.model import LlamaForCausalLM
 from slipstream.models.loading.loader import load_model
 from slipstream.models.tokenizers.tokenizer import Tokenizer
 

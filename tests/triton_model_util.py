@@ -5,7 +5,8 @@ import torch
 from slipstream.models.kernels.attention import DeviceAttentionMetadata
 from slipstream.models.llama.build import random_weights
 from host_batch import Chunk, host_batch
-from slipstream.models.llama.model import KVCache, LlamaForCausalLM
+from slipstream.models.base import KVCache
+from slipstream.models.llama.model import LlamaForCausalLM
 from slipstream.models.llama.forward_triton import TritonOptions
 
 

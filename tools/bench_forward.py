@@ -27,8 +27,8 @@ import sys as _sys
 _sys.path.insert(0, _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))))  # this checkout
 
 from slipstream.runtime.cpu_invariance import row_multiple_for  # noqa: E402
-from slipstream.models.llama.build import build_model  # noqa: E402
-from slipstream.models.llama.model import KVCache  # noqa: E402
+from slipstream.models.loading.build import build_model  # noqa: E402
+from slipstream.models.base import KVCache  # noqa: E402
 from host_batch import Chunk, host_batch  # noqa: E402
 
 

@@ -74,11 +74,16 @@ DEFAULT_STREAMS = (1, 8, 32, 128, 256, 512)
 # --- the null model ------------------------------------------------------------------------------
 
 class NullModel(nn.Module):
-    """LlamaForCausalLM's call signature, no math: logits are a view of a preallocated tensor.
+    """A `Model` (slipstream/models/base.py) with no math: logits are a view of a preallocated tensor.
 
     Row i's argmax is a lowercase letter (byte tokenizer ids), so outputs are real text and the
     detokeniser does its ordinary work; neighbouring rows get different letters.
     """
+
+    backend = "reference"  # (never moves: no mixed graphs, no compiled CPU kernels)
+    backends = ("reference",)
+    carry_heads = None
+    vision = None
 
     def __init__(self, config, max_rows: int, device: torch.device):
         super().__init__()
@@ -93,8 +98,11 @@ class NullModel(nn.Module):
     def forward(self, batch, kv) -> torch.Tensor:
         return self.logits[: batch.sample_indices.shape[0]]
 
-    def set_kernel_backend(self, backend: str) -> None:  # assemble calls it on CUDA
+    def set_kernel_backend(self, backend: str, options=None) -> None:  # assemble calls it on CUDA
         pass
+
+    def encode_image(self, image, mask=None) -> torch.Tensor:
+        raise TypeError("the null model takes no images")
 
     def set_attention_dtype(self, dtype) -> None:  # assemble calls it with batch_invariant on the CPU
         pass

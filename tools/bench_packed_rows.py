@@ -51,8 +51,8 @@ def cpu_ms(fn, layers, xs, calls: int) -> float:
 def forward_table(args, lines: list[str]) -> None:
     from host_batch import Chunk, host_batch
 
-    from slipstream.models.llama.build import build_model
-    from slipstream.models.llama.model import KVCache
+    from slipstream.models.loading.build import build_model
+    from slipstream.models.base import KVCache
 
     model, _, config = build_model("random-smollm2-135m", "float32", torch.device("cpu"), pack=True)[:3]
     packed = [m for m in model.modules() if isinstance(m, PackedLinear)]

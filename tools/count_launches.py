@@ -23,7 +23,8 @@ from slipstream.models.kernels.attention import DeviceAttentionMetadata  # noqa:
 from slipstream.models.llama.build import RANDOM, random_weights  # noqa: E402
 from host_batch import Chunk, host_batch  # noqa: E402
 from launch_counter import count_launches  # noqa: E402
-from slipstream.models.llama.model import KVCache, LlamaForCausalLM  # noqa: E402
+from slipstream.models.base import KVCache  # noqa: E402
+from slipstream.models.llama.model import LlamaForCausalLM  # noqa: E402
 from slipstream.models.llama.forward_triton import TritonOptions  # noqa: E402
 
 VARIANTS = {

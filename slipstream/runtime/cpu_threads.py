@@ -24,7 +24,7 @@ import structlog
 import torch
 
 from slipstream.models.kernels.attention import AttentionMetadata
-from slipstream.models.llama.model import ForwardBatch, KVCache
+from slipstream.models.base import ForwardBatch, KVCache
 
 log = structlog.get_logger(__name__)
 

@@ -1,20 +1,21 @@
-"""Build a ready model + tokenizer from a model spec (name, GGUF path, HF folder, tiny-random)."""
+"""The Llama family's build (models/llama/family.py): a ready model + tokenizer from a model spec (a known
+name, a GGUF path, an HF folder, Idefics3's included, or random weights) with dense, packed or quantized
+weights."""
 from __future__ import annotations
 
 import functools
 import time
-from pathlib import Path
 
 import structlog
 import torch
 
+from slipstream.models.base import DTYPES, BuildOptions
 from slipstream.models.config import RANDOM_CONFIGS, TINY, ModelConfig
 from slipstream.models.llama.model import LlamaForCausalLM
 
 log = structlog.get_logger(__name__)
 
 RANDOM = RANDOM_CONFIGS  # random weights, byte tokenizer (in config.py: the loader names them too)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -88,16 +89,6 @@ def forget_loaded() -> None:
     _load_quantized.cache_clear()
 
 
-def moondream_folder(spec: str) -> Path | None:
-    """The local folder `spec` names when it holds a moondream2 model (models/moondream/serving.py)."""
-    if spec in RANDOM:
-        return None
-    from slipstream.models.moondream.serving import is_moondream_folder
-
-    path = Path(spec).expanduser()
-    return path if is_moondream_folder(path) else None
-
-
 def quantized_source(spec: str, device: torch.device) -> bool:
     """Whether `spec` can run with quantized weights on `device`: a GGUF file, and on the CPU the
     compiled kernels (without them the quantized path would expand every weight on every step; the
@@ -116,42 +107,24 @@ def quantized_source(spec: str, device: torch.device) -> bool:
     return True
 
 
-def cpu_backend_available(model) -> bool:
-    """Whether `model` can run on the "cpu" kernel backend (models/llama/forward_cpu.py): a Llama-family model
-    (not Moondream's own layout) still on the reference backend, and the compiled kernels loaded."""
-    from slipstream.models.kernels.cpu_kernels import native_kernels
-    from slipstream.models.llama.model import LlamaForCausalLM
-
-    return (isinstance(model, LlamaForCausalLM) and model.vision is None and model.backend == "reference"
-            and native_kernels() is not None)
-
-
-def build_model(spec: str, dtype: str, device: torch.device, seed: int = 0, pack: bool = False,
-                weights: str = "dequantized", invariant: bool = False):
+def build_llama(spec: str, options: BuildOptions):
     """Returns (model, tokenizer, ModelConfig). `weights="quantized"`: a GGUF's quantized matrices stay
     quantized (models/kernels/quant_linear.py; `invariant`: batch-invariant CPU products); other sources, or
     "dequantized": float weights, where `pack` (CPU, float32) runs the projections through oneDNN
     with prepacked weights (slipstream/models/kernels/cpu_linear.py)."""
+    dtype, device, seed = options.dtype, options.device, options.seed
     t0 = time.perf_counter()
-    moondream = moondream_folder(spec)
-    if moondream is not None:  # its own layout: never packed (the Llama fast path does not apply)
-        from slipstream.models.moondream.serving import load_moondream_serving
-
-        model, tokenizer = load_moondream_serving(moondream, DTYPES[dtype], device)
-        log.info("model_ready", model=spec, layers=model.config.num_layers, vocab=model.config.vocab_size,
-                 dtype=dtype, device=str(device), architecture="moondream", seconds=round(time.perf_counter() - t0, 2))
-        return model, tokenizer, model.config
-    if weights == "quantized" and quantized_source(spec, device):
+    if options.weights == "quantized" and quantized_source(spec, device):
         loaded = _load_quantized(spec)
         config, tokenizer = loaded.config, loaded.tokenizer
-        model = LlamaForCausalLM.from_quantized(config, loaded.weights, DTYPES[dtype], device, invariant)
+        model = LlamaForCausalLM.from_quantized(config, loaded.weights, DTYPES[dtype], device, options.invariant)
         release_heap()
         log.info("model_ready", model=spec, layers=config.num_layers, vocab=config.vocab_size, dtype=dtype,
                  device=str(device), weights="quantized", seconds=round(time.perf_counter() - t0, 2))
         return model, tokenizer, config
     from slipstream.models.kernels.cpu_linear import can_pack
 
-    if pack and can_pack(DTYPES[dtype], device):
+    if options.pack and can_pack(DTYPES[dtype], device):
         config, weights, packed, tokenizer = _load_packed(spec, seed if spec in RANDOM else 0)
         model = LlamaForCausalLM.from_packed(config, weights, packed)
         log.info("model_ready", model=spec, layers=config.num_layers, vocab=config.vocab_size, dtype=dtype,

@@ -13,54 +13,20 @@ add folded into RMSNorm, the KV write folded into rotary, SiLU·up in the gate-u
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slipstream.models.kernels.attention import AttentionMetadata, paged_attention_reference, write_kv
-from slipstream.models.carry_heads import CarryHeads, CarryInput, apply_carry
+from slipstream.models.base import ForwardBatch, KVCache
+from slipstream.models.carry_heads import CarryHeads, apply_carry
 from slipstream.models.config import ModelConfig
+from slipstream.models.kernels.attention import paged_attention_reference, write_kv
 from slipstream.models.kernels.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
     from slipstream.models.llama.forward_triton import TritonOptions
-
-
-@dataclass
-class ForwardBatch:
-    input_ids: torch.Tensor  # [T] int64; T may include trailing padding tokens
-    positions: torch.Tensor  # [T] int64
-    kv_indices: torch.Tensor  # [T] int64, the KV index each token writes (padding -> scratch page)
-    sample_indices: torch.Tensor  # [N] int64, token rows whose logits are returned
-    attn: AttentionMetadata
-    # Images: after the token embedding, rows embed_rows ([K] int64) take embeds ([K, hidden], the
-    # vision tower's output for those placeholder tokens). None for text-only steps.
-    embed_rows: torch.Tensor | None = None
-    embeds: torch.Tensor | None = None
-    # The carry (models/carry_heads.py): rows whose kind is > 0 take their head value's encoding;
-    # return_hidden: the forward returns (logits, hidden of the sample rows). Off for steps without
-    # a carry row.
-    carry: CarryInput | None = None
-    return_hidden: bool = False
-
-
-class KVCache:
-    """Per-layer key/value pools of shape [num_pages * page_size, kv_heads, head_dim]."""
-
-    def __init__(self, config: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device):
-        shape = (config.num_layers, num_pages * page_size, config.num_kv_heads, config.head_dim)
-        # Uninitialised: attention reads only KV indices a forward has written (kv_len), so nothing needs
-        # zeros; and on the CPU untouched pages of a large pool stay out of resident memory (the
-        # page pool hands out low pages first and reuses freed ones, so the touched part stays small).
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
-        self.num_pages, self.page_size = num_pages, page_size
-
-    def bytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
 
 
 class RMSNorm(nn.Module):
@@ -211,6 +177,18 @@ class LlamaForCausalLM(nn.Module):
         model.load_state_dict(dense, strict=True, assign=True)
         # (QuantLinear / QuantEmbedding hold no parameters or buffers: .to leaves them as they are)
         return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+    @property
+    def backends(self) -> tuple[str, ...]:
+        """The kernel backends it runs on: the compiled CPU kernels only for a text-only model."""
+        return ("reference", "triton") if self.vision is not None else ("reference", "triton", "cpu")
+
+    def encode_image(self, image, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """An Idefics3 image's placeholder rows: its tiles (`image.pixel_values`, on the device) through
+        the vision tower; `mask` marks the tiles' real pixels (None: no padding)."""
+        if self.vision is None:
+            raise TypeError("encode_image on a model without a vision tower")
+        return self.vision.encode(image.pixel_values, mask)
 
     def set_attention_dtype(self, dtype: torch.dtype | None) -> None:
         for layer in self.model.layers:

@@ -22,7 +22,7 @@ from slipstream.models.moondream.vision import VisionEncoder
 if TYPE_CHECKING:
     from PIL import Image
 
-    from slipstream.models.llama.model import ForwardBatch, KVCache
+    from slipstream.models.base import ForwardBatch, KVCache
 
 
 class MoondreamForCausalLM(nn.Module):
@@ -46,6 +46,8 @@ class MoondreamForCausalLM(nn.Module):
         model.load_state_dict(weights, strict=True, assign=True)
         # the rotary tables were built on the CPU (not meta): .to() moves them with the weights
         return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+    backends = ("reference", "triton")  # (the compiled CPU kernels are the Llama layout's)
 
     def set_attention_dtype(self, dtype: torch.dtype | None) -> None:
         for block in self.text.blocks:
@@ -79,6 +81,7 @@ class MoondreamForCausalLM(nn.Module):
     def preprocess(self, image: "Image.Image") -> MoondreamImage:
         return preprocess(image, self.moondream_config.vision)
 
-    def encode_image(self, image: MoondreamImage) -> torch.Tensor:
-        """[tokens_per_image, hidden] embeddings for the image positions of a prompt."""
+    def encode_image(self, image: MoondreamImage, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """[tokens_per_image, hidden] embeddings for the image positions of a prompt (its crops are
+        never padded: `mask` is always None)."""
         return self.vision.encode(image.pixel_values, image.tiling)

@@ -33,7 +33,7 @@ from slipstream.models.moondream.vision import GeluMLP
 from slipstream.models.kernels.rotary import rotate_half_reference
 
 if TYPE_CHECKING:
-    from slipstream.models.llama.model import ForwardBatch, KVCache
+    from slipstream.models.base import ForwardBatch, KVCache
 
 
 class PartialRotary(nn.Module):

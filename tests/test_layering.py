@@ -156,3 +156,27 @@ def test_the_checks_see_what_they_check():
     g["slipstream.models.kernels.rotary"].append(("slipstream.models.llama.model", False))  # deferred in a function counts
     (circle,) = cycles(g)
     assert {"slipstream.models.llama.model", "slipstream.models.kernels.rotary"} <= set(circle)
+
+
+FAMILIES = ("slipstream.models.llama", "slipstream.models.idefics3", "slipstream.models.moondream",
+            "slipstream.models.registry")
+
+
+def test_kernels_and_tokenizers_import_no_model_family():
+    """models/kernels and models/tokenizers are rooms a family uses, never the other way round."""
+    g = graph()
+    bad = [f"{m} imports {d}" for m, deps in g.items() if m.startswith(("slipstream.models.kernels",
+                                                                          "slipstream.models.tokenizers"))
+           for d, _ in deps if d.startswith(FAMILIES)]
+    assert bad == []
+
+
+def test_a_model_is_asked_through_its_protocol():
+    """Outside models/, no probing of a model with getattr/hasattr and no comparing its backend by
+    name: the runner and the API ask what models/base.py's Model protocol names."""
+    import re
+
+    probe = re.compile(r"\b(getattr|hasattr)\((self\.)?model\b|\bmodel\.backend\s*==")
+    bad = [f"{p.relative_to(ROOT.parent)}:{i}" for p in sorted(ROOT.rglob("*.py")) if "models" not in p.parts
+           for i, line in enumerate(p.read_text().splitlines(), 1) if probe.search(line)]
+    assert bad == []

@@ -3,7 +3,7 @@ yields), aborted after its own count of yields if it has one, and awaited to its
 import asyncio
 
 from fake_runner import EOS, NullDetok
-from slipstream.api.output_processor import RequestState
+from slipstream.api.request_stream import RequestState
 from slipstream.errors import StepFailedError
 from slipstream.outputs import CompletionOutput, RequestMetrics
 from slipstream.params import SamplingParams

@@ -327,7 +327,7 @@ class Worker:
 
     def stats(self) -> dict:
         try:
-            stats = self.engine._stats()
+            stats = self.engine.stats_now()
         except EngineClosedError:
             stats = {}
         stats.update(clients=len(self._sessions), inflight=self._inflight, requests=self.num_requests,
@@ -340,7 +340,7 @@ class Worker:
         """Calls the engine answers at once, without generating: Client.chat_prompt / metrics_text."""
         try:
             if isinstance(msg, ChatPromptRequest):
-                return ChatPromptReply(seq=msg.seq, prompt=self.engine._chat_prompt(msg.messages))
+                return ChatPromptReply(seq=msg.seq, prompt=self.engine.submitter.chat_prompt(msg.messages))
             return MetricsReply(seq=msg.seq, text=self.engine.metrics.text())
         except SlipstreamError as e:
             return error_to_wire(e, seq=msg.seq)
@@ -350,7 +350,7 @@ class Worker:
 
     def _health(self, seq: int) -> HealthReply:
         try:
-            running = self.engine._stats() is not None
+            running = self.engine.stats_now() is not None
         except EngineClosedError:
             running = False
         return HealthReply(seq=seq, ready=running and not self._draining, draining=self._draining,

@@ -118,7 +118,7 @@ class ClientsBackend:
         return all(c.info is not None and c.info.accepts_images for c in self.clients)
 
     def _pick(self) -> int:
-        live = [i for i, c in enumerate(self.clients) if not c.draining and not c._closed]
+        live = [i for i, c in enumerate(self.clients) if not c.draining and not c.connection.closed]
         if not live:
             raise WorkerUnavailableError("no worker is accepting requests (all draining or gone)")
         return min(live, key=lambda i: self._inflight[i])

@@ -33,7 +33,7 @@ def test_cuda_modules_import_without_cupy_or_gpu():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a GPU")
 def test_cuda_device_without_gpu_is_a_clear_error():
-    from slipstream.runtime.device import make_device
+    from slipstream.runtime.devices import make_device
 
     with pytest.raises(RuntimeError, match="needs an NVIDIA GPU"):
         make_device("cuda")

@@ -11,9 +11,9 @@ Layers, highest first (a module may import its own layer and the ones below, nev
 Shared leaves, importable from every layer and importing only each other: errors.py, intmath.py,
 validate.py, logging_setup.py.
 
-Every import counts for the layers: top level, inside a function, under `if TYPE_CHECKING` (an
-upward annotation is still an upward dependency). For circles, every import except the
-`TYPE_CHECKING` ones: an import deferred into a function hides a circle, it does not remove it.
+Every import counts, for the layers and for circles: top level, inside a function, under `if
+TYPE_CHECKING` (an upward annotation is still an upward dependency; an import deferred into a
+function, or kept to annotations, hides a circle, it does not remove it).
 """
 from __future__ import annotations
 
@@ -100,9 +100,10 @@ def layering_violations(g: dict[str, list[tuple[str, bool]]]) -> list[str]:
     return sorted(set(bad))
 
 
-def cycles(g: dict[str, list[tuple[str, bool]]]) -> list[list[str]]:
-    """Strongly connected components of more than one module (Tarjan), TYPE_CHECKING imports left out."""
-    edges = {m: sorted({d for d, typing_only in deps if not typing_only and d in g and d != m})
+def cycles(g: dict[str, list[tuple[str, bool]]], typing: bool = True) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan); `typing=False` leaves the
+    TYPE_CHECKING imports out."""
+    edges = {m: sorted({d for d, typing_only in deps if (typing or not typing_only) and d in g and d != m})
              for m, deps in g.items()}
     index: dict[str, int] = {}
     low: dict[str, int] = {}

@@ -14,7 +14,7 @@ from torch import nn
 from slipstream import Engine, EngineConfig, SamplingParams
 from slipstream.errors import ModelNotFoundError
 from slipstream.models import registry
-from slipstream.models.base import Architecture, BuildOptions, ForwardBatch, KVCache
+from slipstream.models.base import BuildOptions, ForwardBatch, KVCache, ModelFamily
 from slipstream.models.config import tiny_config
 from slipstream.models.tokenizers.byte_tokenizer import OFFSET, ByteTokenizer
 
@@ -57,7 +57,7 @@ def build_counting(spec: str, options: BuildOptions):
     return model, ByteTokenizer(model.config.vocab_size), model.config
 
 
-COUNTING = Architecture(name="counting", build=build_counting, claims=lambda spec: spec == SPEC)
+COUNTING = ModelFamily(name="counting", build=build_counting, claims=lambda spec: spec == SPEC)
 
 
 @pytest.fixture

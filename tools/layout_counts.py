@@ -31,11 +31,6 @@ layering = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
 _spec.loader.exec_module(layering)  # type: ignore[union-attr]
 
 
-def typing_graph(g: dict[str, list[tuple[str, bool]]]) -> dict[str, list[tuple[str, bool]]]:
-    """TYPE_CHECKING imports counted as real ones."""
-    return {m: [(d, False) for d, _ in deps] for m, deps in g.items()}
-
-
 def mypy_errors() -> tuple[int, Counter]:
     conf = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["mypy"]
     overrides = [o for o in conf.get("overrides", []) if not o.get("ignore_errors")]
@@ -108,9 +103,9 @@ def main() -> None:
         say(f"  {n:5d} {f.relative_to(pkg.parent)}")
     full = layering.graph()
     top = layering.graph(deferred=False)
-    for label, g in (("module level", top), ("with deferred imports", full),
-                     ("with TYPE_CHECKING imports too", typing_graph(full))):
-        cyc = layering.cycles(g)
+    for label, g, typing in (("module level", top, False), ("with deferred imports", full, False),
+                             ("with TYPE_CHECKING imports too", full, True)):
+        cyc = layering.cycles(g, typing)
         say(f"import circles, {label}: {len(cyc)}" + "".join(f"\n  {' <-> '.join(c)}" for c in cyc))
     private = private_calls_across_files()
     say(f"private attributes read on another object (x._name, x not self/cls): {len(private)}"

@@ -14,7 +14,7 @@ from slipstream.models.base import DTYPES, KVCache, Model
 from slipstream.models.loading.build import build_model, cpu_backend_available
 from slipstream.params import EngineConfig
 from slipstream.runtime.cpu_invariance import row_multiple_for
-from slipstream.runtime.device import make_device
+from slipstream.runtime.devices import make_device
 from slipstream.runtime.model_runner import ModelRunner
 from slipstream.scheduler.engine_loop import EngineLoop
 from slipstream.scheduler.page_pool import PagePool

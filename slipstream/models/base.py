@@ -3,7 +3,7 @@ takes and the paged `KVCache` it reads and writes.
 
 The runtime (runtime/model_runner.py and its parts) and the API's assembly (api/assemble.py) ask a
 model only what `Model` names; a family (models/llama, models/idefics3, models/moondream) implements
-it and is built through models/registry.py by its architecture name. Nothing here imports a family.
+it and is built through models/registry.py by its family name. Nothing here imports a family.
 """
 from __future__ import annotations
 
@@ -105,7 +105,7 @@ class BuildOptions:
 
 
 @dataclass(frozen=True)
-class Architecture:
+class ModelFamily:
     """A model family as models/registry.py knows it: how to recognise and build one, and what turns a
     request's images into prompt rows for it."""
 

@@ -3,7 +3,7 @@ Its decoder is the Llama family's, loaded by the same loader (models/loading/loa
 vision tower as the model's `vision`; its image processing expands each image into tiles' rows."""
 from __future__ import annotations
 
-from slipstream.models.base import Architecture, BuildOptions, Model
+from slipstream.models.base import BuildOptions, Model, ModelFamily
 
 
 def _claims(spec: str) -> bool:
@@ -31,4 +31,4 @@ def _image_processing(model: Model):
     return Idefics3Processing.for_vision(model.config.vision)
 
 
-IDEFICS3 = Architecture(name="idefics3", build=_build, claims=_claims, image_processing=_image_processing)
+IDEFICS3 = ModelFamily(name="idefics3", build=_build, claims=_claims, image_processing=_image_processing)

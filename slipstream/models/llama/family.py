@@ -2,7 +2,7 @@
 HF folders, known names, hub ids) and the random-weight test models; the fallback for every spec."""
 from __future__ import annotations
 
-from slipstream.models.base import Architecture, BuildOptions
+from slipstream.models.base import BuildOptions, ModelFamily
 
 
 def _build(spec: str, options: BuildOptions):
@@ -11,4 +11,4 @@ def _build(spec: str, options: BuildOptions):
     return build_llama(spec, options)
 
 
-LLAMA = Architecture(name="llama", build=_build, claims=lambda spec: True)
+LLAMA = ModelFamily(name="llama", build=_build, claims=lambda spec: True)

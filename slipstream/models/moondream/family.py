@@ -7,7 +7,7 @@ from pathlib import Path
 
 import structlog
 
-from slipstream.models.base import DTYPES, Architecture, BuildOptions, Model
+from slipstream.models.base import DTYPES, BuildOptions, Model, ModelFamily
 
 log = structlog.get_logger(__name__)
 
@@ -38,4 +38,4 @@ def _image_processing(model: Model):
     return MoondreamProcessing(model.moondream_config)
 
 
-MOONDREAM = Architecture(name="moondream", build=_build, claims=_claims, image_processing=_image_processing)
+MOONDREAM = ModelFamily(name="moondream", build=_build, claims=_claims, image_processing=_image_processing)

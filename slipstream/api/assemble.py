@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 import torch
@@ -14,6 +15,7 @@ from slipstream.models.base import DTYPES, KVCache, Model
 from slipstream.models.loading.build import build_model, cpu_backend_available
 from slipstream.params import EngineConfig
 from slipstream.runtime.cpu_invariance import row_multiple_for
+from slipstream.runtime.device import Device
 from slipstream.runtime.devices import make_device
 from slipstream.runtime.model_runner import ModelRunner
 from slipstream.scheduler.engine_loop import EngineLoop
@@ -27,17 +29,17 @@ CPU_KV_TOKENS = 32768
 
 @dataclass
 class EngineParts:
-    device: object
+    device: Device
     runner: ModelRunner
     pool: PagePool
     loop: EngineLoop
-    tokenizer: object
-    model_config: object
+    tokenizer: Any  # the model's (models/tokenizers/)
+    model_config: Any  # ModelConfig's fields (Moondream's text section has the same names)
     max_model_len: int
     metrics: EngineMetrics | None = None
     tracer: Tracer | None = None  # only with EngineConfig(trace=True)
     encoder_row_bytes: int = 0  # bytes of one encoder output row (the encoder cache's stats)
-    image_processing: object = None  # the model's image preprocessing and prompt expansion (None: text only)
+    image_processing: Any = None  # the model's image preprocessing and prompt expansion (None: text only)
 
     def close(self) -> None:
         self.device.close()  # (synchronizes: no replay is pending)

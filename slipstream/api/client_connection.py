@@ -18,7 +18,7 @@ import asyncio
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Self
+from typing import Any, Self
 
 import msgspec
 import structlog
@@ -77,8 +77,9 @@ class WorkerConnection:
         self._enc = msgspec.msgpack.Encoder()
         self._dec = frame_decoder()
         self._last_heard = 0.0
-        self._sock: zmq.asyncio.Socket | None = None
-        self._monitor: zmq.asyncio.Socket | None = None
+        # zmq.asyncio sockets (None: not open); their NOBLOCK calls return futures that are done
+        self._sock: Any = None
+        self._monitor: Any = None
         self._pump_task: asyncio.Task | None = None
         self.closed = False
         self._up = asyncio.Event()  # set while a connection to a worker is established (monitor)
@@ -297,7 +298,7 @@ class WorkerConnection:
 
     def _route(self, msg) -> None:
         if isinstance(msg, Delta | Result) or (isinstance(msg, Error) and msg.request_id is not None):
-            p = self.pending.get(msg.request_id)
+            p = self.pending.get(msg.request_id) if msg.request_id is not None else None
             if p is None:
                 return  # a request we already gave up on (aborted, cancelled, timed out)
             if isinstance(msg, Delta):

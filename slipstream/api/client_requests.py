@@ -64,7 +64,10 @@ class ClientRequests:
             params.check()
         images = prompt.get("images") or []
         if "messages" in prompt:
-            tools = tools_fields(*prompt["tools"], params) if "tools" in prompt else {}
+            tools: dict = {}
+            if "tools" in prompt:
+                listed, choice, parallel = prompt["tools"]
+                tools = tools_fields(listed, choice, parallel, params)
             prompt = {"messages": check.messages(prompt["messages"]), **tools}
         else:  # token ids are range-checked by the worker, which knows the vocabulary
             prompt = {"prompt": check.prompt(prompt["prompt"], vocab_size=2**63)}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import Any, Self, Sequence
+from typing import TYPE_CHECKING, Any, Self, Sequence, cast
 
 import structlog
 
@@ -26,6 +26,9 @@ from slipstream.api.request_stream import RequestStream
 from slipstream.api.skills import SkillMethods
 from slipstream.tool_calls.plan import make_plan
 from slipstream.images import ImageLike, require_vision
+
+if TYPE_CHECKING:
+    from slipstream.api.assemble import EngineParts
 
 log = structlog.get_logger(__name__)
 
@@ -49,6 +52,8 @@ def prefix_cache_stats(cache) -> dict[str, Any]:
 
 
 class Engine(SkillMethods):
+    _parts: EngineParts  # set by start()
+
     def __init__(self, config: EngineConfig | None = None, **overrides):
         if config is not None and not isinstance(config, EngineConfig):
             raise InvalidRequestError(f"config must be an EngineConfig, got {type(config).__name__} (keywords: "
@@ -57,7 +62,8 @@ class Engine(SkillMethods):
         self._loop_task: asyncio.Task | None = None
         self._owner: asyncio.AbstractEventLoop | None = None
         self.submitter = Submitter(self.config, self._check_running)  # requests in, and their table
-        self.tokenizer = None
+        self.tokenizer: Any = None
+        self.model_config: Any = None  # ModelConfig's fields, once started
         self._gc_held = False  # gc_freeze.hold() called, release() not yet
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -75,10 +81,10 @@ class Engine(SkillMethods):
         # an engine (gc_freeze.py); counted for every engine, so none freezes while another runs
         gc_freeze.hold(self.config.freeze_gc)
         self._gc_held = True
-        self._parts = None
+        parts = None
         try:
-            self._parts = await asyncio.to_thread(assemble, self.config)
-            self.tokenizer, self.model_config = self._parts.tokenizer, self._parts.model_config
+            parts = self._parts = await asyncio.to_thread(assemble, self.config)
+            self.tokenizer, self.model_config = parts.tokenizer, parts.model_config
             await asyncio.to_thread(byte_table, self.tokenizer)  # built once here, not on the first request
             self.loop = self._parts.loop
             self.max_model_len = self._parts.max_model_len
@@ -94,8 +100,8 @@ class Engine(SkillMethods):
             self._loop_task = asyncio.create_task(self.loop.run(), name="slipstream-engine-loop")
             self._loop_task.add_done_callback(self._loop_ended)
         except BaseException:  # a failed start leaves no device threads and no gc hold behind
-            if self._parts is not None:
-                self._parts.close()
+            if parts is not None:
+                parts.close()
             self._gc_held = False
             gc_freeze.release()
             raise
@@ -210,8 +216,8 @@ class Engine(SkillMethods):
         if plan is None:
             return await self._complete(self.submitter.chat_prompt(messages), params, request_id, found, fields)
         plan, params = plan.params(params)
-        return plan.output(await self._complete(self.submitter.chat_prompt(messages, plan), params, request_id,
-                                                found, fields))
+        out = await self._complete(self.submitter.chat_prompt(messages, plan), params, request_id, found, fields)
+        return plan.output(cast(CompletionOutput, out))  # (n == 1 with tools: ToolPlan.params refuses more)
 
     def chat_stream(self, messages: Messages, params: SamplingParams | None = None,
                     request_id: str | None = None, *, images: Sequence[ImageLike] = (), tools: Tools = None,

@@ -17,7 +17,7 @@ import secrets
 import time
 import weakref
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
 
 from slipstream import validate as check
 from slipstream.errors import EngineClosedError, GrammarCompileError, GrammarError, InvalidRequestError
@@ -96,7 +96,7 @@ class Submitter:
         try:
             grammar = await self.grammars.compile_async(spec) if spec is not None else None
             matcher = grammar.matcher() if grammar is not None else None
-            carry = self._carry_of(grammar, spec.kind) if grammar is not None else ()
+            carry = self._carry_of(grammar, spec.kind) if grammar is not None and spec is not None else ()
         except GrammarError as e:
             e.param = params.grammar_field()
             raise
@@ -119,9 +119,9 @@ class Submitter:
                           presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
                           repetition_penalty=params.repetition_penalty, min_p=params.min_p,
                           min_tokens=params.min_tokens, top_logprobs=params.top_logprobs,
-                          stop_ids=tuple(sorted(frozenset(eos) | frozenset(params.stop_token_ids))), carry=carry)
+                          stop_ids=tuple(sorted(frozenset(eos) | frozenset(params.stop_token_ids or ()))), carry=carry)
         req = RequestState(request_id, ids, params, make_detokenizer(self.tokenizer, ids),
-                           frozenset(eos) | frozenset(params.stop_token_ids), RequestMetrics(time.perf_counter()),
+                           frozenset(eos) | frozenset(params.stop_token_ids or ()), RequestMetrics(time.perf_counter()),
                            matcher=matcher, streaming=streaming)
         # without stop strings, the tick ends it at the grammar's completion (output_processor.accept)
         seq = SchedSeq(request_id, ids, max_tokens, row, user=req, matcher=matcher, ends_with_grammar=not params.stop,
@@ -221,7 +221,7 @@ class Submitter:
         if skill is None:  # (a region skill's prompt was checked to be empty: the template replaces it)
             prompt = check.prompt(prompt, self.model_config.vocab_size)
         if isinstance(images, (str, bytes)) or not isinstance(images, (list, tuple)):
-            images = [images]  # one image given bare
+            images = [cast(ImageLike, images)]  # one image given bare
         images = list(images)
         fields = list(fields) if fields is not None else [f"images[{i}]" for i in range(len(images))]
         image_token = self.model_config.image_token_id

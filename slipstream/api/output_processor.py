@@ -37,6 +37,7 @@ import structlog
 
 from slipstream.api.output_text import Outcome, RequestFailed, TextPhase, Work, wrap_error
 from slipstream.api.request_stream import RequestState
+from slipstream.faults import FaultInjector
 from slipstream.errors import GrammarError, GrammarMatchError, PipelineInvariantError, RequestFailedError, SlipstreamError
 from slipstream.outputs import CompletionOutput, RequestMetrics, StreamDelta, Usage
 from slipstream.scheduler.output_sink import Finish
@@ -49,14 +50,18 @@ STAGE_SLICE = 64  # requests processed between two looks at the clock
 STAGE_SLICE_S = 0.001
 
 
+def _unbound(seq: Sequence, reason: str) -> bool:
+    raise PipelineInvariantError("the output processor is not bound to an engine loop")
+
+
 class OutputProcessor(TextPhase):
     """The API layer's OutputSink (slipstream/scheduler/output_sink.py) and its output stage."""
 
     def __init__(self, text_thread: bool = False) -> None:
-        self._finish: Finish | None = None  # the EngineLoop's finish, bound by it
+        self._finish: Finish = _unbound  # the EngineLoop's finish, bound by it
         # EngineConfig(output_stage="thread"): the text phase of each pass runs on this thread
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="slipstream-output") if text_thread else None
-        self.faults = None  # tests only: a slipstream.faults.FaultInjector
+        self.faults: FaultInjector | None = None  # tests only
         self._todo: list[RequestState] = []
         self._inflight: tuple[list[Work], Future] | None = None  # the thread's pass, not delivered yet
         self.commit_time = 0.0  # set by the EngineLoop before each commit: the time of every token in it
@@ -213,6 +218,7 @@ class OutputProcessor(TextPhase):
             req.queued = False
             if not req.closed and req.seq is not None:
                 work.append(self._snapshot(req, req.seq))
+        assert self._pool is not None  # (a threaded pass only with text_thread)
         future = self._pool.submit(self._texts_of, work)
         self._inflight = (work, future)
         try:
@@ -287,6 +293,7 @@ class OutputProcessor(TextPhase):
         if req.closed:
             return
         seq = req.seq
+        assert seq is not None  # (snapshot only once the request has its first token)
         if o.error is not None:
             self._finish(seq, "abort")
             self._deliver_error(req, o.error)

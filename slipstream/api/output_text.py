@@ -11,14 +11,16 @@ detokeniser fails only that request.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 from slipstream.api.request_stream import RequestState
 from slipstream.errors import RequestFailedError, SlipstreamError
+from slipstream.faults import FaultInjector
 
 
 class TextPhase:
     """The text phase's methods, a base of OutputProcessor."""
 
-    faults: object | None  # OutputProcessor's fault injector (tests only)
+    faults: FaultInjector | None  # OutputProcessor's fault injector (tests only)
 
     def _texts_of(self, work: list["Work"]) -> list["Outcome"]:
         return [self._texts(*w) for w in work]
@@ -42,7 +44,7 @@ class TextPhase:
     def _scan_stops(self, req: RequestState, start: int, tokens: list[int], end_at: int | None, end_reason: str | None,
                     grammar_done_at: int | None, max_tokens: int) -> "Outcome":
         """Token by token: the first of stop token, stop string, finished grammar, max_tokens ends it."""
-        stops = req.params.stop
+        stops = cast(tuple[str, ...], req.params.stop)  # (SamplingParams normalises it to a tuple)
         longest = max(map(len, stops))
         for i, token in enumerate(tokens, start):
             reason, truncated = None, False

@@ -8,9 +8,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from slipstream.grammar.base import Matcher
 from slipstream.outputs import CompletionOutput, RequestMetrics, StreamDelta
 from slipstream.params import SamplingParams
 from slipstream.scheduler.sequence import Sequence
+from slipstream.tool_calls.parser import ToolCallParser
 from slipstream.tool_calls.plan import ToolPlan, make_plan, with_calls
 
 
@@ -57,7 +59,7 @@ class RequestState:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    detok: object  # IncrementalDetokenizer or ByteStreamDetokenizer (models/tokenizers/byte_stream.py)
+    detok: Any  # IncrementalDetokenizer or ByteStreamDetokenizer (models/tokenizers/byte_stream.py)
     stop_token_ids: frozenset[int]
     metrics: RequestMetrics
     queue: Mailbox = field(default_factory=Mailbox)
@@ -65,7 +67,7 @@ class RequestState:
     pieces: list[str] = field(default_factory=list)  # text already streamed, in order
     pending: str = ""  # decoded text not streamed yet (held back while it may start a stop string)
     output: CompletionOutput | None = None
-    matcher: object | None = None  # grammar matcher (slipstream.grammar), advanced on each commit
+    matcher: Matcher | None = None  # grammar matcher (slipstream.grammar), advanced on each commit
     logprobs: list[float] = field(default_factory=list)
     seq: Sequence | None = None  # set by the OutputProcessor at its first token
     # output-stage bookkeeping
@@ -117,7 +119,7 @@ class RequestStream:
         self._done = False
         self._carry: list[int] = []  # ids of tokens that produced no text yet (see _merge)
         self._tools = False  # chat with tools: deltas carry their content and tool_calls
-        self._parser = None
+        self._parser: ToolCallParser | None = None
 
     def __aiter__(self) -> "RequestStream":
         return self

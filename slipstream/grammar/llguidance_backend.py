@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import threading
 import weakref
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -148,7 +148,8 @@ def grammar_source(spec: GrammarSpec) -> str:
         if not isinstance(schema, (dict, bool)):
             raise GrammarCompileError(f"invalid JSON schema: expected an object, got {type(schema).__name__}")
         try:
-            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
+            # (a bool schema is JSON Schema's true / false; the options are llguidance's JsonCompileOptions)
+            return llguidance.LLMatcher.grammar_from_json_schema(cast(Any, schema), defaults=cast(Any, JSON_DEFAULTS))
         except (ValueError, TypeError) as e:
             raise GrammarCompileError(f"invalid JSON schema: {e}") from None
     if spec.kind == "regex":

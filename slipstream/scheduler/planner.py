@@ -155,7 +155,7 @@ class Planner:
             work = next_chunk(seq, share) if share > 0 else None
             if work is None or not self._reserve(seq, work.end_pos, victims=[]):
                 continue
-            if encodes:
+            if encodes and encoder is not None:  # (only an encoder budget gives encodes)
                 encoder.take(encodes)
             chunks.append(work)
             chunk_seqs.append(seq)

@@ -33,7 +33,7 @@ from slipstream.api.encode import check_prompt_chars, encode_off_loop
 from slipstream.api.image_prompt import IMAGE_MARKER, prepare_images_off_loop
 from slipstream.api.request_stream import RequestState
 from slipstream.scheduler.block_hash import image_key, salt_key
-from slipstream.scheduler.sequence import Sequence as SchedSeq
+from slipstream.scheduler.sequence import ImageState, PrefixState, Sequence as SchedSeq
 from slipstream.images import ImageLike, check_image_fields, require_vision
 from slipstream.tool_calls.plan import ToolPlan, has_tool_messages, tool_prompt
 
@@ -125,9 +125,9 @@ class Submitter:
                            matcher=matcher, streaming=streaming)
         # without stop strings, the tick ends it at the grammar's completion (output_processor.accept)
         seq = SchedSeq(request_id, ids, max_tokens, row, user=req, matcher=matcher, ends_with_grammar=not params.stop,
-                       images=spans,
+                       images=ImageState(spans) if spans else None,
                        bidirectional_len=bidirectional,
-                       cache_extra=salt_key(params.cache_salt) if params.prefix_caching else None)
+                       prefix=PrefixState(salt_key(params.cache_salt) if params.prefix_caching else None))
         self.requests[request_id] = seq
         self.loop.submit(seq)
         return seq

@@ -344,7 +344,7 @@ class OutputProcessor(TextPhase):
             observe(reason)
         p, c = len(req.prompt_ids), len(seq.output_ids)
         usage = Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c,
-                      cached_tokens=seq.num_cached_tokens)
+                      cached_tokens=seq.prefix.num_cached_tokens)
         self._emit(req, token_ids, reason, usage)
         req.output = CompletionOutput(
             request_id=req.request_id,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import json
 import math
-from typing import Any, Literal, cast, overload
+from typing import Any, Literal, cast, get_args, overload
 
 import msgspec
 
@@ -170,7 +170,8 @@ def prompt(value: Any, vocab_size: int) -> str | list[int]:
     return ids
 
 
-CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
+ChatRole = Literal["system", "user", "assistant", "developer", "tool"]
+CHAT_ROLES: tuple[str, ...] = get_args(ChatRole)
 
 
 def messages(value: Any) -> list[dict[str, Any]]:

@@ -50,7 +50,7 @@ class Submitter:
         # the Engine's check (raises unless it runs, on its own event loop), held weakly: the engine
         # holds its submitter, and a cycle between the two, frozen by gc_freeze with the engine
         # (built before its start), would keep a closed engine alive (tests/test_gc_freeze.py)
-        self._check = weakref.WeakMethod(check_running)  # type: ignore[arg-type]
+        self._check = weakref.WeakMethod(check_running)
         self.requests: dict[str, SchedSeq] = {}
         self._ids = itertools.count()
         self._id_prefix = f"req-{secrets.token_hex(4)}-"  # auto ids never look like a user's "req-1"

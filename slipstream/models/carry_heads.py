@@ -28,7 +28,10 @@ __all__ = ["CarryHeads", "CarryInput", "CarryKind", "apply_carry", "carry_width"
 
 @runtime_checkable
 class CarryHeads(Protocol):
-    kinds: Sequence[CarryKind]  # kind k >= 1 is kinds[k - 1]
+    @property
+    def kinds(self) -> Sequence[CarryKind]:
+        """Kind k >= 1 is kinds[k - 1]."""
+        ...
 
     def decode(self, kind: int, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states [n, H] -> float32 values [n, kinds[kind - 1].values]."""

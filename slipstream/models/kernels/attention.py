@@ -179,8 +179,10 @@ def bidirectional_prefix_mask(q_len: int, kv_len: int, prefix: int, device: torc
 def _decode_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: CPUAttentionPlan,
                     out: torch.Tensor) -> torch.Tensor:
     """One query per sequence, all sequences in one SDPA call over padded, masked keys."""
-    n, longest = plan.padded.shape
-    flat = plan.padded.view(-1)  # index_select of KV indices: several times faster than advanced indexing here
+    padded = plan.padded
+    assert padded is not None  # (built for a decode-only step: _decode_batched's only caller)
+    n, longest = padded.shape
+    flat = padded.view(-1)  # index_select of KV indices: several times faster than advanced indexing here
     k = k_cache.index_select(0, flat).view(n, longest, *k_cache.shape[1:]).transpose(1, 2)  # [S, kv_heads, L, D]
     v = v_cache.index_select(0, flat).view(n, longest, *v_cache.shape[1:]).transpose(1, 2)
     o = F.scaled_dot_product_attention(q[:n].unsqueeze(2), k, v, attn_mask=plan.mask, enable_gqa=True)

@@ -73,6 +73,7 @@ def compile_library(cc: str, out: Path) -> float:
     """Compile SOURCES into `out` (atomically: a temp file renamed into place); returns the seconds. A
     compiler without OpenMP (Apple's clang) gets a second try without it: single-threaded kernels."""
     out.parent.mkdir(parents=True, exist_ok=True)
+    tmp: str | None
     fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=out.name + ".", suffix=".tmp")
     os.close(fd)
     t0 = time.perf_counter()

@@ -13,11 +13,13 @@ unfused; the model then runs them one by one.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 
-def fuse_linears(linears: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+def fuse_linears(linears: list[Any]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """(weight [sum(out), in], bias or None) of `linears` stacked by output rows, with each layer's
     parameters re-pointed at their rows; None (nothing changed) unless all are dense nn.Linear of
     one input size, dtype and device, with biases on all or none."""

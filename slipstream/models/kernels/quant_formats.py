@@ -22,6 +22,7 @@ the loader dequantises them to float.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -128,8 +129,8 @@ def _joined(parts: list[torch.Tensor]) -> torch.Tensor | None:
             return None
         at += p.numel()
     rows = sum(p.shape[0] for p in parts)
-    return torch.empty(0, dtype=first.dtype, device=first.device).set_(storage, first.storage_offset(),
-                                                                      (rows, *first.shape[1:]))
+    view: Any = torch.empty(0, dtype=first.dtype, device=first.device)  # (set_'s stubs take no untyped storage)
+    return view.set_(storage, first.storage_offset(), (rows, *first.shape[1:]))
 
 
 def concat(weights: list[QuantWeight]) -> QuantWeight | None:
@@ -148,7 +149,8 @@ def concat(weights: list[QuantWeight]) -> QuantWeight | None:
         return torch.cat(parts) if joined is None else joined
 
     return QuantWeight(first.kind, cat([w.values for w in weights]), cat([w.scales for w in weights]),
-                       None if first.offsets is None else cat([w.offsets for w in weights]), first.group,
+                       None if first.offsets is None else cat([cast(torch.Tensor, w.offsets) for w in weights]),
+                       first.group,
                        first.source, sum(w.rows for w in weights), first.cols)
 
 
@@ -212,6 +214,9 @@ def repack(ggml_type: str, raw: np.ndarray, k: int) -> QuantWeight:
     n = raw.shape[0]
     b = np.asarray(raw, dtype=np.uint8).reshape(n, k // per, nbytes)
     kind, group, offsets = QUANTIZED_TYPES[ggml_type], 32, None
+    q: np.ndarray  # (each block format builds these its own way)
+    qh: np.ndarray
+    high: np.ndarray
     if ggml_type in ("Q4_0", "Q4_1"):
         d = _f16(b[..., 0:2])
         q = _low_high(b[..., 4 if ggml_type == "Q4_1" else 2:])

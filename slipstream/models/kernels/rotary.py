@@ -21,6 +21,9 @@ def rotate_half_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
 class RotaryEmbedding(nn.Module):
     """Cos/sin tables for every position, indexed by token position (no per-step recompute)."""
 
+    cos: torch.Tensor  # [max_position_embeddings, head_dim] buffers
+    sin: torch.Tensor
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         d = config.head_dim

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import time
+from typing import Any
 
 import structlog
 import torch
@@ -54,6 +55,7 @@ def _load_packed(spec: str, seed: int):
     engines of one process like _load_cached; holds no dense copy of what it packed."""
     from slipstream.models.kernels.cpu_linear import pack_weights
 
+    tokenizer: Any  # the byte tokenizer or the checkpoint's
     if spec in RANDOM:
         from slipstream.models.tokenizers.byte_tokenizer import ByteTokenizer
 
@@ -63,7 +65,7 @@ def _load_packed(spec: str, seed: int):
         from slipstream.models.loading.loader import load_model
 
         loaded = load_model(spec, dtype=torch.float32, weights="dequantized")
-        config, weights, tokenizer = loaded.config, dict(loaded.weights), loaded.tokenizer
+        config, weights, tokenizer = loaded.config, dict[str, Any](loaded.weights), loaded.tokenizer
         del loaded  # its dict must not keep the dense matrices alive
     t0 = time.perf_counter()
     packed = pack_weights(config, weights)

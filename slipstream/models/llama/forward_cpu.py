@@ -24,6 +24,7 @@ A step with a bidirectional prefix (Moondream-style) runs on the reference backe
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +34,7 @@ from slipstream.models.kernels.cpu_kernels import Layer, QMat, native_kernels
 from slipstream.models.kernels.quant_formats import concat
 from slipstream.models.kernels.quant_linear import QuantLinear, cpu_matmul, ptr_or_none as _ptr
 
-def _fuse(linears: list[nn.Module]) -> QuantLinear | None:
+def _fuse(linears: list[Any]) -> QuantLinear | None:
     """A QuantLinear over `linears` stacked, each re-pointed at its panels of it (one copy in memory)."""
     if not all(isinstance(m, QuantLinear) for m in linears):
         return None
@@ -101,7 +102,7 @@ def _qmat(linear: QuantLinear) -> QMat:
                 w.values.data_ptr(), w.scales.data_ptr(), _ptr(w.offsets), _ptr(linear.bias))
 
 
-def decoder_layers(model) -> ctypes.Array | None:
+def decoder_layers(model) -> Any:
     """The model's layers as llama_forward_cpu.c's layer_t array (built once, kept on the model), or
     None unless every projection is quantized and q/k/v and gate/up are fused."""
     cached = getattr(model, "_cpu_layers", False)
@@ -123,7 +124,7 @@ def decoder_layers(model) -> ctypes.Array | None:
 def forward_cpu(model, x: torch.Tensor, batch, kv) -> torch.Tensor:
     """The final-normed hidden states of batch.sample_indices from the embedded tokens `x` (float32 on
     the CPU), which become the residual stream (updated in place)."""
-    lib = native_kernels()
+    lib: Any = native_kernels()  # (this backend is set only with the kernels loaded)
     c = model.config
     t, hidden, hq, hk, d = x.shape[0], c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
     x = x.contiguous()

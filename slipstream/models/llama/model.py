@@ -13,7 +13,7 @@ add folded into RMSNorm, the KV write folded into rotary, SiLU·up in the gate-u
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -97,6 +97,8 @@ class DecoderLayer(nn.Module):
 
 
 class _Body(nn.Module):
+    embed_tokens: Any  # nn.Embedding, or a QuantEmbedding (from_quantized)
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         # An explicit (uninitialised) weight skips nn.Embedding's random init: on the meta device that
@@ -108,17 +110,19 @@ class _Body(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    lm_head: Any  # nn.Linear, packed or quantized (from_packed / from_quantized); absent when tied
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
         self.model = _Body(config)
         self.rope = RotaryEmbedding(config)
         self.backend = "reference"
-        self.triton_options = None  # forward_triton.TritonOptions, on the triton backend
+        self.triton_options: TritonOptions | None = None  # on the triton backend
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.carry_heads: CarryHeads | None = None  # heads whose values a row may carry (carry_heads.py)
-        self.vision: nn.Module | None = None  # Idefics3: vision tower + connector (models/idefics3/vision.py)
+        self.vision: Any = None  # Idefics3: vision tower + connector (models/idefics3/vision.py)
         if config.vision is not None:
             from slipstream.models.idefics3.vision import Idefics3Vision
 
@@ -191,6 +195,7 @@ class LlamaForCausalLM(nn.Module):
         return self.vision.encode(image.pixel_values, mask)
 
     def set_attention_dtype(self, dtype: torch.dtype | None) -> None:
+        layer: Any
         for layer in self.model.layers:
             layer.self_attn.compute_dtype = dtype
 
@@ -221,8 +226,8 @@ class LlamaForCausalLM(nn.Module):
 
             if options is not None and not isinstance(options, llama_triton.TritonOptions):
                 raise TypeError(f"options must be a forward_triton.TritonOptions, got {type(options).__name__}")
-            self.triton_options = options or llama_triton.TRITON_DEFAULTS
-            if self.triton_options.fuse_projections:
+            self.triton_options = opts = options or llama_triton.TRITON_DEFAULTS
+            if opts.fuse_projections:
                 llama_triton.fuse_projections(self)
 
     def lm_head_weight(self) -> torch.Tensor:

@@ -241,11 +241,13 @@ def load_gguf(
         if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
             heads = config.num_heads if ".attn_q." in name else config.num_kv_heads
             permute = lambda t, heads=heads: unpermute_qk(t, heads)  # noqa: E731
-        w = _repack(tensor, path, permute) if quantized else None
-        if w is None:
-            w = _dequantize(tensor, path, dtype)
-            if permute is not None:
-                w = permute(w)
+        packed = _repack(tensor, path, permute) if quantized else None
+        if packed is not None:
+            weights[target] = packed
+            continue
+        w = _dequantize(tensor, path, dtype)
+        if permute is not None:
+            w = permute(w)
         weights[target] = w
     check_weights(config, weights, path)
     log.info("gguf_load_done", path=str(path), tensors=len(weights),

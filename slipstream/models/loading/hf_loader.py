@@ -29,7 +29,7 @@ def llama_weight_names(config: ModelConfig) -> list[str]:
     return names
 
 
-def check_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor], source: Path | str) -> None:
+def check_weights(config: ModelConfig, weights: Mapping[str, Any], source: Path | str) -> None:
     """Fail early, naming the file, when a tensor is missing or its shape contradicts the config."""
     missing = [n for n in llama_weight_names(config) if n not in weights]
     if missing:

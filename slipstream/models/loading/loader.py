@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib.metadata
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Mapping
 
 import torch
 
@@ -30,7 +31,7 @@ KNOWN_MODELS: dict[str, tuple[str, str, str]] = {
 @dataclass
 class LoadedModel:
     config: ModelConfig
-    weights: dict[str, torch.Tensor | QuantWeight]  # QuantWeight only for weights="quantized" GGUF files
+    weights: Mapping[str, torch.Tensor | QuantWeight]  # QuantWeight only for weights="quantized" GGUF files
     tokenizer: Tokenizer
     path: Path
 

@@ -28,6 +28,7 @@ import time
 import zlib
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import structlog
 import torch
@@ -88,7 +89,7 @@ def entry_path(path: Path, root: Path | None = None) -> Path:
 
 
 def _crc(t: torch.Tensor) -> int:
-    return zlib.crc32(t.contiguous().view(torch.uint8).numpy())
+    return zlib.crc32(t.contiguous().view(torch.uint8).numpy().data)
 
 
 def _stack(weights: dict[str, torch.Tensor | QuantWeight]) -> tuple[dict, dict[str, list]]:
@@ -102,7 +103,7 @@ def _stack(weights: dict[str, torch.Tensor | QuantWeight]) -> tuple[dict, dict[s
                 continue
             prefix = name[: -len(suffix)]
             names = [f"{prefix}{m}.weight" for m in members]
-            ws = [weights.get(n) for n in names]
+            ws: list[Any] = [weights.get(n) for n in names]
             stacked = concat(ws) if all(isinstance(w, QuantWeight) for w in ws) else None
             if stacked is not None:
                 for n in names:
@@ -172,7 +173,8 @@ def load_entry(entry: Path) -> tuple[ModelConfig, dict[str, torch.Tensor | Quant
             release_file_pages(t, mappings)
         weights = _assemble(flat, json.loads(meta["quant"]))
         cfg = json.loads(meta["config"])
-        config = ModelConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in cfg.items()})
+        fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in cfg.items()}
+        config = ModelConfig(**fields)
         tok = json.loads(meta["tokenizer"])
         tokenizer = Tokenizer.from_json(tok["backend"], bos_token_id=tok["bos"], eos_token_ids=tok["eos"],
                                         chat_template=tok["chat_template"])

@@ -6,7 +6,7 @@ ModelConfig's field names, which the runtime reads); `moondream_config` is the w
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -50,6 +50,7 @@ class MoondreamForCausalLM(nn.Module):
     backends = ("reference", "triton")  # (the compiled CPU kernels are the Llama layout's)
 
     def set_attention_dtype(self, dtype: torch.dtype | None) -> None:
+        block: Any
         for block in self.text.blocks:
             block.attn.compute_dtype = dtype
 
@@ -59,6 +60,7 @@ class MoondreamForCausalLM(nn.Module):
         if backend not in ("reference", "triton"):
             raise ValueError(f"kernel backend must be 'reference' or 'triton', got {backend!r}")
         self.backend = backend
+        block: Any
         for block in self.text.blocks:
             block.attn.backend = backend
 

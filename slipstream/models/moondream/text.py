@@ -20,7 +20,7 @@ rotary and the K/V write stay torch ops: the fused rotary + KV-write kernel rota
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +42,9 @@ class PartialRotary(nn.Module):
     The reference rotates the halves (first half real, second half imaginary) and writes the result
     back interleaved; here it stays in halves. That is one fixed permutation of the rotated dims,
     applied alike to queries and keys, so every score q·k (and the output) is the same."""
+
+    cos: torch.Tensor  # buffers
+    sin: torch.Tensor
 
     def __init__(self, config: MoondreamTextConfig):
         super().__init__()
@@ -88,7 +91,7 @@ class _Attention(nn.Module):
         write_kv(v_cache, batch.kv_indices, v.reshape(t, self.kv_heads, self.head_dim))
         out = torch.zeros_like(q)  # padding rows stay finite
         if self.backend == "triton":
-            m = batch.attn.on_device
+            m: Any = batch.attn.on_device  # (set on the triton backend: the runner uploads it)
             paged_attention_triton(q, k_cache, v_cache, m.query_start, m.kv_lens, m.page_table, kv.page_size,
                                    m.max_q_len, out, blocks=m.blocks, bidirectional_lens=m.bidirectional_lens)
         else:
@@ -124,9 +127,9 @@ class MoondreamText(nn.Module):
         features; later region values). Both fields come with issue 30's ForwardBatch and may be
         absent on an older one."""
         x = F.embedding(batch.input_ids, self.wte)
-        rows, embeds = getattr(batch, "embed_rows", None), getattr(batch, "embeds", None)
+        rows, embeds = getattr(batch, "embed_rows", None), getattr(batch, "embeds", None)  # (set together)
         if rows is not None:
-            x = x.index_copy(0, rows, embeds.to(x.dtype))
+            x = x.index_copy(0, rows, cast(torch.Tensor, embeds).to(x.dtype))
         return x
 
     def hidden(self, batch: "ForwardBatch", kv: "KVCache") -> torch.Tensor:

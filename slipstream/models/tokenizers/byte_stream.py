@@ -59,7 +59,7 @@ def _build(tokenizer: Any) -> list[bytes] | None:
             return None
     table = [token_bytes(i) for i in range(tokenizer.vocab_size)]
     # Added tokens are where a backend may differ from the byte rule: check each against decode.
-    added = getattr(getattr(tokenizer, "backend", None), "get_added_tokens_decoder", dict)()
+    added: dict = getattr(getattr(tokenizer, "backend", None), "get_added_tokens_decoder", dict)()
     for i in added:
         if i >= len(table) or table[i].decode("utf-8", "replace") != tokenizer.decode([i], skip_special_tokens=True):
             return None

@@ -29,7 +29,7 @@ def token_bytes_of(tokenizer: Any) -> TokenBytes | None:
     own = getattr(tokenizer, "token_bytes", None)
     if own is not None:
         return own
-    backend = getattr(tokenizer, "backend", None)
+    backend: Any = getattr(tokenizer, "backend", None)
     decoder = getattr(backend, "decoder", None)
     if decoder is None:
         return None

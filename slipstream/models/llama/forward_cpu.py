@@ -105,7 +105,7 @@ def _qmat(linear: QuantLinear) -> QMat:
 def decoder_layers(model) -> Any:
     """The model's layers as llama_forward_cpu.c's layer_t array (built once, kept on the model), or
     None unless every projection is quantized and q/k/v and gate/up are fused."""
-    cached = getattr(model, "_cpu_layers", False)
+    cached = model.cpu_layers
     if cached is not False:
         return cached
     table = None
@@ -117,7 +117,7 @@ def decoder_layers(model) -> Any:
             Layer(ly.input_layernorm.weight.data_ptr(), ly.post_attention_layernorm.weight.data_ptr(),
                   _qmat(ly.self_attn.qkv_cpu), _qmat(ly.self_attn.o_proj), _qmat(ly.mlp.gate_up_cpu),
                   _qmat(ly.mlp.down_proj)) for ly in layers])
-    model._cpu_layers = table  # (the tensors it points into live as long as the model)
+    model.cpu_layers = table  # (the tensors it points into live as long as the model)
     return table
 
 

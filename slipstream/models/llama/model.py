@@ -119,6 +119,7 @@ class LlamaForCausalLM(nn.Module):
         self.rope = RotaryEmbedding(config)
         self.backend = "reference"
         self.triton_options: TritonOptions | None = None  # on the triton backend
+        self.cpu_layers: Any = False  # the "cpu" backend's layer table (forward_cpu.decoder_layers); False: not built
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.carry_heads: CarryHeads | None = None  # heads whose values a row may carry (carry_heads.py)

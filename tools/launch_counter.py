@@ -55,7 +55,7 @@ class LaunchCounter(TorchDispatchMode):
 def count_launches():
     """Yields a LaunchCounter whose `launches` lists what ran inside the block."""
     counter = LaunchCounter()
-    modules = [importlib.import_module(f"slipstream.models.{name}") for name in KERNEL_MODULES]
+    modules = [importlib.import_module(f"slipstream.models.kernels.{name}") for name in KERNEL_MODULES]
     saved = [m.jitted for m in modules]
     for m in modules:
         m.jitted = counter.counting_jitted

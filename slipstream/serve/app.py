@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 from contextlib import asynccontextmanager
+from typing import cast
 
 import msgspec
 import structlog
@@ -89,7 +90,7 @@ def create_app(backend: Backend, max_inflight: int = 1024, max_body_bytes: int =
     async def http_error(request: Request, e: StarletteHTTPException) -> Response:  # 404, 405 from routing
         err = ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", "invalid_request_error",
                        None, "not_found" if e.status_code == 404 else None)
-        err.headers = e.headers
+        err.headers = dict(e.headers) if e.headers is not None else None
         return refused(request, err)
 
     @app.exception_handler(Exception)
@@ -169,7 +170,7 @@ def create_app(backend: Backend, max_inflight: int = 1024, max_body_bytes: int =
     async def detokenize(request: Request) -> Response:
         # at most a context's worth of ids (as vLLM): the body is bounded before it is read, and a
         # long list is decoded on a worker thread (issue 37: 4.1 M ids held the loop 1.4 s)
-        most = backend.max_model_len
+        most = cast(int, backend.max_model_len)  # (None on a ClientsBackend: see its max_model_len)
         raw = await read_body(request, min(state.max_body_bytes, detokenize_body_limit(most)),
                               f"the most {most:,} token ids need")
         req = _decode(raw, DetokenizeRequest)

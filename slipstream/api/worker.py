@@ -369,7 +369,8 @@ class Worker:
                            chat_template=bool(getattr(self.engine.tokenizer, "chat_template", None)),
                            accepts_images=running and model_accepts_images(self.engine.model_config),
                            max_image_bytes=self.limits.max_image_bytes,
-                           region_skills=running and self.engine.region_skills)
+                           region_skills=running and self.engine.region_skills,
+                           max_model_len=self.engine.max_model_len if running else 0)
 
 
 def serve(config: EngineConfig, address: str, limits: WorkerLimits | None = None) -> int:

@@ -35,6 +35,7 @@ _encode = msgspec.json.Encoder().encode
 
 
 INLINE_IDS = 1024  # /detokenize: up to this many ids decode on the loop (well under a millisecond)
+UNKNOWN_CONTEXT_IDS = 131_072  # /detokenize's bound when the workers do not say their context (older ones)
 
 
 def detokenize_body_limit(max_ids: int) -> int:
@@ -170,7 +171,7 @@ def create_app(backend: Backend, max_inflight: int = 1024, max_body_bytes: int =
     async def detokenize(request: Request) -> Response:
         # at most a context's worth of ids (as vLLM): the body is bounded before it is read, and a
         # long list is decoded on a worker thread (issue 37: 4.1 M ids held the loop 1.4 s)
-        most = cast(int, backend.max_model_len)  # (None on a ClientsBackend: see its max_model_len)
+        most = backend.max_model_len or UNKNOWN_CONTEXT_IDS  # (None: workers that do not say their context)
         raw = await read_body(request, min(state.max_body_bytes, detokenize_body_limit(most)),
                               f"the most {most:,} token ids need")
         req = _decode(raw, DetokenizeRequest)

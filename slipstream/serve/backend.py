@@ -109,7 +109,8 @@ class ClientsBackend:
         model = models.pop()
         self.model_name = self._model_name or model
         self.tokenizer, self.vocab_size = await asyncio.to_thread(load_tokenizer, model)
-        self.max_model_len = None
+        lens = [cast(HealthReply, c.info).max_model_len for c in self.clients]
+        self.max_model_len = min(lens) if all(lens) else None  # (None: a worker did not say; each checks)
         log.info("workers_connected", workers=[c.address for c in self.clients], model=model)
 
     async def close(self) -> None:

@@ -2,8 +2,9 @@
 speculating step's runs. Pure Python; only planned when `EngineConfig.speculative` is set.
 
 Rules, enforced here:
-  * Only a step without prompt chunks speculates, and only its rows whose sampling the device can
-    verify on its own: no grammar, logprobs, penalties, min_tokens or carry (their k is 0). A row's
+  * Only a step without prompt chunks speculates, and only when every row's sampling is one the
+    device verifies on its own: no grammar, logprobs, penalties, min_tokens or carry (a speculating
+    step is sampled right behind its forward, and returns runs of tokens only). A row's
     k never makes a sample past max_tokens: k <= samples_left - 1, counted against the optimistic
     `pending_samples`.
   * The host plans as if every draft were accepted: a row with k drafts schedules k + 1 positions
@@ -85,12 +86,12 @@ class Speculation:
     def draft(self, step: Step, planner: Planner) -> None:
         """Set `step.drafts` (k per decode row) and reserve the pages the drafts write."""
         planner.batch_changed()  # (a speculating batch is never steady: every plan is a full one)
-        if step.chunks or not step.decode:
+        if step.chunks or not step.decode or not all(map(can_speculate, step.decode)):
             return
         page_size = planner.page_size
         ks = []
         for seq in step.decode:
-            k = self.wanted(seq) if can_speculate(seq) else 0
+            k = self.wanted(seq)
             k = min(k, seq.max_tokens - len(seq.output_ids) - seq.pending_samples - 1)
             if k > 0:
                 end = seq.num_scheduled + 1 + k

@@ -138,6 +138,9 @@ class SeqWork:
     # its sequence's bidirectional prefix when the chunk has queries inside it (0: plain causal);
     # the chunk then reaches the prefix's end (the planner never splits it)
     bidirectional_len: int = 0
+    # with speculation, the first chunk after prefix-cache hits: the known tokens before it, which
+    # the drafter's history needs (scheduler/speculation.py); None otherwise
+    known_before: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:

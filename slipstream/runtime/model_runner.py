@@ -339,9 +339,13 @@ class ModelRunner(GraphChoice, EncoderLaunch):
         step.sampled = True
         compute = self.device.compute
         if copy_out is None:
-            if self.spec is not None:
-                self.spec.record(step)
             copy_out = lambda: self._copy_out(step)  # noqa: E731
+            if self.spec is not None:
+                record, copy = self.spec.record(step), copy_out
+                copy_out = lambda: (record(), copy())  # noqa: E731
+                if not self.device.unified_memory:  # (the history is the compute stream's)
+                    compute.launch(record, "spec_record")
+                    copy_out = copy
         if self.device.unified_memory:
             compute.launch(copy_out, "d2h")
             step.copy_done = compute.record()

@@ -28,6 +28,7 @@ class SampledTokens(NamedTuple):
     # a speculating step's (ForwardInput.num_drafts): the tokens each decode row emitted, 1..k + 1
     # (its accepted drafts and the token after them); `ids` then holds each run's last token
     runs: list[list[int]] | None = None
+    fed: list[int] | None = None  # the drafts each row fed (at most the planned k; the device may feed fewer)
 
 
 class Launched(Protocol):

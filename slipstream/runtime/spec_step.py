@@ -46,19 +46,28 @@ class SpecRunner:
         self.history = TokenHistory(runner.rows.max_rows, max_len, device.torch_device)
         self.drafter = build_drafter(method, history=self.history, max_drafts=max_drafts, **options)
         rows = runner.rows.max_rows
-        # per slot: each row's emitted tokens [rows, K + 1], on the device and as a host landing buffer
-        self.runs = [torch.zeros(rows, max_drafts + 1, dtype=torch.int64, device=device.torch_device)
+        # per slot: each row's emitted tokens [rows, K + 1] and the drafts it fed (last column), on
+        # the device and as a host landing buffer
+        self.runs = [torch.zeros(rows, max_drafts + 2, dtype=torch.int64, device=device.torch_device)
                      for _ in runner.slots]
-        self.host_runs = [device.host_buffer((rows, max_drafts + 1), torch.int64) for _ in runner.slots]
+        self.host_runs = [device.host_buffer((rows, max_drafts + 2), torch.int64) for _ in runner.slots]
 
     # --- steps without drafts -------------------------------------------------------------------
 
-    def record(self, step: LaunchedStep) -> None:
-        """Behind a step without drafts (on the compute stream, after its sampling): its chunks'
-        tokens, and each sampled row's newest token at its position, into the history."""
+    def record(self, step: LaunchedStep):
+        """What runs behind a step without drafts (on the compute stream, after its sampling): its
+        chunks' tokens, and each sampled row's newest token at its position, into the history."""
         t, n, rows, history = step.staged.tensors, step.num_samples, self.runner.rows, self.history
+        before = [(w.row, w.known_before) for w in step.staged.packed.chunks if w.known_before]
+        if before:  # prefix-cache hits: their tokens, which no chunk feeds
+            dev = rows.device
+            known = upload_array(np.concatenate([np.asarray(k, np.int64) for _, k in before]), dev)
+            known_rows = upload_array(np.concatenate([np.full(len(k), r, np.int64) for r, k in before]), dev)
+            known_pos = upload_array(np.concatenate([np.arange(len(k), dtype=np.int64) for _, k in before]), dev)
 
         def record() -> None:
+            if before:
+                history.tokens[known_rows, known_pos] = known.to(history.tokens.dtype)
             if t.chunk_rows.shape[0]:
                 history.write_chunks(t.chunk_token_rows, t.chunk_pos, t.chunk_ids, t.chunk_rows, t.chunk_ends)
             r = t.sample_rows[:n]
@@ -66,7 +75,7 @@ class SpecRunner:
             history.tokens[r, pos] = rows.last_token.index_select(0, r).to(history.tokens.dtype)
             history.length.index_copy_(0, r, pos + 1)
 
-        self.runner.device.compute.launch(record, "spec_record")
+        return record
 
     # --- a speculating step ---------------------------------------------------------------------
 
@@ -84,20 +93,15 @@ class SpecRunner:
         step = LaunchedStep(step_id, slot, staged, staged.num_samples)
         slot.acquire(step)
         device = runner.device
-        k = packed.num_drafts
-        lay = spec_layout(k, device.torch_device, self.max_drafts)
-        counts = k + 1
-        num_pos = int(counts.sum())
-        pad = round_up(num_pos, runner.row_multiple) - num_pos  # (batch invariance: matmul row counts)
-        query_start = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-        query_start_dev = upload_array(query_start, device.torch_device)
         host_attention = device.unified_memory
         runs, tokens_out = self.runs[slot.index], slot.sampled
         rows, kv, model, ps = runner.rows, runner.kv, runner.model, runner.kv.page_size
         tensors, updates, drafter, history = staged.tensors, staged.updates, self.drafter, self.history
-        sample_indices = torch.arange(num_pos + pad, device=device.torch_device)
-        scratch = torch.zeros(pad, dtype=torch.int64, device=device.torch_device)
-        num_drafts = lay.num_drafts
+        planned = packed.num_drafts
+        # where the host's memory is the device's (the CPU), the compute thread shapes the step by
+        # what the drafter found (no host waits for it); elsewhere the planned k, laid out here
+        fixed = None if host_attention else self._shape(planned, device.torch_device)
+        max_drafts = self.max_drafts
 
         def forward_verify() -> None:
             runner._check_fault(step_id)
@@ -106,12 +110,22 @@ class SpecRunner:
             dec = tensors.decode_rows
             pos0 = rows.pos.index_select(0, dec)
             last = rows.last_token.index_select(0, dec)
-            drafts = drafter.propose(dec).tokens
+            proposal = drafter.propose(dec)
+            drafts = proposal.tokens
+            if fixed is None:
+                k = planned
+                if proposal.strength is not None:  # a weak proposal feeds fewer drafts (1-gram: one; none: 0)
+                    k = np.minimum(planned, np.where(proposal.strength.numpy() >= 2, max_drafts,
+                                                     proposal.strength.numpy()))
+                lay, query_start, query_start_dev, sample_indices, scratch, num_pos = self._shape(k, device.torch_device)
+            else:
+                lay, query_start, query_start_dev, sample_indices, scratch, num_pos = fixed
+            num_drafts = lay.num_drafts
             ids = verify_inputs(last, drafts, lay)
             positions = pos0.index_select(0, lay.owner) + lay.offset
             token_rows = dec.index_select(0, lay.owner)
             kv_lens = pos0 + num_drafts + 1
-            if pad:  # the scratch row at position 0: writes only the scratch page
+            if scratch.shape[0]:  # the scratch row at position 0: writes only the scratch page
                 ids, positions, token_rows = (torch.cat([x, scratch]) for x in (ids, positions, token_rows))
             kv_indices = rows.kv_indices(token_rows, positions, ps)
             if host_attention:
@@ -121,7 +135,7 @@ class SpecRunner:
             else:
                 page_table = rows.pages[dec]
                 meta = AttentionMetadata([], [], [], ps)
-            meta.on_device = DeviceAttentionMetadata(query_start_dev, kv_lens, page_table, self.max_drafts + 1)
+            meta.on_device = DeviceAttentionMetadata(query_start_dev, kv_lens, page_table, max_drafts + 1)
             logits = model(ForwardBatch(input_ids=ids, positions=positions, kv_indices=kv_indices,
                                         sample_indices=sample_indices, attn=meta), kv)[:num_pos]
             if runner.faults is not None:
@@ -139,13 +153,25 @@ class SpecRunner:
             history.tokens[dec, pos0] = last.to(history.tokens.dtype)
             drafter.on_emitted(dec, verdict.tokens, emitted)
             n = dec.shape[0]
-            runs[:n].copy_(verdict.tokens)
+            runs[:n, :-1].copy_(verdict.tokens)
+            runs[:n, -1].copy_(num_drafts)
             tokens_out[:n].copy_(emitted)
             slot.stamp.fill_(step_id)
 
         device.compute.launch(forward_verify, "spec_forward")
         runner._launch_copy(step, lambda: self._copy_out(step))
         return step
+
+    def _shape(self, k: np.ndarray, device: torch.device):
+        """The step's layout for k drafts per row: SpecLayout, query starts (host and device), the
+        positions whose logits come back (padded for batch invariance), padding tokens, positions."""
+        lay = spec_layout(k, device, self.max_drafts)
+        counts = np.asarray(k, np.int64) + 1
+        num_pos = int(counts.sum())
+        pad = round_up(num_pos, self.runner.row_multiple) - num_pos  # (batch invariance: matmul row counts)
+        query_start = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        return (lay, query_start, upload_array(query_start, device), torch.arange(num_pos + pad, device=device),
+                torch.zeros(pad, dtype=torch.int64, device=device), num_pos)
 
     def _copy_out(self, step: LaunchedStep) -> None:
         slot, n = step.slot, step.num_samples
@@ -159,4 +185,4 @@ class SpecRunner:
         tokens = self.host_runs[slot.index][:n].tolist()
         slot.release()
         runs = [row[:c] for row, c in zip(tokens, counts)]
-        return SampledTokens([run[-1] for run in runs], None, None, None, runs)
+        return SampledTokens([run[-1] for run in runs], None, None, None, runs, [row[-1] for row in tokens])

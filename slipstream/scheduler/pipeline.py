@@ -150,7 +150,8 @@ class Pipeline:
         spec = self.planner.speculation
         live: list[tuple[Sequence, list[int]]] = []
         later: list[Sequence] = []
-        for seq, k, run in zip(step.decode, step.drafts or (), runs):
+        fed = result.fed or step.drafts or ()
+        for seq, k, run, f in zip(step.decode, step.drafts or (), runs, fed):
             seq.inflight_refs -= 1
             seq.pending_samples -= k + 1
             seq.drafts_in_flight -= k
@@ -158,12 +159,12 @@ class Pipeline:
                 self.zombie_commits += 1
                 later.append(seq)
                 continue
-            if not 1 <= len(run) <= k + 1:
+            if not 1 <= len(run) <= f + 1 <= k + 1:
                 raise PipelineInvariantError(f"{seq.request_id}: a run of {len(run)} tokens from {k} drafts")
             seq.num_scheduled -= k + 1 - len(run)  # the rejected drafts' positions are scheduled again
             seq.num_computed += len(run)  # its input and the accepted drafts: their K/V is final
-            if spec is not None:
-                spec.on_commit(seq, k, len(run))
+            if spec is not None and f:
+                spec.on_commit(seq, f, len(run))
             live.append((seq, run))
             if seq.preempting:
                 later.append(seq)

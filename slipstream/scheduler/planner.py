@@ -58,7 +58,7 @@ class Planner:
         self.preemption = Preemption(self.admission, self.pages, self.encoder_cache)
         self._steady: list[Sequence] | None = None  # the steady batch's decode rows (None: plan in full)
         self._plans = 0  # plans made: the steady batch's clock
-        self._due: dict[int, list[Sequence]] = {}  # plan -> rows of the steady batch to look at then
+        self._due: dict[int, list[Sequence]] = {}  # plan -> rows of the steady batch to look at then (None: its end)
         self.check = os.environ.get("SLIPSTREAM_CHECK_INVARIANTS") == "1"
         self.speculation: Speculation | None = None  # drafts per decode row (EngineConfig.speculative)
 
@@ -90,6 +90,9 @@ class Planner:
         due = self._due.pop(self._plans, None)
         if due is not None:
             for seq in due:
+                if seq is None:  # (end_steady_at: speculation plans again)
+                    self.batch_changed()
+                    return None
                 if seq.max_tokens - len(seq.output_ids) - seq.pending_samples <= 0:
                     self.batch_changed()  # out of samples: it leaves the batch
                     return None
@@ -174,6 +177,14 @@ class Planner:
         if need > 0:
             self.pages.give(seq, need)
         return True
+
+    def steady_from(self, step: Step) -> bool:
+        """Whether `step` (just planned) starts a steady batch."""
+        return self._steady is step.decode
+
+    def end_steady_at(self, plans: int) -> None:
+        """The steady batch ends `plans` plans from now (speculation: a row may draft again)."""
+        self._due.setdefault(self._plans + plans, []).append(None)  # type: ignore[arg-type]
 
     def reserve_free(self, seq: Sequence, end_pos: int) -> bool:
         """Pages for positions up to `end_pos` from free ones only (drafts never preempt)."""

@@ -11,13 +11,15 @@ Rules, enforced here:
     and k + 1 samples (`drafts_in_flight` += k), and its pages cover them (extra pages only from
     free ones: a draft never preempts). The device knows the truth (runtime/spec_step.py); the
     commit corrects the counts by what was emitted (`commit_runs`).
-  * A speculating batch is never steady: the plan after a step with drafts is a full one.
+  * A speculating batch is never steady: the plan after a step with drafts is a full one. A batch
+    whose rows all chose no drafts stays steady until the first of them is due to probe.
 
 Adaptive k (`adaptive=True`): a row's per-draft acceptance alpha is estimated from its commits
 (decayed counts); it feeds the k that maximises E(k) / c(k + 1), E(k) = (1 - alpha^(k+1)) / (1 - alpha)
 the expected tokens of a step and c the forward's cost by positions relative to one position
 (`FORWARD_COST`, measured), if that beats 1 / c(1) by `MARGIN`; a row that does not draft probes
-again with one draft every `PROBE_EVERY` plans, so its estimate can recover.
+again with one draft every `PROBE_EVERY` plans (more, up to `MAX_PROBE_EVERY`, the lower its
+estimate), so its estimate can recover.
 """
 from __future__ import annotations
 
@@ -34,7 +36,8 @@ if TYPE_CHECKING:
 # docs/results/spec-2026-11-27/forward_cost_quantized.txt
 FORWARD_COST = {1: 1.0, 2: 1.15, 3: 1.40, 5: 2.03, 9: 4.06}
 MARGIN = 1.05  # speculate only when the expected gain is at least 5%
-PROBE_EVERY = 8
+PROBE_EVERY = 8  # plans between probes of a row whose drafts do not pay, at alpha = 0.5; more below it
+MAX_PROBE_EVERY = 64
 DECAY = 0.8  # weight of the past in a row's acceptance counts, per commit
 PRIOR = (1.0, 2.0)  # (accepted, tried) a row starts from: alpha = 0.5
 
@@ -74,19 +77,32 @@ class Speculation:
         self.accepted = 0  # of which accepted
         self.steps = 0  # committed steps with drafts
 
+    @staticmethod
+    def alpha(seq: Sequence) -> float:
+        return (seq.drafts_accepted + PRIOR[0]) / (seq.drafts_tried + PRIOR[1])
+
+    @staticmethod
+    def probe_every(alpha: float) -> int:
+        return min(MAX_PROBE_EVERY, max(PROBE_EVERY, int(PROBE_EVERY * 0.5 / max(alpha, 1e-3))))
+
     def wanted(self, seq: Sequence) -> int:
         if not self.adaptive:
             return self.max_drafts
-        tried = seq.drafts_tried + PRIOR[1]
-        k = best_drafts((seq.drafts_accepted + PRIOR[0]) / tried, self.max_drafts)
-        if k == 0 and seq.steps_without_drafts >= PROBE_EVERY:
+        alpha = self.alpha(seq)
+        k = best_drafts(alpha, self.max_drafts)
+        if k == 0 and seq.steps_without_drafts >= self.probe_every(alpha):
             k = 1
         return k
 
     def draft(self, step: Step, planner: Planner) -> None:
-        """Set `step.drafts` (k per decode row) and reserve the pages the drafts write."""
-        planner.batch_changed()  # (a speculating batch is never steady: every plan is a full one)
-        if step.chunks or not step.decode or not all(map(can_speculate, step.decode)):
+        """Set `step.drafts` (k per decode row) and reserve the pages the drafts write. A batch whose
+        rows draft is never steady; one whose rows do not may be, until the first probe is due."""
+        if step.chunks:
+            for seq, work in zip(step.chunk_seqs, step.chunks):
+                if work.start_pos == seq.num_reused > 0:  # the history before a prefix-cache hit's end
+                    work.known_before = seq.known_tokens(0, work.start_pos)
+            return
+        if not step.decode or not all(map(can_speculate, step.decode)):
             return
         page_size = planner.page_size
         ks = []
@@ -104,10 +120,17 @@ class Speculation:
                 seq.steps_without_drafts += 1
             ks.append(k)
         if any(ks):
+            planner.batch_changed()
             step.drafts = ks
             writes = planner.pages.take_writes()
             if writes:
                 step.page_writes = step.page_writes + writes
+        elif self.adaptive and planner.steady_from(step):
+            # the batch repeats without plans until a row's probe is due; the plans it skips count
+            wait = max(1, min(self.probe_every(self.alpha(seq)) - seq.steps_without_drafts for seq in step.decode))
+            for seq in step.decode:
+                seq.steps_without_drafts += wait - 1
+            planner.end_steady_at(wait)
 
     def on_commit(self, seq: Sequence, k: int, emitted: int) -> None:
         """A live row's step with k drafts emitted `emitted` tokens: its acceptance estimate."""

@@ -31,10 +31,10 @@ if TYPE_CHECKING:
     from slipstream.scheduler.planner import Planner
     from slipstream.scheduler.step import Step
 
-# CPU forward time of one sequence feeding q positions at 256 tokens of context, relative to q = 1:
-# the default model (SmolLM2-135M Q4_1, quantized kernels), one thread; between the points linear.
+# CPU time of a forward of one sequence feeding q positions (logits at each) at 256 tokens of context,
+# relative to q = 1: the default model (SmolLM2-135M Q4_1, quantized kernels), one thread; linear between.
 # docs/results/spec-2026-11-27/forward_cost_quantized.txt
-FORWARD_COST = {1: 1.0, 2: 1.15, 3: 1.40, 5: 2.03, 9: 4.06}
+FORWARD_COST = {1: 1.0, 2: 1.12, 3: 1.28, 5: 1.80, 9: 3.47}
 MARGIN = 1.05  # speculate only when the expected gain is at least 5%
 PROBE_EVERY = 8  # plans between probes of a row whose drafts do not pay, at alpha = 0.5; more below it
 MAX_PROBE_EVERY = 64

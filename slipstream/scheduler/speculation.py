@@ -15,9 +15,10 @@ Rules, enforced here:
     whose rows all chose no drafts stays steady until the first of them is due to probe.
 
 Adaptive k (`adaptive=True`): a row's per-draft acceptance alpha is estimated from its commits
-(decayed counts); it feeds the k that maximises E(k) / c(k + 1), E(k) = (1 - alpha^(k+1)) / (1 - alpha)
-the expected tokens of a step and c the forward's cost by positions relative to one position
-(`FORWARD_COST`, measured), if that beats 1 / c(1) by `MARGIN`; a row that does not draft probes
+(decayed counts); it feeds the k that maximises E(k) / (c(k + 1) + s), E(k) = (1 - alpha^(k+1)) /
+(1 - alpha) the expected tokens of a step, c the forward's cost by positions relative to one position
+(`FORWARD_COST`, measured) and s a speculating step's own work (`STEP_COST`), if that beats 1 / c(1)
+by `MARGIN`; a row that does not draft probes
 again with one draft every `PROBE_EVERY` plans (more, up to `MAX_PROBE_EVERY`, the lower its
 estimate), so its estimate can recover.
 """
@@ -35,6 +36,9 @@ if TYPE_CHECKING:
 # relative to q = 1: the default model (SmolLM2-135M Q4_1, quantized kernels), one thread; linear between.
 # docs/results/spec-2026-11-27/forward_cost_quantized.txt
 FORWARD_COST = {1: 1.0, 2: 1.12, 3: 1.28, 5: 1.80, 9: 3.47}
+# a speculating step's own work beside its forward (drafting, verifying, the host's runs), relative to
+# a one-position forward: ~0.25 ms against ~6 ms (tools/bench_spec_kernels.py; docs/speculative.md)
+STEP_COST = 0.04
 MARGIN = 1.05  # speculate only when the expected gain is at least 5%
 PROBE_EVERY = 8  # plans between probes of a row whose drafts do not pay, at alpha = 0.5; more below it
 MAX_PROBE_EVERY = 64
@@ -57,7 +61,7 @@ def best_drafts(alpha: float, max_drafts: int) -> int:
     best, best_rate = 0, MARGIN
     for k in range(1, max_drafts + 1):
         tokens = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
-        rate = tokens / forward_cost(k + 1)
+        rate = tokens / (forward_cost(k + 1) + STEP_COST)
         if rate > best_rate:
             best, best_rate = k, rate
     return best

@@ -9,7 +9,7 @@ import pytest
 
 from fake_runner import make_prompt
 from slipstream.scheduler.speculation import Speculation, best_drafts
-from test_pipeline_invariants import check_results, run_workload
+from test_pipeline_invariants import check_results, request, run_workload
 
 pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
@@ -45,15 +45,6 @@ def test_adaptive_k_follows_acceptance():
     assert best_drafts(0.05, 8) == 0  # drafts that are never right cost the forward more than they give
     assert best_drafts(0.95, 8) >= 3
     assert best_drafts(0.6, 8) <= best_drafts(0.9, 8)
-
-
-request = st.tuples(
-    st.integers(2, 30),  # prompt length
-    st.one_of(st.none(), st.integers(0, 12)),  # EOS position
-    st.integers(1, 14),  # max_tokens
-    st.integers(0, 40),  # arrival (loop yields)
-    st.one_of(st.none(), st.integers(0, 60)),  # abort after (loop yields)
-)
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
 import time
@@ -102,6 +103,8 @@ async def main() -> None:
                  f"| {statistics.median(on) / statistics.median(off):.2f} "
                  f"| {statistics.median(cpu[w, 'on']) / statistics.median(cpu[w, 'off']):.2f} "
                  f"| {a} / {d} ({a / d if d else 0:.2f}) | {sum(same[w])}/{len(same[w])} |")
+        emit(f"\nload average at the end: {os.getloadavg()}; cpu tok/s: tokens / process CPU seconds of the "
+             "whole request (prefill included); wall tok/s: decode only (first token to last)")
     finally:
         for e in engines.values():
             await e.close()

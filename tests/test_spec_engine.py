@@ -145,3 +145,22 @@ def test_the_knob_is_validated_naming_its_field():
     assert e.value.param == "speculative"
     assert EngineConfig(speculative={"num_drafts": 3}).speculative == SpeculativeConfig(num_drafts=3)
     assert EngineConfig().speculative is None  # off by default
+
+
+def test_the_history_holds_the_tokens_a_prefix_cache_hit_maps():
+    """A prompt whose first pages come from the prefix cache is fed from the hits' end; its row's
+    token history (what the n-gram drafter searches) must still hold the whole prompt, not what
+    the row's previous sequence left there."""
+    p, q = [7, 8, 9, 10, 11] * 8, [40, 41, 42] * 13
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+
+    async def run():
+        async with Engine(cfg(1, SPEC, max_batch_size=1, kv_cache_tokens=1024)) as engine:
+            for prompt in (p, q, p):  # one row: q overwrites p's history, the second p hits p's pages
+                await engine.complete(prompt, params)
+            stats = await engine.stats()
+            assert stats["prefix_cache_hits"] > 0
+            history = engine._parts.runner.spec.history
+            return history.tokens[1, :len(p)].tolist()
+
+    assert asyncio.run(run()) == p

@@ -59,15 +59,15 @@ class SpecRunner:
         chunks' tokens, and each sampled row's newest token at its position, into the history."""
         t, n, rows, history = step.staged.tensors, step.num_samples, self.runner.rows, self.history
         before = [(w.row, w.known_before) for w in step.staged.packed.chunks if w.known_before]
-        if before:  # prefix-cache hits: their tokens, which no chunk feeds
-            dev = rows.device
-            known = upload_array(np.concatenate([np.asarray(k, np.int64) for _, k in before]), dev)
-            known_rows = upload_array(np.concatenate([np.full(len(k), r, np.int64) for r, k in before]), dev)
-            known_pos = upload_array(np.concatenate([np.arange(len(k), dtype=np.int64) for _, k in before]), dev)
+        if before:  # prefix-cache hits: their tokens, which no chunk feeds (rows, positions, tokens)
+            known = np.stack([np.concatenate([np.full(len(k), r, np.int64) for r, k in before]),
+                              np.concatenate([np.arange(len(k), dtype=np.int64) for _, k in before]),
+                              np.concatenate([np.asarray(k, np.int64) for _, k in before])])
 
         def record() -> None:
-            if before:
-                history.tokens[known_rows, known_pos] = known.to(history.tokens.dtype)
+            if before:  # (uploaded here: on the compute stream, which then reads it)
+                at = upload_array(known, rows.device)
+                history.tokens[at[0], at[1]] = at[2].to(history.tokens.dtype)
             if t.chunk_rows.shape[0]:
                 history.write_chunks(t.chunk_token_rows, t.chunk_pos, t.chunk_ids, t.chunk_rows, t.chunk_ends)
             r = t.sample_rows[:n]
@@ -98,9 +98,6 @@ class SpecRunner:
         rows, kv, model, ps = runner.rows, runner.kv, runner.model, runner.kv.page_size
         tensors, updates, drafter, history = staged.tensors, staged.updates, self.drafter, self.history
         planned = packed.num_drafts
-        # where the host's memory is the device's (the CPU), the compute thread shapes the step by
-        # what the drafter found (no host waits for it); elsewhere the planned k, laid out here
-        fixed = None if host_attention else self._shape(planned, device.torch_device)
         max_drafts = self.max_drafts
 
         def forward_verify() -> None:
@@ -112,14 +109,15 @@ class SpecRunner:
             last = rows.last_token.index_select(0, dec)
             proposal = drafter.propose(dec)
             drafts = proposal.tokens
-            if fixed is None:
-                k = planned
-                if proposal.strength is not None:  # a weak proposal feeds fewer drafts (1-gram: one; none: 0)
-                    k = np.minimum(planned, np.where(proposal.strength.numpy() >= 2, max_drafts,
-                                                     proposal.strength.numpy()))
-                lay, query_start, query_start_dev, sample_indices, scratch, num_pos = self._shape(k, device.torch_device)
-            else:
-                lay, query_start, query_start_dev, sample_indices, scratch, num_pos = fixed
+            k = planned
+            # where the host's memory is the device's (the CPU), the compute thread shapes the step by
+            # what the drafter found, and no host waits for it: a weak proposal feeds fewer drafts
+            # (a 1-gram match one, none 0); elsewhere the shape is the planned k's (a data-dependent
+            # one would need a device read). Laid out here, on the compute stream, either way.
+            if host_attention and proposal.strength is not None:
+                strength = proposal.strength.numpy()
+                k = np.minimum(planned, np.where(strength >= 2, max_drafts, strength))
+            lay, query_start, query_start_dev, sample_indices, scratch, num_pos = self._shape(k, device.torch_device)
             num_drafts = lay.num_drafts
             ids = verify_inputs(last, drafts, lay)
             positions = pos0.index_select(0, lay.owner) + lay.offset

@@ -90,6 +90,9 @@ def test_an_interrupted_generate_aborts_what_it_submitted():
     def ctrl_c():  # a real signal: it wakes the blocked wait, as a terminal's Ctrl-C does
         signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
 
+    # Python keeps SIGINT ignored when it started so (a background job of a script): ask for Ctrl-C's
+    # usual handler, as a terminal's Python has
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
     with LLM(**CFG) as llm:
         timer = threading.Timer(0.3, ctrl_c)
         timer.start()
@@ -98,6 +101,7 @@ def test_an_interrupted_generate_aborts_what_it_submitted():
                 llm.generate(["tell me a story"] * 40, LONG)
         finally:
             timer.cancel()
+            signal.signal(signal.SIGINT, handler)
         assert llm.stats()["steps"] < 150  # interrupted well before the 200 tokens
         assert _idle(llm), llm.stats()
         assert len(llm.generate("hi", GREEDY)[0].token_ids) == 10

@@ -154,3 +154,6 @@ def release_graphs(runner) -> None:
     for cache in (runner.graphs, runner.greedy_graphs, runner.carry_graphs, runner.mixed_graphs):
         if cache is not None:
             cache.release()
+    for slot in runner.slots:  # a staged input holds the graph it chose (a steady batch relaunches it)
+        slot.staged = None
+        slot.owner = None

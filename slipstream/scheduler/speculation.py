@@ -1,5 +1,5 @@
-"""How many drafts each decode row of a step feeds (docs/speculative.md), and the commit of a
-speculating step's runs. Pure Python; only planned when `EngineConfig.speculative` is set.
+"""How many drafts each decode row of a step feeds (docs/speculative.md), and each row's acceptance
+estimate. Pure Python; used only when `EngineConfig.speculative` is set.
 
 Rules, enforced here:
   * Only a step without prompt chunks speculates, and only when every row's sampling is one the
@@ -10,7 +10,7 @@ Rules, enforced here:
   * The host plans as if every draft were accepted: a row with k drafts schedules k + 1 positions
     and k + 1 samples (`drafts_in_flight` += k), and its pages cover them (extra pages only from
     free ones: a draft never preempts). The device knows the truth (runtime/spec_step.py); the
-    commit corrects the counts by what was emitted (`commit_runs`).
+    commit corrects the counts by what was emitted (`Pipeline._commit_runs`).
   * A speculating batch is never steady: the plan after a step with drafts is a full one. A batch
     whose rows all chose no drafts stays steady until the first of them is due to probe.
 
@@ -18,9 +18,8 @@ Adaptive k (`adaptive=True`): a row's per-draft acceptance alpha is estimated fr
 (decayed counts); it feeds the k that maximises E(k) / (c(k + 1) + s), E(k) = (1 - alpha^(k+1)) /
 (1 - alpha) the expected tokens of a step, c the forward's cost by positions relative to one position
 (`FORWARD_COST`, measured) and s a speculating step's own work (`STEP_COST`), if that beats 1 / c(1)
-by `MARGIN`; a row that does not draft probes
-again with one draft every `PROBE_EVERY` plans (more, up to `MAX_PROBE_EVERY`, the lower its
-estimate), so its estimate can recover.
+by `MARGIN`; a row that does not draft probes again with one draft every `PROBE_EVERY` plans (more,
+up to `MAX_PROBE_EVERY`, the lower its estimate), so its estimate can recover.
 """
 from __future__ import annotations
 

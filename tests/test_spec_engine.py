@@ -164,3 +164,20 @@ def test_the_history_holds_the_tokens_a_prefix_cache_hit_maps():
             return history.tokens[1, :len(p)].tolist()
 
     assert asyncio.run(run()) == p
+
+
+def test_stats_and_prometheus_report_the_acceptance():
+    from test_prefix_surface import samples
+
+    async def run():
+        async with Engine(cfg(2, SPEC)) as engine:
+            await engine.complete([7, 8, 9, 10] * 10, SamplingParams(max_tokens=30, temperature=0.0))
+            return (await engine.stats())["speculative"], samples(await engine.metrics_text())
+
+    stats, values = asyncio.run(run())
+    assert stats["drafted"] > 0 and stats["accepted"] > 0
+    assert values["slipstream_spec_drafts_total"] == stats["drafted"]
+    assert values["slipstream_spec_accepted_total"] == stats["accepted"]
+    assert values["slipstream_spec_steps_total"] == stats["steps"]
+    assert values["slipstream_spec_acceptance_rate"] == pytest.approx(stats["accepted"] / stats["drafted"])
+    assert values["slipstream_spec_mean_accepted_length"] == pytest.approx(stats["accepted"] / stats["steps"])

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from fake_runner import make_prompt
-from slipstream.scheduler.speculation import Speculation, best_drafts
+from slipstream.scheduler.speculation import Speculation, allocate, best_drafts
 from test_pipeline_invariants import check_results, request, run_workload
 
 pytest.importorskip("hypothesis")
@@ -41,10 +41,14 @@ def test_eos_inside_an_accepted_run_cuts_it_there():
         assert len(results[0][0].token_ids) == 6
 
 
-def test_adaptive_k_follows_acceptance():
+def test_adaptive_k_follows_acceptance_and_the_batch():
     assert best_drafts(0.05, 8) == 0  # drafts that are never right cost the forward more than they give
     assert best_drafts(0.95, 8) >= 3
     assert best_drafts(0.6, 8) <= best_drafts(0.9, 8)
+    # at batch 8 a position costs more than at batch 1 (measured): fewer drafts pay
+    assert allocate([0.6] * 8, 4) == [0] * 8 and best_drafts(0.6, 4) > 0
+    assert 0 < sum(allocate([0.9] * 8, 4)) < 8 * best_drafts(0.9, 4)
+    assert allocate([0.95, 0.05], 4)[1] == 0  # the drafts go to the row that accepts them
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])

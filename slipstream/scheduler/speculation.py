@@ -15,10 +15,10 @@ Rules, enforced here:
     whose rows all chose no drafts stays steady until the first of them is due to probe.
 
 Adaptive k (`adaptive=True`): a row's per-draft acceptance alpha is estimated from its commits
-(decayed counts); it feeds the k that maximises E(k) / (c(k + 1) + s), E(k) = (1 - alpha^(k+1)) /
-(1 - alpha) the expected tokens of a step, c the forward's cost by positions relative to one position
-(`FORWARD_COST`, measured) and s a speculating step's own work (`STEP_COST`), if that beats 1 / c(1)
-by `MARGIN`; a row that does not draft probes again with one draft every `PROBE_EVERY` plans (more,
+(decayed counts of the drafts it fed); the step takes drafts in the order of the expected tokens
+they add (a row's j-th: alpha^j) as far as its expected tokens per unit of cost are highest, the cost
+being the forward's by total positions (`FORWARD_MS`, measured) plus each speculating row's own work
+(`ROW_MS`), and speculates only if that beats the step without drafts by `MARGIN` (`allocate`). A row that does not draft probes again with one draft every `PROBE_EVERY` plans (more,
 up to `MAX_PROBE_EVERY`, the lower its estimate), so its estimate can recover.
 """
 from __future__ import annotations
@@ -31,39 +31,63 @@ if TYPE_CHECKING:
     from slipstream.scheduler.planner import Planner
     from slipstream.scheduler.step import Step
 
-# CPU time of a forward of one sequence feeding q positions (logits at each) at 256 tokens of context,
-# relative to q = 1: the default model (SmolLM2-135M Q4_1, quantized kernels), one thread; linear between.
-# docs/results/spec-2026-11-27/forward_cost_quantized.txt
-FORWARD_COST = {1: 1.0, 2: 1.12, 3: 1.28, 5: 1.80, 9: 3.47}
-# a speculating step's own work beside its forward (drafting, verifying, the host's runs), relative to
-# a one-position forward: ~0.25 ms against ~6 ms (tools/bench_spec_kernels.py; docs/speculative.md)
-STEP_COST = 0.04
+# CPU time (ms) of a forward by the positions it feeds (logits at each), at 256 tokens of context: the
+# default model (SmolLM2-135M Q4_1, quantized kernels), one thread; one sequence up to 9 positions,
+# 8 sequences from 8 (docs/results/spec-2026-11-27/forward_cost_quantized*.txt); linear between. Only
+# the shape matters: a step's cost relative to the same step without drafts.
+FORWARD_MS = {1: 6.0, 2: 6.71, 3: 7.68, 5: 10.79, 8: 21.3, 16: 34.8, 24: 46.5, 40: 71.1}
+# a speculating row's own work beside the forward (drafting, verifying, its run on the host), in
+# the same unit: ~0.25 ms (tools/bench_spec_kernels.py; docs/speculative.md)
+ROW_MS = 0.25
 MARGIN = 1.05  # speculate only when the expected gain is at least 5%
 PROBE_EVERY = 8  # plans between probes of a row whose drafts do not pay, at alpha = 0.5; more below it
 MAX_PROBE_EVERY = 64
 DECAY = 0.8  # weight of the past in a row's acceptance counts, per commit
 PRIOR = (1.0, 2.0)  # (accepted, tried) a row starts from: alpha = 0.5
+_POINTS = sorted(FORWARD_MS.items())
 
 
-def forward_cost(q: int) -> float:
-    points = sorted(FORWARD_COST.items())
-    for (q0, c0), (q1, c1) in zip(points, points[1:]):
-        if q <= q1:
-            return c0 + (c1 - c0) * (q - q0) / (q1 - q0)
-    (q0, c0), (q1, c1) = points[-2], points[-1]
-    return c1 + (c1 - c0) * (q - q1) / (q1 - q0)
+def forward_cost(positions: int) -> float:
+    for (q0, c0), (q1, c1) in zip(_POINTS, _POINTS[1:]):
+        if positions <= q1:
+            return c0 + (c1 - c0) * (positions - q0) / (q1 - q0)
+    (q0, c0), (q1, c1) = _POINTS[-2], _POINTS[-1]
+    return c1 + (c1 - c0) * (positions - q1) / (q1 - q0)
+
+
+def allocate(alphas: list[float], max_drafts: int) -> list[int]:
+    """Drafts per row for a step of these rows (their acceptance estimates). A row's j-th draft adds
+    alpha^j expected tokens (it and the drafts before it accepted); taking drafts in the order of what
+    they add, the step keeps the prefix with the most expected tokens per unit of cost, the cost being
+    the forward's by total positions plus each speculating row's own work; none unless that beats the
+    step without drafts by MARGIN. At a larger batch, where positions cost more, fewer drafts pay."""
+    n = len(alphas)
+    ks = [0] * n
+    if not n:
+        return ks
+    order = sorted(((a ** j, i) for i, a in enumerate(alphas) for j in range(1, max_drafts + 1)), reverse=True)
+    base = n / forward_cost(n)
+    tokens, rows, best, best_at = float(n), 0, base, 0
+    taken = [0] * n
+    for m, (gain, i) in enumerate(order, 1):
+        if gain <= 0:
+            break
+        rows += taken[i] == 0
+        taken[i] += 1
+        tokens += gain
+        rate = tokens / (forward_cost(n + m) + ROW_MS * rows)
+        if rate > best:
+            best, best_at = rate, m
+    if best < base * MARGIN:
+        return ks
+    for _, i in order[:best_at]:
+        ks[i] += 1
+    return ks
 
 
 def best_drafts(alpha: float, max_drafts: int) -> int:
-    """The k in 0..max_drafts with the most expected tokens per unit of forward cost (0 unless it
-    beats plain decoding by MARGIN)."""
-    best, best_rate = 0, MARGIN
-    for k in range(1, max_drafts + 1):
-        tokens = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
-        rate = tokens / (forward_cost(k + 1) + STEP_COST)
-        if rate > best_rate:
-            best, best_rate = k, rate
-    return best
+    """One row alone: `allocate` of a batch of one."""
+    return allocate([alpha], max_drafts)[0]
 
 
 def can_speculate(seq: Sequence) -> bool:
@@ -88,14 +112,15 @@ class Speculation:
     def probe_every(alpha: float) -> int:
         return min(MAX_PROBE_EVERY, max(PROBE_EVERY, int(PROBE_EVERY * 0.5 / max(alpha, 1e-3))))
 
-    def wanted(self, seq: Sequence) -> int:
+    def wanted(self, seqs: list[Sequence]) -> list[int]:
+        """Drafts per row (before max_tokens and pages): all k without `adaptive`; else `allocate`
+        by the rows' estimates, and one draft for a row that drafts none and is due to probe."""
         if not self.adaptive:
-            return self.max_drafts
-        alpha = self.alpha(seq)
-        k = best_drafts(alpha, self.max_drafts)
-        if k == 0 and seq.steps_without_drafts >= self.probe_every(alpha):
-            k = 1
-        return k
+            return [self.max_drafts] * len(seqs)
+        alphas = [self.alpha(seq) for seq in seqs]
+        ks = allocate(alphas, self.max_drafts)
+        return [1 if k == 0 and seq.steps_without_drafts >= self.probe_every(a) else k
+                for seq, k, a in zip(seqs, ks, alphas)]
 
     def draft(self, step: Step, planner: Planner) -> None:
         """Set `step.drafts` (k per decode row) and reserve the pages the drafts write. A batch whose
@@ -109,8 +134,7 @@ class Speculation:
             return
         page_size = planner.page_size
         ks = []
-        for seq in step.decode:
-            k = self.wanted(seq)
+        for seq, k in zip(step.decode, self.wanted(step.decode)):
             k = min(k, seq.max_tokens - len(seq.output_ids) - seq.pending_samples - 1)
             if k > 0:
                 end = seq.num_scheduled + 1 + k

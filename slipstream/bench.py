@@ -25,9 +25,11 @@ import asyncio
 import statistics
 import time
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 from slipstream.api.engine import Engine
 from slipstream.bench_predict import Prediction, predict_depth2
+from slipstream.outputs import CompletionOutput
 from slipstream.params import EngineConfig, SamplingParams
 
 PROMPT_LEN = 8
@@ -116,10 +118,11 @@ def steady_state(traces: list, streams: int) -> StepStats:
     """Full-batch decode steps (median, mean, p90); the prefill step is kept apart (the model needs it)."""
     dec = [t for t in traces if t.kind == "decode" and t.num_seqs == streams and t.contiguous]
     pre = [t for t in traces if t.kind == "prefill" and t.num_seqs == streams]
+    plan, launch, commit, finalize = (_med(t.host[i] for t in dec) for i in range(4))
     return StepStats(_med(t.forward for t in dec), _med(t.sampling for t in dec), _med(t.period for t in dec),
                      _med(t.idle for t in dec), _med(t.busy for t in dec), _med(t.bookkeeping for t in dec),
                      _med(t.period for t in pre), len(dec), _mean(t.period for t in dec),
-                     tuple(_med(t.host[i] for t in dec) for i in range(4)),
+                     (plan, launch, commit, finalize),
                      _p90(t.period for t in dec), _mean(t.idle for t in dec), _p90(t.idle for t in dec),
                      _mean(t.busy for t in dec), _mean(t.host_active for t in dec))
 
@@ -149,7 +152,7 @@ async def run_workload(engine: Engine, streams: int, output_len: int) -> tuple[f
     t0 = time.perf_counter()
     outs = await asyncio.gather(*(engine.complete(p, params) for p in prompts(streams)))
     wall = time.perf_counter() - t0
-    assert all(len(o.token_ids) == output_len for o in outs)
+    assert all(len(cast(CompletionOutput, o).token_ids) == output_len for o in outs)  # (n == 1)
     return wall, list(engine.tracer.steps), engine.loop.pipeline.zombie_commits - zombies
 
 
@@ -203,7 +206,8 @@ async def bench(model: str, device: str, streams: list[int], output_len: int, re
         for n in streams:
             reps = []
             for rep in range(repeats):
-                runs, prediction = {}, None
+                runs: dict[int, Any] = {}
+                prediction = None
                 for depth in (1, 2):
                     if depth == 2:  # committed to before depth 2 runs: it sees the depth-1 run only
                         prediction = predict_depth2(runs[1])

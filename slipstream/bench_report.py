@@ -52,6 +52,7 @@ def format_tables(results: list[list[Comparison]]) -> str:
          "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|"]
     for c, reps in zip(rows, results):
         p = c.prediction
+        assert p is not None  # (every row of this table has one)
         every = " ".join(f"{r.prediction_error_pp:+.1f}" for r in reps)
         measured = c.pipelined.steady.period_mean_ms
         b.append(f"| {c.streams} | {p.busy_ms:.2f} | {p.host_ms:.2f} | {p.bound} | {p.period_ms:.2f} | "

@@ -59,6 +59,6 @@ class FaultInjector:
 
 def install(engine, injector: FaultInjector | None) -> None:
     """Put `injector` (or None: off) into a started Engine's runner, output processor and constraints."""
-    engine._parts.runner.faults = injector
+    engine.parts.runner.faults = injector
     engine.loop.outputs.faults = injector
     engine.loop.constraints.faults = injector

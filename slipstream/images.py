@@ -33,7 +33,7 @@ import threading
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence, Union
+from typing import Any, Sequence, Union, cast
 
 from PIL import Image, UnidentifiedImageError
 
@@ -96,7 +96,9 @@ def decode_each(objs: Sequence[Any], fields: Sequence[str], limits: ImageLimits 
     request's pixels checked: a caller that drops each picture before the next holds one at once."""
     objs, fields = list(objs), list(fields)
     check_image_fields(fields, limits)
-    opened, total = [], 0
+    opened: list[tuple[Any, str] | None] = []
+    total = 0
+    item: Any
     for obj, field in zip(objs, fields):
         item = _open(obj, field, limits)
         if not isinstance(item, ImageInput):
@@ -107,9 +109,9 @@ def decode_each(objs: Sequence[Any], fields: Sequence[str], limits: ImageLimits 
                                     f"{limits.max_request_pixels:,} are accepted in one request")
         opened.append((item, field))
     for i in range(len(opened)):  # no reference kept to a picture once it is handed out
-        item, field = opened[i]
+        item, field = cast(tuple[Any, str], opened[i])
         opened[i] = None
-        out = item if isinstance(item, ImageInput) else _load(item, field, limits)
+        out: Any = item if isinstance(item, ImageInput) else _load(item, field, limits)
         item = None
         yield out
         out = None

@@ -15,6 +15,7 @@ import datetime
 import logging
 import os
 import sys
+import weakref
 
 import structlog
 
@@ -22,6 +23,7 @@ LOGGER_NAME = "slipstream"
 LEVEL_ENV = "SLIPSTREAM_LOG_LEVEL"
 LEVELS = ("debug", "info", "warning", "error")
 DEFAULT_LEVEL = "warning"
+_CLI_HANDLERS: weakref.WeakSet[logging.Handler] = weakref.WeakSet()  # what configure_logging installed
 _progress = False  # model-loading progress bars (on only via configure_logging, and only on a terminal)
 
 
@@ -79,9 +81,9 @@ def configure_logging(level: str | None = None, json: bool = False, stream=None)
     )
     handler = logging.StreamHandler(stream) if stream is not None else _StderrHandler()
     handler.setFormatter(formatter)
-    handler._slipstream_cli = True  # noqa: SLF001 - marks the handler a later call replaces
+    _CLI_HANDLERS.add(handler)  # the handler a later call replaces
     logger = logging.getLogger(LOGGER_NAME)
-    for old in [h for h in logger.handlers if getattr(h, "_slipstream_cli", False)]:
+    for old in [h for h in logger.handlers if h in _CLI_HANDLERS]:
         logger.removeHandler(old)
     logger.addHandler(handler)
     logger.setLevel(resolve_level(level).upper())

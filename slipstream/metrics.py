@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import operator
 from collections import deque
+from typing import Any
 
 import numpy as np
 
@@ -60,7 +61,7 @@ class _Deferred:
     __slots__ = ("hist", "queue")
 
     def __init__(self, hist: Histogram):
-        self.hist, self.queue = hist, deque()
+        self.hist, self.queue = hist, deque[float]()
 
     def fold(self) -> None:
         q, values = self.queue, []
@@ -98,7 +99,7 @@ class _DeferredCount:
     __slots__ = ("counter", "queue")
 
     def __init__(self, counter):
-        self.counter, self.queue = counter, deque()
+        self.counter, self.queue = counter, deque[int]()
 
     def fold(self) -> None:
         q, total = self.queue, 0
@@ -115,7 +116,7 @@ class _Folder:
     """Registered first, so collecting the registry folds the queues before histograms are read."""
 
     def __init__(self):
-        self.items: list[_Deferred] = []
+        self.items: list[_Deferred | _DeferredCount] = []
 
     def collect(self):
         for d in self.items:
@@ -242,7 +243,7 @@ class EngineMetrics:
         self.kv_pages_used = gauge("slipstream_kv_pages_used", "KV cache pages held by sequences")
         self.kv_pages_total = gauge("slipstream_kv_pages_total", "KV cache pages sequences can use")
         self.kv_usage = gauge("slipstream_kv_cache_usage_ratio", "KV cache pages used / total (0..1)")
-        self._loop = None
+        self._loop: Any = None  # the EngineLoop it is attached to
         self._device_period = False
         self._last: tuple[float, int] | None = None  # (t_launch, idle_waits) of the previous commit
         self.muted = False  # True: nothing is observed (a worker's warm-up request is not traffic)

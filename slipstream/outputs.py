@@ -27,7 +27,7 @@ class RequestMetrics:
 class Usage(msgspec.Struct, frozen=True):
     """Token counts of one completion, as OpenAI's `usage` (the stop token, if sampled, counts).
     cached_tokens: prompt tokens whose KV came from the prefix cache, not computed
-    (`Sequence.num_cached_tokens`; OpenAI's `prompt_tokens_details.cached_tokens`)."""
+    (`PrefixState.num_cached_tokens`; OpenAI's `prompt_tokens_details.cached_tokens`)."""
 
     prompt_tokens: int
     completion_tokens: int

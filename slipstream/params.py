@@ -252,10 +252,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, met
             if not isinstance(self.graph_batch_sizes, (tuple, list)) or len(self.graph_batch_sizes) != 3:
                 raise InvalidRequestError(f"graph_batch_sizes must be (min, step, max), got {self.graph_batch_sizes!r}",
                                           param="graph_batch_sizes")
-            self.graph_batch_sizes = tuple(check.integer(f"graph_batch_sizes[{i}]", v, minimum=1)
-                                           for i, v in enumerate(self.graph_batch_sizes))
-            if make_buckets(*self.graph_batch_sizes)[-1] > self.max_batch_size:
-                raise InvalidRequestError(f"graph_batch_sizes max ({self.graph_batch_sizes[2]}) exceeds "
+            lo_b, step_b, hi_b = (check.integer(f"graph_batch_sizes[{i}]", v, minimum=1)
+                                  for i, v in enumerate(self.graph_batch_sizes))
+            self.graph_batch_sizes = (lo_b, step_b, hi_b)
+            if make_buckets(lo_b, step_b, hi_b)[-1] > self.max_batch_size:
+                raise InvalidRequestError(f"graph_batch_sizes max ({hi_b}) exceeds "
                                           f"max_batch_size ({self.max_batch_size})")
 
         if self.graph_token_sizes is not None:

@@ -25,6 +25,7 @@ import subprocess
 import sys
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 STAMP = REPO / ".whl" / "provenance-git.json"
@@ -84,7 +85,7 @@ def versions() -> dict[str, str]:
 
 
 def device_info() -> dict:
-    info = {"machine": platform.platform(), "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+    info: dict[str, Any] = {"machine": platform.platform(), "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
             "load_avg_at_start": [round(x, 2) for x in os.getloadavg()]}  # other processes sharing the cores
     smi = _run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"])
     info["gpu"] = smi.splitlines() if smi else None

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 HOST_LANES = ("plan", "launch", "commit", "finalize")
 DEVICE_LANES = ("forward", "sample", "copy")  # "copy" = h2d mask uploads and the d2h copy
@@ -130,7 +130,7 @@ class Tracer:
         self._by_step: dict[int, list[DeviceSpan]] = {}  # recent steps only, for derivation
         self._max_steps = max_steps
         self._current = -1  # the step whose work is being launched
-        self._loop = None
+        self._loop: Any = None  # the EngineLoop it is attached to
         self._streams: tuple = ()
 
     # --- wiring ---------------------------------------------------------------------------------

@@ -6,9 +6,10 @@ InvalidRequestError naming the field. `bool` is refused where an integer or a nu
 """
 from __future__ import annotations
 
+import importlib
 import json
 import math
-from typing import Any
+from typing import Any, Literal, cast, get_args, overload
 
 import msgspec
 
@@ -27,6 +28,16 @@ class CheckedStructMeta(msgspec.StructMeta):
 
 def _type_name(value: Any) -> str:
     return type(value).__name__
+
+
+@overload
+def integer(name: str, value: Any, *, minimum: int | None = None, maximum: int | None = None,
+            optional: Literal[False] = False) -> int: ...
+
+
+@overload
+def integer(name: str, value: Any, *, minimum: int | None = None, maximum: int | None = None,
+            optional: bool) -> int | None: ...
 
 
 def integer(name: str, value: Any, *, minimum: int | None = None, maximum: int | None = None,
@@ -87,11 +98,12 @@ def regex(name: str, value: Any) -> str:
 
 
 def _expansion(pattern: str) -> int:
-    import re._constants as c
-    import re._parser
+    # (CPython's regex parser: not in the type stubs)
+    c = importlib.import_module("re._constants")
+    re_parser = importlib.import_module("re._parser")
 
     try:
-        parsed = re._parser.parse(pattern)
+        parsed = re_parser.parse(pattern)
     except Exception:  # noqa: BLE001 - any syntax error: the grammar compiler's to report
         return 0
     repeats = {c.MAX_REPEAT, c.MIN_REPEAT, getattr(c, "POSSESSIVE_REPEAT", c.MAX_REPEAT)}
@@ -158,7 +170,8 @@ def prompt(value: Any, vocab_size: int) -> str | list[int]:
     return ids
 
 
-CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
+ChatRole = Literal["system", "user", "assistant", "developer", "tool"]
+CHAT_ROLES: tuple[str, ...] = get_args(ChatRole)
 
 
 def messages(value: Any) -> list[dict[str, Any]]:
@@ -182,7 +195,7 @@ def messages(value: Any) -> list[dict[str, Any]]:
         if content is None and "tool_calls" in extra:
             content = ""
         if isinstance(content, (list, tuple)):  # OpenAI content parts: text, and image slots
-            parts = []
+            parts: list[str | None] = []
             for j, part in enumerate(content):
                 if isinstance(part, dict) and part.get("type") == "image" and len(part) == 1:
                     parts.append(None)  # an image's place (api/image_prompt.split_chat_images took it out)
@@ -195,7 +208,7 @@ def messages(value: Any) -> list[dict[str, Any]]:
                 out.append({"role": role, "content": [{"type": "image"} if p is None else {"type": "text", "text": p}
                                                       for p in parts], **extra})
                 continue
-            content = "".join(parts)
+            content = "".join(cast(list[str], parts))  # (no image slot among them)
         out.append({"role": role, "content": text(f"messages[{i}].content", content, allow_empty=True), **extra})
     return out
 

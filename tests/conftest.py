@@ -32,7 +32,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def loaded():
     """The default model (SmolLM2-135M-Instruct GGUF) as loaded by slipstream, shared by all tests."""
-    from slipstream.models.loader import DEFAULT_MODEL, load_model
+    from slipstream.models.loading.loader import DEFAULT_MODEL, load_model
 
     return load_model(DEFAULT_MODEL)
 

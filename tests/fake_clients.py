@@ -3,19 +3,19 @@ yields), aborted after its own count of yields if it has one, and awaited to its
 import asyncio
 
 from fake_runner import EOS, NullDetok
-from slipstream.api.output_processor import RequestState
+from slipstream.api.request_stream import RequestState
 from slipstream.errors import StepFailedError
 from slipstream.outputs import CompletionOutput, RequestMetrics
 from slipstream.params import SamplingParams
 from slipstream.runtime.batch import SamplingRow
-from slipstream.scheduler.sequence import Sequence
+from slipstream.scheduler.sequence import ImageState, Sequence
 
 
 def submit_greedy(loop, name: str, prompt: list[int], spans=(), max_tokens: int = 4) -> Sequence:
     """Submit a greedy token-only request (with its image spans) at once; returns its sequence."""
     req = RequestState(name, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0), NullDetok(),
                        frozenset({EOS}), RequestMetrics(0.0))
-    seq = Sequence(name, prompt, max_tokens, SamplingRow(), user=req, images=list(spans))
+    seq = Sequence(name, prompt, max_tokens, SamplingRow(), user=req, images=ImageState(list(spans)) if spans else None)
     loop.submit(seq)
     return seq
 

@@ -10,8 +10,8 @@ from slipstream.grammar import allocate_bitmask, allowed_ids
 
 @functools.lru_cache(maxsize=1)
 def smollm_tokenizer():
-    from slipstream.models.gguf_loader import load_gguf_tokenizer
-    from slipstream.models.loader import resolve_model_path
+    from slipstream.models.loading.gguf_loader import load_gguf_tokenizer
+    from slipstream.models.loading.loader import resolve_model_path
 
     return load_gguf_tokenizer(resolve_model_path("smollm2-135m"))
 

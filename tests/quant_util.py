@@ -2,7 +2,7 @@
 CPU kernels and the Triton kernel)."""
 import numpy as np
 
-from slipstream.models.quant_formats import _BLOCK, QUANTIZED_TYPES, repack
+from slipstream.models.kernels.quant_formats import _BLOCK, QUANTIZED_TYPES, repack
 
 FORMATS = sorted(QUANTIZED_TYPES)
 # byte offsets of each block's float16 fields (scales, mins): random bytes elsewhere

@@ -14,10 +14,10 @@ triton = pytest.importorskip("triton")
 
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402  (not an attribute before import)
 
-from slipstream.models import attention_blocks as ab  # noqa: E402
-from slipstream.models import attention_triton as at  # noqa: E402
-from slipstream.models.triton_jit import jitted  # noqa: E402
-from slipstream.models.attention import AttentionMetadata, paged_attention_reference  # noqa: E402
+from slipstream.models.kernels import attention_blocks as ab  # noqa: E402
+from slipstream.models.kernels import attention_triton as at  # noqa: E402
+from slipstream.models.kernels.triton_jit import jitted  # noqa: E402
+from slipstream.models.kernels.attention import AttentionMetadata, paged_attention_reference  # noqa: E402
 
 SENTINEL = 123.0  # out is prefilled with this: rows the kernel must not write keep it
 
@@ -254,7 +254,7 @@ def test_rejects_bad_input():
 
 def test_clear_error_without_triton(monkeypatch):
     q, k, v, meta, dev = _make([1], [3], 2, 2, 16, 8, 0, torch.float32, 2)
-    from slipstream.models import triton_jit
+    from slipstream.models.kernels import triton_jit
 
     monkeypatch.setattr(triton_jit, "triton", None)  # what an install without triton sees
     with pytest.raises(RuntimeError, match="needs the `triton` package"):

@@ -6,11 +6,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 
-from slipstream.models.byte_stream import ByteStreamDetokenizer, byte_table, make_detokenizer
-from slipstream.models.byte_tokenizer import ByteTokenizer
-from slipstream.models.gguf_loader import load_gguf_tokenizer
-from slipstream.models.loader import resolve_model_path
-from slipstream.models.tokenizer import IncrementalDetokenizer, Tokenizer
+from slipstream.models.tokenizers.byte_stream import ByteStreamDetokenizer, byte_table, make_detokenizer
+from slipstream.models.tokenizers.byte_tokenizer import ByteTokenizer
+from slipstream.models.loading.gguf_loader import load_gguf_tokenizer
+from slipstream.models.loading.loader import resolve_model_path
+from slipstream.models.tokenizers.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from slipstream import Engine, SamplingParams
 from slipstream.errors import GrammarCompileError
 from slipstream.grammar import GrammarSpec
 from slipstream.models.carry_heads import CarryInput
-from slipstream.models.llama import KVCache
+from slipstream.models.base import KVCache
 from slipstream.runtime.batch import MAX_CARRY_VALUES
 
 CARRY_MAP = {COORD_TOKEN: 1, SIZE_TOKEN: 2}

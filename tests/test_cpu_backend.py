@@ -10,10 +10,11 @@ from model_families import byte_vocab, hf_model, special_ids, write_gguf
 from slipstream import Engine, EngineConfig, SamplingParams
 from slipstream.api.assemble import assemble
 from slipstream.errors import InvalidRequestError
-from slipstream.models.build import build_model, forget_loaded
-from slipstream.models.cpu_kernels import native_kernels
-from slipstream.models.llama import KVCache
-from slipstream.models.quant_linear import QuantEmbedding, QuantLinear
+from slipstream.models.llama.build import forget_loaded
+from slipstream.models.loading.build import build_model
+from slipstream.models.kernels.cpu_kernels import native_kernels
+from slipstream.models.base import KVCache
+from slipstream.models.kernels.quant_linear import QuantEmbedding, QuantLinear
 
 pytestmark = pytest.mark.skipif(native_kernels() is None, reason="no C compiler: no compiled CPU kernels")
 Q = gguf.GGMLQuantizationType

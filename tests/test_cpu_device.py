@@ -6,7 +6,7 @@ import time
 import pytest
 
 from slipstream.runtime.cpu_device import CPUDevice
-from slipstream.runtime.device import make_device
+from slipstream.runtime.devices import make_device
 
 
 @pytest.fixture

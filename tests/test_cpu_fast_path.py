@@ -5,7 +5,7 @@ from torch import nn
 
 from slipstream import EngineConfig
 from slipstream.api import assemble as assemble_mod
-from slipstream.models.cpu_linear import PackedLinear, onednn_available
+from slipstream.models.kernels.cpu_linear import PackedLinear, onednn_available
 
 
 def build(monkeypatch, probe_calls, **kw):

@@ -6,7 +6,7 @@ step size (tools/bench_rss_waves.py)."""
 import pytest
 import torch
 
-from slipstream.models.cpu_linear import ROW_BLOCK, PackedLinear, onednn_available, padded_rows, split_rows
+from slipstream.models.kernels.cpu_linear import ROW_BLOCK, PackedLinear, onednn_available, padded_rows, split_rows
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")
 

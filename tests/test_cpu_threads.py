@@ -5,7 +5,7 @@ import torch
 
 from slipstream import EngineConfig
 from slipstream.api.assemble import assemble
-from slipstream.models.build import build_model
+from slipstream.models.loading.build import build_model
 from slipstream.runtime import cpu_threads
 
 

@@ -261,7 +261,7 @@ def test_cuda_preemption_with_row_reuse_gives_the_unpreempted_tokens():
 
 
 def _head_dim_128(monkeypatch):
-    from slipstream.models import build
+    from slipstream.models.llama import build
     from slipstream.models.config import tiny_config
 
     cfg = dataclasses.replace(tiny_config(), hidden_size=256, num_heads=2, num_kv_heads=1, head_dim=128,

@@ -33,7 +33,7 @@ def test_cuda_modules_import_without_cupy_or_gpu():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a GPU")
 def test_cuda_device_without_gpu_is_a_clear_error():
-    from slipstream.runtime.device import make_device
+    from slipstream.runtime.devices import make_device
 
     with pytest.raises(RuntimeError, match="needs an NVIDIA GPU"):
         make_device("cuda")
@@ -81,7 +81,7 @@ def test_depth2_equals_depth1_on_gpu_64_mixed_requests(monkeypatch):
 
 def _hf_twin(dtype):
     """transformers' Llama with exactly the weights of slipstream's tiny-random model, on the GPU."""
-    from slipstream.models.build import random_weights
+    from slipstream.models.llama.build import random_weights
     from slipstream.models.config import tiny_config
     from hf_oracle import hf_llama_from_weights
 

@@ -8,14 +8,14 @@ from fake_runner import reference
 from slipstream.runtime.batch import ImageSpan, SamplingRow
 from slipstream.scheduler.block_hash import image_key
 from slipstream.scheduler.encoder_cache import EncoderCache
-from slipstream.scheduler.sequence import Sequence
+from slipstream.scheduler.sequence import ImageState, Sequence
 from test_images_pipeline import image_prompt, make_loop, pixels
 
 
 def test_an_image_before_the_first_chunk_is_not_acquired():
     cache = EncoderCache(max_features=0)
     spans = [ImageSpan(2, 6, b"x", 4), ImageSpan(9, 13, b"y", 4)]
-    seq = Sequence("a", [0] * 20, 1, SamplingRow(), images=spans)
+    seq = Sequence("a", [0] * 20, 1, SamplingRow(), images=ImageState(spans))
     cache.acquire(seq, start=8)  # a prefix-cache hit of 8 tokens holds x's rows already
     assert not cache.in_use(b"x") and cache.in_use(b"y")
     assert (cache.hits, cache.misses, cache.stats().entries) == (0, 1, 1)
@@ -49,7 +49,7 @@ def test_a_repeat_served_from_the_prefix_cache_neither_encodes_nor_misses():
     outs, loop = asyncio.run(run())
     (a, _), (b, seq_b) = outs
     assert a.token_ids == b.token_ids == reference(prompt, 4, spans)
-    assert seq_b.num_reused >= spans[0].end, "the repeat's hit did not cover its image: no scenario"
+    assert seq_b.prefix.num_reused >= spans[0].end, "the repeat's hit did not cover its image: no scenario"
     stats = loop.planner.encoder_cache.stats()
     assert loop.runner.encodes == [spans[0].digest] and (stats.misses, stats.hits) == (1, 0)
     assert stats.entries == 0 and stats.features == 0

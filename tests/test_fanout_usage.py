@@ -131,7 +131,8 @@ class _CharDetok:
 
 
 def _run_processor(params, tokens, tops=None):
-    from slipstream.api.output_processor import OutputProcessor, RequestState
+    from slipstream.api.output_processor import OutputProcessor
+    from slipstream.api.request_stream import RequestState
     from slipstream.runtime.batch import SamplingRow
     from slipstream.scheduler.sequence import Sequence
 
@@ -194,7 +195,8 @@ def test_http_rendering_of_top_logprobs_and_n_usage():
 def test_a_stop_string_found_a_pass_late_cuts_the_tokens_committed_after_it():
     """The output stage may see a stop string after the tick committed more tokens of the request
     (depth 2 keeps sampling until the sequence is finished): the output ends at the stop anyway."""
-    from slipstream.api.output_processor import OutputProcessor, RequestState
+    from slipstream.api.output_processor import OutputProcessor
+    from slipstream.api.request_stream import RequestState
     from slipstream.runtime.batch import SamplingRow
     from slipstream.scheduler.sequence import Sequence
 

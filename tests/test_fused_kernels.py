@@ -9,13 +9,13 @@ from torch import nn
 
 pytest.importorskip("triton")
 
-from slipstream.models.add_norm_triton import add_rms_norm_reference, add_rms_norm_triton  # noqa: E402
+from slipstream.models.kernels.add_norm_triton import add_rms_norm_reference, add_rms_norm_triton  # noqa: E402
 from slipstream.models.config import tiny_config  # noqa: E402
-from slipstream.models.fused_projections import fuse_linears, is_fused_view  # noqa: E402
-from slipstream.models.gate_up_silu_triton import gate_up_silu_reference, gate_up_silu_triton  # noqa: E402
-from slipstream.models.rotary import RotaryEmbedding  # noqa: E402
-from slipstream.models.rotary_kv_triton import rotary_kv_reference, rotary_kv_triton  # noqa: E402
-from slipstream.models.silu_mul_triton import silu_mul_reference, silu_mul_triton  # noqa: E402
+from slipstream.models.kernels.fused_projections import fuse_linears, is_fused_view  # noqa: E402
+from slipstream.models.kernels.gate_up_silu_triton import gate_up_silu_reference, gate_up_silu_triton  # noqa: E402
+from slipstream.models.kernels.rotary import RotaryEmbedding  # noqa: E402
+from slipstream.models.kernels.rotary_kv_triton import rotary_kv_reference, rotary_kv_triton  # noqa: E402
+from slipstream.models.kernels.silu_mul_triton import silu_mul_reference, silu_mul_triton  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16]
 # fp32: order of operations only; bf16: one rounding step of the output (2^-8 relative) at most
@@ -165,7 +165,7 @@ def test_fuse_linears_views_one_copy_and_leaves_packed_alone():
         assert m(x).equal(b)  # the unfused layer still computes the same
     assert fuse_linears([nn.Linear(8, 4), nn.Linear(8, 4, bias=False)]) is None  # mixed biases
     assert fuse_linears([nn.Linear(8, 4), nn.Linear(6, 4)]) is None  # different inputs
-    from slipstream.models.cpu_linear import PackedLinear, onednn_available
+    from slipstream.models.kernels.cpu_linear import PackedLinear, onednn_available
 
     if onednn_available():
         packed = [PackedLinear(torch.randn(4, 8)), PackedLinear(torch.randn(4, 8))]

@@ -10,10 +10,10 @@ pytest.importorskip("triton")
 
 from triton_model_util import NO_MLP_GEMM, UNFUSED, build, two_steps  # noqa: E402
 
-from slipstream.models.build import random_weights  # noqa: E402
+from slipstream.models.llama.build import random_weights  # noqa: E402
 from slipstream.models.config import tiny_config  # noqa: E402
-from slipstream.models.llama import LlamaForCausalLM  # noqa: E402
-from slipstream.models.llama_triton import fuse_projections  # noqa: E402
+from slipstream.models.llama.model import LlamaForCausalLM  # noqa: E402
+from slipstream.models.llama.forward_triton import fuse_projections  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
@@ -28,7 +28,7 @@ def _device(name):
 # bf16 (see the test's docstring): on the CPU the interpreter also rounds every bf16 cast towards zero
 MODEL_TOL = {"cpu": {torch.float32: 2e-5, torch.bfloat16: 0.15}, "cuda": {torch.float32: 2e-5, torch.bfloat16: 0.1}}
 # Padding rows past the last sequence hold uninitialised attention output (no zero-fill); their
-# arithmetic may overflow (or meet NaN) in the interpreter's numpy, harmlessly (llama_triton.py `attention`).
+# arithmetic may overflow (or meet NaN) in the interpreter's numpy, harmlessly (llama/forward_triton.py `attention`).
 GARBAGE_ROWS_OK = pytest.mark.filterwarnings(r"ignore:(overflow|invalid value) encountered:RuntimeWarning")
 
 
@@ -61,7 +61,7 @@ def test_triton_backend_equals_reference_fused_and_unfused(device, dtype, arch):
 def test_triton_backend_runs_packed_projections_unfused():
     """The CPU quantised/packed layers (PackedLinear) have no dense weight: they stay unfused and
     the triton path runs them one by one, with the same logits."""
-    from slipstream.models.cpu_linear import PackedLinear, onednn_available, pack_weights
+    from slipstream.models.kernels.cpu_linear import PackedLinear, onednn_available, pack_weights
 
     if not onednn_available():
         pytest.skip("this torch build has no oneDNN")
@@ -81,7 +81,7 @@ def test_cuda_graph_replay_equals_eager(options):
     """Every new kernel is graph-capturable: a captured mixed step replays to the eager logits."""
     _device("cuda")
     from host_batch import Chunk, host_batch
-    from slipstream.models.llama import KVCache
+    from slipstream.models.base import KVCache
     from triton_model_util import with_device_metadata
 
     cfg, dtype = tiny_config(), torch.bfloat16

@@ -6,7 +6,7 @@ import pytest
 
 import slipstream.gc_freeze
 from slipstream import Engine, EngineConfig, SamplingParams
-from slipstream.api.output_processor import RequestState
+from slipstream.api.request_stream import RequestState
 
 async def test_finished_requests_are_freed_without_the_cycle_collector():
     """Only this test's requests are counted (other engines of the session may hold theirs), and

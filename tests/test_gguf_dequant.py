@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from slipstream.models import gguf_loader
-from slipstream.models.gguf_loader import load_gguf
+from slipstream.models.loading import gguf_loader
+from slipstream.models.loading.gguf_loader import load_gguf
 
 TYPES = [gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.F16,
          gguf.GGMLQuantizationType.F32]

@@ -31,7 +31,7 @@ from slipstream.grammar import (
     words_for,
 )
 from slipstream.grammar.bitmask import clear_from
-from slipstream.models.byte_tokenizer import ByteTokenizer
+from slipstream.models.tokenizers.byte_tokenizer import ByteTokenizer
 
 pytest.importorskip("hypothesis")
 from hypothesis import given, settings  # noqa: E402

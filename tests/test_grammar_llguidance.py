@@ -8,7 +8,7 @@ from grammar_helpers import allowed, drive, mask_of, smollm_tokenizer
 
 from slipstream.errors import GrammarCompileError, GrammarMatchError
 from slipstream.grammar import GrammarCompiler, GrammarSpec, allowed_ids, words_for
-from slipstream.models.byte_tokenizer import ByteTokenizer
+from slipstream.models.tokenizers.byte_tokenizer import ByteTokenizer
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -164,7 +164,7 @@ def _char_level(decoder: str | None):
     read from tokenizer.json (it reads byte-level and byte-fallback ones only)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models
 
-    from slipstream.models.tokenizer import Tokenizer as SlipTokenizer
+    from slipstream.models.tokenizers.tokenizer import Tokenizer as SlipTokenizer
 
     special = ["<unk>", "<s>", "</s>"]
     vocab = {t: i for i, t in enumerate(special + [chr(c) for c in range(32, 127)] + ["\n", "ab", "\u2581no"])}
@@ -200,7 +200,7 @@ def test_grammars_work_with_tokenizers_llguidance_cannot_read(decoder):
 def test_the_tiny_idefics3_tokenizer_takes_grammars():
     from idefics3_fixture import _char_tokenizer
 
-    from slipstream.models.tokenizer import Tokenizer as SlipTokenizer
+    from slipstream.models.tokenizers.tokenizer import Tokenizer as SlipTokenizer
 
     backend, n = _char_tokenizer()
     tok = SlipTokenizer(backend, bos_token_id=1, eos_token_ids=[3], chat_template=None)

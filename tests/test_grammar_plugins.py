@@ -24,7 +24,7 @@ from slipstream.grammar import (
     unregister_grammar,
 )
 from slipstream.grammar.registry import PluginGrammar
-from slipstream.models.byte_tokenizer import ByteTokenizer
+from slipstream.models.tokenizers.byte_tokenizer import ByteTokenizer
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "grammar_plugin"
 BT = ByteTokenizer()

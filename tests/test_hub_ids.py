@@ -8,8 +8,8 @@ import torch
 from model_families import byte_vocab, hf_model, special_ids, write_gguf, write_hf_folder
 
 from slipstream.errors import ModelNotFoundError
-from slipstream.models.hub import cached_snapshot, hf_cache_dir, parse_hf_id
-from slipstream.models.loader import load_model, resolve_model_path
+from slipstream.models.loading.hub import cached_snapshot, hf_cache_dir, parse_hf_id
+from slipstream.models.loading.loader import load_model, resolve_model_path
 
 REPO = "TinyOrg/Tiny-Qwen2-Instruct"
 COMMIT_A, COMMIT_B = "a" * 40, "b" * 40

@@ -16,9 +16,9 @@ from PIL import Image
 from host_batch import Chunk, host_batch
 from idefics3_fixture import IMAGE_SEQ_LEN, idefics3_folder  # noqa: F401 (a pytest fixture)
 from slipstream.errors import CorruptModelError, InvalidRequestError
-from slipstream.models.build import build_model
+from slipstream.models.loading.build import build_model
 from slipstream.models.idefics3.processor import Idefics3Processing
-from slipstream.models.llama import KVCache
+from slipstream.models.base import KVCache
 
 pytest.importorskip("transformers")
 PAGE = 4
@@ -202,7 +202,7 @@ def test_prefill_chunked_through_an_image_then_greedy_tokens_match(hf, ours):
 
 
 def test_packed_cpu_path_matches_dense(idefics3_folder, ours):
-    from slipstream.models.cpu_linear import PackedLinear, onednn_available
+    from slipstream.models.kernels.cpu_linear import PackedLinear, onednn_available
 
     if not onednn_available():
         pytest.skip("this torch build has no oneDNN")
@@ -233,7 +233,7 @@ def test_a_wrong_image_token_id_is_refused(idefics3_folder, tmp_path):
     import json
     import shutil
 
-    from slipstream.models.loader import load_model
+    from slipstream.models.loading.loader import load_model
 
     folder = tmp_path / "bad"
     shutil.copytree(idefics3_folder, folder)

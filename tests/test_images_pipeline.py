@@ -22,7 +22,7 @@ from slipstream.scheduler.block_hash import block_hashes, page_extra
 from slipstream.scheduler.encoder_cache import EncoderCache
 from slipstream.scheduler.engine_loop import EngineLoop
 from slipstream.scheduler.planner import Planner
-from slipstream.scheduler.sequence import Sequence
+from slipstream.scheduler.sequence import ImageState, Sequence
 
 pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
@@ -73,7 +73,7 @@ async def run_workload(depth, requests, instrument=None, **kw):
         def make_seq():
             params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
             req = RequestState(f"r{i}", prompt, params, NullDetok(), frozenset({EOS}), RequestMetrics(0.0))
-            return Sequence(f"r{i}", prompt, max_tokens, SamplingRow(), user=req, images=list(spans))
+            return Sequence(f"r{i}", prompt, max_tokens, SamplingRow(), user=req, images=ImageState(list(spans)) if spans else None)
         return make_seq
 
     jobs = [(maker(i, prompt, spans, max_tokens), arrive, abort_after)
@@ -91,7 +91,7 @@ def check_results(requests, results, loop, pool):
             assert out.token_ids == want[: len(out.token_ids)]
         else:
             assert out.token_ids == want, f"request {i}"
-        assert not seq.images_held and seq.row is None and not seq.pages
+        assert (seq.images is None or not seq.images.held) and seq.row is None and not seq.pages
     assert runner.missing_features == 0, "a forward read an image row whose encoder output was gone"
     assert pool.num_free == pool.total and pool.num_held() == 0, "pages leaked"
     # no encoder-cache reference is left, and it is back within its bound (what is held is evictable)
@@ -120,9 +120,9 @@ def test_image_slices_split_an_image_between_chunks():
 def test_encoder_cache_refcounts_and_lru():
     cache = EncoderCache(max_features=10)
     span = lambda d, n: ImageSpan(2, 2 + n, d, n)  # noqa: E731
-    a = Sequence("a", [0] * 20, 1, SamplingRow(), images=[span(b"x", 6)])
-    b = Sequence("b", [0] * 20, 1, SamplingRow(), images=[span(b"y", 6)])
-    c = Sequence("c", [0] * 20, 1, SamplingRow(), images=[span(b"x", 6)])
+    a = Sequence("a", [0] * 20, 1, SamplingRow(), images=ImageState([span(b"x", 6)]))
+    b = Sequence("b", [0] * 20, 1, SamplingRow(), images=ImageState([span(b"y", 6)]))
+    c = Sequence("c", [0] * 20, 1, SamplingRow(), images=ImageState([span(b"x", 6)]))
     cache.acquire(a)
     cache.acquire(b)  # 12 rows in use: over the bound, but nothing may be evicted
     assert cache.take_dropped() == [] and cache.features == 12
@@ -247,7 +247,7 @@ def test_same_text_different_images_never_share_pages():
         def logged():
             seq = admit()
             if seq is not None:
-                hits[seq.request_id] = seq.num_reused
+                hits[seq.request_id] = seq.prefix.num_reused
             return seq
 
         loop.planner.admission.admit = logged
@@ -352,7 +352,7 @@ def test_a_failed_steps_encode_runs_again_for_the_next_user_of_the_image(depth, 
                 await asyncio.sleep(0)
             req = RequestState(f"r{i}", prompt, SamplingParams(max_tokens=5, temperature=0.0), NullDetok(),
                                frozenset({EOS}), RequestMetrics(0.0))
-            seqs.append(Sequence(f"r{i}", prompt, 5, SamplingRow(), user=req, images=list(spans)))
+            seqs.append(Sequence(f"r{i}", prompt, 5, SamplingRow(), user=req, images=ImageState(list(spans)) if spans else None))
             loop.submit(seqs[-1])
 
         async def result(seq):

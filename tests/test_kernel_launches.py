@@ -12,7 +12,7 @@ from triton_model_util import NO_MLP_GEMM, UNFUSED, build, with_device_metadata 
 from slipstream.models.config import tiny_config  # noqa: E402
 from host_batch import Chunk, host_batch  # noqa: E402
 from launch_counter import count_launches  # noqa: E402
-from slipstream.models.llama import KVCache  # noqa: E402
+from slipstream.models.base import KVCache  # noqa: E402
 
 
 def decode_launches(num_layers: int, options=None) -> list[str]:
@@ -55,7 +55,7 @@ def test_launches_without_the_mlp_gemm_or_fused_projections():
 
 
 def test_options_are_validated():
-    from slipstream.models.llama_triton import TritonOptions
+    from slipstream.models.llama.forward_triton import TritonOptions
 
     with pytest.raises(ValueError, match="mlp_gemm_max_rows"):
         TritonOptions(mlp_gemm_max_rows=-1)

@@ -19,11 +19,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import kernel_resources  # noqa: E402
 
 from slipstream import Engine, EngineConfig, SamplingParams  # noqa: E402
-from slipstream.models import (add_norm_triton, attention_triton, gate_up_silu_triton, rotary_kv_triton,  # noqa: E402
+from slipstream.models.kernels import (add_norm_triton, attention_triton, gate_up_silu_triton, rotary_kv_triton,  # noqa: E402
                                silu_mul_triton)
 from slipstream.models.config import tiny_config  # noqa: E402
-from slipstream.models.rotary import RotaryEmbedding  # noqa: E402
-from slipstream.models.llama_triton import TritonOptions  # noqa: E402
+from slipstream.models.kernels.rotary import RotaryEmbedding  # noqa: E402
+from slipstream.models.llama.forward_triton import TritonOptions  # noqa: E402
 
 MODULES = (add_norm_triton, attention_triton, gate_up_silu_triton, rotary_kv_triton, silu_mul_triton)
 LAUNCH_OPTIONS = {"num_warps", "num_stages"}

@@ -11,9 +11,9 @@ Layers, highest first (a module may import its own layer and the ones below, nev
 Shared leaves, importable from every layer and importing only each other: errors.py, intmath.py,
 validate.py, logging_setup.py.
 
-Every import counts for the layers: top level, inside a function, under `if TYPE_CHECKING` (an
-upward annotation is still an upward dependency). For circles, every import except the
-`TYPE_CHECKING` ones: an import deferred into a function hides a circle, it does not remove it.
+Every import counts, for the layers and for circles: top level, inside a function, under `if
+TYPE_CHECKING` (an upward annotation is still an upward dependency; an import deferred into a
+function, or kept to annotations, hides a circle, it does not remove it).
 """
 from __future__ import annotations
 
@@ -44,9 +44,9 @@ def _is_type_checking(node: ast.If) -> bool:
         isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
 
 
-def imports(path: Path, known: set[str]) -> list[tuple[str, bool]]:
+def imports(path: Path, known: set[str], deferred: bool = True) -> list[tuple[str, bool]]:
     """(imported module, under TYPE_CHECKING) for every import in the file; `from pkg import mod`
-    names the submodule when it is one."""
+    names the submodule when it is one. `deferred=False` leaves out the imports inside functions."""
     name = module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out: list[tuple[str, bool]] = []
@@ -64,16 +64,16 @@ def imports(path: Path, known: set[str]) -> list[tuple[str, bool]]:
                 for a in child.names:
                     sub = f"{mod}.{a.name}"
                     out.append((sub if sub in known else mod, typing_only))
-            else:
+            elif deferred or not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 visit(child, typing_only or (isinstance(child, ast.If) and _is_type_checking(child)))
 
     visit(ast.parse(path.read_text(), str(path)), False)
     return out
 
 
-def graph() -> dict[str, list[tuple[str, bool]]]:
+def graph(deferred: bool = True) -> dict[str, list[tuple[str, bool]]]:
     mods = modules()
-    return {m: imports(p, set(mods)) for m, p in mods.items()}
+    return {m: imports(p, set(mods), deferred) for m, p in mods.items()}
 
 
 def rank(module: str) -> int | None:
@@ -100,9 +100,10 @@ def layering_violations(g: dict[str, list[tuple[str, bool]]]) -> list[str]:
     return sorted(set(bad))
 
 
-def cycles(g: dict[str, list[tuple[str, bool]]]) -> list[list[str]]:
-    """Strongly connected components of more than one module (Tarjan), TYPE_CHECKING imports left out."""
-    edges = {m: sorted({d for d, typing_only in deps if not typing_only and d in g and d != m})
+def cycles(g: dict[str, list[tuple[str, bool]]], typing: bool = True) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan); `typing=False` leaves the
+    TYPE_CHECKING imports out."""
+    edges = {m: sorted({d for d, typing_only in deps if (typing or not typing_only) and d in g and d != m})
              for m, deps in g.items()}
     index: dict[str, int] = {}
     low: dict[str, int] = {}
@@ -148,11 +149,35 @@ def test_no_import_circles():
 def test_the_checks_see_what_they_check():
     g = graph()
     assert ("slipstream.runtime.batch", False) in g["slipstream.scheduler.step"]
-    assert ("slipstream.api.engine", True) in g["slipstream.api.request_stream"]  # a TYPE_CHECKING import
+    assert ("slipstream.faults", True) in g["slipstream.runtime.model_runner"]  # a TYPE_CHECKING import
     g["slipstream.runtime.cuda_device"].append(("slipstream.params", False))  # the old upward import
     g["slipstream.scheduler.planner"].append(("torch", False))
     assert layering_violations(g) == ["slipstream.runtime.cuda_device imports slipstream.params (a higher layer)",
                                       "slipstream.scheduler.planner imports torch"]
-    g["slipstream.models.rotary"].append(("slipstream.models.llama", False))  # deferred in a function counts
+    g["slipstream.models.kernels.rotary"].append(("slipstream.models.llama.model", False))  # deferred in a function counts
     (circle,) = cycles(g)
-    assert {"slipstream.models.llama", "slipstream.models.rotary"} <= set(circle)
+    assert {"slipstream.models.llama.model", "slipstream.models.kernels.rotary"} <= set(circle)
+
+
+FAMILIES = ("slipstream.models.llama", "slipstream.models.idefics3", "slipstream.models.moondream",
+            "slipstream.models.registry")
+
+
+def test_kernels_and_tokenizers_import_no_model_family():
+    """models/kernels and models/tokenizers are rooms a family uses, never the other way round."""
+    g = graph()
+    bad = [f"{m} imports {d}" for m, deps in g.items() if m.startswith(("slipstream.models.kernels",
+                                                                          "slipstream.models.tokenizers"))
+           for d, _ in deps if d.startswith(FAMILIES)]
+    assert bad == []
+
+
+def test_a_model_is_asked_through_its_protocol():
+    """Outside models/, no probing of a model with getattr/hasattr and no comparing its backend by
+    name: the runner and the API ask what models/base.py's Model protocol names."""
+    import re
+
+    probe = re.compile(r"\b(getattr|hasattr)\((self\.)?model\b|\bmodel\.backend\s*==")
+    bad = [f"{p.relative_to(ROOT.parent)}:{i}" for p in sorted(ROOT.rglob("*.py")) if "models" not in p.parts
+           for i, line in enumerate(p.read_text().splitlines(), 1) if probe.search(line)]
+    assert bad == []

@@ -21,11 +21,11 @@ from slipstream.errors import (
     UnsupportedQuantizationError,
 )
 from slipstream.models.config import ModelConfig, tiny_config
-from slipstream.models.gguf_loader import load_gguf
-from slipstream.models.hf_loader import load_hf_folder
+from slipstream.models.loading.gguf_loader import load_gguf
+from slipstream.models.loading.hf_loader import load_hf_folder
 from hf_oracle import random_hf_llama
-from slipstream.models.loader import DEFAULT_MODEL, LoadedModel, load_model, resolve_model_path
-from slipstream.models.tokenizer import _byte_alphabet
+from slipstream.models.loading.loader import DEFAULT_MODEL, LoadedModel, load_model, resolve_model_path
+from slipstream.models.tokenizers.tokenizer import _byte_alphabet
 
 Q8 = gguf.GGMLQuantizationType.Q8_0
 

@@ -42,7 +42,7 @@ def test_library_use_prints_nothing_until_the_application_configures_logging():
         "sys.stderr.write('configured\\n')\n"
         "logging.basicConfig(level=logging.INFO, format='%(name)s|%(message)s|%(layers)s')\n"
         "import torch\n"
-        "from slipstream.models.build import build_model\n"
+        "from slipstream.models.loading.build import build_model\n"
         "build_model('tiny-random', 'float32', torch.device('cpu'))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120)
@@ -50,7 +50,7 @@ def test_library_use_prints_nothing_until_the_application_configures_logging():
     assert out.stdout == ""
     silent, configured = out.stderr.split("configured\n")
     assert silent == ""
-    assert "slipstream.models.build|model_ready|2" in configured.splitlines()
+    assert "slipstream.models.llama.build|model_ready|2" in configured.splitlines()
 
 
 def test_json_lines_have_iso_utc_millisecond_timestamps():

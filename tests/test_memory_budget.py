@@ -17,6 +17,8 @@ from slipstream.runtime.step_slot import StepSlot
 from slipstream.runtime.memory import SAMPLING_BYTES_PER_LOGIT, engine_reserve, kv_pages_for_memory
 from slipstream.runtime.row_tables import HistoryTables
 
+TEXT_MODEL = types.SimpleNamespace(carry_heads=None)  # kv_pages asks a model only whether it has carry heads
+
 CFG = dict(model="tiny-random", max_batch_size=4, max_num_batched_tokens=48, kv_cache_tokens=1024, page_size=8,
            graph_token_sizes=(16, 32))
 
@@ -146,7 +148,7 @@ def test_engine_kv_sizing_subtracts_the_reserve_and_logs_it(monkeypatch):
     monkeypatch.setattr(memory, "profile_free_memory", lambda *a, **k: free)
     device = types.SimpleNamespace(kind="cuda")
     with structlog.testing.capture_logs() as logs:
-        pages = assemble.kv_pages(cfg, None, mcfg, device, max_model_len=8192)
+        pages = assemble.kv_pages(cfg, TEXT_MODEL, mcfg, device, max_model_len=8192)
     r = engine_reserve(cfg, mcfg, torch.bfloat16)
     per_page = memory.kv_bytes_per_page(mcfg, cfg.page_size, torch.bfloat16)
     assert pages == int((free - r.total) * 0.9) // per_page

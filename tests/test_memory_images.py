@@ -16,6 +16,7 @@ from slipstream.runtime import memory
 from slipstream.runtime.memory import engine_reserve
 
 pytest.importorskip("PIL.Image")
+TEXT_MODEL = types.SimpleNamespace(carry_heads=None)  # kv_pages asks a model only whether it has carry heads
 SIZES = [(20, 30), (64, 64), (100, 150), (500, 90), (90, 500), (3000, 2000), (1000, 1000)]
 
 
@@ -47,8 +48,8 @@ def test_the_reserve_holds_the_encoder_cache_of_a_model_that_takes_images(monkey
     largest = object()
     processing = types.SimpleNamespace(largest_input=lambda: largest)
     device = types.SimpleNamespace(kind="cuda")
-    pages = assemble.kv_pages(cfg, None, mcfg, device, 8192, processing)
-    text_only = assemble.kv_pages(cfg, None, mcfg, device, 8192)
+    pages = assemble.kv_pages(cfg, TEXT_MODEL, mcfg, device, 8192, processing)
+    text_only = assemble.kv_pages(cfg, TEXT_MODEL, mcfg, device, 8192)
     r = engine_reserve(cfg, mcfg, torch.bfloat16, images=True)
     assert r.encoder_cache == 8192 * mcfg.hidden_size * 2 and engine_reserve(cfg, mcfg, torch.bfloat16).encoder_cache == 0
     per_page = memory.kv_bytes_per_page(mcfg, cfg.page_size, torch.bfloat16)
@@ -60,7 +61,7 @@ def test_the_profiled_step_holds_the_vision_towers_peak(tmp_path):
     """The profile (here on the CPU, its allocations counted) runs the largest image through the
     vision tower after the text forward: its peak covers the tower's, however small the text step."""
     from moondream_fixture import tiny_moondream_folder
-    from slipstream.models.build import build_model
+    from slipstream.models.loading.build import build_model
 
     model, _, mcfg = build_model(str(tiny_moondream_folder(tmp_path / "md")), "float32", torch.device("cpu"), 0)
     largest = MoondreamProcessing(model.moondream_config).largest_input()

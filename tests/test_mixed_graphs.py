@@ -16,8 +16,8 @@ import torch
 
 from slipstream import Engine, EngineConfig, InvalidRequestError, SamplingParams
 from slipstream.errors import PipelineInvariantError
-from slipstream.models.build import build_model
-from slipstream.models.llama import KVCache
+from slipstream.models.loading.build import build_model
+from slipstream.models.base import KVCache
 from slipstream.runtime.batch import SamplingRow, SeqWork, pack_step
 from slipstream.runtime.buckets import token_buckets
 from slipstream.runtime.cpu_device import CPUDevice

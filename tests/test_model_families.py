@@ -21,10 +21,11 @@ from model_families import (
     write_hf_folder,
 )
 
-from slipstream.models.attention import AttentionMetadata
-from slipstream.models.llama import ForwardBatch, KVCache, LlamaForCausalLM
-from slipstream.models.loader import load_model
-from slipstream.models.tokenizer import Tokenizer
+from slipstream.models.kernels.attention import AttentionMetadata
+from slipstream.models.base import ForwardBatch, KVCache
+from slipstream.models.llama.model import LlamaForCausalLM
+from slipstream.models.loading.loader import load_model
+from slipstream.models.tokenizers.tokenizer import Tokenizer
 
 # family -> (GGUF architecture, vocabulary kind, tokenizer.ggml.pre)
 FAMILIES = {

@@ -7,8 +7,8 @@ import pytest
 from model_families import byte_vocab, hf_model, special_ids, write_gguf, write_hf_folder
 
 from slipstream.errors import CorruptModelError, UnsupportedArchitectureError
-from slipstream.models.gguf_loader import load_gguf
-from slipstream.models.hf_loader import load_hf_folder
+from slipstream.models.loading.gguf_loader import load_gguf
+from slipstream.models.loading.hf_loader import load_hf_folder
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from slipstream.models.config import tiny_config
-from slipstream.models.cpu_linear import PackedLinear, onednn_available, pack_weights
+from slipstream.models.kernels.cpu_linear import PackedLinear, onednn_available, pack_weights
 from hf_oracle import random_hf_llama
-from slipstream.models.llama import KVCache, LlamaForCausalLM
+from slipstream.models.base import KVCache
+from slipstream.models.llama.model import LlamaForCausalLM
 from host_batch import Chunk, host_batch
 
 PAGE = 4

@@ -14,7 +14,7 @@ import torch
 
 from slipstream import Engine, EngineConfig, InvalidRequestError, SamplingParams
 from slipstream.errors import CorruptModelError
-from slipstream.models.build import build_model
+from slipstream.models.loading.build import build_model
 from slipstream.models.moondream.image import preprocess
 from slipstream.scheduler.chunking import prompt_shares
 from test_moondream_model import CFG, D, r_hidden, r_image, r_logits, random_weights, save_folder, tiny_sections

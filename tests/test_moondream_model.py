@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from slipstream.errors import CorruptModelError
-from slipstream.models.attention import AttentionMetadata, paged_attention_reference
-from slipstream.models.llama import ForwardBatch, KVCache
+from slipstream.models.kernels.attention import AttentionMetadata, paged_attention_reference
+from slipstream.models.base import ForwardBatch, KVCache
 from slipstream.models.moondream.config import MoondreamConfig
 from slipstream.models.moondream.image import overlap_crops, preprocess, select_tiling
 from slipstream.models.moondream.model import MoondreamForCausalLM

@@ -8,8 +8,8 @@ pytest.importorskip("triton")
 
 from test_moondream_model import CFG, image_prompt, random_weights, sample_image  # noqa: E402
 
-from slipstream.models.attention import AttentionMetadata, DeviceAttentionMetadata  # noqa: E402
-from slipstream.models.llama import ForwardBatch, KVCache  # noqa: E402
+from slipstream.models.kernels.attention import AttentionMetadata, DeviceAttentionMetadata  # noqa: E402
+from slipstream.models.base import ForwardBatch, KVCache  # noqa: E402
 from slipstream.models.moondream.model import MoondreamForCausalLM  # noqa: E402
 
 PAGE = 4

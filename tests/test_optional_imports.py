@@ -83,7 +83,7 @@ def test_the_triton_backend_is_refused_clearly_without_triton():
     result = run_hidden("""
 from slipstream.errors import DeviceUnavailableError
 import torch
-from slipstream.models.build import build_model
+from slipstream.models.loading.build import build_model
 model, _, _ = build_model("tiny-random", "float32", torch.device("cpu"), 0)
 try:
     model.set_kernel_backend("triton")

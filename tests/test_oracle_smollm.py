@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from slipstream import Engine, EngineConfig, SamplingParams
-from slipstream.models.llama import KVCache, LlamaForCausalLM
+from slipstream.models.base import KVCache
+from slipstream.models.llama.model import LlamaForCausalLM
 from host_batch import Chunk, host_batch
 
 PROMPTS = [

@@ -23,7 +23,7 @@ async def test_a_request_failed_during_its_threaded_text_phase_does_not_stop_the
         victim = asyncio.create_task(engine.complete("victim", SamplingParams(max_tokens=50, ignore_eos=True)))
         while not in_thread.is_set():
             await asyncio.sleep(0.001)
-        seq = next(iter(engine._requests.values()))
+        seq = next(iter(engine.submitter.requests.values()))
         engine.loop.outputs.fail(seq, RuntimeError("simulated failure"))
         failed.set()
         out = await asyncio.wait_for(engine.complete("bystander", SamplingParams(max_tokens=4, ignore_eos=True)), 10)

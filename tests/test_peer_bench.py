@@ -16,7 +16,7 @@ _spec.loader.exec_module(peer_bench)
 
 
 def test_transformers_twin_holds_slipstreams_weights():
-    from slipstream.models.build import random_weights
+    from slipstream.models.llama.build import random_weights
     from slipstream.models.config import tiny_config
 
     hf = peer_bench.hf_twin("tiny-random", torch.float32, "cpu")

@@ -18,7 +18,7 @@ from slipstream.runtime.batch import SamplingRow
 from slipstream.scheduler.engine_loop import EngineLoop
 from slipstream.api.output_processor import OutputProcessor, RequestState
 from slipstream.scheduler.planner import Planner
-from slipstream.scheduler.sequence import Sequence
+from slipstream.scheduler.sequence import PrefixState, Sequence
 
 pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
@@ -39,7 +39,7 @@ def make_seq(rid, prompt, max_tokens, cache_extra=b"", carry=False):
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     req = RequestState(rid, prompt, params, NullDetok(), frozenset({EOS}), RequestMetrics(0.0))
     row = SamplingRow(carry=tuple(CARRY_MAP.items()) if carry else ())
-    return Sequence(rid, prompt, max_tokens, row, user=req, cache_extra=cache_extra)
+    return Sequence(rid, prompt, max_tokens, row, user=req, prefix=PrefixState(cache_extra))
 
 
 async def run_workload(depth, requests, num_pages=64, max_batch=4, step_tokens=16, seed=0, instrument=None,

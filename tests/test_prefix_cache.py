@@ -21,7 +21,7 @@ from slipstream.runtime.batch import ImageSpan, SamplingRow
 from slipstream.scheduler.block_hash import block_hashes, salt_key
 from slipstream.scheduler.page_pool import PagePool
 from slipstream.scheduler.prefix_cache import PrefixCache
-from slipstream.scheduler.sequence import Sequence
+from slipstream.scheduler.sequence import ImageState, Sequence
 from slipstream.serve import prefix_router
 from test_pipeline_invariants import PAGE, check_results, run_workload
 
@@ -59,7 +59,7 @@ def test_pages_inside_a_bidirectional_prefix_are_keyed_by_the_whole_prefix():
     a, b = (block_hashes(ids, 1, b"", [(1, 7, d)], bidirectional_len=7) for d in (b"A", b"B"))
     assert block_hashes(ids, 1, b"", [(1, 7, b"A")])[0] == block_hashes(ids, 1, b"", [(1, 7, b"B")])[0]
     assert a[0] != b[0] and not set(a) & set(b)
-    seq = Sequence("s", ids, 1, SamplingRow(), images=[ImageSpan(1, 7, b"A", 6)], bidirectional_len=7)
+    seq = Sequence("s", ids, 1, SamplingRow(), images=ImageState([ImageSpan(1, 7, b"A", 6)]), bidirectional_len=7)
     cache = PrefixCache(PagePool(4), 1)
     cache.hashes(seq, 3)  # extended later, past the prefix's end
     assert cache.hashes(seq, 12) == a[:12]
@@ -123,7 +123,7 @@ def test_shared_prefixes_hit_the_cache_and_free_everything():
         check_results(reqs, results, loop, pool)
         stats = loop.planner.prefix_cache.stats()
         assert stats.hits > 0 and stats.queries > stats.hits
-        assert max(seq.num_cached_tokens for _, seq in results.values()) >= 12
+        assert max(seq.prefix.num_cached_tokens for _, seq in results.values()) >= 12
         assert stats.cached_pages > 0 and pool.num_free == pool.total  # cached pages are evictable
 
 
@@ -141,10 +141,10 @@ def test_different_salts_never_share_a_page():
             before = set(cache._hash_of)
             register(seq)
             for p in set(cache._hash_of) - before:
-                salt_of[p] = seq.cache_extra
+                salt_of[p] = seq.prefix.cache_extra
 
         def checked_share(seq, hit):
-            assert all(salt_of[p] == seq.cache_extra for p in hit), "a page shared across salts"
+            assert all(salt_of[p] == seq.prefix.cache_extra for p in hit), "a page shared across salts"
             shared.extend(hit)
             share(seq, hit)
 
@@ -154,7 +154,7 @@ def test_different_salts_never_share_a_page():
         shared.clear()
         results, loop, pool = asyncio.run(run_workload(depth, reqs, prefix_caching=True, instrument=instrument))
         check_results(reqs, results, loop, pool)
-        cached = [results[i][1].num_cached_tokens for i in range(5)]
+        cached = [results[i][1].prefix.num_cached_tokens for i in range(5)]
         # the first of each salt computes its prefix, the second hits it; the opt-out (None) neither
         # hits nor registers
         assert cached[0] == cached[1] == cached[3] == 0 and cached[2] > 0 and cached[4] > 0
@@ -195,7 +195,7 @@ def test_cached_tokens_count_what_the_first_admission_found():
     for depth in (1, 2):
         results, loop, pool = asyncio.run(run_workload(depth, reqs, num_pages=10, max_batch=4, prefix_caching=True))
         check_results(reqs, results, loop, pool)
-        assert any(seq.num_preemptions and seq.num_reused for _, seq in results.values()), "no recompute hit"
+        assert any(seq.num_preemptions and seq.prefix.num_reused for _, seq in results.values()), "no recompute hit"
         assert [out.usage.cached_tokens for out, _ in results.values()] == [0] * len(reqs)
 
 
@@ -258,7 +258,7 @@ def test_the_last_known_token_is_always_recomputed():
     for depth in (1, 2):
         results, loop, pool = asyncio.run(run_workload(depth, reqs, prefix_caching=True))
         check_results(reqs, results, loop, pool)
-        assert results[1][1].num_cached_tokens == PAGE
+        assert results[1][1].prefix.num_cached_tokens == PAGE
 
 
 async def test_engine_salts_and_the_per_request_opt_out():

@@ -6,7 +6,7 @@ import pytest
 import torch
 from quant_util import FORMATS, random_blocks, random_weight
 
-from slipstream.models.quant_formats import PANEL, concat, repack, split
+from slipstream.models.kernels.quant_formats import PANEL, concat, repack, split
 
 
 @pytest.mark.parametrize("name", FORMATS)

@@ -6,10 +6,10 @@ import torch
 import torch.nn.functional as F
 from quant_util import FORMATS, random_weight
 
-from slipstream.models import cpu_kernels
-from slipstream.models.attention import AttentionMetadata, paged_attention_reference
-from slipstream.models.quant_linear import cpu_matmul, cpu_rows, dequantize, reference_matmul
-from slipstream.models.rotary import rotate_half_reference
+from slipstream.models.kernels import cpu_kernels
+from slipstream.models.kernels.attention import AttentionMetadata, paged_attention_reference
+from slipstream.models.kernels.quant_linear import cpu_matmul, cpu_rows, dequantize, reference_matmul
+from slipstream.models.kernels.rotary import rotate_half_reference
 
 lib = cpu_kernels.native_kernels()
 pytestmark = pytest.mark.skipif(lib is None, reason="no C compiler: the compiled CPU kernels are unavailable")
@@ -105,10 +105,10 @@ def test_silu_mul():
 
 def test_no_compiler_means_no_kernels_and_a_dequantized_model(monkeypatch, tmp_path):
     """Without the kernels (no compiler here) the quantized CPU path is off: native_kernels() says
-    so once, and a GGUF loads dequantized instead (models/build.py)."""
+    so once, and a GGUF loads dequantized instead (models/llama/build.py)."""
     from structlog.testing import capture_logs
 
-    from slipstream.models import build
+    from slipstream.models.llama import build
 
     monkeypatch.setenv("CC", "no-such-compiler")
     monkeypatch.setenv("PATH", str(tmp_path))

@@ -7,7 +7,7 @@ from quant_util import FORMATS, random_weight
 
 pytest.importorskip("triton")
 
-from slipstream.models.quant_triton import quant_matmul_triton, quant_rows_triton  # noqa: E402
+from slipstream.models.kernels.quant_triton import quant_matmul_triton, quant_rows_triton  # noqa: E402
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 # float32: order of summation (IEEE dots, no TF32); bfloat16: the weights rounded to bfloat16 as a
@@ -39,10 +39,10 @@ def quantized_tiny(dtype, device):
     builds a GGUF's model, and its dequantized twin."""
     import gguf
 
-    from slipstream.models.build import random_weights
+    from slipstream.models.llama.build import random_weights
     from slipstream.models.config import tiny_config
-    from slipstream.models.llama import LlamaForCausalLM
-    from slipstream.models.quant_formats import repack
+    from slipstream.models.llama.model import LlamaForCausalLM
+    from slipstream.models.kernels.quant_formats import repack
 
     cfg = tiny_config()
     weights = {}
@@ -67,7 +67,7 @@ def test_quantized_model_on_the_triton_backend(device, dtype, monkeypatch):
     out), against the dequantized model on the reference backend."""
     from triton_model_util import two_steps
 
-    from slipstream.models import quant_linear
+    from slipstream.models.kernels import quant_linear
 
     if device == "cpu":
         monkeypatch.setattr(quant_linear, "cpu_matmul",

@@ -18,9 +18,9 @@ _spec.loader.exec_module(random_gguf)
 def test_gguf_holds_slipstreams_weights_in_llamacpp_layout(tmp_path, dtype):
     import gguf
 
-    from slipstream.models.build import random_weights
+    from slipstream.models.llama.build import random_weights
     from slipstream.models.config import tiny_config
-    from slipstream.models.gguf_loader import hf_name, unpermute_qk
+    from slipstream.models.loading.gguf_loader import hf_name, unpermute_qk
 
     out = tmp_path / "tiny.gguf"
     random_gguf.write("tiny-random", dtype, str(out))
@@ -55,7 +55,7 @@ def test_gguf_holds_slipstreams_weights_in_llamacpp_layout(tmp_path, dtype):
 
 
 def test_permute_is_the_inverse_of_slipstreams_unpermute():
-    from slipstream.models.gguf_loader import unpermute_qk
+    from slipstream.models.loading.gguf_loader import unpermute_qk
 
     w = torch.arange(3 * 8 * 5, dtype=torch.float32).reshape(24, 5)
     assert torch.equal(unpermute_qk(random_gguf.permute_qk(w, 3), 3), w)

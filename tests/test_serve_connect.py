@@ -132,3 +132,17 @@ async def test_in_process_server_drains_on_sigterm(tmp_path):
         assert "completion_tokens=300" in serve.log() and "server_stopped" in serve.log()
     finally:
         serve.stop()
+
+
+async def test_detokenize_over_workers_is_bounded_by_their_context(served):
+    """The front end holds no engine: the workers' handshake says their context, which bounds
+    /detokenize as on an in-process server (it read None there and failed)."""
+    serve, _ = served
+    async with Engine(engine_config()) as engine:
+        most = engine.max_model_len
+    async with httpx.AsyncClient(base_url=serve.url, timeout=30) as http:
+        assert (await http.post("/tokenize", json={"prompt": "hi"})).json()["max_model_len"] == most > 0
+        ok = await http.post("/detokenize", json={"tokens": [72, 105]})
+        too_many = await http.post("/detokenize", json={"tokens": [1] * (most + 1)})
+    assert ok.status_code == 200 and ok.json()["prompt"]
+    assert too_many.status_code in (400, 413), too_many.text

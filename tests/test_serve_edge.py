@@ -9,7 +9,7 @@ pytest.importorskip("uvicorn")
 
 from serve_util import ThreadServer  # noqa: E402
 
-from slipstream.models.byte_tokenizer import ByteTokenizer  # noqa: E402
+from slipstream.models.tokenizers.byte_tokenizer import ByteTokenizer  # noqa: E402
 from slipstream.outputs import CompletionOutput, RequestMetrics, StreamDelta  # noqa: E402
 
 MAX_BODY, MAX_CHARS = 64 * 1024, 1000

@@ -5,7 +5,7 @@ import pytest
 from serve_util import ThreadServer
 
 from slipstream import errors
-from slipstream.models.byte_tokenizer import ByteTokenizer
+from slipstream.models.tokenizers.byte_tokenizer import ByteTokenizer
 from slipstream.outputs import CompletionOutput, RequestMetrics, StreamDelta
 from slipstream.serve.sse import parse
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from slipstream.grammar import GrammarCompiler, GrammarSpec, allowed_ids, words_for
-from slipstream.models.byte_tokenizer import ByteTokenizer
+from slipstream.models.tokenizers.byte_tokenizer import ByteTokenizer
 
 llguidance = pytest.importorskip("llguidance")
 lln = pytest.importorskip("llguidance.numpy")

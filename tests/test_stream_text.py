@@ -10,8 +10,8 @@ from serve_util import ThreadServer
 from worker_util import engine_config, worker  # noqa: F401 (fixture)
 
 from slipstream import Client, Engine, SamplingParams
-from slipstream.models.byte_tokenizer import ByteTokenizer
-from slipstream.models.tokenizer import IncrementalDetokenizer
+from slipstream.models.tokenizers.byte_tokenizer import ByteTokenizer
+from slipstream.models.tokenizers.tokenizer import IncrementalDetokenizer
 from slipstream.serve import EngineBackend
 from slipstream.serve.sse import parse
 

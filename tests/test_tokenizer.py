@@ -7,9 +7,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import regex
 
-from slipstream.models.gguf_loader import load_gguf_tokenizer
-from slipstream.models.loader import resolve_model_path
-from slipstream.models.tokenizer import IncrementalDetokenizer, Tokenizer, _byte_alphabet
+from slipstream.models.loading.gguf_loader import load_gguf_tokenizer
+from slipstream.models.loading.loader import resolve_model_path
+from slipstream.models.tokenizers.tokenizer import IncrementalDetokenizer, Tokenizer, _byte_alphabet
 
 PROMPTS = [
     "Hello, world! How are you today?",

@@ -10,8 +10,8 @@ from slipstream.errors import GrammarMatchError, InvalidRequestError
 from slipstream.grammar.base import GrammarSpec
 from slipstream.grammar.llguidance_backend import LLGuidanceGrammar
 from slipstream.grammar.tool_calls import ToolGrammar, tool_grammar_value
-from slipstream.models.byte_tokenizer import ByteTokenizer
-from slipstream.models.tokenizer import Tokenizer
+from slipstream.models.tokenizers.byte_tokenizer import ByteTokenizer
+from slipstream.models.tokenizers.tokenizer import Tokenizer
 from slipstream.tool_calls.formats import FORMATS, HERMES, LLAMA3_JSON, SMOLLM2, format_of_template, render_prompt
 from slipstream.tool_calls.parser import ToolCallParser
 from slipstream.tool_calls.plan import ToolPlan

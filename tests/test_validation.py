@@ -138,7 +138,7 @@ async def test_breaking_out_of_a_stream_frees_its_request_id_at_once(engine_cfg)
         async for _ in engine.stream("x", p, request_id="mine"):
             break
         # no loop pass in between: the id is free and the request aborted
-        assert "mine" not in engine._requests
+        assert "mine" not in engine.submitter.requests
         out = await engine.complete("x", SamplingParams(max_tokens=2), request_id="mine")
         assert out.request_id == "mine"
 

@@ -9,10 +9,10 @@ import torch
 from model_families import byte_vocab, hf_model, special_ids, write_gguf
 from structlog.testing import capture_logs
 
-from slipstream.models import gguf_loader, loader
-from slipstream.models.loader import load_model
-from slipstream.models.quant_formats import QuantWeight, concat
-from slipstream.models.weight_cache import cache_root, entry_path, prune
+from slipstream.models.loading import gguf_loader, loader
+from slipstream.models.loading.loader import load_model
+from slipstream.models.kernels.quant_formats import QuantWeight, concat
+from slipstream.models.loading.weight_cache import cache_root, entry_path, prune
 
 Q = gguf.GGMLQuantizationType
 
@@ -202,7 +202,7 @@ def test_generate_no_weight_cache_flag(gguf_file, cache, monkeypatch, capsys):
         return args.func(args)
 
     argv = ["generate", "Hello", "--raw", "--max-tokens", "2", "--model", str(gguf_file)]
-    from slipstream.models.build import forget_loaded
+    from slipstream.models.llama.build import forget_loaded
 
     forget_loaded()  # engines in one process share a load; this test needs two
     assert main(argv + ["--no-weight-cache"]) == 0
@@ -258,7 +258,7 @@ def test_a_hit_reads_the_entry_but_keeps_little_of_it_resident(gguf_file, tmp_pa
     weights resident before a forward reads them (what keeps RSS after loading low)."""
     from quant_util import random_weight
 
-    from slipstream.models.weight_cache import load_entry, store_entry
+    from slipstream.models.loading.weight_cache import load_entry, store_entry
 
     config, weights, tokenizer = gguf_loader.load_gguf(gguf_file, quantized=True)
     weights["extra.weight"] = random_weight("Q8_0", 1024, 1024)  # 1 MB: whole pages to hand back

@@ -109,7 +109,7 @@ async def test_abort_and_cancel_free_pages(worker):
         await s3.aclose()  # closing a stream early aborts it too
         async for _ in client.stream("fourth", long, request_id="r4"):
             break
-        assert "r4" not in client._pending  # freed at once, no loop pass in between
+        assert "r4" not in client.connection.pending  # freed at once, no loop pass in between
         await wait_pages_free(client)  # and the worker aborted it
 
 
@@ -166,7 +166,7 @@ async def test_n_fans_out_on_the_client_like_the_engine(worker):
         chats = await client.chat([{"role": "user", "content": "hi"}], params)
         assert [o.index for o in chats] == [0, 1, 2]
         with pytest.raises(InvalidRequestError):  # the worker takes one completion per Generate
-            await client._complete(None, SamplingParams(n=2, max_tokens=2), prompt="x")  # as a raw client would
+            await client.requests.complete(None, SamplingParams(n=2, max_tokens=2), prompt="x")  # as a raw client would
         with pytest.raises(InvalidRequestError):
             [d async for d in client.stream("x", SamplingParams(n=2))]
 

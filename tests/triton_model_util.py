@@ -2,11 +2,12 @@
 tests/test_kernel_launches.py."""
 import torch
 
-from slipstream.models.attention import DeviceAttentionMetadata
-from slipstream.models.build import random_weights
+from slipstream.models.kernels.attention import DeviceAttentionMetadata
+from slipstream.models.llama.build import random_weights
 from host_batch import Chunk, host_batch
-from slipstream.models.llama import KVCache, LlamaForCausalLM
-from slipstream.models.llama_triton import TritonOptions
+from slipstream.models.base import KVCache
+from slipstream.models.llama.model import LlamaForCausalLM
+from slipstream.models.llama.forward_triton import TritonOptions
 
 
 def with_device_metadata(batch):

@@ -6,7 +6,7 @@ token per sequence through the model (no sampling, no scheduler). Prints a markd
     python tools/bench_forward.py [--model smollm2-135m] [--batches 1 8 32] [--repeats 10] [--threads N]
 
 Variants, interleaved per batch size: the default (the GGUF's weights kept quantized, the "cpu" kernel
-backend: compiled kernels, models/llama_cpu.py), and the dequantized float32 model on the reference
+backend: compiled kernels, models/llama/forward_cpu.py), and the dequantized float32 model on the reference
 backend three ways: batch-invariant (what EngineConfig(batch_invariant=True) runs), dense without
 padding, and oneDNN-packed projections (the dequantized mode's default before issue 39), and packed
 on the cpu backend (what `--weights dequantized` runs now). For a model that is not a GGUF (random
@@ -27,8 +27,8 @@ import sys as _sys
 _sys.path.insert(0, _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))))  # this checkout
 
 from slipstream.runtime.cpu_invariance import row_multiple_for  # noqa: E402
-from slipstream.models.build import build_model  # noqa: E402
-from slipstream.models.llama import KVCache  # noqa: E402
+from slipstream.models.loading.build import build_model  # noqa: E402
+from slipstream.models.base import KVCache  # noqa: E402
 from host_batch import Chunk, host_batch  # noqa: E402
 
 
@@ -75,7 +75,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     print(header(provenance()), flush=True)
-    from slipstream.models.build import quantized_source
+    from slipstream.models.llama.build import quantized_source
 
     keys = {k for k, _, _ in VARIANTS.values()}
     if not quantized_source(args.model, torch.device("cpu")):

@@ -34,8 +34,8 @@ The seam (what this tool depends on, so it survives refactors of the scheduler a
   * the model contract: called as `model(batch, kv)` with `batch.sample_indices` (one row per
     sampled token) and returns logits [len(sample_indices), vocab]; `model.config.vocab_size`
     (if the runner starts calling other model methods, NullModel needs them too);
-  * `slipstream.models.build.RANDOM["tiny-random"]` (the config) and
-    `slipstream.models.byte_tokenizer.ByteTokenizer` / `OFFSET`;
+  * `slipstream.models.llama.build.RANDOM["tiny-random"]` (the config) and
+    `slipstream.models.tokenizers.byte_tokenizer.ByteTokenizer` / `OFFSET`;
   * the public API: Engine, EngineConfig (max_batch_size, max_num_batched_tokens,
     kv_cache_tokens, batch_invariant, pipeline_depth), SamplingParams, `engine.stream`;
   * `engine.loop.outputs.token_observers` (called once per request and output-stage pass, with
@@ -74,16 +74,21 @@ DEFAULT_STREAMS = (1, 8, 32, 128, 256, 512)
 # --- the null model ------------------------------------------------------------------------------
 
 class NullModel(nn.Module):
-    """LlamaForCausalLM's call signature, no math: logits are a view of a preallocated tensor.
+    """A `Model` (slipstream/models/base.py) with no math: logits are a view of a preallocated tensor.
 
     Row i's argmax is a lowercase letter (byte tokenizer ids), so outputs are real text and the
     detokeniser does its ordinary work; neighbouring rows get different letters.
     """
 
+    backend = "reference"  # (never moves: no mixed graphs, no compiled CPU kernels)
+    backends = ("reference",)
+    carry_heads = None
+    vision = None
+
     def __init__(self, config, max_rows: int, device: torch.device):
         super().__init__()
         self.config = config
-        from slipstream.models.byte_tokenizer import OFFSET
+        from slipstream.models.tokenizers.byte_tokenizer import OFFSET
 
         logits = torch.zeros(max_rows, config.vocab_size, dtype=torch.float32, device=device)
         rows = torch.arange(max_rows, device=device)
@@ -93,8 +98,11 @@ class NullModel(nn.Module):
     def forward(self, batch, kv) -> torch.Tensor:
         return self.logits[: batch.sample_indices.shape[0]]
 
-    def set_kernel_backend(self, backend: str) -> None:  # assemble calls it on CUDA
+    def set_kernel_backend(self, backend: str, options=None) -> None:  # assemble calls it on CUDA
         pass
+
+    def encode_image(self, image, mask=None) -> torch.Tensor:
+        raise TypeError("the null model takes no images")
 
     def set_attention_dtype(self, dtype) -> None:  # assemble calls it with batch_invariant on the CPU
         pass
@@ -104,8 +112,8 @@ class NullModel(nn.Module):
 def null_model(max_rows: int):
     """Within the block, engines assembled from a random-weight spec get a NullModel."""
     from slipstream.api import assemble
-    from slipstream.models.build import RANDOM
-    from slipstream.models.byte_tokenizer import ByteTokenizer
+    from slipstream.models.llama.build import RANDOM
+    from slipstream.models.tokenizers.byte_tokenizer import ByteTokenizer
 
     if not hasattr(assemble, "build_model"):
         raise RuntimeError("slipstream.api.assemble.build_model is gone: move the seam of tools/bench_host.py")

@@ -22,7 +22,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from bench_lines import emit, pct, report  # noqa: E402
 
-from slipstream.models.cpu_linear import ROW_BLOCK, PackedLinear, padded_rows  # noqa: E402
+from slipstream.models.kernels.cpu_linear import ROW_BLOCK, PackedLinear, padded_rows  # noqa: E402
 
 SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536)]  # q/o, k/v, gate/up, down (out, in)
 ROWS = [1, 3, 8, 9, 16, 17, 23, 33, 47, 65, 100, 129, 200, 257, 300, 512, 513, 700]
@@ -51,8 +51,8 @@ def cpu_ms(fn, layers, xs, calls: int) -> float:
 def forward_table(args, lines: list[str]) -> None:
     from host_batch import Chunk, host_batch
 
-    from slipstream.models.build import build_model
-    from slipstream.models.llama import KVCache
+    from slipstream.models.loading.build import build_model
+    from slipstream.models.base import KVCache
 
     model, _, config = build_model("random-smollm2-135m", "float32", torch.device("cpu"), pack=True)[:3]
     packed = [m for m in model.modules() if isinstance(m, PackedLinear)]

@@ -40,8 +40,8 @@ def kernels(lines, emit) -> None:
     import torch
     import torch.nn.functional as F
 
-    from slipstream.models.quant_formats import repack
-    from slipstream.models.quant_triton import quant_matmul_triton
+    from slipstream.models.kernels.quant_formats import repack
+    from slipstream.models.kernels.quant_triton import quant_matmul_triton
 
     emit(lines, "| weight | format | M | quantized (Triton) µs | bf16 (cuBLAS) µs | ratio | quantized GB/s | bf16 GB/s |")
     emit(lines, "|---|---|---:|---:|---:|---:|---:|---:|")

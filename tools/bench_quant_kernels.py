@@ -29,7 +29,7 @@ SHAPES = [(H, H), (192, H), (192, H), (H, H), (I, H), (I, H), (H, I)]
 
 
 def q41(n: int, k: int, rng):
-    from slipstream.models.quant_formats import repack
+    from slipstream.models.kernels.quant_formats import repack
 
     raw = rng.integers(0, 256, (n, k // 32, 20), dtype=np.uint8)
     raw[..., 0:2] = np.array([0.01], np.float16).view(np.uint8)
@@ -44,8 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from bench_lines import emit, report
 
-    from slipstream.models.cpu_kernels import native_kernels
-    from slipstream.models.quant_linear import cpu_matmul
+    from slipstream.models.kernels.cpu_kernels import native_kernels
+    from slipstream.models.kernels.quant_linear import cpu_matmul
 
     torch.set_num_threads(1)
     lib = native_kernels()

@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         print(json.dumps(asyncio.run(_slipstream_child(args))))
         return 0
-    from slipstream.models.loader import resolve_model_path
+    from slipstream.models.loading.loader import resolve_model_path
 
     gguf = str(resolve_model_path(args.model))
     confs = configurations(args) if args.llamacpp else [c for c in configurations(args) if c[1]["side"] == "slipstream"]

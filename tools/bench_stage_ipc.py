@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's slipstream
-from slipstream.models.byte_stream import ByteStreamDetokenizer, byte_table
-from slipstream.models.gguf_loader import load_gguf_tokenizer
-from slipstream.models.loader import resolve_model_path
+from slipstream.models.tokenizers.byte_stream import ByteStreamDetokenizer, byte_table
+from slipstream.models.loading.gguf_loader import load_gguf_tokenizer
+from slipstream.models.loading.loader import resolve_model_path
 
 def child(conn, n):
     tok = load_gguf_tokenizer(resolve_model_path("smollm2-135m"))

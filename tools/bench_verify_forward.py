@@ -23,8 +23,8 @@ import torch  # noqa: E402
 from bench_lines import emit, pct, report  # noqa: E402
 from host_batch import Chunk, host_batch  # noqa: E402
 
-from slipstream.models.build import build_model  # noqa: E402
-from slipstream.models.llama import KVCache  # noqa: E402
+from slipstream.models.loading.build import build_model  # noqa: E402
+from slipstream.models.base import KVCache  # noqa: E402
 
 PAGE = 16
 

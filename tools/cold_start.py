@@ -33,7 +33,7 @@ CHILD = """
 import json, time
 t0 = time.perf_counter()
 import torch
-from slipstream.models.build import build_model
+from slipstream.models.loading.build import build_model
 t1 = time.perf_counter()
 build_model({spec!r}, "float32", torch.device("cpu"), pack=True, weights={weights!r})  # as the engine builds it
 rss = int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20

@@ -6,7 +6,7 @@ Runs one decode step (every sequence --context tokens deep, random KV) of the mo
 triton backend with its kernels in Triton's interpreter, and counts what a GPU would launch
 (tools/launch_counter.py): the model's own kernels, not the runner's staging ops
 around it (tools/profile_forward_cuda.py counts those too, on a GPU). Prints the first layer's
-launches in order and the totals per variant of slipstream/models/llama_triton.py TritonOptions.
+launches in order and the totals per variant of slipstream/models/llama/forward_triton.py TritonOptions.
 """
 from __future__ import annotations
 
@@ -19,12 +19,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch  # noqa: E402
 
-from slipstream.models.attention import DeviceAttentionMetadata  # noqa: E402
-from slipstream.models.build import RANDOM, random_weights  # noqa: E402
+from slipstream.models.kernels.attention import DeviceAttentionMetadata  # noqa: E402
+from slipstream.models.llama.build import RANDOM, random_weights  # noqa: E402
 from host_batch import Chunk, host_batch  # noqa: E402
 from launch_counter import count_launches  # noqa: E402
-from slipstream.models.llama import KVCache, LlamaForCausalLM  # noqa: E402
-from slipstream.models.llama_triton import TritonOptions  # noqa: E402
+from slipstream.models.base import KVCache  # noqa: E402
+from slipstream.models.llama.model import LlamaForCausalLM  # noqa: E402
+from slipstream.models.llama.forward_triton import TritonOptions  # noqa: E402
 
 VARIANTS = {
     "fused": TritonOptions(),

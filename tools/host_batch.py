@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from slipstream.intmath import round_up
-from slipstream.models.attention import AttentionMetadata
-from slipstream.models.llama import ForwardBatch
+from slipstream.models.kernels.attention import AttentionMetadata
+from slipstream.models.base import ForwardBatch
 
 SCRATCH_PAGE = 0  # padding tokens write their K/V here (never a sequence's page)
 

@@ -31,9 +31,9 @@ import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from slipstream.models import (add_norm_triton, attention_triton, gate_up_silu_triton, rotary_kv_triton,  # noqa: E402
+from slipstream.models.kernels import (add_norm_triton, attention_triton, gate_up_silu_triton, rotary_kv_triton,  # noqa: E402
                                silu_mul_triton)
-from slipstream.models.build import RANDOM  # noqa: E402
+from slipstream.models.llama.build import RANDOM  # noqa: E402
 
 SHARED_LIMIT = 227 * 1024  # the most shared memory one block may use on sm_90 (H100/H200)
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")

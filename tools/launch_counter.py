@@ -14,7 +14,7 @@ import importlib
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from slipstream.models import triton_jit
+from slipstream.models.kernels import triton_jit
 
 # every module that launches a Triton kernel through `jitted` (each imported it by name)
 KERNEL_MODULES = ("add_norm_triton", "attention_triton", "gate_up_silu_triton", "rotary_kv_triton",
@@ -55,7 +55,7 @@ class LaunchCounter(TorchDispatchMode):
 def count_launches():
     """Yields a LaunchCounter whose `launches` lists what ran inside the block."""
     counter = LaunchCounter()
-    modules = [importlib.import_module(f"slipstream.models.{name}") for name in KERNEL_MODULES]
+    modules = [importlib.import_module(f"slipstream.models.kernels.{name}") for name in KERNEL_MODULES]
     saved = [m.jitted for m in modules]
     for m in modules:
         m.jitted = counter.counting_jitted

@@ -41,7 +41,8 @@ from peer_hf import peak_mib as _peak_mib  # noqa: E402
 from peer_hf import peak_reset as _peak_reset  # noqa: E402
 
 from slipstream import Engine, EngineConfig, SamplingParams  # noqa: E402
-from slipstream.models.build import DTYPES, RANDOM, random_weights  # noqa: E402
+from slipstream.models.base import DTYPES  # noqa: E402
+from slipstream.models.llama.build import RANDOM, random_weights  # noqa: E402
 from hf_oracle import hf_llama_from_weights  # noqa: E402
 from slipstream.logging_setup import configure_logging  # noqa: E402
 from slipstream.provenance import header, provenance  # noqa: E402

@@ -9,7 +9,7 @@ replay and the eager forward with CUDA events (medians of --repeats after warm-u
 eager forward with torch.profiler: number of kernels and the kernels with the most GPU time.
 
 `--variants` runs the same table for several settings of the triton backend's fusions
-(slipstream/models/llama_triton.py TritonOptions), one Engine each, so they compare in one run:
+(slipstream/models/llama/forward_triton.py TritonOptions), one Engine each, so they compare in one run:
 `fused` (the default), `no-mlp-gemm` (gate-up on cuBLAS + the SiLU·up kernel), `unfused` (separate
 q/k/v and gate/up matmuls as well).
 """
@@ -29,7 +29,7 @@ import sys as _sys
 _sys.path.insert(0, _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))))  # this checkout
 
 from slipstream import Engine, EngineConfig  # noqa: E402
-from slipstream.models import llama_triton  # noqa: E402
+from slipstream.models.llama import forward_triton as llama_triton  # noqa: E402
 from slipstream.runtime.batch import pack_step  # noqa: E402
 
 

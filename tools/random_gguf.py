@@ -3,7 +3,7 @@
     python tools/random_gguf.py --spec random-smollm2-135m --dtype f16 --out /tmp/smollm2-random-f16.gguf
     (--dtype q4_1: projections Q4_1, embedding Q8_0, as the default model's GGUF)
 
-The same weights slipstream and tools/peer_bench.py's transformers twin run (slipstream.models.build.
+The same weights slipstream and tools/peer_bench.py's transformers twin run (slipstream.models.llama.build.
 random_weights), renamed to GGUF's llama names, q/k rows permuted to llama.cpp's rotary layout (the
 inverse of slipstream's `unpermute_qk`), norms kept in float32 as llama.cpp's converter does. No
 real tokenizer travels: by default a synthetic SentencePiece-style vocabulary (pieces "t3", "t4",
@@ -23,8 +23,8 @@ import torch
 _TOOLS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(_TOOLS))  # this checkout's slipstream
 
-from slipstream.models.build import RANDOM, random_weights  # noqa: E402
-from slipstream.models.gguf_loader import _GLOBAL_NAMES, _LAYER_NAMES  # noqa: E402
+from slipstream.models.llama.build import RANDOM, random_weights  # noqa: E402
+from slipstream.models.loading.gguf_loader import _GLOBAL_NAMES, _LAYER_NAMES  # noqa: E402
 
 FILE_TYPES = {"f32": 0, "f16": 1, "bf16": 32, "q4_1": 3}  # llama_ftype: ALL_F32, MOSTLY_F16, MOSTLY_BF16, MOSTLY_Q4_1
 

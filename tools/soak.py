@@ -535,7 +535,7 @@ class _SlowDetok:
 
 def _record_submissions(engine: Engine, slow_detok_s: float = 0.0) -> list:
     """Keep every submitted sequence, to look into its result queue once the round is over."""
-    seqs, submit = [], engine._submit
+    seqs, submit = [], engine.submitter.submit
 
     async def recording(*args, **kwargs):
         seq = await submit(*args, **kwargs)
@@ -546,14 +546,14 @@ def _record_submissions(engine: Engine, slow_detok_s: float = 0.0) -> list:
         seqs.append(seq)
         return seq
 
-    engine._submit = recording
+    engine.submitter.submit = recording  # type: ignore[method-assign]
     return seqs
 
 
 def _check_texts(engine: Engine, seqs: list, report: Report) -> None:
     """Every output's text against its token ids decoded afresh: less a final stop token (its text
     is not output), cut at the first stop string."""
-    from slipstream.models.byte_stream import make_detokenizer
+    from slipstream.models.tokenizers.byte_stream import make_detokenizer
 
     for q in seqs:
         req, out = q.user, q.user.output
@@ -579,7 +579,7 @@ def _duplicates(engine: Engine, seqs: list, results: dict) -> int:
     or are still registered after their callers left. A cancelled caller read no terminal item."""
     from slipstream.outputs import CompletionOutput
 
-    bad = len(engine._requests)
+    bad = len(engine.submitter.requests)
     for q in seqs:
         left = sum(isinstance(item, (CompletionOutput, BaseException)) for item in q.user.queue.pending())
         read = 0 if results.get(SKILL_SEQS.pop(q.request_id, q.request_id)) == "cancelled" else 1

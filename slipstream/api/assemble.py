@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 import torch
@@ -9,11 +10,13 @@ import torch
 from slipstream.api.output_processor import OutputProcessor
 from slipstream.intmath import ceil_div
 from slipstream.metrics import EngineMetrics
-from slipstream.models.build import DTYPES, build_model, cpu_backend_available
-from slipstream.models.llama import KVCache
+from slipstream.models import registry
+from slipstream.models.base import DTYPES, KVCache, Model
+from slipstream.models.loading.build import build_model, cpu_backend_available
 from slipstream.params import EngineConfig
 from slipstream.runtime.cpu_invariance import row_multiple_for
-from slipstream.runtime.device import make_device
+from slipstream.runtime.device import Device
+from slipstream.runtime.devices import make_device
 from slipstream.runtime.model_runner import ModelRunner
 from slipstream.scheduler.engine_loop import EngineLoop
 from slipstream.scheduler.page_pool import PagePool
@@ -26,17 +29,17 @@ CPU_KV_TOKENS = 32768
 
 @dataclass
 class EngineParts:
-    device: object
+    device: Device
     runner: ModelRunner
     pool: PagePool
     loop: EngineLoop
-    tokenizer: object
-    model_config: object
+    tokenizer: Any  # the model's (models/tokenizers/)
+    model_config: Any  # ModelConfig's fields (Moondream's text section has the same names)
     max_model_len: int
     metrics: EngineMetrics | None = None
     tracer: Tracer | None = None  # only with EngineConfig(trace=True)
     encoder_row_bytes: int = 0  # bytes of one encoder output row (the encoder cache's stats)
-    image_processing: object = None  # the model's image preprocessing and prompt expansion (None: text only)
+    image_processing: Any = None  # the model's image preprocessing and prompt expansion (None: text only)
 
     def close(self) -> None:
         self.device.close()  # (synchronizes: no replay is pending)
@@ -46,7 +49,7 @@ class EngineParts:
             release_graphs(self.runner)
 
 
-def kv_pages(config: EngineConfig, model, mcfg, device, max_model_len: int, processing=None) -> int:
+def kv_pages(config: EngineConfig, model: Model, mcfg, device, max_model_len: int, processing=None) -> int:
     """Pages in the pool, the scratch page included: from kv_cache_tokens, or from free GPU memory.
     `processing`: the model's image processing (None: text only)."""
     if config.kv_cache_tokens is not None or device.kind != "cuda":
@@ -58,7 +61,7 @@ def kv_pages(config: EngineConfig, model, mcfg, device, max_model_len: int, proc
     free = memory.profile_free_memory(model, mcfg, device, config.max_num_batched_tokens, config.page_size, dtype,
                                       image=image)
     # graphs, sampling, tables and encoder outputs come after the KV pool
-    reserve = memory.engine_reserve(config, mcfg, dtype, carry=getattr(model, "carry_heads", None) is not None,
+    reserve = memory.engine_reserve(config, mcfg, dtype, carry=model.carry_heads is not None,
                                     images=processing is not None)
     log.info("memory_reserved_before_kv", **reserve.gib())
     return memory.kv_pages_for_memory(free, config.gpu_memory_utilization,
@@ -81,15 +84,17 @@ def assemble(config: EngineConfig) -> EngineParts:
 
 def _assemble(config: EngineConfig, device, invariant: bool) -> EngineParts:
     # Invariance is calibrated against torch's default kernels, so it keeps the dense model.
+    # (build_model is the seam tools/bench_host.py and tests replace)
     model, tokenizer, mcfg = build_model(config.model, config.dtype, device.torch_device, config.seed,
                                          pack=not invariant, weights=config.weights, invariant=invariant)
     if device.kind == "cuda":
         model.set_kernel_backend("triton")
     elif not invariant and config.dtype == "float32" and cpu_backend_available(model):
-        model.set_kernel_backend("cpu")  # compiled kernels (models/llama_cpu.py); invariance keeps the reference
+        model.set_kernel_backend("cpu")  # compiled kernels (models/llama/forward_cpu.py); invariance keeps the reference
         calibrate_forward_threads(device, model)
     max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
-    processing = image_processing(model, mcfg)
+    # what turns a request's images into prompt rows (None: text only), the model's family's
+    processing = registry.for_spec(config.model).image_processing(model)
     num_pages = kv_pages(config, model, mcfg, device, max_model_len, processing)
     kv = KVCache(mcfg, num_pages, config.page_size, DTYPES[config.dtype], device.torch_device)
     log.info("kv_cache_allocated", pages=num_pages, page_size=config.page_size, gib=round(kv.bytes() / 1024**3, 2))
@@ -117,7 +122,7 @@ def _assemble(config: EngineConfig, device, invariant: bool) -> EngineParts:
     tracer = Tracer().attach(loop, runner, device) if config.trace else None
     row_bytes = mcfg.hidden_size * torch.empty(0, dtype=DTYPES[config.dtype]).element_size()
     metrics = EngineMetrics(model=config.model).attach(
-        loop, pool, tracer, encoder_row_bytes=row_bytes if getattr(mcfg, "image_token_id", None) is not None else None)
+        loop, pool, tracer, encoder_row_bytes=row_bytes if processing is not None else None)
     return EngineParts(device, runner, pool, loop, tokenizer, mcfg, max_model_len, metrics, tracer, row_bytes,
                        processing)
 
@@ -152,16 +157,3 @@ def calibrate_forward_threads(device, model) -> None:
     torch.set_num_threads(ceiling)  # a setting on the stream's thread also moves the process default (cpu_device.py)
     if chosen:
         device.forward_threads = chosen[0]
-
-
-def image_processing(model, mcfg):
-    """What turns a request's images and prompt into ids and image spans, per model family."""
-    if getattr(mcfg, "architecture", None) == "moondream":
-        from slipstream.models.moondream.serving import MoondreamProcessing
-
-        return MoondreamProcessing(model.moondream_config)
-    if getattr(mcfg, "image_token_id", None) is not None:
-        from slipstream.models.idefics3.processor import Idefics3Processing
-
-        return Idefics3Processing.for_vision(mcfg.vision)
-    return None

@@ -1,7 +1,7 @@
 """The Client's connection to a `slipstream worker`: socket, handshake, reconnection, routing, liveness.
 
-`WorkerConnection` is the base of slipstream.Client (slipstream/api/client.py, which holds the
-request methods). One ZMQ DEALER socket per client; one pump task reads it, routes each message to
+A slipstream.Client (slipstream/api/client.py, the API's methods) holds one `WorkerConnection`;
+its requests (slipstream/api/client_requests.py) are sent and routed through it. One ZMQ DEALER socket per client; one pump task reads it, routes each message to
 the request or call that waits for it, and watches liveness. A call never hangs: request waits fail
 with WorkerUnavailableError when the connection drops (socket monitor) or when nothing, not even a
 heartbeat, has come from the worker for `timeout` seconds; replies to calls are awaited with
@@ -18,7 +18,7 @@ import asyncio
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Self
+from typing import Any, Self
 
 import msgspec
 import structlog
@@ -56,14 +56,14 @@ _REPLIES = AbortReply | StatsReply | HealthReply | ChatPromptReply | MetricsRepl
 
 
 @dataclass(eq=False)
-class _Pending:
+class Pending:
     request_id: str
     sent_at: float  # perf_counter: the client-side arrival time of the request
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
 
 
 class WorkerConnection:
-    """A Client's connection and the waiters it wakes: `_pending` requests by id, `_calls` by seq."""
+    """A Client's connection and the waiters it wakes: `pending` requests by id, `_calls` by seq."""
 
     def __init__(self, address: str, timeout: float, connect_timeout: float | None):
         self.address = address
@@ -71,16 +71,17 @@ class WorkerConnection:
         self.connect_timeout = timeout if connect_timeout is None else connect_timeout
         self.info: HealthReply | None = None  # the worker's answer to the handshake
         self.draining = False  # the worker announced its shutdown
-        self._pending: dict[str, _Pending] = {}
+        self.pending: dict[str, Pending] = {}
         self._calls: dict[int, asyncio.Future] = {}
         self._seq = itertools.count(1)
         self._enc = msgspec.msgpack.Encoder()
         self._dec = frame_decoder()
         self._last_heard = 0.0
-        self._sock: zmq.asyncio.Socket | None = None
-        self._monitor: zmq.asyncio.Socket | None = None
+        # zmq.asyncio sockets (None: not open); their NOBLOCK calls return futures that are done
+        self._sock: Any = None
+        self._monitor: Any = None
         self._pump_task: asyncio.Task | None = None
-        self._closed = False
+        self.closed = False
         self._up = asyncio.Event()  # set while a connection to a worker is established (monitor)
         self._was_up = False
         self._refresh: asyncio.Task | None = None  # re-handshake after a reconnection
@@ -102,7 +103,7 @@ class WorkerConnection:
             except TimeoutError:
                 raise WorkerUnavailableError(f"no worker answered at {self.address} within "
                                              f"{self.connect_timeout:g} s") from None
-            self.info = await self._health(timeout=max(0.0, deadline - time.perf_counter()))
+            self.info = await self.health(timeout=max(0.0, deadline - time.perf_counter()))
         except BaseException:
             await self.close()
             raise
@@ -112,11 +113,11 @@ class WorkerConnection:
         return self
 
     async def close(self) -> None:
-        if self._closed:
+        if self.closed:
             return
-        self._closed = True
+        self.closed = True
         if self._sock is not None:
-            self._send_nowait(Bye(v=PROTOCOL_VERSION))  # the worker aborts our requests at once
+            self.send_nowait(Bye(v=PROTOCOL_VERSION))  # the worker aborts our requests at once
         for task in (self._pump_task, self._refresh):
             if task is not None:
                 task.cancel()
@@ -127,7 +128,7 @@ class WorkerConnection:
     @property
     def connected(self) -> bool:
         """True while a connection to a worker is up; calls made while it is down fail at once."""
-        return self._up.is_set() and not self._closed
+        return self._up.is_set() and not self.closed
 
     async def wait_connected(self, timeout: float) -> None:
         """Wait until the connection is up again (ZMQ reconnects by itself), or raise WorkerUnavailableError."""
@@ -147,12 +148,12 @@ class WorkerConnection:
 
     # --- calls and the handshake ---------------------------------------------------------------
 
-    async def _call(self, msg, timeout: float | None = None):
-        self._check_open()
+    async def call(self, msg, timeout: float | None = None):
+        self.check_open()
         fut = asyncio.get_running_loop().create_future()
         self._calls[msg.seq] = fut
         try:
-            self._send(msg)
+            self.send(msg)
             return await asyncio.wait_for(fut, self.timeout if timeout is None else timeout)
         except TimeoutError:
             raise WorkerUnavailableError(f"no reply from the worker at {self.address} within "
@@ -161,34 +162,41 @@ class WorkerConnection:
             self._calls.pop(msg.seq, None)
 
 
-    async def _health(self, timeout: float | None = None) -> HealthReply:
-        return await self._call(HealthRequest(v=PROTOCOL_VERSION, seq=next(self._seq)), timeout)
+    async def health(self, timeout: float | None = None) -> HealthReply:
+        return await self.call(HealthRequest(v=PROTOCOL_VERSION, seq=next(self._seq)), timeout)
+
+    def next_seq(self) -> int:
+        """The seq of a new call (its reply is routed by it)."""
+        return next(self._seq)
+
+    def encode(self, obj) -> bytes:
+        return self._enc.encode(obj)
 
 
     # --- socket ---------------------------------------------------------------------------------
 
     def _check_started(self) -> None:
-        if self._sock is None or self._closed:
+        if self._sock is None or self.closed:
             raise WorkerUnavailableError("the client is not started (use `async with Client(...)`) or is closed")
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
         self._check_started()
         if not self._up.is_set():
             raise WorkerUnavailableError(f"not connected to the worker at {self.address} (it went away; "
                                          "calls work again once a worker answers there)")
 
-    def _send(self, msg) -> None:
+    def send(self, msg) -> None:
         try:
             self._sock.send(self._enc.encode(msg), zmq.NOBLOCK).result()  # NOBLOCK: done at once
         except zmq.Again:
             raise WorkerUnavailableError(f"cannot send to the worker at {self.address}: queue full") from None
 
-    def _send_nowait(self, msg) -> None:
+    def send_nowait(self, msg) -> None:
         """Best effort (Abort, Bye), and only on a live connection: a new worker must not get them."""
         if not self._up.is_set():
             return
         try:
-            self._send(msg)
+            self.send(msg)
         except (WorkerUnavailableError, zmq.ZMQError):
             pass
 
@@ -220,7 +228,7 @@ class WorkerConnection:
             raise
         except BaseException as e:  # without the pump nothing would ever wake a waiter: fail them
             log.error("client_pump_died", error=repr(e))
-            self._closed = True
+            self.closed = True
             self._fail_all(WorkerError(f"client receive loop died: {e!r}"))
             raise
 
@@ -266,7 +274,7 @@ class WorkerConnection:
 
     async def _rehandshake(self) -> None:
         try:
-            self.info = await self._health()
+            self.info = await self.health()
         except WorkerError as e:  # gone again: the next reconnection retries
             log.info("reconnect_handshake_failed", error=repr(e))
 
@@ -290,7 +298,7 @@ class WorkerConnection:
 
     def _route(self, msg) -> None:
         if isinstance(msg, Delta | Result) or (isinstance(msg, Error) and msg.request_id is not None):
-            p = self._pending.get(msg.request_id)
+            p = self.pending.get(msg.request_id) if msg.request_id is not None else None
             if p is None:
                 return  # a request we already gave up on (aborted, cancelled, timed out)
             if isinstance(msg, Delta):
@@ -313,15 +321,15 @@ class WorkerConnection:
 
     def _check_liveness(self) -> None:
         now = time.perf_counter()
-        for p in list(self._pending.values()):
+        for p in list(self.pending.values()):
             if now - max(self._last_heard, p.sent_at) > self.timeout:
-                self._pending.pop(p.request_id, None)
-                self._send_nowait(Abort(v=PROTOCOL_VERSION, seq=0, request_id=p.request_id))  # if it wakes up
+                self.pending.pop(p.request_id, None)
+                self.send_nowait(Abort(v=PROTOCOL_VERSION, seq=0, request_id=p.request_id))  # if it wakes up
                 p.queue.put_nowait(WorkerUnavailableError(
                     f"no message from the worker at {self.address} for {self.timeout:g} s"))
 
     def _fail_all(self, error: errors.SlipstreamError) -> None:
-        pending, self._pending = self._pending, {}
+        pending, self.pending = self.pending, {}
         for p in pending.values():
             p.queue.put_nowait(type(error)(*error.args))  # one instance per waiter: clean tracebacks
         for fut in self._calls.values():

@@ -7,8 +7,8 @@ from slipstream.outputs import StreamDelta
 from slipstream.params import SamplingParams
 
 if TYPE_CHECKING:
-    from slipstream.api.client import Client
-    from slipstream.api.client_connection import _Pending
+    from slipstream.api.client_connection import Pending
+    from slipstream.api.client_requests import ClientRequests
 
 
 class ClientStream:
@@ -16,9 +16,9 @@ class ClientStream:
     generator: those are closed a loop pass after the caller leaves them. Leaving early (break, an
     exception, dropping the iterator) frees the request id and sends the worker an Abort at once."""
 
-    def __init__(self, client: "Client", request_id: str | None, params: SamplingParams | None, prompt: dict):
-        self._client, self._args = client, (request_id, params, prompt)
-        self._pending: "_Pending | None" = None
+    def __init__(self, requests: ClientRequests, request_id: str | None, params: SamplingParams | None, prompt: dict):
+        self._requests, self._args = requests, (request_id, params, prompt)
+        self._pending: Pending | None = None
         self._done = False
 
     def __aiter__(self) -> "ClientStream":
@@ -31,8 +31,8 @@ class ClientStream:
             if self._pending is None:
                 request_id, params, prompt = self._args
                 if prompt.get("images"):
-                    prompt = {**prompt, "images": await self._client._wire_images(prompt["images"])}
-                self._pending = self._client._submit(request_id, params, True, prompt)
+                    prompt = {**prompt, "images": await self._requests.wire_images(prompt["images"])}
+                self._pending = self._requests.submit(request_id, params, True, prompt)
             item = await self._pending.queue.get()
         except BaseException:
             self._close(finished=False)
@@ -51,7 +51,7 @@ class ClientStream:
         if not self._done:
             self._done = True
             if self._pending is not None:
-                self._client._forget(self._pending, finished)
+                self._requests.forget(self._pending, finished)
 
     def __del__(self) -> None:
         try:

@@ -1,36 +1,34 @@
 """The public async API in this process: Engine(EngineConfig) implements EngineAPI (interface.py).
 
 This file holds the Engine's lifecycle (start, close: the parts, the engine loop's task, the gc
-hold) and its public methods; how a request is checked, prepared and handed to the loop is in
-slipstream/api/engine_submit.py (`SubmitMethods`, a base of Engine).
+hold) and its public methods; how a request is checked, prepared and handed to the loop is the
+`Submitter` it holds (slipstream/api/engine_submit.py), which also keeps the table of live requests.
 """
 from __future__ import annotations
 
 import asyncio
-import itertools
 import os
-import random
-import secrets
-from typing import Any, Self, Sequence
+from typing import TYPE_CHECKING, Any, Self, Sequence, cast
 
 import structlog
 
 from slipstream import gc_freeze
-from slipstream import validate as check
 from slipstream.errors import EngineAlreadyStartedError, EngineClosedError, InvalidRequestError, WrongEventLoopError
 from slipstream.outputs import CompletionOutput
 from slipstream.params import EngineConfig, SamplingParams
-from slipstream.models.byte_stream import byte_table
+from slipstream.models.tokenizers.byte_stream import byte_table
 from slipstream.api.interface import DeltaStream, Messages, Prompt, ToolChoice, Tools
-from slipstream.api.engine_submit import SubmitMethods
+from slipstream.api.engine_submit import Submitter
 from slipstream.api.fanout import fan_out, wants_fan_out
 from slipstream.api.image_prompt import split_chat_images
 from slipstream.api.protocol import HealthReply
 from slipstream.api.request_stream import RequestStream
 from slipstream.api.skills import SkillMethods
-from slipstream.scheduler.sequence import Sequence as SchedSeq
-from slipstream.tool_calls.plan import ToolPlan, has_tool_messages, make_plan, tool_prompt
+from slipstream.tool_calls.plan import make_plan
 from slipstream.images import ImageLike, require_vision
+
+if TYPE_CHECKING:
+    from slipstream.api.assemble import EngineParts
 
 log = structlog.get_logger(__name__)
 
@@ -53,19 +51,19 @@ def prefix_cache_stats(cache) -> dict[str, Any]:
             "prefix_cache_cached_pages": st.cached_pages, "prefix_cache_evictions": st.evictions}
 
 
-class Engine(SubmitMethods, SkillMethods):
+class Engine(SkillMethods):
+    _parts: EngineParts  # set by start()
+
     def __init__(self, config: EngineConfig | None = None, **overrides):
         if config is not None and not isinstance(config, EngineConfig):
             raise InvalidRequestError(f"config must be an EngineConfig, got {type(config).__name__} (keywords: "
                                       "Engine(model=...) or Engine(EngineConfig(...)))", param="config")
         self.config = config or EngineConfig(**overrides)
         self._loop_task: asyncio.Task | None = None
-        self._requests: dict[str, SchedSeq] = {}
-        self._ids = itertools.count()
-        self._id_prefix = f"req-{secrets.token_hex(4)}-"  # auto ids never look like a user's "req-1"
         self._owner: asyncio.AbstractEventLoop | None = None
-        self._rng = random.Random(self.config.seed)
-        self.tokenizer = None
+        self.submitter = Submitter(self.config, self._check_running)  # requests in, and their table
+        self.tokenizer: Any = None
+        self.model_config: Any = None  # ModelConfig's fields, once started
         self._gc_held = False  # gc_freeze.hold() called, release() not yet
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -83,27 +81,27 @@ class Engine(SubmitMethods, SkillMethods):
         # an engine (gc_freeze.py); counted for every engine, so none freezes while another runs
         gc_freeze.hold(self.config.freeze_gc)
         self._gc_held = True
-        self._parts = None
+        parts = None
         try:
-            self._parts = await asyncio.to_thread(assemble, self.config)
-            self.tokenizer, self.model_config = self._parts.tokenizer, self._parts.model_config
+            parts = self._parts = await asyncio.to_thread(assemble, self.config)
+            self.tokenizer, self.model_config = parts.tokenizer, parts.model_config
             await asyncio.to_thread(byte_table, self.tokenizer)  # built once here, not on the first request
             self.loop = self._parts.loop
             self.max_model_len = self._parts.max_model_len
-            self._image_processing = self._parts.image_processing  # None: a text-only model
             from slipstream.grammar.compiler import GrammarCompiler
 
             from slipstream.grammar.region import region_factories
 
-            region = getattr(self._image_processing, "region_tokens", None)  # Moondream: point/detect
-            self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
-                                             timeout_s=self.config.grammar_timeout_s,
-                                             factories=region_factories(*region) if region else None)
+            region = getattr(self._parts.image_processing, "region_tokens", None)  # Moondream: point/detect
+            grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                       timeout_s=self.config.grammar_timeout_s,
+                                       factories=region_factories(*region) if region else None)
+            self.submitter.bind(self.config, self._parts, grammars)
             self._loop_task = asyncio.create_task(self.loop.run(), name="slipstream-engine-loop")
             self._loop_task.add_done_callback(self._loop_ended)
         except BaseException:  # a failed start leaves no device threads and no gc hold behind
-            if self._parts is not None:
-                self._parts.close()
+            if parts is not None:
+                parts.close()
             self._gc_held = False
             gc_freeze.release()
             raise
@@ -125,7 +123,7 @@ class Engine(SubmitMethods, SkillMethods):
     async def close(self) -> None:
         if self._loop_task is None:
             return
-        for seq in list(self._requests.values()):
+        for seq in list(self.submitter.requests.values()):
             if not seq.finished:
                 self.loop.abort(seq)
         self.loop.close()
@@ -165,17 +163,15 @@ class Engine(SubmitMethods, SkillMethods):
             raise WrongEventLoopError("this Engine was started on another event loop; call it from that loop "
                                       "(asyncio.run_coroutine_threadsafe from other threads)")
 
-    async def _next(self, seq: SchedSeq):
-        item = await seq.user.queue.get()
-        if isinstance(item, BaseException):
-            raise item
-        return item
+    @property
+    def region_skills(self) -> bool:
+        """Whether point/detect run on the model's region heads (Moondream) rather than as text."""
+        return self.submitter.region_skills
 
-    def _forget(self, seq: SchedSeq, finished: bool) -> None:
-        if not finished and not seq.finished:
-            self.loop.abort(seq)  # the caller went away (cancelled): free its pages
-        if self._requests.get(seq.request_id) is seq:
-            del self._requests[seq.request_id]
+    @property
+    def parts(self):
+        """The running engine's EngineParts (api/assemble.py): for tests and tools that look inside."""
+        return self._parts
 
     async def complete(self, prompt: Prompt, params: SamplingParams | None = None,
                        request_id: str | None = None, *, images: Sequence[ImageLike] = ()
@@ -188,22 +184,23 @@ class Engine(SubmitMethods, SkillMethods):
                         images: Sequence[ImageLike], fields: Sequence[str] | None) -> CompletionOutput | list[CompletionOutput]:
         if wants_fan_out(params):
             return await fan_out(lambda p, rid: self._complete(prompt, p, rid, images, fields), params, request_id)
-        seq = await self._submit(prompt, params, request_id, streaming=False,  # deltas are not read: none queued
-                                 images=images, fields=fields)
+        submitter = self.submitter
+        seq = await submitter.submit(prompt, params, request_id, streaming=False,  # deltas are not read: none queued
+                                     images=images, fields=fields)
         finished = False
         try:
             while True:
-                item = await self._next(seq)
+                item = await submitter.next(seq)
                 if isinstance(item, CompletionOutput):
                     finished = True
                     return item
         finally:
-            self._forget(seq, finished)
+            submitter.forget(seq, finished)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None,
                request_id: str | None = None, *, images: Sequence[ImageLike] = ()) -> DeltaStream:
         """Async iterator of StreamDelta; leaving it early (break, an exception) aborts the request at once."""
-        return RequestStream(self, request_id, params, {"prompt": prompt, "images": images})
+        return RequestStream(self.submitter, request_id, params, {"prompt": prompt, "images": images})
 
     async def chat(self, messages: Messages, params: SamplingParams | None = None,
                    request_id: str | None = None, *, images: Sequence[ImageLike] = (), tools: Tools = None,
@@ -214,53 +211,38 @@ class Engine(SubmitMethods, SkillMethods):
         the output's `content` and `tool_calls` are filled (docs/tools.md)."""
         messages, found, fields = split_chat_images(messages, images)
         if found:  # before the template sees image parts it may not know
-            require_vision(self._image_processing is not None, fields[0])
+            require_vision(self.submitter.image_processing is not None, fields[0])
         plan = make_plan(self.tokenizer, tools, tool_choice, parallel_tool_calls)
         if plan is None:
-            return await self._complete(self._chat_prompt(messages), params, request_id, found, fields)
+            return await self._complete(self.submitter.chat_prompt(messages), params, request_id, found, fields)
         plan, params = plan.params(params)
-        return plan.output(await self._complete(self._chat_prompt(messages, plan), params, request_id, found, fields))
+        out = await self._complete(self.submitter.chat_prompt(messages, plan), params, request_id, found, fields)
+        return plan.output(cast(CompletionOutput, out))  # (n == 1 with tools: ToolPlan.params refuses more)
 
     def chat_stream(self, messages: Messages, params: SamplingParams | None = None,
                     request_id: str | None = None, *, images: Sequence[ImageLike] = (), tools: Tools = None,
                     tool_choice: ToolChoice = None, parallel_tool_calls: bool = True) -> DeltaStream:
-        return RequestStream(self, request_id, params, {"messages": messages, "images": images,
-                                                        "tools": (tools, tool_choice, parallel_tool_calls)})
+        return RequestStream(self.submitter, request_id, params, {"messages": messages, "images": images,
+                                                                  "tools": (tools, tool_choice, parallel_tool_calls)})
 
     async def chat_prompt(self, messages: Messages) -> str:
         """The prompt text; image parts become `<image>` markers."""
-        return self._chat_prompt(split_chat_images(messages)[0])
-
-    def _chat_prompt(self, messages: Messages, plan: ToolPlan | None = None) -> str:
-        messages = check.messages(messages)
-        self._check_running()
-        chars = sum(len(m["content"]) if isinstance(m["content"], str) else  # capped before the template renders them
-                    sum(len(p.get("text", "")) for p in m["content"]) for m in messages)
-        if chars > self.config.max_prompt_chars:
-            raise InvalidRequestError(f"messages have {chars:,} characters of content; this engine takes at most "
-                                      f"{self.config.max_prompt_chars:,} (EngineConfig.max_prompt_chars)",
-                                      param="messages")
-        if plan is not None or has_tool_messages(messages):
-            return tool_prompt(self.tokenizer, messages, plan)
-        try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        except Exception as e:  # noqa: BLE001 - a template rejects what the caller sent
-            raise InvalidRequestError(f"messages: the chat template failed on them: {e}") from e
+        return self.submitter.chat_prompt(split_chat_images(messages)[0])
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request; its waiter gets finish_reason "abort". False if unknown or finished."""
         self._check_running()
-        seq = self._requests.get(request_id)
+        seq = self.submitter.requests.get(request_id)
         if seq is None or seq.finished:
             return False
         self.loop.abort(seq)
         return True
 
     async def stats(self) -> dict[str, Any]:
-        return self._stats()
+        return self.stats_now()
 
-    def _stats(self) -> dict[str, Any]:
-        """stats() for synchronous callers inside the package (the worker's socket callbacks)."""
+    def stats_now(self) -> dict[str, Any]:
+        """stats() for synchronous callers (the worker's socket callbacks)."""
         self._check_running()
         planner, pipeline, pool = self.loop.planner, self.loop.pipeline, self._parts.pool
         return {

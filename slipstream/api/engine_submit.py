@@ -1,44 +1,78 @@
 """A request's way into the Engine: checks, prompt preparation, grammar, and submission to the loop.
 
-`SubmitMethods` is a base of Engine (slipstream/api/engine.py, which holds the lifecycle and the
-public methods): `_submit` turns a prompt and its SamplingParams into a scheduler `Sequence` with
-its `RequestState` and hands it to the engine loop. On the way: the prompt's token ids and image
-spans, loaded, expanded and tokenised off the loop (`_prompt_ids`, api/image_prompt.py); a region
-skill's fixed template (`_region_skill`, docs/moondream.md); the image prefix that must fit one step
+The Engine (slipstream/api/engine.py: the lifecycle and the public methods) holds one `Submitter`,
+built with the engine and bound to the engine's parts at start; a RequestStream submits through it
+too. `submit` turns a prompt and its SamplingParams into a scheduler `Sequence` with its
+`RequestState` and hands it to the engine loop. On the way: the prompt's token ids and image spans,
+loaded, expanded and tokenised off the loop (`_prompt_ids`, api/image_prompt.py); a region skill's
+fixed template (`_region_skill`, docs/moondream.md); the image prefix that must fit one step
 (`_bidirectional_len`); the grammar's carry tokens resolved against the model's heads (`_carry_of`).
-Every check names the field it failed on.
+Every check names the field it failed on. The Submitter also holds the table of live requests.
 """
 from __future__ import annotations
 
+import itertools
+import random
+import secrets
 import time
+import weakref
 from dataclasses import replace
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
 
 from slipstream import validate as check
-from slipstream.errors import GrammarCompileError, GrammarError, InvalidRequestError
+from slipstream.errors import EngineClosedError, GrammarCompileError, GrammarError, InvalidRequestError
 from slipstream.intmath import ceil_div
 from slipstream.outputs import RequestMetrics
-from slipstream.params import SamplingParams
-from slipstream.models.byte_stream import make_detokenizer
+from slipstream.params import EngineConfig, SamplingParams
+from slipstream.models.tokenizers.byte_stream import make_detokenizer
 from slipstream.grammar.base import carry_tokens, resolve_carry
 from slipstream.grammar.region import REGION_KINDS
 from slipstream.runtime.batch import MAX_CARRY_TOKENS, MAX_CARRY_VALUES, SamplingRow
-from slipstream.api.interface import Prompt
+from slipstream.api.interface import Messages, Prompt
 from slipstream.api.encode import check_prompt_chars, encode_off_loop
 from slipstream.api.image_prompt import IMAGE_MARKER, prepare_images_off_loop
-from slipstream.api.output_processor import RequestState
+from slipstream.api.request_stream import RequestState
 from slipstream.scheduler.block_hash import image_key, salt_key
-from slipstream.scheduler.sequence import Sequence as SchedSeq
+from slipstream.scheduler.sequence import ImageState, PrefixState, Sequence as SchedSeq
 from slipstream.images import ImageLike, check_image_fields, require_vision
+from slipstream.tool_calls.plan import ToolPlan, has_tool_messages, tool_prompt
+
+if TYPE_CHECKING:
+    from slipstream.api.assemble import EngineParts
+    from slipstream.grammar.compiler import GrammarCompiler
 
 
-class SubmitMethods:
-    """Engine's request submission; reads the parts Engine.start() built (`_parts`, `_grammars`,
-    `tokenizer`, `model_config`, `max_model_len`, `_image_processing`, `loop`) and its request table."""
+class Submitter:
+    """The Engine's request submission and its table of live requests (`requests`, by id)."""
 
-    async def _submit(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None,
-                      streaming: bool = True, images: Sequence[ImageLike] = (), fields: Sequence[str] | None = None) -> SchedSeq:
-        self._check_running()
+    def __init__(self, config: EngineConfig, check_running: Callable[[], None]):
+        self.config = config
+        # the Engine's check (raises unless it runs, on its own event loop), held weakly: the engine
+        # holds its submitter, and a cycle between the two, frozen by gc_freeze with the engine
+        # (built before its start), would keep a closed engine alive (tests/test_gc_freeze.py)
+        self._check = weakref.WeakMethod(check_running)
+        self.requests: dict[str, SchedSeq] = {}
+        self._ids = itertools.count()
+        self._id_prefix = f"req-{secrets.token_hex(4)}-"  # auto ids never look like a user's "req-1"
+        self._rng = random.Random(config.seed)
+        self.tokenizer: Any = None
+
+    def check_running(self) -> None:
+        check = self._check()
+        if check is None:
+            raise EngineClosedError("the engine is gone")
+        check()
+
+    def bind(self, config: EngineConfig, parts: EngineParts, grammars: GrammarCompiler) -> None:
+        """The parts Engine.start() built (and the config it started with)."""
+        self.config, self._parts, self.grammars = config, parts, grammars
+        self.loop, self.tokenizer, self.model_config = parts.loop, parts.tokenizer, parts.model_config
+        self.max_model_len = parts.max_model_len
+        self.image_processing = parts.image_processing  # None: a text-only model
+
+    async def submit(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None,
+                     streaming: bool = True, images: Sequence[ImageLike] = (), fields: Sequence[str] | None = None) -> SchedSeq:
+        self.check_running()
         if params is None:
             params = SamplingParams()
         elif not isinstance(params, SamplingParams):
@@ -60,9 +94,9 @@ class SubmitMethods:
                                       f"to at most {self.max_model_len - len(ids)}", param="max_tokens")
         # compiled off the tick (a thread, under a timeout); a bad grammar fails only this call
         try:
-            grammar = await self._grammars.compile_async(spec) if spec is not None else None
+            grammar = await self.grammars.compile_async(spec) if spec is not None else None
             matcher = grammar.matcher() if grammar is not None else None
-            carry = self._carry_of(grammar, spec.kind) if grammar is not None else ()
+            carry = self._carry_of(grammar, spec.kind) if grammar is not None and spec is not None else ()
         except GrammarError as e:
             e.param = params.grammar_field()
             raise
@@ -71,7 +105,7 @@ class SubmitMethods:
                                       param=params.grammar_field()) from None
         if request_id is None:
             request_id = f"{self._id_prefix}{next(self._ids)}"
-        if request_id in self._requests:
+        if request_id in self.requests:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use", param="request_id")
         max_tokens = params.max_tokens
         pool, page = self._parts.pool, self.config.page_size
@@ -85,18 +119,51 @@ class SubmitMethods:
                           presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
                           repetition_penalty=params.repetition_penalty, min_p=params.min_p,
                           min_tokens=params.min_tokens, top_logprobs=params.top_logprobs,
-                          stop_ids=tuple(sorted(frozenset(eos) | frozenset(params.stop_token_ids))), carry=carry)
+                          stop_ids=tuple(sorted(frozenset(eos) | frozenset(params.stop_token_ids or ()))), carry=carry)
         req = RequestState(request_id, ids, params, make_detokenizer(self.tokenizer, ids),
-                           frozenset(eos) | frozenset(params.stop_token_ids), RequestMetrics(time.perf_counter()),
+                           frozenset(eos) | frozenset(params.stop_token_ids or ()), RequestMetrics(time.perf_counter()),
                            matcher=matcher, streaming=streaming)
         # without stop strings, the tick ends it at the grammar's completion (output_processor.accept)
         seq = SchedSeq(request_id, ids, max_tokens, row, user=req, matcher=matcher, ends_with_grammar=not params.stop,
-                       images=spans,
+                       images=ImageState(spans) if spans else None,
                        bidirectional_len=bidirectional,
-                       cache_extra=salt_key(params.cache_salt) if params.prefix_caching else None)
-        self._requests[request_id] = seq
+                       prefix=PrefixState(salt_key(params.cache_salt) if params.prefix_caching else None))
+        self.requests[request_id] = seq
         self.loop.submit(seq)
         return seq
+
+    async def next(self, seq: SchedSeq):
+        """The request's next item: a delta or its CompletionOutput; its error is raised."""
+        item = await seq.user.queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def forget(self, seq: SchedSeq, finished: bool) -> None:
+        """The caller is done with the request: aborted if it still runs (the caller went away), its
+        id free again."""
+        if not finished and not seq.finished:
+            self.loop.abort(seq)  # (cancelled: free its pages)
+        if self.requests.get(seq.request_id) is seq:
+            del self.requests[seq.request_id]
+
+    def chat_prompt(self, messages: Messages, plan: ToolPlan | None = None) -> str:
+        """The prompt text of checked messages: the tools' prompt with a plan or tool messages, else
+        the tokenizer's chat template."""
+        messages = check.messages(messages)
+        self.check_running()
+        chars = sum(len(m["content"]) if isinstance(m["content"], str) else  # capped before the template renders them
+                    sum(len(p.get("text", "")) for p in m["content"]) for m in messages)
+        if chars > self.config.max_prompt_chars:
+            raise InvalidRequestError(f"messages have {chars:,} characters of content; this engine takes at most "
+                                      f"{self.config.max_prompt_chars:,} (EngineConfig.max_prompt_chars)",
+                                      param="messages")
+        if plan is not None or has_tool_messages(messages):
+            return tool_prompt(self.tokenizer, messages, plan)
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001 - a template rejects what the caller sent
+            raise InvalidRequestError(f"messages: the chat template failed on them: {e}") from e
 
     def _carry_of(self, grammar, kind: str) -> tuple[tuple[int, int], ...]:
         """The grammar's carry tokens as (token id, the model's carry kind); GrammarCompileError when
@@ -113,12 +180,12 @@ class SubmitMethods:
     @property
     def region_skills(self) -> bool:
         """Whether point/detect run on the model's region heads (Moondream) rather than as text."""
-        return self._grammars.factories.keys() >= set(REGION_KINDS)
+        return self.grammars.factories.keys() >= set(REGION_KINDS)
 
     def _region_skill(self, spec, prompt: Prompt, images) -> tuple[str, str] | None:
         """(kind, object) when this request is a region skill: its prompt is the model's template for
         the object (docs/moondream.md, "point and detect"), so the prompt text must be empty."""
-        if spec is None or spec.kind not in REGION_KINDS or spec.kind not in self._grammars.factories:
+        if spec is None or spec.kind not in REGION_KINDS or spec.kind not in self.grammars.factories:
             return None
         if not images:
             raise InvalidRequestError(f"images: {spec.kind} on this model looks at one image; none was given",
@@ -136,7 +203,7 @@ class SubmitMethods:
         one chunk (scheduler/chunking.py), so a step must hold them all beside a full batch of decode
         rows (planned first, one token each): with less, a prefix waits until a decoding request ends,
         without bound under steady traffic. Refused here rather than starved."""
-        measure = getattr(self._image_processing, "bidirectional_len", None)
+        measure = getattr(self.image_processing, "bidirectional_len", None)
         n = measure(spans) if measure is not None else 0
         budget, others = self.config.max_num_batched_tokens, self.config.max_batch_size - 1
         if n and n + others > budget:
@@ -154,19 +221,19 @@ class SubmitMethods:
         if skill is None:  # (a region skill's prompt was checked to be empty: the template replaces it)
             prompt = check.prompt(prompt, self.model_config.vocab_size)
         if isinstance(images, (str, bytes)) or not isinstance(images, (list, tuple)):
-            images = [images]  # one image given bare
+            images = [cast(ImageLike, images)]  # one image given bare
         images = list(images)
         fields = list(fields) if fields is not None else [f"images[{i}]" for i in range(len(images))]
         image_token = self.model_config.image_token_id
         spans: list = []
         if images:  # the count first, as every door (issue 37: `images` here, `images[8]` elsewhere)
             check_image_fields(fields)
-            require_vision(self._image_processing is not None, fields[0])
+            require_vision(self.image_processing is not None, fields[0])
             if not isinstance(prompt, str):
                 raise InvalidRequestError("prompt: a request with images needs a text prompt (its <image> markers "
                                           "are expanded before tokenising)", param="prompt")
             check_prompt_chars(prompt, self.config.max_prompt_chars)
-            ids, spans = await prepare_images_off_loop(prompt, images, fields, self._image_processing,
+            ids, spans = await prepare_images_off_loop(prompt, images, fields, self.image_processing,
                                                        self.tokenizer, image_token, skill,
                                                        pin=self.config.device == "cuda")
         elif isinstance(prompt, str):

@@ -16,17 +16,18 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, TypeGuard, cast
 
 import msgspec
 
 from slipstream.outputs import CompletionOutput
 from slipstream.params import MAX_SEED, SamplingParams
 
-RunChild = Callable[[SamplingParams, "str | None"], Awaitable[CompletionOutput]]
+# a child has n == 1: one CompletionOutput (the API's methods are typed for either)
+RunChild = Callable[[SamplingParams, "str | None"], Awaitable["CompletionOutput | list[CompletionOutput]"]]
 
 
-def wants_fan_out(params: object) -> bool:
+def wants_fan_out(params: object) -> TypeGuard[SamplingParams]:
     return isinstance(params, SamplingParams) and params.n > 1
 
 
@@ -54,8 +55,8 @@ async def fan_out(run: RunChild, params: SamplingParams, request_id: str | None)
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         failed = [t for t in tasks if t in done and t.exception() is not None]
         if failed:
-            raise failed[0].exception()
-        return [dataclasses.replace(t.result(), index=i) for i, t in enumerate(tasks)]
+            raise cast(BaseException, failed[0].exception())
+        return [dataclasses.replace(cast(CompletionOutput, t.result()), index=i) for i, t in enumerate(tasks)]
     finally:
         pending = [t for t in tasks if not t.done()]
         for t in pending:

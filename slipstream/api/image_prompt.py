@@ -10,6 +10,7 @@ the markers is the order of the images).
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import Any, Sequence
 
 import numpy as np
@@ -56,7 +57,8 @@ def prepare_images(prompt: str, images: Sequence[Any], fields: Sequence[str], pr
     `skill` (kind, object): a region skill's template instead of the prompt (Moondream's point/detect).
     `pin` (a CUDA engine): the pixels are put in pinned memory here, so the encoder launch in the
     tick only enqueues their copy (runtime/host_copy.py)."""
-    processed, digests = [], []
+    processed: list[Any] = []
+    digests: list[bytes] = []
     for im in decode_each(images, fields):  # one decoded picture alive at a time (issue 37)
         pictures = processing.preprocess([im.image])
         processed += [pin_pixels(p) for p in pictures] if pin else pictures
@@ -72,7 +74,7 @@ def prepare_images(prompt: str, images: Sequence[Any], fields: Sequence[str], pr
 
 
 async def prepare_images_off_loop(*args: Any, pin: bool = False) -> tuple[list[int], list[ImageSpan]]:
-    return await asyncio.to_thread(prepare_images, *args, pin=pin)
+    return await asyncio.to_thread(functools.partial(prepare_images, pin=pin), *args)
 
 
 def split_chat_images(messages: Any, images: Sequence[Any] = ()) -> tuple[Any, list[Any], list[str]]:

@@ -32,15 +32,14 @@ from __future__ import annotations
 import asyncio
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import structlog
 
-from slipstream.api.request_stream import Mailbox
-from slipstream.api.output_text import TextPhase, _Outcome, _RequestFailed, _Work, _wrap
+from slipstream.api.output_text import Outcome, RequestFailed, TextPhase, Work, wrap_error
+from slipstream.api.request_stream import RequestState
+from slipstream.faults import FaultInjector
 from slipstream.errors import GrammarError, GrammarMatchError, PipelineInvariantError, RequestFailedError, SlipstreamError
 from slipstream.outputs import CompletionOutput, RequestMetrics, StreamDelta, Usage
-from slipstream.params import SamplingParams
 from slipstream.scheduler.output_sink import Finish
 from slipstream.scheduler.sequence import Sequence
 
@@ -51,57 +50,20 @@ STAGE_SLICE = 64  # requests processed between two looks at the clock
 STAGE_SLICE_S = 0.001
 
 
-@dataclass(eq=False)
-class RequestState:
-    """The API side of one request; `Sequence.user` points here."""
-
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    detok: object  # IncrementalDetokenizer or ByteStreamDetokenizer (models/byte_stream.py)
-    stop_token_ids: frozenset[int]
-    metrics: RequestMetrics
-    queue: Mailbox = field(default_factory=Mailbox)
-    streaming: bool = True  # someone reads the deltas (Engine.stream); complete() waits for the output only
-    pieces: list[str] = field(default_factory=list)  # text already streamed, in order
-    pending: str = ""  # decoded text not streamed yet (held back while it may start a stop string)
-    output: CompletionOutput | None = None
-    matcher: object | None = None  # grammar matcher (slipstream.grammar), advanced on each commit
-    logprobs: list[float] = field(default_factory=list)
-    seq: Sequence | None = None  # set by the OutputProcessor at its first token
-    # output-stage bookkeeping
-    processed: int = 0  # output tokens the stage has turned into text
-    queued: bool = False  # in the stage's to-do list
-    end_at: int | None = None  # the tick ended the request after this many output tokens
-    end_reason: str | None = None
-    end_drops_text: bool = False  # the last token is a stop token: its text is not output
-    grammar_done_at: int | None = None  # output length at which the grammar completed
-    closed: bool = False  # final output (or error) delivered
-    top_logprobs: list[dict[int, float]] = field(default_factory=list)  # SamplingParams.top_logprobs > 0
-    # what the tick reads for every token (set from the fields above at construction)
-    token_times: list[float] = field(init=False, repr=False)  # metrics.token_times
-    plain: bool = field(init=False, repr=False)  # no logprobs, no grammar, no stop strings: a token decides
-    # nothing but a stop token id or max_tokens (once its first token is in)
-
-    def __post_init__(self) -> None:
-        self.token_times = self.metrics.token_times
-        self.plain = not self.params.logprobs and self.matcher is None and not self.params.stop
-
-    @property
-    def text(self) -> str:
-        return "".join(self.pieces) + self.pending
+def _unbound(seq: Sequence, reason: str) -> bool:
+    raise PipelineInvariantError("the output processor is not bound to an engine loop")
 
 
 class OutputProcessor(TextPhase):
     """The API layer's OutputSink (slipstream/scheduler/output_sink.py) and its output stage."""
 
     def __init__(self, text_thread: bool = False) -> None:
-        self._finish: Finish | None = None  # the EngineLoop's finish, bound by it
+        self._finish: Finish = _unbound  # the EngineLoop's finish, bound by it
         # EngineConfig(output_stage="thread"): the text phase of each pass runs on this thread
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="slipstream-output") if text_thread else None
-        self.faults = None  # tests only: a slipstream.faults.FaultInjector
+        self.faults: FaultInjector | None = None  # tests only
         self._todo: list[RequestState] = []
-        self._inflight: tuple[list[_Work], Future] | None = None  # the thread's pass, not delivered yet
+        self._inflight: tuple[list[Work], Future] | None = None  # the thread's pass, not delivered yet
         self.commit_time = 0.0  # set by the EngineLoop before each commit: the time of every token in it
         self._ready: asyncio.Event | None = None
         # fn(token_times, start, end, arrival, prompt_len) per request and pass, off the tick (tools)
@@ -214,7 +176,7 @@ class OutputProcessor(TextPhase):
             observe("abort")
         req.metrics.finished = time.perf_counter()
         if not isinstance(error, SlipstreamError):
-            error = _wrap(RequestFailedError, f"request {req.request_id} failed: {error!r}", error)
+            error = wrap_error(RequestFailedError, f"request {req.request_id} failed: {error!r}", error)
         req.queue.put_nowait(error)
 
     # --- the output stage -----------------------------------------------------------------------
@@ -256,6 +218,7 @@ class OutputProcessor(TextPhase):
             req.queued = False
             if not req.closed and req.seq is not None:
                 work.append(self._snapshot(req, req.seq))
+        assert self._pool is not None  # (a threaded pass only with text_thread)
         future = self._pool.submit(self._texts_of, work)
         self._inflight = (work, future)
         try:
@@ -285,7 +248,7 @@ class OutputProcessor(TextPhase):
         self._end_pass()
 
     def _process(self, req: RequestState) -> None:
-        """Both phases on the loop. The snapshot is passed as arguments, not built as a _Work (as
+        """Both phases on the loop. The snapshot is passed as arguments, not built as a Work (as
         _snapshot does for the thread): the tuple and the call through it cost a 512-request pass
         10–15% (tools/bench_stage_pass.py)."""
         req.queued = False
@@ -301,7 +264,7 @@ class OutputProcessor(TextPhase):
                 text = req.detok.push(tokens)
             except Exception as e:  # noqa: BLE001 - as in _push: only this request fails
                 self._finish(seq, "abort")
-                self._deliver_error(req, _wrap(RequestFailedError, f"detokenising tokens {tokens} of request "
+                self._deliver_error(req, wrap_error(RequestFailedError, f"detokenising tokens {tokens} of request "
                                                                    f"{req.request_id} failed: {e!r}", e))
                 return
             req.processed = end = start + len(tokens)
@@ -318,18 +281,19 @@ class OutputProcessor(TextPhase):
                                      req.end_reason, req.end_drops_text, req.grammar_done_at, seq.max_tokens))
 
     @staticmethod
-    def _snapshot(req: RequestState, seq: Sequence) -> "_Work":
+    def _snapshot(req: RequestState, seq: Sequence) -> "Work":
         """On the loop, between commits: what the text phase may know of the tick's state (the
         arguments of _texts, as _process passes them)."""
         out, end_at, start = seq.output_ids, req.end_at, req.processed
         return (req, start, out[start:len(out) if end_at is None else end_at], end_at, req.end_reason,
                 req.end_drops_text, req.grammar_done_at, seq.max_tokens)
 
-    def _apply(self, req: RequestState, o: "_Outcome") -> None:
+    def _apply(self, req: RequestState, o: "Outcome") -> None:
         """Delivery phase (on the loop): end the sequence if the text decided it, stream, finish."""
         if req.closed:
             return
         seq = req.seq
+        assert seq is not None  # (snapshot only once the request has its first token)
         if o.error is not None:
             self._finish(seq, "abort")
             self._deliver_error(req, o.error)
@@ -347,7 +311,7 @@ class OutputProcessor(TextPhase):
                     del req.top_logprobs[o.end:]
                     del req.metrics.token_times[o.end:]
                 self._close(seq, req, o.reason, out[o.start:o.end], flush=o.flush)
-        except _RequestFailed as f:
+        except RequestFailed as f:
             self._finish(seq, "abort")
             self._deliver_error(req, f.error)
             return
@@ -372,7 +336,7 @@ class OutputProcessor(TextPhase):
             try:
                 req.pending += req.detok.flush()
             except Exception as e:  # noqa: BLE001 - as in _push: only this request fails
-                raise _RequestFailed(_wrap(RequestFailedError, f"detokenising request {req.request_id} "
+                raise RequestFailed(wrap_error(RequestFailedError, f"detokenising request {req.request_id} "
                                                                f"failed: {e!r}", e)) from e
         req.closed, req.seq = True, None  # (seq.user points back here: no cycle left for the collector)
         req.metrics.finished = time.perf_counter()
@@ -380,7 +344,7 @@ class OutputProcessor(TextPhase):
             observe(reason)
         p, c = len(req.prompt_ids), len(seq.output_ids)
         usage = Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c,
-                      cached_tokens=seq.num_cached_tokens)
+                      cached_tokens=seq.prefix.num_cached_tokens)
         self._emit(req, token_ids, reason, usage)
         req.output = CompletionOutput(
             request_id=req.request_id,
@@ -413,4 +377,4 @@ class OutputProcessor(TextPhase):
 def _as_grammar_error(req: RequestState, error: BaseException) -> SlipstreamError:
     if isinstance(error, GrammarError):
         return error
-    return _wrap(GrammarMatchError, f"grammar matcher of request {req.request_id} failed: {error!r}", error)
+    return wrap_error(GrammarMatchError, f"grammar matcher of request {req.request_id} failed: {error!r}", error)

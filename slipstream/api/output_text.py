@@ -2,33 +2,31 @@
 
 `TextPhase` is the half of a pass (slipstream/api/output_processor.py) that may run on the stage's
 worker thread (EngineConfig(output_stage="thread")): `_texts` reads the tick's state only through
-the `_Work` snapshot the loop took when the pass started, and writes only the request's text state
+the `Work` snapshot the loop took when the pass started, and writes only the request's text state
 (its detokeniser and `pending`, the decoded text not streamed yet), which nothing else touches
-until the loop delivers the pass (`OutputProcessor._apply`). Its answer is an `_Outcome`: the tokens
+until the loop delivers the pass (`OutputProcessor._apply`). Its answer is an `Outcome`: the tokens
 it covered and what, if anything, ends the request; a failure is carried in it, so one request's
 detokeniser fails only that request.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
+from typing import cast
+from slipstream.api.request_stream import RequestState
 from slipstream.errors import RequestFailedError, SlipstreamError
-
-if TYPE_CHECKING:
-    from slipstream.api.output_processor import RequestState
+from slipstream.faults import FaultInjector
 
 
 class TextPhase:
     """The text phase's methods, a base of OutputProcessor."""
 
-    faults: object | None  # OutputProcessor's fault injector (tests only)
+    faults: FaultInjector | None  # OutputProcessor's fault injector (tests only)
 
-    def _texts_of(self, work: list["_Work"]) -> list["_Outcome"]:
+    def _texts_of(self, work: list["Work"]) -> list["Outcome"]:
         return [self._texts(*w) for w in work]
 
     def _texts(self, req: RequestState, start: int, tokens: list[int], end_at: int | None, end_reason: str | None,
-               drops_text: bool, grammar_done_at: int | None, max_tokens: int) -> "_Outcome":
+               drops_text: bool, grammar_done_at: int | None, max_tokens: int) -> "Outcome":
         """Text phase: detokenise the snapshot's tokens (output tokens from `start`) and find what
         ends the request, if anything. Reads only its arguments and writes only the request's text
         state (so it may run in a thread: EngineConfig.output_stage)."""
@@ -36,17 +34,17 @@ class TextPhase:
             if req.params.stop:
                 return self._scan_stops(req, start, tokens, end_at, end_reason, grammar_done_at, max_tokens)
             self._push(req, tokens[:-1] if drops_text and tokens else tokens)
-            return _Outcome(start, start + len(tokens), end_reason if end_at is not None else None, flush=True)
-        except _RequestFailed as f:
-            return _Outcome(start, start, error=f.error)
+            return Outcome(start, start + len(tokens), end_reason if end_at is not None else None, flush=True)
+        except RequestFailed as f:
+            return Outcome(start, start, error=f.error)
         except Exception as e:  # noqa: BLE001 - a bug processing one request must not stop the stage
-            return _Outcome(start, start, error=_wrap(RequestFailedError, f"processing the output of request "
+            return Outcome(start, start, error=wrap_error(RequestFailedError, f"processing the output of request "
                                                                           f"{req.request_id} failed: {e!r}", e))
 
     def _scan_stops(self, req: RequestState, start: int, tokens: list[int], end_at: int | None, end_reason: str | None,
-                    grammar_done_at: int | None, max_tokens: int) -> "_Outcome":
+                    grammar_done_at: int | None, max_tokens: int) -> "Outcome":
         """Token by token: the first of stop token, stop string, finished grammar, max_tokens ends it."""
-        stops = req.params.stop
+        stops = cast(tuple[str, ...], req.params.stop)  # (SamplingParams normalises it to a tuple)
         longest = max(map(len, stops))
         for i, token in enumerate(tokens, start):
             reason, truncated = None, False
@@ -65,11 +63,11 @@ class TextPhase:
             if reason is None and n >= max_tokens:
                 reason = "length"
             if reason is not None:
-                return _Outcome(start, n, reason, flush=not truncated)
+                return Outcome(start, n, reason, flush=not truncated)
         limit = start + len(tokens)
         if end_at is not None and end_at <= limit:  # ended (an abort) with nothing left to scan
-            return _Outcome(start, limit, end_reason)
-        return _Outcome(start, limit, None)
+            return Outcome(start, limit, end_reason)
+        return Outcome(start, limit, None)
 
     def _push(self, req: RequestState, tokens: list[int]) -> None:
         if not tokens:
@@ -79,7 +77,7 @@ class TextPhase:
                 self.faults.check("detokenize", req.request_id)
             req.pending += req.detok.push(tokens)
         except Exception as e:  # noqa: BLE001 - a tokenizer bug must not stop the batch
-            raise _RequestFailed(_wrap(RequestFailedError, f"detokenising tokens {tokens} of request "
+            raise RequestFailed(wrap_error(RequestFailedError, f"detokenising tokens {tokens} of request "
                                                            f"{req.request_id} failed: {e!r}", e)) from e
 
 
@@ -90,11 +88,11 @@ class TextPhase:
 # (a field read live could show a stop token appended but not yet marked: its text would leak into
 # the output). A plain tuple: a pass builds one per request, and a frozen dataclass doubled the
 # cost of a 512-request pass (_process, the loop stage, passes the same fields as arguments).
-_Work = tuple
+Work = tuple
 
 
 @dataclass
-class _Outcome:
+class Outcome:
     """What the text phase found for one request: tokens start..end processed, and what ends it."""
 
     start: int
@@ -104,12 +102,12 @@ class _Outcome:
     error: SlipstreamError | None = None
 
 
-class _RequestFailed(Exception):
+class RequestFailed(Exception):
     def __init__(self, error: SlipstreamError):
         self.error = error
 
 
-def _wrap(cls: type[SlipstreamError], message: str, cause: BaseException) -> SlipstreamError:
+def wrap_error(cls: type[SlipstreamError], message: str, cause: BaseException) -> SlipstreamError:
     error = cls(message)
     error.__cause__ = cause
     return error

@@ -135,6 +135,7 @@ class HealthReply(_Out, tag="health_reply"):
     accepts_images: bool = False  # the model has a vision tower (Generate.images are used)
     max_image_bytes: int = 0  # the bound on one Generate's image bytes, beyond max_message_bytes
     region_skills: bool = False  # point/detect run on the model's region heads (Moondream; api/skills.py)
+    max_model_len: int = 0  # the engine's context in tokens (0: a worker that does not say)
 
 
 class ChatPromptReply(_Out, tag="chat_prompt_reply"):

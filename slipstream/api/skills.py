@@ -15,7 +15,7 @@ grammar (grammar/region.py), and the result comes from the values the heads deco
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence, cast
 
 import msgspec
 
@@ -23,6 +23,7 @@ from slipstream.errors import InvalidRequestError
 from slipstream.grammar.base import GrammarSpec
 from slipstream.grammar.region import REGION_KINDS, region_result, tokens_per_object
 from slipstream.grammar.skills import parse_skill_output
+from slipstream.outputs import CompletionOutput
 from slipstream.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -98,15 +99,15 @@ async def run_skill(api: "EngineAPI", kind: str, prompt: str, obj: str, max_obje
     if await _region_skills(api, kind):  # the engine refuses a non-empty prompt (the template is fixed)
         # an empty prompt is the image's marker alone: a Client refuses empty prompts
         out = await api.complete(prompt or "<image>", region_request(kind, obj, max_objects, params), images=images)
-        return region_result(kind, out.carried)
+        return region_result(kind, cast(CompletionOutput, out).carried)  # (n == 1: one output)
     text, sp = skill_request(kind, prompt, obj, max_objects, params)
     text = _with_images(text, images)
-    kw = {"images": images} if images else {}  # (a text model refuses images, naming the field)
+    # (a text model refuses images, naming the field; none given is the default)
     if (await api.health()).chat_template:
-        out = await api.chat([{"role": "user", "content": text}], sp, **kw)
+        out = await api.chat([{"role": "user", "content": text}], sp, images=images)
     else:
-        out = await api.complete(text, sp, **kw)
-    return parse_skill_output(kind, out.text)
+        out = await api.complete(text, sp, images=images)
+    return parse_skill_output(kind, cast(CompletionOutput, out).text)  # (n == 1: one output)
 
 
 async def stream_skill(api: "EngineAPI", kind: str, prompt: str, obj: str, max_objects: int = 16,
@@ -122,12 +123,11 @@ async def stream_skill(api: "EngineAPI", kind: str, prompt: str, obj: str, max_o
         return
     text, sp = skill_request(kind, prompt, obj, max_objects, params)
     text = _with_images(text, images)
-    kw = {"images": images} if images else {}
     deltas: DeltaStream
     if (await api.health()).chat_template:
-        deltas = api.chat_stream([{"role": "user", "content": text}], sp, **kw)
+        deltas = api.chat_stream([{"role": "user", "content": text}], sp, images=images)
     else:
-        deltas = api.stream(text, sp, **kw)
+        deltas = api.stream(text, sp, images=images)
     acc, done = "", 0
     key = {"point": "points", "detect": "objects"}.get(kind)
     try:
@@ -151,20 +151,20 @@ class SkillMethods:
     async def point(self, prompt: str, object: str, max_objects: int = 16,
                     params: SamplingParams | None = None, *,
                     images: Sequence[ImageLike] = ()) -> dict[str, Any]:
-        return await run_skill(self, "point", prompt, object, max_objects, params, images)
+        return await run_skill(cast("EngineAPI", self), "point", prompt, object, max_objects, params, images)
 
     async def detect(self, prompt: str, object: str, max_objects: int = 16,
                      params: SamplingParams | None = None, *,
                      images: Sequence[ImageLike] = ()) -> dict[str, Any]:
-        return await run_skill(self, "detect", prompt, object, max_objects, params, images)
+        return await run_skill(cast("EngineAPI", self), "detect", prompt, object, max_objects, params, images)
 
     async def segment(self, prompt: str, object: str, max_objects: int = 16,
                       params: SamplingParams | None = None, *,
                       images: Sequence[ImageLike] = ()) -> dict[str, Any]:
-        return await run_skill(self, "segment", prompt, object, max_objects, params, images)
+        return await run_skill(cast("EngineAPI", self), "segment", prompt, object, max_objects, params, images)
 
     def stream_skill(self, kind: str, prompt: str, object: str, max_objects: int = 16,
                      params: SamplingParams | None = None, *,
                      images: Sequence[ImageLike] = ()) -> AsyncIterator[dict[str, Any]]:
         """Async iterator of objects as they complete (point/detect), or the final dict (segment)."""
-        return stream_skill(self, kind, prompt, object, max_objects, params, images)
+        return stream_skill(cast("EngineAPI", self), kind, prompt, object, max_objects, params, images)

@@ -12,12 +12,14 @@ import asyncio
 import collections
 import os
 import signal
+from typing import cast
 from dataclasses import dataclass, field
 
 import structlog
 import zmq
 
 from slipstream.api.engine import Engine
+from slipstream.api.interface import Messages, Prompt
 from slipstream.api.protocol import (
     MAX_IMAGE_BYTES,
     MAX_MESSAGE_BYTES,
@@ -51,6 +53,7 @@ from slipstream.errors import (
     WorkerUnavailableError,
 )
 from slipstream.images import check_image_fields, load_images, model_accepts_images, require_vision
+from slipstream.outputs import CompletionOutput
 from slipstream.params import EngineConfig, SamplingParams
 
 log = structlog.get_logger(__name__)
@@ -176,7 +179,7 @@ class Worker:
         deadline = 0.0 if self._force else self.limits.shutdown_timeout_s
         log.info("worker_shutting_down", reason=self._stop_reason, inflight=self._inflight, deadline_s=deadline)
         for s in self._sessions.values():
-            self.io.send(s.identity, Shutdown(deadline_s=deadline, reason=self._stop_reason))
+            self._io.send(s.identity, Shutdown(deadline_s=deadline, reason=self._stop_reason))
         tasks = [t for s in self._sessions.values() for t in s.tasks.values()]
         if tasks:
             _, late = await asyncio.wait(tasks, timeout=deadline)
@@ -198,21 +201,21 @@ class Worker:
             log.info("client_connected", client=session.tag, clients=len(self._sessions))
             session.told = self._cut_off.pop(identity, [])
             for rid in session.told:
-                self.io.send(identity, error_to_wire(WorkerUnavailableError(
+                self._io.send(identity, error_to_wire(WorkerUnavailableError(
                     "the worker dropped this client because it stopped reading; the request was aborted"),
                     request_id=rid))
         if isinstance(msg, Generate):
-            self._admit(session, msg, params)
+            self._admit(session, msg, cast(SamplingParams, params))  # (decoded with every Generate)
         elif isinstance(msg, Abort):
             task = asyncio.create_task(self._abort(session, msg))
             self._background.add(task)  # the loop keeps only weak references to tasks
             task.add_done_callback(self._background.discard)
         elif isinstance(msg, StatsRequest):
-            self.io.send(identity, StatsReply(seq=msg.seq, stats=self.stats()))
+            self._io.send(identity, StatsReply(seq=msg.seq, stats=self.stats()))
         elif isinstance(msg, HealthRequest):
-            self.io.send(identity, self._health(msg.seq))
+            self._io.send(identity, self._health(msg.seq))
         elif isinstance(msg, ChatPromptRequest | MetricsRequest):
-            self.io.send(identity, self._answer(msg))
+            self._io.send(identity, self._answer(msg))
         elif isinstance(msg, Bye):
             self._drop(session, "closed")
 
@@ -242,7 +245,7 @@ class Worker:
 
     def _admit(self, session: _Session, msg: Generate, params: SamplingParams) -> None:
         rid = msg.request_id
-        error = None
+        error: SlipstreamError | None = None
         if self._draining:
             error = WorkerShuttingDownError("the worker is shutting down and admits no new request")
         elif rid in session.tasks:
@@ -254,7 +257,7 @@ class Worker:
             error = OverloadedError(f"{self._inflight} requests in flight; the worker queues at most "
                                     f"{self.limits.max_queued} beyond its batch of {self.config.max_batch_size}")
         if error is not None:
-            self.io.send(session.identity, error_to_wire(error, request_id=rid))
+            self._io.send(session.identity, error_to_wire(error, request_id=rid))
             return
         self._inflight += 1
         session.requests += 1
@@ -262,7 +265,7 @@ class Worker:
         session.tasks[rid] = asyncio.create_task(self._serve(session, msg, params))
 
     async def _serve(self, session: _Session, msg: Generate, params: SamplingParams) -> None:
-        rid, send, ident = msg.request_id, self.io.send, session.identity
+        rid, send, ident = msg.request_id, self._io.send, session.identity
         engine_id = f"{session.tag}/{rid}"  # unique across clients; the client sees its own id
         try:
             tools = msg.messages is not None and (msg.tools is not None or msg.tool_choice is not None)
@@ -276,16 +279,17 @@ class Worker:
             if tools:  # Engine.chat renders the tools, adds their grammar and parses the calls
                 kw.update(tools=msg.tools, tool_choice=msg.tool_choice, parallel_tool_calls=msg.parallel_tool_calls)
             if msg.stream:
-                stream = (self.engine.chat_stream(msg.messages, params, request_id=engine_id, **kw) if tools
-                          else self.engine.stream(prompt, params, request_id=engine_id, **kw))
+                stream = (self.engine.chat_stream(cast(Messages, msg.messages), params, request_id=engine_id, **kw)
+                          if tools else self.engine.stream(cast(Prompt, prompt), params, request_id=engine_id, **kw))
                 async for d in stream:
                     send(ident, Delta(request_id=rid, text=d.text, token_ids=d.token_ids,
                                       finish_reason=d.finish_reason, usage=d.usage, content=d.content,
                                       tool_calls=d.tool_calls))
             else:
-                out = await (self.engine.chat(msg.messages, params, request_id=engine_id, **kw) if tools
-                             else self.engine.complete(prompt, params, request_id=engine_id, **kw))
-                send(ident, Result(request_id=rid, output=output_to_wire(out, rid)))
+                out = await (self.engine.chat(cast(Messages, msg.messages), params, request_id=engine_id, **kw)
+                             if tools else self.engine.complete(cast(Prompt, prompt), params, request_id=engine_id, **kw))
+                one = cast(CompletionOutput, out)  # (n == 1: the worker admits no fan-out)
+                send(ident, Result(request_id=rid, output=output_to_wire(one, rid)))
         except asyncio.CancelledError:
             if not session.gone:  # cancelled at the shutdown deadline, and the client is still there
                 late = WorkerShuttingDownError("the worker shut down before the request finished")
@@ -309,7 +313,7 @@ class Worker:
             await asyncio.sleep(0)
             aborted = await self.engine.abort(engine_id)
         if not session.gone:
-            self.io.send(session.identity, AbortReply(seq=msg.seq, aborted=aborted))
+            self._io.send(session.identity, AbortReply(seq=msg.seq, aborted=aborted))
 
     async def _heartbeats(self) -> None:
         while True:
@@ -321,13 +325,19 @@ class Worker:
                 self.stop("engine died", 1)
                 return
             for s in list(self._sessions.values()):
-                self.io.send(s.identity, Heartbeat(inflight=len(s.tasks)))
+                self._io.send(s.identity, Heartbeat(inflight=len(s.tasks)))
+
+    @property
+    def _io(self) -> WorkerIO:
+        """The socket thread's side (set by start(); every message handler runs after it)."""
+        assert self.io is not None
+        return self.io
 
     # --- introspection --------------------------------------------------------------------------
 
     def stats(self) -> dict:
         try:
-            stats = self.engine._stats()
+            stats = self.engine.stats_now()
         except EngineClosedError:
             stats = {}
         stats.update(clients=len(self._sessions), inflight=self._inflight, requests=self.num_requests,
@@ -340,7 +350,7 @@ class Worker:
         """Calls the engine answers at once, without generating: Client.chat_prompt / metrics_text."""
         try:
             if isinstance(msg, ChatPromptRequest):
-                return ChatPromptReply(seq=msg.seq, prompt=self.engine._chat_prompt(msg.messages))
+                return ChatPromptReply(seq=msg.seq, prompt=self.engine.submitter.chat_prompt(msg.messages))
             return MetricsReply(seq=msg.seq, text=self.engine.metrics.text())
         except SlipstreamError as e:
             return error_to_wire(e, seq=msg.seq)
@@ -350,7 +360,7 @@ class Worker:
 
     def _health(self, seq: int) -> HealthReply:
         try:
-            running = self.engine._stats() is not None
+            running = self.engine.stats_now() is not None
         except EngineClosedError:
             running = False
         return HealthReply(seq=seq, ready=running and not self._draining, draining=self._draining,
@@ -359,7 +369,8 @@ class Worker:
                            chat_template=bool(getattr(self.engine.tokenizer, "chat_template", None)),
                            accepts_images=running and model_accepts_images(self.engine.model_config),
                            max_image_bytes=self.limits.max_image_bytes,
-                           region_skills=running and self.engine.region_skills)
+                           region_skills=running and self.engine.region_skills,
+                           max_model_len=self.engine.max_model_len if running else 0)
 
 
 def serve(config: EngineConfig, address: str, limits: WorkerLimits | None = None) -> int:

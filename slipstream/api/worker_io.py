@@ -43,9 +43,9 @@ log = structlog.get_logger(__name__)
 
 _wake_ids = itertools.count()
 NOT_READING = "not reading (send queue full)"  # the reason given to `gone` for a client that stopped reading
-Deliver = Callable[[bytes, object, SamplingParams | None], None]  # (identity, message, params)
-Gone = Callable[[bytes, str], None]  # (identity, reason)
-Died = Callable[[BaseException], None]
+Deliver = Callable[[bytes, object, SamplingParams | None], object]  # (identity, message, params)
+Gone = Callable[[bytes, str], object]  # (identity, reason); what the callbacks return is ignored
+Died = Callable[[BaseException], object]
 
 
 class WorkerIO:
@@ -166,10 +166,11 @@ class WorkerIO:
             msg = self._decoder.decode(data)
         except msgspec.DecodeError as e:
             header = self._decoder.header(data)
+            refusal: SlipstreamError = ProtocolError(str(e))
             if header is not None and header.v is not None and header.v != PROTOCOL_VERSION:
-                e = ProtocolVersionError(f"protocol version {header.v} is not supported (worker speaks "
-                                         f"{PROTOCOL_VERSION})")
-            return self._refuse(identity, e if isinstance(e, SlipstreamError) else ProtocolError(str(e)), header)
+                refusal = ProtocolVersionError(f"protocol version {header.v} is not supported (worker speaks "
+                                               f"{PROTOCOL_VERSION})")
+            return self._refuse(identity, refusal, header)
         except Exception as e:  # noqa: BLE001 - e.g. RecursionError on absurd nesting: still just bad input
             return self._refuse(identity, ProtocolError(f"undecodable message: {e!r}"))
         header = Header(msg.v, getattr(msg, "request_id", None), getattr(msg, "seq", None))

@@ -6,6 +6,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from typing import cast
 
 from slipstream.cli import add_engine_args, engine_config, run_async
 
@@ -60,20 +61,20 @@ class Summary:
         ttft = self.first_token - self.submitted
         # decode speed: tokens after the first over the time after the first (TTFT is reported apart);
         # when they all came in one burst (short answers), tokens over the whole time instead
-        span = self.last_token - self.first_token
+        last = cast(float, self.last_token)  # (set with first_token)
+        span = last - self.first_token
         if self.tokens > 1 and span >= 0.01:
             rate = (self.tokens - 1) / span
         else:
-            rate = self.tokens / max(self.last_token - self.submitted, 1e-9)
-        rate = f"{rate:.1f} tok/s"
-        return f"[{self.tokens} tokens, {rate}, TTFT {ttft * 1e3:.0f} ms, finish: {reason}]"
+            rate = self.tokens / max(last - self.submitted, 1e-9)
+        return f"[{self.tokens} tokens, {rate:.1f} tok/s, TTFT {ttft * 1e3:.0f} ms, finish: {reason}]"
 
 
 async def _generate(args) -> int:
     from slipstream import Engine, SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed, stop=args.stop or [])
+                            top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()))
     images = await _load_images(args.image)  # a bad file is refused before any model loads
     if args.connect:
         return await _generate_remote(args, params, images)
@@ -92,7 +93,7 @@ async def _generate(args) -> int:
         else:
             if not args.raw and templated:  # (Moondream has none: its prompt is the reference's query template)
                 prompt = await engine.chat_prompt([{"role": "user", "content": args.prompt}])
-            deltas = engine.stream(prompt, params, **({"images": images} if images else {}))
+            deltas = engine.stream(prompt, params, images=images)
         summary = await _print_stream(deltas)
         _report(args, summary, await engine.stats() if args.verbose else None)
     return 0

@@ -2,7 +2,7 @@
 
 The llguidance tokenizer is built once per slipstream tokenizer and cached:
 
-* a `slipstream.models.tokenizer.Tokenizer` (or a bare `tokenizers.Tokenizer`) is handed over as its
+* a `slipstream.models.tokenizers.tokenizer.Tokenizer` (or a bare `tokenizers.Tokenizer`) is handed over as its
   tokenizer.json text (`backend.to_str()`), which llguidance reads natively when its decoder is
   byte-level or byte-fallback;
 * any other `tokenizers` decoder (the tiny Idefics3's Fuse, Metaspace, none: llguidance "can't
@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import threading
 import weakref
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -55,7 +55,7 @@ class _TokenBytes:
     @classmethod
     def of_bytes(cls, tokenizer: Any) -> _TokenBytes:
         """The byte-level test tokenizer: ids OFFSET.. are the bytes 0..255, the rest special."""
-        from slipstream.models.byte_tokenizer import OFFSET
+        from slipstream.models.tokenizers.byte_tokenizer import OFFSET
 
         n = int(tokenizer.vocab_size)
         tokens = [bytes([i - OFFSET]) if OFFSET <= i < OFFSET + 256 else f"<|special_{i}|>".encode() for i in range(n)]
@@ -67,7 +67,7 @@ class _TokenBytes:
     def of_hf(cls, tokenizer: Any, backend: Any, n: int, eos: int) -> _TokenBytes:
         """A `tokenizers` backend whose decoder llguidance cannot read: each id as it decodes after
         a plain character (byte-level and byte-fallback vocabularies keep their exact bytes)."""
-        from slipstream.models.utf8_tail import _BYTE_PIECE, token_bytes_of
+        from slipstream.models.tokenizers.utf8_tail import _BYTE_PIECE, token_bytes_of
 
         special = {i for i, t in backend.get_added_tokens_decoder().items() if t.special and i < n}
         exact = token_bytes_of(tokenizer) if hasattr(tokenizer, "backend") else None
@@ -93,7 +93,7 @@ def _build_lltokenizer(tokenizer: Any) -> Any:
     import llguidance
     from tokenizers import Tokenizer as HFTokenizer
 
-    from slipstream.models.byte_tokenizer import ByteTokenizer
+    from slipstream.models.tokenizers.byte_tokenizer import ByteTokenizer
 
     eos = [int(i) for i in (getattr(tokenizer, "eos_token_ids", ()) or ())]
     if not eos:
@@ -148,7 +148,8 @@ def grammar_source(spec: GrammarSpec) -> str:
         if not isinstance(schema, (dict, bool)):
             raise GrammarCompileError(f"invalid JSON schema: expected an object, got {type(schema).__name__}")
         try:
-            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
+            # (a bool schema is JSON Schema's true / false; the options are llguidance's JsonCompileOptions)
+            return llguidance.LLMatcher.grammar_from_json_schema(cast(Any, schema), defaults=cast(Any, JSON_DEFAULTS))
         except (ValueError, TypeError) as e:
             raise GrammarCompileError(f"invalid JSON schema: {e}") from None
     if spec.kind == "regex":

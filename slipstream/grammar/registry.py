@@ -13,12 +13,12 @@ from __future__ import annotations
 import importlib.metadata
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from slipstream.errors import GrammarCompileError, GrammarError, GrammarMatchError
-from slipstream.grammar.base import Grammar, GrammarSpec, Matcher, carry_tokens, masks_by_output_index
+from slipstream.grammar.base import Grammar, GrammarSpec, IndexMaskMatcher, Matcher, carry_tokens, masks_by_output_index
 from slipstream.grammar.bitmask import clear_from
 
 ENTRY_POINT_GROUP = "slipstream.grammars"
@@ -177,7 +177,8 @@ class PluginMatcher:
         clear_from(row, self._g.limit)
 
     def mask_for_output_index(self, index: int, row: np.ndarray) -> None:
-        self._call("mask_for_output_index", self.inner.mask_for_output_index, index, row)
+        # (called only when the plugin's matcher has it: masks_by_output_index)
+        self._call("mask_for_output_index", cast(IndexMaskMatcher, self.inner).mask_for_output_index, index, row)
         clear_from(row, self._g.limit)
 
     def accept(self, token: int) -> None:

@@ -15,7 +15,7 @@ Zero objects is always valid (EOS first). The allowed-token sets come from decod
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -195,7 +195,7 @@ class SkillMatcher:
             self._line, self._field, self._value, self._terminated = self._history[-n]
             del self._history[-n:]
 
-    def _reject(self, token: int) -> None:
+    def _reject(self, token: int) -> NoReturn:
         g = self.g
         if self._terminated:
             expected = "EOS (the output is complete)"

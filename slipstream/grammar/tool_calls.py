@@ -69,7 +69,7 @@ def tool_grammar_value(g: ToolGrammar) -> str:
     return _encode(g).decode()
 
 
-def arguments_layout(arguments: dict) -> str:
+def arguments_layout(arguments: dict | list) -> str:
     """Arguments as JSON text in the grammar's layout (what a model's history calls are written as)."""
     return json.dumps(arguments, ensure_ascii=False, separators=(", ", ": "))
 

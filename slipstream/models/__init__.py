@@ -1,3 +1,3 @@
-# EngineConfig.weights: what a GGUF's quantized matrices become at load (models/loader.py). Here, in
+# EngineConfig.weights: what a GGUF's quantized matrices become at load (models/loading/loader.py). Here, in
 # the package's torch-free root, so that the API's config can validate it without importing torch.
 WEIGHT_MODES = ("quantized", "dequantized")

@@ -8,7 +8,7 @@ Kind 0 is a plain token id. Both must be device tensor ops only: no `.item()`, n
 shapes (the runtime runs them for every row of a step that has a carry row; docs/moondream.md,
 "The carry").
 
-The forward honours two fields of `ForwardBatch` (models/llama.py):
+The forward honours two fields of `ForwardBatch` (models/llama/model.py):
   * `carry` (a `CarryInput`): token rows whose kind is > 0 take `encode(kind, values)` instead of
     their token's embedding;
   * `return_hidden`: the forward returns `(logits, hidden)`, hidden [N, H] for the sample rows:
@@ -28,7 +28,10 @@ __all__ = ["CarryHeads", "CarryInput", "CarryKind", "apply_carry", "carry_width"
 
 @runtime_checkable
 class CarryHeads(Protocol):
-    kinds: Sequence[CarryKind]  # kind k >= 1 is kinds[k - 1]
+    @property
+    def kinds(self) -> Sequence[CarryKind]:
+        """Kind k >= 1 is kinds[k - 1]."""
+        ...
 
     def decode(self, kind: int, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states [n, H] -> float32 values [n, kinds[kind - 1].values]."""

@@ -23,8 +23,8 @@ from pathlib import Path
 import structlog
 import torch
 
-from slipstream.models.attention import AttentionMetadata
-from slipstream.models.llama import ForwardBatch, KVCache
+from slipstream.models.kernels.attention import AttentionMetadata
+from slipstream.models.base import ForwardBatch, KVCache
 
 log = structlog.get_logger(__name__)
 
@@ -43,7 +43,7 @@ def candidates(ceiling: int) -> list[int]:
 
 
 def _key(model, ceiling: int) -> str:
-    from slipstream.models.cpu_kernels import _cpu_identity
+    from slipstream.models.kernels.cpu_kernels import _cpu_identity
 
     c = model.config
     shape = (c.hidden_size, c.intermediate_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size)
@@ -53,7 +53,7 @@ def _key(model, ceiling: int) -> str:
 
 
 def _record_path(model, ceiling: int) -> Path:
-    from slipstream.models.weight_cache import cache_root
+    from slipstream.models.loading.weight_cache import cache_root
 
     return cache_root() / "kernels" / f"threads-{_key(model, ceiling)}.json"
 

@@ -15,24 +15,24 @@ import numpy as np
 import torch
 
 from slipstream.errors import PipelineInvariantError
+from slipstream.models.base import Model
 from slipstream.runtime.batch import ForwardInput, ImageSpan
 from slipstream.runtime.host_copy import stage_pixels, upload_array
 
 
 class EncoderLaunch:
-    model: Any  # (the ModelRunner's)
+    model: Model  # (the ModelRunner's)
     device: Any
     features: dict[bytes, torch.Tensor]
 
     def launch_encoder(self, images: Sequence[ImageSpan]) -> None:
         """Enqueue the vision encoder on these images, on the compute stream (so every later forward
         finds their outputs); returns at once. Pixels go up from pinned memory (no host wait)."""
-        vision = getattr(self.model, "vision", None)
-        if vision is None:
+        if self.model.vision is None:
             raise PipelineInvariantError("images launched on a model without a vision tower")
-        # a model whose encoder needs more than pixels (Moondream: the crop tiling) encodes its own
-        # preprocessed image, given its pixels on the device
-        encode_image = getattr(self.model, "encode_image", None)
+        # the model encodes its own preprocessed image (Moondream's needs its crop tiling too), given
+        # its pixels on the device
+        encode_image = self.model.encode_image
         dev, features = self.device.torch_device, self.features
         items = list(images)
 
@@ -40,15 +40,12 @@ class EncoderLaunch:
             for span in items:
                 p = span.processed
                 pixels = stage_pixels(p.pixel_values, dev)  # (pinned off the loop: host_copy.pin_pixels)
-                if encode_image is not None:
-                    out = encode_image(dataclasses.replace(p, pixel_values=pixels))
-                else:
-                    mask = getattr(p, "pixel_attention_mask", None)
-                    mask = None if mask is None else np.asarray(mask)
-                    # no padding (Idefics3's tiles never have any), known here on the host: no mask,
-                    # so attention runs without a bias
-                    mask = upload_array(mask, dev) if mask is not None and not mask.all() else None
-                    out = vision.encode(pixels, mask)
+                mask = getattr(p, "pixel_attention_mask", None)  # (Idefics3's tiles; Moondream has none)
+                mask = None if mask is None else np.asarray(mask)
+                # no padding (Idefics3's tiles never have any), known here on the host: no mask,
+                # so attention runs without a bias
+                mask = upload_array(mask, dev) if mask is not None and not mask.all() else None
+                out = encode_image(dataclasses.replace(p, pixel_values=pixels), mask)
                 if out.shape[0] != span.num_features:
                     raise PipelineInvariantError(f"the encoder gave {out.shape[0]} rows for an image of "
                                                  f"{span.num_features} placeholders")

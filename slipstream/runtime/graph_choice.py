@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from slipstream.models.base import Model, reads_device_attention
 from slipstream.runtime.batch import ForwardInput
 from slipstream.runtime.graphs import GraphCache
 from slipstream.runtime.sampling_args import GroupNeeds
@@ -45,7 +46,7 @@ class _GraphCacheField:
 
 
 class GraphChoice:
-    model: Any  # (the ModelRunner's)
+    model: Model  # (the ModelRunner's)
     row_multiple: int
     slots: list[StepSlot]
 
@@ -88,5 +89,5 @@ class GraphChoice:
         """Steps with prefill chunks, when the model reads device attention metadata (a graph cannot
         hold the host-side reference attention) and no CPU row padding is asked for."""
         return (self.mixed_graphs is not None and self.row_multiple == 1 and not packed.decode_only
-                and self.model.backend == "triton" and not packed.has_embeds  # image rows: eager
+                and reads_device_attention(self.model) and not packed.has_embeds  # image rows: eager
                 and packed.bidirectional_lens is None)  # (the graph's attention is plain causal)

@@ -19,8 +19,8 @@ import torch
 from slipstream.errors import InvalidRequestError
 from slipstream.grammar.bitmask import words_for
 from slipstream.intmath import ceil_div
-from slipstream.models.attention import AttentionMetadata, DeviceAttentionMetadata
-from slipstream.models.llama import ForwardBatch, KVCache
+from slipstream.models.kernels.attention import AttentionMetadata, DeviceAttentionMetadata
+from slipstream.models.base import ForwardBatch, KVCache
 
 log = structlog.get_logger(__name__)
 GiB = 1024**3
@@ -139,8 +139,7 @@ def profile_step(model, config, dev: torch.device, num_tokens: int, page_size: i
         model(batch, kv)
         del kv, batch
         if image is not None:  # its output is the encoder cache's (RuntimeReserve.encoder_cache)
-            encode_image = getattr(model, "encode_image", None)  # (Moondream: crops and their tiling)
-            encode_image(image) if encode_image is not None else model.vision.encode(image.pixel_values)
+            model.encode_image(image)
 
 
 def engine_reserve(config, mcfg, dtype: torch.dtype, carry: bool = False, images: bool = False) -> RuntimeReserve:

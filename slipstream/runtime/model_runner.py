@@ -42,9 +42,9 @@ import torch
 
 from slipstream.errors import PipelineInvariantError
 from slipstream.intmath import round_up
-from slipstream.models.attention import AttentionMetadata, DeviceAttentionMetadata
+from slipstream.models.kernels.attention import AttentionMetadata, DeviceAttentionMetadata
 from slipstream.models.carry_kind import CarryKind
-from slipstream.models.llama import ForwardBatch, KVCache, LlamaForCausalLM
+from slipstream.models.base import ForwardBatch, KVCache, Model
 from slipstream.runtime.batch import ForwardInput
 from slipstream.runtime.host_copy import copy_to_host, upload_array
 from slipstream.runtime.carry import ChunkCarry, carry_input, read_carried, stage_chunk_carry
@@ -66,7 +66,7 @@ if TYPE_CHECKING:
 class ModelRunner(GraphChoice, EncoderLaunch):
     """Implements slipstream.runtime.runner_api.Runner on a Device."""
 
-    def __init__(self, model: LlamaForCausalLM, kv: KVCache, device, max_rows: int, max_tokens: int,
+    def __init__(self, model: Model, kv: KVCache, device, max_rows: int, max_tokens: int,
                  max_pages: int, num_slots: int = 2, row_multiple: int = 1):
         self.model, self.kv, self.device = model, kv, device
         self.row_multiple = row_multiple  # pad steps so CPU matmul rows do not depend on batch size
@@ -90,7 +90,7 @@ class ModelRunner(GraphChoice, EncoderLaunch):
     @property
     def carry_kinds(self) -> tuple[CarryKind, ...]:
         """The model's carry heads' kinds (kind k is [k - 1]); empty: it has none."""
-        heads = getattr(self.model, "carry_heads", None)
+        heads = self.model.carry_heads
         return tuple(heads.kinds) if heads is not None else ()
 
     @property

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from slipstream.models.attention import AttentionMetadata, DeviceAttentionMetadata
-from slipstream.models.attention_blocks import num_query_programs, query_blocks
+from slipstream.models.kernels.attention import AttentionMetadata, DeviceAttentionMetadata
+from slipstream.models.kernels.attention_blocks import num_query_programs, query_blocks
 from slipstream.runtime.batch import SCRATCH_ROW, ForwardInput
 
 

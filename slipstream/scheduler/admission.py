@@ -48,7 +48,7 @@ class Admission:
         seq = self._first_waiting()
         if seq is None or not self.free_rows:
             return None
-        cache = self.cache if seq.cache_extra is not None else None
+        cache = self.cache if seq.prefix.cache_extra is not None else None
         hit = cache.lookup(seq) if cache is not None else []
         need = self.pages.pages_for(seq.num_known + 1) - len(hit)
         pool = self.pages.pool
@@ -60,14 +60,14 @@ class Admission:
         seq.pages = []
         self.pages.share(seq, hit)
         reused = len(hit) * self.pages.page_size
-        seq.num_scheduled = seq.num_computed = seq.num_reused = reused
+        seq.num_scheduled = seq.num_computed = seq.prefix.num_reused = reused
         if not seq.num_preemptions:  # (lookup leaves the last prompt token uncached)
-            seq.num_cached_tokens = reused
-        seq.num_registered_pages = len(hit)
+            seq.prefix.num_cached_tokens = reused
+        seq.prefix.num_registered_pages = len(hit)
         if cache is not None:
             cache.count(seq, len(hit))
         self.pages.give(seq, need)
-        if seq.images and self.encoder_cache is not None:
+        if seq.images is not None and self.encoder_cache is not None:
             self.encoder_cache.acquire(seq, reused)
         self.running.append(seq)
         return seq

@@ -65,11 +65,11 @@ def chunk_work(seq: Sequence, n: int, sample: bool) -> SeqWork:
     assert seq.row is not None, f"{seq.request_id}: a chunk for a sequence without a row"
     # the first chunk after admission (at a prefix-cache hit's end, else 0) rebuilds the row's history
     history = ((seq.prompt_ids, list(seq.output_ids))
-               if start == seq.num_reused and seq.sampling.needs_history else None)
+               if start == seq.prefix.num_reused and seq.sampling.needs_history else None)
     # a recompute of carried outputs re-feeds their values, which the host kept (Sequence.carried)
     carry = seq.carried_inputs(start, start + n) if seq.carried else ()
     return SeqWork(row=seq.row, tokens=seq.known_tokens(start, start + n), start_pos=start, sample=sample,
                    output_index=len(seq.output_ids) + seq.pending_samples, sampling=seq.sampling,
-                   history=history, images=image_slices(seq.images, start, start + n) if seq.images else [],
+                   history=history, images=image_slices(seq.images.spans, start, start + n) if seq.images is not None else [],
                    carry=carry,
                    bidirectional_len=seq.bidirectional_len if start < seq.bidirectional_len else 0)

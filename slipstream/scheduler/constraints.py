@@ -12,11 +12,11 @@ never constrained: they get an all-ones row.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, cast
 
 import numpy as np
 
-from slipstream.grammar.base import masks_by_output_index
+from slipstream.grammar.base import IndexMaskMatcher, masks_by_output_index
 from slipstream.grammar.bitmask import words_for
 from slipstream.scheduler.sequence import Sequence
 
@@ -70,7 +70,8 @@ class Constraints:
                     for e in self.eos_ids:  # a finished grammar may only end the output
                         words[e >> 5] |= np.uint32(1 << (e & 31))
                 elif _by_index(seq):  # called after the step's launch: its own sample is pending
-                    m.mask_for_output_index(len(seq.output_ids) + seq.pending_samples - 1, out[k])
+                    index = len(seq.output_ids) + seq.pending_samples - 1
+                    cast(IndexMaskMatcher, m).mask_for_output_index(index, out[k])
                 else:
                     m.fill_bitmask(out[k])
             except Exception as e:  # noqa: BLE001 - a plugin may raise anything; only its request fails

@@ -30,7 +30,8 @@ class EncoderBudget:
         start = seq.num_scheduled
         end, left = start + n, self.left
         need: list[ImageSpan] = []
-        for span in seq.images:
+        assert seq.images is not None  # (the Planner cuts only sequences with images)
+        for span in seq.images.spans:
             if span.start >= end:
                 break
             if span.end <= start or span.digest in self._planned or not self.cache.needs_encode(span.digest):

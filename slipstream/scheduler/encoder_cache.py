@@ -59,8 +59,9 @@ class EncoderCache:
         """A reference to each of its images that a chunk will feed (admission; its first chunk starts
         at `start`, where its prefix-cache hit ends): an image whose pages all came from the prefix
         cache is never encoded nor read, so it is neither counted nor kept."""
-        assert not seq.images_held, f"{seq.request_id}: images acquired twice"
-        held = tuple(span for span in seq.images if span.end > start)
+        images = seq.images
+        assert images is not None and not images.held, f"{seq.request_id}: no images, or acquired twice"
+        held = tuple(span for span in images.spans if span.end > start)
         for span in held:
             entry = self._entries.get(span.digest)
             if entry is None:
@@ -71,12 +72,15 @@ class EncoderCache:
                 self.hits += 1
                 self._lru.pop(span.digest, None)
             entry.refs += 1
-        seq.images_held = tuple(span.digest for span in held)
+        images.held = tuple(span.digest for span in held)
         self._evict()
 
     def release(self, seq: Sequence) -> None:
         """Drop its references (its pages and row are being released: nothing of it is in flight)."""
-        held, seq.images_held = seq.images_held, ()
+        images = seq.images
+        if images is None:
+            return
+        held, images.held = images.held, ()
         for digest in held:
             entry = self._entries[digest]
             entry.refs -= 1

@@ -9,15 +9,18 @@ api → scheduler → runtime → models.
 """
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from slipstream.scheduler.sequence import Sequence
+
+if TYPE_CHECKING:
+    from slipstream.faults import FaultInjector
 
 Finish = Callable[[Sequence, str], bool]  # Pipeline.finish: mark finished, release when possible
 
 
 class OutputSink(Protocol):
-    faults: object  # tests only: a slipstream.faults.FaultInjector, or None
+    faults: FaultInjector | None  # tests only
     commit_time: float  # perf_counter of the commit being applied (set by the EngineLoop): token times
     token_observers: list  # fn(token_times, start, end, arrival, prompt_len) per processed range (tools)
     pass_observers: list  # fn([(RequestMetrics, start, end, prompt_len), ...]) once per pass (metrics)

@@ -109,8 +109,8 @@ class Pipeline:
                     at = list(range(len(live)))
                 continue
             seq.num_computed += 1  # the K/V of its input token (the previous sample) is written
-            if cache is not None and seq.num_computed - seq.num_registered_pages * full >= full:
-                if seq.cache_extra is not None:
+            if cache is not None and seq.num_computed - seq.prefix.num_registered_pages * full >= full:
+                if seq.prefix.cache_extra is not None:
                     cache.register(seq)
             live.append(seq)
             if at is not None:
@@ -192,7 +192,7 @@ class Pipeline:
             seq.inflight_refs -= 1
             if not seq.finished:
                 seq.num_computed += work.num_tokens
-                if cache is not None and seq.cache_extra is not None:
+                if cache is not None and seq.prefix.cache_extra is not None:
                     cache.register(seq)
             if work.sample:
                 seq.pending_samples -= 1

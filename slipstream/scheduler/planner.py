@@ -154,7 +154,7 @@ class Planner:
         encoder = None
         for seq, share in zip(prompts, prompt_shares(prompts, budget)):
             encodes: list = []
-            if seq.images and share > 0:
+            if seq.images is not None and share > 0:
                 if encoder is None:  # (a step without images never makes one)
                     encoder = EncoderBudget(self.encoder_cache, self.max_encoder_tokens)
                 share, encodes = encoder.cut(seq, share)
@@ -163,7 +163,7 @@ class Planner:
             work = next_chunk(seq, share) if share > 0 else None
             if work is None or not self._reserve(seq, work.end_pos, victims=[]):
                 continue
-            if encodes:
+            if encodes and encoder is not None:  # (only an encoder budget gives encodes)
                 encoder.take(encodes)
             chunks.append(work)
             chunk_seqs.append(seq)

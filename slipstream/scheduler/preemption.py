@@ -62,5 +62,5 @@ class Preemption:
             seq.status = SeqStatus.RELEASED
         elif seq.preempting:  # recompute later from its known tokens, ahead of new arrivals
             seq.preempting = False
-            seq.num_scheduled = seq.num_computed = seq.num_registered_pages = 0
+            seq.num_scheduled = seq.num_computed = seq.prefix.num_registered_pages = 0
             self.admission.requeue(seq)

@@ -52,10 +52,10 @@ class PrefixCache:
     def hashes(self, seq: Sequence, num_pages: int) -> list[bytes]:
         """The chain hashes of its first `num_pages` full pages of known tokens, extended on demand
         (tokens only ever append, so they stay valid across preemptions)."""
-        hashes, ps = seq.block_hashes, self.page_size
+        hashes, ps = seq.prefix.block_hashes, self.page_size
         if len(hashes) < num_pages:
-            extra = seq.cache_extra or b""
-            images = [(s.start, s.end, s.digest) for s in seq.images]
+            extra = seq.prefix.cache_extra or b""
+            images = [(s.start, s.end, s.digest) for s in seq.images.spans] if seq.images is not None else []
             bidi = seq.bidirectional_len
             prefix = prefix_extra(extra, seq.prompt_ids[:bidi], images) if bidi and len(hashes) * ps < bidi else b""
             prev = hashes[-1] if hashes else ROOT
@@ -89,12 +89,12 @@ class PrefixCache:
         """Its full pages of committed K/V not yet in the cache (the commit's bookkeeping calls this)."""
         full = seq.num_computed // self.page_size
         hashes = self.hashes(seq, full)
-        for i in range(seq.num_registered_pages, full):
+        for i in range(seq.prefix.num_registered_pages, full):
             page, h = seq.pages[i], hashes[i]
             if h not in self._page_of and page not in self._hash_of:
                 self._page_of[h], self._hash_of[page] = page, h
                 self.pool.register(page)
-        seq.num_registered_pages = full
+        seq.prefix.num_registered_pages = full
 
     def stats(self) -> PrefixCacheStats:
         return PrefixCacheStats(self.queries, self.hits, len(self._hash_of), self.evictions)

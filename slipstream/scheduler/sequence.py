@@ -34,6 +34,29 @@ class SeqStatus(enum.Enum):
 
 
 @dataclass(eq=False)
+class PrefixState:
+    """A sequence's state in the prefix cache (scheduler/prefix_cache.py): read at admission, when a
+    commit completes a page, and at preemption; never by a plain decode step."""
+
+    cache_extra: bytes | None = b""  # extra key of its block hashes (the cache salt); None: no caching
+    num_reused: int = 0  # known tokens mapped from the cache at its last admission (its first chunk starts there)
+    # prompt tokens its first admission mapped from the cache (usage.cached_tokens): a recompute after a
+    # preemption hits pages it registered itself, which are no gift of the cache to the request
+    num_cached_tokens: int = 0
+    num_registered_pages: int = 0  # leading pages of `pages` the cache maps (registered or hit)
+    block_hashes: list[bytes] = field(default_factory=list)  # chain hashes of its known full pages so far
+
+
+@dataclass(eq=False)
+class ImageState:
+    """The images of a sequence's prompt (scheduler/encoder_cache.py, encoder_budget.py): read when
+    it is admitted, chunked or released, never by a decode step."""
+
+    spans: list[ImageSpan]  # in position order
+    held: tuple[bytes, ...] = ()  # the digests it holds encoder-cache references to (those its chunks feed)
+
+
+@dataclass(eq=False)
 class Sequence:
     request_id: str
     prompt_ids: list[int]
@@ -54,19 +77,9 @@ class Sequence:
     pages: list[int] = field(default_factory=list)
     # output index -> (carry kind, head values) of each committed carry token (the carried values)
     carried: dict[int, tuple[int, tuple[float, ...]]] = field(default_factory=dict)
-    # prefix cache (scheduler/prefix_cache.py)
-    cache_extra: bytes | None = b""  # extra key of its block hashes (the cache salt); None: no caching
-    num_computed: int = 0
-    num_reused: int = 0  # known tokens mapped from the cache at its last admission (its first chunk starts there)
-    # prompt tokens its first admission mapped from the cache (usage.cached_tokens): a recompute after a
-    # preemption hits pages it registered itself, which are no gift of the cache to the request
-    num_cached_tokens: int = 0
-    num_registered_pages: int = 0  # leading pages of `pages` the cache maps (registered or hit)
-    block_hashes: list[bytes] = field(default_factory=list)  # chain hashes of its known full pages so far
-    # images of its prompt, in position order (scheduler/encoder_cache.py); held: the digests it holds
-    # references to (those its chunks feed)
-    images: list[ImageSpan] = field(default_factory=list)
-    images_held: tuple[bytes, ...] = ()
+    num_computed: int = 0  # (read at every commit: flat; the prefix cache's own state is `prefix`)
+    prefix: PrefixState = field(default_factory=lambda: PrefixState())
+    images: ImageState | None = None  # the images of its prompt (None: a text prompt)
     # its first positions attend both ways (Moondream's BOS + image): computed in one chunk (chunking.py)
     bidirectional_len: int = 0
     user: Any = None  # the request object of the API layer (opaque to the scheduler)

@@ -16,13 +16,13 @@ class Watchdog:
         self.loop, self.timeout_s = loop, timeout_s
         self.period_s = min(max(timeout_s / 4, 0.005), 1.0)
 
-    async def run(self, loop_task: asyncio.Task) -> None:
+    async def run(self, loop_task: asyncio.Task | None) -> None:  # (the loop's task: current_task())
         while True:
             await asyncio.sleep(self.period_s)
             if self._stalled(loop_task):
                 return
 
-    def _stalled(self, loop_task: asyncio.Task) -> bool:
+    def _stalled(self, loop_task: asyncio.Task | None) -> bool:
         # (a function of its own: the step it looks at is not held across the sleep, with the
         # sequences and requests it references, after the step is gone)
         inflight = self.loop.pipeline.inflight
@@ -32,6 +32,7 @@ class Watchdog:
         waited = time.perf_counter() - step.timings.get("t_launch", time.perf_counter())
         if waited > self.timeout_s:
             self.loop.on_stall(step, waited)
-            loop_task.cancel()
+            if loop_task is not None:
+                loop_task.cancel()
             return True
         return False

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 from contextlib import asynccontextmanager
+from typing import cast
 
 import msgspec
 import structlog
@@ -34,6 +35,7 @@ _encode = msgspec.json.Encoder().encode
 
 
 INLINE_IDS = 1024  # /detokenize: up to this many ids decode on the loop (well under a millisecond)
+UNKNOWN_CONTEXT_IDS = 131_072  # /detokenize's bound when the workers do not say their context (older ones)
 
 
 def detokenize_body_limit(max_ids: int) -> int:
@@ -89,7 +91,7 @@ def create_app(backend: Backend, max_inflight: int = 1024, max_body_bytes: int =
     async def http_error(request: Request, e: StarletteHTTPException) -> Response:  # 404, 405 from routing
         err = ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", "invalid_request_error",
                        None, "not_found" if e.status_code == 404 else None)
-        err.headers = e.headers
+        err.headers = dict(e.headers) if e.headers is not None else None
         return refused(request, err)
 
     @app.exception_handler(Exception)
@@ -169,7 +171,7 @@ def create_app(backend: Backend, max_inflight: int = 1024, max_body_bytes: int =
     async def detokenize(request: Request) -> Response:
         # at most a context's worth of ids (as vLLM): the body is bounded before it is read, and a
         # long list is decoded on a worker thread (issue 37: 4.1 M ids held the loop 1.4 s)
-        most = backend.max_model_len
+        most = backend.max_model_len or UNKNOWN_CONTEXT_IDS  # (None: workers that do not say their context)
         raw = await read_body(request, min(state.max_body_bytes, detokenize_body_limit(most)),
                               f"the most {most:,} token ids need")
         req = _decode(raw, DetokenizeRequest)

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import asyncio
 from contextlib import aclosing
-from typing import Any, AsyncIterator, Protocol
+from typing import Any, AsyncIterator, Protocol, Sequence, cast
 
 import structlog
 
+from slipstream.api.interface import DeltaStream
+from slipstream.api.protocol import HealthReply
 from slipstream.errors import WorkerUnavailableError
 from slipstream.images import ImageInput, model_accepts_images
 from slipstream.outputs import CompletionOutput, StreamDelta
@@ -31,10 +33,10 @@ class Backend(Protocol):
 
     # `prompt`: token ids; text (with `<image>` markers) when `images` are given (the engine expands them)
     def stream(self, prompt: list[int] | str, params: SamplingParams, request_id: str,
-               images: list[ImageInput] = ()) -> AsyncIterator[StreamDelta]: ...
+               images: Sequence[ImageInput] = ()) -> DeltaStream: ...
 
     async def complete(self, prompt: list[int] | str, params: SamplingParams, request_id: str,
-                       images: list[ImageInput] = ()) -> CompletionOutput: ...
+                       images: Sequence[ImageInput] = ()) -> CompletionOutput: ...
 
     async def stats(self) -> dict: ...
 
@@ -100,14 +102,15 @@ class ClientsBackend:
         from slipstream.serve.tokenizer_load import load_tokenizer
 
         await asyncio.gather(*(c.start() for c in self.clients))
-        models = {c.info.model for c in self.clients}
+        models = {cast(HealthReply, c.info).model for c in self.clients}  # (started: each has its handshake)
         if len(models) != 1:
             await self.close()
             raise WorkerUnavailableError(f"workers serve different models: {sorted(models)}")
         model = models.pop()
         self.model_name = self._model_name or model
         self.tokenizer, self.vocab_size = await asyncio.to_thread(load_tokenizer, model)
-        self.max_model_len = None
+        lens = [cast(HealthReply, c.info).max_model_len for c in self.clients]
+        self.max_model_len = min(lens) if all(lens) else None  # (None: a worker did not say; each checks)
         log.info("workers_connected", workers=[c.address for c in self.clients], model=model)
 
     async def close(self) -> None:
@@ -118,7 +121,7 @@ class ClientsBackend:
         return all(c.info is not None and c.info.accepts_images for c in self.clients)
 
     def _pick(self) -> int:
-        live = [i for i, c in enumerate(self.clients) if not c.draining and not c._closed]
+        live = [i for i, c in enumerate(self.clients) if not c.draining and not c.connection.closed]
         if not live:
             raise WorkerUnavailableError("no worker is accepting requests (all draining or gone)")
         return min(live, key=lambda i: self._inflight[i])

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, AsyncIterator
+from typing import Any, cast
 
 import msgspec
 import structlog
@@ -11,6 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from slipstream.api.fanout import fan_out, wants_fan_out
+from slipstream.api.interface import DeltaStream
 from slipstream.api.encode import encode_off_loop
 from slipstream.errors import InvalidRequestError, SlipstreamError
 from slipstream.serve import chat_tools, render, sse
@@ -22,7 +23,7 @@ from slipstream.serve.sampling import sampling_params
 from slipstream.serve.state import ServerState, new_request_id, now_s
 
 log = structlog.get_logger(__name__)
-_DECODERS = {False: msgspec.json.Decoder(CompletionRequest), True: msgspec.json.Decoder(ChatCompletionRequest)}
+_DECODERS: dict[bool, msgspec.json.Decoder[Any]] = {False: msgspec.json.Decoder(CompletionRequest), True: msgspec.json.Decoder(ChatCompletionRequest)}
 _encode = msgspec.json.Encoder().encode
 _POLL_S = 0.2  # how often a request waiting on the engine checks that its client is still there
 
@@ -138,17 +139,18 @@ async def generate(state: ServerState, request: Request, req: CompletionRequest 
     chat, endpoint = isinstance(req, ChatCompletionRequest), style.endpoint
     if req.stream and req.n > 1:
         raise invalid("n > 1 is not available on streamed responses; use stream=false", "n")
-    if tools is None and chat:
+    if tools is None and isinstance(req, ChatCompletionRequest):
         tools = (req.tools, req.tool_choice, req.parallel_tool_calls)
     plan = chat_tools.plan_of(state.backend.tokenizer, *tools) if tools is not None else None
-    images = await _images(state, req) if chat else []
+    images = await _images(state, req) if isinstance(req, ChatCompletionRequest) else []
     ids, _ = await prompt_ids(state, req, plan)
     params, grammar_param = sampling_params(req, style.logprobs, len(ids), state.backend.max_model_len)
     if plan is not None:
         plan, params, grammar_param = chat_tools.constrain(plan, params, grammar_param)
     parser = plan.parser() if plan is not None else None
     # with images the engine gets the text: it expands each <image> marker into the image's tokens
-    prompt = chat_text(state.backend.tokenizer, req.messages, plan=plan) if images else ids
+    prompt = (chat_text(state.backend.tokenizer, cast(ChatCompletionRequest, req).messages, plan=plan) if images
+              else ids)  # (images come only with a chat request)
     images_kw = {"images": images} if images else {}
     model = state.backend.model_name
     state.admit()
@@ -224,8 +226,9 @@ class ChatChunks:
             return [sse.event(render.chat_chunk(*self.head, body or {}, finish))]
         if not delta.text and finish is None:
             return []
-        chunk = render.chat_chunk if self.chat else render.completion_chunk
-        return [sse.event(chunk(*self.head, {"content": delta.text} if self.chat else delta.text, finish))]
+        if self.chat:
+            return [sse.event(render.chat_chunk(*self.head, {"content": delta.text}, finish))]
+        return [sse.event(render.completion_chunk(*self.head, delta.text, finish))]
 
     def end(self, n_out: int, cached: int) -> list[bytes]:
         usage = [sse.event(render.usage_chunk(*self.head, self.chat, self.prompt_tokens, n_out, cached))]
@@ -248,11 +251,12 @@ async def _complete(state: ServerState, prompt, params, rid: str, images_kw: dic
     """The request's completions, one per choice: n > 1 fans out here, so every backend sees n=1
     (children are `{rid}-{i}`, slipstream/api/fanout.py)."""
     if wants_fan_out(params):
-        return await fan_out(lambda p, child: state.backend.complete(prompt, p, child, **images_kw), params, rid)
+        return await fan_out(lambda p, child: state.backend.complete(prompt, p, cast(str, child), **images_kw),
+                             params, rid)  # (a child of a named request is named)
     return [await state.backend.complete(prompt, params, rid, **images_kw)]
 
 
-async def _first(request: Request, deltas: AsyncIterator, grammar_param: str | None):
+async def _first(request: Request, deltas: DeltaStream, grammar_param: str | None):
     """Wait for the first delta before answering 200, so a refused request gets a real 4xx/5xx status."""
     try:
         return await until_disconnect(request, deltas.__anext__())
@@ -262,11 +266,11 @@ async def _first(request: Request, deltas: AsyncIterator, grammar_param: str | N
         raise from_slipstream(e, grammar_param) from None
 
 
-async def _stream_body(state: ServerState, rid: str, prompt_tokens: int, first, deltas: AsyncIterator, events,
+async def _stream_body(state: ServerState, rid: str, prompt_tokens: int, first, deltas: DeltaStream, events,
                        t0: float, endpoint: str):
     """Sends `events`' SSE for the deltas; ends the request (released, logged, counted) however it ends."""
     n_out, status, finish, cached = 0, 200, None, 0
-    task = asyncio.current_task()
+    task = cast(asyncio.Task, asyncio.current_task())  # (a request's handler runs in a task)
     state.streams.add(task)
     try:
         for event in events.start():

@@ -29,7 +29,9 @@ class ImageServing:
     fetch_timeout_s: float = DEFAULT_FETCH_TIMEOUT_S  # the whole fetch of one image, connect to last byte
 
     def allows(self, host: str | None) -> bool:
-        return bool(host) and ("*" in self.allowed_hosts or host.lower() in self.allowed_hosts)
+        if not host:
+            return False
+        return "*" in self.allowed_hosts or host.lower() in self.allowed_hosts
 
 
 def _error(field: str, what: str) -> InvalidRequestError:

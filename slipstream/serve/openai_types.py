@@ -14,7 +14,7 @@ from msgspec import Meta
 
 from slipstream.params import MAX_CACHE_SALT, MAX_N, MAX_TOP_LOGPROBS
 from slipstream.tool_calls.spec import MAX_TOOLS
-from slipstream.validate import CHAT_ROLES
+from slipstream.validate import ChatRole
 
 PositiveInt = Annotated[int, Meta(ge=1)]
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
@@ -118,7 +118,7 @@ class HistoryToolCall(msgspec.Struct, kw_only=True):
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):
-    role: Literal[CHAT_ROLES]  # as the Engine: one the chat templates know
+    role: ChatRole  # as the Engine: one the chat templates know
     content: str | list[TextPart | ImageUrlPart] | None = None
     name: str | None = None
     tool_calls: list[HistoryToolCall] | None = None  # assistant

@@ -59,7 +59,7 @@ class SlipstreamIngress:
         self.max_inflight = max_inflight
 
     def __serve_build_asgi_app__(self):
-        return create_app(self.backend, max_inflight=self.max_inflight)
+        return create_app(self.backend, max_inflight=self.max_inflight)  # type: ignore[arg-type]  # RayBackend takes no images
 
 
 def engine_deployment(config: EngineConfig, options: RayServeOptions, model_name: str | None = None):
@@ -73,10 +73,10 @@ def engine_deployment(config: EngineConfig, options: RayServeOptions, model_name
         health_check_period_s=options.health_check_period_s,
         health_check_timeout_s=options.health_check_timeout_s,
         request_router_config=RequestRouterConfig(
-            request_router_class=ROUTER_CLASS,
+            request_router_class=ROUTER_CLASS,  # type: ignore[arg-type]  # (Ray takes an import path too)
             request_router_kwargs={"page_size": config.page_size,
                                    "imbalance_threshold": options.imbalance_threshold}),
-    ).bind(config, model_name)
+    ).bind(config, model_name)  # type: ignore[attr-defined]  # (Ray's stubs: a Deployment)
 
 
 def build_app(config: EngineConfig, options: RayServeOptions | None = None, model_name: str | None = None):
@@ -84,7 +84,8 @@ def build_app(config: EngineConfig, options: RayServeOptions | None = None, mode
     options = options or RayServeOptions()
     ingress = serve.deployment(serve.ingress()(SlipstreamIngress), name=INGRESS_DEPLOYMENT,
                                ray_actor_options={"num_cpus": options.ingress_num_cpus})
-    return ingress.bind(engine_deployment(config, options, model_name), model_name, options.max_inflight)
+    return ingress.bind(engine_deployment(config, options, model_name), model_name,  # type: ignore[attr-defined]
+                        options.max_inflight)
 
 
 def app_builder(args: dict[str, Any]):

@@ -10,10 +10,12 @@ calls it for /health and /metrics (engine metrics relabelled with `replica`).
 from __future__ import annotations
 
 from collections import Counter, deque
+from typing import cast
 
 import structlog
 from prometheus_client.metrics_core import Metric
 
+from slipstream.outputs import CompletionOutput
 from slipstream.params import EngineConfig, SamplingParams
 
 log = structlog.get_logger(__name__)
@@ -31,7 +33,7 @@ def relabel(families, replica: str) -> list[Metric]:
 
 
 class EngineReplica:
-    async def __init__(self, config: EngineConfig | dict, model_name: str | None = None):
+    async def __init__(self, config: EngineConfig | dict, model_name: str | None = None):  # type: ignore[misc]  # Ray Serve awaits an async __init__
         from ray import serve
 
         from slipstream.api.engine import Engine
@@ -76,7 +78,7 @@ class EngineReplica:
         self._admit(request_id)
         finish = "abort"
         try:
-            out = await self.engine.complete(ids, params, request_id=request_id)
+            out = cast(CompletionOutput, await self.engine.complete(ids, params, request_id=request_id))  # (n == 1)
             finish = out.finish_reason
             return self.replica_id, out
         finally:

@@ -10,6 +10,8 @@ a 408 then, slipstream/serve/body.py).
 """
 from __future__ import annotations
 
+from typing import cast
+
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from slipstream.serve.body import READ_TIMED_OUT
@@ -33,7 +35,7 @@ def read_timeout_protocol(read_timeout_s: float) -> type[HttpToolsProtocol]:
         def _read_timed_out(self) -> None:
             self._read_timer = None
             if self.cycle is not None and not self.cycle.response_complete:
-                self.cycle.scope[READ_TIMED_OUT] = True
+                cast(dict, self.cycle.scope)[READ_TIMED_OUT] = True  # (our own key in the ASGI scope)
             if not self.transport.is_closing():
                 self.transport.close()
 

@@ -1,10 +1,10 @@
 """OpenAI response bodies (plain dicts, encoded by msgspec) for completions and chat completions."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
-from slipstream.models.byte_stream import byte_table
-from slipstream.outputs import CompletionOutput
+from slipstream.models.tokenizers.byte_stream import byte_table
+from slipstream.outputs import CompletionOutput, Usage
 from slipstream.serve.chat_tools import message as tool_message
 
 FINISH = {"stop": "stop", "length": "length", "abort": "abort", "tool_calls": "tool_calls"}
@@ -20,8 +20,8 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 def usage_of(outs: list[CompletionOutput]) -> dict:
     """One request's usage over its n completions: the prompt counted once (as OpenAI does), and
     its cached tokens those of choice 0 (each child of a fan-out prefills the prompt on its own)."""
-    return usage(outs[0].usage.prompt_tokens, sum(o.usage.completion_tokens for o in outs),
-                 outs[0].usage.cached_tokens)
+    u = [cast(Usage, o.usage) for o in outs]  # (a finished output has its usage)
+    return usage(u[0].prompt_tokens, sum(x.completion_tokens for x in u), u[0].cached_tokens)
 
 
 def token_strings(tokenizer: Any, ids: list[int]) -> list[str]:

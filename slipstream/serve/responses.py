@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import secrets
 import time
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from slipstream.outputs import CompletionOutput
+from slipstream.outputs import CompletionOutput, ToolCallDelta, Usage
 from slipstream.serve.api_errors import ApiError
 from slipstream.serve.body import read_body
 from slipstream.serve.generation import decode_json, generate
@@ -99,7 +99,7 @@ class ResponsesStyle:
         output = [_message(text, "completed" if calls else status, _id("msg"))] if text or not calls else []
         output += [_call(_id("fc"), c.id, c.name, c.arguments, status if i == len(calls) - 1 else "completed")
                    for i, c in enumerate(calls)]
-        u = out.usage
+        u = cast(Usage, out.usage)  # (a finished output has its usage)
         return self.response(rid, created, model, output, out.finish_reason,
                              _usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens))
 
@@ -116,7 +116,7 @@ class ResponseEvents:
         self.style, self.head, self.prompt_tokens, self.parser = style, (rid, created, model), prompt_tokens, parser
         self.seq = 0
         self.output: list[dict] = []  # finished items
-        self.open: dict | None = None  # the item being written
+        self.open: Any = None  # the item being written (a dict; None between items)
         self.finish: str | None = None
 
     def _event(self, kind: str, **fields) -> bytes:
@@ -134,7 +134,7 @@ class ResponseEvents:
     def delta(self, delta) -> list[bytes]:
         out: list[bytes] = []
         if self.parser is None:
-            content, calls = delta.text, []
+            content, calls = delta.text, list[ToolCallDelta]()
         else:
             content, calls = self.parser.push(delta.text)
             if delta.finish_reason is not None:
@@ -148,7 +148,7 @@ class ResponseEvents:
         for c in calls:
             if c.id is not None:  # a new call
                 out += self._close("completed")
-                out += self._open(_call(_id("fc"), c.id, c.name, "", "in_progress"))
+                out += self._open(_call(_id("fc"), c.id, cast(str, c.name), "", "in_progress"))  # (named with its id)
             if c.arguments:
                 out.append(self._event("response.function_call_arguments.delta", item_id=self.open["id"],
                                        output_index=len(self.output), delta=c.arguments))

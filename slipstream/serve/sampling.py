@@ -69,7 +69,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, logprobs: bo
         if top and not logprobs:
             raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
         params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                                seed=req.seed, stop=stop, stop_token_ids=list(req.stop_token_ids),
+                                seed=req.seed, stop=tuple(stop), stop_token_ids=tuple(req.stop_token_ids),
                                 ignore_eos=req.ignore_eos, logprobs=logprobs, top_logprobs=top, n=req.n,
                                 presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                                 repetition_penalty=req.repetition_penalty, min_p=req.min_p,

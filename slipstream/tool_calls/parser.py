@@ -45,7 +45,7 @@ class ToolCallParser:
 
     def push(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         self._buf += text
-        content, deltas = "", []
+        content, deltas = "", list[ToolCallDelta]()
         while self._buf:
             before = (self._state, len(self._buf))
             content += self._step(deltas)

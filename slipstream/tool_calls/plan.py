@@ -55,7 +55,8 @@ class ToolPlan:
                                       "format can)", param=other[0])
         if self.choice == "none":
             return self, params
-        content = params.grammar_spec().value if params.json_schema is not None else None
+        spec = params.grammar_spec() if params.json_schema is not None else None
+        content = spec.value if spec is not None else None
         if content is not None and self.format.syntax.at_start and self.choice == "auto":
             raise InvalidRequestError(f"a json_schema response format with tool_choice 'auto' is not available for "
                                       f"this model's tool format ({self.format.name}: calls and JSON both open the "

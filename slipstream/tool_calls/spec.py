@@ -9,7 +9,7 @@ MAX_TOOLS_CHARS of definitions, a `tool_choice` naming a function that is not in
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 
@@ -84,7 +84,7 @@ def _tool(i: int, t: Any) -> tuple[Tool, str]:
     params = d.get("parameters")
     if params is not None:
         _check_parameters(params, f"{field}.parameters")
-    return Tool(name, desc, params), field
+    return Tool(name, desc, cast("dict | None", params)), field  # (checked: an object or None)
 
 
 def _check_parameters(params: Any, field: str) -> None:

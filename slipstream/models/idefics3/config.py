@@ -5,13 +5,15 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from slipstream.errors import CorruptModelError, UnsupportedArchitectureError
 from slipstream.models.json_file import read_json_object
 
 ARCHITECTURES = ("Idefics3ForConditionalGeneration",)
 MODEL_TYPES = ("idefics3",)
+
+RGB = tuple[float, float, float]  # per-channel image mean / std
 
 
 @dataclass(frozen=True)
@@ -141,8 +143,8 @@ def processing_config(image: Mapping[str, Any], source: Path | str) -> Processin
             do_rescale=bool(image.get("do_rescale", d.do_rescale)),
             rescale_factor=float(image.get("rescale_factor", d.rescale_factor)),
             do_normalize=bool(image.get("do_normalize", d.do_normalize)),
-            image_mean=tuple(float(x) for x in image.get("image_mean", d.image_mean)),
-            image_std=tuple(float(x) for x in image.get("image_std", d.image_std)),
+            image_mean=cast(RGB, tuple(float(x) for x in image.get("image_mean", d.image_mean))),
+            image_std=cast(RGB, tuple(float(x) for x in image.get("image_std", d.image_std))),
             resample=int(image.get("resample", d.resample)),
         )
     except (TypeError, ValueError) as exc:

@@ -12,11 +12,11 @@ import torch
 
 from slipstream.errors import CorruptModelError
 from slipstream.models.config import ModelConfig
-from slipstream.models.hf_loader import check_weights, config_from_hf, read_safetensors
+from slipstream.models.loading.hf_loader import check_weights, config_from_hf, read_safetensors
 from slipstream.models.idefics3.config import (processing_config, processor_files, text_config_dict,
                                                vision_config_from_hf)
 from slipstream.models.idefics3.processor import SPECIAL_TOKENS
-from slipstream.models.tokenizer import Tokenizer
+from slipstream.models.tokenizers.tokenizer import Tokenizer
 
 # checkpoint prefix -> slipstream prefix (longest first: the decoder's is a prefix of nothing else)
 RENAMES = (

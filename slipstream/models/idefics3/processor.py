@@ -117,7 +117,7 @@ class Idefics3Processing:
         return frames + [self._resize(image, c.tile, c.tile)], rows, cols
 
     def _pixels(self, frame: Image.Image) -> np.ndarray:
-        x = np.asarray(frame, dtype=np.uint8).transpose(2, 0, 1)  # CHW
+        x: np.ndarray = np.asarray(frame, dtype=np.uint8).transpose(2, 0, 1)  # CHW
         if self.config.do_rescale:  # in float64, then float32, as transformers' rescale
             x = (x.astype(np.float64) * self.config.rescale_factor).astype(np.float32)
         else:

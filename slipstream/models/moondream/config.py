@@ -8,6 +8,7 @@ KVCache and planner read it unchanged.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from typing import cast
 
 from slipstream.errors import CorruptModelError
 
@@ -90,7 +91,7 @@ class MoondreamTextConfig:
         if not all(0 <= i < self.vocab_size for i in (self.bos_token_id, *self.eos_token_ids)):
             raise ValueError(f"text bos_token_id {self.bos_token_id} / eos_token_ids {self.eos_token_ids} are outside "
                              f"the vocabulary of {self.vocab_size}")
-        if not 0 <= self.image_token_id < self.vocab_size:
+        if not 0 <= cast(int, self.image_token_id) < self.vocab_size:  # (set just above)
             raise ValueError(f"text image_token_id {self.image_token_id} is outside the vocabulary of {self.vocab_size}")
 
 

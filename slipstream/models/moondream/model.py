@@ -6,7 +6,7 @@ ModelConfig's field names, which the runtime reads); `moondream_config` is the w
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -22,7 +22,7 @@ from slipstream.models.moondream.vision import VisionEncoder
 if TYPE_CHECKING:
     from PIL import Image
 
-    from slipstream.models.llama import ForwardBatch, KVCache
+    from slipstream.models.base import ForwardBatch, KVCache
 
 
 class MoondreamForCausalLM(nn.Module):
@@ -47,7 +47,10 @@ class MoondreamForCausalLM(nn.Module):
         # the rotary tables were built on the CPU (not meta): .to() moves them with the weights
         return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
+    backends = ("reference", "triton")  # (the compiled CPU kernels are the Llama layout's)
+
     def set_attention_dtype(self, dtype: torch.dtype | None) -> None:
+        block: Any
         for block in self.text.blocks:
             block.attn.compute_dtype = dtype
 
@@ -57,6 +60,7 @@ class MoondreamForCausalLM(nn.Module):
         if backend not in ("reference", "triton"):
             raise ValueError(f"kernel backend must be 'reference' or 'triton', got {backend!r}")
         self.backend = backend
+        block: Any
         for block in self.text.blocks:
             block.attn.backend = backend
 
@@ -79,6 +83,7 @@ class MoondreamForCausalLM(nn.Module):
     def preprocess(self, image: "Image.Image") -> MoondreamImage:
         return preprocess(image, self.moondream_config.vision)
 
-    def encode_image(self, image: MoondreamImage) -> torch.Tensor:
-        """[tokens_per_image, hidden] embeddings for the image positions of a prompt."""
+    def encode_image(self, image: MoondreamImage, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """[tokens_per_image, hidden] embeddings for the image positions of a prompt (its crops are
+        never padded: `mask` is always None)."""
         return self.vision.encode(image.pixel_values, image.tiling)

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from PIL import Image
 
     from slipstream.models.moondream.model import MoondreamForCausalLM
-    from slipstream.models.tokenizer import Tokenizer
+    from slipstream.models.tokenizers.tokenizer import Tokenizer
 
 MODEL_TYPES = ("moondream1", "moondream2")
 IMAGE_MARKER = "<image>"  # (api/image_prompt.py's marker; models/ may not import the API layer)
@@ -46,7 +46,7 @@ def is_moondream_folder(path: Path) -> bool:
 def load_moondream_tokenizer(folder: Path, config: MoondreamConfig) -> "Tokenizer":
     """The folder's tokenizer.json with the config's BOS and EOS. The reference downloads its
     tokenizer from the hub; slipstream reads only the folder, so a missing file is refused."""
-    from slipstream.models.tokenizer import Tokenizer
+    from slipstream.models.tokenizers.tokenizer import Tokenizer
 
     path = folder / "tokenizer.json"
     if not path.is_file():

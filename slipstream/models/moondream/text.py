@@ -6,7 +6,7 @@ projection with bias; the MLP is fc1 -> GELU(tanh) -> fc2, with biases. After th
 LayerNorm and an lm_head with bias. Module names follow the public reference's state dict
 (`text.blocks.0.attn.qkv`, `text.wte`, `text.post_ln`, `text.lm_head`).
 
-It takes the same `ForwardBatch` and `KVCache` as the Llama family (slipstream/models/llama.py), so
+It takes the same `ForwardBatch` and `KVCache` as the Llama family (slipstream/models/llama/model.py), so
 the runtime drives it unchanged; `forward_hidden` also returns the last hidden state of the sampled
 rows (before the final LayerNorm: what the reference's region heads read). Nothing here reads a
 device value on the host, so a step can run inside a CUDA graph once the attention can.
@@ -20,20 +20,20 @@ rotary and the K/V write stay torch ops: the fused rotary + KV-write kernel rota
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slipstream.models.attention import paged_attention_reference, write_kv
-from slipstream.models.attention_triton import paged_attention_triton
+from slipstream.models.kernels.attention import paged_attention_reference, write_kv
+from slipstream.models.kernels.attention_triton import paged_attention_triton
 from slipstream.models.moondream.config import MoondreamTextConfig
 from slipstream.models.moondream.vision import GeluMLP
-from slipstream.models.rotary import rotate_half_reference
+from slipstream.models.kernels.rotary import rotate_half_reference
 
 if TYPE_CHECKING:
-    from slipstream.models.llama import ForwardBatch, KVCache
+    from slipstream.models.base import ForwardBatch, KVCache
 
 
 class PartialRotary(nn.Module):
@@ -42,6 +42,9 @@ class PartialRotary(nn.Module):
     The reference rotates the halves (first half real, second half imaginary) and writes the result
     back interleaved; here it stays in halves. That is one fixed permutation of the rotated dims,
     applied alike to queries and keys, so every score q·k (and the output) is the same."""
+
+    cos: torch.Tensor  # buffers
+    sin: torch.Tensor
 
     def __init__(self, config: MoondreamTextConfig):
         super().__init__()
@@ -88,7 +91,7 @@ class _Attention(nn.Module):
         write_kv(v_cache, batch.kv_indices, v.reshape(t, self.kv_heads, self.head_dim))
         out = torch.zeros_like(q)  # padding rows stay finite
         if self.backend == "triton":
-            m = batch.attn.on_device
+            m: Any = batch.attn.on_device  # (set on the triton backend: the runner uploads it)
             paged_attention_triton(q, k_cache, v_cache, m.query_start, m.kv_lens, m.page_table, kv.page_size,
                                    m.max_q_len, out, blocks=m.blocks, bidirectional_lens=m.bidirectional_lens)
         else:
@@ -124,9 +127,9 @@ class MoondreamText(nn.Module):
         features; later region values). Both fields come with issue 30's ForwardBatch and may be
         absent on an older one."""
         x = F.embedding(batch.input_ids, self.wte)
-        rows, embeds = getattr(batch, "embed_rows", None), getattr(batch, "embeds", None)
+        rows, embeds = getattr(batch, "embed_rows", None), getattr(batch, "embeds", None)  # (set together)
         if rows is not None:
-            x = x.index_copy(0, rows, embeds.to(x.dtype))
+            x = x.index_copy(0, rows, cast(torch.Tensor, embeds).to(x.dtype))
         return x
 
     def hidden(self, batch: "ForwardBatch", kv: "KVCache") -> torch.Tensor:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -98,7 +99,7 @@ def load_moondream_folder(folder: Path | str, dtype: torch.dtype = torch.float32
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelNotFoundError(f"{folder}: no *.safetensors files")
-    sections = {}
+    sections: dict[str, Any] = {}
     config_path = folder / "config.json"
     if config_path.is_file():
         try:

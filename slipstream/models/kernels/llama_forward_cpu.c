@@ -1,0 +1,91 @@
+/* The whole decoder stack of llama_cpu.forward_cpu in one call, for models whose projections are all
+ * quantized and fused (q/k/v and gate/up): the layer loop of llama/forward_cpu.py without a return to Python
+ * between kernels. ctypes releases the GIL for the call, so the engine loop's Python runs meanwhile
+ * instead of taking turns with the forward between every two kernels (docs/benchmarks.md,
+ * "Quantized weights": what the forward thread lost to the loop). Same kernels, same order, same
+ * results as the Python loop.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef int64_t i64;
+
+/* a QuantWeight (quant_formats.py) */
+typedef struct {
+    i64 kind; /* 0 u4, 1 i8 */
+    i64 f16;
+    i64 group;
+    i64 rows, cols;
+    const void *values, *scales, *offsets;
+    const float *bias; /* or NULL */
+} qmat_t;
+
+typedef struct {
+    const float *ln1, *ln2; /* RMSNorm weights */
+    qmat_t qkv, o, gate_up, down;
+} layer_t;
+
+void sq_gemm_u4(const float *x, i64 M, i64 K, const uint8_t *q, const void *scale, const void *offset, int f16, i64 N,
+                float *y, i64 ldy, int split);
+int sq_gemm_i8(const float *x, i64 M, i64 K, const int8_t *q, const void *scale, const void *offset, int f16, i64 gs,
+               i64 N, float *y, i64 ldy, int split);
+void sq_add_rms_norm(float *x, const float *delta, const float *w, float eps, float *out, i64 T, i64 H,
+                     const i64 *rows, i64 nrows);
+void sq_rotary_kv(float *q, const float *k, const float *v, i64 ldq, i64 ldk, i64 ldv, const i64 *pos,
+                  const float *cos_t, const float *sin_t, float *k_cache, float *v_cache, const i64 *kv_idx, i64 T,
+                  i64 Hq, i64 Hk, i64 D);
+int sq_attention(const float *q, i64 ldq, const float *k_cache, const float *v_cache, const i64 *qs,
+                 const i64 *kv_lens, const i64 *page_table, i64 P, i64 ps, i64 S, i64 Hq, i64 Hk, i64 D, float scale,
+                 float *out);
+void sq_silu_mul(const float *g, i64 ldg, const float *u, i64 ldu, float *out, i64 T, i64 I);
+
+static void matmul(const qmat_t *w, const float *x, i64 T, float *y) {
+    if (w->kind == 0)
+        sq_gemm_u4(x, T, w->cols, w->values, w->scales, w->offsets, (int)w->f16, w->rows, y, w->rows, 0);
+    else
+        sq_gemm_i8(x, T, w->cols, w->values, w->scales, w->offsets, (int)w->f16, w->group, w->rows, y, w->rows, 0);
+    if (w->bias)
+        for (i64 t = 0; t < T; t++)
+            for (i64 n = 0; n < w->rows; n++) y[t * w->rows + n] += w->bias[n];
+}
+
+/* x [T, H]: the embedded tokens, updated in place as the residual stream. out [nrows, H]: the final
+ * norm of rows `rows`. The KV caches: layer l's [slots, Hk, D] at k_cache + l * layer_stride (floats).
+ * Attention tables as sq_attention's. Returns 0, or -1 (attention shape). */
+int sq_decoder_forward(const layer_t *layers, i64 L, float eps, float *x, i64 T, i64 H, i64 Hq, i64 Hk, i64 D, i64 I,
+                       float *k_cache, float *v_cache, i64 layer_stride,
+                       const i64 *pos, const i64 *kv_idx, const float *cos_t, const float *sin_t, const i64 *qs,
+                       const i64 *kv_lens, const i64 *pages, i64 P, i64 ps, i64 S, float scale, const float *norm_w,
+                       const i64 *rows, i64 nrows, float *out) {
+    const i64 wqkv = (Hq + 2 * Hk) * D;
+    float *h = malloc(sizeof(float) * T * H), *qkv = malloc(sizeof(float) * T * wqkv);
+    float *attn = calloc((size_t)(T * Hq * D), sizeof(float)); /* padding rows stay 0 */
+    float *o = malloc(sizeof(float) * T * H), *gu = malloc(sizeof(float) * T * 2 * I);
+    float *act = malloc(sizeof(float) * T * I);
+    int rc = 0;
+    const float *delta = NULL;
+    for (i64 l = 0; l < L && rc == 0; l++) {
+        const layer_t *ly = layers + l;
+        float *kc = k_cache + l * layer_stride, *vc = v_cache + l * layer_stride;
+        sq_add_rms_norm(x, delta, ly->ln1, eps, h, T, H, NULL, T);
+        matmul(&ly->qkv, h, T, qkv);
+        sq_rotary_kv(qkv, qkv + Hq * D, qkv + (Hq + Hk) * D, wqkv, wqkv, wqkv, pos, cos_t, sin_t, kc, vc, kv_idx,
+                     T, Hq, Hk, D);
+        rc = sq_attention(qkv, wqkv, kc, vc, qs, kv_lens, pages, P, ps, S, Hq, Hk, D, scale, attn);
+        matmul(&ly->o, attn, T, o);
+        sq_add_rms_norm(x, o, ly->ln2, eps, h, T, H, NULL, T);
+        matmul(&ly->gate_up, h, T, gu);
+        sq_silu_mul(gu, 2 * I, gu + I, 2 * I, act, T, I);
+        matmul(&ly->down, act, T, o);
+        delta = o;
+    }
+    if (rc == 0) sq_add_rms_norm(x, delta, norm_w, eps, out, T, H, rows, nrows);
+    free(h);
+    free(qkv);
+    free(attn);
+    free(o);
+    free(gu);
+    free(act);
+    return rc;
+}

@@ -1,0 +1,119 @@
+"""The Llama forward on the "triton" backend (the GPU path): few, fat kernel launches per layer.
+
+A decode step of a small model is bound by kernel launches, not by bytes: on an H100 the
+SmolLM2-135M step ran 548 kernels, 18 a layer, in 1.86 ms of graph replay where its 270 MB of
+weights take 0.09 ms to read (docs/results/h100-2026-11-22/). Here a decode layer is 8 launches:
+
+    add + RMSNorm            (add_norm_triton.py: the previous layer's MLP output joins the residual)
+    QKV matmul               (one fused weight, plus the Qwen2 bias)
+    rotary + KV-cache write  (rotary_kv_triton.py)
+    paged attention          (attention_triton.py; output not zero-filled)
+    o_proj matmul
+    add + RMSNorm
+    gate-up matmul + SiLU·up (gate_up_silu_triton.py; above mlp_gemm_max_rows rows: cuBLAS + silu_mul_triton.py)
+    down matmul
+
+The first layer's norm has nothing to add; the last layer's MLP output is added by the final norm,
+which reads only the sampled rows. The reference backend (llama/model.py) computes the same function with
+PyTorch ops; each kernel module has a reference function and tests/test_fused_kernels.py compares
+kernels, whole models and the launch count per layer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from slipstream.models.kernels.add_norm_triton import add_rms_norm_triton
+from slipstream.models.kernels.attention_triton import paged_attention_triton
+from slipstream.models.kernels.fused_projections import fuse_linears
+from slipstream.models.kernels.gate_up_silu_triton import gate_up_silu_triton
+from slipstream.models.kernels.rotary_kv_triton import rotary_kv_triton
+from slipstream.models.kernels.silu_mul_triton import silu_mul_triton
+
+
+@dataclass(frozen=True)
+class TritonOptions:
+    fuse_projections: bool = True  # one QKV and one gate-up matmul (dense nn.Linear layers only)
+    # Up to this many token rows the gate-up matmul and SiLU·up run as one Triton kernel; above it
+    # (prefill) cuBLAS's matmul and the SiLU·up kernel. 0: never. A guess pending GPU timings.
+    mlp_gemm_max_rows: int = 256
+
+    def __post_init__(self) -> None:
+        if self.mlp_gemm_max_rows < 0:
+            raise ValueError(f"mlp_gemm_max_rows must be >= 0, got {self.mlp_gemm_max_rows}")
+
+
+TRITON_DEFAULTS = TritonOptions()
+
+
+def fuse_projections(model) -> int:
+    """Stack each layer's q/k/v and gate/up weights into one matrix each (fused_projections.py:
+    the original layers become views, one copy in memory). PackedLinear layers stay unfused. Call
+    after loading, with the model at its device and dtype. Returns the layers fused (idempotent)."""
+    done = 0
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        if a.qkv is None:
+            a.qkv = fuse_linears([a.q_proj, a.k_proj, a.v_proj])
+        if m.gate_up is None:
+            fused = fuse_linears([m.gate_proj, m.up_proj])
+            m.gate_up = None if fused is None else fused[0]  # the MLP has no biases
+        done += a.qkv is not None and m.gate_up is not None
+    return done
+
+
+def project_qkv(attn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [T, H, D], k and v [T, KVH, D]; when fused, strided column views of one matmul's output."""
+    t, hd, kvd = x.shape[0], attn.heads * attn.head_dim, attn.kv_heads * attn.head_dim
+    if attn.qkv is not None:
+        qkv = F.linear(x, *attn.qkv)
+        q, k, v = qkv[:, :hd], qkv[:, hd:hd + kvd], qkv[:, hd + kvd:]
+    else:
+        q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+    return (q.view(t, attn.heads, attn.head_dim), k.view(t, attn.kv_heads, attn.head_dim),
+            v.view(t, attn.kv_heads, attn.head_dim))
+
+
+def attention(attn, x: torch.Tensor, batch, kv, rope) -> torch.Tensor:
+    q, k, v = project_qkv(attn, x)
+    k_cache, v_cache = kv.k[attn.layer], kv.v[attn.layer]
+    rotary_kv_triton(q, k, v, batch.positions, rope.cos, rope.sin, k_cache, v_cache, batch.kv_indices)
+    # No zero-fill. The kernel writes every query row of every sequence in query_start; rows past
+    # query_start[S] (the padding tokens of a mixed graph's bucket) keep garbage, harmlessly: every
+    # later op is row-independent (matmuls, norms, elementwise), their K/V land on the scratch page,
+    # and no sample index points at them. The scratch page is read only by padding rows (decode
+    # buckets pad with q_len-1 sequences of row 0 there), whose outputs may then be garbage too:
+    # they are never sampled, and a greedy graph writes their argmax to row 0, which no sequence holds.
+    t = x.shape[0]
+    out = torch.empty(t, attn.heads, attn.head_dim, dtype=q.dtype, device=q.device)
+    m = batch.attn.on_device
+    paged_attention_triton(q, k_cache, v_cache, m.query_start, m.kv_lens, m.page_table, kv.page_size,
+                           m.max_q_len, out, blocks=m.blocks)
+    return attn.o_proj(out.view(t, attn.heads * attn.head_dim))
+
+
+def mlp(m, x: torch.Tensor, options: TritonOptions) -> torch.Tensor:
+    if m.gate_up is not None and x.shape[0] <= options.mlp_gemm_max_rows:
+        return m.down_proj(gate_up_silu_triton(x, m.gate_up))
+    if m.gate_up is not None:
+        gate, up = F.linear(x, m.gate_up).chunk(2, dim=1)
+    else:
+        gate, up = m.gate_proj(x), m.up_proj(x)
+    return m.down_proj(silu_mul_triton(gate, up))
+
+
+def forward_triton(model, x: torch.Tensor, batch, kv) -> torch.Tensor:
+    """The final-normed hidden states of batch.sample_indices (what the lm_head reads) from the
+    embedded tokens `x`, which become the residual stream: each norm adds the sublayer output before
+    it into `x` in place."""
+    options = model.triton_options or TRITON_DEFAULTS
+    delta = None  # the last sublayer's output, not yet added to the residual
+    for layer in model.model.layers:
+        h = add_rms_norm_triton(delta, x, layer.input_layernorm.weight, layer.input_layernorm.eps)
+        a = attention(layer.self_attn, h, batch, kv, model.rope)
+        h = add_rms_norm_triton(a, x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
+        delta = mlp(layer.mlp, h, options)
+    norm = model.model.norm
+    return add_rms_norm_triton(delta, x, norm.weight, norm.eps, rows=batch.sample_indices)

@@ -1,0 +1,164 @@
+"""Loading a Hugging Face Llama / Qwen2 folder (config.json + *.safetensors + tokenizer.json)."""
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slipstream.errors import CorruptModelError, ModelNotFoundError, UnsupportedArchitectureError
+from slipstream.models.config import ModelConfig, llama3_rope_factors
+from slipstream.models.tokenizers.tokenizer import Tokenizer
+
+
+def llama_weight_names(config: ModelConfig) -> list[str]:
+    """Every tensor a Llama checkpoint must provide, in Hugging Face naming."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        names += [p + f"self_attn.{x}_proj.weight" for x in "qkvo"]
+        if config.attention_bias:
+            names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
+        names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+    if not config.tie_word_embeddings:
+        names.append("lm_head.weight")
+    return names
+
+
+def check_weights(config: ModelConfig, weights: Mapping[str, Any], source: Path | str) -> None:
+    """Fail early, naming the file, when a tensor is missing or its shape contradicts the config."""
+    missing = [n for n in llama_weight_names(config) if n not in weights]
+    if missing:
+        more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+        raise CorruptModelError(f"{source}: missing tensors {missing[:3]}{more}")
+    h, d = config.hidden_size, config.head_dim
+    expected = {
+        "model.embed_tokens.weight": (config.vocab_size, h),
+        "model.layers.0.self_attn.q_proj.weight": (config.num_heads * d, h),
+        "model.layers.0.self_attn.k_proj.weight": (config.num_kv_heads * d, h),
+        "model.layers.0.mlp.gate_proj.weight": (config.intermediate_size, h),
+    }
+    for name, shape in expected.items():
+        if name in weights and tuple(weights[name].shape) != shape:
+            raise CorruptModelError(f"{source}: {name} has shape {tuple(weights[name].shape)}, config implies {shape}")
+
+
+_ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+
+
+def _architecture(cfg: Mapping[str, Any], source: Path | str) -> str:
+    archs = cfg.get("architectures") or []
+    for a in archs:
+        if a in _ARCHS:
+            return _ARCHS[a]
+    if not archs and cfg.get("model_type") in _ARCHS.values():
+        return str(cfg["model_type"])
+    arch = archs[0] if archs else cfg.get("model_type")
+    raise UnsupportedArchitectureError(f"{source}: architecture {arch!r} is not supported "
+                                       f"(need one of {sorted(_ARCHS)})")
+
+
+def rope_factors_from_hf(rope: Mapping[str, Any], head_dim: int, theta: float,
+                         source: Path | str) -> tuple[float, ...] | None:
+    """Per-frequency RoPE divisors for the scalings we implement; refuse the others by name."""
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type in ("default", None):
+        return None
+    try:
+        if rope_type == "linear":
+            return (float(rope["factor"]),) * (head_dim // 2)
+        if rope_type == "llama3":
+            return llama3_rope_factors(head_dim, theta, float(rope["factor"]), float(rope["low_freq_factor"]),
+                                       float(rope["high_freq_factor"]),
+                                       int(rope["original_max_position_embeddings"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CorruptModelError(f"{source}: rope scaling {rope_type!r} lacks or mangles a field ({exc!r})") from exc
+    raise UnsupportedArchitectureError(f"{source}: rope scaling {rope_type!r} is not supported "
+                                       f"(supported: default, linear, llama3)")
+
+
+def config_from_hf(cfg: Mapping[str, Any], name: str, source: Path | str) -> ModelConfig:
+    """Map a Llama/Qwen2 config dict (transformers 4 or 5 layout) to ModelConfig; refuse what we cannot run."""
+    arch = _architecture(cfg, source)
+    if arch == "llama" and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
+        raise UnsupportedArchitectureError(f"{source}: Llama with attention/MLP biases is not supported")
+    if arch == "qwen2" and cfg.get("use_sliding_window"):
+        raise UnsupportedArchitectureError(f"{source}: Qwen2 with sliding-window attention is not supported")
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    try:
+        hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        eos = cfg.get("eos_token_id")
+        return ModelConfig(
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=head_dim,
+            rope_theta=theta,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=tuple([eos] if isinstance(eos, int) else (eos or [])),
+            name=name,
+            architecture=arch,
+            attention_bias=arch == "qwen2",
+            rope_freq_factors=rope_factors_from_hf(rope, head_dim, theta, source),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CorruptModelError(f"{source}: config.json lacks or mangles a field ({exc!r})") from exc
+
+
+def read_safetensors(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's *.safetensors files, converted to `dtype`."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelNotFoundError(f"{folder}: no *.safetensors weight files")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            part = load_file(str(f))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise CorruptModelError(f"{f}: cannot read safetensors ({exc})") from exc
+        weights.update({k: v.to(dtype) for k, v in part.items()})
+    return weights
+
+
+def load_hf_folder(
+    path: str | Path, dtype: torch.dtype = torch.float32, name: str | None = None
+) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    """Read a HF Llama folder; tensors are converted to `dtype`, a tied lm_head is dropped."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ModelNotFoundError(f"{folder}: no such model folder")
+    cfg_path, tok_path = folder / "config.json", folder / "tokenizer.json"
+    for needed in (cfg_path, tok_path):
+        if not needed.is_file():
+            raise ModelNotFoundError(f"{needed}: missing from the model folder")
+    try:
+        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise CorruptModelError(f"{cfg_path}: not valid JSON ({exc})") from exc
+    if not isinstance(cfg, dict):
+        raise CorruptModelError(f"{cfg_path}: expected a JSON object")
+    config = config_from_hf(cfg, name or folder.name, cfg_path)
+    weights = read_safetensors(folder, dtype)
+    if config.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+    check_weights(config, weights, folder)
+    tokenizer = Tokenizer.from_file(tok_path)
+    if not config.eos_token_ids and tokenizer.eos_token_ids:
+        config = replace(config, eos_token_ids=tokenizer.eos_token_ids)
+    return config, weights, tokenizer
+

@@ -198,9 +198,9 @@ class SpeculationCollector:
                 ("slipstream_spec_acceptance_rate", "Accepted / fed drafts, since start", st["acceptance_rate"]),
                 ("slipstream_spec_mean_accepted_length", "Drafts accepted per row's step with drafts, since start",
                  st["mean_accepted_length"])):
-            fam = GaugeMetricFamily(name, doc, labels=["model"])
-            fam.add_metric(labels, value)
-            yield fam
+            gauge = GaugeMetricFamily(name, doc, labels=["model"])
+            gauge.add_metric(labels, value)
+            yield gauge
 
 
 class EngineMetrics:

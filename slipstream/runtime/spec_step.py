@@ -19,14 +19,14 @@ behind them (chunk tokens, each sampled row's newest token), so drafts see the w
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 import torch
 
 from slipstream.intmath import round_up
-from slipstream.models.attention import AttentionMetadata, DeviceAttentionMetadata
-from slipstream.models.llama import ForwardBatch
+from slipstream.models.kernels.attention import AttentionMetadata, DeviceAttentionMetadata
+from slipstream.models.base import ForwardBatch
 from slipstream.runtime.batch import ForwardInput
 from slipstream.runtime.drafter_registry import build_drafter
 from slipstream.runtime.host_copy import copy_to_host, upload_array
@@ -35,12 +35,10 @@ from slipstream.runtime.spec_verify import replay_accept, spec_layout, target_to
 from slipstream.runtime.step_slot import LaunchedStep, Staged
 from slipstream.runtime.token_history import TokenHistory
 
-if TYPE_CHECKING:
-    from slipstream.runtime.model_runner import ModelRunner
-
 
 class SpecRunner:
-    def __init__(self, runner: ModelRunner, method: str, max_drafts: int, max_len: int, **options):
+    def __init__(self, runner: Any, method: str, max_drafts: int, max_len: int, **options):
+        # runner: its ModelRunner (not imported: that module imports this one)
         device = runner.device
         self.runner, self.max_drafts = runner, max_drafts
         self.history = TokenHistory(runner.rows.max_rows, max_len, device.torch_device)

@@ -178,7 +178,8 @@ class Pipeline:
             if seq.finished:
                 continue
             # (after the runs are appended: a page's block hash reads its tokens)
-            if cache is not None and seq.cache_extra is not None and seq.num_computed - seq.num_registered_pages * full >= full:
+            prefix = seq.prefix
+            if cache is not None and prefix.cache_extra is not None and seq.num_computed - prefix.num_registered_pages * full >= full:
                 cache.register(seq)
             if self.check_every_row:
                 seq.check()

@@ -23,13 +23,25 @@ up to `MAX_PROBE_EVERY`, the lower its estimate), so its estimate can recover.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from slipstream.scheduler.sequence import Sequence
+from slipstream.scheduler.step import Step
 
-if TYPE_CHECKING:
-    from slipstream.scheduler.planner import Planner
-    from slipstream.scheduler.step import Step
+
+class Planner(Protocol):
+    """What drafting needs of the Planner (scheduler/planner.py), which owns a Speculation."""
+
+    page_size: int
+    pages: Any  # its PageReservation: the entries a step carries
+
+    def batch_changed(self) -> None: ...
+
+    def reserve_free(self, seq: Sequence, end_pos: int) -> bool: ...
+
+    def steady_from(self, step: Step) -> bool: ...
+
+    def end_steady_at(self, plans: int) -> None: ...
 
 # CPU time (ms) of a forward by the positions it feeds (logits at each), at 256 tokens of context: the
 # default model (SmolLM2-135M Q4_1, quantized kernels), one thread; one sequence up to 9 positions,
@@ -127,7 +139,7 @@ class Speculation:
         rows draft is never steady; one whose rows do not may be, until the first probe is due."""
         if step.chunks:
             for seq, work in zip(step.chunk_seqs, step.chunks):
-                if work.start_pos == seq.num_reused > 0:  # the history before a prefix-cache hit's end
+                if work.start_pos == seq.prefix.num_reused > 0:  # the history before a prefix-cache hit's end
                     work.known_before = seq.known_tokens(0, work.start_pos)
             return
         if not step.decode or not all(map(can_speculate, step.decode)):

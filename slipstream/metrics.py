@@ -179,6 +179,30 @@ def hit_rate(stats) -> float:
     return stats.hits / stats.queries if stats.queries else 0.0
 
 
+class SpeculationCollector:
+    """Speculative decoding's counts (`Speculation.stats`) as Prometheus series, read at each
+    collection; registered only when `EngineConfig.speculative` is set."""
+
+    def __init__(self, speculation, model: str):
+        self.speculation, self.model = speculation, model
+
+    def collect(self):
+        st, labels = self.speculation.stats(), [self.model]
+        for name, doc, value in (("slipstream_spec_drafts", "Drafted tokens fed to verification", st["drafted"]),
+                                 ("slipstream_spec_accepted", "Drafted tokens accepted", st["accepted"]),
+                                 ("slipstream_spec_steps", "Rows' steps that fed drafts", st["steps"])):
+            fam = CounterMetricFamily(name, doc, labels=["model"])
+            fam.add_metric(labels, value)
+            yield fam
+        for name, doc, value in (
+                ("slipstream_spec_acceptance_rate", "Accepted / fed drafts, since start", st["acceptance_rate"]),
+                ("slipstream_spec_mean_accepted_length", "Drafts accepted per row's step with drafts, since start",
+                 st["mean_accepted_length"])):
+            gauge = GaugeMetricFamily(name, doc, labels=["model"])
+            gauge.add_metric(labels, value)
+            yield gauge
+
+
 class EngineMetrics:
     def __init__(self, registry: CollectorRegistry | None = None, model: str = ""):
         self.registry = r = registry if registry is not None else CollectorRegistry()
@@ -237,6 +261,8 @@ class EngineMetrics:
         cache = getattr(planner, "prefix_cache", None)
         if cache is not None:
             self.registry.register(PrefixCacheCollector(cache, self.model))
+        if getattr(planner, "speculation", None) is not None:
+            self.registry.register(SpeculationCollector(planner.speculation, self.model))
         if encoder_row_bytes is not None:
             self.registry.register(EncoderCacheCollector(planner.encoder_cache, self.model, encoder_row_bytes))
         loop.observers.append(self.on_commit)

@@ -135,6 +135,30 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, f
 
 
 OUTPUT_STAGES = ("loop", "thread")
+SPEC_METHODS = ("ngram",)
+
+
+class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True,
+                        metaclass=CheckedStructMeta):
+    """Speculative decoding (docs/speculative.md): a decode row feeds up to `num_drafts` drafted tokens
+    after its last one and keeps those the model agrees with; the output is unchanged."""
+
+    method: str = "ngram"  # "ngram": prompt lookup on the device (runtime/ngram_drafter.py)
+    num_drafts: int = 4  # the most drafts a row feeds in one step (k)
+    min_n: int = 1  # n-gram lengths looked up, longest first
+    max_n: int = 3
+    window: int = 1024  # the newest tokens of a row searched for the n-gram
+    adaptive: bool = True  # per row, as many drafts as its acceptance pays for (0 included); False: always k
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise InvalidRequestError(f"speculative.method must be one of {SPEC_METHODS}, got {self.method!r}",
+                                      param="speculative.method")
+        check.integer("speculative.num_drafts", self.num_drafts, minimum=1, maximum=16)
+        check.integer("speculative.min_n", self.min_n, minimum=1)
+        check.integer("speculative.max_n", self.max_n, minimum=self.min_n)
+        check.integer("speculative.window", self.window, minimum=self.max_n + 1)
+        check.boolean("speculative.adaptive", self.adaptive)
 
 
 class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, metaclass=CheckedStructMeta):
@@ -179,6 +203,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, met
     max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS  # a longer prompt (str) is refused before it is tokenized
     output_stage: str = "loop"  # where detokenising and stop strings run: "loop" (a task beside the
     #                             tick) | "thread" (a worker thread; delivery stays on the loop)
+    # speculative decoding (docs/speculative.md); None: off. A dict (HTTP, Ray) is read as SpeculativeConfig
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         check.text("model", self.model)
@@ -214,6 +240,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, met
         if self.output_stage not in OUTPUT_STAGES:
             raise InvalidRequestError(f"output_stage must be one of {OUTPUT_STAGES}, got {self.output_stage!r}",
                                       param="output_stage")
+        if isinstance(self.speculative, dict):
+            self.speculative = SpeculativeConfig(**self.speculative)
+        elif self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
+            raise InvalidRequestError(f"speculative must be a SpeculativeConfig, a dict or None, got "
+                                      f"{type(self.speculative).__name__}", param="speculative")
         if self.event_wait not in EVENT_WAITS:
             raise InvalidRequestError(f"event_wait must be one of {EVENT_WAITS}, got {self.event_wait!r}",
                                       param="event_wait")

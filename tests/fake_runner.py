@@ -155,8 +155,11 @@ class Referee:
         # step id -> (pages, rows, pages written, image digests read)
         self.steps: dict[int, tuple[set[int], set[int], set[int], set[bytes]]] = {}
         self.pool: PagePool | None = None  # the refereed pool (its registered pages)
+        self.refresh = None  # fn() bringing lazily known write sets up to date (speculating steps)
 
     def referenced(self, kind: int) -> set[int]:
+        if kind == 2 and self.refresh is not None:
+            self.refresh()
         return set().union(*(refs[kind] for refs in self.steps.values())) if self.steps else set()
 
     def check_hand_out(self, what: str, items, kind: int) -> None:
@@ -293,6 +296,8 @@ class FakeLaunch:
         self.host_result: list[int] | None = None
         self.copied: FakeEvent | None = None
         self.sample_rows: list[int] = []
+        self.runs: list[list[int]] | None = None  # a speculating step's emitted tokens per decode row
+        self.host_runs: list[list[int]] | None = None
 
 
 class FakeRunner:
@@ -321,6 +326,14 @@ class FakeRunner:
 
         self.carry_values = DeviceOnly()  # row -> head values its newest token carries (the carry table)
         self.carry_maps = DeviceOnly()  # row -> {carry token: kind}, written by its chunks
+        # speculation: rows whose launch-order position is optimistic (a speculating step planned as
+        # if every draft were accepted, since their last chunk), and, per launched step not run
+        # yet, what it may write (the referee's view: from the device's position now to the
+        # optimistic end); the forward replaces that with what it wrote
+        self.optimistic: set[int] = set()
+        self._lazy: dict[int, tuple[set[int], set[int], list[tuple[int, int]]]] = {}
+        self.referee.refresh = self._refresh_lazy
+        self.drafts_fed = self.drafts_accepted = 0
 
     def launch_encoder(self, images) -> None:
         """Queued right before the step's forward (as the loop calls them), on the same stream."""
@@ -361,11 +374,18 @@ class FakeRunner:
         for row, index, page in writes:
             self._apply_page(self.launch_pages, row, index, page)
         dec = [int(r) for r in packed.decode_rows]
+        drafts = [0] * len(dec) if packed.num_drafts is None else [int(k) for k in packed.num_drafts]
         seq_rows, kv_lens, written = [], [], set()
-        for r in dec:
-            kv_lens.append(self.launch_pos.get(r, 0) + 1)
-            self.launch_pos[r] = kv_lens[-1]
+        lazy: list[int] = []  # rows whose position only the device knows
+        for r, k in zip(dec, drafts):
             seq_rows.append(r)
+            if k:
+                self.optimistic.add(r)
+            kv_lens.append(self.launch_pos.get(r, 0) + 1 + k)
+            self.launch_pos[r] = kv_lens[-1]
+            if r in self.optimistic:  # it writes from its device position on, up to the optimistic end
+                lazy.append((r, kv_lens[-1]))
+                continue
             written.add(self.launch_pages[r][(kv_lens[-1] - 1) // self.page_size])
         chunks = [(w.row, list(w.tokens), w.start_pos, w.sample) for w in packed.chunks]
         images = [(w.row, w.start_pos, part) for w in packed.chunks for part in w.images]
@@ -375,14 +395,21 @@ class FakeRunner:
                 tokens[offset] = carry_input(kind, values)
         for row, tokens, start, _ in chunks:
             self.launch_pos[row] = start + len(tokens)
+            self.optimistic.discard(row)
             seq_rows.append(row)
             kv_lens.append(start + len(tokens))
             written |= {self.launch_pages[row][p // self.page_size] for p in range(start, start + len(tokens))}
         pages = set()
         for r, kv in zip(seq_rows, kv_lens):
             pages |= set(self.launch_pages[r][: -(-kv // self.page_size)])
+        static_written = set(written)
+        if lazy:
+            self._lazy[step_id] = (written, static_written, lazy)
+            self._refresh_lazy()
         self.referee.check_writes(written)
         self.referee.steps[step_id] = (pages, set(seq_rows), written, {part.digest for _, _, part in images})
+        if packed.num_drafts is not None:
+            step.runs = [[] for _ in dec]
 
         def forward() -> None:  # reads the row tables as they are when it runs (stream order)
             if step_id in self.fail_steps:
@@ -392,12 +419,18 @@ class FakeRunner:
             for row, carry_map in chunk_maps:  # a chunk rewrites its row's parameters
                 self.carry_maps[row] = carry_map
             tokens_at = []  # (row, position, token)
-            for r in dec:
+            for r, k in zip(dec, drafts):
                 pos = self.dev_pos.get(r, 0)
                 tok = self.last_token[r]
                 kind = self.carry_maps.get(r, {}).get(tok, 0)
                 tokens_at.append((r, pos, carry_input(kind, self.carry_values[r]) if kind else tok))
-                self.dev_pos[r] = pos + 1
+                if step.runs is None:
+                    self.dev_pos[r] = pos + 1
+            if step.runs is not None:  # speculating rows: drafts, K/V of every position, verify
+                self._forward_drafts(step, dec, drafts, tokens_at)
+                return
+            if step_id in self._lazy:
+                self._settle(step_id, [(r, p, p + 1) for r, p, _ in tokens_at])
             for row, tokens, start, _ in chunks:
                 tokens_at += [(row, start + i, t) for i, t in enumerate(tokens)]
                 self.dev_pos[row] = start + len(tokens)
@@ -419,6 +452,61 @@ class FakeRunner:
         if unmasked:
             self.launch_sampling(step)
         return step
+
+    def _refresh_lazy(self) -> None:
+        """What each launched, not yet run step may write: its rows' pages from their device positions
+        now (no lower: committed steps ran) to the optimistic end of the step."""
+        for written, static, lazy in self._lazy.values():
+            written.clear()
+            written |= static
+            for r, end in lazy:
+                pages = self.launch_pages[r]
+                written |= {pages[p // self.page_size] for p in range(self.dev_pos.get(r, 0), end)}
+
+    def _settle(self, step_id: int, spans: list[tuple[int, int, int]]) -> None:
+        """The step ran: what it wrote, (row, start, end) positions, replaces the referee's bound."""
+        written, static, _ = self._lazy.pop(step_id)
+        written.clear()
+        written |= static
+        for r, lo, hi in spans:
+            for p in range(lo, hi):
+                index = p // self.page_size
+                pages = self.dev_pages.get(r, [])
+                assert index < len(pages) and pages[index] != 0, f"row {r} writes position {p} without a page"
+                written.add(pages[index])
+        self.referee.check_writes(written)
+
+    def _forward_drafts(self, step: FakeLaunch, dec: list[int], drafts: list[int], inputs) -> None:
+        """A speculating step on the device: each row's drafts (a fake drafter that is right two times
+        in three, by a hash of the context), K/V of its k + 1 positions, then replay acceptance:
+        the longest prefix of drafts equal to what the model says at each position, and one more."""
+        spans, contexts = [], []
+        for i, ((r, pos, first), k) in enumerate(zip(inputs, drafts)):
+            ctx = [self.kv[self._kv_index(r, p)] for p in range(pos)] + [first]
+            guess = list(ctx)
+            fed = [first]
+            for j in range(k):
+                right = next_token(guess)
+                d = right if (sum(guess) * 31 + j) % 3 else 3 + (right + 1) % (VOCAB - 3)
+                fed.append(d)
+                guess.append(d)
+            for j, tok in enumerate(fed):
+                self.kv[self._kv_index(r, pos + j)] = tok
+            spans.append((r, pos, pos + k + 1))
+            contexts.append([self.kv[self._kv_index(r, p)] for p in range(pos + k + 1)])
+        self._settle(step.step_id, spans)
+        for i, ((r, pos, _), k, ctx) in enumerate(zip(inputs, drafts, contexts)):
+            run = []
+            for j in range(k + 1):
+                target = next_token(ctx[:pos + j + 1])
+                run.append(target)
+                if j == k or ctx[pos + j + 1] != target:
+                    break
+            self.drafts_fed += k
+            self.drafts_accepted += len(run) - 1
+            step.runs[i] = run
+            self.last_token[r] = run[-1]
+            self.dev_pos[r] = pos + len(run)
 
     def _scatter(self, writes: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
         """The entries one scatter leaves in the table: of a repeated (row, index), the one this
@@ -447,6 +535,8 @@ class FakeRunner:
         table_rows = step.sample_rows
 
         def sample() -> None:
+            if step.runs is not None:  # (verified in its forward)
+                return
             for i in rows:
                 carry_map = self.carry_maps.get(table_rows[i], {})
                 tok = next_token(step.contexts[i], bool(carry_map))
@@ -463,6 +553,10 @@ class FakeRunner:
             copy.wait(compute.record())  # the copy waits for exactly this step's sampling
 
             def copy_out() -> None:
+                if step.runs is not None:
+                    step.host_runs = [list(run) for run in step.runs]
+                    step.host_result = [run[-1] for run in step.host_runs]
+                    return
                 step.host_result = [step.sampled[i] for i in range(n)]
                 step.host_carried = dict(step.carried) or None
 
@@ -477,8 +571,11 @@ class FakeRunner:
         if getattr(step.copied, "error", None) is not None:
             raise step.copied.error
         self.referee.steps.pop(step.step_id)
+        if step.host_runs is not None:  # as the host corrects its count: the rejected drafts' positions
+            for r, k, run in zip(step.packed.decode_rows, step.packed.num_drafts, step.host_runs):
+                self.launch_pos[int(r)] -= int(k) + 1 - len(run)
         step.slot.release()
-        return SampledTokens(step.host_result, None, None, step.host_carried)
+        return SampledTokens(step.host_result, None, None, step.host_carried, step.host_runs)
 
     async def drain(self) -> None:
         for stream in self.streams:
@@ -489,6 +586,7 @@ class FakeRunner:
             stream.clear_error()
         for step in steps:
             self.referee.steps.pop(step.step_id, None)
+            self._lazy.pop(step.step_id, None)
             if step.slot.owner is step:
                 step.slot.release()
         return True

@@ -180,7 +180,7 @@ async def test_slot_reuse_guard_fires_when_misused():
         with pytest.raises(PipelineInvariantError, match="no free StepSlot"):
             runner.launch_forward(1002, packed)
         runner.launch_sampling(step)
-        ids, logprobs, _, _ = await runner.read_sampled(step)  # frees its slot
+        ids, logprobs, *_ = await runner.read_sampled(step)  # frees its slot
         assert len(ids) == 1 and logprobs is None
         with pytest.raises(PipelineInvariantError):
             step.slot.release()

@@ -47,14 +47,19 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--weights", default="dequantized", choices=["dequantized", "quantized"],
+                    help="quantized: a GGUF's matrices kept quantized, on the compiled CPU kernels (the "
+                         "engine's default since issue 39); dequantized: the packed fp32 path phase 1 measured")
     ap.add_argument("--out", type=Path, default=None, help="also write the report here")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    model, _tok, config = build_model(args.model, "float32", torch.device("cpu"), pack=True)
+    model, _tok, config = build_model(args.model, "float32", torch.device("cpu"), pack=True, weights=args.weights)
+    if args.weights == "quantized":
+        model.set_kernel_backend("cpu")
 
     def body() -> list[str]:
         lines: list[str] = []
-        emit(lines, f"\nmodel={args.model} (packed fp32) torch={torch.__version__} threads={torch.get_num_threads()} "
+        emit(lines, f"\nmodel={args.model} ({args.weights}) torch={torch.__version__} threads={torch.get_num_threads()} "
                     f"batch={args.batch} repeats={args.repeats}; ms per forward\n")
         emit(lines, "| context | positions q | logits | CPU median | mean | p90 | wall median | CPU / (q=1) |")
         emit(lines, "|---:|---:|---|---:|---:|---:|---:|---:|")

@@ -114,6 +114,8 @@ def _assemble(config: EngineConfig, device, invariant: bool) -> EngineParts:
     planner = Planner(pool, config.page_size, config.max_batch_size, config.max_num_batched_tokens,
                       prefix_caching=config.prefix_caching, encoder_cache_tokens=config.encoder_cache_tokens,
                       max_encoder_tokens=config.max_encoder_tokens_per_step)
+    if config.speculative is not None:
+        install_speculation(config.speculative, runner, planner, ceil_div(max_model_len, config.page_size) * config.page_size)
     loop = EngineLoop(runner, planner, OutputProcessor(text_thread=config.output_stage == "thread"), config.pipeline_depth, config.page_size, row_multiple,
                       vocab_width=mcfg.vocab_size, eos_ids=tuple(tokenizer.eos_token_ids),
                       step_timeout_s=config.step_timeout_s)
@@ -123,6 +125,16 @@ def _assemble(config: EngineConfig, device, invariant: bool) -> EngineParts:
         loop, pool, tracer, encoder_row_bytes=row_bytes if processing is not None else None)
     return EngineParts(device, runner, pool, loop, tokenizer, mcfg, max_model_len, metrics, tracer, row_bytes,
                        processing)
+
+
+def install_speculation(spec, runner: ModelRunner, planner: Planner, max_len: int) -> None:
+    """Speculative decoding (docs/speculative.md): the runner's drafting and verifying, the planner's drafts."""
+    from slipstream.runtime.spec_step import SpecRunner
+    from slipstream.scheduler.speculation import Speculation
+
+    runner.spec = SpecRunner(runner, spec.method, spec.num_drafts, max_len, min_n=spec.min_n, max_n=spec.max_n,
+                             window=spec.window)
+    planner.speculation = Speculation(spec.num_drafts, spec.adaptive)
 
 
 def calibrate_forward_threads(device, model) -> None:

@@ -258,6 +258,7 @@ class Engine(SkillMethods):
             "pipeline_depth": self.config.pipeline_depth,
             **prefix_cache_stats(planner.prefix_cache),
             **encoder_cache_stats(planner.encoder_cache, self._parts.encoder_row_bytes),
+            **({"speculative": planner.speculation.stats()} if planner.speculation is not None else {}),
         }
 
     # --- observability (slipstream/metrics.py, slipstream/trace.py) ---------------------------

@@ -138,6 +138,9 @@ class SeqWork:
     # its sequence's bidirectional prefix when the chunk has queries inside it (0: plain causal);
     # the chunk then reaches the prefix's end (the planner never splits it)
     bidirectional_len: int = 0
+    # with speculation, the first chunk after prefix-cache hits: the known tokens before it, which
+    # the drafter's history needs (scheduler/speculation.py); None otherwise
+    known_before: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -173,6 +176,9 @@ class ForwardInput:
     embed_sources: list[tuple[bytes, np.ndarray]] = field(default_factory=list)
     # per sequence (decode rows, then chunks) the bidirectional prefix (AttentionMetadata's); None: all causal
     bidirectional_lens: list[int] | None = None
+    # a speculating step (no chunks): how many drafts each decode row feeds after its last token
+    # (runtime/spec_step.py); None: one token per decode row
+    num_drafts: np.ndarray | None = None
 
     @property
     def has_embeds(self) -> bool:
@@ -209,9 +215,13 @@ _NO_WRITES = np.zeros((0, 3), np.int64)
 
 
 def pack_step(decode_rows: np.ndarray, chunks: list[SeqWork], page_writes: np.ndarray | None = None,
-              row_multiple: int = 1) -> ForwardInput:
+              row_multiple: int = 1, num_drafts: list[int] | None = None) -> ForwardInput:
     """Flatten a step. Padding tokens and sampling rows to `row_multiple` keeps CPU matmul rows
-    independent of the batch size (batch invariance)."""
+    independent of the batch size (batch invariance); a speculating step (`num_drafts`, decode rows
+    only) is padded by the runner, which lays out its positions."""
+    if num_drafts is not None:
+        assert not chunks, "a speculating step has no chunks"
+        row_multiple = 1
     d = len(decode_rows)
     n_chunk_tok = sum(len(w.tokens) for w in chunks)
     n_tok = d + n_chunk_tok
@@ -259,4 +269,5 @@ def pack_step(decode_rows: np.ndarray, chunks: list[SeqWork], page_writes: np.nd
         embed_sources=embed_sources,
         bidirectional_lens=([0] * d + [w.bidirectional_len for w in chunks]
                             if any(w.bidirectional_len for w in chunks) else None),
+        num_drafts=None if num_drafts is None else np.asarray(num_drafts, np.int64),
     )

@@ -17,6 +17,10 @@ class Proposal(NamedTuple):
     tokens: torch.Tensor  # [n, max_drafts] int64 drafts, every entry a valid token id
     matched: torch.Tensor  # [n] bool: the drafter had something to go on (False: filler drafts)
     probs: torch.Tensor | None = None  # [n, max_drafts, V] what drafts were drawn from; None: point drafts
+    # [n] int64 how much the drafter had to go on (n-gram: the matched length, 0: none); None: no
+    # measure. Where the forward's shape may follow the device (the CPU), a speculating step feeds
+    # fewer drafts for a weak proposal (runtime/spec_step.py)
+    strength: torch.Tensor | None = None
 
 
 class Drafter(Protocol):

@@ -54,6 +54,7 @@ from slipstream.runtime.step_slot import LaunchedStep, Staged, StepSlot
 from slipstream.runtime.row_tables import RowTables
 from slipstream.runtime.runner_api import SampledTokens
 from slipstream.runtime.sampling_launch import SamplingLauncher
+from slipstream.runtime.spec_step import SpecRunner
 from slipstream.runtime.staging import StepArena, StepTensors
 from slipstream.runtime.static_step import StaticStepTensors, fill_static, static_inputs
 
@@ -80,6 +81,7 @@ class ModelRunner(GraphChoice, EncoderLaunch):
         # encoder outputs by image digest; which are kept is the scheduler's EncoderCache's decision.
         # Written by encode launches and read by forwards, both on the compute stream (stream order)
         self.features: dict[bytes, torch.Tensor] = {}
+        self.spec: SpecRunner | None = None  # speculating steps (runtime/spec_step.py; EngineConfig.speculative)
 
     @property
     def arenas(self) -> list[StepArena]:
@@ -176,6 +178,9 @@ class ModelRunner(GraphChoice, EncoderLaunch):
         greedy may replay the graph that samples too. The same ForwardInput launched again (a
         steady batch) runs as staged in the slot last time it ran there: nothing is staged, chosen
         or uploaded."""
+        if packed.num_drafts is not None:  # a speculating step: its own path (runtime/spec_step.py)
+            assert self.spec is not None, "a step with drafts on a runner without speculation"
+            return self.spec.launch(step_id, packed)
         slot = self._free_slot()
         staged = slot.staged
         if staged is None or staged.packed is not packed or staged.unmasked is not unmasked:
@@ -325,19 +330,29 @@ class ModelRunner(GraphChoice, EncoderLaunch):
 
         self.device.compute.launch(sample, "sample")
 
-    def _launch_copy(self, step: LaunchedStep) -> None:
+    def _launch_copy(self, step: LaunchedStep, copy_out=None) -> None:
         """The step's tokens to the host, behind its final sampling: on a device whose host memory
         is device memory (the CPU) in stream order on the compute stream (no copy engine to overlap,
-        no second stream to wake and wait for), else on the copy stream after an event."""
+        no second stream to wake and wait for), else on the copy stream after an event. `copy_out`:
+        a speculating step's copy (its runs); with speculation on, a step without drafts first
+        records its tokens for the drafter."""
         step.sampled = True
         compute = self.device.compute
+        if copy_out is None:
+            copy_out = lambda: self._copy_out(step)  # noqa: E731
+            if self.spec is not None:
+                record, copy = self.spec.record(step), copy_out
+                copy_out = lambda: (record(), copy())  # noqa: E731
+                if not self.device.unified_memory:  # (the history is the compute stream's)
+                    compute.launch(record, "spec_record")
+                    copy_out = copy
         if self.device.unified_memory:
-            compute.launch(lambda: self._copy_out(step), "d2h")
+            compute.launch(copy_out, "d2h")
             step.copy_done = compute.record()
             return
         copy = self.device.copy
         copy.wait(compute.record())  # the copy waits for exactly this step's outputs
-        copy.launch(lambda: self._copy_out(step), "d2h")
+        copy.launch(copy_out, "d2h")
         step.copy_done = copy.record()
 
     @staticmethod
@@ -376,6 +391,8 @@ class ModelRunner(GraphChoice, EncoderLaunch):
         if done is None:
             raise PipelineInvariantError(f"step {step.step_id} read before its final sampling launched")
         await done.wait_async()
+        if self.spec is not None and step.staged.packed.num_drafts is not None:
+            return self.spec.read(step)
         slot, n = step.slot, step.num_samples
         ids, logprobs = slot.read_host(step, n, step.logprobs)
         top = carried = None

@@ -45,14 +45,16 @@ class NgramDrafter:
         # padding never matches: that would need c >= W)
         run = torch.ones(n, width, dtype=torch.bool, device=dev)
         best = torch.full((n,), -1, dtype=torch.int64, device=dev)
+        length = torch.zeros(n, dtype=torch.int64, device=dev)
         for t in range(1, m + 1):
             run &= padded[:, m - t:m - t + width] == w[:, width - t:width - t + 1]  # w[:, c - t] == w[:, -t]
             if t >= self.min_n:  # the latest start matching t tokens; a longer n overrides a shorter one
                 latest = torch.where(run, starts, -1).amax(1)
                 best = torch.where(latest >= 0, latest, best)
+                length = torch.where(latest >= 0, t, length)
         matched = best >= 0
         period = (width - best).clamp(min=1)
         cols = best.clamp(min=0)[:, None] + torch.arange(self.max_drafts, device=dev)[None, :] % period[:, None]
         drafts = w.gather(1, cols.clamp(max=width - 1))
         filler = w[:, -1:].clamp(min=0).expand_as(drafts)  # any id is a correct draft; this one is cheap
-        return Proposal(torch.where(matched[:, None], drafts, filler), matched)
+        return Proposal(torch.where(matched[:, None], drafts, filler), matched, strength=length)

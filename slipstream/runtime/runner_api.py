@@ -19,12 +19,16 @@ class SampledTokens(NamedTuple):
     """What a committed step hands back: one id per sampling row, and its log-probability (None when
     no row of the step asked for one), for the rows that asked for top_logprobs their alternatives
     {token id: logprob} by sampling row; for the rows whose sampled id is a carry token, {sampling
-    row: (carry kind, head values)}."""
+    row: (carry kind, head values)}; for a speculating step, each decode row's run of tokens."""
 
     ids: list[int]
     logprobs: list[float] | None
     top: dict[int, dict[int, float]] | None = None
     carried: dict[int, tuple[int, tuple[float, ...]]] | None = None
+    # a speculating step's (ForwardInput.num_drafts): the tokens each decode row emitted, 1..k + 1
+    # (its accepted drafts and the token after them); `ids` then holds each run's last token
+    runs: list[list[int]] | None = None
+    fed: list[int] | None = None  # the drafts each row fed (at most the planned k; the device may feed fewer)
 
 
 class Launched(Protocol):

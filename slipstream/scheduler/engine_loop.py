@@ -169,7 +169,9 @@ class EngineLoop:
         self.num_steps += 1
         if step.encodes or step.drops:
             self._launch_images(step)
-        masked = self.constraints.live  # some live request has a grammar: which rows need a mask, when
+        # some live request has a grammar: which rows need a mask, when (a speculating step has no
+        # constrained row: speculation.py)
+        masked = self.constraints.live and step.drafts is None
         step.step_id, step.packed = step_id, packed
         step.launched = self.runner.launch_forward(step_id, packed, unmasked=not masked)
         self.pipeline.on_launch(step)
@@ -202,8 +204,8 @@ class EngineLoop:
             return steady.with_page_writes(np.asarray(step.page_writes, np.int64).reshape(-1, 3))
         rows = np.fromiter((seq.row for seq in step.decode), np.int64, len(step.decode))
         packed = pack_step(rows, step.chunks, np.asarray(step.page_writes, np.int64).reshape(-1, 3),
-                           self.row_multiple)
-        if not step.chunks and not step.page_writes:
+                           self.row_multiple, step.drafts)
+        if not step.chunks and not step.page_writes and step.drafts is None:
             self._steady_rows, self._steady_input = step.decode, packed
         return packed
 

@@ -61,6 +61,11 @@ class Pipeline:
             seq.num_scheduled += work.num_tokens
             seq.pending_samples += work.sample
             seq.last_token_on_device |= work.sample
+        if step.drafts is not None:  # as if every draft were accepted (speculation.py)
+            for seq, k in zip(step.decode, step.drafts):
+                seq.num_scheduled += k
+                seq.pending_samples += k
+                seq.drafts_in_flight += k
         self.inflight.append(step)
 
     def oldest(self) -> Step:
@@ -76,7 +81,10 @@ class Pipeline:
         if not self.inflight or self.inflight[0] is not step:
             raise PipelineInvariantError(f"step {step.step_id} committed out of launch order")
         self.inflight.popleft()
-        sampled, logprobs, top, carried = result
+        if step.drafts is not None:
+            self._commit_runs(step, result, accept)
+            return
+        sampled, logprobs, top, carried = result[:4]
         decode = step.decode
         d = len(decode)
         n_chunk_samples = sum(w.sample for w in step.chunks) if step.chunks else 0
@@ -131,6 +139,53 @@ class Pipeline:
             for seq, value in keep:
                 seq.carried[len(seq.output_ids) - 1] = value
 
+    def _commit_runs(self, step: Step, result: SampledTokens, accept: Accept) -> None:
+        """A speculating step (no chunks): each decode row emitted a run of 1..k+1 tokens. The counts
+        planned for k + 1 are corrected by what was emitted; the runs are applied one token per row
+        per `accept`, so a row that a token finishes takes none of the rest of its run."""
+        runs = result.runs
+        if runs is None or len(runs) != len(step.decode):
+            raise PipelineInvariantError(f"step {step.step_id}: {0 if runs is None else len(runs)} runs for "
+                                         f"{len(step.decode)} speculating rows")
+        spec = self.planner.speculation
+        live: list[tuple[Sequence, list[int]]] = []
+        later: list[Sequence] = []
+        fed = result.fed or step.drafts or ()
+        for seq, k, run, f in zip(step.decode, step.drafts or (), runs, fed):
+            seq.inflight_refs -= 1
+            seq.pending_samples -= k + 1
+            seq.drafts_in_flight -= k
+            if seq.finished:
+                self.zombie_commits += 1
+                later.append(seq)
+                continue
+            if not 1 <= len(run) <= f + 1 <= k + 1:
+                raise PipelineInvariantError(f"{seq.request_id}: a run of {len(run)} tokens from {k} drafts")
+            seq.num_scheduled -= k + 1 - len(run)  # the rejected drafts' positions are scheduled again
+            seq.num_computed += len(run)  # its input and the accepted drafts: their K/V is final
+            if spec is not None and f:
+                spec.on_commit(seq, f, len(run))
+            live.append((seq, run))
+            if seq.preempting:
+                later.append(seq)
+        j = 0
+        while live:
+            accept([seq for seq, _ in live], [run[j] for _, run in live], None, None)
+            j += 1
+            live = [(seq, run) for seq, run in live if len(run) > j and not seq.finished]
+        cache, full = self.cache, self.planner.page_size
+        for seq in step.decode:
+            if seq.finished:
+                continue
+            # (after the runs are appended: a page's block hash reads its tokens)
+            prefix = seq.prefix
+            if cache is not None and prefix.cache_extra is not None and seq.num_computed - prefix.num_registered_pages * full >= full:
+                cache.register(seq)
+            if self.check_every_row:
+                seq.check()
+        for seq in later:
+            self.maybe_release(seq)
+
     def _commit_chunks(self, step: Step, live: list[Sequence], at: list[int], d: int) -> list[int]:
         """The chunks' counts; their live sampling rows join `live` (and their indices `at`)."""
         cache, k = self.cache, d
@@ -155,13 +210,15 @@ class Pipeline:
         if not self.inflight or self.inflight[0] is not step:
             raise PipelineInvariantError(f"step {step.step_id} abandoned out of launch order")
         self.inflight.popleft()
-        samples = [1] * len(step.decode) + [int(w.sample) for w in step.chunks]
-        for seq, sample in zip(step.seqs, samples):
+        drafts = (step.drafts or [0] * len(step.decode)) + [0] * len(step.chunks)
+        samples = [1 + k for k in drafts[:len(step.decode)]] + [int(w.sample) for w in step.chunks]
+        for seq, sample, k in zip(step.seqs, samples, drafts):
             if not seq.finished:
                 raise PipelineInvariantError(f"{seq.request_id}: its step {step.step_id} was abandoned "
                                              "but the request was not failed")
             seq.inflight_refs -= 1
             seq.pending_samples -= sample
+            seq.drafts_in_flight -= k
             self.maybe_release(seq)
 
     def finish(self, seq: Sequence, reason: str) -> bool:

@@ -41,6 +41,7 @@ from slipstream.scheduler.page_reservation import PageReservation
 from slipstream.scheduler.preemption import Preemption
 from slipstream.scheduler.prefix_cache import PrefixCache
 from slipstream.scheduler.sequence import Sequence
+from slipstream.scheduler.speculation import Speculation
 from slipstream.scheduler.step import Step
 
 
@@ -57,8 +58,9 @@ class Planner:
         self.preemption = Preemption(self.admission, self.pages, self.encoder_cache)
         self._steady: list[Sequence] | None = None  # the steady batch's decode rows (None: plan in full)
         self._plans = 0  # plans made: the steady batch's clock
-        self._due: dict[int, list[Sequence]] = {}  # plan -> rows of the steady batch to look at then
+        self._due: dict[int, list[Sequence]] = {}  # plan -> rows of the steady batch to look at then (None: its end)
         self.check = os.environ.get("SLIPSTREAM_CHECK_INVARIANTS") == "1"
+        self.speculation: Speculation | None = None  # drafts per decode row (EngineConfig.speculative)
 
     def add(self, seq: Sequence) -> None:
         self.admission.add(seq)
@@ -78,13 +80,19 @@ class Planner:
                 if self.check:
                     self._check_steady(self._steady, depth)
                 return step
-        return self._full_plan(depth)
+        step = self._full_plan(depth)
+        if self.speculation is not None and step is not None:
+            self.speculation.draft(step, self)
+        return step
 
     def _repeat(self, steady: list[Sequence]) -> Step | None:
         """The steady batch again, with pages for the rows that need one now; None: it ended."""
         due = self._due.pop(self._plans, None)
         if due is not None:
             for seq in due:
+                if seq is None:  # (end_steady_at: speculation plans again)
+                    self.batch_changed()
+                    return None
                 if seq.max_tokens - len(seq.output_ids) - seq.pending_samples <= 0:
                     self.batch_changed()  # out of samples: it leaves the batch
                     return None
@@ -165,6 +173,23 @@ class Planner:
         """Pages for positions up to `end_pos`, preempting the newest of `victims` if none are free."""
         need = seq.pages_needed(end_pos, self.page_size)
         if not self.preemption.make_room(seq, need, victims):
+            return False
+        if need > 0:
+            self.pages.give(seq, need)
+        return True
+
+    def steady_from(self, step: Step) -> bool:
+        """Whether `step` (just planned) starts a steady batch."""
+        return self._steady is step.decode
+
+    def end_steady_at(self, plans: int) -> None:
+        """The steady batch ends `plans` plans from now (speculation: a row may draft again)."""
+        self._due.setdefault(self._plans + plans, []).append(None)  # type: ignore[arg-type]
+
+    def reserve_free(self, seq: Sequence, end_pos: int) -> bool:
+        """Pages for positions up to `end_pos` from free ones only (drafts never preempt)."""
+        need = seq.pages_needed(end_pos, self.page_size)
+        if need > self.pages.num_free:
             return False
         if need > 0:
             self.pages.give(seq, need)

@@ -11,7 +11,8 @@ until its step commits. A sequence with carry tokens (`SamplingRow.carry`) keeps
 its committed carry tokens carried (`carried`, by output index): the known input at position
 len(prompt_ids) + i is then that value, not the token, so a recompute re-feeds it
 (chunking.chunk_work) and its pages hash it (prefix_cache.py). (checked by `check`):
-  num_scheduled <= len(known) + max(pending_samples - 1, 0)   and   pending_samples <= inflight_refs.
+  num_scheduled <= len(known) + max(pending_samples - 1, 0)   and   pending_samples <= inflight_refs
+  + drafts_in_flight (a speculating step counts its k drafts as samples until its commit).
 """
 from __future__ import annotations
 
@@ -88,6 +89,12 @@ class Sequence:
     # the tick ends it at the token that completes its grammar (no stop strings): what lets a matcher
     # with `mask_by_output_index` be sampled at launch (constraints.py)
     ends_with_grammar: bool = False
+    # speculative decoding (scheduler/speculation.py): drafts its steps in flight feed (counted in
+    # pending_samples and num_scheduled as if all were accepted), and its acceptance so far
+    drafts_in_flight: int = 0
+    drafts_accepted: float = 0.0  # decayed counts of accepted drafts and of drafts that decided a step
+    drafts_tried: float = 0.0
+    steps_without_drafts: int = 0  # plans since it last drafted (the adaptive policy probes again)
 
     @property
     def min_chunk(self) -> int:
@@ -137,7 +144,7 @@ class Sequence:
         return -(-end_pos // page_size) - len(self.pages)
 
     def check(self) -> None:
-        if not 0 <= self.pending_samples <= self.inflight_refs:
+        if not 0 <= self.pending_samples - self.drafts_in_flight <= self.inflight_refs:
             raise PipelineInvariantError(f"{self.request_id}: pending_samples={self.pending_samples} "
                                          f"inflight_refs={self.inflight_refs}")
         if not self.num_computed <= self.num_scheduled:

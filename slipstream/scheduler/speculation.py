@@ -1,0 +1,186 @@
+"""How many drafts each decode row of a step feeds (docs/speculative.md), and each row's acceptance
+estimate. Pure Python; used only when `EngineConfig.speculative` is set.
+
+Rules, enforced here:
+  * Only a step without prompt chunks speculates, and only when every row's sampling is one the
+    device verifies on its own: no grammar, logprobs, penalties, min_tokens or carry (a speculating
+    step is sampled right behind its forward, and returns runs of tokens only). A row's
+    k never makes a sample past max_tokens: k <= samples_left - 1, counted against the optimistic
+    `pending_samples`.
+  * The host plans as if every draft were accepted: a row with k drafts schedules k + 1 positions
+    and k + 1 samples (`drafts_in_flight` += k), and its pages cover them (extra pages only from
+    free ones: a draft never preempts). The device knows the truth (runtime/spec_step.py); the
+    commit corrects the counts by what was emitted (`Pipeline._commit_runs`).
+  * A speculating batch is never steady: the plan after a step with drafts is a full one. A batch
+    whose rows all chose no drafts stays steady until the first of them is due to probe.
+
+Adaptive k (`adaptive=True`): a row's per-draft acceptance alpha is estimated from its commits
+(decayed counts of the drafts it fed); the step takes drafts in the order of the expected tokens
+they add (a row's j-th: alpha^j) as far as its expected tokens per unit of cost are highest, the cost
+being the forward's by total positions (`FORWARD_MS`, measured) plus each speculating row's own work
+(`ROW_MS`), and speculates only if that beats the step without drafts by `MARGIN` (`allocate`). A row that does not draft probes again with one draft every `PROBE_EVERY` plans (more,
+up to `MAX_PROBE_EVERY`, the lower its estimate), so its estimate can recover.
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from slipstream.scheduler.sequence import Sequence
+from slipstream.scheduler.step import Step
+
+
+class Planner(Protocol):
+    """What drafting needs of the Planner (scheduler/planner.py), which owns a Speculation."""
+
+    page_size: int
+    pages: Any  # its PageReservation: the entries a step carries
+
+    def batch_changed(self) -> None: ...
+
+    def reserve_free(self, seq: Sequence, end_pos: int) -> bool: ...
+
+    def steady_from(self, step: Step) -> bool: ...
+
+    def end_steady_at(self, plans: int) -> None: ...
+
+# CPU time (ms) of a forward by the positions it feeds (logits at each), at 256 tokens of context: the
+# default model (SmolLM2-135M Q4_1, quantized kernels), one thread; one sequence up to 9 positions,
+# 8 sequences from 8 (docs/results/spec-2026-11-27/forward_cost_quantized*.txt); linear between. Only
+# the shape matters: a step's cost relative to the same step without drafts.
+FORWARD_MS = {1: 6.0, 2: 6.71, 3: 7.68, 5: 10.79, 8: 21.3, 16: 34.8, 24: 46.5, 40: 71.1}
+# a speculating row's own work beside the forward (drafting, verifying, its run on the host), in
+# the same unit: ~0.25 ms (tools/bench_spec_kernels.py; docs/speculative.md)
+ROW_MS = 0.25
+MARGIN = 1.05  # speculate only when the expected gain is at least 5%
+PROBE_EVERY = 8  # plans between probes of a row whose drafts do not pay, at alpha = 0.5; more below it
+MAX_PROBE_EVERY = 64
+DECAY = 0.8  # weight of the past in a row's acceptance counts, per commit
+PRIOR = (1.0, 2.0)  # (accepted, tried) a row starts from: alpha = 0.5
+_POINTS = sorted(FORWARD_MS.items())
+
+
+def forward_cost(positions: int) -> float:
+    for (q0, c0), (q1, c1) in zip(_POINTS, _POINTS[1:]):
+        if positions <= q1:
+            return c0 + (c1 - c0) * (positions - q0) / (q1 - q0)
+    (q0, c0), (q1, c1) = _POINTS[-2], _POINTS[-1]
+    return c1 + (c1 - c0) * (positions - q1) / (q1 - q0)
+
+
+def allocate(alphas: list[float], max_drafts: int) -> list[int]:
+    """Drafts per row for a step of these rows (their acceptance estimates). A row's j-th draft adds
+    alpha^j expected tokens (it and the drafts before it accepted); taking drafts in the order of what
+    they add, the step keeps the prefix with the most expected tokens per unit of cost, the cost being
+    the forward's by total positions plus each speculating row's own work; none unless that beats the
+    step without drafts by MARGIN. At a larger batch, where positions cost more, fewer drafts pay."""
+    n = len(alphas)
+    ks = [0] * n
+    if not n:
+        return ks
+    order = sorted(((a ** j, i) for i, a in enumerate(alphas) for j in range(1, max_drafts + 1)), reverse=True)
+    base = n / forward_cost(n)
+    tokens, rows, best, best_at = float(n), 0, base, 0
+    taken = [0] * n
+    for m, (gain, i) in enumerate(order, 1):
+        if gain <= 0:
+            break
+        rows += taken[i] == 0
+        taken[i] += 1
+        tokens += gain
+        rate = tokens / (forward_cost(n + m) + ROW_MS * rows)
+        if rate > best:
+            best, best_at = rate, m
+    if best < base * MARGIN:
+        return ks
+    for _, i in order[:best_at]:
+        ks[i] += 1
+    return ks
+
+
+def best_drafts(alpha: float, max_drafts: int) -> int:
+    """One row alone: `allocate` of a batch of one."""
+    return allocate([alpha], max_drafts)[0]
+
+
+def can_speculate(seq: Sequence) -> bool:
+    """Its sampling is verified on the device alone (replay of greedy or random draws)."""
+    s = seq.sampling
+    return (seq.matcher is None and not s.logprobs and not s.top_logprobs and not s.carry
+            and not s.needs_history)
+
+
+class Speculation:
+    def __init__(self, max_drafts: int, adaptive: bool = True):
+        self.max_drafts, self.adaptive = max_drafts, adaptive
+        self.drafted = 0  # drafts fed (committed steps, live rows)
+        self.accepted = 0  # of which accepted
+        self.steps = 0  # committed steps with drafts
+
+    @staticmethod
+    def alpha(seq: Sequence) -> float:
+        return (seq.drafts_accepted + PRIOR[0]) / (seq.drafts_tried + PRIOR[1])
+
+    @staticmethod
+    def probe_every(alpha: float) -> int:
+        return min(MAX_PROBE_EVERY, max(PROBE_EVERY, int(PROBE_EVERY * 0.5 / max(alpha, 1e-3))))
+
+    def wanted(self, seqs: list[Sequence]) -> list[int]:
+        """Drafts per row (before max_tokens and pages): all k without `adaptive`; else `allocate`
+        by the rows' estimates, and one draft for a row that drafts none and is due to probe."""
+        if not self.adaptive:
+            return [self.max_drafts] * len(seqs)
+        alphas = [self.alpha(seq) for seq in seqs]
+        ks = allocate(alphas, self.max_drafts)
+        return [1 if k == 0 and seq.steps_without_drafts >= self.probe_every(a) else k
+                for seq, k, a in zip(seqs, ks, alphas)]
+
+    def draft(self, step: Step, planner: Planner) -> None:
+        """Set `step.drafts` (k per decode row) and reserve the pages the drafts write. A batch whose
+        rows draft is never steady; one whose rows do not may be, until the first probe is due."""
+        if step.chunks:
+            for seq, work in zip(step.chunk_seqs, step.chunks):
+                if work.start_pos == seq.prefix.num_reused > 0:  # the history before a prefix-cache hit's end
+                    work.known_before = seq.known_tokens(0, work.start_pos)
+            return
+        if not step.decode or not all(map(can_speculate, step.decode)):
+            return
+        page_size = planner.page_size
+        ks = []
+        for seq, k in zip(step.decode, self.wanted(step.decode)):
+            k = min(k, seq.max_tokens - len(seq.output_ids) - seq.pending_samples - 1)
+            if k > 0:
+                end = seq.num_scheduled + 1 + k
+                if end > len(seq.pages) * page_size and not planner.reserve_free(seq, end):
+                    k = 0
+            if k > 0:
+                seq.steps_without_drafts = 0
+            else:
+                k = 0
+                seq.steps_without_drafts += 1
+            ks.append(k)
+        if any(ks):
+            planner.batch_changed()
+            step.drafts = ks
+            writes = planner.pages.take_writes()
+            if writes:
+                step.page_writes = step.page_writes + writes
+        elif self.adaptive and planner.steady_from(step):
+            # the batch repeats without plans until a row's probe is due; the plans it skips count
+            wait = max(1, min(self.probe_every(self.alpha(seq)) - seq.steps_without_drafts for seq in step.decode))
+            for seq in step.decode:
+                seq.steps_without_drafts += wait - 1
+            planner.end_steady_at(wait)
+
+    def on_commit(self, seq: Sequence, k: int, emitted: int) -> None:
+        """A live row's step with k drafts emitted `emitted` tokens: its acceptance estimate."""
+        accepted = emitted - 1
+        seq.drafts_accepted = seq.drafts_accepted * DECAY + accepted
+        seq.drafts_tried = seq.drafts_tried * DECAY + accepted + (accepted < k)
+        self.drafted += k
+        self.accepted += accepted
+        self.steps += 1
+
+    def stats(self) -> dict:
+        return {"drafted": self.drafted, "accepted": self.accepted, "steps": self.steps,
+                "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
+                "mean_accepted_length": self.accepted / self.steps if self.steps else 0.0}

@@ -1,0 +1,67 @@
+"""Speculative decoding in the tick, with the torch-free fake device (tests/fake_runner.py): the
+output equals one-token decoding's, token for token, at depth 1 and 2, with EOS inside accepted
+runs, length caps, aborts, preemption, prefix caching and failed steps; the referee checks that
+every position a speculating step writes has a page and that no registered page is written, with
+acceptance decided on the fake device (the host plans as if every draft were accepted)."""
+import asyncio
+
+import pytest
+
+from fake_runner import make_prompt
+from slipstream.scheduler.speculation import Speculation, allocate, best_drafts
+from test_pipeline_invariants import check_results, request, run_workload
+
+pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+def speculating(max_drafts, adaptive=False):
+    def instrument(loop):
+        loop.planner.speculation = Speculation(max_drafts, adaptive)
+    return instrument
+
+
+def test_speculating_rows_emit_runs_and_equal_one_token_decoding():
+    reqs = [(make_prompt(6 + s, eos, s), 20, s, None) for s, eos in enumerate((None, 9, 2, None))]
+    for depth in (1, 2):
+        results, loop, pool = asyncio.run(run_workload(depth, reqs, instrument=speculating(4)))
+        check_results(reqs, results, loop, pool)
+        spec = loop.planner.speculation
+        assert spec.steps > 0 and 0 < spec.accepted < spec.drafted  # runs longer than one, and rejections
+        assert loop.runner.drafts_accepted >= spec.accepted  # (the host does not count zombies)
+
+
+def test_eos_inside_an_accepted_run_cuts_it_there():
+    # EOS at output 5: with 4 drafts a run covers it; the tokens after it are never appended
+    reqs = [(make_prompt(8, 5, 7), 30, 0, None)]
+    for depth in (1, 2):
+        results, loop, pool = asyncio.run(run_workload(depth, reqs, instrument=speculating(4)))
+        check_results(reqs, results, loop, pool)
+        assert len(results[0][0].token_ids) == 6
+
+
+def test_adaptive_k_follows_acceptance_and_the_batch():
+    assert best_drafts(0.05, 8) == 0  # drafts that are never right cost the forward more than they give
+    assert best_drafts(0.95, 8) >= 3
+    assert best_drafts(0.6, 8) <= best_drafts(0.9, 8)
+    # at batch 8 a position costs more than at batch 1 (measured): fewer drafts pay
+    assert allocate([0.6] * 8, 4) == [0] * 8 and best_drafts(0.6, 4) > 0
+    assert 0 < sum(allocate([0.9] * 8, 4)) < 8 * best_drafts(0.9, 4)
+    assert allocate([0.95, 0.05], 4)[1] == 0  # the drafts go to the row that accepts them
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(reqs=st.lists(request, min_size=1, max_size=8), depth=st.sampled_from([1, 2]),
+       num_pages=st.integers(12, 40), max_batch=st.integers(1, 5), step_tokens=st.integers(5, 24),
+       device_seed=st.integers(0, 2**16), fail_steps=st.sets(st.integers(0, 40), max_size=3),
+       prefix_caching=st.booleans(), max_drafts=st.integers(1, 5), adaptive=st.booleans())
+def test_speculation_never_changes_the_output(reqs, depth, num_pages, max_batch, step_tokens, device_seed,
+                                              fail_steps, prefix_caching, max_drafts, adaptive):
+    requests = [(make_prompt(n, eos, salt), mt, arrive, abort) for salt, (n, eos, mt, arrive, abort) in enumerate(reqs)]
+    results, loop, pool = asyncio.run(run_workload(depth, requests, num_pages, max_batch, step_tokens, device_seed,
+                                                   instrument=speculating(max_drafts, adaptive),
+                                                   prefix_caching=prefix_caching, fail_steps=fail_steps))
+    check_results(requests, results, loop, pool)
+    for seq in (seq for _, seq in results.values()):
+        assert seq.drafts_in_flight == 0

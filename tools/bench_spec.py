@@ -1,0 +1,116 @@
+"""Batch-1 decode speed with and without speculative decoding, interleaved in one run.
+
+    python tools/bench_spec.py [--model smollm2-135m] [--max-tokens 192] [--repeats 3] [--out FILE]
+
+Two engines in one process (the default model and EngineConfig, depth 2; one with
+`speculative=SpeculativeConfig(...)`), each request alone (batch 1, greedy) on the chat workloads
+of tools/spec_workloads.py. Order per repeat: for each workload, off then on, then the next
+repeat reverses it (A/B, B/A). Per request: decode tokens per second of wall time (first token to
+last, so the prompt's forward is left out) and of process CPU time (both engine threads; the
+machine is shared). The speedup is the ratio of medians, workload by workload. Also the
+acceptance (drafts accepted / fed) and whether the two outputs are the same tokens (without batch
+invariance a k + 1-position forward may round a near-tie the other way: docs/speculative.md).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the slipstream of this checkout
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from provenance import header  # noqa: E402
+from spec_workloads import WORKLOADS  # noqa: E402
+
+from slipstream import Engine, EngineConfig, SamplingParams  # noqa: E402
+from slipstream.params import SpeculativeConfig  # noqa: E402
+
+
+async def one(engine: Engine, message: str, max_tokens: int):
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    c0 = time.process_time()
+    out = await engine.chat([{"role": "user", "content": message}], params)
+    cpu = time.process_time() - c0
+    times = out.metrics.token_times
+    n = len(out.token_ids)
+    return out.token_ids, (n - 1) / (times[-1] - times[0]), n / cpu
+
+
+def pct(values, q):
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--max-tokens", type=int, default=192)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--num-drafts", type=int, default=4)
+    ap.add_argument("--fixed", action="store_true", help="always num_drafts drafts (no adaptive k)")
+    ap.add_argument("--workloads", nargs="*", default=list(WORKLOADS))
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    lines = [header(" ".join(sys.argv))]
+
+    def emit(line: str = "") -> None:
+        print(line, flush=True)
+        lines.append(line + "\n")
+
+    spec = SpeculativeConfig(num_drafts=args.num_drafts, adaptive=not args.fixed)
+    emit(f"model={args.model} max_tokens={args.max_tokens} repeats={args.repeats} speculative={spec}")
+    engines = {"off": Engine(EngineConfig(model=args.model)), "on": Engine(EngineConfig(model=args.model, speculative=spec))}
+    for e in engines.values():
+        await e.start()
+    try:
+        for name in ("off", "on"):  # warm-up: kernels, caches, the first allocation of everything
+            await one(engines[name], "Say hello.", 16)
+        wall: dict = {(w, s): [] for w in args.workloads for s in engines}
+        cpu: dict = {(w, s): [] for w in args.workloads for s in engines}
+        same: dict = {w: [] for w in args.workloads}
+        accepted: dict = {w: [0, 0, 0] for w in args.workloads}
+        for r in range(args.repeats):
+            for w in args.workloads:
+                order = ("off", "on") if r % 2 == 0 else ("on", "off")
+                outs = {}
+                for side in order:
+                    stats0 = (await engines[side].stats()).get("speculative")
+                    ids, tps, cps = await one(engines[side], WORKLOADS[w][1], args.max_tokens)
+                    stats1 = (await engines[side].stats()).get("speculative")
+                    if stats1:
+                        for i, key in enumerate(("accepted", "drafted", "steps")):
+                            accepted[w][i] += stats1[key] - stats0[key]
+                    outs[side] = ids
+                    wall[w, side].append(tps)
+                    cpu[w, side].append(cps)
+                    emit(f"repeat {r} {w:12s} {side:3s} tokens={len(ids):4d} wall tok/s={tps:7.1f} cpu tok/s={cps:7.1f}")
+                same[w].append(outs["off"] == outs["on"])
+        emit()
+        emit("| workload | repeats its input | off: tok/s wall (median / mean / p90-low) | on: tok/s wall (median / mean / p90-low) "
+             "| speedup, wall | speedup, CPU time | drafts accepted / fed | same tokens |")
+        emit("|---|---|---:|---:|---:|---:|---:|---|")
+        for w in args.workloads:
+            off, on = wall[w, "off"], wall[w, "on"]
+            a, d, _ = accepted[w]
+            emit(f"| {w} | {'yes' if WORKLOADS[w][0] else 'no'} "
+                 f"| {statistics.median(off):.1f} / {statistics.mean(off):.1f} / {pct(off, 0.1):.1f} "
+                 f"| {statistics.median(on):.1f} / {statistics.mean(on):.1f} / {pct(on, 0.1):.1f} "
+                 f"| {statistics.median(on) / statistics.median(off):.2f} "
+                 f"| {statistics.median(cpu[w, 'on']) / statistics.median(cpu[w, 'off']):.2f} "
+                 f"| {a} / {d} ({a / d if d else 0:.2f}) | {sum(same[w])}/{len(same[w])} |")
+        emit(f"\nload average at the end: {os.getloadavg()}; cpu tok/s: tokens / process CPU seconds of the "
+             "whole request (prefill included); wall tok/s: decode only (first token to last)")
+    finally:
+        for e in engines.values():
+            await e.close()
+    if args.out is not None:
+        args.out.write_text("".join(lines))
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -9,7 +9,7 @@ Layers, highest first (a module may import its own layer and the ones below, nev
   grammar    slipstream/grammar (the runtime packs its bitmasks; it reads the tokenizer of models/)
   models     slipstream/models
 Shared leaves, importable from every layer and importing only each other: errors.py, intmath.py,
-validate.py, logging_setup.py.
+validate.py, logging_setup.py, plugins.py.
 
 Every import counts, for the layers and for circles: top level, inside a function, under `if
 TYPE_CHECKING` (an upward annotation is still an upward dependency; an import deferred into a
@@ -23,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "slipstream"
 SHARED = {"slipstream.errors", "slipstream.intmath", "slipstream.validate", "slipstream.logging_setup",
-          "slipstream.faults"}  # (faults: the injection points every layer checks; imports nothing)
+          "slipstream.plugins", "slipstream.faults"}  # (faults: the injection points every layer checks; imports nothing)
 RANK = {"models": 0, "grammar": 1, "runtime": 2, "scheduler": 3}
 API = 4
 NO_TORCH = ("slipstream.scheduler",)

@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
-    from bench_lines import emit, report
+    from bench_lines import emit, pct, report
 
     from slipstream.models.kernels.cpu_kernels import native_kernels
     from slipstream.models.kernels.quant_linear import cpu_matmul
@@ -91,10 +91,8 @@ def main(argv: list[str] | None = None) -> int:
                     if rep >= 2:
                         times[name].append((time.thread_time() - t0) * 1e3)
             for name, ts in times.items():
-                xs = sorted(ts)
-                p90 = xs[min(len(xs) - 1, round(0.9 * (len(xs) - 1)))]
-                emit(lines, f"| {m} | {name} | {statistics.median(ts):.2f} | {statistics.fmean(ts):.2f} | {p90:.2f} | "
-                            f"{xs[0]:.2f} | {mb.get(name, float('nan')):.0f} |")
+                emit(lines, f"| {m} | {name} | {statistics.median(ts):.2f} | {statistics.fmean(ts):.2f} | "
+                            f"{pct(ts, 0.9):.2f} | {min(ts):.2f} | {mb.get(name, float('nan')):.0f} |")
         return lines
 
     report(body, args.out)

@@ -11,7 +11,6 @@ past the tokenizer's vocabulary (logits padding) are cleared whatever the plugin
 from __future__ import annotations
 
 import importlib.metadata
-import threading
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -20,6 +19,7 @@ import numpy as np
 from slipstream.errors import GrammarCompileError, GrammarError, GrammarMatchError
 from slipstream.grammar.base import Grammar, GrammarSpec, IndexMaskMatcher, Matcher, carry_tokens, masks_by_output_index
 from slipstream.grammar.bitmask import clear_from
+from slipstream.plugins import PluginLoadError, Plugins
 
 ENTRY_POINT_GROUP = "slipstream.grammars"
 
@@ -27,9 +27,7 @@ Factory = Callable[[GrammarSpec, Any, int], Grammar]
 
 BUILTIN_KINDS = ("json_schema", "regex", "choice", "tool_calls", "point", "detect", "segment")
 
-_registered: dict[str, Factory] = {}
-_loaded: dict[str, Factory] = {}  # entry points already imported, by name
-_lock = threading.Lock()
+_plugins: Plugins[Factory] = Plugins("grammar", ENTRY_POINT_GROUP, BUILTIN_KINDS)
 
 
 def _builtin(kind: str) -> Factory | None:
@@ -46,63 +44,32 @@ def _builtin(kind: str) -> Factory | None:
 
 def register_grammar(name: str, factory: Factory, *, replace: bool = False) -> None:
     """Register a plugin factory in this process (tests, embedding); same contract as an entry point."""
-    if not isinstance(name, str) or not name:
-        raise ValueError("a grammar name must be a non-empty string")
-    if name in BUILTIN_KINDS:
-        raise ValueError(f"{name!r} is a built-in grammar kind and cannot be replaced")
-    if not callable(factory):
-        raise TypeError(f"the factory for {name!r} is not callable")
-    with _lock:
-        if name in _registered and not replace:
-            raise ValueError(f"a grammar named {name!r} is already registered (pass replace=True)")
-        _registered[name] = factory
+    _plugins.register(name, factory, replace=replace)
 
 
 def unregister_grammar(name: str) -> None:
     """Forget an in-process registration (and any cached entry-point load) of `name`."""
-    with _lock:
-        _registered.pop(name, None)
-        _loaded.pop(name, None)
+    _plugins.unregister(name)
 
 
 def entry_points() -> list[importlib.metadata.EntryPoint]:
     """The installed `slipstream.grammars` entry points (read fresh each call)."""
-    return list(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
+    return _plugins.entry_points()
 
 
 def available_kinds() -> list[str]:
     """Built-in kinds, then registered and installed plugin names."""
-    with _lock:
-        names = list(_registered)
-    try:
-        names += [ep.name for ep in entry_points()]
-    except Exception:  # noqa: BLE001 - a broken installation must not hide the built-ins
-        pass
-    return list(dict.fromkeys([*BUILTIN_KINDS, *names]))
+    return _plugins.names()
 
 
 def plugin_factory(name: str) -> Factory:
     """The factory of plugin `name`: registered in-process, or loaded from its entry point."""
-    with _lock:
-        factory = _registered.get(name) or _loaded.get(name)
-    if factory is not None:
-        return factory
-    eps = [ep for ep in entry_points() if ep.name == name]
-    if not eps:
-        raise GrammarCompileError(
-            f"unknown grammar kind {name!r} (available: {', '.join(available_kinds())})"
-        )
-    ep = eps[0]
     try:
-        factory = ep.load()
-    except Exception as e:  # noqa: BLE001 - import errors, missing attributes, anything
-        raise GrammarCompileError(
-            f"grammar plugin {name!r} failed to load from {ep.value!r}: {type(e).__name__}: {e}"
-        ) from e
-    if not callable(factory):
-        raise GrammarCompileError(f"grammar plugin {name!r}: entry point {ep.value!r} is not callable")
-    with _lock:
-        _loaded.setdefault(name, factory)
+        factory = _plugins.find(name)
+    except PluginLoadError as e:
+        raise GrammarCompileError(str(e)) from e.__cause__
+    if factory is None:
+        raise GrammarCompileError(f"unknown grammar kind {name!r} (available: {', '.join(available_kinds())})")
     return factory
 
 

@@ -340,12 +340,13 @@ class ModelRunner(GraphChoice, EncoderLaunch):
         compute = self.device.compute
         if copy_out is None:
             copy_out = lambda: self._copy_out(step)  # noqa: E731
-            if self.spec is not None:
-                record, copy = self.spec.record(step), copy_out
-                copy_out = lambda: (record(), copy())  # noqa: E731
-                if not self.device.unified_memory:  # (the history is the compute stream's)
+            if self.spec is not None:  # (the token history is the compute stream's; on the CPU the
+                record = self.spec.record(step)  # record rides in the d2h item: one item fewer)
+                if self.device.unified_memory:
+                    copy_tokens = copy_out
+                    copy_out = lambda: (record(), copy_tokens())  # noqa: E731
+                else:
                     compute.launch(record, "spec_record")
-                    copy_out = copy
         if self.device.unified_memory:
             compute.launch(copy_out, "d2h")
             step.copy_done = compute.record()

@@ -58,7 +58,7 @@ class Planner:
         self.preemption = Preemption(self.admission, self.pages, self.encoder_cache)
         self._steady: list[Sequence] | None = None  # the steady batch's decode rows (None: plan in full)
         self._plans = 0  # plans made: the steady batch's clock
-        self._due: dict[int, list[Sequence]] = {}  # plan -> rows of the steady batch to look at then (None: its end)
+        self._due: dict[int, list[Sequence | None]] = {}  # plan -> steady rows to look at then (None: its end)
         self.check = os.environ.get("SLIPSTREAM_CHECK_INVARIANTS") == "1"
         self.speculation: Speculation | None = None  # drafts per decode row (EngineConfig.speculative)
 
@@ -184,7 +184,7 @@ class Planner:
 
     def end_steady_at(self, plans: int) -> None:
         """The steady batch ends `plans` plans from now (speculation: a row may draft again)."""
-        self._due.setdefault(self._plans + plans, []).append(None)  # type: ignore[arg-type]
+        self._due.setdefault(self._plans + plans, []).append(None)
 
     def reserve_free(self, seq: Sequence, end_pos: int) -> bool:
         """Pages for positions up to `end_pos` from free ones only (drafts never preempt)."""

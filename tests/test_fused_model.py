@@ -1,6 +1,6 @@
 """The whole model: the triton backend (interpreted on CPU tensors here, compiled in the `cuda`
-tests) computes the reference backend's logits, with and without fused projections and the MLP
-GEMM, for Llama, Qwen2 (q/k/v biases) and the CPU's packed projections."""
+tests) computes the reference backend's logits, with and without the fused decode layer, fused
+projections and the MLP GEMM, for Llama, Qwen2 (q/k/v biases) and the CPU's packed projections."""
 import dataclasses
 
 import pytest
@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from triton_model_util import NO_MLP_GEMM, UNFUSED, build, two_steps  # noqa: E402
+from triton_model_util import LAYERWISE, NO_MLP_GEMM, UNFUSED, build, two_steps  # noqa: E402
 
 from slipstream.models.llama.build import random_weights  # noqa: E402
 from slipstream.models.config import tiny_config  # noqa: E402
@@ -46,11 +46,12 @@ def test_triton_backend_equals_reference_fused_and_unfused(device, dtype, arch):
     reference = two_steps(build(cfg, dtype, "reference", device=device), cfg, dtype, device)
     fused_model = build(cfg, dtype, "triton", device=device)
     assert fuse_projections(fused_model) == cfg.num_layers  # already fused: idempotent
-    fused = two_steps(fused_model, cfg, dtype, device)
+    fused = two_steps(fused_model, cfg, dtype, device)  # steps of 8 rows: the fused decode layer
+    layerwise = two_steps(build(cfg, dtype, "triton", LAYERWISE, device=device), cfg, dtype, device)
     no_gemm = two_steps(build(cfg, dtype, "triton", NO_MLP_GEMM, device=device), cfg, dtype, device)
     unfused = two_steps(build(cfg, dtype, "triton", UNFUSED, device=device), cfg, dtype, device)
-    for f, n, u, r in zip(fused, no_gemm, unfused, reference):
-        for got in (f, n, u):
+    for f, lw, n, u, r in zip(fused, layerwise, no_gemm, unfused, reference):
+        for got in (f, lw, n, u):
             assert torch.isfinite(got).all()
             torch.testing.assert_close(got.cpu(), r.cpu(), rtol=0, atol=MODEL_TOL[device][dtype])
         if dtype == torch.float32:  # the fused matmuls alone change (almost) nothing
@@ -76,7 +77,7 @@ def test_triton_backend_runs_packed_projections_unfused():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("options", [None, NO_MLP_GEMM], ids=["fused", "no_mlp_gemm"])
+@pytest.mark.parametrize("options", [None, LAYERWISE, NO_MLP_GEMM], ids=["fused_decode", "layerwise", "no_mlp_gemm"])
 def test_cuda_graph_replay_equals_eager(options):
     """Every new kernel is graph-capturable: a captured mixed step replays to the eager logits."""
     _device("cuda")

@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from triton_model_util import NO_MLP_GEMM, UNFUSED, build, with_device_metadata  # noqa: E402
+from triton_model_util import LAYERWISE, NO_MLP_GEMM, UNFUSED, build, with_device_metadata  # noqa: E402
 
 from slipstream.models.config import tiny_config  # noqa: E402
 from host_batch import Chunk, host_batch  # noqa: E402
@@ -15,10 +15,12 @@ from launch_counter import count_launches  # noqa: E402
 from slipstream.models.base import KVCache  # noqa: E402
 
 
-def decode_launches(num_layers: int, options=None) -> list[str]:
+def decode_launches(num_layers: int, options=None, prepare=None) -> list[str]:
     """Launches of one decode step (three sequences, one token each) on the triton backend."""
     cfg = dataclasses.replace(tiny_config(), num_layers=num_layers)
     model = build(cfg, torch.bfloat16, "triton", options)  # bf16, as served on the GPU
+    if prepare is not None:
+        prepare(model)
     kv = KVCache(cfg, num_pages=8, page_size=4, dtype=torch.bfloat16, device="cpu")
     batch, _ = host_batch([Chunk([5], 0, [1]), Chunk([6], 0, [2]), Chunk([7], 0, [3])], 4)
     batch = with_device_metadata(batch)
@@ -27,22 +29,47 @@ def decode_launches(num_layers: int, options=None) -> list[str]:
     return counter.launches
 
 
-# One decode layer on the triton backend: 8 launches, from 18 before fusion (docs/cuda.md).
-LAYER = ["_add_rms_norm_kernel", "mm", "_rotary_kv_kernel", "_paged_attention_kernel", "mm",
-         "_add_rms_norm_kernel", "_gate_up_silu_kernel", "mm"]
+# One decode layer on the triton backend: 5 launches (the fused decode layer, decode_fused_triton.py):
+# norm + QKV + rotary + KV write, attention, o_proj + residual, norm + gate-up + SiLU·up, down + residual.
+LAYER = ["_norm_qkv_rotary_kernel", "_paged_attention_kernel", "_decode_linear_kernel", "_decode_linear_kernel",
+         "_decode_linear_kernel"]
+# Above fused_decode_max_rows: 8, from 18 before fusion (docs/cuda.md).
+LAYERWISE_LAYER = ["_add_rms_norm_kernel", "mm", "_rotary_kv_kernel", "_paged_attention_kernel", "mm",
+                   "_add_rms_norm_kernel", "_gate_up_silu_kernel", "mm"]
 # Per step besides the layers: embedding lookup, final norm (sampled rows only), lm_head, and the
 # float32 cast of the logits.
 OUTSIDE_LAYERS = ["embedding", "_add_rms_norm_kernel", "mm", "_to_copy"]
 
 
-def test_decode_step_launches_eight_kernels_per_layer():
-    two, three = decode_launches(2), decode_launches(3)
-    assert three[1:1 + len(LAYER)] == LAYER  # after the embedding lookup, the first layer in order
-    assert len(three) - len(two) == len(LAYER)  # what one more layer costs
-    assert sorted(two) == sorted(OUTSIDE_LAYERS + 2 * LAYER)
-    # SmolLM2-135M (30 layers): 8 * 30 + 4 = 244 kernels a step from the model (548 before, with
-    # the runner's own few); the issue's bound is 250
-    assert len(LAYER) * 30 + len(OUTSIDE_LAYERS) == 244
+@pytest.mark.parametrize("options,layer", [(None, LAYER), (LAYERWISE, LAYERWISE_LAYER)],
+                         ids=["fused_decode", "layerwise"])
+def test_decode_step_launches_per_layer(options, layer):
+    two, three = decode_launches(2, options), decode_launches(3, options)
+    assert three[1:1 + len(layer)] == layer  # after the embedding lookup, the first layer in order
+    assert len(three) - len(two) == len(layer)  # what one more layer costs
+    assert sorted(two) == sorted(OUTSIDE_LAYERS + 2 * layer)
+
+
+def test_smollm2_step_launch_counts():
+    # SmolLM2-135M (30 layers): 5 * 30 + 4 = 154 kernels a step from the model at decode (8 * 30 +
+    # 4 = 244 before the fused decode layer, 548 before any fusion); issue 42's bound is 100
+    assert len(LAYER) * 30 + len(OUTSIDE_LAYERS) == 154
+    assert len(LAYERWISE_LAYER) * 30 + len(OUTSIDE_LAYERS) == 244
+
+
+def test_fused_decode_stops_above_its_rows_and_on_packed_layers():
+    """A step of more rows than fused_decode_max_rows (three here) takes the 8-launch layer; so does
+    a model with a layer that is not dense."""
+    from slipstream.models.llama.forward_triton import TritonOptions
+
+    assert decode_launches(1, TritonOptions(fused_decode_max_rows=3))[1:1 + len(LAYER)] == LAYER
+    assert decode_launches(1, TritonOptions(fused_decode_max_rows=2))[1:1 + len(LAYERWISE_LAYER)] == LAYERWISE_LAYER
+
+    def unfuse_last_mlp(model):  # as a layer whose gate/up could not be fused (PackedLinear)
+        model.model.layers[-1].mlp.gate_up = None
+
+    launches = decode_launches(2, prepare=unfuse_last_mlp)
+    assert "_norm_qkv_rotary_kernel" not in launches and launches.count("_rotary_kv_kernel") == 2
 
 
 def test_launches_without_the_mlp_gemm_or_fused_projections():
@@ -59,6 +86,10 @@ def test_options_are_validated():
 
     with pytest.raises(ValueError, match="mlp_gemm_max_rows"):
         TritonOptions(mlp_gemm_max_rows=-1)
+    with pytest.raises(ValueError, match="fused_decode_max_rows"):
+        TritonOptions(fused_decode_max_rows=-1)
+    with pytest.raises(ValueError, match="fused_decode_max_rows"):
+        TritonOptions(fused_decode_max_rows=2.5)
     model = build(tiny_config(), torch.float32, "reference")
     with pytest.raises(TypeError, match="TritonOptions"):
         model.set_kernel_backend("triton", {"fuse_projections": False})
@@ -66,7 +97,8 @@ def test_options_are_validated():
 
 @pytest.mark.cuda
 def test_gpu_profiler_sees_the_same_launches_per_layer():
-    """The CPU count against torch.profiler's CUDA kernels: one more layer costs len(LAYER)."""
+    """The CPU count against torch.profiler's CUDA kernels: one more layer costs len(LAYER) (the fused
+    decode layer: the step has three rows)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     from torch.profiler import ProfilerActivity, profile

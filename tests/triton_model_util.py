@@ -37,8 +37,10 @@ def two_steps(model, cfg, dtype, device):
     return out
 
 
+# The default runs steps of <= 16 rows (all of two_steps') as the fused decode layer; these the 8-launch layer
+LAYERWISE = TritonOptions(fused_decode_max_rows=0)
 UNFUSED = TritonOptions(fuse_projections=False)
-NO_MLP_GEMM = TritonOptions(mlp_gemm_max_rows=0)  # gate-up on cuBLAS, then the SiLU·up kernel
+NO_MLP_GEMM = TritonOptions(mlp_gemm_max_rows=0, fused_decode_max_rows=0)  # gate-up on cuBLAS, then SiLU·up
 
 
 def build(cfg, dtype, backend, options=None, device="cpu", seed=0):

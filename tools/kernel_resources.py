@@ -31,8 +31,8 @@ import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from slipstream.models.kernels import (add_norm_triton, attention_triton, gate_up_silu_triton, rotary_kv_triton,  # noqa: E402
-                               silu_mul_triton)
+from slipstream.models.kernels import (add_norm_triton, attention_triton, decode_fused_triton,  # noqa: E402
+                                      gate_up_silu_triton, rotary_kv_triton, silu_mul_triton)
 from slipstream.models.llama.build import RANDOM  # noqa: E402
 
 SHARED_LIMIT = 227 * 1024  # the most shared memory one block may use on sm_90 (H100/H200)
@@ -114,6 +114,33 @@ def cases(cfg, dtype):
         tiles = {k: v for k, v in launch.items() if k.startswith("BLOCK")}
         yield (gate_up_silu_triton._gate_up_silu_kernel, gemm_sig,
                dict(DOT_DTYPE=TL[dtype], PRECISION="ieee" if dtype == torch.float32 else None, **tiles),
+               {k: v for k, v in launch.items() if not k.startswith("BLOCK")})
+    yield from decode_cases(cfg, dtype)
+
+
+def decode_cases(cfg, dtype):
+    """The fused small-batch decode layer (decode_fused_triton.py): QKV with and without bias (Qwen2),
+    the GEMV with the residual epilogue (o_proj, down) and with the norm prologue + SiLU·up."""
+    p, i32 = PTR[dtype], "i32"
+    dot = dict(DOT_DTYPE=TL[dtype], PRECISION="ieee" if dtype == torch.float32 else None)
+    strides = "stride_xm stride_wn stride_qt stride_qh stride_kct stride_kch stride_vct stride_vch stride_c".split()
+    qkv_sig = dict(X=p, NW=p, W=p, B=p, Q=p, KC=p, VC=p, POS="*i64", KV_INDICES="*i64", COS=p, SIN=p, M=i32,
+                   K=i32, eps="fp32", **{s: i32 for s in strides})
+    launch = decode_fused_triton.qkv_launch(cfg.head_dim // 2, cfg.hidden_size, dtype)
+    for bias in (False, True):
+        yield (decode_fused_triton._norm_qkv_rotary_kernel, qkv_sig,
+               dict(HEADS=cfg.num_heads, KV_HEADS=cfg.num_kv_heads, HEAD_DIM=cfg.head_dim, HALF=cfg.head_dim // 2,
+                    HAS_BIAS=bias, **dot, **{k: v for k, v in launch.items() if k.startswith("BLOCK")}),
+               {k: v for k, v in launch.items() if not k.startswith("BLOCK")})
+    lin_sig = dict(X=p, NW=p, W=p, Y=p, M=i32, N=i32, K=i32, eps="fp32", stride_xm=i32, stride_wn=i32,
+                   stride_ym=i32)
+    # o_proj (K = heads x head dim), down (K = intermediate), gate-up (K = hidden)
+    for k, gate_up in ((cfg.num_heads * cfg.head_dim, False), (cfg.intermediate_size, False),
+                       (cfg.hidden_size, True)):
+        launch = decode_fused_triton.linear_launch(k, dtype, gate_up)
+        yield (decode_fused_triton._decode_linear_kernel, lin_sig,
+               dict(NORM=gate_up, GATE_UP=gate_up, RESIDUAL=not gate_up, **dot,
+                    **{k: v for k, v in launch.items() if k.startswith("BLOCK")}),
                {k: v for k, v in launch.items() if not k.startswith("BLOCK")})
 
 

@@ -17,8 +17,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from slipstream.models.kernels import triton_jit
 
 # every module that launches a Triton kernel through `jitted` (each imported it by name)
-KERNEL_MODULES = ("add_norm_triton", "attention_triton", "gate_up_silu_triton", "rotary_kv_triton",
-                  "silu_mul_triton")
+KERNEL_MODULES = ("add_norm_triton", "attention_triton", "decode_fused_triton", "gate_up_silu_triton",
+                  "rotary_kv_triton", "silu_mul_triton")
 NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "lift_fresh"}
 
 

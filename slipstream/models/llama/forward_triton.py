@@ -14,7 +14,9 @@ weights take 0.09 ms to read (docs/results/h100-2026-11-22/). Here a decode laye
     down matmul
 
 The first layer's norm has nothing to add; the last layer's MLP output is added by the final norm,
-which reads only the sampled rows. The reference backend (llama/model.py) computes the same function with
+which reads only the sampled rows. A step of at most `TritonOptions.fused_decode_max_rows` token
+rows, on a model whose layers have dense fused projections, takes 5 launches a layer instead
+(decode_fused_triton.py: norms in the GEMVs' prologues, residual adds in their epilogues). The reference backend (llama/model.py) computes the same function with
 PyTorch ops; each kernel module has a reference function and tests/test_fused_kernels.py compares
 kernels, whole models and the launch count per layer.
 """
@@ -24,9 +26,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from slipstream.models.kernels.add_norm_triton import add_rms_norm_triton
 from slipstream.models.kernels.attention_triton import paged_attention_triton
+from slipstream.models.kernels.decode_fused_triton import (linear_residual_triton, norm_gate_up_silu_triton,
+                                                           norm_qkv_rotary_triton)
 from slipstream.models.kernels.fused_projections import fuse_linears
 from slipstream.models.kernels.gate_up_silu_triton import gate_up_silu_triton
 from slipstream.models.kernels.rotary_kv_triton import rotary_kv_triton
@@ -39,10 +44,16 @@ class TritonOptions:
     # Up to this many token rows the gate-up matmul and SiLU·up run as one Triton kernel; above it
     # (prefill) cuBLAS's matmul and the SiLU·up kernel. 0: never. A guess pending GPU timings.
     mlp_gemm_max_rows: int = 256
+    # Up to this many token rows a layer is the 5-launch fused decode layer (decode_fused_triton.py),
+    # when every layer has dense fused qkv/gate-up and dense o_proj/down weights. 0: never. 16 (one
+    # row tile) is a guess pending GPU timings.
+    fused_decode_max_rows: int = 16
 
     def __post_init__(self) -> None:
-        if self.mlp_gemm_max_rows < 0:
-            raise ValueError(f"mlp_gemm_max_rows must be >= 0, got {self.mlp_gemm_max_rows}")
+        for name in ("mlp_gemm_max_rows", "fused_decode_max_rows"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
 
 
 TRITON_DEFAULTS = TritonOptions()
@@ -80,18 +91,23 @@ def attention(attn, x: torch.Tensor, batch, kv, rope) -> torch.Tensor:
     q, k, v = project_qkv(attn, x)
     k_cache, v_cache = kv.k[attn.layer], kv.v[attn.layer]
     rotary_kv_triton(q, k, v, batch.positions, rope.cos, rope.sin, k_cache, v_cache, batch.kv_indices)
+    return attn.o_proj(attend(attn, q, batch, kv))
+
+
+def attend(attn, q: torch.Tensor, batch, kv) -> torch.Tensor:
+    """Paged attention of the rotated q [T, H, D] over the cache (this step's K/V already written): [T, H * D]."""
     # No zero-fill. The kernel writes every query row of every sequence in query_start; rows past
     # query_start[S] (the padding tokens of a mixed graph's bucket) keep garbage, harmlessly: every
     # later op is row-independent (matmuls, norms, elementwise), their K/V land on the scratch page,
     # and no sample index points at them. The scratch page is read only by padding rows (decode
     # buckets pad with q_len-1 sequences of row 0 there), whose outputs may then be garbage too:
     # they are never sampled, and a greedy graph writes their argmax to row 0, which no sequence holds.
-    t = x.shape[0]
+    t = q.shape[0]
     out = torch.empty(t, attn.heads, attn.head_dim, dtype=q.dtype, device=q.device)
     m = batch.attn.on_device
-    paged_attention_triton(q, k_cache, v_cache, m.query_start, m.kv_lens, m.page_table, kv.page_size,
-                           m.max_q_len, out, blocks=m.blocks)
-    return attn.o_proj(out.view(t, attn.heads * attn.head_dim))
+    paged_attention_triton(q, kv.k[attn.layer], kv.v[attn.layer], m.query_start, m.kv_lens, m.page_table,
+                           kv.page_size, m.max_q_len, out, blocks=m.blocks)
+    return out.view(t, attn.heads * attn.head_dim)
 
 
 def mlp(m, x: torch.Tensor, options: TritonOptions) -> torch.Tensor:
@@ -104,16 +120,40 @@ def mlp(m, x: torch.Tensor, options: TritonOptions) -> torch.Tensor:
     return m.down_proj(silu_mul_triton(gate, up))
 
 
+def decode_ready(layer) -> bool:
+    """Whether a layer can run as the fused decode layer: fused dense qkv and gate-up, dense
+    o_proj and down without biases (PackedLinear and quantized layers keep the 8-launch layer)."""
+    a, m = layer.self_attn, layer.mlp
+    return (a.qkv is not None and m.gate_up is not None and type(a.o_proj) is nn.Linear and a.o_proj.bias is None
+            and type(m.down_proj) is nn.Linear and m.down_proj.bias is None)
+
+
+def fused_decode_layer(layer, x: torch.Tensor, batch, kv, rope) -> None:
+    """One layer in 5 launches; the sublayer outputs are added into `x` in place."""
+    a, m = layer.self_attn, layer.mlp
+    norm = layer.input_layernorm
+    q = norm_qkv_rotary_triton(x, norm.weight, norm.eps, *a.qkv, a.heads, a.kv_heads, batch.positions, rope.cos,
+                               rope.sin, kv.k[a.layer], kv.v[a.layer], batch.kv_indices)
+    linear_residual_triton(attend(a, q, batch, kv), a.o_proj.weight, x)
+    norm = layer.post_attention_layernorm
+    linear_residual_triton(norm_gate_up_silu_triton(x, norm.weight, norm.eps, m.gate_up), m.down_proj.weight, x)
+
+
 def forward_triton(model, x: torch.Tensor, batch, kv) -> torch.Tensor:
     """The final-normed hidden states of batch.sample_indices (what the lm_head reads) from the
     embedded tokens `x`, which become the residual stream: each norm adds the sublayer output before
-    it into `x` in place."""
+    it into `x` in place (the fused decode layer adds it in the projection's epilogue)."""
     options = model.triton_options or TRITON_DEFAULTS
+    layers = model.model.layers
+    norm = model.model.norm
+    if x.shape[0] <= options.fused_decode_max_rows and all(decode_ready(layer) for layer in layers):
+        for layer in layers:
+            fused_decode_layer(layer, x, batch, kv, model.rope)
+        return add_rms_norm_triton(None, x, norm.weight, norm.eps, rows=batch.sample_indices)
     delta = None  # the last sublayer's output, not yet added to the residual
-    for layer in model.model.layers:
+    for layer in layers:
         h = add_rms_norm_triton(delta, x, layer.input_layernorm.weight, layer.input_layernorm.eps)
         a = attention(layer.self_attn, h, batch, kv, model.rope)
         h = add_rms_norm_triton(a, x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
         delta = mlp(layer.mlp, h, options)
-    norm = model.model.norm
     return add_rms_norm_triton(delta, x, norm.weight, norm.eps, rows=batch.sample_indices)

@@ -19,13 +19,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import kernel_resources  # noqa: E402
 
 from slipstream import Engine, EngineConfig, SamplingParams  # noqa: E402
-from slipstream.models.kernels import (add_norm_triton, attention_triton, gate_up_silu_triton, rotary_kv_triton,  # noqa: E402
-                               silu_mul_triton)
+from slipstream.models.kernels import (add_norm_triton, attention_triton, decode_fused_triton,  # noqa: E402
+                                      gate_up_silu_triton, rotary_kv_triton, silu_mul_triton)
 from slipstream.models.config import tiny_config  # noqa: E402
 from slipstream.models.kernels.rotary import RotaryEmbedding  # noqa: E402
 from slipstream.models.llama.forward_triton import TritonOptions  # noqa: E402
 
-MODULES = (add_norm_triton, attention_triton, gate_up_silu_triton, rotary_kv_triton, silu_mul_triton)
+MODULES = (add_norm_triton, attention_triton, decode_fused_triton, gate_up_silu_triton, rotary_kv_triton,
+           silu_mul_triton)
 LAUNCH_OPTIONS = {"num_warps", "num_stages"}
 POINTEE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64",
            torch.int32: "i32", torch.bool: "i1"}
@@ -94,11 +95,12 @@ def test_runtime_kernel_arguments_are_the_compiled_signature(monkeypatch, dtype)
                            kv_cache_tokens=512, page_size=8, batch_invariant=False)
         async with Engine(cfg) as engine:
             model = engine._parts.runner.model
-            # prefill steps (> 4 rows) take cuBLAS + the SiLU·up kernel, decode steps the gate-up GEMM
-            model.set_kernel_backend("triton", TritonOptions(mlp_gemm_max_rows=4))
+            # prefill steps (> 4 rows) take cuBLAS + the SiLU·up kernel, decode steps of both sequences
+            # the gate-up GEMM, and those of the longer one alone the fused decode layer
+            model.set_kernel_backend("triton", TritonOptions(mlp_gemm_max_rows=4, fused_decode_max_rows=1))
             assert model.rope.cos.dtype == model.rope.sin.dtype == torch_dtype  # cast with the model
-            params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-            await asyncio.gather(*(engine.complete([5 + i, 6, 7, 8, 9, 10], params) for i in range(2)))
+            await asyncio.gather(*(engine.complete([5 + i, 6, 7, 8, 9, 10], SamplingParams(
+                max_tokens=3 + 4 * i, temperature=0.0, ignore_eos=True)) for i in range(2)))
 
     asyncio.run(run())
     want = declared(torch_dtype)

@@ -81,7 +81,8 @@ def cases(cfg, dtype):
     p, i32 = PTR[dtype], "i32"
     norm_sig = dict(X=p, R=p, W=p, Y=p, ROWS="*i64", stride_x=i32, stride_r=i32, stride_y=i32, n_cols=i32, eps="fp32")
     block = triton.next_power_of_2(cfg.hidden_size)
-    for has_x, has_rows in ((True, False), (False, False), (True, True)):
+    # the fused decode layer's final norm has nothing to add: (False, True)
+    for has_x, has_rows in ((True, False), (False, False), (True, True), (False, True)):
         sig = dict(norm_sig, ROWS="*i64" if has_rows else p)  # without rows the caller passes the residual
         yield (add_norm_triton._add_rms_norm_kernel, sig, dict(HAS_X=has_x, HAS_ROWS=has_rows, BLOCK=block),
                dict(num_warps=4 if block <= 2048 else 8))

@@ -1,7 +1,7 @@
 """Where a decode step's GPU time goes: graph replay vs eager forward, kernels per step, top kernels.
 
     python tools/profile_forward_cuda.py [--model random-smollm2-135m] [--dtype bfloat16] [--batches 1 32 128 256]
-                                         [--variants fused no-mlp-gemm unfused]
+                                         [--variants fused-decode fused no-mlp-gemm unfused]
 
 Builds an Engine on the GPU, takes its model runner, and for each batch size stages one decode step
 (every sequence with --context tokens of random KV) into slot 0's arena. Times the captured graph's
@@ -10,8 +10,10 @@ eager forward with torch.profiler: number of kernels and the kernels with the mo
 
 `--variants` runs the same table for several settings of the triton backend's fusions
 (slipstream/models/llama/forward_triton.py TritonOptions), one Engine each, so they compare in one run:
-`fused` (the default), `no-mlp-gemm` (gate-up on cuBLAS + the SiLU·up kernel), `unfused` (separate
-q/k/v and gate/up matmuls as well).
+`fused-decode` (the default: the 5-launch decode layer up to fused_decode_max_rows = 16 rows, the
+8-launch layer above), `fused-decode-256` (the 5-launch layer up to 256 rows), `fused` (the 8-launch
+layer at every batch), `no-mlp-gemm` (that, with gate-up on cuBLAS + the SiLU·up kernel), `unfused`
+(separate q/k/v and gate/up matmuls as well).
 """
 from __future__ import annotations
 
@@ -64,9 +66,11 @@ def kernel_profile(fn, top: int) -> tuple[int, float, list[tuple[str, float, int
 
 
 VARIANTS = {
-    "fused": llama_triton.TritonOptions(),
-    "no-mlp-gemm": llama_triton.TritonOptions(mlp_gemm_max_rows=0),
-    "unfused": llama_triton.TritonOptions(fuse_projections=False, mlp_gemm_max_rows=0),
+    "fused-decode": llama_triton.TritonOptions(),  # the default: the 5-launch layer up to 16 rows
+    "fused-decode-256": llama_triton.TritonOptions(fused_decode_max_rows=256),  # where does it stop paying?
+    "fused": llama_triton.TritonOptions(fused_decode_max_rows=0),  # the 8-launch layer at every batch
+    "no-mlp-gemm": llama_triton.TritonOptions(mlp_gemm_max_rows=0, fused_decode_max_rows=0),
+    "unfused": llama_triton.TritonOptions(fuse_projections=False, mlp_gemm_max_rows=0, fused_decode_max_rows=0),
 }
 
 
@@ -155,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--top", type=int, default=10)
-    ap.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=["fused"])
+    ap.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=["fused-decode"])
     args = ap.parse_args(argv)
     from slipstream.provenance import header, provenance  # noqa: E402
 

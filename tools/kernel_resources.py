@@ -127,7 +127,7 @@ def decode_cases(cfg, dtype):
     strides = "stride_xm stride_wn stride_qt stride_qh stride_kct stride_kch stride_vct stride_vch stride_c".split()
     qkv_sig = dict(X=p, NW=p, W=p, B=p, Q=p, KC=p, VC=p, POS="*i64", KV_INDICES="*i64", COS=p, SIN=p, M=i32,
                    K=i32, eps="fp32", **{s: i32 for s in strides})
-    launch = decode_fused_triton.qkv_launch(cfg.head_dim // 2, cfg.hidden_size, dtype)
+    launch = decode_fused_triton.qkv_launch(cfg.hidden_size, dtype)
     for bias in (False, True):
         yield (decode_fused_triton._norm_qkv_rotary_kernel, qkv_sig,
                dict(HEADS=cfg.num_heads, KV_HEADS=cfg.num_kv_heads, HEAD_DIM=cfg.head_dim, HALF=cfg.head_dim // 2,

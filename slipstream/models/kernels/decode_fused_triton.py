@@ -168,7 +168,7 @@ def _dot_args(x: torch.Tensor, interpret: bool) -> dict:
     return dict(DOT_DTYPE=dot, PRECISION="ieee" if x.dtype == torch.float32 else None)
 
 
-def qkv_launch(half: int, hidden: int, dtype: torch.dtype) -> dict:
+def qkv_launch(hidden: int, dtype: torch.dtype) -> dict:
     """Tiles and warps of the QKV kernel: 16-column slices of each half head spread a small model's
     weight over more programs (SmolLM2: 15 heads x 2 = 30). Pending GPU timings."""
     block_k = max(16, min(64 if dtype == torch.float32 else 128, triton.next_power_of_2(hidden)))
@@ -236,7 +236,7 @@ def norm_qkv_rotary_triton(x: torch.Tensor, norm_weight: torch.Tensor, eps: floa
         raise ValueError(f"out must be [T, H, D] of x's dtype, contiguous last dim; got {tuple(out.shape)}")
     if t:
         interpret = interpreted(x)
-        cfg = qkv_launch(d // 2, hidden, x.dtype)
+        cfg = qkv_launch(hidden, x.dtype)
         grid = (triton.cdiv(t, cfg["BLOCK_M"]), width, triton.cdiv(d // 2, cfg["BLOCK_H"]))
         jitted(_norm_qkv_rotary_kernel, interpret)[grid](
             x, norm_weight, qkv_weight, qkv_weight if qkv_bias is None else qkv_bias, out, k_cache, v_cache,

@@ -175,10 +175,10 @@ def qkv_launch(hidden: int, dtype: torch.dtype) -> dict:
     return dict(BLOCK_M=BLOCK_M, BLOCK_H=16, BLOCK_K=block_k, num_warps=4, num_stages=3)
 
 
-def linear_launch(hidden: int, dtype: torch.dtype, gate_up: bool) -> dict:
-    """Tiles and warps of the GEMV kernel: narrow column tiles, many programs (SmolLM2: 36 for
-    o_proj and down, 96 for gate-up), long K tiles. Pending GPU timings."""
-    block_k = max(16, min(64 if dtype == torch.float32 or gate_up else 128, triton.next_power_of_2(hidden)))
+def linear_launch(k: int, dtype: torch.dtype, gate_up: bool) -> dict:
+    """Tiles and warps of the GEMV kernel over a reduction dim of k: narrow column tiles, many
+    programs (SmolLM2: 36 for o_proj and down, 96 for gate-up), long K tiles. Pending GPU timings."""
+    block_k = max(16, min(64 if dtype == torch.float32 or gate_up else 128, triton.next_power_of_2(k)))
     return dict(BLOCK_M=BLOCK_M, BLOCK_N=16, BLOCK_K=block_k, num_warps=4, num_stages=3)
 
 

@@ -132,8 +132,9 @@ def fused_decode_layer(layer, x: torch.Tensor, batch, kv, rope) -> None:
     """One layer in 5 launches; the sublayer outputs are added into `x` in place."""
     a, m = layer.self_attn, layer.mlp
     norm = layer.input_layernorm
-    q = norm_qkv_rotary_triton(x, norm.weight, norm.eps, *a.qkv, a.heads, a.kv_heads, batch.positions, rope.cos,
-                               rope.sin, kv.k[a.layer], kv.v[a.layer], batch.kv_indices)
+    weight, bias = a.qkv
+    q = norm_qkv_rotary_triton(x, norm.weight, norm.eps, weight, bias, a.heads, a.kv_heads, batch.positions,
+                               rope.cos, rope.sin, kv.k[a.layer], kv.v[a.layer], batch.kv_indices)
     linear_residual_triton(attend(a, q, batch, kv), a.o_proj.weight, x)
     norm = layer.post_attention_layernorm
     linear_residual_triton(norm_gate_up_silu_triton(x, norm.weight, norm.eps, m.gate_up), m.down_proj.weight, x)

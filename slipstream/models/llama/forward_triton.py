@@ -16,9 +16,10 @@ weights take 0.09 ms to read (docs/results/h100-2026-11-22/). Here a decode laye
 The first layer's norm has nothing to add; the last layer's MLP output is added by the final norm,
 which reads only the sampled rows. A step of at most `TritonOptions.fused_decode_max_rows` token
 rows, on a model whose layers have dense fused projections, takes 5 launches a layer instead
-(decode_fused_triton.py: norms in the GEMVs' prologues, residual adds in their epilogues). The reference backend (llama/model.py) computes the same function with
-PyTorch ops; each kernel module has a reference function and tests/test_fused_kernels.py compares
-kernels, whole models and the launch count per layer.
+(decode_fused_triton.py: norms in the GEMVs' prologues, residual adds in their epilogues). The
+reference backend (llama/model.py) computes the same function with PyTorch ops; each kernel module
+has a reference function and tests/test_fused_kernels.py compares kernels, whole models and the
+launch count per layer.
 """
 from __future__ import annotations
 

@@ -132,7 +132,7 @@ if triton is not None:
         d_mask = offs_d < HEAD_DIM
         lo = 0
         if SPLIT:  # decode only: the split's keys [lo, lo + split_len)
-            split_len = tl.maximum(MIN_SPLIT, tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N)
+            split_len = tl.maximum(MIN_SPLIT, (kv_len + num_splits * BLOCK_N - 1) // (num_splits * BLOCK_N) * BLOCK_N)
             lo = tl.program_id(2) * split_len
         if BIDI:
             prefix = tl.minimum(tl.load(BL + s).to(tl.int64), kv_len)
@@ -181,7 +181,7 @@ if triton is not None:
                 o_mask = row_ok[:, None] & d_mask[None, :]
                 o_ptr = O + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
                 if SPLIT:
-                    if tl.cdiv(kv_len, split_len) > 1:  # a partial for _merge_splits_kernel
+                    if kv_len > split_len:  # a partial for _merge_splits_kernel
                         w = (s * num_splits + tl.program_id(2)) * (tl.num_programs(1) * GROUP) + head
                         tl.store(WA + w[:, None] * BLOCK_D + offs_d[None, :], acc, mask=o_mask)
                         tl.store(WML + w * 2, m_i, mask=row_ok)
@@ -202,8 +202,8 @@ if triton is not None:
         q_lo = tl.load(QS + s).to(tl.int64)
         q_len = tl.load(QS + s + 1).to(tl.int64) - q_lo
         kv_len = tl.load(KVL + s).to(tl.int64)
-        split_len = tl.maximum(MIN_SPLIT, tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N)
-        active = tl.cdiv(kv_len, split_len)
+        split_len = tl.maximum(MIN_SPLIT, (kv_len + num_splits * BLOCK_N - 1) // (num_splits * BLOCK_N) * BLOCK_N)
+        active = (kv_len + split_len - 1) // split_len
         if (q_len > 0) & (active > 1):  # one split wrote its output itself
             offs_s = tl.arange(0, BLOCK_S)
             s_mask = offs_s < active

@@ -70,8 +70,8 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 IMPLS = ("grouped", "per_head")
 MIN_SPLIT = 256  # keys: below this a split saves less latency than its partial's write and merge cost
-MAX_SPLITS = 64
-MAX_TILE_ROWS = 64  # (query, head) rows of a prefill tile: the accumulator and scores stay in registers
+MAX_SPLITS = 32  # the merge holds [MAX_SPLITS, head_dim] partials in registers
+MAX_TILE_ROWS = 64  # (query, head) rows of a 16-bit prefill tile at head_dim <= 64 (16 otherwise)
 CPU_SMS = 132  # the interpreter plans splits as an H100 would
 
 
@@ -88,18 +88,23 @@ def decode_splits(num_seqs: int, kv_heads: int, max_keys: int, sms: int) -> int:
 def tiles(group: int, head_dim: int, dtype: torch.dtype, decode: bool) -> dict:
     """The grouped kernel's tile constexprs and warps for one launch kind."""
     block_d = max(16, triton.next_power_of_2(head_dim))
+    half = dtype != torch.float32
     if decode:
         q_block = qb = 1
-    else:
-        budget = max(1, min(MAX_TILE_ROWS, 8192 // block_d) // group)
+    else:  # rows x head_dim within what sm_90 holds in registers without spills (tools/kernel_resources.py)
+        budget = max(1, (MAX_TILE_ROWS if half and block_d <= 64 else 16) // group)
         q_block, qb = QUERY_BLOCK, min(QUERY_BLOCK, 1 << (budget.bit_length() - 1))
     block_m = max(16, triton.next_power_of_2(qb * group))
-    # the K/V gathers hold a whole [BLOCK_N, BLOCK_D] tile in registers; decode tiles have few rows,
-    # so they take twice the keys per step (half the dependent page-table -> K -> V round trips)
-    wide = dtype != torch.float32 and block_d <= 128
-    block_n = (128 if decode else 64) if wide else 32
-    warps = 4 if block_m * block_d <= 4096 and block_n * block_d <= 8192 else 8
+    # the K/V gathers hold a [BLOCK_N, BLOCK_D] tile (and its 64-bit addresses) in registers; decode
+    # tiles have few rows, so at head_dim 64 they take twice the keys per step (half the dependent
+    # page-table -> K -> V round trips)
+    block_n = (128 if decode and block_d <= 64 else 64) if half and block_d <= 128 else 32
+    warps = 4 if block_d <= 64 and block_m * block_d < 4096 else 8
     return dict(Q_BLOCK=q_block, QB=qb, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps)
+
+
+def merge_warps(splits: int, block_d: int) -> int:
+    return 4 if splits * block_d <= 4096 else 8
 
 
 if triton is not None:
@@ -326,7 +331,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         jitted(_merge_splits_kernel, interpret)[(num_seqs, heads)](
             out, query_start, kv_lens, work_acc, work_ml, out.stride(0), out.stride(1), n_split,
             HEAD_DIM=head_dim, BLOCK_D=t["BLOCK_D"], BLOCK_N=t["BLOCK_N"], MIN_SPLIT=MIN_SPLIT,
-            BLOCK_S=triton.next_power_of_2(n_split), num_warps=4 if n_split * t["BLOCK_D"] <= 4096 else 8,
+            BLOCK_S=triton.next_power_of_2(n_split), num_warps=merge_warps(n_split, t["BLOCK_D"]),
         )
     return out
 

@@ -142,3 +142,36 @@ def test_decode_splits_and_tiles():
     with pytest.raises(ValueError, match="impl must be one of"):
         q, k, v, meta, dev = _make([1], [3], 2, 2, 16, 8, 0, torch.float32, 2)
         _run(q, k, v, dev, meta, torch.float32, impl="fast")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=lambda d: str(d)[6:])
+def test_split_decode_graph_replays_follow_metadata_and_repeat_bitwise_cuda(dtype):
+    """A captured split decode (the split count fixed at capture, from host ints) replayed after the
+    context lengths change in place: right against the reference, the same bits on every replay, and
+    near the per-head kernel."""
+    kv_lens = [2000, 700, 33, 0, 1]
+    q_lens = [1 if n else 0 for n in kv_lens]
+    q, k, v, meta, dev = _make(q_lens, kv_lens, 9, 3, 64, 16, 0, dtype, 21, device="cuda")
+    assert at.decode_splits(len(kv_lens), 3, dev["page_table"].shape[1] * 16, at._sm_count(q.device)) > 1
+    out = torch.full(q.shape, SENTINEL, dtype=dtype, device="cuda")
+    args = (q, k, v, dev["query_start"], dev["kv_lens"], dev["page_table"], 16, 1, out)
+    at.paged_attention_triton(*args)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        at.paged_attention_triton(*args)
+    for lens in (kv_lens, [1999, 257, 32, 0, 1], [511, 700, 1, 0, 1]):  # (within the pages _make gave)
+        meta.kv_lens = lens
+        dev["kv_lens"].copy_(torch.tensor(lens))
+        outs = []
+        for _ in range(2):
+            out.fill_(SENTINEL)
+            graph.replay()
+            torch.cuda.synchronize()
+            outs.append(out.clone())
+        assert torch.equal(outs[0], outs[1])
+        _assert_matches(out.cpu(), q.cpu(), k.cpu(), v.cpu(), meta, dtype)
+        old = torch.full_like(out, SENTINEL)
+        at.paged_attention_triton(*args[:-1], old, impl="per_head")
+        torch.testing.assert_close(out, old, atol=TOL[dtype][0], rtol=TOL[dtype][1])

@@ -99,7 +99,8 @@ def tiles(group: int, head_dim: int, dtype: torch.dtype, decode: bool) -> dict:
     # tiles have few rows, so at head_dim 64 they take twice the keys per step (half the dependent
     # page-table -> K -> V round trips)
     block_n = (128 if decode and block_d <= 64 else 64) if half and block_d <= 128 else 32
-    warps = 4 if block_d <= 64 and block_m * block_d < 4096 else 8
+    # (4 warps spill the 128-key decode tile with the GPU image's triton 3.6.0)
+    warps = 4 if block_d <= 64 and block_m * block_d < 4096 and block_n * block_d < 8192 else 8
     return dict(Q_BLOCK=q_block, QB=qb, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps)
 
 

@@ -27,8 +27,9 @@ def decode_launches(num_layers: int, options=None) -> list[str]:
     return counter.launches
 
 
-# One decode layer on the triton backend: 8 launches, from 18 before fusion (docs/cuda.md).
-LAYER = ["_add_rms_norm_kernel", "mm", "_rotary_kv_kernel", "_paged_attention_kernel", "mm",
+# One decode layer on the triton backend: 8 launches, from 18 before fusion (docs/cuda.md); a decode
+# that splits its keys (few sequences, a wide page table: not these) adds the merge: 9.
+LAYER = ["_add_rms_norm_kernel", "mm", "_rotary_kv_kernel", "_grouped_attention_kernel", "mm",
          "_add_rms_norm_kernel", "_gate_up_silu_kernel", "mm"]
 # Per step besides the layers: embedding lookup, final norm (sampled rows only), lm_head, and the
 # float32 cast of the logits.

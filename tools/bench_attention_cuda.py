@@ -14,7 +14,9 @@ V of every sequence once (q and out: < 3% more) at --bandwidth; "L2" marks cases
 in the H100's 50 MB L2 together, where a replay may read from L2 rather than HBM. "max |Δ|" is the
 largest difference between the old kernel's outputs and the new ones' (bf16: a few units of 2^-8
 at most). "new-n64": the grouped kernel with 64-key, 4-warp decode tiles (the default takes 128 keys
-with 8 warps; both are spill-free on sm_90), to choose between them.
+with 8 warps; both are spill-free on sm_90), to choose between them; "new-1": the grouped kernel
+never split (one launch, no merge), to see where splitting pays and what the merge launch costs
+where it does not.
 """
 from __future__ import annotations
 
@@ -51,8 +53,9 @@ def make_case(batch: int, ctx: int, table_keys: int, copies: int, gen: torch.Gen
 
 
 def graph_of(variant: str, q, caches, meta, out):
-    """A graph of one attention launch per cache copy; `variant`: old, new, or new-n64 (the grouped
-    kernel with 64-key, 4-warp decode tiles: the other spill-free choice on sm_90)."""
+    """A graph of one attention launch per cache copy; `variant`: old, new, new-n64 (the grouped
+    kernel with 64-key, 4-warp decode tiles: the other spill-free choice on sm_90) or new-1 (never
+    split: no merge launch)."""
     from slipstream.models.kernels import attention_triton as at
 
     impl = "per_head" if variant == "old" else "grouped"
@@ -61,9 +64,11 @@ def graph_of(variant: str, q, caches, meta, out):
     def n64(group, head_dim, dtype, decode):
         return dict(tiles(group, head_dim, dtype, decode), **(dict(BLOCK_N=64, num_warps=4) if decode else {}))
 
+    splits = 1 if variant == "new-1" else None
+
     def step():
         for k, v in caches:
-            at.paged_attention_triton(q, k, v, *meta, PAGE, 1, out, impl=impl)
+            at.paged_attention_triton(q, k, v, *meta, PAGE, 1, out, impl=impl, splits=splits)
 
     at.tiles = n64 if variant == "new-n64" else tiles
     try:
@@ -113,12 +118,12 @@ def main(argv: list[str] | None = None) -> int:
 
     def body() -> list[str]:
         lines: list[str] = []
-        emit(lines, f"{torch.cuda.get_device_name(0)} ({sms} SMs), torch {torch.__version__} "
-                    f"(CUDA {torch.version.cuda}), bf16, {HEADS} q heads / {KV_HEADS} kv heads / head_dim {HEAD_DIM}, page {PAGE}, table "
+        emit(lines, f"{torch.cuda.get_device_name(0)} ({sms} SMs), torch {torch.__version__} (CUDA {torch.version.cuda}), "
+                    f"bf16, {HEADS} q heads / {KV_HEADS} kv heads / head_dim {HEAD_DIM}, page {PAGE}, table "
                     f"{args.table_keys} keys, MIN_SPLIT {MIN_SPLIT}; µs per layer, {args.repeats} replays each\n")
-        emit(lines, "| batch | ctx | K/V MB | floor µs | copies | splits | old median | old p90 | new median | "
-                    "new mean | new p90 | new-n64 median | old ÷ new | new ÷ floor | max \\|Δ\\| |")
-        emit(lines, "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        emit(lines, "| batch | ctx | K/V MB | floor µs | copies | splits | old median | old p90 | new median | new mean "
+                    "| new p90 | new-n64 median | new-1 median | old ÷ new | new ÷ floor | max \\|Δ\\| |")
+        emit(lines, "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         gen = torch.Generator().manual_seed(0)
         for batch in args.batches:
             for ctx in args.contexts:
@@ -126,17 +131,17 @@ def main(argv: list[str] | None = None) -> int:
                 floor = kv_bytes / args.bandwidth * 1e6
                 copies = int(max(1, min(30, args.cache_budget // kv_bytes)))
                 q, caches, meta = make_case(batch, ctx, args.table_keys, copies, gen)
-                outs = {name: torch.zeros_like(q) for name in ("old", "new", "new-n64")}
+                outs = {name: torch.zeros_like(q) for name in ("old", "new", "new-n64", "new-1")}
                 graphs = {name: graph_of(name, q, caches, meta, outs[name]) for name in outs}
                 t = time_replays(graphs, args.repeats, copies)
                 old, new = statistics.median(t["old"]), statistics.median(t["new"])
-                diff = max((outs["old"].float() - outs[name].float()).abs().max().item() for name in ("new", "new-n64"))
+                diff = max((outs["old"].float() - outs[name].float()).abs().max().item() for name in outs)
                 splits = decode_splits(batch, KV_HEADS, meta[2].shape[1] * PAGE, sms)
                 l2 = " (L2)" if copies * kv_bytes < L2_BYTES else ""
                 emit(lines, f"| {batch} | {ctx} | {kv_bytes / 1e6:.2f} | {floor:.2f} | {copies}{l2} | {splits} | "
                             f"{old:.2f} | {pct(t['old'], 0.9):.2f} | {new:.2f} | "
                             f"{statistics.fmean(t['new']):.2f} | {pct(t['new'], 0.9):.2f} | "
-                            f"{statistics.median(t['new-n64']):.2f} | "
+                            f"{statistics.median(t['new-n64']):.2f} | {statistics.median(t['new-1']):.2f} | "
                             f"{old / new:.2f} | {new / floor:.1f} | {diff:.3g} |")
                 del q, caches, meta, outs, graphs
                 torch.cuda.empty_cache()

@@ -139,9 +139,11 @@ def test_decode_splits_and_tiles():
                                          (3, 64, torch.float32, 12), (8, 256, torch.bfloat16, 16)):
         t = at.tiles(group, head_dim, dtype, decode=False)
         assert t["QB"] * group == rows and t["Q_BLOCK"] % t["QB"] == 0 and t["BLOCK_M"] <= 64
+    q, k, v, meta, dev = _make([1], [3], 2, 2, 16, 8, 0, torch.float32, 2)
     with pytest.raises(ValueError, match="impl must be one of"):
-        q, k, v, meta, dev = _make([1], [3], 2, 2, 16, 8, 0, torch.float32, 2)
         _run(q, k, v, dev, meta, torch.float32, impl="fast")
+    with pytest.raises(ValueError, match="splits in 1..32"):
+        _run(q, k, v, dev, meta, torch.float32, splits=at.MAX_SPLITS + 1)
 
 
 @pytest.mark.cuda

@@ -22,9 +22,10 @@ that share the kv head together: the rows of its tile are (query, head in group)
 tile is loaded once per kv head, not once per query head. It walks the context in tiles of BLOCK_N
 keys, resolving each key's KV index through the page table, with an online (flash-attention)
 softmax in fp32, and stops at the causal limit of its queries. A query block is QUERY_BLOCK (16)
-queries, cut into sub-blocks of QB queries so a tile has at most 64 rows (QB * GROUP, padded to a
-power of two >= 16, the least `tl.dot` takes). Decode (the host's max_q_len == 1 on the sequence
-grid) has one query per program: its rows are just the GROUP heads.
+queries, cut into sub-blocks of QB queries so a tile has at most 64 rows (16-bit, head_dim <= 64)
+or 16 (QB * GROUP, padded to a power of two >= 16, the least `tl.dot` takes): what sm_90 holds in
+registers without spilling. Decode (the host's max_q_len == 1 on the sequence grid) has one query
+per program: its rows are just the GROUP heads.
 
 Three grids, all sized from host ints only:
   - sequence grid (S, kv_heads, ceil(max_q_len / 16)): eager steps and decode graphs (max_q_len 1);
@@ -41,8 +42,8 @@ Three grids, all sized from host ints only:
     A sequence with one split writes its output directly (bitwise what the sequence grid writes);
     the others write fp32 partials (unnormalised accumulator, running max, sum) to a workspace, and
     `_merge_splits_kernel` combines them in split order with a fixed reduction tree: no atomics, the
-    same bits on every replay. A sequence's result therefore depends on `splits` (a host int fixed
-    per graph), as a GEMM's does on its row count.
+    same bits on every replay. A context longer than MIN_SPLIT therefore rounds differently with
+    another `splits` (a host int fixed per graph), as a GEMM's output does with its row count.
 
 Why it is graph-capturable: the wrapper reads only shapes and host ints (and the device's SM count)
 to size the grids and never a device value; sequence boundaries, context lengths, pages and the
@@ -60,8 +61,8 @@ import math
 
 import torch
 
-# the program table (attention_blocks.query_blocks) is built on the host, by code that must not need triton
 from slipstream.models.kernels import attention_per_head_triton as per_head
+# the program table (attention_blocks.query_blocks) is built on the host, by code that must not need triton
 from slipstream.models.kernels.attention_blocks import BLOCK_M as QUERY_BLOCK
 from slipstream.models.kernels.triton_jit import MAX_COMBINE, SUM_COMBINE, interpreted, jitted, require_triton, tl, triton
 
@@ -69,7 +70,9 @@ _LOG2E = 1.4426950408889634
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 IMPLS = ("grouped", "per_head")
-MIN_SPLIT = 256  # keys: below this a split saves less latency than its partial's write and merge cost
+# keys: a shorter split would save less than its partial's write and merge cost (a guess until
+# tools/bench_attention_cuda.py has run)
+MIN_SPLIT = 256
 MAX_SPLITS = 32  # the merge holds [MAX_SPLITS, head_dim] partials in registers
 MAX_TILE_ROWS = 64  # (query, head) rows of a 16-bit prefill tile at head_dim <= 64 (16 otherwise)
 CPU_SMS = 132  # the interpreter plans splits as an H100 would
@@ -291,8 +294,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError("all tensors must be on q's device")
     if page_size <= 0 or max_q_len < 0:
         raise ValueError(f"page_size must be positive and max_q_len non-negative; got {page_size}, {max_q_len}")
-    if impl not in IMPLS or (splits is not None and splits < 1):
-        raise ValueError(f"impl must be one of {IMPLS} and splits positive; got {impl!r}, {splits}")
+    if impl not in IMPLS or (splits is not None and not 1 <= splits <= MAX_SPLITS):
+        raise ValueError(f"impl must be one of {IMPLS} and splits in 1..{MAX_SPLITS}; got {impl!r}, {splits}")
     if num_seqs == 0 or q.shape[0] == 0 or (max_q_len == 0 if blocks is None else blocks.shape[1] == 0):
         return out
     interpret = interpreted(q)

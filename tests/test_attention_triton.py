@@ -110,7 +110,7 @@ def test_matches_reference_interpreted(case, dtype):
     first_pad = meta.query_start[-1]
     assert (got[first_pad:] == SENTINEL).all()  # padding token rows untouched
     # and it really ran in the interpreter (a compiled kernel cannot take CPU tensors)
-    assert isinstance(jitted(at._paged_attention_kernel, True), InterpretedFunction)
+    assert isinstance(jitted(at._grouped_attention_kernel, True), InterpretedFunction)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -272,7 +272,7 @@ def test_matches_reference_compiled_cuda(case, dtype):
                                device="cuda")
     got, _ = _check(q, k, v, meta, dev, dtype)
     assert (got[meta.query_start[-1]:] == SENTINEL).all()
-    assert not isinstance(jitted(at._paged_attention_kernel, False), InterpretedFunction)
+    assert not isinstance(jitted(at._grouped_attention_kernel, False), InterpretedFunction)
 
 
 @pytest.mark.cuda

@@ -31,10 +31,11 @@ def decode_launches(num_layers: int, options=None, prepare=None) -> list[str]:
 
 # One decode layer on the triton backend: 5 launches (the fused decode layer, decode_fused_triton.py):
 # norm + QKV + rotary + KV write, attention, o_proj + residual, norm + gate-up + SiLU·up, down + residual.
-LAYER = ["_norm_qkv_rotary_kernel", "_paged_attention_kernel", "_decode_linear_kernel", "_decode_linear_kernel",
+# A decode that splits its keys (few sequences, a wide page table: not these) adds the merge.
+LAYER = ["_norm_qkv_rotary_kernel", "_grouped_attention_kernel", "_decode_linear_kernel", "_decode_linear_kernel",
          "_decode_linear_kernel"]
 # Above fused_decode_max_rows: 8, from 18 before fusion (docs/cuda.md).
-LAYERWISE_LAYER = ["_add_rms_norm_kernel", "mm", "_rotary_kv_kernel", "_paged_attention_kernel", "mm",
+LAYERWISE_LAYER = ["_add_rms_norm_kernel", "mm", "_rotary_kv_kernel", "_grouped_attention_kernel", "mm",
                    "_add_rms_norm_kernel", "_gate_up_silu_kernel", "mm"]
 # Per step besides the layers: embedding lookup, final norm (sampled rows only), lm_head, and the
 # float32 cast of the logits.

@@ -97,18 +97,30 @@ def cases(cfg, dtype):
     yield (silu_mul_triton._silu_mul_kernel, silu_sig,
            dict(BLOCK=min(silu_mul_triton.BLOCK, triton.next_power_of_2(cfg.intermediate_size))), dict(num_warps=4))
     attn_strides = "stride_qt stride_qh stride_kt stride_kh stride_vt stride_vh stride_ot stride_oh stride_pt stride_bt"
-    attn_sig = dict(Q=p, K=p, V=p, O=p, QS="*i64", KVL="*i64", PT="*i64", BT="*i64", BL="*i64",
-                    **{s: i32 for s in attn_strides.split()}, qk_scale="fp32", page_size=i32)
-    block_d = triton.next_power_of_2(cfg.head_dim)
-    # the eager/decode grid, the block-table grid of mixed graphs, and the eager grid with a
-    # bidirectional prefix (Moondream's image steps)
-    for flat, bidi in ((False, False), (True, False), (False, True)):
-        yield (attention_triton._paged_attention_kernel, attn_sig,
-               dict(HEAD_DIM=cfg.head_dim, GROUP=cfg.num_heads // cfg.num_kv_heads, DOT_DTYPE=TL[dtype],
-                    PRECISION="ieee" if dtype == torch.float32 else None, BLOCK_M=attention_triton.BLOCK_M,
-                    BLOCK_N=64 if dtype != torch.float32 and block_d <= 128 else 32, BLOCK_D=block_d, FLAT=flat,
-                    BIDI=bidi),
-               dict(num_warps=4 if block_d <= 64 else 8))
+    group = cfg.num_heads // cfg.num_kv_heads
+    consts = dict(HEAD_DIM=cfg.head_dim, GROUP=group, DOT_DTYPE=TL[dtype],
+                  PRECISION="ieee" if dtype == torch.float32 else None, MIN_SPLIT=attention_triton.MIN_SPLIT)
+    # prefill chunks on the sequence grid, the block-table grid of mixed graphs, the sequence grid
+    # with a bidirectional prefix (Moondream's image steps), decode, decode split over the keys
+    # (the split workspace is fp32; unsplit launches pass `out` in its place)
+    for flat, bidi, decode, split in ((False, False, False, False), (True, False, False, False),
+                                      (False, True, False, False), (False, False, True, False),
+                                      (False, False, True, True)):
+        work = "*fp32" if split else p
+        attn_sig = dict(Q=p, K=p, V=p, O=p, QS="*i64", KVL="*i64", PT="*i64", BT="*i64", BL="*i64", WA=work,
+                        WML=work, **{s: i32 for s in attn_strides.split()}, qk_scale="fp32", page_size=i32,
+                        num_splits=i32)
+        t = attention_triton.tiles(group, cfg.head_dim, dtype, decode)
+        yield (attention_triton._grouped_attention_kernel, attn_sig,
+               dict(consts, **{k: v for k, v in t.items() if k != "num_warps"}, FLAT=flat, BIDI=bidi, SPLIT=split),
+               dict(num_warps=t["num_warps"]))
+    t = attention_triton.tiles(group, cfg.head_dim, dtype, True)
+    merge_sig = dict(O=p, QS="*i64", KVL="*i64", WA="*fp32", WML="*fp32", stride_ot=i32, stride_oh=i32,
+                     num_splits=i32)
+    yield (attention_triton._merge_splits_kernel, merge_sig,
+           dict(HEAD_DIM=cfg.head_dim, BLOCK_D=t["BLOCK_D"], BLOCK_N=t["BLOCK_N"], MIN_SPLIT=attention_triton.MIN_SPLIT,
+                BLOCK_S=attention_triton.MAX_SPLITS),
+           dict(num_warps=attention_triton.merge_warps(attention_triton.MAX_SPLITS, t["BLOCK_D"])))
     gemm_sig = dict(X=p, W=p, Y=p, M=i32, N=i32, K=i32, stride_xm=i32, stride_wn=i32, stride_ym=i32)
     for rows in (1, 32, 256):
         launch = gate_up_silu_triton.launch_config(rows, cfg.hidden_size, dtype)

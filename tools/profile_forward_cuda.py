@@ -1,7 +1,7 @@
 """Where a decode step's GPU time goes: graph replay vs eager forward, kernels per step, top kernels.
 
     python tools/profile_forward_cuda.py [--model random-smollm2-135m] [--dtype bfloat16] [--batches 1 32 128 256]
-                                         [--variants fused-decode fused no-mlp-gemm unfused]
+                                         [--variants before fused-decode fused no-mlp-gemm unfused]
 
 Builds an Engine on the GPU, takes its model runner, and for each batch size stages one decode step
 (every sequence with --context tokens of random KV) into slot 0's arena. Times the captured graph's
@@ -13,11 +13,13 @@ eager forward with torch.profiler: number of kernels and the kernels with the mo
 `fused-decode` (the default: the 5-launch decode layer up to fused_decode_max_rows = 16 rows, the
 8-launch layer above), `fused-decode-256` (the 5-launch layer up to 256 rows), `fused` (the 8-launch
 layer at every batch), `no-mlp-gemm` (that, with gate-up on cuBLAS + the SiLU·up kernel), `unfused`
-(separate q/k/v and gate/up matmuls as well).
+(separate q/k/v and gate/up matmuls as well), `before` (main before issue 42: the 8-launch layer with
+the per-head attention kernel, attention_per_head_triton.py), so one run shows before and after.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import asyncio
 import statistics
 import sys
@@ -31,6 +33,7 @@ import sys as _sys
 _sys.path.insert(0, _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))))  # this checkout
 
 from slipstream import Engine, EngineConfig  # noqa: E402
+from slipstream.models.kernels import attention_triton  # noqa: E402
 from slipstream.models.llama import forward_triton as llama_triton  # noqa: E402
 from slipstream.runtime.batch import pack_step  # noqa: E402
 
@@ -71,13 +74,19 @@ VARIANTS = {
     "fused": llama_triton.TritonOptions(fused_decode_max_rows=0),  # the 8-launch layer at every batch
     "no-mlp-gemm": llama_triton.TritonOptions(mlp_gemm_max_rows=0, fused_decode_max_rows=0),
     "unfused": llama_triton.TritonOptions(fuse_projections=False, mlp_gemm_max_rows=0, fused_decode_max_rows=0),
+    # main before issue 42 (5a54f2e): the 8-launch layer and the per-head attention kernel
+    "before": llama_triton.TritonOptions(fused_decode_max_rows=0),
 }
+ATTENTION_IMPL = {"before": "per_head"}  # the others: paged_attention_triton's default (grouped)
 
 
 async def main_async(args) -> None:
     for variant in args.variants:
         llama_triton.TRITON_DEFAULTS = VARIANTS[variant]  # what the engine's set_kernel_backend applies
-        print(f"\n## variant `{variant}`: {VARIANTS[variant]}\n")
+        impl = ATTENTION_IMPL.get(variant, "grouped")
+        # forward_triton looks the kernel up by its module-level name at every call
+        llama_triton.paged_attention_triton = functools.partial(attention_triton.paged_attention_triton, impl=impl)
+        print(f"\n## variant `{variant}`: {VARIANTS[variant]}, attention impl={impl}\n")
         await profile_variant(args)
 
 

@@ -45,7 +45,8 @@ import torch
 
 # the program table (attention_blocks.query_blocks) is built on the host, by code that must not need triton
 from slipstream.models.kernels.attention_blocks import BLOCK_M
-from slipstream.models.kernels.triton_jit import MAX_COMBINE, SUM_COMBINE, interpreted, jitted, require_triton, tl, triton
+from slipstream.models.kernels.triton_jit import (MAX_COMBINE, SUM_COMBINE, interpreted, jitted, next_power_of_2,
+                                                 cdiv, require_triton, tl, triton)
 
 _LOG2E = 1.4426950408889634
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -173,12 +174,12 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     # the interpreter's tl.dot multiplies bfloat16's raw uint16 bits (numpy has no bf16): upcast there,
     # which is exact; compiled code keeps bf16 operands on the tensor cores
     dot_dtype = tl.float32 if interpret and q.dtype == torch.bfloat16 else _TL_DTYPES[q.dtype]
-    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_d = max(16, next_power_of_2(head_dim))
     # the K/V gathers hold a whole [BLOCK_N, BLOCK_D] tile per step in registers; these sizes compile
     # for sm_90 without spills (checked with cuobjdump -res-usage for head dims 64/128/256)
     block_n = 64 if q.dtype != torch.float32 and block_d <= 128 else 32
     if blocks is None:
-        grid = (num_seqs, heads, triton.cdiv(max_q_len, BLOCK_M))
+        grid = (num_seqs, heads, cdiv(max_q_len, BLOCK_M))
     else:
         grid = (blocks.shape[1], heads, 1)
     kernel[grid](

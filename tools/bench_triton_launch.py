@@ -1,6 +1,6 @@
 """Host cost of one Triton kernel launch on the eager path, measured on the CPU (no GPU needed).
 
-    python tools/bench_triton_launch.py [--repeats 7] [--calls 2000]
+    python tools/bench_triton_launch.py [--repeats 7] [--calls 2000] [--forward]
 
 Each of the forward's kernel wrappers (add_rms_norm, rotary_kv, paged attention, gate_up_silu,
 silu_mul) runs in compiled mode on CPU tensors of SmolLM2-135M's sizes against a stand-in driver:
@@ -13,6 +13,12 @@ thin launch; CPU µs per call (process time over --calls calls) as median / mean
 --repeats interleaved runs; and Python-level calls per launch (sys.setprofile, deterministic).
 `tensor.is_cuda` is faked True (the thin key refuses host tensors), which adds a Python property
 call per tensor to the thin column only.
+
+--forward adds one table for the whole eager forward (forward_triton) of random-smollm2-135m, one
+decode token at context 128, on the `meta` device: torch's ops dispatch but compute nothing and
+allocate nothing, so a row is the forward's Python and dispatch cost with no-op kernels, Triton's
+launches or thin ones (a lower bound for the CUDA host path: no caching allocator, no cuBLAS, no C
+launcher).
 """
 from __future__ import annotations
 
@@ -165,10 +171,34 @@ def stats(xs: list[float]) -> str:
     return f"{statistics.median(xs):.2f} / {statistics.mean(xs):.2f} / {xs[round(0.9 * (len(xs) - 1))]:.2f}"
 
 
+def meta_forward():
+    """(call running one eager decode forward of random-smollm2-135m on the meta device, its kernels)."""
+    from host_batch import Chunk, host_batch
+
+    from slipstream.models.base import KVCache
+    from slipstream.models.kernels.attention import DeviceAttentionMetadata
+    from slipstream.models.loading.build import build_model
+
+    meta = torch.device("meta")
+    model, _, cfg = build_model("random-smollm2-135m", "bfloat16", meta)
+    model.set_kernel_backend("triton")
+    kv = KVCache(cfg, num_pages=64, page_size=16, dtype=torch.bfloat16, device=meta)
+    batch, _ = host_batch([Chunk([5], 128, list(range(1, 10)))], 16, device=meta)
+    m = batch.attn
+    m.on_device = DeviceAttentionMetadata(torch.tensor(m.query_start, device=meta), torch.tensor(m.kv_lens, device=meta),
+                                          torch.tensor(m.page_tables, device=meta), 1)
+    return lambda: model(batch, kv)
+
+
 def variant(name: str):
-    """Sets the launch path: 'none' (a no-op kernel), 'triton' or 'thin'."""
+    """Sets the launch path: 'none' (a no-op kernel), 'triton', 'thin', or 'main': Triton's launcher
+    with triton.cdiv / triton.next_power_of_2 in the wrappers, as before the host helpers."""
+    import triton
     for m in MODULES:
         m.jitted = (lambda fn, interpret: _NoKernel()) if name == "none" else triton_jit.jitted
+        for helper in ("cdiv", "next_power_of_2"):
+            if hasattr(m, helper):
+                setattr(m, helper, getattr(triton if name == "main" else triton_jit, helper))
     triton_launch.set_enabled(name == "thin")
 
 
@@ -176,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--forward", action="store_true", help="also the whole eager forward on the meta device")
     args = ap.parse_args(argv)
     from slipstream.provenance import header, provenance
 
@@ -183,10 +214,11 @@ def main(argv: list[str] | None = None) -> int:
     import triton
     print(f"triton {triton.__version__}, torch {torch.__version__}; compiled mode against a stand-in driver "
           f"(no C launcher); {args.repeats} interleaved repeats of {args.calls} calls\n")
-    print("| kernel wrapper | wrapper alone µs | + Triton launch µs | + thin launch µs | Triton launch alone µs "
+    print("| kernel wrapper | main: + Triton launch, triton's helpers µs | wrapper alone µs | + Triton launch µs "
+          "| + thin launch µs | Triton launch alone µs "
           "| thin launch alone µs | Python calls: wrapper / Triton / thin |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    names = ("none", "triton", "thin")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    names = ("main", "none", "triton", "thin")
     saved = {m: m.jitted for m in MODULES}
     try:
         with _Patched():
@@ -204,16 +236,41 @@ def main(argv: list[str] | None = None) -> int:
                         variant(v)
                         times[v].append(cpu_us(call, args.calls))
                 alone = {v: [t - n for t, n in zip(times[v], times["none"])] for v in ("triton", "thin")}
-                print(f"| {name} | {stats(times['none'])} | {stats(times['triton'])} | {stats(times['thin'])} "
-                      f"| {stats(alone['triton'])} | {stats(alone['thin'])} "
+                print(f"| {name} | {stats(times['main'])} | {stats(times['none'])} | {stats(times['triton'])} "
+                      f"| {stats(times['thin'])} | {stats(alone['triton'])} | {stats(alone['thin'])} "
                       f"| {calls['none']} / {calls['triton']} / {calls['thin']} |", flush=True)
+            print("\nmedian / mean / p90 of CPU µs per call; 'alone' = the column minus the no-op-kernel wrapper, "
+                  "per repeat")
+            if args.forward:
+                forward_table(args, names)
     finally:
+        variant("triton")  # the wrappers' own host helpers back
         for m, f in saved.items():
             m.jitted = f
         triton_launch.set_enabled(False)
-    print("\nmedian / mean / p90 of CPU µs per call; 'alone' = the column minus the no-op-kernel wrapper, "
-          "per repeat")
     return 0
+
+
+def forward_table(args, names) -> None:
+    call = meta_forward()
+    times: dict[str, list[float]] = {v: [] for v in names}
+    calls = {}
+    for v in names:
+        variant(v)
+        for _ in range(3):
+            call()
+        calls[v] = python_calls(call)
+    n = max(1, args.calls // 100)
+    for _ in range(args.repeats):
+        for v in names:
+            variant(v)
+            times[v].append(cpu_us(call, n))
+    print(f"\nwhole eager forward, random-smollm2-135m (30 layers, bf16), 1 decode token, meta device; "
+          f"{args.repeats} interleaved repeats of {n} forwards\n")
+    print("| kernels launched by | CPU µs per forward | Python calls per forward |\n|---|---:|---:|")
+    for v, label in zip(names, ("main: Triton's launcher, triton.cdiv/next_power_of_2 in the wrappers",
+                                "no-op kernels (wrappers and torch ops only)", "Triton's launcher", "thin launcher")):
+        print(f"| {label} | {stats(times[v])} | {calls[v]} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -207,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--forward", action="store_true", help="also the whole eager forward on the meta device")
+    ap.add_argument("--profile", action="store_true", help="with --forward: cProfile of 20 thin forwards")
     args = ap.parse_args(argv)
     from slipstream.provenance import header, provenance
 
@@ -271,6 +272,18 @@ def forward_table(args, names) -> None:
     for v, label in zip(names, ("main: Triton's launcher, triton.cdiv/next_power_of_2 in the wrappers",
                                 "no-op kernels (wrappers and torch ops only)", "Triton's launcher", "thin launcher")):
         print(f"| {label} | {stats(times[v])} | {calls[v]} |", flush=True)
+    if args.profile:
+        import cProfile
+        import io
+        import pstats
+        variant("thin")
+        prof = cProfile.Profile()
+        prof.runcall(lambda: [call() for _ in range(20)])
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(30)
+        print("\ncProfile of 20 thin forwards (ncalls / 20 = per forward), by own time:\n\n```")
+        print(out.getvalue().strip())
+        print("```")
 
 
 if __name__ == "__main__":

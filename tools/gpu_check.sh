@@ -16,7 +16,9 @@
 #                  from .whl/llamacpp-src.tgz, started detached (setsid) when this script starts, so it
 #                  compiles while the tests run (only with BUDGET >= 420 s); this stage waits for it
 #   peer-static    transformers static-compile at N = 1, 8 (~75 s of compiling per N): only if >= 180 s are left
-# Other stages, by name: tests (= tests-engine tests-kernels), events, bench-thread, llamacpp-server, smoke.
+# Other stages, by name: tests (= tests-engine tests-kernels), ttft (slipstream d1/d2 at N = 1..128: issue 42),
+# events, bench-thread, llamacpp-server, smoke. PROFILE_ARGS / PROFILE_MIXED_ARGS pass options (e.g.
+# --variants) to the profile tools, PROFILE_LIMIT / PROFILE_MIXED_LIMIT their time limits.
 # A short call reruns what failed, e.g. the engine tests and llama.cpp from a prebuilt dist in ~150 s:
 #   run(command="BUDGET=150 ENGINE_LIMIT=90 bash tools/gpu_check.sh tests-engine llamacpp", carry=[".whl"], timeout_s=200)
 #
@@ -107,14 +109,21 @@ for stage in $stages; do
             --streams 1 8 32 128 256 --len 128 --repeats 3 --no-progress --json-out "$LOGS/bench.json" \
             > "$OUT/bench.md" 2>"$LOGS/bench.err"; rc=$? ;;
     profile)
-        timeout $(limit 50) python3 tools/profile_forward_cuda.py > "$OUT/profile.md" 2>"$LOGS/profile.err"; rc=$? ;;
+        timeout $(limit ${PROFILE_LIMIT:-50}) python3 tools/profile_forward_cuda.py ${PROFILE_ARGS:-} > "$OUT/profile.md" \
+            2>"$LOGS/profile.err"; rc=$? ;;
     profile-mixed)
-        timeout $(limit 40) python3 tools/profile_mixed_cuda.py > "$OUT/profile-mixed.md" 2>"$LOGS/profile-mixed.err"; rc=$? ;;
+        timeout $(limit ${PROFILE_MIXED_LIMIT:-40}) python3 tools/profile_mixed_cuda.py ${PROFILE_MIXED_ARGS:-} \
+            > "$OUT/profile-mixed.md" 2>"$LOGS/profile-mixed.err"; rc=$? ;;
     peer)  # a fresh process per system; peer.json is rewritten after every system (a cut-off run keeps the rest)
         timeout $(limit 100) python3 tools/peer_bench.py --device cuda --dtype bfloat16 --hf-configs cb-graphs \
             --systems 'slipstream d1' 'slipstream d2' 'transformers cb-graphs' --concurrency 1 8 --repeats 2 \
             --no-agreement --json-out "$LOGS/peer.json" > "$LOGS/peer.md" 2>"$LOGS/peer.err"; rc=$?
         append_peer "$LOGS/peer.md" ;;
+    ttft)  # issue 42: time to first token at both depths, N = 1..128 (slipstream alone, fresh processes)
+        timeout $(limit 120) python3 tools/peer_bench.py --device cuda --dtype bfloat16 \
+            --systems 'slipstream d1' 'slipstream d2' --concurrency 1 8 32 128 --repeats 2 --no-agreement \
+            --json-out "$LOGS/ttft.json" > "$LOGS/ttft.md" 2>"$LOGS/ttft.err"; rc=$?
+        append_peer "$LOGS/ttft.md" ;;
     llamacpp|llamacpp-server)
         while [[ ! -f $LLAMA_DONE ]] && ((SECONDS < BUDGET - 40)); do sleep 2; done
         if [[ ! -f $LLAMA_DONE ]]; then rc=124; echo "stage $stage: the llama.cpp build did not end in time" >> "$GPU_TXT"

@@ -71,7 +71,7 @@ def next_power_of_2(n: int) -> int:
 def jitted(fn, interpret: bool):
     """`fn` jitted for the compiler or the interpreter, once per mode (compiled and the thin launcher
     on: a ThinKernel around the same JITFunction, so both paths share Triton's compile cache)."""
-    if not interpret and triton_launch._enabled:
+    if not interpret and triton_launch.enabled():
         t = _THIN.get(fn)
         if t is None:
             t = _THIN[fn] = triton_launch.ThinKernel(_jit(fn, False))

@@ -1,24 +1,24 @@
 """A thin launcher for this package's compiled Triton kernels (opt-in: SLIPSTREAM_THIN_LAUNCH=1).
 
-Triton's `kernel[grid](*args)` spends its host time before the launch itself: it binds the
-arguments, specialises each one (type; divisibility by 16 of pointers and ints; ints equal to 1),
-formats a cache key (`str` of the options), looks the compiled kernel up, builds launch metadata
-for its hooks and, in the C launcher, asks the driver about every pointer. An eager forward makes
-~150 such launches per step, so this is most of its host time (docs/cuda.md, "Thin launches").
+Triton's `kernel[grid](*args)` spends host time before the launch itself: it binds the arguments,
+specialises each one (type; divisibility by 16 of pointers and ints; ints equal to 1), formats a
+cache key (`str` of the options), looks the compiled kernel up, builds launch metadata for its
+hooks and, in the C launcher, asks the driver about every pointer. An eager forward makes ~150
+such launches per step (docs/cuda.md, "Thin launches").
 
 `ThinKernel` keeps Triton as the only compiler and key authority: the first launch of each
 specialisation goes through `JITFunction.run`, which compiles (or finds) the kernel and launches it;
 the thin launcher records the compiled kernel under its own key and launches later calls with that
-key straight through the compiled kernel's launcher. The key (`launch_key`) is at least as fine as
-Triton's: per positional argument its Triton type and specialisation (tensor: dtype and
-data_ptr % 16; int: == 1, % 16 and the i32/i64/u64 range; bool, float, None: their type), the
-keyword arguments (constexprs and options) by value, the current device and the global knobs
-Triton folds into its key. So two launches that share a key share Triton's key too: never a kernel
-compiled for another alignment or value. Anything it does not model (a constexpr passed
-positionally, a tuple or descriptor argument, a callable grid, launch or pre-run hooks) takes
-Triton's own path every time. Pointers reach the launcher as integers (their alignment was read
-anyway), which skips the C launcher's per-pointer driver query; `launch_key` refuses a tensor that
-is not on a CUDA device, so a host pointer never reaches a kernel.
+key straight through the compiled kernel's launcher. The key (built in `ThinKernel.launch` from a
+`make_keyer` function) is at least as fine as Triton's: per positional argument its type and what
+Triton specialises it on (tensor: dtype and data_ptr % 16; int: == 1, % 16 and the i32/i64/u64
+range), the keyword arguments (constexprs and options) by value, the current device and the global
+knobs Triton folds into its key. So two launches that share a key share Triton's key too: never a
+kernel compiled for another alignment or value. Anything it does not model (a constexpr passed
+positionally, a runtime argument by keyword, a tuple or descriptor argument, a callable grid,
+launch or pre-run hooks) takes Triton's own path every time. Pointers reach the launcher as
+integers (their alignment was read anyway), which skips the C launcher's per-pointer driver query;
+the keyer refuses a tensor that is not on a CUDA device, so a host pointer never reaches a kernel.
 """
 from __future__ import annotations
 

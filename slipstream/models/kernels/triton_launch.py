@@ -23,6 +23,7 @@ the keyer refuses a tensor that is not on a CUDA device, so a host pointer never
 from __future__ import annotations
 
 import os
+from typing import Any, Callable
 
 import torch
 
@@ -67,7 +68,10 @@ def int_code(a: int) -> int:
     raise NotThin("an int beyond 64 bits")  # Triton raises on it: let it
 
 
-def make_keyer(types: tuple[type, ...]):
+Keyer = Callable[..., tuple[tuple, tuple]]
+
+
+def make_keyer(types: tuple[type, ...]) -> Keyer | None:
     """For positional args of these exact types: a function of them returning (key, launch args),
     the key holding what Triton specialises each on beyond its type (tensor: dtype and data_ptr % 16;
     int: int_code; bool, float, None: nothing), the launch args with tensors as data pointers. It
@@ -96,7 +100,7 @@ def make_keyer(types: tuple[type, ...]):
         body.append("        raise NotThin('a tensor off the GPU')")
     body += [f"    {p}" for p in ptrs]
     body.append(f"    return ({''.join(k + ', ' for k in key)}), ({''.join(o + ', ' for o in out)})")
-    scope = {"int_code": int_code, "NotThin": NotThin}
+    scope: dict[str, Any] = {"int_code": int_code, "NotThin": NotThin}
     exec("\n".join(body), scope)  # noqa: S102 - code built above from a fixed template
     return scope["keyer"]
 
@@ -120,7 +124,7 @@ class ThinKernel:
     def __init__(self, fn) -> None:
         self.fn = fn
         self.entries: dict[tuple, tuple] = {}
-        self.keyers: dict[tuple, object] = {}
+        self.keyers: dict[tuple, Keyer | None] = {}
         # positional args may cover only the leading runtime parameters: a constexpr's value is keyed
         # only when it comes by keyword
         self.lead = next((p.num for p in fn.params if p.is_constexpr), len(fn.params))
@@ -134,8 +138,9 @@ class ThinKernel:
     def launch(self, grid, args: tuple, kwargs: dict):
         fn = self.fn
         types = tuple(map(type, args))
-        keyer = self.keyers.get(types, _NOTHING)
-        if keyer is _NOTHING:
+        try:
+            keyer = self.keyers[types]
+        except KeyError:
             keyer = self.keyers[types] = make_keyer(types)
         if (keyer is None or not _enabled or len(args) > self.lead or type(grid) is not tuple or fn.pre_run_hooks
                 or not self.runtime_names.isdisjoint(kwargs)):

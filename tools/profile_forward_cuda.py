@@ -15,6 +15,10 @@ eager forward with torch.profiler: number of kernels and the kernels with the mo
 layer at every batch), `no-mlp-gemm` (that, with gate-up on cuBLAS + the SiLU·up kernel), `unfused`
 (separate q/k/v and gate/up matmuls as well), `before` (main before issue 42: the 8-launch layer with
 the per-head attention kernel, attention_per_head_triton.py), so one run shows before and after.
+
+`--launch both` (default) also times the eager forward with the thin launcher
+(slipstream/models/kernels/triton_launch.py) right after Triton's own, on the same step: the
+"eager thin ms" column; `--launch triton` leaves it out.
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ _sys.path.insert(0, _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)
 
 from slipstream import Engine, EngineConfig  # noqa: E402
 from slipstream.models.kernels import attention_triton  # noqa: E402
+from slipstream.models.kernels import triton_launch  # noqa: E402
 from slipstream.models.llama import forward_triton as llama_triton  # noqa: E402
 from slipstream.runtime.batch import pack_step  # noqa: E402
 
@@ -122,9 +127,9 @@ async def profile_variant(args) -> None:
         bandwidth = copy_bandwidth()
         print(f"floor: bytes a step must read (weights once + K/V of every sequence) ÷ the measured copy bandwidth "
               f"({bandwidth / 1e12:.2f} TB/s)\n")
-        print("| batch | graph replay ms | floor ms | replay ÷ floor | eager forward ms | eager ÷ graph | kernels/step "
-              "| kernel time ms |")
-        print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+        print("| batch | graph replay ms | floor ms | replay ÷ floor | eager forward ms | eager ÷ graph "
+              "| eager thin ms | thin ÷ eager | kernels/step | kernel time ms |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         details = []
         for n in args.batches:
             rows = torch.arange(1, n + 1, device=kv.k.device)
@@ -142,6 +147,13 @@ async def profile_variant(args) -> None:
             with torch.cuda.stream(compute):
                 eager = lambda: reset_positions() or runner.forward_from(tensors)  # noqa: E731
                 eager_ms = event_ms(eager, args.repeats)
+                thin_ms = float("nan")
+                if args.launch == "both":
+                    triton_launch.set_enabled(True)
+                    try:
+                        thin_ms = event_ms(eager, args.repeats)
+                    finally:
+                        triton_launch.set_enabled(False)
                 count, busy, ranked = kernel_profile(eager, args.top)
                 found = runner.graphs.lookup(0, n) if runner.graphs is not None else None
                 graph_ms = float("nan")
@@ -152,7 +164,7 @@ async def profile_variant(args) -> None:
                     graph_ms = event_ms(lambda: reset_positions() or graph.replay(), args.repeats)
             floor_ms = step_bytes(runner, n, args.context) / bandwidth * 1e3
             print(f"| {n} | {graph_ms:.3f} | {floor_ms:.3f} | {graph_ms / floor_ms:.1f} | {eager_ms:.3f} | "
-                  f"{eager_ms / graph_ms:.2f} | {count} | {busy:.3f} |")
+                  f"{eager_ms / graph_ms:.2f} | {thin_ms:.3f} | {thin_ms / eager_ms:.2f} | {count} | {busy:.3f} |")
             details.append((n, ranked))
         for n, ranked in details:
             print(f"\nbatch {n}: kernels with the most GPU time (eager forward)\n\n| kernel | ms | launches |\n|---|---:|---:|")
@@ -169,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--top", type=int, default=10)
     ap.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=["fused-decode"])
+    ap.add_argument("--launch", choices=("triton", "both"), default="both",
+                    help="both: also time the eager forward with the thin launcher")
     args = ap.parse_args(argv)
     from slipstream.provenance import header, provenance  # noqa: E402
 

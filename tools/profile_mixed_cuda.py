@@ -11,6 +11,10 @@ writes, then the eager forward or the graph replay: what the tick pays), and the
 forward's and replay's launches; on the device (CUDA events) the bare forward and replay. Every forward advances the decode rows' positions, so they are reset
 (outside the host timing) before each. Prints median / mean / p90 per column. Needs a GPU: without
 one it exits with code 2 after parsing its arguments.
+
+--launch picks how the eager forward launches its Triton kernels: `triton` (Triton's own launcher),
+`thin` (slipstream/models/kernels/triton_launch.py) or `both` (default: both eager columns in one
+table, interleaved per repeat, with the thin launcher's hit/miss/fallback counts).
 """
 from __future__ import annotations
 
@@ -29,12 +33,19 @@ sys.path.insert(0, _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))
 from slipstream import Engine, EngineConfig  # noqa: E402
 from slipstream.runtime.batch import SeqWork, pack_step  # noqa: E402
 from slipstream.runtime.static_step import fill_static  # noqa: E402
+from slipstream.models.kernels import triton_jit, triton_launch  # noqa: E402
 
 
 def stats(xs: list[float]) -> str:
     xs = sorted(xs)
     p90 = xs[min(len(xs) - 1, int(round(0.9 * (len(xs) - 1))))]
     return f"{statistics.median(xs):.1f} / {statistics.mean(xs):.1f} / {p90:.1f}"
+
+
+def thin_counts() -> str:
+    """Thin launches that hit, missed (went through Triton once) and fell back to Triton, per kernel."""
+    return "; ".join(f"{fn.__name__}: {k.hits} hits, {k.misses} misses, {k.fallbacks} fallbacks"
+                     for fn, k in triton_jit._THIN.items())
 
 
 def mixed_step(tokens: int, decode: int, chunk: int, rng: np.random.Generator):
@@ -81,10 +92,15 @@ async def main_async(args) -> None:
         print(f"{args.model} ({args.dtype}) on {torch.cuda.get_device_name()}, torch {torch.__version__}; "
               f"{args.decode} decode rows at context {args.context}, chunks of <= {args.chunk} tokens; "
               f"{args.repeats} repeats after {args.warmup} warm-up runs\n")
-        print("| T | real tokens | seqs | launch_forward host µs, eager | launch_forward host µs, graph "
-              "| forward launch host µs, eager | replay launch host µs | forward device ms, eager "
-              "| replay device ms |")
-        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        eagers = {"triton": [("eager", False)], "thin": [("thin", True)],
+                  "both": [("eager", False), ("thin", True)]}[args.launch]
+        names = [n for n, _ in eagers]
+        label = {"eager": "eager", "thin": "eager thin"}
+        cols = ([f"launch_forward host µs, {label[n]}" for n in names] + ["launch_forward host µs, graph"]
+                + [f"forward launch host µs, {label[n]}" for n in names] + ["replay launch host µs"]
+                + [f"forward device ms, {label[n]}" for n in names] + ["replay device ms"])
+        print("| T | real tokens | seqs | " + " | ".join(cols) + " |")
+        print("|---:|---:|---:|" + "---:|" * len(cols))
         arena = runner.arenas[0]
         step_id = 0
         for t in args.tokens:
@@ -92,7 +108,7 @@ async def main_async(args) -> None:
             found = runner.mixed_graphs.lookup(0, packed.num_tokens)
             if found is None:
                 print(f"| {t} | {packed.num_tokens} | {packed.num_seqs} | above the largest token bucket "
-                      "| | | | | |")
+                      + "| " * (len(cols) - 1) + "|")
                 continue
             bucket, graph = found
             graphs = runner.mixed_graphs
@@ -100,10 +116,11 @@ async def main_async(args) -> None:
             def reset() -> None:  # every forward advances the decode rows: hold them at the context
                 runner.rows.pos[1:args.decode + 1] = args.context
 
-            def whole_launch(use_graph: bool, out: list[float]) -> None:
+            def whole_launch(use_graph: bool, out: list[float], thin: bool = False) -> None:
                 """What the engine's tick pays: staging, upload, row-table writes, forward or replay."""
                 nonlocal step_id
                 step_id += 1
+                triton_launch.set_enabled(thin)
                 runner.mixed_graphs = graphs if use_graph else None
                 with torch.cuda.stream(compute):
                     reset()
@@ -118,25 +135,32 @@ async def main_async(args) -> None:
             fill_static(arena, packed, bucket)
             arena.upload()
             eager_tensors = arena.tensors(lay)
-            whole = {True: [], False: []}
-            host = {"eager": [], "graph": []}
-            device = {"eager": [], "graph": []}
+            whole = {n: [] for n in names + ["graph"]}
+            host = {n: [] for n in names + ["graph"]}
+            device = {n: [] for n in names + ["graph"]}
             for i in range(args.warmup + args.repeats):
                 keep = i >= args.warmup
-                for use_graph in (False, True):
-                    whole_launch(use_graph, whole[use_graph] if keep else [])
+                for name, thin in eagers:
+                    whole_launch(False, whole[name] if keep else [], thin)
+                whole_launch(True, whole["graph"] if keep else [])
                 arena.fill(packed)  # launch_forward rewrote the same step: stage it again for the bare forwards
                 fill_static(arena, packed, bucket)
                 arena.upload()
                 with torch.cuda.stream(compute):
-                    for name, fn in (("eager", lambda: runner.forward_from(eager_tensors)), ("graph", graph.replay)):
+                    for name, thin in eagers + [("graph", False)]:
+                        triton_launch.set_enabled(thin)
+                        fn = graph.replay if name == "graph" else (lambda: runner.forward_from(eager_tensors))
                         h, d = (host[name], device[name]) if keep else ([], [])
                         timed(fn, h, d, before=reset)
-            print(f"| {t} | {packed.num_tokens} | {packed.num_seqs} | {stats(whole[False])} | {stats(whole[True])} "
-                  f"| {stats(host['eager'])} | {stats(host['graph'])} | {stats(device['eager'])} "
-                  f"| {stats(device['graph'])} |", flush=True)
+                triton_launch.set_enabled(False)
+            order = names + ["graph"]
+            print(f"| {t} | {packed.num_tokens} | {packed.num_seqs} | "
+                  + " | ".join([stats(whole[n]) for n in order] + [stats(host[n]) for n in order]
+                               + [stats(device[n]) for n in order]) + " |", flush=True)
         print("\nmedian / mean / p90 of each column; host µs: perf_counter around the call; device ms: CUDA "
               "events around the forward alone")
+        if "thin" in names:
+            print(f"thin launcher (triton_launch.py), all kernels: {thin_counts()}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -149,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=128, help="context of the decoding rows")
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--launch", choices=("triton", "thin", "both"), default="both",
+                    help="how the eager forward launches its Triton kernels")
     args = ap.parse_args(argv)
     if min(args.tokens) <= args.decode or args.decode < 0 or args.chunk < 1 or args.repeats < 1:
         ap.error("need --tokens > --decode >= 0, --chunk >= 1, --repeats >= 1")

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from slipstream.models.kernels.triton_jit import SUM_COMBINE, interpreted, jitted, require_triton, tl, triton
+from slipstream.models.kernels.triton_jit import (SUM_COMBINE, interpreted, jitted, next_power_of_2,
+                                                 require_triton, tl, triton)
 
 if triton is not None:
     def _add_rms_norm_kernel(X, R, W, Y, ROWS, stride_x, stride_r, stride_y, n_cols, eps,
@@ -85,7 +86,7 @@ def add_rms_norm_triton(x: torch.Tensor | None, residual: torch.Tensor, weight: 
     out = torch.empty(n, residual.shape[1], dtype=residual.dtype, device=residual.device)
     if n:
         kernel = jitted(_add_rms_norm_kernel, interpreted(residual))
-        block = triton.next_power_of_2(residual.shape[1])
+        block = next_power_of_2(residual.shape[1])
         src = residual if x is None else x  # an unused pointer when HAS_X is False
         kernel[(n,)](src, residual, weight, out, residual if rows is None else rows, src.stride(0),
                      residual.stride(0), out.stride(0), residual.shape[1], eps, HAS_X=x is not None,

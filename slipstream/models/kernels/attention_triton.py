@@ -64,7 +64,8 @@ import torch
 from slipstream.models.kernels import attention_per_head_triton as per_head
 # the program table (attention_blocks.query_blocks) is built on the host, by code that must not need triton
 from slipstream.models.kernels.attention_blocks import BLOCK_M as QUERY_BLOCK
-from slipstream.models.kernels.triton_jit import MAX_COMBINE, SUM_COMBINE, interpreted, jitted, require_triton, tl, triton
+from slipstream.models.kernels.triton_jit import (MAX_COMBINE, SUM_COMBINE, cdiv, interpreted, jitted, next_power_of_2,
+                                                 require_triton, tl, triton)
 
 _LOG2E = 1.4426950408889634
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -90,14 +91,14 @@ def decode_splits(num_seqs: int, kv_heads: int, max_keys: int, sms: int) -> int:
 
 def tiles(group: int, head_dim: int, dtype: torch.dtype, decode: bool) -> dict:
     """The grouped kernel's tile constexprs and warps for one launch kind."""
-    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_d = max(16, next_power_of_2(head_dim))
     half = dtype != torch.float32
     if decode:
         q_block = qb = 1
     else:  # rows x head_dim within what sm_90 holds in registers without spills (tools/kernel_resources.py)
         budget = max(1, (MAX_TILE_ROWS if half and block_d <= 64 else 16) // group)
         q_block, qb = QUERY_BLOCK, min(QUERY_BLOCK, 1 << (budget.bit_length() - 1))
-    block_m = max(16, triton.next_power_of_2(qb * group))
+    block_m = max(16, next_power_of_2(qb * group))
     # the K/V gathers hold a [BLOCK_N, BLOCK_D] tile (and its 64-bit addresses) in registers; decode
     # tiles have few rows, so at head_dim 64 they take twice the keys per step (half the dependent
     # page-table -> K -> V round trips)
@@ -315,7 +316,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         grid = (num_seqs, kv_heads, n_split)
     else:
         n_split = 1
-        grid = (num_seqs, kv_heads, triton.cdiv(max_q_len, QUERY_BLOCK)) if blocks is None else (blocks.shape[1],
+        grid = (num_seqs, kv_heads, cdiv(max_q_len, QUERY_BLOCK)) if blocks is None else (blocks.shape[1],
                                                                                                   kv_heads, 1)
     if n_split > 1:  # fp32 partials: accumulator [S, splits, heads, BLOCK_D], (max, sum) [.., 2]
         work_acc = _workspace(num_seqs * n_split * heads * t["BLOCK_D"], q.device)
@@ -335,7 +336,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         jitted(_merge_splits_kernel, interpret)[(num_seqs, heads)](
             out, query_start, kv_lens, work_acc, work_ml, out.stride(0), out.stride(1), n_split,
             HEAD_DIM=head_dim, BLOCK_D=t["BLOCK_D"], BLOCK_N=t["BLOCK_N"], MIN_SPLIT=MIN_SPLIT,
-            BLOCK_S=triton.next_power_of_2(n_split), num_warps=merge_warps(n_split, t["BLOCK_D"]),
+            BLOCK_S=next_power_of_2(n_split), num_warps=merge_warps(n_split, t["BLOCK_D"]),
         )
     return out
 
@@ -344,9 +345,9 @@ def _launch_per_head(q, k_cache, v_cache, query_start, kv_lens, page_table, page
                      bidi, has_bidi, dot_dtype, precision, interpret):
     """The kernel before GQA grouping (attention_per_head_triton.py), with its launch configuration."""
     num_seqs, heads, head_dim = kv_lens.shape[0], q.shape[1], q.shape[2]
-    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_d = max(16, next_power_of_2(head_dim))
     block_n = 64 if q.dtype != torch.float32 and block_d <= 128 else 32
-    grid = ((num_seqs, heads, triton.cdiv(max_q_len, QUERY_BLOCK)) if blocks is None
+    grid = ((num_seqs, heads, cdiv(max_q_len, QUERY_BLOCK)) if blocks is None
             else (blocks.shape[1], heads, 1))
     jitted(per_head._paged_attention_kernel, interpret)[grid](
         q, k_cache, v_cache, out, query_start, kv_lens, page_table, page_table if blocks is None else blocks, bidi,

@@ -35,7 +35,8 @@ import torch.nn.functional as F
 from slipstream.models.kernels.add_norm_triton import add_rms_norm_reference
 from slipstream.models.kernels.gate_up_silu_triton import gate_up_silu_reference
 from slipstream.models.kernels.rotary_kv_triton import rotary_kv_reference
-from slipstream.models.kernels.triton_jit import SUM_COMBINE, interpreted, jitted, require_triton, tl, triton
+from slipstream.models.kernels.triton_jit import (SUM_COMBINE, cdiv, interpreted, jitted, next_power_of_2, require_triton,
+                                                 tl, triton)
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -171,14 +172,14 @@ def _dot_args(x: torch.Tensor, interpret: bool) -> dict:
 def qkv_launch(hidden: int, dtype: torch.dtype) -> dict:
     """Tiles and warps of the QKV kernel: 16-column slices of each half head spread a small model's
     weight over more programs (SmolLM2: 15 heads x 2 = 30). Pending GPU timings."""
-    block_k = max(16, min(64 if dtype == torch.float32 else 128, triton.next_power_of_2(hidden)))
+    block_k = max(16, min(64 if dtype == torch.float32 else 128, next_power_of_2(hidden)))
     return dict(BLOCK_M=BLOCK_M, BLOCK_H=16, BLOCK_K=block_k, num_warps=4, num_stages=3)
 
 
 def linear_launch(k: int, dtype: torch.dtype, gate_up: bool) -> dict:
     """Tiles and warps of the GEMV kernel over a reduction dim of k: narrow column tiles, many
     programs (SmolLM2: 36 for o_proj and down, 96 for gate-up), long K tiles. Pending GPU timings."""
-    block_k = max(16, min(64 if dtype == torch.float32 or gate_up else 128, triton.next_power_of_2(k)))
+    block_k = max(16, min(64 if dtype == torch.float32 or gate_up else 128, next_power_of_2(k)))
     return dict(BLOCK_M=BLOCK_M, BLOCK_N=16, BLOCK_K=block_k, num_warps=4, num_stages=3)
 
 
@@ -237,7 +238,7 @@ def norm_qkv_rotary_triton(x: torch.Tensor, norm_weight: torch.Tensor, eps: floa
     if t:
         interpret = interpreted(x)
         cfg = qkv_launch(hidden, x.dtype)
-        grid = (triton.cdiv(t, cfg["BLOCK_M"]), width, triton.cdiv(d // 2, cfg["BLOCK_H"]))
+        grid = (cdiv(t, cfg["BLOCK_M"]), width, cdiv(d // 2, cfg["BLOCK_H"]))
         jitted(_norm_qkv_rotary_kernel, interpret)[grid](
             x, norm_weight, qkv_weight, qkv_weight if qkv_bias is None else qkv_bias, out, k_cache, v_cache,
             positions, kv_indices, cos, sin, t, hidden, eps,
@@ -264,7 +265,7 @@ def linear_residual_triton(x: torch.Tensor, weight: torch.Tensor, residual: torc
     if t and n:
         interpret = interpreted(x)
         cfg = linear_launch(k, x.dtype, gate_up=False)
-        jitted(_decode_linear_kernel, interpret)[(triton.cdiv(t, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))](
+        jitted(_decode_linear_kernel, interpret)[(cdiv(t, cfg["BLOCK_M"]), cdiv(n, cfg["BLOCK_N"]))](
             x, weight, weight, residual, t, n, k, 0.0, x.stride(0), weight.stride(0), residual.stride(0),
             NORM=False, GATE_UP=False, RESIDUAL=True, **_dot_args(x, interpret), **cfg)
 
@@ -292,7 +293,7 @@ def norm_gate_up_silu_triton(x: torch.Tensor, norm_weight: torch.Tensor, eps: fl
     if t and n:
         interpret = interpreted(x)
         cfg = linear_launch(k, x.dtype, gate_up=True)
-        jitted(_decode_linear_kernel, interpret)[(triton.cdiv(t, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))](
+        jitted(_decode_linear_kernel, interpret)[(cdiv(t, cfg["BLOCK_M"]), cdiv(n, cfg["BLOCK_N"]))](
             x, norm_weight, gate_up_weight, out, t, n, k, eps, x.stride(0), gate_up_weight.stride(0), out.stride(0),
             NORM=True, GATE_UP=True, RESIDUAL=False, **_dot_args(x, interpret), **cfg)
     return out

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from slipstream.models.kernels.triton_jit import interpreted, jitted, require_triton, tl, triton
+from slipstream.models.kernels.triton_jit import interpreted, jitted, next_power_of_2, cdiv, require_triton, tl, triton
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -70,7 +70,7 @@ def launch_config(rows: int, hidden: int, dtype: torch.dtype) -> dict:
         block_m, block_n, block_k, warps, stages = 32, 32, 64, 4, 2
     else:
         block_m, block_n, block_k, warps, stages = 64, 64, 32 if f32 else 64, 8, 2
-    block_k = max(16, min(block_k, triton.next_power_of_2(hidden)))
+    block_k = max(16, min(block_k, next_power_of_2(hidden)))
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
 
 
@@ -99,7 +99,7 @@ def gate_up_silu_triton(x: torch.Tensor, gate_up_weight: torch.Tensor) -> torch.
         # numpy has no bf16: the interpreter's dot would multiply raw bits, so upcast there (exact)
         dot_dtype = tl.float32 if interpret and x.dtype == torch.bfloat16 else _TL_DTYPES[x.dtype]
         cfg = launch_config(t, k, x.dtype)
-        kernel[(triton.cdiv(t, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))](
+        kernel[(cdiv(t, cfg["BLOCK_M"]), cdiv(n, cfg["BLOCK_N"]))](
             x, gate_up_weight, out, t, n, k, x.stride(0), gate_up_weight.stride(0), out.stride(0),
             DOT_DTYPE=dot_dtype, PRECISION="ieee" if x.dtype == torch.float32 else None, **cfg)
     return out

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from slipstream.models.kernels.quant_formats import PANEL, QuantWeight
-from slipstream.models.kernels.triton_jit import interpreted, jitted, require_triton, tl, triton
+from slipstream.models.kernels.triton_jit import interpreted, jitted, cdiv, require_triton, tl, triton
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -98,7 +98,7 @@ def quant_matmul_triton(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
         # numpy has no bf16: the interpreter's dot would multiply raw bits, so upcast there (exact)
         dot_dtype = tl.float32 if interpret and x.dtype == torch.bfloat16 else _TL_DTYPES[x.dtype]
         cfg = launch_config(m)
-        kernel[(triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))](
+        kernel[(cdiv(m, cfg["BLOCK_M"]), cdiv(n, cfg["BLOCK_N"]))](
             x, w.values, w.scales, w.scales if w.offsets is None else w.offsets, out, m, n, k, x.stride(0),
             out.stride(0), KIND=0 if w.kind == "u4" else 1, GROUP=w.group, HAS_OFFSET=w.offsets is not None,
             DOT_DTYPE=dot_dtype, PRECISION="ieee" if x.dtype == torch.float32 else None, **cfg)

@@ -20,7 +20,7 @@ import torch
 
 from slipstream.models.kernels.attention import write_kv
 from slipstream.models.kernels.rotary import rotate_half_reference
-from slipstream.models.kernels.triton_jit import interpreted, jitted, require_triton, tl, triton
+from slipstream.models.kernels.triton_jit import interpreted, jitted, next_power_of_2, require_triton, tl, triton
 
 if triton is not None:
     def _rotary_kv_kernel(Q, K, V, KC, VC, POS, KV_INDICES, COS, SIN,
@@ -95,4 +95,4 @@ def rotary_kv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
             q, k, v, k_cache, v_cache, positions, kv_indices, cos, sin,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), cos.stride(0),
-            HEADS=heads, KV_HEADS=kv_heads, HALF=d // 2, BLOCK=triton.next_power_of_2(d // 2), num_warps=1)
+            HEADS=heads, KV_HEADS=kv_heads, HALF=d // 2, BLOCK=next_power_of_2(d // 2), num_warps=1)

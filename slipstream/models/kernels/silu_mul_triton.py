@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from slipstream.models.kernels.triton_jit import interpreted, jitted, require_triton, tl, triton
+from slipstream.models.kernels.triton_jit import interpreted, jitted, next_power_of_2, cdiv, require_triton, tl, triton
 
 BLOCK = 1024  # columns per program
 
@@ -44,8 +44,8 @@ def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"gate and up must share dtype and device; got {gate.dtype}/{up.dtype}")
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     if gate.numel():
-        block = min(BLOCK, triton.next_power_of_2(gate.shape[1]))
+        block = min(BLOCK, next_power_of_2(gate.shape[1]))
         kernel = jitted(_silu_mul_kernel, interpreted(gate))
-        kernel[(gate.shape[0], triton.cdiv(gate.shape[1], block))](
+        kernel[(gate.shape[0], cdiv(gate.shape[1], block))](
             gate, up, out, gate.stride(0), up.stride(0), out.stride(0), gate.shape[1], BLOCK=block, num_warps=4)
     return out

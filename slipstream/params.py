@@ -8,7 +8,7 @@ import msgspec
 from slipstream import validate as check
 from slipstream.errors import InvalidRequestError
 from slipstream.grammar.base import GrammarSpec
-from slipstream.models import WEIGHT_MODES
+from slipstream.models import ACTIVATION_MODES, WEIGHT_MODES
 from slipstream.runtime.batch import MAX_TOP_LOGPROBS  # (one constant: the runner sizes its buffers by it)
 from slipstream.runtime.buckets import make_buckets
 from slipstream.runtime.event_waits import EVENT_WAITS
@@ -178,6 +178,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, met
     # (docs/models.md, "Quantized weights"); "dequantized": expanded to `dtype` at load (other sources
     # always are)
     weights: str = "quantized"
+    # quantized weights on the CPU's compiled kernels: "int8" rounds each activation row to int8 per group
+    # of 32 and multiplies in integers (llama.cpp's arithmetic; ~4x fewer instructions per row, so a
+    # k + 1-position verification costs far less: docs/speculative.md); "float": float32 multiply-adds
+    activations: str = "int8"
     seed: int = 0  # seeds requests that give none
     trace: bool = False  # keep per-step host timings and device spans (benchmarks, timelines)
     grammar_timeout_s: float = 10.0  # compile timeout of a constraint grammar
@@ -237,6 +241,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, met
                                       param="gpu_memory_utilization")
         if self.weights not in WEIGHT_MODES:
             raise InvalidRequestError(f"weights must be one of {WEIGHT_MODES}, got {self.weights!r}", param="weights")
+        if self.activations not in ACTIVATION_MODES:
+            raise InvalidRequestError(f"activations must be one of {ACTIVATION_MODES}, got {self.activations!r}",
+                                      param="activations")
         if self.output_stage not in OUTPUT_STAGES:
             raise InvalidRequestError(f"output_stage must be one of {OUTPUT_STAGES}, got {self.output_stage!r}",
                                       param="output_stage")

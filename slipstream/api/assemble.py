@@ -91,6 +91,7 @@ def _assemble(config: EngineConfig, device, invariant: bool) -> EngineParts:
         model.set_kernel_backend("triton")
     elif not invariant and config.dtype == "float32" and cpu_backend_available(model):
         model.set_kernel_backend("cpu")  # compiled kernels (models/llama/forward_cpu.py); invariance keeps the reference
+        model.set_activations(config.activations)
         calibrate_forward_threads(device, model)
     max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
     # what turns a request's images into prompt rows (None: text only), the model's family's

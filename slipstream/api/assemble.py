@@ -116,7 +116,8 @@ def _assemble(config: EngineConfig, device, invariant: bool) -> EngineParts:
                       prefix_caching=config.prefix_caching, encoder_cache_tokens=config.encoder_cache_tokens,
                       max_encoder_tokens=config.max_encoder_tokens_per_step)
     if config.speculative is not None:
-        install_speculation(config.speculative, runner, planner, ceil_div(max_model_len, config.page_size) * config.page_size)
+        install_speculation(config.speculative, runner, planner, ceil_div(max_model_len, config.page_size) * config.page_size,
+                            config.activations)
     loop = EngineLoop(runner, planner, OutputProcessor(text_thread=config.output_stage == "thread"), config.pipeline_depth, config.page_size, row_multiple,
                       vocab_width=mcfg.vocab_size, eos_ids=tuple(tokenizer.eos_token_ids),
                       step_timeout_s=config.step_timeout_s)
@@ -128,14 +129,15 @@ def _assemble(config: EngineConfig, device, invariant: bool) -> EngineParts:
                        processing)
 
 
-def install_speculation(spec, runner: ModelRunner, planner: Planner, max_len: int) -> None:
+def install_speculation(spec, runner: ModelRunner, planner: Planner, max_len: int, activations: str) -> None:
     """Speculative decoding (docs/speculative.md): the runner's drafting and verifying, the planner's drafts."""
     from slipstream.runtime.spec_step import SpecRunner
-    from slipstream.scheduler.speculation import Speculation
+    from slipstream.scheduler.speculation import FORWARD_MS, FORWARD_MS_INT8, Speculation
 
     runner.spec = SpecRunner(runner, spec.method, spec.num_drafts, max_len, min_n=spec.min_n, max_n=spec.max_n,
                              window=spec.window)
-    planner.speculation = Speculation(spec.num_drafts, spec.adaptive)
+    planner.speculation = Speculation(spec.num_drafts, spec.adaptive,
+                                      FORWARD_MS_INT8 if activations == "int8" else FORWARD_MS)
 
 
 def calibrate_forward_threads(device, model) -> None:

@@ -77,9 +77,10 @@ def add_engine_args(p: argparse.ArgumentParser, log_level: str = "warning") -> N
     p.add_argument("--weights", default="quantized", choices=["quantized", "dequantized"],
                    help="a GGUF's quantized matrices: kept quantized and computed with as such, or expanded to "
                         "--dtype at load (more memory; docs/models.md)")
-    p.add_argument("--activations", default="int8", choices=["int8", "float"],
-                   help="quantized weights on the CPU: activations rounded to int8 per group of 32 and multiplied "
-                        "in integers (faster, llama.cpp's arithmetic), or float32 multiply-adds")
+    p.add_argument("--activations", default="float", choices=["float", "int8"],
+                   help="quantized weights on the CPU: float32 multiply-adds, or activations rounded to int8 per "
+                        "group and multiplied in integers (faster, most of all for speculative decoding; outputs "
+                        "differ slightly: docs/models.md)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="CPU: results independent of batch composition and pipeline depth (row padding, "
                         "float64 attention; slower: docs/architecture.md)")
@@ -100,7 +101,7 @@ def engine_config(args, **overrides):
                   kv_cache_tokens=getattr(args, "kv_cache_tokens", None),
                   batch_invariant=getattr(args, "batch_invariant", False),
                   weights=getattr(args, "weights", "quantized"),
-                  activations=getattr(args, "activations", "int8"),
+                  activations=getattr(args, "activations", "float"),
                   prefix_caching=getattr(args, "prefix_caching", True))
     if getattr(args, "speculative", None):
         from slipstream.params import SpeculativeConfig

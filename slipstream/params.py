@@ -178,10 +178,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, met
     # (docs/models.md, "Quantized weights"); "dequantized": expanded to `dtype` at load (other sources
     # always are)
     weights: str = "quantized"
-    # quantized weights on the CPU's compiled kernels: "int8" rounds each activation row to int8 per group
-    # of 32 and multiplies in integers (llama.cpp's arithmetic; ~4x fewer instructions per row, so a
-    # k + 1-position verification costs far less: docs/speculative.md); "float": float32 multiply-adds
-    activations: str = "int8"
+    # quantized weights on the CPU's compiled kernels: "float": float32 multiply-adds (greedy output
+    # equals transformers'); "int8" rounds each activation row to int8 per group and multiplies in
+    # integers (llama.cpp's kind of arithmetic; ~4x fewer instructions per row, so a k + 1-position
+    # verification costs far less, but outputs differ: docs/models.md, "Quantized weights")
+    activations: str = "float"
     seed: int = 0  # seeds requests that give none
     trace: bool = False  # keep per-step host timings and device spans (benchmarks, timelines)
     grammar_timeout_s: float = 10.0  # compile timeout of a constraint grammar

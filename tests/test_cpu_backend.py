@@ -95,7 +95,7 @@ def test_cpu_backend_matches_reference_and_dequantized(quant_gguf):
 
 
 def test_int8_activations_on_both_backends(quant_gguf):
-    """EngineConfig.activations="int8" (the default): the cpu backend's one-call stack runs the int8
+    """EngineConfig.activations="int8": the cpu backend's one-call stack runs the int8
     kernels, as the reference backend's QuantLinear does (the same up to where float32 rounding moves a
     value across an int8 step), and not the float product; "float" turns them off."""
     quant, _, config = build_model(quant_gguf, "float32", torch.device("cpu"), weights="quantized")

@@ -54,7 +54,7 @@ async def main() -> None:
     ap.add_argument("--num-drafts", type=int, default=4)
     ap.add_argument("--fixed", action="store_true", help="always num_drafts drafts (no adaptive k)")
     ap.add_argument("--workloads", nargs="*", default=list(WORKLOADS))
-    ap.add_argument("--activations", nargs="+", default=["int8"], choices=["int8", "float"],
+    ap.add_argument("--activations", nargs="+", default=["float"], choices=["int8", "float"],
                     help="EngineConfig.activations; several: an off/on pair of engines each, interleaved, one table each")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()

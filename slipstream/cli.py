@@ -87,10 +87,12 @@ def add_engine_args(p: argparse.ArgumentParser, log_level: str = "warning") -> N
     p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV pages of a cached prompt prefix instead of recomputing every prompt from "
                         "its first token (on by default; --no-prefix-caching turns it off: docs/prefix-caching.md)")
-    p.add_argument("--speculative", default=None, choices=["ngram"],
+    p.add_argument("--speculative", default=None, choices=["ngram", "draft"],
                    help="speculative decoding: decode rows feed drafted tokens and keep those the model agrees "
                         "with; the output is unchanged (off by default: docs/speculative.md)")
     p.add_argument("--num-drafts", type=int, default=4, help="with --speculative: the most drafts a row feeds per step")
+    p.add_argument("--draft-model", default=None,
+                   help="with --speculative draft: the smaller model that drafts (same tokenizer as --model)")
     add_log_args(p, log_level)
 
 
@@ -106,7 +108,8 @@ def engine_config(args, **overrides):
     if getattr(args, "speculative", None):
         from slipstream.params import SpeculativeConfig
 
-        fields["speculative"] = SpeculativeConfig(method=args.speculative, num_drafts=args.num_drafts)
+        fields["speculative"] = SpeculativeConfig(method=args.speculative, num_drafts=args.num_drafts,
+                                                  draft_model=getattr(args, "draft_model", None))
     fields.update(overrides)
     return EngineConfig(**fields)
 

@@ -135,7 +135,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, f
 
 
 OUTPUT_STAGES = ("loop", "thread")
-SPEC_METHODS = ("ngram",)
+SPEC_METHODS = ("ngram", "draft")
 
 
 class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True,
@@ -143,12 +143,15 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     """Speculative decoding (docs/speculative.md): a decode row feeds up to `num_drafts` drafted tokens
     after its last one and keeps those the model agrees with; the output is unchanged."""
 
-    method: str = "ngram"  # "ngram": prompt lookup on the device (runtime/ngram_drafter.py)
+    method: str = "ngram"  # "ngram": prompt lookup on the device (runtime/ngram_drafter.py); "draft": a
+    #                        smaller model's greedy tokens (runtime/draft_model_drafter.py)
     num_drafts: int = 4  # the most drafts a row feeds in one step (k)
     min_n: int = 1  # n-gram lengths looked up, longest first
     max_n: int = 3
     window: int = 1024  # the newest tokens of a row searched for the n-gram
     adaptive: bool = True  # per row, as many drafts as its acceptance pays for (0 included); False: always k
+    draft_model: str | None = None  # method "draft": the model (as EngineConfig.model), same tokenizer
+    draft_context: int = 64  # method "draft": the newest tokens of a row the draft model reads per step
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -159,6 +162,13 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
         check.integer("speculative.max_n", self.max_n, minimum=self.min_n)
         check.integer("speculative.window", self.window, minimum=self.max_n + 1)
         check.boolean("speculative.adaptive", self.adaptive)
+        if (self.method == "draft") != (self.draft_model is not None):
+            raise InvalidRequestError("speculative.draft_model is given with method 'draft', and only then",
+                                      param="speculative.draft_model")
+        if self.draft_model is not None and (not isinstance(self.draft_model, str) or not self.draft_model):
+            raise InvalidRequestError("speculative.draft_model must be a model name or path",
+                                      param="speculative.draft_model")
+        check.integer("speculative.draft_context", self.draft_context, minimum=1, maximum=4096)
 
 
 class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, metaclass=CheckedStructMeta):

@@ -31,10 +31,13 @@ from slipstream import Engine, EngineConfig, SamplingParams  # noqa: E402
 from slipstream.params import SpeculativeConfig  # noqa: E402
 
 
-async def one(engine: Engine, message: str, max_tokens: int):
+async def one(engine: Engine, message: str, max_tokens: int, raw: bool = False):
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     c0 = time.process_time()
-    out = await engine.chat([{"role": "user", "content": message}], params)
+    if raw:
+        out = await engine.complete(message, params)
+    else:
+        out = await engine.chat([{"role": "user", "content": message}], params)
     cpu = time.process_time() - c0
     times = out.metrics.token_times
     n = len(out.token_ids)
@@ -53,6 +56,11 @@ async def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--num-drafts", type=int, default=4)
     ap.add_argument("--fixed", action="store_true", help="always num_drafts drafts (no adaptive k)")
+    ap.add_argument("--method", default="ngram", choices=["ngram", "draft"])
+    ap.add_argument("--draft-model", default=None, help="with --method draft")
+    ap.add_argument("--raw", action="store_true",
+                    help="send each workload's text as a raw prompt, not a chat message (models without a chat "
+                         "template, e.g. the random ones)")
     ap.add_argument("--workloads", nargs="*", default=list(WORKLOADS))
     ap.add_argument("--activations", nargs="+", default=["float"], choices=["int8", "float"],
                     help="EngineConfig.activations; several: an off/on pair of engines each, interleaved, one table each")
@@ -64,7 +72,8 @@ async def main() -> None:
         print(line, flush=True)
         lines.append(line + "\n")
 
-    spec = SpeculativeConfig(num_drafts=args.num_drafts, adaptive=not args.fixed)
+    spec = SpeculativeConfig(method=args.method, num_drafts=args.num_drafts, adaptive=not args.fixed,
+                             draft_model=args.draft_model)
     emit(f"model={args.model} max_tokens={args.max_tokens} repeats={args.repeats} speculative={spec}")
     engines = {}
     for act in args.activations:
@@ -74,7 +83,7 @@ async def main() -> None:
         await e.start()
     try:
         for name in engines:  # warm-up: kernels, caches, the first allocation of everything
-            await one(engines[name], "Say hello.", 16)
+            await one(engines[name], "Say hello.", 16, args.raw)
         wall: dict = {(w, s): [] for w in args.workloads for s in engines}
         cpu: dict = {(w, s): [] for w in args.workloads for s in engines}
         same: dict = {(w, a): [] for w in args.workloads for a in args.activations}
@@ -84,7 +93,7 @@ async def main() -> None:
             outs = {}
             for side in order:
                 stats0 = (await engines[side].stats()).get("speculative")
-                ids, tps, cps = await one(engines[side], WORKLOADS[w][1], args.max_tokens)
+                ids, tps, cps = await one(engines[side], WORKLOADS[w][1], args.max_tokens, args.raw)
                 stats1 = (await engines[side].stats()).get("speculative")
                 if stats1:
                     for i, key in enumerate(("accepted", "drafted", "steps")):

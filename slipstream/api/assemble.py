@@ -137,8 +137,10 @@ def install_speculation(config: EngineConfig, runner: ModelRunner, planner: Plan
     from slipstream.scheduler.speculation import FORWARD_MS, FORWARD_MS_INT8, Speculation
 
     spec = config.speculative
+    assert spec is not None
     if spec.method == "draft":
-        options: dict = dict(model=draft_model(config, target_config, tokenizer, device),
+        assert spec.draft_model is not None  # (SpeculativeConfig checks it)
+        options: dict = dict(model=draft_model(config, spec.draft_model, target_config, tokenizer, device),
                              context=spec.draft_context)
     else:
         options = dict(min_n=spec.min_n, max_n=spec.max_n, window=spec.window)
@@ -161,14 +163,14 @@ def check_draft_model(target_config, target_tokenizer, draft_config, draft_token
                                   param="speculative.draft_model")
 
 
-def draft_model(config: EngineConfig, target_config, tokenizer, device):
+def draft_model(config: EngineConfig, name: str, target_config, tokenizer, device):
     """The draft model of SpeculativeConfig(method="draft"), checked against the target; on the CPU
     kernels where it can run on them (drafts need no invariance: verification decides)."""
     if device.kind != "cpu":
         raise InvalidRequestError("speculative method 'draft' runs on the CPU only (it reads the history on the host)",
                                   param="speculative.method")
-    model, draft_tokenizer, draft_config = build_model(config.speculative.draft_model, "float32", device.torch_device,
-                                                       config.seed, pack=True, weights=config.weights)
+    model, draft_tokenizer, draft_config = build_model(name, "float32", device.torch_device, config.seed, pack=True,
+                                                       weights=config.weights)
     check_draft_model(target_config, tokenizer, draft_config, draft_tokenizer)
     if cpu_backend_available(model):
         model.set_kernel_backend("cpu")

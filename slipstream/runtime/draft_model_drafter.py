@@ -53,8 +53,8 @@ class DraftModelDrafter:
         ids, pos, slots, starts, lens, samples, tables = [], [], [], [0], [], [], []
         for i, (tokens, start) in enumerate(chunks):
             pages = list(range(1 + i * self.row_pages, 1 + (i + 1) * self.row_pages))
-            for j, t in enumerate(tokens):
-                ids.append(t)
+            for j, token in enumerate(tokens):
+                ids.append(token)
                 pos.append(start + j)
                 slots.append(pages[(start + j) // PAGE] * PAGE + (start + j) % PAGE)
             starts.append(len(ids))

@@ -77,16 +77,22 @@ def add_engine_args(p: argparse.ArgumentParser, log_level: str = "warning") -> N
     p.add_argument("--weights", default="quantized", choices=["quantized", "dequantized"],
                    help="a GGUF's quantized matrices: kept quantized and computed with as such, or expanded to "
                         "--dtype at load (more memory; docs/models.md)")
+    p.add_argument("--activations", default="float", choices=["float", "int8"],
+                   help="quantized weights on the CPU: float32 multiply-adds, or activations rounded to int8 per "
+                        "group and multiplied in integers (faster, most of all for speculative decoding; outputs "
+                        "differ slightly: docs/models.md)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="CPU: results independent of batch composition and pipeline depth (row padding, "
                         "float64 attention; slower: docs/architecture.md)")
     p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV pages of a cached prompt prefix instead of recomputing every prompt from "
                         "its first token (on by default; --no-prefix-caching turns it off: docs/prefix-caching.md)")
-    p.add_argument("--speculative", default=None, choices=["ngram"],
+    p.add_argument("--speculative", default=None, choices=["ngram", "draft"],
                    help="speculative decoding: decode rows feed drafted tokens and keep those the model agrees "
                         "with; the output is unchanged (off by default: docs/speculative.md)")
     p.add_argument("--num-drafts", type=int, default=4, help="with --speculative: the most drafts a row feeds per step")
+    p.add_argument("--draft-model", default=None,
+                   help="with --speculative draft: the smaller model that drafts (same tokenizer as --model)")
     add_log_args(p, log_level)
 
 
@@ -97,11 +103,13 @@ def engine_config(args, **overrides):
                   kv_cache_tokens=getattr(args, "kv_cache_tokens", None),
                   batch_invariant=getattr(args, "batch_invariant", False),
                   weights=getattr(args, "weights", "quantized"),
+                  activations=getattr(args, "activations", "float"),
                   prefix_caching=getattr(args, "prefix_caching", True))
     if getattr(args, "speculative", None):
         from slipstream.params import SpeculativeConfig
 
-        fields["speculative"] = SpeculativeConfig(method=args.speculative, num_drafts=args.num_drafts)
+        fields["speculative"] = SpeculativeConfig(method=args.speculative, num_drafts=args.num_drafts,
+                                                  draft_model=getattr(args, "draft_model", None))
     fields.update(overrides)
     return EngineConfig(**fields)
 

@@ -8,7 +8,7 @@ import msgspec
 from slipstream import validate as check
 from slipstream.errors import InvalidRequestError
 from slipstream.grammar.base import GrammarSpec
-from slipstream.models import WEIGHT_MODES
+from slipstream.models import ACTIVATION_MODES, WEIGHT_MODES
 from slipstream.runtime.batch import MAX_TOP_LOGPROBS  # (one constant: the runner sizes its buffers by it)
 from slipstream.runtime.buckets import make_buckets
 from slipstream.runtime.event_waits import EVENT_WAITS
@@ -135,7 +135,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, f
 
 
 OUTPUT_STAGES = ("loop", "thread")
-SPEC_METHODS = ("ngram",)
+SPEC_METHODS = ("ngram", "draft")
 
 
 class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True,
@@ -143,12 +143,15 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     """Speculative decoding (docs/speculative.md): a decode row feeds up to `num_drafts` drafted tokens
     after its last one and keeps those the model agrees with; the output is unchanged."""
 
-    method: str = "ngram"  # "ngram": prompt lookup on the device (runtime/ngram_drafter.py)
+    method: str = "ngram"  # "ngram": prompt lookup on the device (runtime/ngram_drafter.py); "draft": a
+    #                        smaller model's greedy tokens (runtime/draft_model_drafter.py)
     num_drafts: int = 4  # the most drafts a row feeds in one step (k)
     min_n: int = 1  # n-gram lengths looked up, longest first
     max_n: int = 3
     window: int = 1024  # the newest tokens of a row searched for the n-gram
     adaptive: bool = True  # per row, as many drafts as its acceptance pays for (0 included); False: always k
+    draft_model: str | None = None  # method "draft": the model (as EngineConfig.model), same tokenizer
+    draft_context: int = 64  # method "draft": the newest tokens of a row the draft model reads per step
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -159,6 +162,13 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
         check.integer("speculative.max_n", self.max_n, minimum=self.min_n)
         check.integer("speculative.window", self.window, minimum=self.max_n + 1)
         check.boolean("speculative.adaptive", self.adaptive)
+        if (self.method == "draft") != (self.draft_model is not None):
+            raise InvalidRequestError("speculative.draft_model is given with method 'draft', and only then",
+                                      param="speculative.draft_model")
+        if self.draft_model is not None and (not isinstance(self.draft_model, str) or not self.draft_model):
+            raise InvalidRequestError("speculative.draft_model must be a model name or path",
+                                      param="speculative.draft_model")
+        check.integer("speculative.draft_context", self.draft_context, minimum=1, maximum=4096)
 
 
 class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, metaclass=CheckedStructMeta):
@@ -178,6 +188,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, met
     # (docs/models.md, "Quantized weights"); "dequantized": expanded to `dtype` at load (other sources
     # always are)
     weights: str = "quantized"
+    # quantized weights on the CPU's compiled kernels: "float": float32 multiply-adds (greedy output
+    # equals transformers'); "int8" rounds each activation row to int8 per group and multiplies in
+    # integers (llama.cpp's kind of arithmetic; ~4x fewer instructions per row, so a k + 1-position
+    # verification costs far less, but outputs differ: docs/models.md, "Quantized weights")
+    activations: str = "float"
     seed: int = 0  # seeds requests that give none
     trace: bool = False  # keep per-step host timings and device spans (benchmarks, timelines)
     grammar_timeout_s: float = 10.0  # compile timeout of a constraint grammar
@@ -237,6 +252,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, met
                                       param="gpu_memory_utilization")
         if self.weights not in WEIGHT_MODES:
             raise InvalidRequestError(f"weights must be one of {WEIGHT_MODES}, got {self.weights!r}", param="weights")
+        if self.activations not in ACTIVATION_MODES:
+            raise InvalidRequestError(f"activations must be one of {ACTIVATION_MODES}, got {self.activations!r}",
+                                      param="activations")
         if self.output_stage not in OUTPUT_STAGES:
             raise InvalidRequestError(f"output_stage must be one of {OUTPUT_STAGES}, got {self.output_stage!r}",
                                       param="output_stage")

@@ -94,6 +94,29 @@ def test_cpu_backend_matches_reference_and_dequantized(quant_gguf):
     assert torch.equal(on_cpu.argmax(-1), reference.argmax(-1))
 
 
+def test_int8_activations_on_both_backends(quant_gguf):
+    """EngineConfig.activations="int8": the cpu backend's one-call stack runs the int8
+    kernels, as the reference backend's QuantLinear does (the same up to where float32 rounding moves a
+    value across an int8 step), and not the float product; "float" turns them off."""
+    quant, _, config = build_model(quant_gguf, "float32", torch.device("cpu"), weights="quantized")
+    steps = [7, 1, 1, 1]
+    on_float = forward_logits(quant, config, steps)
+    quant.set_activations("int8")
+    on_reference = forward_logits(quant, config, steps)
+    quant.set_kernel_backend("cpu")
+    on_cpu = forward_logits(quant, config, steps)
+    scale = on_reference.abs().max().item()
+    assert (on_cpu - on_reference).abs().max().item() < 1e-3 * scale
+    assert (on_cpu - on_float).abs().max().item() > 1e-3 * scale
+    for mode, int8 in (("float", False), ("int8", True)):
+        parts = assemble(EngineConfig(model=quant_gguf, kv_cache_tokens=64, activations=mode))
+        try:
+            model = parts.runner.model
+            assert model.model.layers[0].self_attn.qkv_cpu.int8 is int8 and model.lm_head.int8 is int8
+        finally:
+            parts.close()
+
+
 def test_dense_model_on_the_cpu_backend():
     """A float model (random weights, dense and oneDNN-packed) runs the same kernels between its
     projections (llama_cpu.forward_cpu's per-layer loop)."""
@@ -143,3 +166,6 @@ def test_weights_field_is_validated():
     with pytest.raises(InvalidRequestError) as e:
         EngineConfig(weights="int4")
     assert e.value.param == "weights"
+    with pytest.raises(InvalidRequestError) as e:
+        EngineConfig(activations="int4")
+    assert e.value.param == "activations"

@@ -1,6 +1,8 @@
 """The compiled CPU kernels against torch references: the quantized matmul per format (within 1e-5 of
 the output's magnitude of dequantize-then-matmul in float64), its batch-invariant mode, row lookups,
 and the fused layer steps (norm, rotary + KV write, paged attention, SiLU*up)."""
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -40,6 +42,31 @@ def test_invariant_rows_do_not_depend_on_the_batch(name):
     full = cpu_matmul(x, w, invariant=True, lib=lib)
     for m in range(1, 17):
         assert torch.equal(cpu_matmul(x[:m], w, invariant=True, lib=lib), full[:m]), m
+
+
+def int8_reference(x, w):
+    """What the int8-activation kernels compute, in float64: each row of x rounded to int8 per group
+    (scale max|x| / 127, ties to even) against the weights' integers, the offsets against exact x."""
+    gs = 32 if w.kind == "u4" else w.group
+    g = x.double().view(x.shape[0], -1, gs)
+    amax = g.abs().amax(-1, keepdim=True)
+    xq = torch.where(amax > 0, torch.round(g * (127 / amax)) * (amax / 127), 0).view_as(x)
+    offsets = replace(w, values=torch.zeros_like(w.values)).dequantize().double()  # q = 0: the offset
+    return xq @ (w.dequantize().double() - offsets).T + x.double() @ offsets.T
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_int8_activations_match_their_reference(name):
+    """The int8-activation products (quant_matmul_q8_cpu.c): as int8_reference says, and a row's result
+    the same bits whatever the number of rows beside it."""
+    w = random_weight(name, 83, 512)  # 6 panels, the last partial
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(3))
+    x[4, 32:64] = 0  # an all-zero group
+    full = cpu_matmul(x, w, lib=lib, int8=True)
+    assert close(full, int8_reference(x, w))
+    assert not close(full, x.double() @ w.dequantize().double().T)  # (rounded: not the float product)
+    for m in (1, 5):
+        assert torch.equal(cpu_matmul(x[:m], w, lib=lib, int8=True), full[:m]), m
 
 
 @pytest.mark.parametrize("name", FORMATS)

@@ -31,10 +31,13 @@ from slipstream import Engine, EngineConfig, SamplingParams  # noqa: E402
 from slipstream.params import SpeculativeConfig  # noqa: E402
 
 
-async def one(engine: Engine, message: str, max_tokens: int):
+async def one(engine: Engine, message: str, max_tokens: int, raw: bool = False):
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     c0 = time.process_time()
-    out = await engine.chat([{"role": "user", "content": message}], params)
+    if raw:
+        out = await engine.complete(message, params)
+    else:
+        out = await engine.chat([{"role": "user", "content": message}], params)
     cpu = time.process_time() - c0
     times = out.metrics.token_times
     n = len(out.token_ids)
@@ -53,7 +56,14 @@ async def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--num-drafts", type=int, default=4)
     ap.add_argument("--fixed", action="store_true", help="always num_drafts drafts (no adaptive k)")
+    ap.add_argument("--method", default="ngram", choices=["ngram", "draft"])
+    ap.add_argument("--draft-model", default=None, help="with --method draft")
+    ap.add_argument("--raw", action="store_true",
+                    help="send each workload's text as a raw prompt, not a chat message (models without a chat "
+                         "template, e.g. the random ones)")
     ap.add_argument("--workloads", nargs="*", default=list(WORKLOADS))
+    ap.add_argument("--activations", nargs="+", default=["float"], choices=["int8", "float"],
+                    help="EngineConfig.activations; several: an off/on pair of engines each, interleaved, one table each")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     lines = [header(" ".join(sys.argv))]
@@ -62,47 +72,52 @@ async def main() -> None:
         print(line, flush=True)
         lines.append(line + "\n")
 
-    spec = SpeculativeConfig(num_drafts=args.num_drafts, adaptive=not args.fixed)
+    spec = SpeculativeConfig(method=args.method, num_drafts=args.num_drafts, adaptive=not args.fixed,
+                             draft_model=args.draft_model)
     emit(f"model={args.model} max_tokens={args.max_tokens} repeats={args.repeats} speculative={spec}")
-    engines = {"off": Engine(EngineConfig(model=args.model)), "on": Engine(EngineConfig(model=args.model, speculative=spec))}
+    engines = {}
+    for act in args.activations:
+        engines[act, "off"] = Engine(EngineConfig(model=args.model, activations=act))
+        engines[act, "on"] = Engine(EngineConfig(model=args.model, activations=act, speculative=spec))
     for e in engines.values():
         await e.start()
     try:
-        for name in ("off", "on"):  # warm-up: kernels, caches, the first allocation of everything
-            await one(engines[name], "Say hello.", 16)
+        for name in engines:  # warm-up: kernels, caches, the first allocation of everything
+            await one(engines[name], "Say hello.", 16, args.raw)
         wall: dict = {(w, s): [] for w in args.workloads for s in engines}
         cpu: dict = {(w, s): [] for w in args.workloads for s in engines}
-        same: dict = {w: [] for w in args.workloads}
-        accepted: dict = {w: [0, 0, 0] for w in args.workloads}
-        for r in range(args.repeats):
+        same: dict = {(w, a): [] for w in args.workloads for a in args.activations}
+        accepted: dict = {(w, a): [0, 0, 0] for w in args.workloads for a in args.activations}
+        for r, w, act in ((r, w, act) for r in range(args.repeats) for w in args.workloads for act in args.activations):
+            order = ((act, "off"), (act, "on")) if r % 2 == 0 else ((act, "on"), (act, "off"))
+            outs = {}
+            for side in order:
+                stats0 = (await engines[side].stats()).get("speculative")
+                ids, tps, cps = await one(engines[side], WORKLOADS[w][1], args.max_tokens, args.raw)
+                stats1 = (await engines[side].stats()).get("speculative")
+                if stats1:
+                    for i, key in enumerate(("accepted", "drafted", "steps")):
+                        accepted[w, act][i] += stats1[key] - stats0[key]
+                outs[side[1]] = ids
+                wall[w, side].append(tps)
+                cpu[w, side].append(cps)
+                emit(f"repeat {r} {w:12s} {act:5s} {side[1]:3s} tokens={len(ids):4d} wall tok/s={tps:7.1f} "
+                     f"cpu tok/s={cps:7.1f}")
+            same[w, act].append(outs["off"] == outs["on"])
+        for act in args.activations:
+            emit(f"\nactivations={act}\n")
+            emit("| workload | repeats its input | off: tok/s wall (median / mean / p90-low) | on: tok/s wall (median / mean / p90-low) "
+                 "| speedup, wall | speedup, CPU time | drafts accepted / fed | same tokens |")
+            emit("|---|---|---:|---:|---:|---:|---:|---|")
             for w in args.workloads:
-                order = ("off", "on") if r % 2 == 0 else ("on", "off")
-                outs = {}
-                for side in order:
-                    stats0 = (await engines[side].stats()).get("speculative")
-                    ids, tps, cps = await one(engines[side], WORKLOADS[w][1], args.max_tokens)
-                    stats1 = (await engines[side].stats()).get("speculative")
-                    if stats1:
-                        for i, key in enumerate(("accepted", "drafted", "steps")):
-                            accepted[w][i] += stats1[key] - stats0[key]
-                    outs[side] = ids
-                    wall[w, side].append(tps)
-                    cpu[w, side].append(cps)
-                    emit(f"repeat {r} {w:12s} {side:3s} tokens={len(ids):4d} wall tok/s={tps:7.1f} cpu tok/s={cps:7.1f}")
-                same[w].append(outs["off"] == outs["on"])
-        emit()
-        emit("| workload | repeats its input | off: tok/s wall (median / mean / p90-low) | on: tok/s wall (median / mean / p90-low) "
-             "| speedup, wall | speedup, CPU time | drafts accepted / fed | same tokens |")
-        emit("|---|---|---:|---:|---:|---:|---:|---|")
-        for w in args.workloads:
-            off, on = wall[w, "off"], wall[w, "on"]
-            a, d, _ = accepted[w]
-            emit(f"| {w} | {'yes' if WORKLOADS[w][0] else 'no'} "
-                 f"| {statistics.median(off):.1f} / {statistics.mean(off):.1f} / {pct(off, 0.1):.1f} "
-                 f"| {statistics.median(on):.1f} / {statistics.mean(on):.1f} / {pct(on, 0.1):.1f} "
-                 f"| {statistics.median(on) / statistics.median(off):.2f} "
-                 f"| {statistics.median(cpu[w, 'on']) / statistics.median(cpu[w, 'off']):.2f} "
-                 f"| {a} / {d} ({a / d if d else 0:.2f}) | {sum(same[w])}/{len(same[w])} |")
+                off, on = wall[w, (act, "off")], wall[w, (act, "on")]
+                a, d, _ = accepted[w, act]
+                emit(f"| {w} | {'yes' if WORKLOADS[w][0] else 'no'} "
+                     f"| {statistics.median(off):.1f} / {statistics.mean(off):.1f} / {pct(off, 0.1):.1f} "
+                     f"| {statistics.median(on):.1f} / {statistics.mean(on):.1f} / {pct(on, 0.1):.1f} "
+                     f"| {statistics.median(on) / statistics.median(off):.2f} "
+                     f"| {statistics.median(cpu[w, (act, 'on')]) / statistics.median(cpu[w, (act, 'off')]):.2f} "
+                     f"| {a} / {d} ({a / d if d else 0:.2f}) | {sum(same[w, act])}/{len(same[w, act])} |")
         emit(f"\nload average at the end: {os.getloadavg()}; cpu tok/s: tokens / process CPU seconds of the "
              "whole request (prefill included); wall tok/s: decode only (first token to last)")
     finally:

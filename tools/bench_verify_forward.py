@@ -50,6 +50,9 @@ def main() -> None:
     ap.add_argument("--weights", default="dequantized", choices=["dequantized", "quantized"],
                     help="quantized: a GGUF's matrices kept quantized, on the compiled CPU kernels (the "
                          "engine's default since issue 39); dequantized: the packed fp32 path phase 1 measured")
+    ap.add_argument("--activations", nargs="+", default=["float"], choices=["int8", "float"],
+                    help="with --weights quantized: the CPU products' activations (EngineConfig.activations); "
+                         "several: interleaved within each repeat, one table each")
     ap.add_argument("--out", type=Path, default=None, help="also write the report here")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -61,29 +64,33 @@ def main() -> None:
         lines: list[str] = []
         emit(lines, f"\nmodel={args.model} ({args.weights}) torch={torch.__version__} threads={torch.get_num_threads()} "
                     f"batch={args.batch} repeats={args.repeats}; ms per forward\n")
-        emit(lines, "| context | positions q | logits | CPU median | mean | p90 | wall median | CPU / (q=1) |")
-        emit(lines, "|---:|---:|---|---:|---:|---:|---:|---:|")
+        emit(lines, "| activations | context | positions q | logits | CPU median | mean | p90 | wall median | CPU / (q=1) |")
+        emit(lines, "|---|---:|---:|---|---:|---:|---:|---:|---:|")
+        modes = args.activations if args.weights == "quantized" else ["float"]
         for context in args.contexts:
             pages = 1 + args.batch * -(-(context + max(args.positions)) // PAGE)
             kv = KVCache(config, pages, PAGE, torch.float32, "cpu")
             kv.k.normal_()
             kv.v.normal_()
-            cases = [(q, all_logits) for q in args.positions for all_logits in ((True, False) if q > 1 else (True,))]
+            cases = [(mode, q, all_logits) for mode in modes for q in args.positions
+                     for all_logits in ((True, False) if q > 1 else (True,))]
             cpu: dict = {c: [] for c in cases}
             wall: dict = {c: [] for c in cases}
             for i in range(args.warmup + args.repeats):
                 for c in cases:
-                    fb = batch_for(c[0], context, c[1], args.batch)
+                    if args.weights == "quantized":
+                        model.set_activations(c[0])
+                    fb = batch_for(c[1], context, c[2], args.batch)
                     t0, w0 = time.thread_time(), time.perf_counter()
                     model(fb, kv)
                     if i >= args.warmup:
                         cpu[c].append((time.thread_time() - t0) * 1e3)
                         wall[c].append((time.perf_counter() - w0) * 1e3)
-            base = statistics.median(cpu[(1, True)])
-            for (q, all_logits), xs in cpu.items():
-                emit(lines, f"| {context} | {q} | {'all' if all_logits else 'last'} | {statistics.median(xs):.2f} | "
-                            f"{statistics.fmean(xs):.2f} | {pct(xs, 0.9):.2f} | "
-                            f"{statistics.median(wall[(q, all_logits)]):.2f} | {statistics.median(xs) / base:.2f} |")
+            for (mode, q, all_logits), xs in cpu.items():
+                base = statistics.median(cpu[(mode, 1, True)])
+                emit(lines, f"| {mode} | {context} | {q} | {'all' if all_logits else 'last'} | "
+                            f"{statistics.median(xs):.2f} | {statistics.fmean(xs):.2f} | {pct(xs, 0.9):.2f} | "
+                            f"{statistics.median(wall[(mode, q, all_logits)]):.2f} | {statistics.median(xs) / base:.2f} |")
         return lines
 
     report(body, args.out)

@@ -24,11 +24,11 @@ CHAT = ["What is the capital of France?", "List three colours.", "Write a short 
         "Why is the sky blue?"]
 
 
-async def outputs(weights: str, tokens: int) -> list[list[int]]:
+async def outputs(weights: str, tokens: int, activations: str = "float") -> list[list[int]]:
     from slipstream import Engine, EngineConfig, SamplingParams
 
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    async with Engine(EngineConfig(weights=weights)) as engine:
+    async with Engine(EngineConfig(weights=weights, activations=activations)) as engine:
         prompts = RAW + [await engine.chat_prompt([{"role": "user", "content": c}]) for c in CHAT]
         outs = await asyncio.gather(*(engine.complete(p, params) for p in prompts))
     return [o.token_ids for o in outs]
@@ -37,15 +37,18 @@ async def outputs(weights: str, tokens: int) -> list[list[int]]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--activations", default="float", choices=["float", "int8"],
+                    help="the quantized engine's EngineConfig.activations")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     from bench_lines import emit, report
 
     def body() -> list[str]:
         lines: list[str] = []
-        quant = asyncio.run(outputs("quantized", args.tokens))
+        quant = asyncio.run(outputs("quantized", args.tokens, args.activations))
         dense = asyncio.run(outputs("dequantized", args.tokens))
-        emit(lines, f"{len(quant)} prompts, {args.tokens} greedy tokens each\n")
+        emit(lines, f"{len(quant)} prompts, {args.tokens} greedy tokens each; quantized with activations="
+                    f"{args.activations}\n")
         emit(lines, "| prompt | tokens until the first difference | whole output equal |")
         emit(lines, "|---|---:|---|")
         same, agreed = 0, 0

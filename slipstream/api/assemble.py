@@ -8,6 +8,7 @@ import structlog
 import torch
 
 from slipstream.api.output_processor import OutputProcessor
+from slipstream.errors import InvalidRequestError
 from slipstream.intmath import ceil_div
 from slipstream.metrics import EngineMetrics
 from slipstream.models import registry
@@ -91,6 +92,7 @@ def _assemble(config: EngineConfig, device, invariant: bool) -> EngineParts:
         model.set_kernel_backend("triton")
     elif not invariant and config.dtype == "float32" and cpu_backend_available(model):
         model.set_kernel_backend("cpu")  # compiled kernels (models/llama/forward_cpu.py); invariance keeps the reference
+        model.set_activations(config.activations)
         calibrate_forward_threads(device, model)
     max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
     # what turns a request's images into prompt rows (None: text only), the model's family's
@@ -115,7 +117,8 @@ def _assemble(config: EngineConfig, device, invariant: bool) -> EngineParts:
                       prefix_caching=config.prefix_caching, encoder_cache_tokens=config.encoder_cache_tokens,
                       max_encoder_tokens=config.max_encoder_tokens_per_step)
     if config.speculative is not None:
-        install_speculation(config.speculative, runner, planner, ceil_div(max_model_len, config.page_size) * config.page_size)
+        install_speculation(config, runner, planner, ceil_div(max_model_len, config.page_size) * config.page_size,
+                            mcfg, tokenizer, device)
     loop = EngineLoop(runner, planner, OutputProcessor(text_thread=config.output_stage == "thread"), config.pipeline_depth, config.page_size, row_multiple,
                       vocab_width=mcfg.vocab_size, eos_ids=tuple(tokenizer.eos_token_ids),
                       step_timeout_s=config.step_timeout_s)
@@ -127,14 +130,52 @@ def _assemble(config: EngineConfig, device, invariant: bool) -> EngineParts:
                        processing)
 
 
-def install_speculation(spec, runner: ModelRunner, planner: Planner, max_len: int) -> None:
+def install_speculation(config: EngineConfig, runner: ModelRunner, planner: Planner, max_len: int, target_config,
+                        tokenizer, device) -> None:
     """Speculative decoding (docs/speculative.md): the runner's drafting and verifying, the planner's drafts."""
     from slipstream.runtime.spec_step import SpecRunner
-    from slipstream.scheduler.speculation import Speculation
+    from slipstream.scheduler.speculation import FORWARD_MS, FORWARD_MS_INT8, Speculation
 
-    runner.spec = SpecRunner(runner, spec.method, spec.num_drafts, max_len, min_n=spec.min_n, max_n=spec.max_n,
-                             window=spec.window)
-    planner.speculation = Speculation(spec.num_drafts, spec.adaptive)
+    spec = config.speculative
+    assert spec is not None
+    if spec.method == "draft":
+        assert spec.draft_model is not None  # (SpeculativeConfig checks it)
+        options: dict = dict(model=draft_model(config, spec.draft_model, target_config, tokenizer, device),
+                             context=spec.draft_context)
+    else:
+        options = dict(min_n=spec.min_n, max_n=spec.max_n, window=spec.window)
+    runner.spec = SpecRunner(runner, spec.method, spec.num_drafts, max_len, **options)
+    planner.speculation = Speculation(spec.num_drafts, spec.adaptive,
+                                      FORWARD_MS_INT8 if config.activations == "int8" else FORWARD_MS)
+
+
+DRAFT_PROBE = "The draft model must split text as the target does: 12345, naïve café, 日本語 🚀."
+
+
+def check_draft_model(target_config, target_tokenizer, draft_config, draft_tokenizer) -> None:
+    """Drafts are the draft model's token ids fed to the target: refuse a draft model whose vocabulary
+    or tokenizer differs (InvalidRequestError naming speculative.draft_model)."""
+    if draft_config.vocab_size != target_config.vocab_size:
+        raise InvalidRequestError(f"speculative.draft_model has a vocabulary of {draft_config.vocab_size} tokens, "
+                                  f"the model {target_config.vocab_size}", param="speculative.draft_model")
+    if draft_tokenizer.encode(DRAFT_PROBE) != target_tokenizer.encode(DRAFT_PROBE):
+        raise InvalidRequestError("speculative.draft_model's tokenizer splits text differently from the model's",
+                                  param="speculative.draft_model")
+
+
+def draft_model(config: EngineConfig, name: str, target_config, tokenizer, device):
+    """The draft model of SpeculativeConfig(method="draft"), checked against the target; on the CPU
+    kernels where it can run on them (drafts need no invariance: verification decides)."""
+    if device.kind != "cpu":
+        raise InvalidRequestError("speculative method 'draft' runs on the CPU only (it reads the history on the host)",
+                                  param="speculative.method")
+    model, draft_tokenizer, draft_config = build_model(name, "float32", device.torch_device, config.seed, pack=True,
+                                                       weights=config.weights)
+    check_draft_model(target_config, tokenizer, draft_config, draft_tokenizer)
+    if cpu_backend_available(model):
+        model.set_kernel_backend("cpu")
+        model.set_activations(config.activations)
+    return model
 
 
 def calibrate_forward_threads(device, model) -> None:

@@ -81,6 +81,10 @@ class Model(Protocol):
 
     def set_kernel_backend(self, backend: str, options: Any = None) -> None: ...
 
+    def set_activations(self, mode: str) -> None:
+        """How quantized matrices multiply on the "cpu" backend (EngineConfig.activations)."""
+        ...
+
     def set_attention_dtype(self, dtype: torch.dtype | None) -> None: ...
 
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -113,5 +113,13 @@ def smollm2_135m_config() -> ModelConfig:
     )
 
 
+def smollm2_360m_config() -> ModelConfig:
+    """SmolLM2-360M's architecture (its Hugging Face config), with SmolLM2-135M's vocabulary: a random
+    target for a random 135M-shaped draft model (speculative decoding's timing)."""
+    return replace(smollm2_135m_config(), hidden_size=960, intermediate_size=2560, num_layers=32, num_heads=15,
+                   num_kv_heads=5, name="random-smollm2-360m")
+
+
 TINY = "tiny-random"
-RANDOM_CONFIGS = {TINY: tiny_config, "random-smollm2-135m": smollm2_135m_config}  # random weights, byte tokenizer
+RANDOM_CONFIGS = {TINY: tiny_config, "random-smollm2-135m": smollm2_135m_config,
+                  "random-smollm2-360m": smollm2_360m_config}  # random weights, byte tokenizer

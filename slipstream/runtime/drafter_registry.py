@@ -1,4 +1,4 @@
-"""Which factory builds each drafter (runtime/drafter.py): the built-in "ngram", in-process
+"""Which factory builds each drafter (runtime/drafter.py): the built-ins "ngram" and "draft", in-process
 registrations (`register_drafter`), then the `slipstream.drafters` entry-point group, the way
 grammars plug in (docs/grammars.md). A factory is called as
 `factory(history=TokenHistory, max_drafts=int, **options)` and returns a Drafter."""
@@ -10,7 +10,7 @@ from slipstream.plugins import Plugins
 from slipstream.runtime.drafter import Drafter
 
 ENTRY_POINT_GROUP = "slipstream.drafters"
-BUILTIN = ("ngram",)
+BUILTIN = ("ngram", "draft")
 
 Factory = Callable[..., Drafter]
 _plugins: Plugins[Factory] = Plugins("drafter", ENTRY_POINT_GROUP, BUILTIN)
@@ -26,6 +26,10 @@ def _factory(name: str) -> Factory:
         from slipstream.runtime.ngram_drafter import NgramDrafter
 
         return NgramDrafter
+    if name == "draft":
+        from slipstream.runtime.draft_model_drafter import DraftModelDrafter
+
+        return DraftModelDrafter
     factory = _plugins.find(name)  # (a broken entry point raises PluginLoadError, naming it)
     if factory is None:
         raise ValueError(f"unknown drafter {name!r} (known: {', '.join(_plugins.names())}; "

@@ -45,9 +45,11 @@ class Planner(Protocol):
 
 # CPU time (ms) of a forward by the positions it feeds (logits at each), at 256 tokens of context: the
 # default model (SmolLM2-135M Q4_1, quantized kernels), one thread; one sequence up to 9 positions,
-# 8 sequences from 8 (docs/results/spec-2026-11-27/forward_cost_quantized*.txt); linear between. Only
-# the shape matters: a step's cost relative to the same step without drafts.
+# 8 sequences from 8; linear between. Only the shape matters: a step's cost relative to the same step
+# without drafts. By EngineConfig.activations: float32 (docs/results/spec-2026-11-27/
+# forward_cost_quantized*.txt) and int8 (forward_cost_int8*.txt), where a position costs less.
 FORWARD_MS = {1: 6.0, 2: 6.71, 3: 7.68, 5: 10.79, 8: 21.3, 16: 34.8, 24: 46.5, 40: 71.1}
+FORWARD_MS_INT8 = {1: 5.99, 2: 6.69, 3: 7.39, 5: 8.61, 8: 14.66, 16: 23.89, 24: 31.12, 40: 45.61}
 # a speculating row's own work beside the forward (drafting, verifying, its run on the host), in
 # the same unit: ~0.25 ms (tools/bench_spec_kernels.py; docs/speculative.md)
 ROW_MS = 0.25
@@ -56,18 +58,18 @@ PROBE_EVERY = 8  # plans between probes of a row whose drafts do not pay, at alp
 MAX_PROBE_EVERY = 64
 DECAY = 0.8  # weight of the past in a row's acceptance counts, per commit
 PRIOR = (1.0, 2.0)  # (accepted, tried) a row starts from: alpha = 0.5
-_POINTS = sorted(FORWARD_MS.items())
 
 
-def forward_cost(positions: int) -> float:
-    for (q0, c0), (q1, c1) in zip(_POINTS, _POINTS[1:]):
+def forward_cost(positions: int, costs: dict[int, float] = FORWARD_MS) -> float:
+    points = sorted(costs.items())
+    for (q0, c0), (q1, c1) in zip(points, points[1:]):
         if positions <= q1:
             return c0 + (c1 - c0) * (positions - q0) / (q1 - q0)
-    (q0, c0), (q1, c1) = _POINTS[-2], _POINTS[-1]
+    (q0, c0), (q1, c1) = points[-2], points[-1]
     return c1 + (c1 - c0) * (positions - q1) / (q1 - q0)
 
 
-def allocate(alphas: list[float], max_drafts: int) -> list[int]:
+def allocate(alphas: list[float], max_drafts: int, costs: dict[int, float] = FORWARD_MS) -> list[int]:
     """Drafts per row for a step of these rows (their acceptance estimates). A row's j-th draft adds
     alpha^j expected tokens (it and the drafts before it accepted); taking drafts in the order of what
     they add, the step keeps the prefix with the most expected tokens per unit of cost, the cost being
@@ -78,7 +80,7 @@ def allocate(alphas: list[float], max_drafts: int) -> list[int]:
     if not n:
         return ks
     order = sorted(((a ** j, i) for i, a in enumerate(alphas) for j in range(1, max_drafts + 1)), reverse=True)
-    base = n / forward_cost(n)
+    base = n / forward_cost(n, costs)
     tokens, rows, best, best_at = float(n), 0, base, 0
     taken = [0] * n
     for m, (gain, i) in enumerate(order, 1):
@@ -87,7 +89,7 @@ def allocate(alphas: list[float], max_drafts: int) -> list[int]:
         rows += taken[i] == 0
         taken[i] += 1
         tokens += gain
-        rate = tokens / (forward_cost(n + m) + ROW_MS * rows)
+        rate = tokens / (forward_cost(n + m, costs) + ROW_MS * rows)
         if rate > best:
             best, best_at = rate, m
     if best < base * MARGIN:
@@ -97,9 +99,9 @@ def allocate(alphas: list[float], max_drafts: int) -> list[int]:
     return ks
 
 
-def best_drafts(alpha: float, max_drafts: int) -> int:
+def best_drafts(alpha: float, max_drafts: int, costs: dict[int, float] = FORWARD_MS) -> int:
     """One row alone: `allocate` of a batch of one."""
-    return allocate([alpha], max_drafts)[0]
+    return allocate([alpha], max_drafts, costs)[0]
 
 
 def can_speculate(seq: Sequence) -> bool:
@@ -110,8 +112,9 @@ def can_speculate(seq: Sequence) -> bool:
 
 
 class Speculation:
-    def __init__(self, max_drafts: int, adaptive: bool = True):
+    def __init__(self, max_drafts: int, adaptive: bool = True, costs: dict[int, float] = FORWARD_MS):
         self.max_drafts, self.adaptive = max_drafts, adaptive
+        self.costs = costs  # the forward's cost by positions (FORWARD_MS or FORWARD_MS_INT8)
         self.drafted = 0  # drafts fed (committed steps, live rows)
         self.accepted = 0  # of which accepted
         self.steps = 0  # committed steps with drafts
@@ -130,7 +133,7 @@ class Speculation:
         if not self.adaptive:
             return [self.max_drafts] * len(seqs)
         alphas = [self.alpha(seq) for seq in seqs]
-        ks = allocate(alphas, self.max_drafts)
+        ks = allocate(alphas, self.max_drafts, self.costs)
         return [1 if k == 0 and seq.steps_without_drafts >= self.probe_every(a) else k
                 for seq, k, a in zip(seqs, ks, alphas)]
 

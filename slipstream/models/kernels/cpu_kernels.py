@@ -30,8 +30,8 @@ import structlog
 
 log = structlog.get_logger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("quant_matmul_cpu.c", "layer_ops_cpu.c",
-                                                       "llama_forward_cpu.c"))
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("quant_matmul_cpu.c", "quant_matmul_q8_cpu.c",
+                                                       "layer_ops_cpu.c", "llama_forward_cpu.c"))
 ABI_VERSION = 2  # sq_abi_version() of the sources whose signatures _declare describes
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 _OFF = {"0", "false", "no", "off"}
@@ -114,6 +114,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "sq_max_threads": ([], i32),
         "sq_gemm_u4": ([p, i64, i64, p, p, p, i32, i64, p, i64, i32], None),
         "sq_gemm_i8": ([p, i64, i64, p, p, p, i32, i64, i64, p, i64, i32], i32),
+        "sq_gemm_u4_q8": ([p, i64, i64, p, p, p, i32, i64, p, i64], None),
+        "sq_gemm_i8_q8": ([p, i64, i64, p, p, p, i32, i64, i64, p, i64], i32),
         "sq_dequant_rows": ([i32, p, p, p, i32, i64, i64, p, i64, p], None),
         "sq_add_rms_norm": ([p, p, p, f32, p, i64, i64, p, i64], None),
         "sq_rotary_kv": ([p, p, p, i64, i64, i64, p, p, p, p, p, p, i64, i64, i64, i64], None),

@@ -35,9 +35,11 @@ def reference_matmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
 
 
-def cpu_matmul(x: torch.Tensor, w: QuantWeight, invariant: bool = False, lib=None) -> torch.Tensor:
+def cpu_matmul(x: torch.Tensor, w: QuantWeight, invariant: bool = False, lib=None, int8: bool = False) -> torch.Tensor:
     """x [M, K] float32 @ W^T -> [M, N] float32 with the compiled kernels (`lib`, default: loaded).
-    `invariant`: a row's result does not depend on M (quant_matmul_cpu.c), as batch invariance needs."""
+    `invariant`: a row's result does not depend on M (quant_matmul_cpu.c), as batch invariance needs.
+    `int8`: x rounded to int8 per group and multiplied in integers (quant_matmul_q8_cpu.c; invariant
+    by construction)."""
     if lib is None:
         from slipstream.models.kernels.cpu_kernels import native_kernels
 
@@ -49,7 +51,14 @@ def cpu_matmul(x: torch.Tensor, w: QuantWeight, invariant: bool = False, lib=Non
     n = w.rows
     y = torch.empty(m, n, dtype=torch.float32)
     f16 = int(w.scales.dtype == torch.float16)
-    if w.kind == "u4":
+    if int8:
+        if w.kind == "u4":
+            lib.sq_gemm_u4_q8(x.data_ptr(), m, k, w.values.data_ptr(), w.scales.data_ptr(), ptr_or_none(w.offsets),
+                              f16, n, y.data_ptr(), n)
+        elif lib.sq_gemm_i8_q8(x.data_ptr(), m, k, w.values.data_ptr(), w.scales.data_ptr(),
+                               ptr_or_none(w.offsets), f16, w.group, n, y.data_ptr(), n) != 0:
+            raise ValueError(f"no int8 kernel for groups of {w.group}")
+    elif w.kind == "u4":
         lib.sq_gemm_u4(x.data_ptr(), m, k, w.values.data_ptr(), w.scales.data_ptr(), ptr_or_none(w.offsets), f16, n,
                        y.data_ptr(), n, int(invariant))
     elif lib.sq_gemm_i8(x.data_ptr(), m, k, w.values.data_ptr(), w.scales.data_ptr(), ptr_or_none(w.offsets), f16,
@@ -98,12 +107,13 @@ class QuantLinear(nn.Module):
         self.qweight = weight  # a plain attribute: its parts are not parameters (never trained, cast or saved)
         self.bias = None if bias is None else bias.detach()
         self.invariant = invariant  # CPU: batch-invariant results (cpu_matmul)
+        self.int8 = False  # CPU: int8 activations (cpu_matmul; LlamaForCausalLM.set_activations)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if x.device.type == "cpu":
-            y = cpu_matmul(x2, self.qweight, self.invariant)
+            y = cpu_matmul(x2, self.qweight, self.invariant, int8=self.int8)
         else:
             from slipstream.models.kernels.quant_triton import quant_matmul_triton
 

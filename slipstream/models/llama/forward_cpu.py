@@ -47,7 +47,9 @@ def _fuse(linears: list[Any]) -> QuantLinear | None:
         p = m.qweight.values.shape[0]
         m.qweight = fused.panels(at, at + p)
         at += p
-    return QuantLinear(fused, None if biases[0] is None else torch.cat(biases))
+    out = QuantLinear(fused, None if biases[0] is None else torch.cat(biases))
+    out.int8 = linears[0].int8
+    return out
 
 
 def fuse_projections_cpu(model) -> int:
@@ -66,7 +68,7 @@ def fuse_projections_cpu(model) -> int:
 
 def _linear(module: nn.Module, x: torch.Tensor, lib) -> torch.Tensor:
     if isinstance(module, QuantLinear):  # straight to the kernel: a module call costs ~5 us
-        y = cpu_matmul(x, module.qweight, False, lib)
+        y = cpu_matmul(x, module.qweight, False, lib, module.int8)
         return y if module.bias is None else y.add_(module.bias)
     if type(module) is nn.Linear:
         return F.linear(x, module.weight, module.bias)
@@ -98,7 +100,7 @@ def supports(model, batch) -> bool:
 
 def _qmat(linear: QuantLinear) -> QMat:
     w = linear.qweight
-    return QMat(0 if w.kind == "u4" else 1, int(w.scales.dtype == torch.float16), w.group, w.rows, w.cols,
+    return QMat((0 if w.kind == "u4" else 1) + 2 * linear.int8, int(w.scales.dtype == torch.float16), w.group, w.rows, w.cols,
                 w.values.data_ptr(), w.scales.data_ptr(), _ptr(w.offsets), _ptr(linear.bias))
 
 

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from slipstream.models import ACTIVATION_MODES
 from slipstream.models.base import ForwardBatch, KVCache
 from slipstream.models.carry_heads import CarryHeads, apply_carry
 from slipstream.models.config import ModelConfig
@@ -199,6 +200,18 @@ class LlamaForCausalLM(nn.Module):
         layer: Any
         for layer in self.model.layers:
             layer.self_attn.compute_dtype = dtype
+
+    def set_activations(self, mode: str) -> None:
+        """How quantized projections multiply on the CPU: "int8" (each row of x rounded to int8 per
+        group of 32, integer dot products: models/kernels/quant_matmul_q8_cpu.c) or "float"."""
+        from slipstream.models.kernels.quant_linear import QuantLinear
+
+        if mode not in ACTIVATION_MODES:
+            raise ValueError(f"activations must be one of {ACTIVATION_MODES}, got {mode!r}")
+        for m in self.modules():
+            if isinstance(m, QuantLinear):
+                m.int8 = mode == "int8"
+        self.cpu_layers = False  # forward_cpu's table names each matrix's kernel: rebuilt at the next forward
 
     def set_kernel_backend(self, backend: str, options: "TritonOptions | None" = None) -> None:
         """"reference" (PyTorch ops; attention per sequence over host metadata), "triton" (the GPU

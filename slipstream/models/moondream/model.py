@@ -64,6 +64,9 @@ class MoondreamForCausalLM(nn.Module):
         for block in self.text.blocks:
             block.attn.backend = backend
 
+    def set_activations(self, mode: str) -> None:
+        """Nothing to set: this model has no "cpu" backend (the compiled CPU kernels are the Llama layout's)."""
+
     def forward_hidden(self, batch: "ForwardBatch", kv: "KVCache") -> tuple[torch.Tensor, torch.Tensor]:
         """(float32 logits [N, vocab], hidden [N, hidden] in the model dtype) for batch.sample_indices;
         the hidden state is the one the region heads decode (before the final LayerNorm). Rows of

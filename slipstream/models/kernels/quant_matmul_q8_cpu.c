@@ -1,0 +1,247 @@
+/* Quantized matrix products with int8 activations (the arithmetic llama.cpp's CPU path uses for 4-bit
+ * weights): each row of x is rounded to int8 per group of 32 columns (scale max|x| / 127), the weights'
+ * integers are multiplied by those with integer dot products, and each group's integer sum is scaled in
+ * float. Same operands and weight layout as quant_matmul_cpu.c (u4 only), which multiplies in float.
+ *
+ * Why: in float every row of x costs one multiply-add per weight per row (the weights are expanded
+ * once for up to 8 rows), so a 5-position forward cost 1.8x a one-position one
+ * (docs/results/spec-2026-11-27/profile_verify_forward.txt); an AVX512-VNNI `vpdpbusd` does 4 per lane.
+ * Integer sums are exact, so a row's result never depends on how many rows share the call (batch
+ * invariance for free). Where VNNI + VBMI are missing, a plain C loop computes the same integers, and
+ * the float epilogue is the same code: the results are bit for bit the same on every x86 or ARM CPU
+ * that compiles this (up to the compiler's float contraction).
+ *
+ * u4 layout (quant_formats.py): panel p, group g, column c < 16: 16 bytes, byte r = q[16p + r][32g + c]
+ * | q[16p + r][32g + 16 + c] << 4. vpdpbusd wants, per 32-bit lane r, 4 consecutive columns of row r:
+ * one vpermb turns 4 columns' 64 bytes [c][r] into [r][c].
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#define Q8_VNNI 1
+#endif
+
+typedef int64_t i64;
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+#define PANEL 16
+#define MAX_MB 8
+#define PARALLEL_MIN 65536
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef float v16_u __attribute__((vector_size(64), aligned(4)));
+
+ALWAYS_INLINE v16 ld16(const float *p) { return *(const v16_u *)p; }
+
+ALWAYS_INLINE v16 scales16(const void *p, i64 i, const int f16) {
+    v16 v;
+#if defined(__AVX512F__)
+    if (f16) return (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)));
+#endif
+    if (f16) {
+        const _Float16 *h = (const _Float16 *)p + i;
+        for (int l = 0; l < 16; l++) v[l] = (float)h[l];
+    } else {
+        v = ld16((const float *)p + i);
+    }
+    return v;
+}
+
+typedef struct {
+    i64 M, K, N, ldy, gs; /* gs: columns per group of the weights' scales and of x's */
+    const uint8_t *q;
+    const void *sc, *of;
+    int f16;
+    const int8_t *xq; /* [M, K] x rounded to int8 (u4), or that + 128 as uint8 (i8: vpdpbusd's unsigned side) */
+    const float *xd;  /* [M, G] their scales */
+    const float *xs;  /* [M, G] exact group sums of x (the offsets' share) */
+    float *y;
+} jq_t;
+
+/* int32 dot products of a group: lane r = sum over the group's 32 columns of q[r][k] * xq[m][k] */
+#ifdef Q8_VNNI
+ALWAYS_INLINE void group_dots(const uint8_t *vg, const int8_t *const *xm, const int MB, v16i *t) {
+    /* byte r * 4 + j of the result = byte j * 16 + r of 4 columns' 64 bytes */
+    const __m512i perm = _mm512_set_epi8(63, 47, 31, 15, 62, 46, 30, 14, 61, 45, 29, 13, 60, 44, 28, 12, 59, 43,
+                                         27, 11, 58, 42, 26, 10, 57, 41, 25, 9, 56, 40, 24, 8, 55, 39, 23, 7, 54, 38,
+                                         22, 6, 53, 37, 21, 5, 52, 36, 20, 4, 51, 35, 19, 3, 50, 34, 18, 2, 49, 33,
+                                         17, 1, 48, 32, 16, 0);
+    const __m512i nib = _mm512_set1_epi8(15);
+    __m512i lo_acc[MAX_MB], hi_acc[MAX_MB];
+    for (int m = 0; m < MB; m++) lo_acc[m] = hi_acc[m] = _mm512_setzero_si512();
+    for (int b = 0; b < 4; b++) {
+        const __m512i v = _mm512_permutexvar_epi8(perm, _mm512_loadu_si512(vg + b * 64));
+        const __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+        for (int m = 0; m < MB; m++) {
+            int32_t xl, xh;
+            memcpy(&xl, xm[m] + 4 * b, 4);
+            memcpy(&xh, xm[m] + 16 + 4 * b, 4);
+            lo_acc[m] = _mm512_dpbusd_epi32(lo_acc[m], lo, _mm512_set1_epi32(xl));
+            hi_acc[m] = _mm512_dpbusd_epi32(hi_acc[m], hi, _mm512_set1_epi32(xh));
+        }
+    }
+    for (int m = 0; m < MB; m++) t[m] = (v16i)_mm512_add_epi32(lo_acc[m], hi_acc[m]);
+}
+#else
+ALWAYS_INLINE void group_dots(const uint8_t *vg, const int8_t *const *xm, const int MB, v16i *t) {
+    for (int m = 0; m < MB; m++) t[m] = (v16i){0};
+    for (int c = 0; c < 16; c++)
+        for (int r = 0; r < PANEL; r++) {
+            const int byte = vg[c * 16 + r];
+            for (int m = 0; m < MB; m++) t[m][r] += (byte & 15) * xm[m][c] + (byte >> 4) * xm[m][16 + c];
+        }
+}
+#endif
+
+/* the same for an i8 panel (int8 weights, [column][16 rows]): lane r = sum over GS columns of
+ * w[r][k] * xq[m][k]. vpdpbusd multiplies unsigned by signed bytes, so x comes as xq + 128 and the
+ * group's 128 * sum_k w[r][k] is taken off (exact in int32). */
+#ifdef Q8_VNNI
+ALWAYS_INLINE void group_dots_i8(const int8_t *vg, const int8_t *const *xm, const int MB, const int GS, v16i *t) {
+    const __m512i perm = _mm512_set_epi8(63, 47, 31, 15, 62, 46, 30, 14, 61, 45, 29, 13, 60, 44, 28, 12, 59, 43,
+                                         27, 11, 58, 42, 26, 10, 57, 41, 25, 9, 56, 40, 24, 8, 55, 39, 23, 7, 54, 38,
+                                         22, 6, 53, 37, 21, 5, 52, 36, 20, 4, 51, 35, 19, 3, 50, 34, 18, 2, 49, 33,
+                                         17, 1, 48, 32, 16, 0);
+    const __m512i ones = _mm512_set1_epi8(1);
+    __m512i a0[MAX_MB], a1[MAX_MB], ws = _mm512_setzero_si512();
+    for (int m = 0; m < MB; m++) a0[m] = a1[m] = _mm512_setzero_si512();
+    for (int b = 0; b < GS / 4; b += 2) {
+        const __m512i w0 = _mm512_permutexvar_epi8(perm, _mm512_loadu_si512(vg + b * 64));
+        const __m512i w1 = _mm512_permutexvar_epi8(perm, _mm512_loadu_si512(vg + b * 64 + 64));
+        ws = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(ws, ones, w0), ones, w1);
+        for (int m = 0; m < MB; m++) {
+            int32_t x0, x1;
+            memcpy(&x0, xm[m] + 4 * b, 4);
+            memcpy(&x1, xm[m] + 4 * b + 4, 4);
+            a0[m] = _mm512_dpbusd_epi32(a0[m], _mm512_set1_epi32(x0), w0);
+            a1[m] = _mm512_dpbusd_epi32(a1[m], _mm512_set1_epi32(x1), w1);
+        }
+    }
+    const __m512i corr = _mm512_slli_epi32(ws, 7);
+    for (int m = 0; m < MB; m++) t[m] = (v16i)_mm512_sub_epi32(_mm512_add_epi32(a0[m], a1[m]), corr);
+}
+#else
+ALWAYS_INLINE void group_dots_i8(const int8_t *vg, const int8_t *const *xm, const int MB, const int GS, v16i *t) {
+    for (int m = 0; m < MB; m++) t[m] = (v16i){0};
+    for (int c = 0; c < GS; c++)
+        for (int r = 0; r < PANEL; r++)
+            for (int m = 0; m < MB; m++) t[m][r] += vg[c * PANEL + r] * ((int)(uint8_t)xm[m][c] - 128);
+}
+#endif
+
+ALWAYS_INLINE void panel_q8(const jq_t *j, i64 p, i64 m0, const int MB, const int kind, const int GS) {
+    const i64 K = j->K, G = K / GS;
+    v16 acc[MAX_MB];
+    for (int m = 0; m < MB; m++) acc[m] = (v16){0};
+    for (i64 g = 0; g < G; g++) {
+        const int8_t *xm[MAX_MB];
+        for (int m = 0; m < MB; m++) xm[m] = j->xq + (m0 + m) * K + g * GS;
+        v16i t[MAX_MB];
+        if (kind == 0) group_dots(j->q + (p * G + g) * 256, xm, MB, t);
+        else group_dots_i8((const int8_t *)j->q + (p * K + g * GS) * PANEL, xm, MB, GS, t);
+        const v16 s = scales16(j->sc, (p * G + g) * PANEL, j->f16);
+        const v16 o = j->of ? scales16(j->of, (p * G + g) * PANEL, j->f16) : (v16){0};
+        for (int m = 0; m < MB; m++) {
+            const i64 mg = (m0 + m) * G + g;
+            acc[m] += (s * j->xd[mg]) * __builtin_convertvector(t[m], v16) + o * j->xs[mg];
+        }
+    }
+    const i64 n = p * PANEL;
+    for (int m = 0; m < MB; m++) {
+        float *ym = j->y + (m0 + m) * j->ldy + n;
+        if (n + PANEL <= j->N) *(v16_u *)ym = acc[m];
+        else
+            for (i64 r = 0; n + r < j->N; r++) ym[r] = acc[m][r];
+    }
+}
+
+ALWAYS_INLINE void work_q8(const jq_t *j, i64 p0, i64 p1, const int kind, const int GS) {
+    for (i64 p = p0; p < p1; p++)
+        for (i64 m0 = 0; m0 < j->M; m0 += MAX_MB) {
+            const i64 mb = j->M - m0 < MAX_MB ? j->M - m0 : MAX_MB;
+            switch (mb) {
+#define PASS(MB) case MB: panel_q8(j, p, m0, MB, kind, GS); break;
+                PASS(1) PASS(2) PASS(3) PASS(4) PASS(5) PASS(6) PASS(7) PASS(8)
+#undef PASS
+            }
+        }
+}
+
+typedef void (*worker_fn)(const jq_t *, i64, i64);
+static void u4_q8(const jq_t *j, i64 p0, i64 p1) { work_q8(j, p0, p1, 0, 32); }
+static void i8_32_q8(const jq_t *j, i64 p0, i64 p1) { work_q8(j, p0, p1, 1, 32); }
+static void i8_16_q8(const jq_t *j, i64 p0, i64 p1) { work_q8(j, p0, p1, 1, 16); }
+
+/* x[m] per group of gs (16 or 32): xq = round(x / d), d = max|x| / 127 (0 for an all-zero group),
+ * flipped to xq + 128 (as uint8) with `flip`; xs = sum x */
+static void quantize_rows(const float *x, i64 M, i64 K, i64 gs, int flip, int8_t *xq, float *xd, float *xs) {
+    const i64 G = K / gs;
+    for (i64 m = 0; m < M; m++)
+        for (i64 g = 0; g < G; g++) {
+            const float *p = x + m * K + g * gs;
+            float amax = 0.f, sum = 0.f;
+            for (int c = 0; c < gs; c++) {
+                const float a = fabsf(p[c]);
+                amax = a > amax ? a : amax;
+            }
+            const v16 s2 = gs == 32 ? ld16(p) + ld16(p + 16) : ld16(p);
+            for (int l = 0; l < 16; l++) sum += s2[l];
+            const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+            int8_t *o = xq + m * K + g * gs;
+            for (int c = 0; c < gs; c++) { /* nearest, ties to even */
+                const int v = (int)__builtin_rintf(p[c] * id);
+                o[c] = (int8_t)(flip ? (uint8_t)(v + 128) : v);
+            }
+            xd[m * G + g] = d;
+            xs[m * G + g] = sum;
+        }
+}
+
+static void run_q8(worker_fn fn, const float *x, i64 M, i64 K, i64 gs, int flip, const void *q, const void *scale,
+                   const void *offset, int f16, i64 N, float *y, i64 ldy) {
+    const i64 G = K / gs, panels = (N + PANEL - 1) / PANEL;
+    int8_t *xq = (int8_t *)malloc((size_t)(M * K));
+    float *xd = (float *)malloc(sizeof(float) * (size_t)(2 * M * G));
+    quantize_rows(x, M, K, gs, flip, xq, xd, xd + M * G);
+    jq_t j = {M, K, N, ldy, gs, (const uint8_t *)q, scale, offset, f16, xq, xd, xd + M * G, y};
+#ifdef _OPENMP
+    if (panels > 1 && N * K * (M < MAX_MB ? M : MAX_MB) >= PARALLEL_MIN && omp_get_max_threads() > 1) {
+#pragma omp parallel
+        {
+            const i64 nt = omp_get_num_threads(), id = omp_get_thread_num();
+            const i64 per = (panels + nt - 1) / nt;
+            const i64 p0 = id * per < panels ? id * per : panels, p1 = p0 + per < panels ? p0 + per : panels;
+            fn(&j, p0, p1);
+        }
+        free(xq);
+        free(xd);
+        return;
+    }
+#endif
+    fn(&j, 0, panels);
+    free(xq);
+    free(xd);
+}
+
+/* y[M, ldy] (first N columns) = x[M, K] @ W^T for a u4 W (offset may be NULL), K % 32 == 0, with x
+ * rounded to int8 per group of 32 as above. A row's result does not depend on M. */
+void sq_gemm_u4_q8(const float *x, i64 M, i64 K, const uint8_t *q, const void *scale, const void *offset, int f16,
+                   i64 N, float *y, i64 ldy) {
+    run_q8(u4_q8, x, M, K, 32, 0, q, scale, offset, f16, N, y, ldy);
+}
+
+/* the same for an i8 W with groups of gs (16 or 32; else returns -1), x rounded per group of gs */
+int sq_gemm_i8_q8(const float *x, i64 M, i64 K, const int8_t *q, const void *scale, const void *offset, int f16,
+                  i64 gs, i64 N, float *y, i64 ldy) {
+    if (gs != 16 && gs != 32) return -1;
+    run_q8(gs == 32 ? i8_32_q8 : i8_16_q8, x, M, K, gs, 1, q, scale, offset, f16, N, y, ldy);
+    return 0;
+}

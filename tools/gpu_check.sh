@@ -17,6 +17,8 @@
 #                  compiles while the tests run (only with BUDGET >= 420 s); this stage waits for it
 #   peer-static    transformers static-compile at N = 1, 8 (~75 s of compiling per N): only if >= 180 s are left
 # Other stages, by name: tests (= tests-engine tests-kernels), ttft (slipstream d1/d2 at N = 1..128: issue 42),
+# attention (tools/bench_attention_cuda.py, into peer.md), tests-engine-thin (the engine tests with
+# SLIPSTREAM_THIN_LAUNCH=1; log in logs.tgz, summary in gpu.txt),
 # events, bench-thread, llamacpp-server, smoke. PROFILE_ARGS / PROFILE_MIXED_ARGS pass options (e.g.
 # --variants) to the profile tools, PROFILE_LIMIT / PROFILE_MIXED_LIMIT their time limits.
 # A short call reruns what failed, e.g. the engine tests and llama.cpp from a prebuilt dist in ~150 s:
@@ -119,6 +121,15 @@ for stage in $stages; do
             --systems 'slipstream d1' 'slipstream d2' 'transformers cb-graphs' --concurrency 1 8 --repeats 2 \
             --no-agreement --json-out "$LOGS/peer.json" > "$LOGS/peer.md" 2>"$LOGS/peer.err"; rc=$?
         append_peer "$LOGS/peer.md" ;;
+    attention)  # issue 42: the per-head decode attention kernel vs the grouped one (split-KV), beside the floor
+        timeout $(limit 60) python3 tools/bench_attention_cuda.py --out "$LOGS/attention.md" > "$LOGS/attention.out" \
+            2>"$LOGS/attention.err"; rc=$?
+        append_peer "$LOGS/attention.md" ;;
+    tests-engine-thin)  # the engine tests again with the thin Triton launcher on (its default waits for this)
+        t=$(limit "${ENGINE_LIMIT:-150}")
+        SLIPSTREAM_THIN_LAUNCH=1 timeout -s INT -k 15 $((t > 30 ? t - 15 : t)) python3 -m pytest -m cuda \
+            -p no:cacheprovider -q -rfEs --tb=short tests/*cuda*.py > "$LOGS/cuda-tests-engine-thin.log" 2>&1; rc=$?
+        tail -3 "$LOGS/cuda-tests-engine-thin.log" | tee -a "$GPU_TXT" ;;
     ttft)  # issue 42: time to first token at both depths, N = 1..128 (slipstream alone, fresh processes)
         timeout $(limit 120) python3 tools/peer_bench.py --device cuda --dtype bfloat16 \
             --systems 'slipstream d1' 'slipstream d2' --concurrency 1 8 32 128 --repeats 2 --no-agreement \

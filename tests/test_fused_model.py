@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from triton_model_util import LAYERWISE, NO_MLP_GEMM, UNFUSED, build, two_steps  # noqa: E402
+from triton_model_util import FUSED_DECODE, LAYERWISE, NO_MLP_GEMM, UNFUSED, build, two_steps  # noqa: E402
 
 from slipstream.models.llama.build import random_weights  # noqa: E402
 from slipstream.models.config import tiny_config  # noqa: E402
@@ -44,7 +44,7 @@ def test_triton_backend_equals_reference_fused_and_unfused(device, dtype, arch):
     device = _device(device)
     cfg = dataclasses.replace(tiny_config(), architecture=arch, attention_bias=arch == "qwen2")
     reference = two_steps(build(cfg, dtype, "reference", device=device), cfg, dtype, device)
-    fused_model = build(cfg, dtype, "triton", device=device)
+    fused_model = build(cfg, dtype, "triton", FUSED_DECODE, device=device)
     assert fuse_projections(fused_model) == cfg.num_layers  # already fused: idempotent
     fused = two_steps(fused_model, cfg, dtype, device)  # steps of 8 rows: the fused decode layer
     layerwise = two_steps(build(cfg, dtype, "triton", LAYERWISE, device=device), cfg, dtype, device)
@@ -77,7 +77,7 @@ def test_triton_backend_runs_packed_projections_unfused():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("options", [None, LAYERWISE, NO_MLP_GEMM], ids=["fused_decode", "layerwise", "no_mlp_gemm"])
+@pytest.mark.parametrize("options", [FUSED_DECODE, None, NO_MLP_GEMM], ids=["fused_decode", "default", "no_mlp_gemm"])
 def test_cuda_graph_replay_equals_eager(options):
     """Every new kernel is graph-capturable: a captured mixed step replays to the eager logits."""
     _device("cuda")

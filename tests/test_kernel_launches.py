@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from triton_model_util import LAYERWISE, NO_MLP_GEMM, UNFUSED, build, with_device_metadata  # noqa: E402
+from triton_model_util import FUSED_DECODE, LAYERWISE, NO_MLP_GEMM, UNFUSED, build, with_device_metadata  # noqa: E402
 
 from slipstream.models.config import tiny_config  # noqa: E402
 from host_batch import Chunk, host_batch  # noqa: E402
@@ -42,8 +42,8 @@ LAYERWISE_LAYER = ["_add_rms_norm_kernel", "mm", "_rotary_kv_kernel", "_grouped_
 OUTSIDE_LAYERS = ["embedding", "_add_rms_norm_kernel", "mm", "_to_copy"]
 
 
-@pytest.mark.parametrize("options,layer", [(None, LAYER), (LAYERWISE, LAYERWISE_LAYER)],
-                         ids=["fused_decode", "layerwise"])
+@pytest.mark.parametrize("options,layer", [(FUSED_DECODE, LAYER), (None, LAYERWISE_LAYER), (LAYERWISE, LAYERWISE_LAYER)],
+                         ids=["fused_decode", "default", "layerwise"])
 def test_decode_step_launches_per_layer(options, layer):
     two, three = decode_launches(2, options), decode_launches(3, options)
     assert three[1:1 + len(layer)] == layer  # after the embedding lookup, the first layer in order
@@ -69,7 +69,7 @@ def test_fused_decode_stops_above_its_rows_and_on_packed_layers():
     def unfuse_last_mlp(model):  # as a layer whose gate/up could not be fused (PackedLinear)
         model.model.layers[-1].mlp.gate_up = None
 
-    launches = decode_launches(2, prepare=unfuse_last_mlp)
+    launches = decode_launches(2, FUSED_DECODE, prepare=unfuse_last_mlp)
     assert "_norm_qkv_rotary_kernel" not in launches and launches.count("_rotary_kv_kernel") == 2
 
 

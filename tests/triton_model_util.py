@@ -37,7 +37,8 @@ def two_steps(model, cfg, dtype, device):
     return out
 
 
-# The default runs steps of <= 16 rows (all of two_steps') as the fused decode layer; these the 8-launch layer
+# The fused decode layer for steps of <= 16 rows (all of two_steps'); the default and LAYERWISE: the 8-launch layer
+FUSED_DECODE = TritonOptions(fused_decode_max_rows=16)
 LAYERWISE = TritonOptions(fused_decode_max_rows=0)
 UNFUSED = TritonOptions(fuse_projections=False)
 NO_MLP_GEMM = TritonOptions(mlp_gemm_max_rows=0, fused_decode_max_rows=0)  # gate-up on cuBLAS, then SiLU·up

@@ -28,9 +28,9 @@ from slipstream.models.llama.model import LlamaForCausalLM  # noqa: E402
 from slipstream.models.llama.forward_triton import TritonOptions  # noqa: E402
 
 VARIANTS = {
-    "fused-decode": TritonOptions(),  # the default: the 5-launch layer up to 16 rows
+    "fused-decode": TritonOptions(fused_decode_max_rows=16),  # the 5-launch layer up to 16 rows
     "fused-decode-256": TritonOptions(fused_decode_max_rows=256),  # where does it stop paying?
-    "fused": TritonOptions(fused_decode_max_rows=0),  # the 8-launch layer at every batch
+    "fused": TritonOptions(),  # the default: the 8-launch layer at every batch
     "no-mlp-gemm": TritonOptions(mlp_gemm_max_rows=0, fused_decode_max_rows=0),
     "unfused": TritonOptions(fuse_projections=False, mlp_gemm_max_rows=0, fused_decode_max_rows=0),
 }

@@ -10,9 +10,9 @@ eager forward with torch.profiler: number of kernels and the kernels with the mo
 
 `--variants` runs the same table for several settings of the triton backend's fusions
 (slipstream/models/llama/forward_triton.py TritonOptions), one Engine each, so they compare in one run:
-`fused-decode` (the default: the 5-launch decode layer up to fused_decode_max_rows = 16 rows, the
-8-launch layer above), `fused-decode-256` (the 5-launch layer up to 256 rows), `fused` (the 8-launch
-layer at every batch), `no-mlp-gemm` (that, with gate-up on cuBLAS + the SiLU·up kernel), `unfused`
+`fused-decode` (the 5-launch decode layer up to fused_decode_max_rows = 16 rows, the 8-launch
+layer above), `fused-decode-256` (the 5-launch layer up to 256 rows), `fused` (the default: the
+8-launch layer at every batch), `no-mlp-gemm` (that, with gate-up on cuBLAS + the SiLU·up kernel), `unfused`
 (separate q/k/v and gate/up matmuls as well), `before` (main before issue 42: the 8-launch layer with
 the per-head attention kernel, attention_per_head_triton.py), so one run shows before and after.
 
@@ -74,9 +74,9 @@ def kernel_profile(fn, top: int) -> tuple[int, float, list[tuple[str, float, int
 
 
 VARIANTS = {
-    "fused-decode": llama_triton.TritonOptions(),  # the default: the 5-launch layer up to 16 rows
+    "fused-decode": llama_triton.TritonOptions(fused_decode_max_rows=16),  # the 5-launch layer up to 16 rows
     "fused-decode-256": llama_triton.TritonOptions(fused_decode_max_rows=256),  # where does it stop paying?
-    "fused": llama_triton.TritonOptions(fused_decode_max_rows=0),  # the 8-launch layer at every batch
+    "fused": llama_triton.TritonOptions(),  # the default: the 8-launch layer at every batch
     "no-mlp-gemm": llama_triton.TritonOptions(mlp_gemm_max_rows=0, fused_decode_max_rows=0),
     "unfused": llama_triton.TritonOptions(fuse_projections=False, mlp_gemm_max_rows=0, fused_decode_max_rows=0),
     # main before issue 42 (5a54f2e): the 8-launch layer and the per-head attention kernel
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--top", type=int, default=10)
-    ap.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=["fused-decode"])
+    ap.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=["fused"])
     ap.add_argument("--launch", choices=("triton", "both"), default="both",
                     help="both: also time the eager forward with the thin launcher")
     args = ap.parse_args(argv)

@@ -1,4 +1,4 @@
-"""A thin launcher for this package's compiled Triton kernels (opt-in: SLIPSTREAM_THIN_LAUNCH=1).
+"""A thin launcher for this package's compiled Triton kernels (on by default; SLIPSTREAM_THIN_LAUNCH=0 turns it off).
 
 Triton's `kernel[grid](*args)` spends host time before the launch itself: it binds the arguments,
 specialises each one (type; divisibility by 16 of pointers and ints; ints equal to 1), formats a
@@ -34,7 +34,9 @@ except ImportError:  # triton_jit.require_triton reports it
     triton = _knobs = None
 
 _OFF = ("0", "false", "no", "off", "")
-_enabled = os.environ.get("SLIPSTREAM_THIN_LAUNCH", "0").strip().lower() not in _OFF
+# on since an H100 run (docs/results/h100-2026-11-27/kernels-ecc4e48/): the engine's CUDA tests pass with
+# it, and an eager mixed step's host launch fell 16-20%
+_enabled = os.environ.get("SLIPSTREAM_THIN_LAUNCH", "1").strip().lower() not in _OFF
 
 _I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
 _ONE = 8  # an int's code for the value 1 (Triton makes it a constexpr); see int_code

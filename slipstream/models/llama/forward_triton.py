@@ -46,9 +46,10 @@ class TritonOptions:
     # (prefill) cuBLAS's matmul and the SiLU·up kernel. 0: never. A guess pending GPU timings.
     mlp_gemm_max_rows: int = 256
     # Up to this many token rows a layer is the 5-launch fused decode layer (decode_fused_triton.py),
-    # when every layer has dense fused qkv/gate-up and dense o_proj/down weights. 0: never. 16 (one
-    # row tile) is a guess pending GPU timings.
-    fused_decode_max_rows: int = 16
+    # when every layer has dense fused qkv/gate-up and dense o_proj/down weights. 0: never, the
+    # default: on an H100 its GEMVs (30-36 programs for 132 SMs) made SmolLM2's batch-1 replay 1.20 ms
+    # against the 8-launch layer's 1.12 (docs/results/h100-2026-11-27/kernels-ecc4e48/profile.md).
+    fused_decode_max_rows: int = 0
 
     def __post_init__(self) -> None:
         for name in ("mlp_gemm_max_rows", "fused_decode_max_rows"):

@@ -1,6 +1,6 @@
 """The draft-model drafter (SpeculativeConfig(method="draft"), runtime/draft_model_drafter.py) on the tiny
 random model, drafting for itself: greedy output with speculation equals the output without it at
-depth 1 (depth 2: see docs/speculative.md, "Draft model"), with full context (nearly every draft accepted) and with a 2-token context (drafts
+depth 1 and 2, with full context (nearly every draft accepted) and with a 2-token context (drafts
 rejected often); a draft model whose vocabulary or tokenizer differs is refused by name."""
 import asyncio
 from dataclasses import replace
@@ -29,7 +29,7 @@ def generate(depth, spec=None):
     return asyncio.run(run())
 
 
-@pytest.mark.parametrize("depth", [1])
+@pytest.mark.parametrize("depth", [1, 2])
 def test_draft_model_output_equals_plain_decoding(depth):
     plain, _ = generate(depth)
     full, stats = generate(depth, SpeculativeConfig(method="draft", draft_model="tiny-random", adaptive=False))

@@ -156,3 +156,46 @@ def test_the_runner_relaunches_a_steady_input_without_staging_it_again():
     fresh, fresh_stages, _ = asyncio.run(run(fresh=True))
     assert relaunched == fresh and fresh_stages == steps
     assert stages <= steps // 4, (stages, steps)  # (the fresh run is the mutant: every step staged)
+
+
+def test_rejected_drafts_of_a_row_left_out_for_samples_end_the_steady_batch():
+    """Depth 2, speculation: a row whose drafts count as samples (as if accepted) has none left and is
+    left out of the next plan, which (draftless) starts a steady batch; its drafts are rejected at the
+    commit, which gives the samples back: the row decodes again, so the commit ends the batch.
+    (The draft-model drafter's depth-2 failure, issue 40.)"""
+    from slipstream.scheduler.speculation import Speculation
+
+    planner = Planner(PagePool(64), PAGE, max_batch_size=8, max_step_tokens=64)
+    pipeline = Pipeline(2, planner)
+    a, b = _seq("a", 3, 4), _seq("b", 3, 20)
+    spec = planner.speculation = Speculation(2, adaptive=False)
+    spec.wanted = lambda seqs: [2 if seq is a else 0 for seq in seqs]  # only a drafts
+
+    def accept(live, tokens, logprobs=None, tops=None):
+        for seq, token in zip(live, tokens):
+            seq.output_ids.append(token)
+            if len(seq.output_ids) >= seq.max_tokens:
+                pipeline.finish(seq, "length")
+
+    def commit(step):  # every draft rejected: a run of one token per row
+        runs = [[7] for _ in step.decode] if step.drafts is not None else None
+        pipeline.on_commit(step, SampledTokens([7] * (len(step.decode) + len(step.chunks)), None, runs=runs,
+                                               fed=step.drafts), accept)
+
+    for s in (a, b):
+        planner.add(s)
+    inflight, plans, steady = [], [], []
+    for i in range(8):
+        planned = planner.plan(2)
+        planned.step_id = i
+        steady.append(planner.steady_from(planned))
+        pipeline.on_launch(planned)
+        plans.append(planned)
+        inflight.append(planned)
+        if len(inflight) == 2:
+            commit(inflight.pop(0))
+    assert plans[1].drafts == [2, 0] and plans[2].decode == [b] and steady[2]
+    assert plans[3].decode == [a, b]  # back as soon as its drafts are rejected
+    while inflight:
+        commit(inflight.pop(0))
+    assert a.finished and len(a.output_ids) == 4

@@ -161,6 +161,10 @@ class Pipeline:
                 continue
             if not 1 <= len(run) <= f + 1 <= k + 1:
                 raise PipelineInvariantError(f"{seq.request_id}: a run of {len(run)} tokens from {k} drafts")
+            if len(run) <= k and seq.max_tokens - len(seq.output_ids) - seq.pending_samples <= k + 1:
+                # it had no sample left as planned (this step's k + 1 counted), so the plans since left
+                # it out, a steady batch too: the rejected drafts give samples back and it decodes again
+                self.planner.batch_changed()
             seq.num_scheduled -= k + 1 - len(run)  # the rejected drafts' positions are scheduled again
             seq.num_computed += len(run)  # its input and the accepted drafts: their K/V is final
             if spec is not None and f:

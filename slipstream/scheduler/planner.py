@@ -19,8 +19,9 @@ step's list (`_due`), so a repeat looks only at the rows due now: one that needs
 (the step carries the page-table entry; if the pool is short, a full plan decides who waits or is
 preempted), one out of samples ends the batch. Anything else that could change the choice ends it
 at once (`batch_changed`: a request added, finished or released, a failed step's page entries put
-back), and the next plan is a full one. The engine loop launches the same ForwardInput for the
-same list again (with the step's page entries, if any), which the runner reuses as it staged it.
+back, rejected drafts giving samples back to a row that had none left), and the next plan is a
+full one. The engine loop launches the same ForwardInput for the same list again (with the step's
+page entries, if any), which the runner reuses as it staged it.
 With SLIPSTREAM_CHECK_INVARIANTS=1 (the tests) each repeat is checked against what a full choice of
 decode rows would give.
 """

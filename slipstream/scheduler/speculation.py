@@ -12,7 +12,9 @@ Rules, enforced here:
     free ones: a draft never preempts). The device knows the truth (runtime/spec_step.py); the
     commit corrects the counts by what was emitted (`Pipeline._commit_runs`).
   * A speculating batch is never steady: the plan after a step with drafts is a full one. A batch
-    whose rows all chose no drafts stays steady until the first of them is due to probe.
+    whose rows all chose no drafts stays steady until the first of them is due to probe, or until a
+    commit rejects drafts of a row that plans left out for having no sample left (as if accepted):
+    it decodes again (`Pipeline._commit_runs` ends the batch).
 
 Adaptive k (`adaptive=True`): a row's per-draft acceptance alpha is estimated from its commits
 (decayed counts of the drafts it fed); the step takes drafts in the order of the expected tokens

@@ -11,8 +11,8 @@ is chosen), so the reference path never touches triton. Without triton every ker
 imports (its kernels undefined, the combine functions None) and a kernel call raises
 DeviceUnavailableError through `require_triton`.
 
-With SLIPSTREAM_THIN_LAUNCH=1 (triton_launch.py) compiled kernels come back wrapped in a
-`ThinKernel`, which launches a specialisation Triton has already compiled without Triton's
+By default (SLIPSTREAM_THIN_LAUNCH=0 turns it off; triton_launch.py) compiled kernels come back
+wrapped in a `ThinKernel`, which launches a specialisation Triton has already compiled without Triton's
 per-launch Python; the interpreter always gets the plain JITFunction.
 """
 from __future__ import annotations

@@ -115,6 +115,10 @@ def test_int8_activations_on_both_backends(quant_gguf):
             assert model.model.layers[0].self_attn.qkv_cpu.int8 is int8 and model.lm_head.int8 is int8
         finally:
             parts.close()
+    # where no CPU kernel computes the products (batch invariance keeps the reference), int8 is refused, not ignored
+    with pytest.raises(InvalidRequestError) as e:
+        assemble(EngineConfig(model=quant_gguf, kv_cache_tokens=64, activations="int8", batch_invariant=True))
+    assert e.value.param == "activations"
 
 
 def test_dense_model_on_the_cpu_backend():

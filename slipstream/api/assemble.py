@@ -88,9 +88,13 @@ def _assemble(config: EngineConfig, device, invariant: bool) -> EngineParts:
     # (build_model is the seam tools/bench_host.py and tests replace)
     model, tokenizer, mcfg = build_model(config.model, config.dtype, device.torch_device, config.seed,
                                          pack=not invariant, weights=config.weights, invariant=invariant)
+    cpu_kernels = device.kind != "cuda" and not invariant and config.dtype == "float32" and cpu_backend_available(model)
+    if config.activations != "float" and not cpu_kernels:  # nothing else rounds activations: refuse, not ignore
+        raise InvalidRequestError(f"activations={config.activations!r} needs the CPU's compiled kernels (device cpu, "
+                                  "dtype float32, no batch invariance)", param="activations")
     if device.kind == "cuda":
         model.set_kernel_backend("triton")
-    elif not invariant and config.dtype == "float32" and cpu_backend_available(model):
+    elif cpu_kernels:
         model.set_kernel_backend("cpu")  # compiled kernels (models/llama/forward_cpu.py); invariance keeps the reference
         model.set_activations(config.activations)
         calibrate_forward_threads(device, model)

@@ -19,8 +19,11 @@ place by the projection that makes them (each program its own columns of `x`, re
 
 The QKV program owns one head's columns j..j+BLOCK_H of the first half of the head and the same
 columns of the second half, the pairs rotary mixes, in two accumulators; the rotation is then
-elementwise. tl.dot needs tiles of 16, so BLOCK_M and BLOCK_H are at least 16 (masked when the
-step has fewer rows or the half head is narrower).
+elementwise. Two paths, chosen on the host by the step's rows: up to GEMV_MAX_ROWS the GEMV path
+(constexpr GEMV) holds all rows in one tile of next_power_of_2(rows), 4–8 weight columns a program
+and sums elementwise products over K (SmolLM2: 120–192 programs a GEMV, where 16-column tl.dot
+tiles gave 30–36 and left most of an H100's SMs idle); above it tl.dot tiles of 16 rows and
+columns (masked when the half head is narrower).
 
 Rounding follows the reference path at each step it rounds: the normed row and its product with
 the norm weight, each projection's output (plus bias), rotary's cos/sin and result, SiLU and the

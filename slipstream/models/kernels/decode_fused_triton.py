@@ -88,7 +88,7 @@ if triton is not None:
             else:
                 hn = hn.to(DOT_DTYPE)
                 w_mask = k_mask[:, None] & h_mask[None, :]
-                w1 = tl.load(W + col1[None, :] * stride_wn + offs_k[:, None], mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_H]
+                w1 = tl.load(W + col1[None, :] * stride_wn + offs_k[:, None], mask=w_mask, other=0.0)  # [K, H]
                 w2 = tl.load(W + col2[None, :] * stride_wn + offs_k[:, None], mask=w_mask, other=0.0)
                 acc1 += tl.dot(hn, w1.to(DOT_DTYPE), input_precision=PRECISION)
                 acc2 += tl.dot(hn, w2.to(DOT_DTYPE), input_precision=PRECISION)
@@ -162,7 +162,7 @@ if triton is not None:
             else:
                 x = x.to(DOT_DTYPE)
                 w_mask = k_mask[:, None] & n_mask[None, :]
-                w = tl.load(W + cols[None, :] * stride_wn + offs_k[:, None], mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
+                w = tl.load(W + cols[None, :] * stride_wn + offs_k[:, None], mask=w_mask, other=0.0)  # [K, N]
                 acc += tl.dot(x, w.to(DOT_DTYPE), input_precision=PRECISION)
                 if GATE_UP:
                     wu = tl.load(W + (cols[None, :] + N) * stride_wn + offs_k[:, None], mask=w_mask, other=0.0)
@@ -196,8 +196,8 @@ def _gemv_tiles(rows: int, k: int, columns: int) -> dict:
     """A step of at most GEMV_MAX_ROWS rows: all rows in one tile, the longest K chunk the budget
     allows for `columns` weight columns in flight (the first launch at 1 row: 1–2 chunks)."""
     block_m = next_power_of_2(rows)
-    return dict(GEMV=True, BLOCK_M=block_m, BLOCK_K=max(16, min(next_power_of_2(k), _GEMV_BUDGET // (block_m * columns))),
-                num_warps=4, num_stages=3)
+    block_k = max(16, min(next_power_of_2(k), _GEMV_BUDGET // (block_m * columns)))
+    return dict(GEMV=True, BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4, num_stages=3)
 
 
 def qkv_launch(hidden: int, dtype: torch.dtype, rows: int) -> dict:

@@ -1,5 +1,6 @@
 """The fused decode layer's kernels (decode_fused_triton.py) against float64 references (interpreted
-on CPU tensors here, compiled in the `cuda` tests): rows 1..17 (17: a second row tile), plus a
+on CPU tensors here, compiled in the `cuda` tests): rows 1, 3, 15 (with the padding row 2, 4, 16
+kernel rows: the GEMV path, row tiles of 2, 4, 16) and 17 (18: tl.dot, two row tiles), each plus a
 padding row of NaN (a mixed graph's garbage row) whose K/V go to a scratch slot and must not reach
 the real rows. Outputs are poisoned first; cache slots the step does not own must keep their poison."""
 import pytest
@@ -13,7 +14,7 @@ from slipstream.models.kernels.rotary import RotaryEmbedding  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
-ROWS = [1, 3, 17]
+ROWS = [1, 3, 15, 17]
 SENTINEL = 123.0
 SCRATCH = 0  # the padding row's KV slot
 # Against float64: fp32 is order of operations; bf16 the kernels round like the bf16 reference path
@@ -128,3 +129,18 @@ def test_decode_kernels_refuse_bad_shapes():
         dft.norm_gate_up_silu_triton(x, torch.ones(8), 1e-5, torch.randn(7, 8))
     with pytest.raises(ValueError, match="out must be"):
         dft.norm_gate_up_silu_triton(x, torch.ones(8), 1e-5, torch.randn(8, 8), out=torch.empty(2, 3))
+
+
+def test_small_steps_take_the_gemv_path_with_many_programs():
+    """Up to GEMV_MAX_ROWS rows no tl.dot and >= 120 programs a SmolLM2 GEMV (the tl.dot tiles gave 30-36)."""
+    hidden, inter, heads, kv_heads, d = 576, 1536, 9, 3, 64
+    for rows in (1, dft.GEMV_MAX_ROWS):
+        qkv = dft.qkv_launch(hidden, torch.bfloat16, rows)
+        assert qkv["GEMV"] and qkv["BLOCK_M"] == rows
+        assert (heads + 2 * kv_heads) * -(-d // 2 // qkv["BLOCK_H"]) >= 120
+        for k, n, gate_up in ((hidden, hidden, False), (inter, hidden, False), (hidden, inter, True)):
+            lin = dft.linear_launch(k, n, torch.bfloat16, gate_up, rows)
+            assert lin["GEMV"] and lin["BLOCK_M"] == rows and -(-n // lin["BLOCK_N"]) >= 128
+            assert rows * lin["BLOCK_N"] * (2 if gate_up else 1) * lin["BLOCK_K"] <= dft._GEMV_BUDGET
+    assert not dft.qkv_launch(hidden, torch.bfloat16, dft.GEMV_MAX_ROWS + 1)["GEMV"]
+    assert not dft.linear_launch(hidden, hidden, torch.bfloat16, False, dft.GEMV_MAX_ROWS + 1)["GEMV"]

@@ -139,22 +139,32 @@ def decode_cases(cfg, dtype):
     strides = "stride_xm stride_wn stride_qt stride_qh stride_kct stride_kch stride_vct stride_vch stride_c".split()
     qkv_sig = dict(X=p, NW=p, W=p, B=p, Q=p, KC=p, VC=p, POS="*i64", KV_INDICES="*i64", COS=p, SIN=p, M=i32,
                    K=i32, eps="fp32", **{s: i32 for s in strides})
-    launch = decode_fused_triton.qkv_launch(cfg.hidden_size, dtype)
-    for bias in (False, True):
-        yield (decode_fused_triton._norm_qkv_rotary_kernel, qkv_sig,
-               dict(HEADS=cfg.num_heads, KV_HEADS=cfg.num_kv_heads, HEAD_DIM=cfg.head_dim, HALF=cfg.head_dim // 2,
-                    HAS_BIAS=bias, **dot, **{k: v for k, v in launch.items() if k.startswith("BLOCK")}),
-               {k: v for k, v in launch.items() if not k.startswith("BLOCK")})
     lin_sig = dict(X=p, NW=p, W=p, Y=p, M=i32, N=i32, K=i32, eps="fp32", stride_xm=i32, stride_wn=i32,
                    stride_ym=i32)
-    # o_proj (K = heads x head dim), down (K = intermediate), gate-up (K = hidden)
-    for k, gate_up in ((cfg.num_heads * cfg.head_dim, False), (cfg.intermediate_size, False),
-                       (cfg.hidden_size, True)):
-        launch = decode_fused_triton.linear_launch(k, dtype, gate_up)
-        yield (decode_fused_triton._decode_linear_kernel, lin_sig,
-               dict(NORM=gate_up, GATE_UP=gate_up, RESIDUAL=not gate_up, **dot,
-                    **{k: v for k, v in launch.items() if k.startswith("BLOCK")}),
-               {k: v for k, v in launch.items() if not k.startswith("BLOCK")})
+    # the GEMV path at 1 and 16 rows (its smallest and largest row tile), tl.dot above 16
+    for rows in (1, decode_fused_triton.GEMV_MAX_ROWS, decode_fused_triton.GEMV_MAX_ROWS + 1):
+        launch = decode_fused_triton.qkv_launch(cfg.hidden_size, dtype, rows)
+        for bias in (False, True):
+            yield (decode_fused_triton._norm_qkv_rotary_kernel, qkv_sig,
+                   dict(HEADS=cfg.num_heads, KV_HEADS=cfg.num_kv_heads, HEAD_DIM=cfg.head_dim,
+                        HALF=cfg.head_dim // 2, HAS_BIAS=bias, **dot, **_constexprs(launch)),
+                   _options(launch))
+        # o_proj (K = heads x head dim), down (K = intermediate), gate-up (K = hidden)
+        for k, n, gate_up in ((cfg.num_heads * cfg.head_dim, cfg.hidden_size, False),
+                              (cfg.intermediate_size, cfg.hidden_size, False),
+                              (cfg.hidden_size, cfg.intermediate_size, True)):
+            launch = decode_fused_triton.linear_launch(k, n, dtype, gate_up, rows)
+            yield (decode_fused_triton._decode_linear_kernel, lin_sig,
+                   dict(NORM=gate_up, GATE_UP=gate_up, RESIDUAL=not gate_up, **dot, **_constexprs(launch)),
+                   _options(launch))
+
+
+def _constexprs(launch: dict) -> dict:
+    return {k: v for k, v in launch.items() if not k.startswith("num_")}
+
+
+def _options(launch: dict) -> dict:
+    return {k: v for k, v in launch.items() if k.startswith("num_")}
 
 
 def unique_cases(shapes, dtypes) -> list[tuple[str, torch.dtype, tuple]]:

@@ -19,8 +19,11 @@ place by the projection that makes them (each program its own columns of `x`, re
 
 The QKV program owns one head's columns j..j+BLOCK_H of the first half of the head and the same
 columns of the second half, the pairs rotary mixes, in two accumulators; the rotation is then
-elementwise. tl.dot needs tiles of 16, so BLOCK_M and BLOCK_H are at least 16 (masked when the
-step has fewer rows or the half head is narrower).
+elementwise. Two paths, chosen on the host by the step's rows: up to GEMV_MAX_ROWS the GEMV path
+(constexpr GEMV) holds all rows in one tile of next_power_of_2(rows), 4–8 weight columns a program
+and sums elementwise products over K (SmolLM2: 120–192 programs a GEMV, where 16-column tl.dot
+tiles gave 30–36 and left most of an H100's SMs idle); above it tl.dot tiles of 16 rows and
+columns (masked when the half head is narrower).
 
 Rounding follows the reference path at each step it rounds: the normed row and its product with
 the norm weight, each projection's output (plus bias), rotary's cos/sin and result, SiLU and the
@@ -47,7 +50,7 @@ if triton is not None:
         X, NW, W, B, Q, KC, VC, POS, KV_INDICES, COS, SIN, M, K, eps,
         stride_xm, stride_wn, stride_qt, stride_qh, stride_kct, stride_kch, stride_vct, stride_vch, stride_c,
         HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-        HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+        HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, GEMV: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -74,12 +77,21 @@ if triton is not None:
             x = tl.load(X + rows[:, None] * stride_xm + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :],
                         other=0.0).to(tl.float32)
             nw = tl.load(NW + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-            hn = ((x * rstd[:, None]).to(act).to(tl.float32) * nw[None, :]).to(act).to(DOT_DTYPE)
-            w_mask = k_mask[:, None] & h_mask[None, :]
-            w1 = tl.load(W + col1[None, :] * stride_wn + offs_k[:, None], mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_H]
-            w2 = tl.load(W + col2[None, :] * stride_wn + offs_k[:, None], mask=w_mask, other=0.0)
-            acc1 += tl.dot(hn, w1.to(DOT_DTYPE), input_precision=PRECISION)
-            acc2 += tl.dot(hn, w2.to(DOT_DTYPE), input_precision=PRECISION)
+            hn = ((x * rstd[:, None]).to(act).to(tl.float32) * nw[None, :]).to(act)
+            if GEMV:  # [BLOCK_H, BLOCK_K] tiles, each column's weights contiguous; products summed over K
+                w_mask = h_mask[:, None] & k_mask[None, :]
+                w1 = tl.load(W + col1[:, None] * stride_wn + offs_k[None, :], mask=w_mask, other=0.0)
+                w2 = tl.load(W + col2[:, None] * stride_wn + offs_k[None, :], mask=w_mask, other=0.0)
+                hf = hn.to(tl.float32)[:, None, :]
+                acc1 += tl.reduce(hf * w1.to(tl.float32)[None, :, :], 2, SUM_COMBINE)
+                acc2 += tl.reduce(hf * w2.to(tl.float32)[None, :, :], 2, SUM_COMBINE)
+            else:
+                hn = hn.to(DOT_DTYPE)
+                w_mask = k_mask[:, None] & h_mask[None, :]
+                w1 = tl.load(W + col1[None, :] * stride_wn + offs_k[:, None], mask=w_mask, other=0.0)  # [K, H]
+                w2 = tl.load(W + col2[None, :] * stride_wn + offs_k[:, None], mask=w_mask, other=0.0)
+                acc1 += tl.dot(hn, w1.to(DOT_DTYPE), input_precision=PRECISION)
+                acc2 += tl.dot(hn, w2.to(DOT_DTYPE), input_precision=PRECISION)
         if HAS_BIAS:
             acc1 += tl.load(B + col1, mask=h_mask, other=0.0).to(tl.float32)[None, :]
             acc2 += tl.load(B + col2, mask=h_mask, other=0.0).to(tl.float32)[None, :]
@@ -108,7 +120,7 @@ if triton is not None:
     def _decode_linear_kernel(
         X, NW, W, Y, M, N, K, eps, stride_xm, stride_wn, stride_ym,
         NORM: tl.constexpr, GATE_UP: tl.constexpr, RESIDUAL: tl.constexpr,
-        DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+        DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, GEMV: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         """Y[:, cols] = X @ W[cols].T, with NORM: X RMS-normed (weight NW) on the way in; GATE_UP:
@@ -139,13 +151,22 @@ if triton is not None:
             if NORM:
                 nw = tl.load(NW + offs_k, mask=k_mask, other=0.0).to(tl.float32)
                 x = ((x.to(tl.float32) * rstd[:, None]).to(act).to(tl.float32) * nw[None, :]).to(act)
-            x = x.to(DOT_DTYPE)
-            w_mask = k_mask[:, None] & n_mask[None, :]
-            w = tl.load(W + cols[None, :] * stride_wn + offs_k[:, None], mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
-            acc += tl.dot(x, w.to(DOT_DTYPE), input_precision=PRECISION)
-            if GATE_UP:
-                wu = tl.load(W + (cols[None, :] + N) * stride_wn + offs_k[:, None], mask=w_mask, other=0.0)
-                acc_u += tl.dot(x, wu.to(DOT_DTYPE), input_precision=PRECISION)
+            if GEMV:  # [BLOCK_N, BLOCK_K] tiles, each column's weights contiguous; products summed over K
+                xf = x.to(tl.float32)[:, None, :]
+                w_mask = n_mask[:, None] & k_mask[None, :]
+                w = tl.load(W + cols[:, None] * stride_wn + offs_k[None, :], mask=w_mask, other=0.0)
+                acc += tl.reduce(xf * w.to(tl.float32)[None, :, :], 2, SUM_COMBINE)
+                if GATE_UP:
+                    wu = tl.load(W + (cols[:, None] + N) * stride_wn + offs_k[None, :], mask=w_mask, other=0.0)
+                    acc_u += tl.reduce(xf * wu.to(tl.float32)[None, :, :], 2, SUM_COMBINE)
+            else:
+                x = x.to(DOT_DTYPE)
+                w_mask = k_mask[:, None] & n_mask[None, :]
+                w = tl.load(W + cols[None, :] * stride_wn + offs_k[:, None], mask=w_mask, other=0.0)  # [K, N]
+                acc += tl.dot(x, w.to(DOT_DTYPE), input_precision=PRECISION)
+                if GATE_UP:
+                    wu = tl.load(W + (cols[None, :] + N) * stride_wn + offs_k[:, None], mask=w_mask, other=0.0)
+                    acc_u += tl.dot(x, wu.to(DOT_DTYPE), input_precision=PRECISION)
         out_ty = Y.dtype.element_ty
         y = acc.to(out_ty)
         if GATE_UP:
@@ -161,6 +182,8 @@ if triton is not None:
 
 
 BLOCK_M = 16  # tl.dot's smallest tile; fused_decode_max_rows above it adds row blocks (weights re-read)
+GEMV_MAX_ROWS = 16  # up to here the kernels skip tl.dot: one row tile of next_power_of_2(rows), narrow columns
+_GEMV_BUDGET = 8192  # fp32 products a program holds per K chunk (4 warps: 64 registers a thread)
 
 
 def _dot_args(x: torch.Tensor, interpret: bool) -> dict:
@@ -169,18 +192,33 @@ def _dot_args(x: torch.Tensor, interpret: bool) -> dict:
     return dict(DOT_DTYPE=dot, PRECISION="ieee" if x.dtype == torch.float32 else None)
 
 
-def qkv_launch(hidden: int, dtype: torch.dtype) -> dict:
-    """Tiles and warps of the QKV kernel: 16-column slices of each half head spread a small model's
-    weight over more programs (SmolLM2: 15 heads x 2 = 30). Pending GPU timings."""
+def _gemv_tiles(rows: int, k: int, columns: int) -> dict:
+    """A step of at most GEMV_MAX_ROWS rows: all rows in one tile, the longest K chunk the budget
+    allows for `columns` weight columns in flight (the first launch at 1 row: 1–2 chunks)."""
+    block_m = next_power_of_2(rows)
+    block_k = max(16, min(next_power_of_2(k), _GEMV_BUDGET // (block_m * columns)))
+    return dict(GEMV=True, BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4, num_stages=3)
+
+
+def qkv_launch(hidden: int, dtype: torch.dtype, rows: int) -> dict:
+    """Tiles and warps of the QKV kernel for a step of `rows` rows. Up to GEMV_MAX_ROWS: 4-column
+    slices of each half head (SmolLM2: 15 heads x 8 = 120 programs); above: tl.dot on 16-column
+    slices (30 programs a row tile). Pending GPU timings (NOTES.md of kernels-2026-11-27)."""
+    if rows <= GEMV_MAX_ROWS:
+        return dict(BLOCK_H=4, **_gemv_tiles(rows, hidden, 2 * 4))
     block_k = max(16, min(64 if dtype == torch.float32 else 128, next_power_of_2(hidden)))
-    return dict(BLOCK_M=BLOCK_M, BLOCK_H=16, BLOCK_K=block_k, num_warps=4, num_stages=3)
+    return dict(GEMV=False, BLOCK_M=BLOCK_M, BLOCK_H=16, BLOCK_K=block_k, num_warps=4, num_stages=3)
 
 
-def linear_launch(k: int, dtype: torch.dtype, gate_up: bool) -> dict:
-    """Tiles and warps of the GEMV kernel over a reduction dim of k: narrow column tiles, many
-    programs (SmolLM2: 36 for o_proj and down, 96 for gate-up), long K tiles. Pending GPU timings."""
+def linear_launch(k: int, n: int, dtype: torch.dtype, gate_up: bool, rows: int) -> dict:
+    """Tiles and warps of the GEMV kernel over a reduction dim of k, n output columns, `rows` rows.
+    Up to GEMV_MAX_ROWS: 8 columns a program where that still makes 128 programs, else 4 (SmolLM2:
+    144 for o_proj and down, 192 for gate-up); above: tl.dot on 16-column tiles (36 and 96)."""
+    if rows <= GEMV_MAX_ROWS:
+        block_n = 8 if cdiv(n, 8) >= 128 else 4
+        return dict(BLOCK_N=block_n, **_gemv_tiles(rows, k, block_n * (2 if gate_up else 1)))
     block_k = max(16, min(64 if dtype == torch.float32 or gate_up else 128, next_power_of_2(k)))
-    return dict(BLOCK_M=BLOCK_M, BLOCK_N=16, BLOCK_K=block_k, num_warps=4, num_stages=3)
+    return dict(GEMV=False, BLOCK_M=BLOCK_M, BLOCK_N=16, BLOCK_K=block_k, num_warps=4, num_stages=3)
 
 
 def _check(x: torch.Tensor, what: str, *others: torch.Tensor) -> None:
@@ -237,7 +275,7 @@ def norm_qkv_rotary_triton(x: torch.Tensor, norm_weight: torch.Tensor, eps: floa
         raise ValueError(f"out must be [T, H, D] of x's dtype, contiguous last dim; got {tuple(out.shape)}")
     if t:
         interpret = interpreted(x)
-        cfg = qkv_launch(hidden, x.dtype)
+        cfg = qkv_launch(hidden, x.dtype, t)
         grid = (cdiv(t, cfg["BLOCK_M"]), width, cdiv(d // 2, cfg["BLOCK_H"]))
         jitted(_norm_qkv_rotary_kernel, interpret)[grid](
             x, norm_weight, qkv_weight, qkv_weight if qkv_bias is None else qkv_bias, out, k_cache, v_cache,
@@ -264,7 +302,7 @@ def linear_residual_triton(x: torch.Tensor, weight: torch.Tensor, residual: torc
     n = weight.shape[0]
     if t and n:
         interpret = interpreted(x)
-        cfg = linear_launch(k, x.dtype, gate_up=False)
+        cfg = linear_launch(k, n, x.dtype, gate_up=False, rows=t)
         jitted(_decode_linear_kernel, interpret)[(cdiv(t, cfg["BLOCK_M"]), cdiv(n, cfg["BLOCK_N"]))](
             x, weight, weight, residual, t, n, k, 0.0, x.stride(0), weight.stride(0), residual.stride(0),
             NORM=False, GATE_UP=False, RESIDUAL=True, **_dot_args(x, interpret), **cfg)
@@ -292,7 +330,7 @@ def norm_gate_up_silu_triton(x: torch.Tensor, norm_weight: torch.Tensor, eps: fl
         raise ValueError(f"out must be [T, I] of x's dtype, contiguous last dim; got {tuple(out.shape)}")
     if t and n:
         interpret = interpreted(x)
-        cfg = linear_launch(k, x.dtype, gate_up=True)
+        cfg = linear_launch(k, n, x.dtype, gate_up=True, rows=t)
         jitted(_decode_linear_kernel, interpret)[(cdiv(t, cfg["BLOCK_M"]), cdiv(n, cfg["BLOCK_N"]))](
             x, norm_weight, gate_up_weight, out, t, n, k, eps, x.stride(0), gate_up_weight.stride(0), out.stride(0),
             NORM=True, GATE_UP=True, RESIDUAL=False, **_dot_args(x, interpret), **cfg)

@@ -50,8 +50,10 @@ class Planner(Protocol):
 # 8 sequences from 8; linear between. Only the shape matters: a step's cost relative to the same step
 # without drafts. By EngineConfig.activations: float32 (docs/results/spec-2026-11-27/
 # forward_cost_quantized*.txt) and int8 (forward_cost_int8*.txt), where a position costs less.
-FORWARD_MS = {1: 6.0, 2: 6.71, 3: 7.68, 5: 10.79, 8: 21.3, 16: 34.8, 24: 46.5, 40: 71.1}
-FORWARD_MS_INT8 = {1: 5.99, 2: 6.69, 3: 7.39, 5: 8.61, 8: 14.66, 16: 23.89, 24: 31.12, 40: 45.61}
+# (positions, ms) in ascending positions: forward_cost walks them as they are.
+FORWARD_MS = ((1, 6.0), (2, 6.71), (3, 7.68), (5, 10.79), (8, 21.3), (16, 34.8), (24, 46.5), (40, 71.1))
+FORWARD_MS_INT8 = ((1, 5.99), (2, 6.69), (3, 7.39), (5, 8.61), (8, 14.66), (16, 23.89), (24, 31.12), (40, 45.61))
+CostTable = tuple[tuple[int, float], ...]
 # a speculating row's own work beside the forward (drafting, verifying, its run on the host), in
 # the same unit: ~0.25 ms (tools/bench_spec_kernels.py; docs/speculative.md)
 ROW_MS = 0.25
@@ -62,16 +64,15 @@ DECAY = 0.8  # weight of the past in a row's acceptance counts, per commit
 PRIOR = (1.0, 2.0)  # (accepted, tried) a row starts from: alpha = 0.5
 
 
-def forward_cost(positions: int, costs: dict[int, float] = FORWARD_MS) -> float:
-    points = sorted(costs.items())
-    for (q0, c0), (q1, c1) in zip(points, points[1:]):
+def forward_cost(positions: int, costs: CostTable = FORWARD_MS) -> float:
+    for (q0, c0), (q1, c1) in zip(costs, costs[1:]):
         if positions <= q1:
             return c0 + (c1 - c0) * (positions - q0) / (q1 - q0)
-    (q0, c0), (q1, c1) = points[-2], points[-1]
+    (q0, c0), (q1, c1) = costs[-2], costs[-1]
     return c1 + (c1 - c0) * (positions - q1) / (q1 - q0)
 
 
-def allocate(alphas: list[float], max_drafts: int, costs: dict[int, float] = FORWARD_MS) -> list[int]:
+def allocate(alphas: list[float], max_drafts: int, costs: CostTable = FORWARD_MS) -> list[int]:
     """Drafts per row for a step of these rows (their acceptance estimates). A row's j-th draft adds
     alpha^j expected tokens (it and the drafts before it accepted); taking drafts in the order of what
     they add, the step keeps the prefix with the most expected tokens per unit of cost, the cost being
@@ -101,7 +102,7 @@ def allocate(alphas: list[float], max_drafts: int, costs: dict[int, float] = FOR
     return ks
 
 
-def best_drafts(alpha: float, max_drafts: int, costs: dict[int, float] = FORWARD_MS) -> int:
+def best_drafts(alpha: float, max_drafts: int, costs: CostTable = FORWARD_MS) -> int:
     """One row alone: `allocate` of a batch of one."""
     return allocate([alpha], max_drafts, costs)[0]
 
@@ -114,7 +115,7 @@ def can_speculate(seq: Sequence) -> bool:
 
 
 class Speculation:
-    def __init__(self, max_drafts: int, adaptive: bool = True, costs: dict[int, float] = FORWARD_MS):
+    def __init__(self, max_drafts: int, adaptive: bool = True, costs: CostTable = FORWARD_MS):
         self.max_drafts, self.adaptive = max_drafts, adaptive
         self.costs = costs  # the forward's cost by positions (FORWARD_MS or FORWARD_MS_INT8)
         self.drafted = 0  # drafts fed (committed steps, live rows)

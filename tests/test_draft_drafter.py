@@ -16,14 +16,14 @@ from slipstream.params import SpeculativeConfig
 PROMPTS = [[5, 9, 77, 3, 101], [200, 17, 17, 40, 8, 9, 33, 12, 250, 6, 6], [42]]
 
 
-def generate(depth, spec=None):
+def generate(depth, spec=None, max_tokens=20, prompts=PROMPTS):
     config = invariant_config(model="tiny-random", pipeline_depth=depth, max_batch_size=4, kv_cache_tokens=256,
                               page_size=8, speculative=spec)
 
     async def run():
         async with Engine(config) as engine:
-            params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-            outs = await asyncio.gather(*(engine.complete(p, params) for p in PROMPTS))
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            outs = await asyncio.gather(*(engine.complete(p, params) for p in prompts))
             return [o.token_ids for o in outs], (await engine.stats()).get("speculative")
 
     return asyncio.run(run())
@@ -39,6 +39,17 @@ def test_draft_model_output_equals_plain_decoding(depth):
                                                      adaptive=False))
     assert short == plain
     assert stats["accepted"] < stats["drafted"]  # (rejections happened)
+
+
+def test_a_draft_model_dearer_than_its_drafts_is_run_rarely():
+    # the tiny model drafting for itself is always right, but a proposal (a prefill and three
+    # one-token steps of the same model) costs several of its forwards: measured on the first
+    # speculating step, after which the adaptive policy stops drafting (probes aside)
+    plain, _ = generate(2, max_tokens=80, prompts=PROMPTS[:1])
+    out, stats = generate(2, SpeculativeConfig(method="draft", draft_model="tiny-random"), 80, PROMPTS[:1])
+    assert out == plain
+    assert stats["draft_cost"] is not None and stats["draft_cost"] > 1.0  # (in units of a 1-position forward: ~6)
+    assert 0 < stats["steps"] <= 3  # (unpriced, this row would draft on most of its ~20 steps)
 
 
 def test_draft_model_with_another_vocabulary_or_tokenizer_is_refused():

@@ -25,6 +25,15 @@ def reference(seq: list[int], k: int, min_n: int, max_n: int, window: int) -> li
     return None
 
 
+def reference_n(seq: list[int], min_n: int, max_n: int, window: int) -> int:
+    """The matched length the rule finds (its proposal's strength), 0: none."""
+    w = seq[-window:]
+    for n in range(max_n, min_n - 1, -1):
+        if len(w) > n and any(w[c - n:c] == w[len(w) - n:] for c in range(n, len(w))):
+            return n
+    return 0
+
+
 def loaded(seqs: list[list[int]], max_len: int = 64) -> TokenHistory:
     h = TokenHistory(len(seqs) + 1, max_len)
     for row, seq in enumerate(seqs, start=1):
@@ -46,17 +55,23 @@ def test_drafts_follow_the_latest_longest_match():
     assert d.tokens[4].tolist() == [5, 5, 5, 5]  # filler: the newest token
 
 
+@pytest.mark.parametrize("path", ["_propose_numpy", "_propose_torch"])  # (the CPU's, and any other device's)
 @pytest.mark.parametrize("min_n,max_n,window", [(1, 3, 12), (2, 4, 40), (1, 1, 5)])
-def test_matches_the_reference_on_random_sequences(min_n, max_n, window):
+def test_matches_the_reference_on_random_sequences(min_n, max_n, window, path):
     rng = random.Random(min_n * 100 + window)
     seqs = [[rng.randrange(4) for _ in range(rng.randrange(1, 50))] for _ in range(40)]
     d = NgramDrafter(loaded(seqs), max_drafts=5, min_n=min_n, max_n=max_n, window=window)
-    out = d.propose(torch.arange(1, len(seqs) + 1))
-    for i, seq in enumerate(seqs):
-        want = reference(seq, 5, min_n, max_n, window)
+    rows = torch.arange(1, len(seqs) + 1)[torch.randperm(len(seqs), generator=torch.Generator().manual_seed(window))]
+    out = getattr(d, path)(rows)  # (rows in any order)
+    for i, row in enumerate(rows.tolist()):
+        seq = seqs[row - 1]
+        want, n = reference(seq, 5, min_n, max_n, window), reference_n(seq, min_n, max_n, window)
         assert out.matched[i].item() == (want is not None), seq
+        assert out.strength[i].item() == n, seq
         if want is not None:
             assert out.tokens[i].tolist() == want, seq
+        else:
+            assert out.tokens[i].tolist() == [seq[-1]] * 5  # filler: the newest token
 
 
 def test_history_appends_emitted_tokens_and_recompute_restarts_it():

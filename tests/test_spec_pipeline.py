@@ -8,7 +8,10 @@ import asyncio
 import pytest
 
 from fake_runner import make_prompt
-from slipstream.scheduler.speculation import FORWARD_MS_INT8, Speculation, allocate, best_drafts
+from slipstream.runtime.batch import SamplingRow
+from slipstream.scheduler.sequence import Sequence
+from slipstream.scheduler.speculation import (FORWARD_MS_INT8, MAX_PROBE_EVERY, PROBE_EVERY, PROBE_SHARE, ROW_MS,
+                                              Speculation, allocate, best_drafts, forward_cost)
 from test_pipeline_invariants import check_results, request, run_workload
 
 pytest.importorskip("hypothesis")
@@ -51,6 +54,38 @@ def test_adaptive_k_follows_acceptance_and_the_batch():
     assert allocate([0.95, 0.05], 4)[1] == 0  # the drafts go to the row that accepts them
     # int8 activations: a position costs less at batch 1, so more drafts pay
     assert best_drafts(0.7, 4, FORWARD_MS_INT8) > best_drafts(0.7, 4)
+
+
+def test_a_row_whose_steps_feed_no_drafts_stops_planning_them():
+    spec, seq = Speculation(4), Sequence("r", [1, 2, 3], 64, SamplingRow())
+    assert spec.match(seq) == 1.0 and best_drafts(spec.alpha(seq), 4) > 0
+    misses = 0
+    while spec.wanted([seq]) != [0] and misses < 20:  # planned with drafts, the device fed none (a weak match)
+        spec.on_commit(seq, 0, 1)
+        misses += 1
+    assert 2 <= misses <= 12  # (an unfed draft costs only the row's own work: some misses before it stops)
+    assert spec.alpha(seq) == 0.5 and spec.steps == 0  # no news of acceptance
+    assert allocate([0.9, 0.9], 4, matches=[1.0, 0.1])[1] < allocate([0.9, 0.9], 4)[1]
+    low = spec.match(seq)
+    spec.on_commit(seq, 2, 3)  # fed and accepted: both estimates rise
+    assert spec.match(seq) > low and spec.alpha(seq) > 0.5 and spec.steps == 1
+
+
+def test_a_dear_drafter_drafts_less_and_probes_rarely():
+    cheap, dear = Speculation(4), Speculation(4)
+    cheap.on_draft_cost(0.01, 1, 5)  # an n-gram lookup: a few percent of the forward
+    assert cheap.row_ms == ROW_MS and cheap.probe_every(0.5) == PROBE_EVERY
+    dear.on_draft_cost(3.0, 1, 5)  # a draft model recomputing its context: three forwards a proposal
+    assert dear.row_ms > 10 * ROW_MS
+    assert best_drafts(0.95, 4) > 0 and best_drafts(0.95, 4, row_ms=dear.row_ms) == 0
+    # a probe's drafter and position stay within PROBE_SHARE of the plans between probes
+    every = dear.probe_every(0.5)
+    assert (dear.row_ms + forward_cost(2) - forward_cost(1)) / (every * forward_cost(1)) <= PROBE_SHARE + 1e-9
+    assert every > MAX_PROBE_EVERY
+    # the estimate follows the drafter: cheap proposals bring the row cost back down
+    for _ in range(40):
+        dear.on_draft_cost(0.01, 1, 5)
+    assert dear.row_ms == ROW_MS
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])

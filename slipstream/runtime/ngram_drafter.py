@@ -11,6 +11,7 @@ w[c - t] == w[-t] for t = 1..n; the period is p = len(w) - c, and draft j is w[c
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from slipstream.runtime.drafter import Proposal
@@ -34,6 +35,36 @@ class NgramDrafter:
         self.history.append(rows, tokens, counts)
 
     def propose(self, rows: torch.Tensor) -> Proposal:
+        if rows.device.type == "cpu":  # the same rule in numpy: ~10x fewer µs than torch's CPU ops here
+            return self._propose_numpy(rows)
+        return self._propose_torch(rows)
+
+    def _propose_numpy(self, rows: torch.Tensor) -> Proposal:
+        m, width = self.max_n, self.window
+        r = rows.numpy()
+        tokens, length = self.history.tokens.numpy(), self.history.length.numpy()
+        at = length[r][:, None] - width + np.arange(width)[None, :]
+        w = np.where(at >= 0, tokens[r[:, None], np.maximum(at, 0)], NO_TOKEN).astype(np.int64)  # [n, W]
+        padded = np.concatenate([np.full((len(r), m), NO_TOKEN, np.int64), w], axis=1)
+        starts = np.arange(width)
+        run = np.ones(w.shape, dtype=bool)
+        best = np.full(len(r), -1, np.int64)
+        strength = np.zeros(len(r), np.int64)
+        for t in range(1, m + 1):
+            run &= padded[:, m - t:m - t + width] == w[:, width - t:width - t + 1]
+            if t >= self.min_n:
+                latest = np.where(run, starts, -1).max(1)
+                best = np.where(latest >= 0, latest, best)
+                strength = np.where(latest >= 0, t, strength)
+        matched = best >= 0
+        period = np.maximum(width - best, 1)
+        cols = np.maximum(best, 0)[:, None] + np.arange(self.max_drafts)[None, :] % period[:, None]
+        drafts = np.take_along_axis(w, np.minimum(cols, width - 1), 1)
+        filler = np.maximum(w[:, -1:], 0)
+        return Proposal(torch.from_numpy(np.where(matched[:, None], drafts, filler)), torch.from_numpy(matched),
+                        strength=torch.from_numpy(strength))
+
+    def _propose_torch(self, rows: torch.Tensor) -> Proposal:
         m = self.max_n
         padded = self.history.window(rows, self.window + m)  # m more on the left: each shift is a view
         padded[:, :m] = NO_TOKEN  # (matches stay inside the window)

@@ -29,6 +29,9 @@ class SampledTokens(NamedTuple):
     # (its accepted drafts and the token after them); `ids` then holds each run's last token
     runs: list[list[int]] | None = None
     fed: list[int] | None = None  # the drafts each row fed (at most the planned k; the device may feed fewer)
+    # a speculating step's proposal time (all its rows) over its forward's, where the compute stream runs
+    # on the host (the CPU) and so can time them; None elsewhere (the policy keeps its default)
+    draft_cost: float | None = None
 
 
 class Launched(Protocol):

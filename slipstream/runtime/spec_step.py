@@ -19,6 +19,7 @@ behind them (chunk tokens, each sampled row's newest token), so drafts see the w
 """
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -36,6 +37,12 @@ from slipstream.runtime.step_slot import LaunchedStep, Staged
 from slipstream.runtime.token_history import TokenHistory
 
 
+# drafts fed on the CPU for a proposal of strength 0, 1, 2 (n-gram: the matched length; stronger ones
+# feed all planned): a 1-gram draft is right too rarely to pay for its position outside repetitive
+# text, and adds little inside it (tools/spec_policy_sim.py; docs/results/spec-policy-2026-11-27/)
+WEAK = np.array([0, 0, 2])
+
+
 class SpecRunner:
     def __init__(self, runner: Any, method: str, max_drafts: int, max_len: int, **options):
         # runner: its ModelRunner (not imported: that module imports this one)
@@ -49,6 +56,10 @@ class SpecRunner:
         self.runs = [torch.zeros(rows, max_drafts + 2, dtype=torch.int64, device=device.torch_device)
                      for _ in runner.slots]
         self.host_runs = [device.host_buffer((rows, max_drafts + 2), torch.int64) for _ in runner.slots]
+        # per slot: the step's proposal time / forward time (host-timed devices only). Written on the
+        # compute stream before the slot's copy item, read by `read` after that copy landed: the same
+        # ordering as host_runs
+        self.draft_costs: list[float | None] = [None] * len(runner.slots)
 
     # --- steps without drafts -------------------------------------------------------------------
 
@@ -105,16 +116,18 @@ class SpecRunner:
             dec = tensors.decode_rows
             pos0 = rows.pos.index_select(0, dec)
             last = rows.last_token.index_select(0, dec)
+            t0 = time.perf_counter()
             proposal = drafter.propose(dec)
+            t1 = time.perf_counter()
             drafts = proposal.tokens
             k = planned
             # where the host's memory is the device's (the CPU), the compute thread shapes the step by
             # what the drafter found, and no host waits for it: a weak proposal feeds fewer drafts
-            # (a 1-gram match one, none 0); elsewhere the shape is the planned k's (a data-dependent
-            # one would need a device read). Laid out here, on the compute stream, either way.
+            # (`WEAK`); elsewhere the shape is the planned k's (a data-dependent one would need a
+            # device read). Laid out here, on the compute stream, either way.
             if host_attention and proposal.strength is not None:
-                strength = proposal.strength.numpy()
-                k = np.minimum(planned, np.where(strength >= 2, max_drafts, strength))
+                strength = np.minimum(proposal.strength.numpy(), len(WEAK))
+                k = np.minimum(planned, np.append(WEAK, max_drafts)[strength])
             lay, query_start, query_start_dev, sample_indices, scratch, num_pos = self._shape(k, device.torch_device)
             num_drafts = lay.num_drafts
             ids = verify_inputs(last, drafts, lay)
@@ -132,8 +145,11 @@ class SpecRunner:
                 page_table = rows.pages[dec]
                 meta = AttentionMetadata([], [], [], ps)
             meta.on_device = DeviceAttentionMetadata(query_start_dev, kv_lens, page_table, max_drafts + 1)
+            t2 = time.perf_counter()
             logits = model(ForwardBatch(input_ids=ids, positions=positions, kv_indices=kv_indices,
                                         sample_indices=sample_indices, attn=meta), kv)[:num_pos]
+            if host_attention:  # (elsewhere the forward is only launched here: nothing to time)
+                self.draft_costs[slot.index] = (t1 - t0) / max(time.perf_counter() - t2, 1e-6)
             if runner.faults is not None:
                 runner.faults.check("sample", step_id)
             if needs.plain_greedy:
@@ -179,9 +195,10 @@ class SpecRunner:
         slot, n = step.slot, step.num_samples
         counts, _ = slot.read_host(step, n, False)
         tokens = self.host_runs[slot.index][:n].tolist()
+        cost = self.draft_costs[slot.index]
         slot.release()
         runs = [row[:c] for row, c in zip(tokens, counts)]
-        return SampledTokens([run[-1] for run in runs], None, None, None, runs, [row[-1] for row in tokens])
+        return SampledTokens([run[-1] for run in runs], None, None, None, runs, [row[-1] for row in tokens], cost)
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:

@@ -148,9 +148,11 @@ class Pipeline:
             raise PipelineInvariantError(f"step {step.step_id}: {0 if runs is None else len(runs)} runs for "
                                          f"{len(step.decode)} speculating rows")
         spec = self.planner.speculation
+        fed = result.fed or step.drafts or ()
+        if spec is not None and result.draft_cost is not None:
+            spec.on_draft_cost(result.draft_cost, len(step.decode), len(step.decode) + sum(fed))
         live: list[tuple[Sequence, list[int]]] = []
         later: list[Sequence] = []
-        fed = result.fed or step.drafts or ()
         for seq, k, run, f in zip(step.decode, step.drafts or (), runs, fed):
             seq.inflight_refs -= 1
             seq.pending_samples -= k + 1
@@ -167,7 +169,7 @@ class Pipeline:
                 self.planner.batch_changed()
             seq.num_scheduled -= k + 1 - len(run)  # the rejected drafts' positions are scheduled again
             seq.num_computed += len(run)  # its input and the accepted drafts: their K/V is final
-            if spec is not None and f:
+            if spec is not None and k:
                 spec.on_commit(seq, f, len(run))
             live.append((seq, run))
             if seq.preempting:

@@ -17,14 +17,25 @@ Rules, enforced here:
     it decodes again (`Pipeline._commit_runs` ends the batch).
 
 Adaptive k (`adaptive=True`): a row's per-draft acceptance alpha is estimated from its commits
-(decayed counts of the drafts it fed); the step takes drafts in the order of the expected tokens
-they add (a row's j-th: alpha^j) as far as its expected tokens per unit of cost are highest, the cost
+(decayed counts of the drafts it fed), and so is its match rate m (of its steps planned with drafts,
+the share where the device fed any: on the CPU a weak n-gram match feeds none); the step takes drafts
+in the order of the expected tokens they add (a row's j-th: m * alpha^j) as far as its expected tokens
+per unit of cost are highest, the cost
 being the forward's by total positions (`FORWARD_MS`, measured) plus each speculating row's own work
-(`ROW_MS`), and speculates only if that beats the step without drafts by `MARGIN` (`allocate`). A row that does not draft probes again with one draft every `PROBE_EVERY` plans (more,
-up to `MAX_PROBE_EVERY`, the lower its estimate), so its estimate can recover.
+(`row_ms`: at least `ROW_MS`, more for a drafter that measures dearer), and speculates only if that
+beats the step without drafts by `MARGIN` (`allocate`). A row that does not draft probes again with
+one draft every `PROBE_EVERY` plans (more, up to `MAX_PROBE_EVERY`, the lower its estimate; more
+still where a probe is dear: its cost stays under `PROBE_SHARE` of the plans between probes), so its
+estimate can recover.
+
+A drafter's cost: where the device measures it (the CPU), a speculating step's result carries its
+proposal's time over its forward's (`SampledTokens.draft_cost`); `on_draft_cost` keeps a decayed
+mean of a row's share, in the cost table's unit. A draft model that recomputes its context costs several forwards
+per proposal, an n-gram lookup a few percent of one: one policy prices both.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Protocol
 
 from slipstream.scheduler.sequence import Sequence
@@ -57,14 +68,16 @@ CostTable = tuple[tuple[int, float], ...]
 # a speculating row's own work beside the forward (drafting, verifying, its run on the host), in
 # the same unit: ~0.25 ms (tools/bench_spec_kernels.py; docs/speculative.md)
 ROW_MS = 0.25
+PROBE_SHARE = 0.02  # a probe (its drafter's work and one more position) costs at most this share of the plans between probes
 MARGIN = 1.05  # speculate only when the expected gain is at least 5%
 PROBE_EVERY = 8  # plans between probes of a row whose drafts do not pay, at alpha = 0.5; more below it
 MAX_PROBE_EVERY = 64
 DECAY = 0.8  # weight of the past in a row's acceptance counts, per commit
 PRIOR = (1.0, 2.0)  # (accepted, tried) a row starts from: alpha = 0.5
+MATCH_PRIOR = (1.0, 1.0)  # (fed, planned) a row starts from: m = 1
 
 
-def forward_cost(positions: int, costs: CostTable = FORWARD_MS) -> float:
+def forward_cost(positions: float, costs: CostTable = FORWARD_MS) -> float:
     for (q0, c0), (q1, c1) in zip(costs, costs[1:]):
         if positions <= q1:
             return c0 + (c1 - c0) * (positions - q0) / (q1 - q0)
@@ -72,19 +85,24 @@ def forward_cost(positions: int, costs: CostTable = FORWARD_MS) -> float:
     return c1 + (c1 - c0) * (positions - q1) / (q1 - q0)
 
 
-def allocate(alphas: list[float], max_drafts: int, costs: CostTable = FORWARD_MS) -> list[int]:
-    """Drafts per row for a step of these rows (their acceptance estimates). A row's j-th draft adds
-    alpha^j expected tokens (it and the drafts before it accepted); taking drafts in the order of what
-    they add, the step keeps the prefix with the most expected tokens per unit of cost, the cost being
-    the forward's by total positions plus each speculating row's own work; none unless that beats the
-    step without drafts by MARGIN. At a larger batch, where positions cost more, fewer drafts pay."""
+def allocate(alphas: list[float], max_drafts: int, costs: CostTable = FORWARD_MS, row_ms: float = ROW_MS,
+             matches: list[float] | None = None) -> list[int]:
+    """Drafts per row for a step of these rows (their acceptance estimates, and match rates: 1 if not
+    given). A row's j-th draft adds m * alpha^j expected tokens (the device feeds it, and it and the
+    drafts before it are accepted) and m positions; taking drafts in the order of what they add, the
+    step keeps the prefix with the most expected tokens per unit of cost, the cost being the forward's
+    by expected positions plus each speculating row's own work (paid whether it feeds or not); none
+    unless that beats the step without drafts by MARGIN. At a larger batch, where positions cost more,
+    fewer drafts pay."""
     n = len(alphas)
     ks = [0] * n
     if not n:
         return ks
-    order = sorted(((a ** j, i) for i, a in enumerate(alphas) for j in range(1, max_drafts + 1)), reverse=True)
+    match = matches or [1.0] * n
+    order = sorted(((match[i] * a ** j, i) for i, a in enumerate(alphas) for j in range(1, max_drafts + 1)),
+                   reverse=True)
     base = n / forward_cost(n, costs)
-    tokens, rows, best, best_at = float(n), 0, base, 0
+    tokens, positions, rows, best, best_at = float(n), float(n), 0, base, 0
     taken = [0] * n
     for m, (gain, i) in enumerate(order, 1):
         if gain <= 0:
@@ -92,7 +110,8 @@ def allocate(alphas: list[float], max_drafts: int, costs: CostTable = FORWARD_MS
         rows += taken[i] == 0
         taken[i] += 1
         tokens += gain
-        rate = tokens / (forward_cost(n + m, costs) + ROW_MS * rows)
+        positions += match[i]
+        rate = tokens / (forward_cost(positions, costs) + row_ms * rows)
         if rate > best:
             best, best_at = rate, m
     if best < base * MARGIN:
@@ -102,9 +121,9 @@ def allocate(alphas: list[float], max_drafts: int, costs: CostTable = FORWARD_MS
     return ks
 
 
-def best_drafts(alpha: float, max_drafts: int, costs: CostTable = FORWARD_MS) -> int:
+def best_drafts(alpha: float, max_drafts: int, costs: CostTable = FORWARD_MS, row_ms: float = ROW_MS) -> int:
     """One row alone: `allocate` of a batch of one."""
-    return allocate([alpha], max_drafts, costs)[0]
+    return allocate([alpha], max_drafts, costs, row_ms)[0]
 
 
 def can_speculate(seq: Sequence) -> bool:
@@ -118,6 +137,8 @@ class Speculation:
     def __init__(self, max_drafts: int, adaptive: bool = True, costs: CostTable = FORWARD_MS):
         self.max_drafts, self.adaptive = max_drafts, adaptive
         self.costs = costs  # the forward's cost by positions (FORWARD_MS or FORWARD_MS_INT8)
+        self.row_ms = ROW_MS  # a speculating row's own work, in the table's unit (on_draft_cost)
+        self.draft_cost: float | None = None  # decayed mean of a row's proposal, in the table's unit, where measured
         self.drafted = 0  # drafts fed (committed steps, live rows)
         self.accepted = 0  # of which accepted
         self.steps = 0  # committed steps with drafts
@@ -127,8 +148,21 @@ class Speculation:
         return (seq.drafts_accepted + PRIOR[0]) / (seq.drafts_tried + PRIOR[1])
 
     @staticmethod
-    def probe_every(alpha: float) -> int:
-        return min(MAX_PROBE_EVERY, max(PROBE_EVERY, int(PROBE_EVERY * 0.5 / max(alpha, 1e-3))))
+    def match(seq: Sequence) -> float:
+        return (seq.draft_feeds + MATCH_PRIOR[0]) / (seq.draft_plans + MATCH_PRIOR[1])
+
+    def probe_every(self, alpha: float) -> int:
+        by_alpha = min(MAX_PROBE_EVERY, max(PROBE_EVERY, int(PROBE_EVERY * 0.5 / max(alpha, 1e-3))))
+        one = forward_cost(1, self.costs)
+        probe = self.row_ms + forward_cost(2, self.costs) - one  # its drafter's work and one more position
+        return max(by_alpha, math.ceil(probe / (one * PROBE_SHARE) - 1e-9))
+
+    def on_draft_cost(self, ratio: float, rows: int, positions: int) -> None:
+        """A speculating step of `rows` rows fed `positions` positions; its proposal took `ratio` times
+        its forward's time (both measured on the compute stream): a row's share, in the table's unit."""
+        ms = ratio * forward_cost(positions, self.costs) / rows
+        self.draft_cost = ms if self.draft_cost is None else DECAY * self.draft_cost + (1 - DECAY) * ms
+        self.row_ms = max(ROW_MS, self.draft_cost)
 
     def wanted(self, seqs: list[Sequence]) -> list[int]:
         """Drafts per row (before max_tokens and pages): all k without `adaptive`; else `allocate`
@@ -136,9 +170,10 @@ class Speculation:
         if not self.adaptive:
             return [self.max_drafts] * len(seqs)
         alphas = [self.alpha(seq) for seq in seqs]
-        ks = allocate(alphas, self.max_drafts, self.costs)
-        return [1 if k == 0 and seq.steps_without_drafts >= self.probe_every(a) else k
-                for seq, k, a in zip(seqs, ks, alphas)]
+        matches = [self.match(seq) for seq in seqs]
+        ks = allocate(alphas, self.max_drafts, self.costs, self.row_ms, matches)
+        return [1 if k == 0 and seq.steps_without_drafts >= self.probe_every(a * m) else k
+                for seq, k, a, m in zip(seqs, ks, alphas, matches)]
 
     def draft(self, step: Step, planner: Planner) -> None:
         """Set `step.drafts` (k per decode row) and reserve the pages the drafts write. A batch whose
@@ -172,21 +207,28 @@ class Speculation:
                 step.page_writes = step.page_writes + writes
         elif self.adaptive and planner.steady_from(step):
             # the batch repeats without plans until a row's probe is due; the plans it skips count
-            wait = max(1, min(self.probe_every(self.alpha(seq)) - seq.steps_without_drafts for seq in step.decode))
+            wait = max(1, min(self.probe_every(self.alpha(seq) * self.match(seq)) - seq.steps_without_drafts
+                              for seq in step.decode))
             for seq in step.decode:
                 seq.steps_without_drafts += wait - 1
             planner.end_steady_at(wait)
 
-    def on_commit(self, seq: Sequence, k: int, emitted: int) -> None:
-        """A live row's step with k drafts emitted `emitted` tokens: its acceptance estimate."""
+    def on_commit(self, seq: Sequence, fed: int, emitted: int) -> None:
+        """A live row's step planned with drafts fed `fed` of them and emitted `emitted` tokens: its
+        match rate, and (if it fed any) its acceptance estimate."""
+        seq.draft_plans = seq.draft_plans * DECAY + 1
+        seq.draft_feeds = seq.draft_feeds * DECAY + (fed > 0)
+        if not fed:
+            return
         accepted = emitted - 1
         seq.drafts_accepted = seq.drafts_accepted * DECAY + accepted
-        seq.drafts_tried = seq.drafts_tried * DECAY + accepted + (accepted < k)
-        self.drafted += k
+        seq.drafts_tried = seq.drafts_tried * DECAY + accepted + (accepted < fed)
+        self.drafted += fed
         self.accepted += accepted
         self.steps += 1
 
     def stats(self) -> dict:
         return {"drafted": self.drafted, "accepted": self.accepted, "steps": self.steps,
                 "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
-                "mean_accepted_length": self.accepted / self.steps if self.steps else 0.0}
+                "mean_accepted_length": self.accepted / self.steps if self.steps else 0.0,
+                "draft_cost": self.draft_cost}

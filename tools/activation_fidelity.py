@@ -96,8 +96,12 @@ def main(argv: list[str] | None = None) -> int:
             model.set_activations(mode)
             logits[mode] = [all_logits(model, config, ids + w) for ids, w in zip(prompts, want)]
         positions = sum(len(ids) + len(w) for ids, w in zip(prompts, want))
+        span = max(x.abs().max().item() for x in hf_logits)
+        top2 = [x.topk(2, dim=-1).values for x in hf_logits]
+        margin = min((t[:, 0] - t[:, 1]).min().item() for t in top2)
         emit(lines, f"\nlogits, teacher-forced on transformers' greedy continuations: {positions} positions; "
-                    "max |difference| (logits span about ±30)\n")
+                    f"max |difference|. transformers' logits: max |logit| {span:.1f}, smallest top-1 minus "
+                    f"top-2 gap {margin:.2e}\n")
         emit(lines, "| activations | vs float activations | vs transformers | argmax != transformers' |")
         emit(lines, "|---|---:|---:|---:|")
         for mode in args.modes:

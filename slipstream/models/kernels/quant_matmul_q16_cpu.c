@@ -36,7 +36,9 @@ typedef int64_t i64;
 #define PANEL 16
 #define MAX_MB 8
 #define PARALLEL_MIN 65536
-#define CHAINS(MB) ((MB) <= 2 ? 4 : 2) /* independent int32 sums per row: hide vpdpwssd's latency */
+/* independent int32 sums per row, to hide vpdpwssd's latency: fewer as more rows give the core other work
+ * (and need the registers) */
+#define CHAINS(MB) ((MB) <= 2 ? 4 : (MB) <= 5 ? 2 : 1)
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
@@ -69,32 +71,45 @@ typedef struct {
 
 /* lane r of t[m] = sum over the group's columns of w[r][k] * x[m][k]; xm[m]: the group's GS / 2 pairs */
 #ifdef Q16_VNNI
+/* the pairs of columns c and c + GS / 2 of 16 rows, one lane per row */
+ALWAYS_INLINE __m512i weight_pairs(const uint8_t *vg, const int c, const int kind, const int GS) {
+    if (kind == 0) { /* (byte & 15) | (byte >> 4) << 16 */
+        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(vg + c * 16)));
+        return _mm512_and_si512(_mm512_or_si512(b, _mm512_slli_epi32(b, 12)), _mm512_set1_epi32(0x000F000F));
+    }
+    const int8_t *v = (const int8_t *)vg; /* sign-extended; low halves from column c, high from c + GS / 2 */
+    const __m512i lo = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(v + c * PANEL)));
+    const __m512i hi = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(v + (c + GS / 2) * PANEL)));
+    return _mm512_mask_blend_epi16(0xAAAAAAAA, lo, _mm512_slli_epi32(hi, 16));
+}
+
 ALWAYS_INLINE void group_dots(const uint8_t *vg, const int32_t *const *xm, const int MB, const int kind,
                               const int GS, v16i *t) {
-    const int H = CHAINS(MB);
-    __m512i acc[MAX_MB][4];
-    for (int m = 0; m < MB; m++)
-        for (int h = 0; h < H; h++) acc[m][h] = _mm512_setzero_si512();
-    for (int c = 0; c < GS / 2; c += H)
-        for (int h = 0; h < H; h++) {
-            __m512i w;
-            if (kind == 0) { /* (byte & 15) | (byte >> 4) << 16 */
-                const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(vg + (c + h) * 16)));
-                w = _mm512_and_si512(_mm512_or_si512(b, _mm512_slli_epi32(b, 12)), _mm512_set1_epi32(0x000F000F));
-            } else { /* columns c and c + GS / 2, sign-extended, low and high halves */
-                const int8_t *v = (const int8_t *)vg;
-                const __m512i lo = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(v + (c + h) * PANEL)));
-                const __m512i hi = _mm512_cvtepi8_epi32(
-                    _mm_loadu_si128((const __m128i *)(v + (c + h + GS / 2) * PANEL)));
-                w = _mm512_mask_blend_epi16(0xAAAAAAAA, lo, _mm512_slli_epi32(hi, 16));
+    __m512i a0[MAX_MB], a1[MAX_MB], a2[MAX_MB], a3[MAX_MB]; /* CHAINS(MB) of them in use */
+    for (int m = 0; m < MB; m++) a0[m] = a1[m] = a2[m] = a3[m] = _mm512_setzero_si512();
+    for (int c = 0; c < GS / 2; c += 4) { /* chain h takes columns c + h; with fewer chains they fold */
+        const __m512i w0 = weight_pairs(vg, c, kind, GS), w1 = weight_pairs(vg, c + 1, kind, GS);
+        const __m512i w2 = weight_pairs(vg, c + 2, kind, GS), w3 = weight_pairs(vg, c + 3, kind, GS);
+        for (int m = 0; m < MB; m++) {
+            const int32_t *x = xm[m] + c;
+            a0[m] = _mm512_dpwssd_epi32(a0[m], w0, _mm512_set1_epi32(x[0]));
+            if (CHAINS(MB) == 1) {
+                a0[m] = _mm512_dpwssd_epi32(a0[m], w1, _mm512_set1_epi32(x[1]));
+                a0[m] = _mm512_dpwssd_epi32(a0[m], w2, _mm512_set1_epi32(x[2]));
+                a0[m] = _mm512_dpwssd_epi32(a0[m], w3, _mm512_set1_epi32(x[3]));
+            } else if (CHAINS(MB) == 2) {
+                a1[m] = _mm512_dpwssd_epi32(a1[m], w1, _mm512_set1_epi32(x[1]));
+                a0[m] = _mm512_dpwssd_epi32(a0[m], w2, _mm512_set1_epi32(x[2]));
+                a1[m] = _mm512_dpwssd_epi32(a1[m], w3, _mm512_set1_epi32(x[3]));
+            } else {
+                a1[m] = _mm512_dpwssd_epi32(a1[m], w1, _mm512_set1_epi32(x[1]));
+                a2[m] = _mm512_dpwssd_epi32(a2[m], w2, _mm512_set1_epi32(x[2]));
+                a3[m] = _mm512_dpwssd_epi32(a3[m], w3, _mm512_set1_epi32(x[3]));
             }
-            for (int m = 0; m < MB; m++) acc[m][h] = _mm512_dpwssd_epi32(acc[m][h], w, _mm512_set1_epi32(xm[m][c + h]));
         }
-    for (int m = 0; m < MB; m++) {
-        __m512i s = _mm512_add_epi32(acc[m][0], acc[m][1]);
-        if (H == 4) s = _mm512_add_epi32(s, _mm512_add_epi32(acc[m][2], acc[m][3]));
-        t[m] = (v16i)s;
     }
+    for (int m = 0; m < MB; m++)
+        t[m] = (v16i)_mm512_add_epi32(_mm512_add_epi32(a0[m], a1[m]), _mm512_add_epi32(a2[m], a3[m]));
 }
 #else
 ALWAYS_INLINE void group_dots(const uint8_t *vg, const int32_t *const *xm, const int MB, const int kind,

@@ -8,7 +8,9 @@ import asyncio
 import pytest
 
 from fake_runner import make_prompt
-from slipstream.scheduler.speculation import FORWARD_MS_INT8, Speculation, allocate, best_drafts
+from slipstream.models import ACTIVATION_MODES
+from slipstream.scheduler.speculation import (FORWARD_MS_BY_ACTIVATIONS, FORWARD_MS_INT8, FORWARD_MS_INT16,
+                                               Speculation, allocate, best_drafts)
 from test_pipeline_invariants import check_results, request, run_workload
 
 pytest.importorskip("hypothesis")
@@ -49,8 +51,10 @@ def test_adaptive_k_follows_acceptance_and_the_batch():
     assert allocate([0.6] * 8, 4) == [0] * 8 and best_drafts(0.6, 4) > 0
     assert 0 < sum(allocate([0.9] * 8, 4)) < 8 * best_drafts(0.9, 4)
     assert allocate([0.95, 0.05], 4)[1] == 0  # the drafts go to the row that accepts them
-    # int8 activations: a position costs less at batch 1, so more drafts pay
+    # int8 / int16 activations: a position costs less at batch 1, so more drafts pay
     assert best_drafts(0.7, 4, FORWARD_MS_INT8) > best_drafts(0.7, 4)
+    assert best_drafts(0.7, 4, FORWARD_MS_INT16) > best_drafts(0.7, 4)
+    assert set(FORWARD_MS_BY_ACTIVATIONS) == set(ACTIVATION_MODES)  # every mode has its measured costs
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -112,6 +112,11 @@ def test_rounded_activations_on_both_backends(quant_gguf, mode):
     near, far = {"int8": (1e-3, 1e-3), "int16": (1e-4, 2e-6)}[mode]
     assert (on_cpu - on_reference).abs().max().item() < near * scale
     assert (on_cpu - on_float).abs().max().item() > far * scale
+    quant.set_activations(mode)
+    forward_logits(quant, config, [1])
+    # the one-call stack's table names the rounding kernels (int16's output alone is too close to float's to tell)
+    assert {ly.kind & ~1 for layer in quant.cpu_layers for ly in (layer.qkv, layer.o, layer.gate_up, layer.down)} \
+        == {{"int8": 2, "int16": 4}[mode]}
     for act in ("float", mode):
         parts = assemble(EngineConfig(model=quant_gguf, kv_cache_tokens=64, activations=act))
         try:

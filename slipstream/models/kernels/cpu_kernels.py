@@ -33,6 +33,7 @@ log = structlog.get_logger(__name__)
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("quant_matmul_cpu.c", "quant_matmul_q8_cpu.c",
                                                        "quant_matmul_q16_cpu.c", "layer_ops_cpu.c",
                                                        "llama_forward_cpu.c"))
+HEADERS = (Path(__file__).with_name("quant_rounded_cpu.h"),)  # included by SOURCES: hashed into the key too
 ABI_VERSION = 2  # sq_abi_version() of the sources whose signatures _declare describes
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 _OFF = {"0", "false", "no", "off"}
@@ -57,7 +58,7 @@ def _compiler() -> str | None:
 def build_key(cc: str) -> str:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     h = hashlib.sha256()
-    for part in (*(s.read_bytes() for s in SOURCES), " ".join(FLAGS).encode(), version.encode(),
+    for part in (*(s.read_bytes() for s in SOURCES + HEADERS), " ".join(FLAGS).encode(), version.encode(),
                  _cpu_identity().encode()):
         h.update(part)
         h.update(b"\0")

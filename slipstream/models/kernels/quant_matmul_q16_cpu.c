@@ -3,7 +3,7 @@
  * `vpdpwssd` (two int16 products summed into each int32 lane), and each group's integer sum is scaled
  * in float. The middle between quant_matmul_cpu.c (float x: one FMA per weight per row) and
  * quant_matmul_q8_cpu.c (int8 x: four products per lane, but a rounding coarse enough to change greedy
- * output): two products per lane, and a rounding 256 times finer than int8's.
+ * output): two products per lane, and a rounding 258 times finer than int8's (32767 / 127).
  *
  * Sums are exact: a group's |sum| <= 32 * 15 * 32767 (u4) or 32 * 128 * 32767 (i8), far below 2^31. So
  * a row's result never depends on how many rows share the call, and the plain C loop used where
@@ -18,7 +18,6 @@
  * shift and a mask; x is stored in the same pairs, lane c = (x[c], x[c + GS / 2]).
  */
 #include <math.h>
-#include <string.h>
 
 #include "quant_rounded_cpu.h"
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__) && !defined(SQ_Q16_PORTABLE)

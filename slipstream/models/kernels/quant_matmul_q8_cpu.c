@@ -94,7 +94,8 @@ ALWAYS_INLINE void group_dots_i8(const int8_t *vg, const int8_t *const *xm, cons
 }
 #endif
 
-/* rows [m0, m0 + MB) of x against panel p; j->xq: [M, K] int8 */
+/* rows [m0, m0 + MB) of x against panel p; j->xq: [M, K] x rounded to int8 (u4), or that + 128 as uint8
+ * (i8: vpdpbusd's unsigned side) */
 ALWAYS_INLINE void panel_q8(const rq_t *j, i64 p, i64 m0, const int MB, const int kind, const int GS) {
     const i64 K = j->K, G = K / GS;
     v16 acc[MAX_MB];

@@ -77,10 +77,10 @@ def add_engine_args(p: argparse.ArgumentParser, log_level: str = "warning") -> N
     p.add_argument("--weights", default="quantized", choices=["quantized", "dequantized"],
                    help="a GGUF's quantized matrices: kept quantized and computed with as such, or expanded to "
                         "--dtype at load (more memory; docs/models.md)")
-    p.add_argument("--activations", default="float", choices=["float", "int8"],
-                   help="quantized weights on the CPU: float32 multiply-adds, or activations rounded to int8 per "
-                        "group and multiplied in integers (faster, most of all for speculative decoding; outputs "
-                        "differ slightly: docs/models.md)")
+    p.add_argument("--activations", default="float", choices=["float", "int8", "int16"],
+                   help="quantized weights on the CPU: float32 multiply-adds, or activations rounded to int8 / "
+                        "int16 per group and multiplied in integers (faster, most of all for speculative decoding; "
+                        "outputs differ slightly: docs/models.md)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="CPU: results independent of batch composition and pipeline depth (row padding, "
                         "float64 attention; slower: docs/architecture.md)")

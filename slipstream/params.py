@@ -191,7 +191,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, met
     # quantized weights on the CPU's compiled kernels: "float": float32 multiply-adds (greedy output
     # equals transformers'); "int8" rounds each activation row to int8 per group and multiplies in
     # integers (llama.cpp's kind of arithmetic; ~4x fewer instructions per row, so a k + 1-position
-    # verification costs far less, but outputs differ: docs/models.md, "Quantized weights")
+    # verification costs far less, but outputs differ: docs/models.md, "Quantized weights"); "int16"
+    # rounds to int16 (2 products per instruction, a rounding 258x finer than int8's)
     activations: str = "float"
     seed: int = 0  # seeds requests that give none
     trace: bool = False  # keep per-step host timings and device spans (benchmarks, timelines)

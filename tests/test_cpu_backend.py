@@ -94,30 +94,39 @@ def test_cpu_backend_matches_reference_and_dequantized(quant_gguf):
     assert torch.equal(on_cpu.argmax(-1), reference.argmax(-1))
 
 
-def test_int8_activations_on_both_backends(quant_gguf):
-    """EngineConfig.activations="int8": the cpu backend's one-call stack runs the int8
+@pytest.mark.parametrize("mode", ["int8", "int16"])
+def test_rounded_activations_on_both_backends(quant_gguf, mode):
+    """EngineConfig.activations="int8" / "int16": the cpu backend's one-call stack runs the rounding
     kernels, as the reference backend's QuantLinear does (the same up to where float32 rounding moves a
-    value across an int8 step), and not the float product; "float" turns them off."""
+    value across a rounding step), and not the float product; "float" turns them off."""
     quant, _, config = build_model(quant_gguf, "float32", torch.device("cpu"), weights="quantized")
     steps = [7, 1, 1, 1]
-    on_float = forward_logits(quant, config, steps)
-    quant.set_activations("int8")
+    quant.set_activations(mode)
     on_reference = forward_logits(quant, config, steps)
     quant.set_kernel_backend("cpu")
     on_cpu = forward_logits(quant, config, steps)
+    quant.set_activations("float")
+    on_float = forward_logits(quant, config, steps)
     scale = on_reference.abs().max().item()
-    assert (on_cpu - on_reference).abs().max().item() < 1e-3 * scale
-    assert (on_cpu - on_float).abs().max().item() > 1e-3 * scale
-    for mode, int8 in (("float", False), ("int8", True)):
-        parts = assemble(EngineConfig(model=quant_gguf, kv_cache_tokens=64, activations=mode))
+    # int16's steps are 258x finer than int8's: near the float32 noise between the two backends
+    near, far = {"int8": (1e-3, 1e-3), "int16": (1e-4, 2e-6)}[mode]
+    assert (on_cpu - on_reference).abs().max().item() < near * scale
+    assert (on_cpu - on_float).abs().max().item() > far * scale
+    quant.set_activations(mode)
+    forward_logits(quant, config, [1])
+    # the one-call stack's table names the rounding kernels (int16's output alone is too close to float's to tell)
+    assert {ly.kind & ~1 for layer in quant.cpu_layers for ly in (layer.qkv, layer.o, layer.gate_up, layer.down)} \
+        == {{"int8": 2, "int16": 4}[mode]}
+    for act in ("float", mode):
+        parts = assemble(EngineConfig(model=quant_gguf, kv_cache_tokens=64, activations=act))
         try:
             model = parts.runner.model
-            assert model.model.layers[0].self_attn.qkv_cpu.int8 is int8 and model.lm_head.int8 is int8
+            assert model.model.layers[0].self_attn.qkv_cpu.activations == act and model.lm_head.activations == act
         finally:
             parts.close()
-    # where no CPU kernel computes the products (batch invariance keeps the reference), int8 is refused, not ignored
+    # where no CPU kernel computes the products (batch invariance keeps the reference), they are refused, not ignored
     with pytest.raises(InvalidRequestError) as e:
-        assemble(EngineConfig(model=quant_gguf, kv_cache_tokens=64, activations="int8", batch_invariant=True))
+        assemble(EngineConfig(model=quant_gguf, kv_cache_tokens=64, activations=mode, batch_invariant=True))
     assert e.value.param == "activations"
 
 

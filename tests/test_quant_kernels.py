@@ -1,7 +1,10 @@
 """The compiled CPU kernels against torch references: the quantized matmul per format (within 1e-5 of
 the output's magnitude of dequantize-then-matmul in float64), its batch-invariant mode, row lookups,
 and the fused layer steps (norm, rotary + KV write, paged attention, SiLU*up)."""
+import ctypes
+import subprocess
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -62,11 +65,60 @@ def test_int8_activations_match_their_reference(name):
     w = random_weight(name, 83, 512)  # 6 panels, the last partial
     x = torch.randn(9, 512, generator=torch.Generator().manual_seed(3))
     x[4, 32:64] = 0  # an all-zero group
-    full = cpu_matmul(x, w, lib=lib, int8=True)
+    full = cpu_matmul(x, w, lib=lib, activations="int8")
     assert close(full, int8_reference(x, w))
     assert not close(full, x.double() @ w.dequantize().double().T)  # (rounded: not the float product)
     for m in (1, 5):
-        assert torch.equal(cpu_matmul(x[:m], w, lib=lib, int8=True), full[:m]), m
+        assert torch.equal(cpu_matmul(x[:m], w, lib=lib, activations="int8"), full[:m]), m
+
+
+def int16_reference(x, w):
+    """What the int16-activation kernels compute, in float64 from the same integers: each row of x
+    rounded per group to v = rint(float32(x * float32(32767 / max|x|))) (ties to even, as the kernel's
+    float32 arithmetic gives them), scale max|x| / 32767, against the weights' integers; the offsets
+    against exact x."""
+    gs = 32 if w.kind == "u4" else w.group
+    g = x.view(x.shape[0], -1, gs)
+    amax = g.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.full_like(amax, 32767) / amax, 0)  # a float32 division, as in the kernel
+    xq = (torch.round(g * inv).double() * (amax / 32767).double()).view_as(x)
+    offsets = replace(w, values=torch.zeros_like(w.values)).dequantize().double()  # q = 0: the offset
+    return xq @ (w.dequantize().double() - offsets).T + x.double() @ offsets.T
+
+
+def portable_q16(tmp_path_factory):
+    """quant_matmul_q16_cpu.c built alone with its plain C loop (SQ_Q16_PORTABLE)."""
+    cc = cpu_kernels._compiler()
+    out = tmp_path_factory.mktemp("q16") / "q16_portable.so"
+    src = Path(cpu_kernels.__file__).with_name("quant_matmul_q16_cpu.c")
+    subprocess.run([cc, *cpu_kernels.FLAGS, "-DSQ_Q16_PORTABLE", str(src), "-lm", "-o", str(out)], check=True,
+                   capture_output=True, timeout=120)
+    return cpu_kernels._declare(ctypes.CDLL(str(out)), ("sq_gemm_u4_q16", "sq_gemm_i8_q16", "sq_q16_vnni"))
+
+
+@pytest.fixture(scope="module")
+def q16_plain(tmp_path_factory):
+    return portable_q16(tmp_path_factory)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_int16_activations_match_their_reference(name, q16_plain):
+    """The int16-activation products (quant_matmul_q16_cpu.c): as int16_reference says (to float32
+    accumulation), closer to it than to the float product, a row's result the same bits whatever the
+    number of rows beside it, and the plain C loop the same bits as the vpdpwssd one."""
+    w = random_weight(name, 83, 512)  # 6 panels, the last partial
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(3))
+    x[4, 32:64] = 0  # an all-zero group
+    x[2, 64:96] *= 1e-30  # a tiny group (scale near float32's smallest normals)
+    full = cpu_matmul(x, w, lib=lib, activations="int16")
+    ref, exact = int16_reference(x, w), x.double() @ w.dequantize().double().T
+    err = (full.double() - ref).abs().max().item()
+    assert err <= 1e-6 * ref.abs().max().item()
+    assert err < (ref - exact).abs().max().item() / 4  # (rounded: what the kernel computes is not the float product)
+    for m in (1, 5):
+        assert torch.equal(cpu_matmul(x[:m], w, lib=lib, activations="int16"), full[:m]), m
+    assert q16_plain.sq_q16_vnni() == 0
+    assert torch.equal(cpu_matmul(x, w, lib=q16_plain, activations="int16"), full)
 
 
 @pytest.mark.parametrize("name", FORMATS)

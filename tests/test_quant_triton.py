@@ -71,7 +71,7 @@ def test_quantized_model_on_the_triton_backend(device, dtype, monkeypatch):
 
     if device == "cpu":
         monkeypatch.setattr(quant_linear, "cpu_matmul",
-                            lambda x, w, invariant=False, lib=None, int8=False: quant_matmul_triton(x.contiguous(), w))
+                            lambda x, w, invariant=False, lib=None, activations="float": quant_matmul_triton(x.contiguous(), w))
         monkeypatch.setattr(quant_linear, "cpu_rows", lambda w, ids, lib=None: quant_rows_triton(w, ids))
     cfg, quant, dense = quantized_tiny(dtype, device)
     quant.set_kernel_backend("triton")

@@ -8,10 +8,12 @@ import asyncio
 import pytest
 
 from fake_runner import make_prompt
+from slipstream.models import ACTIVATION_MODES
 from slipstream.runtime.batch import SamplingRow
 from slipstream.scheduler.sequence import Sequence
-from slipstream.scheduler.speculation import (FORWARD_MS_INT8, MAX_PROBE_EVERY, PROBE_EVERY, PROBE_SHARE, ROW_MS,
-                                              Speculation, allocate, best_drafts, forward_cost)
+from slipstream.scheduler.speculation import (FORWARD_MS_BY_ACTIVATIONS, FORWARD_MS_INT8, FORWARD_MS_INT16,
+                                              MAX_PROBE_EVERY, PROBE_EVERY, PROBE_SHARE, ROW_MS, Speculation, allocate,
+                                              best_drafts, forward_cost)
 from test_pipeline_invariants import check_results, request, run_workload
 
 pytest.importorskip("hypothesis")
@@ -52,8 +54,10 @@ def test_adaptive_k_follows_acceptance_and_the_batch():
     assert allocate([0.6] * 8, 4) == [0] * 8 and best_drafts(0.6, 4) > 0
     assert 0 < sum(allocate([0.9] * 8, 4)) < 8 * best_drafts(0.9, 4)
     assert allocate([0.95, 0.05], 4)[1] == 0  # the drafts go to the row that accepts them
-    # int8 activations: a position costs less at batch 1, so more drafts pay
+    # int8 / int16 activations: a position costs less at batch 1, so more drafts pay
     assert best_drafts(0.7, 4, FORWARD_MS_INT8) > best_drafts(0.7, 4)
+    assert best_drafts(0.7, 4, FORWARD_MS_INT16) > best_drafts(0.7, 4)
+    assert set(FORWARD_MS_BY_ACTIVATIONS) == set(ACTIVATION_MODES)  # every mode has its measured costs
 
 
 def test_a_row_whose_steps_feed_no_drafts_stops_planning_them():

@@ -37,7 +37,7 @@ async def outputs(weights: str, tokens: int, activations: str = "float") -> list
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--activations", default="float", choices=["float", "int8"],
+    ap.add_argument("--activations", default="float", choices=["float", "int8", "int16"],
                     help="the quantized engine's EngineConfig.activations")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)

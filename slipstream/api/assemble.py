@@ -138,7 +138,7 @@ def install_speculation(config: EngineConfig, runner: ModelRunner, planner: Plan
                         tokenizer, device) -> None:
     """Speculative decoding (docs/speculative.md): the runner's drafting and verifying, the planner's drafts."""
     from slipstream.runtime.spec_step import SpecRunner
-    from slipstream.scheduler.speculation import FORWARD_MS, FORWARD_MS_INT8, Speculation
+    from slipstream.scheduler.speculation import FORWARD_MS_BY_ACTIVATIONS, Speculation
 
     spec = config.speculative
     assert spec is not None
@@ -149,8 +149,7 @@ def install_speculation(config: EngineConfig, runner: ModelRunner, planner: Plan
     else:
         options = dict(min_n=spec.min_n, max_n=spec.max_n, window=spec.window)
     runner.spec = SpecRunner(runner, spec.method, spec.num_drafts, max_len, **options)
-    planner.speculation = Speculation(spec.num_drafts, spec.adaptive,
-                                      FORWARD_MS_INT8 if config.activations == "int8" else FORWARD_MS)
+    planner.speculation = Speculation(spec.num_drafts, spec.adaptive, FORWARD_MS_BY_ACTIVATIONS[config.activations])
 
 
 DRAFT_PROBE = "The draft model must split text as the target does: 12345, naïve café, 日本語 🚀."

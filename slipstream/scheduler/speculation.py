@@ -60,10 +60,12 @@ class Planner(Protocol):
 # default model (SmolLM2-135M Q4_1, quantized kernels), one thread; one sequence up to 9 positions,
 # 8 sequences from 8; linear between. Only the shape matters: a step's cost relative to the same step
 # without drafts. By EngineConfig.activations: float32 (docs/results/spec-2026-11-27/
-# forward_cost_quantized*.txt) and int8 (forward_cost_int8*.txt), where a position costs less.
-# (positions, ms) in ascending positions: forward_cost walks them as they are.
+# forward_cost_quantized*.txt), int8 (forward_cost_int8*.txt) and int16 (forward_cost_int16*.txt),
+# where a position costs less. (positions, ms) in ascending positions: forward_cost walks them as they are.
 FORWARD_MS = ((1, 6.0), (2, 6.71), (3, 7.68), (5, 10.79), (8, 21.3), (16, 34.8), (24, 46.5), (40, 71.1))
 FORWARD_MS_INT8 = ((1, 5.99), (2, 6.69), (3, 7.39), (5, 8.61), (8, 14.66), (16, 23.89), (24, 31.12), (40, 45.61))
+FORWARD_MS_INT16 = ((1, 7.39), (2, 8.2), (3, 8.64), (5, 10.43), (8, 18.88), (16, 31.77), (24, 43.86), (40, 62.74))
+FORWARD_MS_BY_ACTIVATIONS = {"float": FORWARD_MS, "int8": FORWARD_MS_INT8, "int16": FORWARD_MS_INT16}
 CostTable = tuple[tuple[int, float], ...]
 # a speculating row's own work beside the forward (drafting, verifying, its run on the host), in
 # the same unit: ~0.25 ms (tools/bench_spec_kernels.py; docs/speculative.md)
@@ -136,7 +138,7 @@ def can_speculate(seq: Sequence) -> bool:
 class Speculation:
     def __init__(self, max_drafts: int, adaptive: bool = True, costs: CostTable = FORWARD_MS):
         self.max_drafts, self.adaptive = max_drafts, adaptive
-        self.costs = costs  # the forward's cost by positions (FORWARD_MS or FORWARD_MS_INT8)
+        self.costs = costs  # the forward's cost by positions (FORWARD_MS_BY_ACTIVATIONS)
         self.row_ms = ROW_MS  # a speculating row's own work, in the table's unit (on_draft_cost)
         self.draft_cost: float | None = None  # decayed mean of a row's proposal, in the table's unit, where measured
         self.drafted = 0  # drafts fed (committed steps, live rows)

@@ -1,4 +1,4 @@
-"""The compiled CPU kernels (quant_matmul_cpu.c, layer_ops_cpu.c, llama_forward_cpu.c): built at first use.
+"""The compiled CPU kernels (quant_matmul*_cpu.c, layer_ops_cpu.c, llama_forward_cpu.c): built at first use.
 
 The C files are compiled with the system's C compiler (`$CC`, else `cc`, else `gcc`) for the CPU they
 run on (-march=native) into one library, `<cache>/kernels/cpu-<key>.so`, where <key> hashes the
@@ -31,7 +31,9 @@ import structlog
 log = structlog.get_logger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("quant_matmul_cpu.c", "quant_matmul_q8_cpu.c",
-                                                       "layer_ops_cpu.c", "llama_forward_cpu.c"))
+                                                       "quant_matmul_q16_cpu.c", "layer_ops_cpu.c",
+                                                       "llama_forward_cpu.c"))
+HEADERS = (Path(__file__).with_name("quant_rounded_cpu.h"),)  # included by SOURCES: hashed into the key too
 ABI_VERSION = 2  # sq_abi_version() of the sources whose signatures _declare describes
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 _OFF = {"0", "false", "no", "off"}
@@ -56,7 +58,7 @@ def _compiler() -> str | None:
 def build_key(cc: str) -> str:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     h = hashlib.sha256()
-    for part in (*(s.read_bytes() for s in SOURCES), " ".join(FLAGS).encode(), version.encode(),
+    for part in (*(s.read_bytes() for s in SOURCES + HEADERS), " ".join(FLAGS).encode(), version.encode(),
                  _cpu_identity().encode()):
         h.update(part)
         h.update(b"\0")
@@ -107,7 +109,8 @@ class Layer(ctypes.Structure):
                 ("gate_up", QMat), ("down", QMat)]
 
 
-def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+def _declare(lib: ctypes.CDLL, names: tuple[str, ...] | None = None) -> ctypes.CDLL:
+    """The argument and result types of the kernels `lib` exports (`names`: only those; default: all)."""
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     signatures = {  # name: (argument types, result type)
         "sq_abi_version": ([], i32),
@@ -116,6 +119,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "sq_gemm_i8": ([p, i64, i64, p, p, p, i32, i64, i64, p, i64, i32], i32),
         "sq_gemm_u4_q8": ([p, i64, i64, p, p, p, i32, i64, p, i64], None),
         "sq_gemm_i8_q8": ([p, i64, i64, p, p, p, i32, i64, i64, p, i64], i32),
+        "sq_gemm_u4_q16": ([p, i64, i64, p, p, p, i32, i64, p, i64], None),
+        "sq_gemm_i8_q16": ([p, i64, i64, p, p, p, i32, i64, i64, p, i64], i32),
+        "sq_q16_vnni": ([], i32),
         "sq_dequant_rows": ([i32, p, p, p, i32, i64, i64, p, i64, p], None),
         "sq_add_rms_norm": ([p, p, p, f32, p, i64, i64, p, i64], None),
         "sq_rotary_kv": ([p, p, p, i64, i64, i64, p, p, p, p, p, p, i64, i64, i64, i64], None),
@@ -125,6 +131,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
                                 i64, i64, f32, p, p, i64, p], i32),
     }
     for name, (args, result) in signatures.items():
+        if names is not None and name not in names:
+            continue
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, result
     return lib

@@ -13,7 +13,7 @@ typedef int64_t i64;
 
 /* a QuantWeight (quant_formats.py) */
 typedef struct {
-    i64 kind; /* 0 u4, 1 i8; + 2: with int8 activations (quant_matmul_q8_cpu.c) */
+    i64 kind; /* 0 u4, 1 i8; + 2: int8 activations (quant_matmul_q8_cpu.c), + 4: int16 (quant_matmul_q16_cpu.c) */
     i64 f16;
     i64 group;
     i64 rows, cols;
@@ -34,6 +34,10 @@ void sq_gemm_u4_q8(const float *x, i64 M, i64 K, const uint8_t *q, const void *s
                    i64 N, float *y, i64 ldy);
 int sq_gemm_i8_q8(const float *x, i64 M, i64 K, const int8_t *q, const void *scale, const void *offset, int f16,
                   i64 gs, i64 N, float *y, i64 ldy);
+void sq_gemm_u4_q16(const float *x, i64 M, i64 K, const uint8_t *q, const void *scale, const void *offset, int f16,
+                    i64 N, float *y, i64 ldy);
+int sq_gemm_i8_q16(const float *x, i64 M, i64 K, const int8_t *q, const void *scale, const void *offset, int f16,
+                   i64 gs, i64 N, float *y, i64 ldy);
 void sq_add_rms_norm(float *x, const float *delta, const float *w, float eps, float *out, i64 T, i64 H,
                      const i64 *rows, i64 nrows);
 void sq_rotary_kv(float *q, const float *k, const float *v, i64 ldq, i64 ldk, i64 ldv, const i64 *pos,
@@ -45,7 +49,11 @@ int sq_attention(const float *q, i64 ldq, const float *k_cache, const float *v_c
 void sq_silu_mul(const float *g, i64 ldg, const float *u, i64 ldu, float *out, i64 T, i64 I);
 
 static void matmul(const qmat_t *w, const float *x, i64 T, float *y) {
-    if (w->kind == 2)
+    if (w->kind == 4)
+        sq_gemm_u4_q16(x, T, w->cols, w->values, w->scales, w->offsets, (int)w->f16, w->rows, y, w->rows);
+    else if (w->kind == 5)
+        sq_gemm_i8_q16(x, T, w->cols, w->values, w->scales, w->offsets, (int)w->f16, w->group, w->rows, y, w->rows);
+    else if (w->kind == 2)
         sq_gemm_u4_q8(x, T, w->cols, w->values, w->scales, w->offsets, (int)w->f16, w->rows, y, w->rows);
     else if (w->kind == 3)
         sq_gemm_i8_q8(x, T, w->cols, w->values, w->scales, w->offsets, (int)w->f16, w->group, w->rows, y, w->rows);

@@ -35,11 +35,16 @@ def reference_matmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
 
 
-def cpu_matmul(x: torch.Tensor, w: QuantWeight, invariant: bool = False, lib=None, int8: bool = False) -> torch.Tensor:
+# EngineConfig.activations -> the compiled products that round x: (u4 kernel, i8 kernel)
+_ROUNDED = {"int8": ("sq_gemm_u4_q8", "sq_gemm_i8_q8"), "int16": ("sq_gemm_u4_q16", "sq_gemm_i8_q16")}
+
+
+def cpu_matmul(x: torch.Tensor, w: QuantWeight, invariant: bool = False, lib=None,
+               activations: str = "float") -> torch.Tensor:
     """x [M, K] float32 @ W^T -> [M, N] float32 with the compiled kernels (`lib`, default: loaded).
     `invariant`: a row's result does not depend on M (quant_matmul_cpu.c), as batch invariance needs.
-    `int8`: x rounded to int8 per group and multiplied in integers (quant_matmul_q8_cpu.c; invariant
-    by construction)."""
+    `activations` "int8" / "int16": x rounded per group and multiplied in integers
+    (quant_matmul_q8_cpu.c / quant_matmul_q16_cpu.c; invariant by construction)."""
     if lib is None:
         from slipstream.models.kernels.cpu_kernels import native_kernels
 
@@ -51,13 +56,14 @@ def cpu_matmul(x: torch.Tensor, w: QuantWeight, invariant: bool = False, lib=Non
     n = w.rows
     y = torch.empty(m, n, dtype=torch.float32)
     f16 = int(w.scales.dtype == torch.float16)
-    if int8:
+    if activations != "float":
+        u4, i8 = _ROUNDED[activations]
         if w.kind == "u4":
-            lib.sq_gemm_u4_q8(x.data_ptr(), m, k, w.values.data_ptr(), w.scales.data_ptr(), ptr_or_none(w.offsets),
-                              f16, n, y.data_ptr(), n)
-        elif lib.sq_gemm_i8_q8(x.data_ptr(), m, k, w.values.data_ptr(), w.scales.data_ptr(),
-                               ptr_or_none(w.offsets), f16, w.group, n, y.data_ptr(), n) != 0:
-            raise ValueError(f"no int8 kernel for groups of {w.group}")
+            getattr(lib, u4)(x.data_ptr(), m, k, w.values.data_ptr(), w.scales.data_ptr(), ptr_or_none(w.offsets),
+                             f16, n, y.data_ptr(), n)
+        elif getattr(lib, i8)(x.data_ptr(), m, k, w.values.data_ptr(), w.scales.data_ptr(),
+                              ptr_or_none(w.offsets), f16, w.group, n, y.data_ptr(), n) != 0:
+            raise ValueError(f"no {activations} kernel for groups of {w.group}")
     elif w.kind == "u4":
         lib.sq_gemm_u4(x.data_ptr(), m, k, w.values.data_ptr(), w.scales.data_ptr(), ptr_or_none(w.offsets), f16, n,
                        y.data_ptr(), n, int(invariant))
@@ -107,13 +113,13 @@ class QuantLinear(nn.Module):
         self.qweight = weight  # a plain attribute: its parts are not parameters (never trained, cast or saved)
         self.bias = None if bias is None else bias.detach()
         self.invariant = invariant  # CPU: batch-invariant results (cpu_matmul)
-        self.int8 = False  # CPU: int8 activations (cpu_matmul; LlamaForCausalLM.set_activations)
+        self.activations = "float"  # CPU: EngineConfig.activations (cpu_matmul; LlamaForCausalLM.set_activations)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if x.device.type == "cpu":
-            y = cpu_matmul(x2, self.qweight, self.invariant, int8=self.int8)
+            y = cpu_matmul(x2, self.qweight, self.invariant, activations=self.activations)
         else:
             from slipstream.models.kernels.quant_triton import quant_matmul_triton
 

@@ -16,55 +16,12 @@
  * one vpermb turns 4 columns' 64 bytes [c][r] into [r][c].
  */
 #include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+
+#include "quant_rounded_cpu.h"
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
 #define Q8_VNNI 1
 #endif
-
-typedef int64_t i64;
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
-#define PANEL 16
-#define MAX_MB 8
-#define PARALLEL_MIN 65536
-
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef float v16_u __attribute__((vector_size(64), aligned(4)));
-
-ALWAYS_INLINE v16 ld16(const float *p) { return *(const v16_u *)p; }
-
-ALWAYS_INLINE v16 scales16(const void *p, i64 i, const int f16) {
-    v16 v;
-#if defined(__AVX512F__)
-    if (f16) return (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)));
-#endif
-    if (f16) {
-        const _Float16 *h = (const _Float16 *)p + i;
-        for (int l = 0; l < 16; l++) v[l] = (float)h[l];
-    } else {
-        v = ld16((const float *)p + i);
-    }
-    return v;
-}
-
-typedef struct {
-    i64 M, K, N, ldy, gs; /* gs: columns per group of the weights' scales and of x's */
-    const uint8_t *q;
-    const void *sc, *of;
-    int f16;
-    const int8_t *xq; /* [M, K] x rounded to int8 (u4), or that + 128 as uint8 (i8: vpdpbusd's unsigned side) */
-    const float *xd;  /* [M, G] their scales */
-    const float *xs;  /* [M, G] exact group sums of x (the offsets' share) */
-    float *y;
-} jq_t;
 
 /* int32 dot products of a group: lane r = sum over the group's 32 columns of q[r][k] * xq[m][k] */
 #ifdef Q8_VNNI
@@ -137,33 +94,24 @@ ALWAYS_INLINE void group_dots_i8(const int8_t *vg, const int8_t *const *xm, cons
 }
 #endif
 
-ALWAYS_INLINE void panel_q8(const jq_t *j, i64 p, i64 m0, const int MB, const int kind, const int GS) {
+/* rows [m0, m0 + MB) of x against panel p; j->xq: [M, K] x rounded to int8 (u4), or that + 128 as uint8
+ * (i8: vpdpbusd's unsigned side) */
+ALWAYS_INLINE void panel_q8(const rq_t *j, i64 p, i64 m0, const int MB, const int kind, const int GS) {
     const i64 K = j->K, G = K / GS;
     v16 acc[MAX_MB];
     for (int m = 0; m < MB; m++) acc[m] = (v16){0};
     for (i64 g = 0; g < G; g++) {
         const int8_t *xm[MAX_MB];
-        for (int m = 0; m < MB; m++) xm[m] = j->xq + (m0 + m) * K + g * GS;
+        for (int m = 0; m < MB; m++) xm[m] = (const int8_t *)j->xq + (m0 + m) * K + g * GS;
         v16i t[MAX_MB];
         if (kind == 0) group_dots(j->q + (p * G + g) * 256, xm, MB, t);
         else group_dots_i8((const int8_t *)j->q + (p * K + g * GS) * PANEL, xm, MB, GS, t);
-        const v16 s = scales16(j->sc, (p * G + g) * PANEL, j->f16);
-        const v16 o = j->of ? scales16(j->of, (p * G + g) * PANEL, j->f16) : (v16){0};
-        for (int m = 0; m < MB; m++) {
-            const i64 mg = (m0 + m) * G + g;
-            acc[m] += (s * j->xd[mg]) * __builtin_convertvector(t[m], v16) + o * j->xs[mg];
-        }
+        add_group(j, p, g, G, m0, MB, t, acc);
     }
-    const i64 n = p * PANEL;
-    for (int m = 0; m < MB; m++) {
-        float *ym = j->y + (m0 + m) * j->ldy + n;
-        if (n + PANEL <= j->N) *(v16_u *)ym = acc[m];
-        else
-            for (i64 r = 0; n + r < j->N; r++) ym[r] = acc[m][r];
-    }
+    store_panel(j, p, m0, MB, acc);
 }
 
-ALWAYS_INLINE void work_q8(const jq_t *j, i64 p0, i64 p1, const int kind, const int GS) {
+ALWAYS_INLINE void work_q8(const rq_t *j, i64 p0, i64 p1, const int kind, const int GS) {
     for (i64 p = p0; p < p1; p++)
         for (i64 m0 = 0; m0 < j->M; m0 += MAX_MB) {
             const i64 mb = j->M - m0 < MAX_MB ? j->M - m0 : MAX_MB;
@@ -175,10 +123,9 @@ ALWAYS_INLINE void work_q8(const jq_t *j, i64 p0, i64 p1, const int kind, const 
         }
 }
 
-typedef void (*worker_fn)(const jq_t *, i64, i64);
-static void u4_q8(const jq_t *j, i64 p0, i64 p1) { work_q8(j, p0, p1, 0, 32); }
-static void i8_32_q8(const jq_t *j, i64 p0, i64 p1) { work_q8(j, p0, p1, 1, 32); }
-static void i8_16_q8(const jq_t *j, i64 p0, i64 p1) { work_q8(j, p0, p1, 1, 16); }
+static void u4_q8(const rq_t *j, i64 p0, i64 p1) { work_q8(j, p0, p1, 0, 32); }
+static void i8_32_q8(const rq_t *j, i64 p0, i64 p1) { work_q8(j, p0, p1, 1, 32); }
+static void i8_16_q8(const rq_t *j, i64 p0, i64 p1) { work_q8(j, p0, p1, 1, 16); }
 
 /* x[m] per group of gs (16 or 32): xq = round(x / d), d = max|x| / 127 (0 for an all-zero group),
  * flipped to xq + 128 (as uint8) with `flip`; xs = sum x */
@@ -205,28 +152,14 @@ static void quantize_rows(const float *x, i64 M, i64 K, i64 gs, int flip, int8_t
         }
 }
 
-static void run_q8(worker_fn fn, const float *x, i64 M, i64 K, i64 gs, int flip, const void *q, const void *scale,
+static void run_q8(rq_worker fn, const float *x, i64 M, i64 K, i64 gs, int flip, const void *q, const void *scale,
                    const void *offset, int f16, i64 N, float *y, i64 ldy) {
-    const i64 G = K / gs, panels = (N + PANEL - 1) / PANEL;
+    const i64 G = K / gs;
     int8_t *xq = (int8_t *)malloc((size_t)(M * K));
     float *xd = (float *)malloc(sizeof(float) * (size_t)(2 * M * G));
     quantize_rows(x, M, K, gs, flip, xq, xd, xd + M * G);
-    jq_t j = {M, K, N, ldy, gs, (const uint8_t *)q, scale, offset, f16, xq, xd, xd + M * G, y};
-#ifdef _OPENMP
-    if (panels > 1 && N * K * (M < MAX_MB ? M : MAX_MB) >= PARALLEL_MIN && omp_get_max_threads() > 1) {
-#pragma omp parallel
-        {
-            const i64 nt = omp_get_num_threads(), id = omp_get_thread_num();
-            const i64 per = (panels + nt - 1) / nt;
-            const i64 p0 = id * per < panels ? id * per : panels, p1 = p0 + per < panels ? p0 + per : panels;
-            fn(&j, p0, p1);
-        }
-        free(xq);
-        free(xd);
-        return;
-    }
-#endif
-    fn(&j, 0, panels);
+    const rq_t j = {M, K, N, ldy, (const uint8_t *)q, scale, offset, f16, xq, xd, xd + M * G, y};
+    run_panels(fn, &j);
     free(xq);
     free(xd);
 }

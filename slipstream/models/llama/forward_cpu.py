@@ -48,7 +48,7 @@ def _fuse(linears: list[Any]) -> QuantLinear | None:
         m.qweight = fused.panels(at, at + p)
         at += p
     out = QuantLinear(fused, None if biases[0] is None else torch.cat(biases))
-    out.int8 = linears[0].int8
+    out.activations = linears[0].activations
     return out
 
 
@@ -68,7 +68,7 @@ def fuse_projections_cpu(model) -> int:
 
 def _linear(module: nn.Module, x: torch.Tensor, lib) -> torch.Tensor:
     if isinstance(module, QuantLinear):  # straight to the kernel: a module call costs ~5 us
-        y = cpu_matmul(x, module.qweight, False, lib, module.int8)
+        y = cpu_matmul(x, module.qweight, False, lib, module.activations)
         return y if module.bias is None else y.add_(module.bias)
     if type(module) is nn.Linear:
         return F.linear(x, module.weight, module.bias)
@@ -98,9 +98,13 @@ def supports(model, batch) -> bool:
             and not any(n > 1 for n in (batch.attn.bidirectional_lens or ())))
 
 
+_KIND_ACTIVATIONS = {"float": 0, "int8": 2, "int16": 4}  # qmat_t.kind's share (llama_forward_cpu.c)
+
+
 def _qmat(linear: QuantLinear) -> QMat:
     w = linear.qweight
-    return QMat((0 if w.kind == "u4" else 1) + 2 * linear.int8, int(w.scales.dtype == torch.float16), w.group, w.rows, w.cols,
+    return QMat((0 if w.kind == "u4" else 1) + _KIND_ACTIVATIONS[linear.activations],
+                int(w.scales.dtype == torch.float16), w.group, w.rows, w.cols,
                 w.values.data_ptr(), w.scales.data_ptr(), _ptr(w.offsets), _ptr(linear.bias))
 
 

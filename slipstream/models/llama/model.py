@@ -202,15 +202,16 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.compute_dtype = dtype
 
     def set_activations(self, mode: str) -> None:
-        """How quantized projections multiply on the CPU: "int8" (each row of x rounded to int8 per
-        group of 32, integer dot products: models/kernels/quant_matmul_q8_cpu.c) or "float"."""
+        """How quantized projections multiply on the CPU: "int8" / "int16" (each row of x rounded to
+        int8 / int16 per group of 32, integer dot products: models/kernels/quant_matmul_q8_cpu.c /
+        quant_matmul_q16_cpu.c) or "float"."""
         from slipstream.models.kernels.quant_linear import QuantLinear
 
         if mode not in ACTIVATION_MODES:
             raise ValueError(f"activations must be one of {ACTIVATION_MODES}, got {mode!r}")
         for m in self.modules():
             if isinstance(m, QuantLinear):
-                m.int8 = mode == "int8"
+                m.activations = mode
         self.cpu_layers = False  # forward_cpu's table names each matrix's kernel: rebuilt at the next forward
 
     def set_kernel_backend(self, backend: str, options: "TritonOptions | None" = None) -> None:

@@ -96,7 +96,7 @@ def _assemble(config: EngineConfig, device, invariant: bool) -> EngineParts:
         model.set_kernel_backend("cpu")  # compiled kernels (models/llama/forward_cpu.py); invariance keeps the reference
         model.set_activations(activations)
         calibrate_forward_threads(device, model)
-    log.info("activations", asked=config.activations, used=activations)
+    log.info("activations_chosen", asked=config.activations, used=activations)
     max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
     # what turns a request's images into prompt rows (None: text only), the model's family's
     processing = registry.for_spec(config.model).image_processing(model)

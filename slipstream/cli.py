@@ -77,10 +77,10 @@ def add_engine_args(p: argparse.ArgumentParser, log_level: str = "warning") -> N
     p.add_argument("--weights", default="quantized", choices=["quantized", "dequantized"],
                    help="a GGUF's quantized matrices: kept quantized and computed with as such, or expanded to "
                         "--dtype at load (more memory; docs/models.md)")
-    p.add_argument("--activations", default="float", choices=["float", "int8", "int16"],
+    p.add_argument("--activations", default="auto", choices=["auto", "float", "int8", "int16"],
                    help="quantized weights on the CPU: float32 multiply-adds, or activations rounded to int8 / "
                         "int16 per group and multiplied in integers (faster, most of all for speculative decoding; "
-                        "outputs differ slightly: docs/models.md)")
+                        "outputs differ slightly: docs/models.md); auto: int16 on the CPU's compiled kernels")
     p.add_argument("--batch-invariant", action="store_true",
                    help="CPU: results independent of batch composition and pipeline depth (row padding, "
                         "float64 attention; slower: docs/architecture.md)")
@@ -103,7 +103,7 @@ def engine_config(args, **overrides):
                   kv_cache_tokens=getattr(args, "kv_cache_tokens", None),
                   batch_invariant=getattr(args, "batch_invariant", False),
                   weights=getattr(args, "weights", "quantized"),
-                  activations=getattr(args, "activations", "float"),
+                  activations=getattr(args, "activations", "auto"),
                   prefix_caching=getattr(args, "prefix_caching", True))
     if getattr(args, "speculative", None):
         from slipstream.params import SpeculativeConfig

@@ -192,8 +192,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, met
     # equals transformers'); "int8" rounds each activation row to int8 per group and multiplies in
     # integers (llama.cpp's kind of arithmetic; ~4x fewer instructions per row, so a k + 1-position
     # verification costs far less, but outputs differ: docs/models.md, "Quantized weights"); "int16"
-    # rounds to int16 (2 products per instruction, a rounding 258x finer than int8's)
-    activations: str = "float"
+    # rounds to int16 (2 products per instruction, a rounding 258x finer than int8's; greedy output
+    # still transformers' on the oracle prompts); "auto": int16 where the compiled kernels run, else
+    # float (what nothing else rounds: CUDA, bfloat16, batch invariance)
+    activations: str = "auto"
     seed: int = 0  # seeds requests that give none
     trace: bool = False  # keep per-step host timings and device spans (benchmarks, timelines)
     grammar_timeout_s: float = 10.0  # compile timeout of a constraint grammar
@@ -253,9 +255,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, met
                                       param="gpu_memory_utilization")
         if self.weights not in WEIGHT_MODES:
             raise InvalidRequestError(f"weights must be one of {WEIGHT_MODES}, got {self.weights!r}", param="weights")
-        if self.activations not in ACTIVATION_MODES:
-            raise InvalidRequestError(f"activations must be one of {ACTIVATION_MODES}, got {self.activations!r}",
-                                      param="activations")
+        if self.activations not in ("auto",) + ACTIVATION_MODES:
+            raise InvalidRequestError(f"activations must be one of {('auto',) + ACTIVATION_MODES}, got "
+                                      f"{self.activations!r}", param="activations")
         if self.output_stage not in OUTPUT_STAGES:
             raise InvalidRequestError(f"output_stage must be one of {OUTPUT_STAGES}, got {self.output_stage!r}",
                                       param="output_stage")

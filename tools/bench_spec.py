@@ -62,7 +62,7 @@ async def main() -> None:
                     help="send each workload's text as a raw prompt, not a chat message (models without a chat "
                          "template, e.g. the random ones)")
     ap.add_argument("--workloads", nargs="*", default=list(WORKLOADS))
-    ap.add_argument("--activations", nargs="+", default=["float"], choices=["int8", "int16", "float"],
+    ap.add_argument("--activations", nargs="+", default=["float"], choices=["auto", "int8", "int16", "float"],
                     help="EngineConfig.activations; several: an off/on pair of engines each, interleaved, one table each")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()

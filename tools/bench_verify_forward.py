@@ -50,7 +50,7 @@ def main() -> None:
     ap.add_argument("--weights", default="dequantized", choices=["dequantized", "quantized"],
                     help="quantized: a GGUF's matrices kept quantized, on the compiled CPU kernels (the "
                          "engine's default since issue 39); dequantized: the packed fp32 path phase 1 measured")
-    ap.add_argument("--activations", nargs="+", default=["float"], choices=["int8", "int16", "float"],
+    ap.add_argument("--activations", nargs="+", default=["float"], choices=["auto", "int8", "int16", "float"],
                     help="with --weights quantized: the CPU products' activations (EngineConfig.activations); "
                          "several: interleaved within each repeat, one table each")
     ap.add_argument("--out", type=Path, default=None, help="also write the report here")

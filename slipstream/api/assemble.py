@@ -89,15 +89,14 @@ def _assemble(config: EngineConfig, device, invariant: bool) -> EngineParts:
     model, tokenizer, mcfg = build_model(config.model, config.dtype, device.torch_device, config.seed,
                                          pack=not invariant, weights=config.weights, invariant=invariant)
     cpu_kernels = device.kind != "cuda" and not invariant and config.dtype == "float32" and cpu_backend_available(model)
-    if config.activations != "float" and not cpu_kernels:  # nothing else rounds activations: refuse, not ignore
-        raise InvalidRequestError(f"activations={config.activations!r} needs the CPU's compiled kernels (device cpu, "
-                                  "dtype float32, no batch invariance)", param="activations")
+    activations = resolve_activations(config.activations, cpu_kernels)
     if device.kind == "cuda":
         model.set_kernel_backend("triton")
     elif cpu_kernels:
         model.set_kernel_backend("cpu")  # compiled kernels (models/llama/forward_cpu.py); invariance keeps the reference
-        model.set_activations(config.activations)
+        model.set_activations(activations)
         calibrate_forward_threads(device, model)
+    log.info("activations_chosen", asked=config.activations, used=activations)
     max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
     # what turns a request's images into prompt rows (None: text only), the model's family's
     processing = registry.for_spec(config.model).image_processing(model)
@@ -122,7 +121,7 @@ def _assemble(config: EngineConfig, device, invariant: bool) -> EngineParts:
                       max_encoder_tokens=config.max_encoder_tokens_per_step)
     if config.speculative is not None:
         install_speculation(config, runner, planner, ceil_div(max_model_len, config.page_size) * config.page_size,
-                            mcfg, tokenizer, device)
+                            mcfg, tokenizer, device, activations)
     loop = EngineLoop(runner, planner, OutputProcessor(text_thread=config.output_stage == "thread"), config.pipeline_depth, config.page_size, row_multiple,
                       vocab_width=mcfg.vocab_size, eos_ids=tuple(tokenizer.eos_token_ids),
                       step_timeout_s=config.step_timeout_s)
@@ -135,7 +134,7 @@ def _assemble(config: EngineConfig, device, invariant: bool) -> EngineParts:
 
 
 def install_speculation(config: EngineConfig, runner: ModelRunner, planner: Planner, max_len: int, target_config,
-                        tokenizer, device) -> None:
+                        tokenizer, device, activations: str = "float") -> None:
     """Speculative decoding (docs/speculative.md): the runner's drafting and verifying, the planner's drafts."""
     from slipstream.runtime.spec_step import SpecRunner
     from slipstream.scheduler.speculation import FORWARD_MS_BY_ACTIVATIONS, Speculation
@@ -149,7 +148,7 @@ def install_speculation(config: EngineConfig, runner: ModelRunner, planner: Plan
     else:
         options = dict(min_n=spec.min_n, max_n=spec.max_n, window=spec.window)
     runner.spec = SpecRunner(runner, spec.method, spec.num_drafts, max_len, **options)
-    planner.speculation = Speculation(spec.num_drafts, spec.adaptive, FORWARD_MS_BY_ACTIVATIONS[config.activations])
+    planner.speculation = Speculation(spec.num_drafts, spec.adaptive, FORWARD_MS_BY_ACTIVATIONS[activations])
 
 
 DRAFT_PROBE = "The draft model must split text as the target does: 12345, naïve café, 日本語 🚀."
@@ -177,8 +176,20 @@ def draft_model(config: EngineConfig, name: str, target_config, tokenizer, devic
     check_draft_model(target_config, tokenizer, draft_config, draft_tokenizer)
     if cpu_backend_available(model):
         model.set_kernel_backend("cpu")
-        model.set_activations(config.activations)
+        model.set_activations(resolve_activations(config.activations, True))
     return model
+
+
+def resolve_activations(asked: str, cpu_kernels: bool) -> str:
+    """EngineConfig.activations as the model runs it: "auto" is int16 on the CPU's compiled kernels
+    (greedy output still transformers' on the oracle prompts, and a verification forward ~16% cheaper:
+    docs/models.md), float elsewhere. Rounding asked for where nothing rounds is refused, not ignored."""
+    if asked == "auto":
+        return "int16" if cpu_kernels else "float"
+    if asked != "float" and not cpu_kernels:
+        raise InvalidRequestError(f"activations={asked!r} needs the CPU's compiled kernels (device cpu, "
+                                  "dtype float32, no batch invariance)", param="activations")
+    return asked
 
 
 def calibrate_forward_threads(device, model) -> None:

@@ -15,8 +15,8 @@ from slipstream.grammar.bitmask import allocate_bitmask, set_allowed
 from slipstream.runtime.logits_process import record_sampled
 from slipstream.runtime.sampler import sample_group
 from slipstream.runtime.sampling_args import Draw, Penalties, SamplingArgs, TopKTopP
-from slipstream.runtime.spec_verify import (NO_TOKEN, count_emitted, rejection_accept, replay_accept, spec_layout,
-                                            target_tokens, verify_inputs)
+from slipstream.runtime.spec_verify import (NO_TOKEN, _replay_accept_numpy, _replay_accept_torch, count_emitted,
+                                            rejection_accept, replay_accept, spec_layout, target_tokens, verify_inputs)
 
 V = 12
 
@@ -127,14 +127,28 @@ def test_replay_emits_what_decoding_one_token_at_a_time_emits(kind, masked):
     assert speculate(table, n, steps, kind, masks, seed=11, truth=truth, wrong=0.0) == truth
 
 
-def test_replay_accepts_the_longest_matching_prefix():
+@pytest.mark.parametrize("accept", [_replay_accept_numpy, _replay_accept_torch])  # (the CPU's, any other device's)
+def test_replay_accepts_the_longest_matching_prefix(accept):
     lay = spec_layout([3, 3, 0, 2], max_drafts=3)
     drafts = torch.tensor([[4, 5, 6], [4, 9, 6], [-1, -1, -1], [1, 2, -1]])
     targets = torch.tensor([4, 5, 6, 7, 4, 5, 6, 7, 3, 1, 2, 8])
-    v = replay_accept(targets, drafts, lay)
+    v = accept(targets, drafts, lay)
     assert v.accepted.tolist() == [3, 1, 0, 2]
     assert v.tokens.tolist() == [[4, 5, 6, 7], [4, 5, -1, -1], [3, -1, -1, -1], [1, 2, 8, -1]]
     assert v.last.tolist() == [7, 5, 3, 8]
+
+
+def test_replay_in_numpy_equals_replay_in_torch():
+    rs = np.random.RandomState(5)
+    for _ in range(200):
+        n, width = rs.randint(1, 6), rs.randint(1, 6)
+        k = rs.randint(0, width + 1, n)
+        lay = spec_layout(k, max_drafts=width)
+        targets = torch.from_numpy(rs.randint(0, 3, int(k.sum()) + n))
+        drafts = torch.from_numpy(rs.randint(0, 3, (n, width)))  # (past k too: a drafter proposes max_drafts)
+        a, b = _replay_accept_numpy(targets, drafts, lay), _replay_accept_torch(targets, drafts, lay)
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
 
 
 def test_count_emitted_skips_padding():

@@ -145,8 +145,27 @@ def leading_matches(drafts: torch.Tensor, tokens: torch.Tensor, num_drafts: torc
 
 def replay_accept(targets: torch.Tensor, drafts: torch.Tensor, lay: SpecLayout) -> Verdict:
     """Replay acceptance from `target_tokens`' samples [P]: the longest prefix of drafts equal to them."""
+    if targets.device.type == "cpu":  # the same in numpy: ~10x fewer µs than torch's CPU ops (docs/speculative.md)
+        return _replay_accept_numpy(targets, drafts, lay)
+    return _replay_accept_torch(targets, drafts, lay)
+
+
+def _replay_accept_torch(targets: torch.Tensor, drafts: torch.Tensor, lay: SpecLayout) -> Verdict:
     t = _padded(targets, lay)
     return _verdict(leading_matches(drafts, t, lay.num_drafts), t)
+
+
+def _replay_accept_numpy(targets: torch.Tensor, drafts: torch.Tensor, lay: SpecLayout) -> Verdict:
+    n, width = lay.num_drafts.shape[0], lay.max_drafts + 1
+    t = np.full((n, width), NO_TOKEN, dtype=np.int64)
+    t[lay.owner.numpy(), lay.offset.numpy()] = targets.numpy()
+    d = drafts.numpy()
+    k = d.shape[1]
+    live = np.arange(k)[None, :] < lay.num_drafts.numpy()[:, None]
+    accepted = ((d == t[:, :k]) & live).cumprod(1).sum(1)
+    last = t[np.arange(n), accepted]
+    t[np.arange(width)[None, :] > accepted[:, None]] = NO_TOKEN
+    return Verdict(torch.from_numpy(accepted), torch.from_numpy(t), torch.from_numpy(last))
 
 
 def _position_keys(seed: torch.Tensor, output_index: torch.Tensor, salt: int) -> torch.Tensor:

@@ -128,8 +128,9 @@ def steady_state(traces: list, streams: int) -> StepStats:
 
 
 async def start_engine(model: str, device: str, depth: int, max_streams: int, output_len: int,
-                       dtype: str = "float32", event_wait: str = "auto") -> Engine:
+                       dtype: str = "float32", event_wait: str = "auto", speculative=None) -> Engine:
     config = EngineConfig(model=model, device=device, dtype=dtype, pipeline_depth=depth, event_wait=event_wait,
+                          speculative=speculative,
                           max_batch_size=max(max_streams, 1),
                           max_num_batched_tokens=max(512, max_streams * PROMPT_LEN),
                           kv_cache_tokens=max(4096, 2 * max_streams * (PROMPT_LEN + output_len + 16)), trace=True)
@@ -193,13 +194,14 @@ def compare(d1: RunResult, d2: RunResult, row_cost: float = 0.0, prediction: Pre
 
 async def bench(model: str, device: str, streams: list[int], output_len: int, repeats: int,
                 on_step=None, on_run=None, dtype: str = "float32", event_wait: str = "auto",
-                on_predict=None) -> list[list[Comparison]]:
+                on_predict=None, speculative=None) -> list[list[Comparison]]:
     """For each stream count, one Comparison per repeat. Within a repeat: depth-1 run, then the
     prediction from it (reported through `on_predict` before anything else happens), then depth 2."""
     engines = {}
     try:
         for depth in (1, 2):
-            engines[depth] = await start_engine(model, device, depth, max(streams), output_len, dtype, event_wait)
+            engines[depth] = await start_engine(model, device, depth, max(streams), output_len, dtype, event_wait,
+                                                speculative)
             if on_step is not None:
                 engines[depth].loop.observers.append(on_step)
         out = []

@@ -57,6 +57,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, f
     # prefix caching (docs/prefix-caching.md)
     cache_salt: str | None = None  # requests with different salts never share KV pages (tenant isolation)
     prefix_caching: bool = True  # False: this request neither reuses cached pages nor adds its own
+    # speculative decoding (docs/speculative.md): False keeps this request's steps free of drafts
+    # (where EngineConfig.speculative is on; the output is the same either way)
+    speculative: bool = True
 
     def grammar_field(self) -> str | None:
         """The field the constraint came from (what a GrammarCompileError's `param` names)."""
@@ -125,6 +128,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, f
                 raise InvalidRequestError("choice must be a non-empty list of non-empty strings", param="choice")
             force(self, "choice", tuple(check.text(f"choice[{i}]", c) for i, c in enumerate(self.choice)))
         check.boolean("prefix_caching", self.prefix_caching)
+        check.boolean("speculative", self.speculative)
         if self.cache_salt is not None and len(check.text("cache_salt", self.cache_salt)) > MAX_CACHE_SALT:
             raise InvalidRequestError(f"cache_salt must be at most {MAX_CACHE_SALT} characters, got "
                                       f"{len(self.cache_salt)}", param="cache_salt")

@@ -181,3 +181,25 @@ def test_stats_and_prometheus_report_the_acceptance():
     assert values["slipstream_spec_steps_total"] == stats["steps"]
     assert values["slipstream_spec_acceptance_rate"] == pytest.approx(stats["accepted"] / stats["drafted"])
     assert values["slipstream_spec_mean_accepted_length"] == pytest.approx(stats["accepted"] / stats["steps"])
+
+
+def test_a_request_can_opt_out():
+    """SamplingParams(speculative=False): that request's steps feed no drafts, its output unchanged;
+    the field is validated by name, and the HTTP body's extra field reaches it."""
+    from slipstream.serve.openai_types import CompletionRequest
+    from slipstream.serve.sampling import sampling_params
+
+    prompt = [7, 8, 9, 10] * 10
+
+    async def run(speculative):
+        async with Engine(cfg(2, SPEC)) as engine:
+            out = await engine.complete(prompt, SamplingParams(max_tokens=30, temperature=0.0, speculative=speculative))
+            return out.token_ids, (await engine.stats())["speculative"]["drafted"]
+
+    (on, drafted_on), (off, drafted_off) = asyncio.run(run(True)), asyncio.run(run(False))
+    assert on == off and drafted_on > 0 and drafted_off == 0
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(speculative="no")
+    assert e.value.param == "speculative"
+    body = CompletionRequest(model="m", prompt="hi", speculative=False)
+    assert sampling_params(body, False, 2, None)[0].speculative is False

@@ -193,6 +193,17 @@ def test_bench_json_and_tables(capsys, tmp_path):
     assert "predicted before depth 2 ran" in captured.err
 
 
+def test_bench_with_speculation(capsys, tmp_path):
+    from slipstream.cli import main
+
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--model", "tiny-random", "--streams", "1", "--len", "8", "--repeats", "1",
+                 "--speculative", "ngram", "--num-drafts", "2", "--json-out", str(out), "--no-progress"]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["speculative"] == "ngram" and doc["num_drafts"] == 2 and len(doc["results"]) == 1
+    assert main(["bench", "--model", "tiny-random", "--speculative", "ngram", "--num-drafts", "0"]) == 2
+
+
 def test_bench_says_a_warning_once(capsys, monkeypatch):
     """issue 37, item 15: the disagreement warning went to stderr and into the tables' notes."""
     import slipstream.bench_report as report

@@ -127,7 +127,8 @@ class Submitter:
         seq = SchedSeq(request_id, ids, max_tokens, row, user=req, matcher=matcher, ends_with_grammar=not params.stop,
                        images=ImageState(spans) if spans else None,
                        bidirectional_len=bidirectional,
-                       prefix=PrefixState(salt_key(params.cache_salt) if params.prefix_caching else None))
+                       prefix=PrefixState(salt_key(params.cache_salt) if params.prefix_caching else None),
+                       speculate=params.speculative)
         self.requests[request_id] = seq
         self.loop.submit(seq)
         return seq

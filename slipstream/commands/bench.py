@@ -30,6 +30,10 @@ def register(sub) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of the tables")
     p.add_argument("--json-out", metavar="PATH", help="also write the JSON document to PATH")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--speculative", default=None, choices=["ngram"],
+                   help="both depths with n-gram speculative decoding (docs/speculative.md; tools/bench_spec.py "
+                        "compares with it off)")
+    p.add_argument("--num-drafts", type=int, default=4, help="with --speculative: the most drafts a row feeds per step")
     add_log_args(p)
     p.set_defaults(func=_bench)
 
@@ -43,6 +47,11 @@ def _bench(args) -> int:
 
     if min(args.streams) < 1 or args.output_len < 2 or args.repeats < 1:
         raise InvalidRequestError("bench: need --streams >= 1, --len >= 2 and --repeats >= 1")
+    spec = None
+    if args.speculative:
+        from slipstream.params import SpeculativeConfig
+
+        spec = SpeculativeConfig(method=args.speculative, num_drafts=args.num_drafts)  # (validates num_drafts)
     # one unit per committed step: a run is one prefill step and L − 1 decode steps
     total = 2 * args.repeats * args.output_len * len(args.streams)
     bar = tqdm(total=total, unit="step", file=sys.stderr, disable=args.no_progress or None, dynamic_ncols=True)
@@ -70,13 +79,14 @@ def _bench(args) -> int:
     try:
         rows = asyncio.run(bench(args.model, args.device, args.streams, args.output_len, args.repeats,
                                  on_step=lambda step: bar.update(1), on_run=on_run, dtype=args.dtype,
-                                 event_wait=args.event_wait, on_predict=on_predict))
+                                 event_wait=args.event_wait, on_predict=on_predict, speculative=spec))
     finally:
         bar.close()
     if args.json:  # (the tables carry it in their notes: said once either way)
         for line in warnings(rows):
             print(line, file=sys.stderr)
     meta = {"provenance": prov, "model": args.model, "device": args.device, "dtype": args.dtype,
+            "speculative": args.speculative, "num_drafts": args.num_drafts if args.speculative else None,
             "event_wait": args.event_wait, "repeats": args.repeats, "output_len": args.output_len}
     doc = json.dumps(to_json(rows, meta), indent=2)
     if args.json_out:

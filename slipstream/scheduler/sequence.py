@@ -95,6 +95,7 @@ class Sequence:
     drafts_accepted: float = 0.0  # decayed counts of accepted drafts and of drafts that decided a step
     drafts_tried: float = 0.0
     steps_without_drafts: int = 0  # plans since it last drafted (the adaptive policy probes again)
+    speculate: bool = True  # SamplingParams.speculative: False, never in a step with drafts
     # decayed counts of its committed steps planned with drafts, and of those where the device fed any
     # (on the CPU the device feeds none for a weak n-gram match: runtime/spec_step.py)
     draft_plans: float = 0.0

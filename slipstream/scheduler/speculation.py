@@ -129,9 +129,10 @@ def best_drafts(alpha: float, max_drafts: int, costs: CostTable = FORWARD_MS, ro
 
 
 def can_speculate(seq: Sequence) -> bool:
-    """Its sampling is verified on the device alone (replay of greedy or random draws)."""
+    """Its sampling is verified on the device alone (replay of greedy or random draws), and its
+    request did not opt out (SamplingParams.speculative)."""
     s = seq.sampling
-    return (seq.matcher is None and not s.logprobs and not s.top_logprobs and not s.carry
+    return (seq.speculate and seq.matcher is None and not s.logprobs and not s.top_logprobs and not s.carry
             and not s.needs_history)
 
 

@@ -78,6 +78,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     grammar: GrammarField | None = None
     # vLLM's field: requests share cached prompt pages only with requests of the same salt
     cache_salt: Annotated[str, Meta(min_length=1, max_length=MAX_CACHE_SALT)] | None = None
+    speculative: bool = True  # False: this request's steps feed no drafts (docs/speculative.md)
 
 
 class CompletionRequest(_Sampling, kw_only=True):

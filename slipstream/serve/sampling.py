@@ -73,7 +73,8 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, logprobs: bo
                                 ignore_eos=req.ignore_eos, logprobs=logprobs, top_logprobs=top, n=req.n,
                                 presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                                 repetition_penalty=req.repetition_penalty, min_p=req.min_p,
-                                min_tokens=req.min_tokens, cache_salt=req.cache_salt, **grammar)
+                                min_tokens=req.min_tokens, cache_salt=req.cache_salt, speculative=req.speculative,
+                                **grammar)
     except (InvalidRequestError, TypeError) as e:  # the body's types and ranges were checked already
         raise invalid(str(e), getattr(e, "param", None)) from e
     return params, grammar_param

@@ -96,3 +96,22 @@ def test_a_row_does_not_depend_on_the_other_rows():
     assert torch.equal(alone[0], full[8])
     four = run(q[5:9], ld, k, v, torch.tensor([0, 4]), lens[:1], table[:1], hq, hk, d, ps)
     assert torch.equal(four, full[5:9])
+
+
+def test_threads_split_kv_heads_alike():
+    """With two threads and one long decode row, the kernel splits work by kv head; with one thread it
+    takes all heads in one item: the same bits either way, and right."""
+    hq, hk, d, ps = 8, 4, 32, 16
+    case = make([(1500, 1)], hq, hk, d, ps, seed=13)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        two = run(*case, hq, hk, d, ps)
+        torch.set_num_threads(1)
+        one = run(*case, hq, hk, d, ps)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+    q, _, k, v, qs, lens, table = case
+    ref = reference(q, k, v, qs, lens, table, hq, hk, d, ps)
+    assert (two.double() - ref).abs().max().item() <= 2e-6 * ref.abs().max().item()

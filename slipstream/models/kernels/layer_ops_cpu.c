@@ -151,27 +151,44 @@ ALWAYS_INLINE float hmax16(v16 a) {
 
 #define KEYS 16 /* keys per block: one score vector per query row */
 #define TILE 8  /* query positions of one sequence per work item */
+#ifndef PREFETCH
+#define PREFETCH 2 /* blocks ahead */
+#endif
 
 /* One work item: query positions [t0, t0 + nt) of one sequence (pages `pages`, page size ps; KV index of
- * position j: pages[j / ps] * ps + j % ps) and the `group` query heads over kv head hk, position t0 + i
- * seeing keys [0, n0 + i). Every K and V vector of a block of KEYS keys is loaded once for all of the
- * item's rows (from L1 after the first). Softmax is online (flash-style), block by block; the blocks
- * start at key 0 whatever the item, so a row's result depends on its own query and keys only: not on
- * the other rows of the call, nor on TILE or the thread count. acc [rows, D] and ls [rows, 16] are
- * the item's scratch. */
+ * position j: pages[j / ps] * ps + j % ps), the query heads over kv heads [hk0, hk0 + nh), position
+ * t0 + i seeing keys [0, n0 + i). Every K and V vector of a block of KEYS keys is loaded once for all
+ * the item's rows (from L1 after the first). Softmax is online (flash-style), block by block; the
+ * blocks start at key 0 whatever the item, so a row's result depends on its own query and keys only:
+ * not on the other rows of the call, nor on TILE, nh or the thread count. Scratch per row: acc [D],
+ * ls and sc [16], mx and cf [1]. */
 ALWAYS_INLINE void attend(const float *q, i64 ldq, const float *k_cache, const float *v_cache, const i64 *pages,
-                          i64 ps, i64 n0, i64 nt, i64 hk, i64 group, i64 Hk, const int DV, float scale, float *out,
-                          i64 ldo, float *acc, float *mx, float *ls) {
-    const i64 rows = nt * group, stride = Hk * DV * 16, nmax = n0 + nt - 1;
-    const float *kb = k_cache + hk * DV * 16, *vb = v_cache + hk * DV * 16;
+                          i64 ps, i64 n0, i64 nt, i64 hk0, i64 nh, i64 group, i64 Hk, const int DV, float scale,
+                          float *out, i64 ldo, float *acc, float *mx, float *ls, float *sc, float *cf) {
+    const i64 heads = nh * group, rows = nt * heads, stride = Hk * DV * 16, nmax = n0 + nt - 1;
+    const float *kb = k_cache + hk0 * DV * 16, *vb = v_cache + hk0 * DV * 16;
     for (i64 r = 0; r < rows; r++) {
         mx[r] = -INFINITY;
         st(ls + 16 * r, (v16){0});
         for (int d = 0; d < DV; d++) st(acc + (r * DV + d) * 16, (v16){0});
     }
     const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    i64 page = 0, off = 0; /* of key j0 */
+    i64 page = 0, off = 0;                                         /* of key j0 */
+    i64 pf = PREFETCH * KEYS, pf_page = pf / ps, pf_off = pf % ps; /* of the next key to prefetch */
     for (i64 j0 = 0; j0 < nmax; j0 += KEYS) {
+        /* the block PREFETCH blocks ahead, towards the caches: at one query position the kernel streams
+         * K and V from memory (a forward's weights evict them between layers) */
+        for (int j = 0; j < KEYS && pf < nmax; j++, pf++) {
+            const i64 slot = pages[pf_page] * ps + pf_off;
+            for (int d = 0; d < nh * DV; d++) {
+                __builtin_prefetch(kb + slot * stride + 16 * d);
+                __builtin_prefetch(vb + slot * stride + 16 * d);
+            }
+            if (++pf_off == ps) {
+                pf_off = 0;
+                pf_page++;
+            }
+        }
         const float *kp[KEYS], *vp[KEYS];
         const i64 nb = nmax - j0 < KEYS ? nmax - j0 : KEYS;
         for (int j = 0; j < KEYS; j++) {
@@ -183,55 +200,64 @@ ALWAYS_INLINE void attend(const float *q, i64 ldq, const float *k_cache, const f
                 page++;
             }
         }
-        for (i64 i = 0; i < nt; i++) {
+        /* rows whose causal bound falls before this block are done: they are the first `skip` */
+        const i64 skip = j0 - n0 + 1 > 0 ? j0 - n0 + 1 : 0;
+        /* three passes over the rows, each row's chain independent of the others' (the core overlaps
+         * them): scores, then the online-softmax update, then the values */
+        for (i64 i = skip; i < nt; i++) {
             const i64 valid = n0 + i - j0; /* keys of this block the row sees (causal) */
-            if (valid <= 0) continue;
             const v16i keep = lane < (int)(valid < KEYS ? valid : KEYS);
-            for (i64 g = 0; g < group; g++) {
-                const i64 r = i * group + g;
-                const float *qr = q + i * ldq + (hk * group + g) * DV * 16;
+            for (i64 h = 0; h < heads; h++) {
+                const float *qr = q + i * ldq + (hk0 * group + h) * DV * 16;
+                const i64 kvo = h / group * DV * 16;
                 v16 qv[8], a[KEYS];
                 for (int d = 0; d < DV; d++) qv[d] = ld(qr + 16 * d);
                 for (int j = 0; j < KEYS; j++) {
-                    a[j] = ld(kp[j]) * qv[0];
-                    for (int d = 1; d < DV; d++) a[j] += ld(kp[j] + 16 * d) * qv[d];
+                    a[j] = ld(kp[j] + kvo) * qv[0];
+                    for (int d = 1; d < DV; d++) a[j] += ld(kp[j] + kvo + 16 * d) * qv[d];
                 }
-                const v16 s = sel(keep, hsum16(a) * scale, splat(-INFINITY));
-                const float bm = hmax16(s);
+                st(sc + 16 * (i * heads + h), sel(keep, hsum16(a) * scale, splat(-INFINITY)));
+            }
+        }
+        for (i64 r = skip * heads; r < rows; r++) {
+            const v16 s = ld(sc + 16 * r);
+            const float bm = hmax16(s), m = bm > mx[r] ? bm : mx[r];
+            const float c = expf(mx[r] - m); /* rescales what was summed under the old max (0 at first) */
+            mx[r] = m;
+            cf[r] = c;
+            const v16 p = vexp(s - m); /* masked lanes: exp(-inf) = 0 */
+            st(ls + 16 * r, ld(ls + 16 * r) * c + p);
+            st(sc + 16 * r, p);
+        }
+        for (i64 i = skip; i < nt; i++) {
+            const i64 valid = n0 + i - j0;
+            const int nv = (int)(valid < KEYS ? valid : KEYS);
+            for (i64 h = 0; h < heads; h++) {
+                const i64 r = i * heads + h, kvo = h / group * DV * 16;
+                const float *pj = sc + 16 * r;
                 float *ar = acc + r * DV * 16;
-                if (bm > mx[r]) { /* a new running max: rescale what was summed under the old one */
-                    const float c = expf(mx[r] - bm);
-                    mx[r] = bm;
-                    st(ls + 16 * r, ld(ls + 16 * r) * c);
-                    for (int d = 0; d < DV; d++) st(ar + 16 * d, ld(ar + 16 * d) * c);
-                }
-                const v16 p = vexp(s - mx[r]); /* masked lanes: exp(-inf) = 0 */
-                st(ls + 16 * r, ld(ls + 16 * r) + p);
-                float pj[KEYS];
-                st(pj, p);
                 v16 o0[8], o1[8]; /* two chains of multiply-adds, even and odd keys */
                 for (int d = 0; d < DV; d++) {
-                    o0[d] = ld(ar + 16 * d);
+                    o0[d] = ld(ar + 16 * d) * cf[r];
                     o1[d] = (v16){0};
                 }
-                const int nv = (int)(valid < KEYS ? valid : KEYS);
                 int j = 0;
                 for (; j + 1 < nv; j += 2)
                     for (int d = 0; d < DV; d++) {
-                        o0[d] += pj[j] * ld(vp[j] + 16 * d);
-                        o1[d] += pj[j + 1] * ld(vp[j + 1] + 16 * d);
+                        o0[d] += pj[j] * ld(vp[j] + kvo + 16 * d);
+                        o1[d] += pj[j + 1] * ld(vp[j + 1] + kvo + 16 * d);
                     }
                 if (j < nv)
-                    for (int d = 0; d < DV; d++) o0[d] += pj[j] * ld(vp[j] + 16 * d);
+                    for (int d = 0; d < DV; d++) o0[d] += pj[j] * ld(vp[j] + kvo + 16 * d);
                 for (int d = 0; d < DV; d++) st(ar + 16 * d, o0[d] + o1[d]);
             }
         }
     }
     for (i64 i = 0; i < nt; i++)
-        for (i64 g = 0; g < group; g++) {
-            const i64 r = i * group + g;
+        for (i64 h = 0; h < heads; h++) {
+            const i64 r = i * heads + h;
             const float inv = 1.f / hsum(ld(ls + 16 * r));
-            float *o = out + i * ldo + (hk * group + g) * DV * 16;
+            float *o = out + i * ldo + (hk0 * group + h) * DV * 16;
             for (int d = 0; d < DV; d++) st(o + 16 * d, ld(acc + (r * DV + d) * 16) * inv);
         }
 }
@@ -259,20 +285,28 @@ int sq_attention(const float *q, i64 ldq, const float *k_cache, const float *v_c
         }
 #pragma omp parallel if (work * Hq * D >= (1 << 18))
     {
-        const size_t rows = (size_t)(TILE * group);
-        float *acc = (float *)malloc(sizeof(float) * rows * (size_t)(D + 17));
-        float *ls = acc + rows * (size_t)D, *mx = ls + rows * 16;
+#ifdef _OPENMP
+        const i64 threads = omp_get_num_threads();
+#else
+        const i64 threads = 1;
+#endif
+        /* all kv heads in one item where there are items enough: a block's keys are then whole records
+         * of the cache ([Hk, D] each), one stream for the prefetchers instead of Hk strided ones */
+        const i64 nh = threads == 1 || tiles >= 4 * threads ? Hk : 1, items = tiles * (Hk / nh);
+        const size_t rows = (size_t)(TILE * group * nh);
+        float *acc = (float *)malloc(sizeof(float) * rows * (size_t)(D + 34));
+        float *ls = acc + rows * (size_t)D, *sc = ls + rows * 16, *mx = sc + rows * 16, *cf = mx + rows;
 #pragma omp for schedule(dynamic, 1)
-        for (i64 w = 0; w < tiles * Hk; w++) {
-            const i64 k = tiles - 1 - w / Hk, hk = w % Hk, s = tile_s[k], t0 = tile_t[k];
+        for (i64 w = 0; w < items; w++) {
+            const i64 k = tiles - 1 - w / (Hk / nh), hk0 = w % (Hk / nh) * nh, s = tile_s[k], t0 = tile_t[k];
             const i64 nt = qs[s + 1] - t0 < TILE ? qs[s + 1] - t0 : TILE;
             const i64 n0 = kv_lens[s] - (qs[s + 1] - t0) + 1; /* keys up to the first row's own position */
             const float *qt = q + t0 * ldq;
             float *ot = out + t0 * Hq * D;
-#define DV_CASE(DVV)                                                                                          \
-    case DVV:                                                                                                 \
-        attend(qt, ldq, k_cache, v_cache, page_table + s * P, ps, n0, nt, hk, group, Hk, DVV, scale, ot, Hq * D, \
-               acc, mx, ls);                                                                                  \
+#define DV_CASE(DVV)                                                                                           \
+    case DVV:                                                                                                  \
+        attend(qt, ldq, k_cache, v_cache, page_table + s * P, ps, n0, nt, hk0, nh, group, Hk, DVV, scale, ot, \
+               Hq * D, acc, mx, ls, sc, cf);                                                                   \
         break;
             switch (D / 16) {
                 DV_CASE(1) DV_CASE(2) DV_CASE(3) DV_CASE(4) DV_CASE(5) DV_CASE(6) DV_CASE(7) DV_CASE(8)

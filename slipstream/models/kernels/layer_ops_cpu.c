@@ -150,7 +150,9 @@ ALWAYS_INLINE float hmax16(v16 a) {
 }
 
 #define KEYS 16 /* keys per block: one score vector per query row */
-#define TILE 8  /* query positions of one sequence per work item */
+#ifndef TILE /* (-DTILE=, -DPREFETCH=: for experiments) */
+#define TILE 8 /* query positions of one sequence per work item */
+#endif
 #ifndef PREFETCH
 #define PREFETCH 2 /* blocks ahead */
 #endif

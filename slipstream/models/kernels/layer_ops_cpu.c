@@ -150,12 +150,7 @@ ALWAYS_INLINE float hmax16(v16 a) {
 }
 
 #define KEYS 16 /* keys per block: one score vector per query row */
-#ifndef TILE /* (-DTILE=, -DPREFETCH=: for experiments) */
-#define TILE 8 /* query positions of one sequence per work item */
-#endif
-#ifndef PREFETCH
-#define PREFETCH 2 /* blocks ahead */
-#endif
+#define TILE 8  /* query positions of one sequence per work item */
 
 /* One work item: query positions [t0, t0 + nt) of one sequence (pages `pages`, page size ps; KV index of
  * position j: pages[j / ps] * ps + j % ps), the query heads over kv heads [hk0, hk0 + nh), position
@@ -175,22 +170,8 @@ ALWAYS_INLINE void attend(const float *q, i64 ldq, const float *k_cache, const f
         for (int d = 0; d < DV; d++) st(acc + (r * DV + d) * 16, (v16){0});
     }
     const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    i64 page = 0, off = 0;                                         /* of key j0 */
-    i64 pf = PREFETCH * KEYS, pf_page = pf / ps, pf_off = pf % ps; /* of the next key to prefetch */
+    i64 page = 0, off = 0; /* of key j0 */
     for (i64 j0 = 0; j0 < nmax; j0 += KEYS) {
-        /* the block PREFETCH blocks ahead, towards the caches: at one query position the kernel streams
-         * K and V from memory (a forward's weights evict them between layers) */
-        for (int j = 0; j < KEYS && pf < nmax; j++, pf++) {
-            const i64 slot = pages[pf_page] * ps + pf_off;
-            for (int d = 0; d < nh * DV; d++) {
-                __builtin_prefetch(kb + slot * stride + 16 * d);
-                __builtin_prefetch(vb + slot * stride + 16 * d);
-            }
-            if (++pf_off == ps) {
-                pf_off = 0;
-                pf_page++;
-            }
-        }
         const float *kp[KEYS], *vp[KEYS];
         const i64 nb = nmax - j0 < KEYS ? nmax - j0 : KEYS;
         for (int j = 0; j < KEYS; j++) {
@@ -267,7 +248,11 @@ ALWAYS_INLINE void attend(const float *q, i64 ldq, const float *k_cache, const f
 /* Causal attention over a paged KV cache. Sequence s owns query rows [qs[s], qs[s+1]) of q [T, Hq, D]
  * (rows ldq floats apart), the last of its kv_lens[s] positions; its pages are page_table[s * P ..]
  * (page size ps). out [T, Hq, D] (rows Hq * D apart). D % 16 == 0, D <= 128, Hq / Hk <= 16: returns -1
- * otherwise. Work items are (TILE query positions of a sequence, kv head), the longest first. */
+ * otherwise. Work items are TILE query positions of a sequence with all kv heads, or one kv head where
+ * threads would otherwise go idle; the longest first. At one query position (decode) this costs what
+ * the per-(row, kv head) kernel before it did; at several (verification of k drafts, prefill) each K
+ * and V vector is read once per item instead of once per position, and 16 scores share one tree of
+ * sums (tools/bench_attention_cpu.py; docs/benchmarks.md). */
 int sq_attention(const float *q, i64 ldq, const float *k_cache, const float *v_cache, const i64 *qs,
                  const i64 *kv_lens, const i64 *page_table, i64 P, i64 ps, i64 S, i64 Hq, i64 Hk, i64 D,
                  float scale, float *out) {
@@ -293,7 +278,8 @@ int sq_attention(const float *q, i64 ldq, const float *k_cache, const float *v_c
         const i64 threads = 1;
 #endif
         /* all kv heads in one item where there are items enough: a block's keys are then whole records
-         * of the cache ([Hk, D] each), one stream for the prefetchers instead of Hk strided ones */
+         * of the cache ([Hk, D] each), one stream for the hardware prefetchers instead of Hk strided
+         * ones (software prefetch a block or two ahead measured no better) */
         const i64 nh = threads == 1 || tiles >= 4 * threads ? Hk : 1, items = tiles * (Hk / nh);
         const size_t rows = (size_t)(TILE * group * nh);
         float *acc = (float *)malloc(sizeof(float) * rows * (size_t)(D + 34));

@@ -151,7 +151,6 @@ ALWAYS_INLINE float hmax16(v16 a) {
 
 #define KEYS 16 /* keys per block: one score vector per query row */
 #define TILE 8  /* query positions of one sequence per work item */
-#define PREFETCH 2 /* blocks ahead (1 or 0 measured no better at one position: tools/bench_attention_cpu.py) */
 
 /* One work item: query positions [t0, t0 + nt) of one sequence (pages `pages`, page size ps; KV index of
  * position j: pages[j / ps] * ps + j % ps), the query heads over kv heads [hk0, hk0 + nh), position
@@ -171,23 +170,8 @@ ALWAYS_INLINE void attend(const float *q, i64 ldq, const float *k_cache, const f
         for (int d = 0; d < DV; d++) st(acc + (r * DV + d) * 16, (v16){0});
     }
     const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    i64 page = 0, off = 0;                                         /* of key j0 */
-    i64 pf = PREFETCH * KEYS, pf_page = pf / ps, pf_off = pf % ps; /* of the next key to prefetch */
+    i64 page = 0, off = 0; /* of key j0 */
     for (i64 j0 = 0; j0 < nmax; j0 += KEYS) {
-        /* the keys PREFETCH blocks ahead, towards the caches: at one query position the kernel streams K
-         * and V from memory (a forward's weights evict them between layers), and the block's passes run
-         * long enough that the core issues the next block's loads late */
-        for (int j = 0; j < KEYS && pf < nmax; j++, pf++) {
-            const i64 slot = pages[pf_page] * ps + pf_off;
-            for (int d = 0; d < nh * DV; d++) {
-                __builtin_prefetch(kb + slot * stride + 16 * d);
-                __builtin_prefetch(vb + slot * stride + 16 * d);
-            }
-            if (++pf_off == ps) {
-                pf_off = 0;
-                pf_page++;
-            }
-        }
         const float *kp[KEYS], *vp[KEYS];
         const i64 nb = nmax - j0 < KEYS ? nmax - j0 : KEYS;
         for (int j = 0; j < KEYS; j++) {
@@ -295,7 +279,8 @@ int sq_attention(const float *q, i64 ldq, const float *k_cache, const float *v_c
 #endif
         /* all kv heads in one item where there are items enough: a block's keys are then whole records
          * of the cache ([Hk, D] each), one stream for the hardware prefetchers instead of Hk strided
-         * ones */
+         * ones. (Software prefetch of K and V a block or two ahead measured slower here, in the
+         * engine's process: tools/bench_attention_cpu.py) */
         const i64 nh = threads == 1 || tiles >= 4 * threads ? Hk : 1, items = tiles * (Hk / nh);
         const size_t rows = (size_t)(TILE * group * nh);
         float *acc = (float *)malloc(sizeof(float) * rows * (size_t)(D + 34));

@@ -252,7 +252,7 @@ ALWAYS_INLINE void attend(const float *q, i64 ldq, const float *k_cache, const f
  * threads would otherwise go idle; the longest first. At several query positions (verification of k
  * drafts, prefill) each K and V vector is read once per item instead of once per position, and 16
  * scores share one tree of sums; at one position (decode) it is no faster than the per-(row, kv head)
- * kernel before it, and up to ~15% slower where 8 decoding sequences stream K and V from memory
+ * kernel before it: 1.1-1.3x its time where decoding sequences stream K and V from memory
  * (tools/bench_attention_cpu.py; docs/benchmarks.md). */
 int sq_attention(const float *q, i64 ldq, const float *k_cache, const float *v_cache, const i64 *qs,
                  const i64 *kv_lens, const i64 *page_table, i64 P, i64 ps, i64 S, i64 Hq, i64 Hk, i64 D,

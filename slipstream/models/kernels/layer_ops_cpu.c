@@ -183,6 +183,17 @@ ALWAYS_INLINE void attend(const float *q, i64 ldq, const float *k_cache, const f
                 page++;
             }
         }
+        /* the next block's keys towards L1 while this one computes: the scores pass would otherwise
+         * wait on memory at each kv head's first row (a forward's weights evict K and V between layers).
+         * Keys only: prefetching V too, or further ahead, measured slower */
+        for (i64 j = 0, pg = page, of = off; j < KEYS && j0 + KEYS + j < nmax; j++) {
+            const float *kn = kb + (pages[pg] * ps + of) * stride;
+            for (int d = 0; d < nh * DV; d++) __builtin_prefetch(kn + 16 * d);
+            if (++of == ps) {
+                of = 0;
+                pg++;
+            }
+        }
         /* rows whose causal bound falls before this block are done: they are the first `skip` */
         const i64 skip = j0 - n0 + 1 > 0 ? j0 - n0 + 1 : 0;
         /* three passes over the rows, each row's chain independent of the others' (the core overlaps
@@ -252,7 +263,7 @@ ALWAYS_INLINE void attend(const float *q, i64 ldq, const float *k_cache, const f
  * threads would otherwise go idle; the longest first. At several query positions (verification of k
  * drafts, prefill) each K and V vector is read once per item instead of once per position, and 16
  * scores share one tree of sums; at one position (decode) it is no faster than the per-(row, kv head)
- * kernel before it: 1.1-1.3x its time where decoding sequences stream K and V from memory
+ * kernel before it, and slower where decoding sequences stream K and V from memory
  * (tools/bench_attention_cpu.py; docs/benchmarks.md). */
 int sq_attention(const float *q, i64 ldq, const float *k_cache, const float *v_cache, const i64 *qs,
                  const i64 *kv_lens, const i64 *page_table, i64 P, i64 ps, i64 S, i64 Hq, i64 Hk, i64 D,
@@ -280,8 +291,7 @@ int sq_attention(const float *q, i64 ldq, const float *k_cache, const float *v_c
 #endif
         /* all kv heads in one item where there are items enough: a block's keys are then whole records
          * of the cache ([Hk, D] each), one stream for the hardware prefetchers instead of Hk strided
-         * ones. (Software prefetch of K and V a block or two ahead measured slower here, in the
-         * engine's process: tools/bench_attention_cpu.py) */
+         * ones */
         const i64 nh = threads == 1 || tiles >= 4 * threads ? Hk : 1, items = tiles * (Hk / nh);
         const size_t rows = (size_t)(TILE * group * nh);
         float *acc = (float *)malloc(sizeof(float) * rows * (size_t)(D + 34));

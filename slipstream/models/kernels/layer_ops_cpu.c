@@ -122,87 +122,200 @@ void sq_rotary_kv(float *q, const float *k, const float *v, i64 ldq, i64 ldk, i6
     }
 }
 
-/* One (query row, kv head): the group's query heads attend to positions [0, n) of the sequence whose
- * pages are `pages` (KV index of position j: pages[j / ps] * ps + j % ps). */
-ALWAYS_INLINE void attend(const float *q, const float *k_cache, const float *v_cache, const i64 *pages, i64 ps,
-                          i64 n, i64 hk, i64 group, i64 Hk, const int DV, float scale, float *out, float *scores) {
-    /* scores[g * n + j] = q_g . k_j * scale */
-    float m[16];
-    for (i64 g = 0; g < group; g++) m[g] = -INFINITY;
-    for (i64 j = 0; j < n; j++) {
-        const float *kj = k_cache + ((pages[j / ps] * ps + j % ps) * Hk + hk) * DV * 16;
-        v16 kv[8];
-        for (int d = 0; d < DV; d++) kv[d] = ld(kj + 16 * d);
-        for (i64 g = 0; g < group; g++) {
-            const float *qg = q + (hk * group + g) * DV * 16;
-            v16 a = kv[0] * ld(qg);
-            for (int d = 1; d < DV; d++) a += kv[d] * ld(qg + 16 * d);
-            const float sc = hsum(a) * scale;
-            scores[g * n + j] = sc;
-            m[g] = sc > m[g] ? sc : m[g];
+/* lane j of the result = the sum of a[j]'s lanes: 16 horizontal sums as one tree of 30 shuffles and 15 adds
+ * (each pair of inputs halved together), where 16 separate sums would take 48 shuffles and 16 extractions */
+ALWAYS_INLINE v16 hsum16(const v16 *a) {
+    v16 r8[8], r4[4], r2[2];
+    for (int i = 0; i < 8; i++)
+        r8[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                __builtin_shufflevector(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; i++)
+        r4[i] = __builtin_shufflevector(r8[2 * i], r8[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+                __builtin_shufflevector(r8[2 * i], r8[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int i = 0; i < 2; i++)
+        r2[i] = __builtin_shufflevector(r4[2 * i], r4[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+                __builtin_shufflevector(r4[2 * i], r4[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return __builtin_shufflevector(r2[0], r2[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           __builtin_shufflevector(r2[0], r2[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+ALWAYS_INLINE float hmax16(v16 a) {
+    v16 b = __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    a = sel(a > b, a, b);
+    b = __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    a = sel(a > b, a, b);
+    b = __builtin_shufflevector(a, a, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    a = sel(a > b, a, b);
+    return a[0] > a[1] ? a[0] : a[1];
+}
+
+#define KEYS 16 /* keys per block: one score vector per query row */
+#define TILE 8  /* query positions of one sequence per work item */
+
+/* One work item: query positions [t0, t0 + nt) of one sequence (pages `pages`, page size ps; KV index of
+ * position j: pages[j / ps] * ps + j % ps), the query heads over kv heads [hk0, hk0 + nh), position
+ * t0 + i seeing keys [0, n0 + i). Every K and V vector of a block of KEYS keys is loaded once for all
+ * the item's rows (from L1 after the first). Softmax is online (flash-style), block by block; the
+ * blocks start at key 0 whatever the item, so a row's result depends on its own query and keys only:
+ * not on the other rows of the call, nor on TILE, nh or the thread count. Scratch per row: acc [D],
+ * ls and sc [16], mx and cf [1]. */
+ALWAYS_INLINE void attend(const float *q, i64 ldq, const float *k_cache, const float *v_cache, const i64 *pages,
+                          i64 ps, i64 n0, i64 nt, i64 hk0, i64 nh, i64 group, i64 Hk, const int DV, float scale,
+                          float *out, i64 ldo, float *acc, float *mx, float *ls, float *sc, float *cf) {
+    const i64 heads = nh * group, rows = nt * heads, stride = Hk * DV * 16, nmax = n0 + nt - 1;
+    const float *kb = k_cache + hk0 * DV * 16, *vb = v_cache + hk0 * DV * 16;
+    for (i64 r = 0; r < rows; r++) {
+        mx[r] = -INFINITY;
+        st(ls + 16 * r, (v16){0});
+        for (int d = 0; d < DV; d++) st(acc + (r * DV + d) * 16, (v16){0});
+    }
+    const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    i64 page = 0, off = 0; /* of key j0 */
+    for (i64 j0 = 0; j0 < nmax; j0 += KEYS) {
+        const float *kp[KEYS], *vp[KEYS];
+        const i64 nb = nmax - j0 < KEYS ? nmax - j0 : KEYS;
+        for (int j = 0; j < KEYS; j++) {
+            const i64 slot = j < nb ? pages[page] * ps + off : pages[0] * ps; /* past the end: any valid key, masked */
+            kp[j] = kb + slot * stride;
+            vp[j] = vb + slot * stride;
+            if (j < nb && ++off == ps) {
+                off = 0;
+                page++;
+            }
+        }
+        /* the next block's keys towards L1 while this one computes: the scores pass would otherwise
+         * wait on memory at each kv head's first row (a forward's weights evict K and V between layers).
+         * Keys only: prefetching V too, or further ahead, measured slower */
+        for (i64 j = 0, pg = page, of = off; j < KEYS && j0 + KEYS + j < nmax; j++) {
+            const float *kn = kb + (pages[pg] * ps + of) * stride;
+            for (int d = 0; d < nh * DV; d++) __builtin_prefetch(kn + 16 * d);
+            if (++of == ps) {
+                of = 0;
+                pg++;
+            }
+        }
+        /* rows whose causal bound falls before this block are done: they are the first `skip` */
+        const i64 skip = j0 - n0 + 1 > 0 ? j0 - n0 + 1 : 0;
+        /* three passes over the rows, each row's chain independent of the others' (the core overlaps
+         * them): scores, then the online-softmax update, then the values */
+        for (i64 i = skip; i < nt; i++) {
+            const i64 valid = n0 + i - j0; /* keys of this block the row sees (causal) */
+            const v16i keep = lane < (int)(valid < KEYS ? valid : KEYS);
+            for (i64 h = 0; h < heads; h++) {
+                const float *qr = q + i * ldq + (hk0 * group + h) * DV * 16;
+                const i64 kvo = h / group * DV * 16;
+                v16 qv[8], a[KEYS];
+                for (int d = 0; d < DV; d++) qv[d] = ld(qr + 16 * d);
+                for (int j = 0; j < KEYS; j++) {
+                    a[j] = ld(kp[j] + kvo) * qv[0];
+                    for (int d = 1; d < DV; d++) a[j] += ld(kp[j] + kvo + 16 * d) * qv[d];
+                }
+                st(sc + 16 * (i * heads + h), sel(keep, hsum16(a) * scale, splat(-INFINITY)));
+            }
+        }
+        for (i64 r = skip * heads; r < rows; r++) {
+            const v16 s = ld(sc + 16 * r);
+            const float bm = hmax16(s), m = bm > mx[r] ? bm : mx[r];
+            const float c = expf(mx[r] - m); /* rescales what was summed under the old max (0 at first) */
+            mx[r] = m;
+            cf[r] = c;
+            const v16 p = vexp(s - m); /* masked lanes: exp(-inf) = 0 */
+            st(ls + 16 * r, ld(ls + 16 * r) * c + p);
+            st(sc + 16 * r, p);
+        }
+        for (i64 i = skip; i < nt; i++) {
+            const i64 valid = n0 + i - j0;
+            const int nv = (int)(valid < KEYS ? valid : KEYS);
+            for (i64 h = 0; h < heads; h++) {
+                const i64 r = i * heads + h, kvo = h / group * DV * 16;
+                const float *pj = sc + 16 * r;
+                float *ar = acc + r * DV * 16;
+                v16 o0[8], o1[8]; /* two chains of multiply-adds, even and odd keys */
+                for (int d = 0; d < DV; d++) {
+                    o0[d] = ld(ar + 16 * d) * cf[r];
+                    o1[d] = (v16){0};
+                }
+                int j = 0;
+                for (; j + 1 < nv; j += 2)
+                    for (int d = 0; d < DV; d++) {
+                        o0[d] += pj[j] * ld(vp[j] + kvo + 16 * d);
+                        o1[d] += pj[j + 1] * ld(vp[j + 1] + kvo + 16 * d);
+                    }
+                if (j < nv)
+                    for (int d = 0; d < DV; d++) o0[d] += pj[j] * ld(vp[j] + kvo + 16 * d);
+                for (int d = 0; d < DV; d++) st(ar + 16 * d, o0[d] + o1[d]);
+            }
         }
     }
-    for (i64 g = 0; g < group; g++) {
-        float *sg = scores + g * n;
-        v16 sum = (v16){0};
-        i64 j = 0;
-        for (; j + 16 <= n; j += 16) {
-            const v16 e = vexp(ld(sg + j) - m[g]);
-            st(sg + j, e);
-            sum += e;
+    for (i64 i = 0; i < nt; i++)
+        for (i64 h = 0; h < heads; h++) {
+            const i64 r = i * heads + h;
+            const float inv = 1.f / hsum(ld(ls + 16 * r));
+            float *o = out + i * ldo + (hk0 * group + h) * DV * 16;
+            for (int d = 0; d < DV; d++) st(o + 16 * d, ld(acc + (r * DV + d) * 16) * inv);
         }
-        float tail = 0.f;
-        for (; j < n; j++) {
-            sg[j] = expf(sg[j] - m[g]);
-            tail += sg[j];
-        }
-        const float inv = 1.f / (hsum(sum) + tail);
-        v16 acc[8];
-        for (int d = 0; d < DV; d++) acc[d] = (v16){0};
-        for (j = 0; j < n; j++) {
-            const float *vj = v_cache + ((pages[j / ps] * ps + j % ps) * Hk + hk) * DV * 16;
-            const float p = sg[j];
-            for (int d = 0; d < DV; d++) acc[d] += p * ld(vj + 16 * d);
-        }
-        float *o = out + (hk * group + g) * DV * 16;
-        for (int d = 0; d < DV; d++) st(o + 16 * d, acc[d] * inv);
-    }
 }
 
 /* Causal attention over a paged KV cache. Sequence s owns query rows [qs[s], qs[s+1]) of q [T, Hq, D]
  * (rows ldq floats apart), the last of its kv_lens[s] positions; its pages are page_table[s * P ..]
  * (page size ps). out [T, Hq, D] (rows Hq * D apart). D % 16 == 0, D <= 128, Hq / Hk <= 16: returns -1
- * otherwise. */
+ * otherwise. Work items are TILE query positions of a sequence with all kv heads, or one kv head where
+ * threads would otherwise go idle; the longest first. At several query positions (verification of k
+ * drafts, prefill) each K and V vector is read once per item instead of once per position, and 16
+ * scores share one tree of sums; at one position (decode) it is no faster than the per-(row, kv head)
+ * kernel before it, and slower where decoding sequences stream K and V from memory
+ * (tools/bench_attention_cpu.py; docs/benchmarks.md). */
 int sq_attention(const float *q, i64 ldq, const float *k_cache, const float *v_cache, const i64 *qs,
                  const i64 *kv_lens, const i64 *page_table, i64 P, i64 ps, i64 S, i64 Hq, i64 Hk, i64 D,
                  float scale, float *out) {
     if (D % 16 || D > 128 || Hq % Hk || Hq / Hk > 16) return -1;
-    const i64 group = Hq / Hk, T = qs[S];
-    i64 work = 0, L = 0;
+    const i64 group = Hq / Hk;
+    i64 work = 0, tiles = 0;
     for (i64 s = 0; s < S; s++) {
         work += (qs[s + 1] - qs[s]) * kv_lens[s];
-        L = kv_lens[s] > L ? kv_lens[s] : L;
+        tiles += (qs[s + 1] - qs[s] + TILE - 1) / TILE;
     }
+    if (tiles == 0) return 0;
+    i64 *tile_s = (i64 *)malloc(sizeof(i64) * (size_t)(2 * tiles)), *tile_t = tile_s + tiles;
+    for (i64 s = 0, k = 0; s < S; s++)
+        for (i64 t = qs[s]; t < qs[s + 1]; t += TILE, k++) {
+            tile_s[k] = s;
+            tile_t[k] = t;
+        }
 #pragma omp parallel if (work * Hq * D >= (1 << 18))
     {
-        float *scores = (float *)malloc(sizeof(float) * (size_t)(group * L + 16));
-#pragma omp for schedule(dynamic, 1) collapse(2)
-        for (i64 t = 0; t < T; t++)
-            for (i64 hk = 0; hk < Hk; hk++) {
-                i64 s = 0;
-                while (qs[s + 1] <= t) s++;
-                const i64 n = kv_lens[s] - (qs[s + 1] - t) + 1; /* keys up to the row's own position */
-                const float *qt = q + t * ldq;
-                float *ot = out + t * Hq * D;
-#define DV_CASE(DVV)                                                                                         \
-    case DVV: attend(qt, k_cache, v_cache, page_table + s * P, ps, n, hk, group, Hk, DVV, scale, ot, scores); break;
-                switch (D / 16) {
-                    DV_CASE(1) DV_CASE(2) DV_CASE(3) DV_CASE(4) DV_CASE(5) DV_CASE(6) DV_CASE(7) DV_CASE(8)
-                }
-#undef DV_CASE
+#ifdef _OPENMP
+        const i64 threads = omp_get_num_threads();
+#else
+        const i64 threads = 1;
+#endif
+        /* all kv heads in one item where there are items enough: a block's keys are then whole records
+         * of the cache ([Hk, D] each), one stream for the hardware prefetchers instead of Hk strided
+         * ones */
+        const i64 nh = threads == 1 || tiles >= 4 * threads ? Hk : 1, items = tiles * (Hk / nh);
+        const size_t rows = (size_t)(TILE * group * nh);
+        float *acc = (float *)malloc(sizeof(float) * rows * (size_t)(D + 34));
+        float *ls = acc + rows * (size_t)D, *sc = ls + rows * 16, *mx = sc + rows * 16, *cf = mx + rows;
+#pragma omp for schedule(dynamic, 1)
+        for (i64 w = 0; w < items; w++) {
+            const i64 k = tiles - 1 - w / (Hk / nh), hk0 = w % (Hk / nh) * nh, s = tile_s[k], t0 = tile_t[k];
+            const i64 nt = qs[s + 1] - t0 < TILE ? qs[s + 1] - t0 : TILE;
+            const i64 n0 = kv_lens[s] - (qs[s + 1] - t0) + 1; /* keys up to the first row's own position */
+            const float *qt = q + t0 * ldq;
+            float *ot = out + t0 * Hq * D;
+#define DV_CASE(DVV)                                                                                           \
+    case DVV:                                                                                                  \
+        attend(qt, ldq, k_cache, v_cache, page_table + s * P, ps, n0, nt, hk0, nh, group, Hk, DVV, scale, ot, \
+               Hq * D, acc, mx, ls, sc, cf);                                                                   \
+        break;
+            switch (D / 16) {
+                DV_CASE(1) DV_CASE(2) DV_CASE(3) DV_CASE(4) DV_CASE(5) DV_CASE(6) DV_CASE(7) DV_CASE(8)
             }
-        free(scores);
+#undef DV_CASE
+        }
+        free(acc);
     }
+    free(tile_s);
     return 0;
 }
 

@@ -182,14 +182,23 @@ def draft_model(config: EngineConfig, name: str, target_config, tokenizer, devic
 
 def resolve_activations(asked: str, cpu_kernels: bool) -> str:
     """EngineConfig.activations as the model runs it: "auto" is int16 on the CPU's compiled kernels
-    (greedy output still transformers' on the oracle prompts, and a verification forward ~16% cheaper:
-    docs/models.md), float elsewhere. Rounding asked for where nothing rounds is refused, not ignored."""
+    where the CPU has AVX512-VNNI (greedy output still transformers' on the oracle prompts, and a
+    verification forward ~16% cheaper: docs/models.md), float elsewhere (the plain-C int16 path was
+    not measured against float). Rounding asked for where nothing rounds is refused, not ignored."""
     if asked == "auto":
-        return "int16" if cpu_kernels else "float"
+        return "int16" if cpu_kernels and int16_has_vnni() else "float"
     if asked != "float" and not cpu_kernels:
         raise InvalidRequestError(f"activations={asked!r} needs the CPU's compiled kernels (device cpu, "
                                   "dtype float32, no batch invariance)", param="activations")
     return asked
+
+
+def int16_has_vnni() -> bool:
+    """Whether the compiled int16 products use AVX512-VNNI here (quant_matmul_q16_cpu.c)."""
+    from slipstream.models.kernels.cpu_kernels import native_kernels
+
+    lib = native_kernels()
+    return lib is not None and lib.sq_q16_vnni() == 1
 
 
 def calibrate_forward_threads(device, model) -> None:

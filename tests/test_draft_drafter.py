@@ -48,7 +48,8 @@ def test_a_draft_model_dearer_than_its_drafts_is_run_rarely():
     plain, _ = generate(2, max_tokens=80, prompts=PROMPTS[:1])
     out, stats = generate(2, SpeculativeConfig(method="draft", draft_model="tiny-random"), 80, PROMPTS[:1])
     assert out == plain
-    assert stats["draft_cost"] is not None and stats["draft_cost"] > 1.0  # (in units of a 1-position forward: ~6)
+    # (in the cost table's unit, where a one-position forward is 6.0: a proposal costs several)
+    assert stats["draft_cost"] is not None and stats["draft_cost"] > 6.0
     assert 0 < stats["steps"] <= 3  # (unpriced, this row would draft on most of its ~20 steps)
 
 

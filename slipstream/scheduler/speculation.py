@@ -19,19 +19,19 @@ Rules, enforced here:
 Adaptive k (`adaptive=True`): a row's per-draft acceptance alpha is estimated from its commits
 (decayed counts of the drafts it fed), and so is its match rate m (of its steps planned with drafts,
 the share where the device fed any: on the CPU a weak n-gram match feeds none); the step takes drafts
-in the order of the expected tokens they add (a row's j-th: m * alpha^j) as far as its expected tokens
-per unit of cost are highest, the cost
-being the forward's by total positions (`FORWARD_MS`, measured) plus each speculating row's own work
-(`row_ms`: at least `ROW_MS`, more for a drafter that measures dearer), and speculates only if that
-beats the step without drafts by `MARGIN` (`allocate`). A row that does not draft probes again with
-one draft every `PROBE_EVERY` plans (more, up to `MAX_PROBE_EVERY`, the lower its estimate; more
-still where a probe is dear: its cost stays under `PROBE_SHARE` of the plans between probes), so its
-estimate can recover.
+in the order of the expected tokens they add (a row's j-th: m * alpha^j) as far as its expected
+tokens per unit of cost are highest, the cost being the forward's by expected positions
+(`FORWARD_MS`, measured) plus each speculating row's own work (`row_ms`: at least `ROW_MS`, more for
+a drafter that measures dearer), and speculates only if that beats the step without drafts by
+`MARGIN` (`allocate`). A row that does not draft probes again with one draft every `PROBE_EVERY`
+plans (more, up to `MAX_PROBE_EVERY`, the lower its estimate; more still where a probe is dear: its
+cost stays under `PROBE_SHARE` of the plans between probes), so its estimate can recover.
 
 A drafter's cost: where the device measures it (the CPU), a speculating step's result carries its
 proposal's time over its forward's (`SampledTokens.draft_cost`); `on_draft_cost` keeps a decayed
-mean of a row's share, in the cost table's unit. A draft model that recomputes its context costs several forwards
-per proposal, an n-gram lookup a few percent of one: one policy prices both.
+mean of a row's share in the cost table's unit (`Speculation.draft_cost`, in stats()). A draft model
+that recomputes its context costs several forwards per proposal, an n-gram lookup a few percent of
+one: one policy prices both.
 """
 from __future__ import annotations
 

@@ -109,8 +109,9 @@ class Layer(ctypes.Structure):
                 ("gate_up", QMat), ("down", QMat)]
 
 
-def _declare(lib: ctypes.CDLL, names: tuple[str, ...] | None = None) -> ctypes.CDLL:
-    """The argument and result types of the kernels `lib` exports (`names`: only those; default: all)."""
+def _declare(lib: ctypes.CDLL, names: tuple[str, ...] | None = None, missing_ok: bool = False) -> ctypes.CDLL:
+    """The argument and result types of the kernels `lib` exports (`names`: only those; default: all).
+    `missing_ok`: skip the ones it lacks (an older commit's build: tools/kernels_at.py)."""
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     signatures = {  # name: (argument types, result type)
         "sq_abi_version": ([], i32),
@@ -133,7 +134,9 @@ def _declare(lib: ctypes.CDLL, names: tuple[str, ...] | None = None) -> ctypes.C
     for name, (args, result) in signatures.items():
         if names is not None and name not in names:
             continue
-        fn = getattr(lib, name)
+        fn = getattr(lib, name, None) if missing_ok else getattr(lib, name)
+        if fn is None:
+            continue
         fn.argtypes, fn.restype = args, result
     return lib
 

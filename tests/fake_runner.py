@@ -340,6 +340,9 @@ class FakeRunner:
         self.dev_chunk: dict[int, int] = {}  # row -> step id of its last chunk run on the device
         self.referee.refresh = self._refresh_lazy
         self.drafts_fed = self.drafts_accepted = 0
+        # the device's clock (SampledTokens.step_ms): fn(rows, positions, speculating) -> ms of a decode step
+        self.step_cost = None
+        self.speculating_steps = self.decode_steps = 0
 
     def launch_encoder(self, images) -> None:
         """Queued right before the step's forward (as the loop calls them), on the same stream."""
@@ -419,6 +422,9 @@ class FakeRunner:
         self.referee.steps[step_id] = (pages, set(seq_rows), written, {part.digest for _, _, part in images})
         if packed.num_drafts is not None:
             step.runs = [[] for _ in dec]
+        if not packed.chunks:
+            self.decode_steps += 1
+            self.speculating_steps += packed.num_drafts is not None
 
         def forward() -> None:  # reads the row tables as they are when it runs (stream order)
             if step_id in self.fail_steps:
@@ -587,7 +593,13 @@ class FakeRunner:
             for r, k, run in zip(step.packed.decode_rows, step.packed.num_drafts, step.host_runs):
                 self.launch_pos[int(r)] -= int(k) + 1 - len(run)
         step.slot.release()
-        return SampledTokens(step.host_result, None, None, step.host_carried, step.host_runs)
+        ms = None
+        packed = step.packed
+        if self.step_cost is not None and not packed.chunks:
+            rows = len(packed.decode_rows)
+            drafts = 0 if packed.num_drafts is None else int(sum(packed.num_drafts))
+            ms = self.step_cost(rows, rows + drafts, packed.num_drafts is not None)
+        return SampledTokens(step.host_result, None, None, step.host_carried, step.host_runs, step_ms=ms)
 
     async def drain(self) -> None:
         for stream in self.streams:

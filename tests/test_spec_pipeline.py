@@ -92,6 +92,36 @@ def test_a_dear_drafter_drafts_less_and_probes_rarely():
     assert dear.row_ms == ROW_MS
 
 
+def dear_speculation(max_drafts, spec_factor):
+    """Adaptive speculation on a fake device that times its steps: a plain decode step costs what the
+    cost table says, a speculating one `spec_factor` times that (on CUDA an eager speculating step
+    costs ~8 graphed ones)."""
+    def instrument(loop):
+        loop.planner.speculation = Speculation(max_drafts, True, timed=True)
+        loop.runner.step_cost = lambda rows, positions, speculating: (spec_factor if speculating else 1.0) * \
+            forward_cost(positions)
+    return instrument
+
+
+@pytest.mark.parametrize("streams", [1, 3])
+def test_a_speculating_step_that_costs_8x_stops_drafting_and_the_batch_stays_plain(streams):
+    # the fake's drafter is right two times in three: on the cost table alone (the old policy) a row
+    # drafts on most steps; priced by what the device measures, drafts never pay and probes are rare
+    reqs = [(make_prompt(6 + s, None, s), 150, 0, None) for s in range(streams)]
+    for depth in (1, 2):
+        results, loop, pool = asyncio.run(run_workload(depth, reqs, instrument=dear_speculation(4, 8.0)))
+        check_results(reqs, results, loop, pool)
+        runner, spec = loop.runner, loop.planner.speculation
+        assert runner.decode_steps >= 140
+        # one speculating step prices the path; at 8x a probe moves the whole batch, due every ~800 plans
+        assert runner.speculating_steps == 1, (runner.speculating_steps, runner.decode_steps, spec.stats())
+        assert spec.penalty > 4
+    # the same device at the table's cost: the policy keeps drafting (the test can tell the two apart)
+    results, loop, pool = asyncio.run(run_workload(2, reqs, instrument=dear_speculation(4, 1.0)))
+    check_results(reqs, results, loop, pool)
+    assert loop.runner.speculating_steps > 20 and loop.planner.speculation.penalty < 1.5
+
+
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(reqs=st.lists(request, min_size=1, max_size=8), depth=st.sampled_from([1, 2]),
        num_pages=st.integers(12, 40), max_batch=st.integers(1, 5), step_tokens=st.integers(5, 24),

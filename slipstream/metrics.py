@@ -12,6 +12,8 @@ Every series carries a `model` label (EngineConfig.model). Series (seconds unles
   slipstream_forward_seconds              forward device time per step (tracing only, as above)
   slipstream_bookkeeping_seconds          host plan + launch + commit + finalize per step
   slipstream_steps_total                  committed steps
+  slipstream_eager_steps_total            steps launched without a graph (every step on the CPU, which has
+                                          none; on CUDA 0 in steady serving once the graphs are captured)
   slipstream_queue_depth                  requests waiting for admission
   slipstream_running_sequences            admitted, unfinished sequences
   slipstream_kv_pages_free / _used / _total, slipstream_kv_cache_usage_ratio (used / total)
@@ -203,6 +205,18 @@ class SpeculationCollector:
             yield gauge
 
 
+class EagerStepsCollector:
+    """The runner's count of steps launched without a graph, read at each collection."""
+
+    def __init__(self, runner, model: str):
+        self.runner, self.model = runner, model
+
+    def collect(self):
+        fam = CounterMetricFamily("slipstream_eager_steps", "Steps launched without a graph", labels=["model"])
+        fam.add_metric([self.model], self.runner.eager_steps)
+        yield fam
+
+
 class EngineMetrics:
     def __init__(self, registry: CollectorRegistry | None = None, model: str = ""):
         self.registry = r = registry if registry is not None else CollectorRegistry()
@@ -263,6 +277,8 @@ class EngineMetrics:
             self.registry.register(PrefixCacheCollector(cache, self.model))
         if getattr(planner, "speculation", None) is not None:
             self.registry.register(SpeculationCollector(planner.speculation, self.model))
+        if hasattr(loop.runner, "eager_steps"):  # (a real runner; the tests' fake has no graphs)
+            self.registry.register(EagerStepsCollector(loop.runner, self.model))
         if encoder_row_bytes is not None:
             self.registry.register(EncoderCacheCollector(planner.encoder_cache, self.model, encoder_row_bytes))
         loop.observers.append(self.on_commit)

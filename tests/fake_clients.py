@@ -4,7 +4,6 @@ import asyncio
 
 from fake_runner import EOS, NullDetok
 from slipstream.api.request_stream import RequestState
-from slipstream.errors import StepFailedError
 from slipstream.outputs import CompletionOutput, RequestMetrics
 from slipstream.params import SamplingParams
 from slipstream.runtime.batch import SamplingRow
@@ -21,10 +20,11 @@ def submit_greedy(loop, name: str, prompt: list[int], spans=(), max_tokens: int 
 
 
 async def ended(seq):
-    """Its CompletionOutput, or the StepFailedError it failed with."""
+    """Its CompletionOutput, or the error it failed with (StepFailedError; EngineClosedError when the
+    loop died: as on the real engine, every waiter gets it)."""
     while True:
         item = await seq.user.queue.get()
-        if isinstance(item, (CompletionOutput, StepFailedError)):
+        if isinstance(item, (CompletionOutput, BaseException)):
             return item
 
 
@@ -47,5 +47,5 @@ async def serve_requests(loop, jobs, timeout: float = 60.0) -> dict:
 
     await asyncio.wait_for(asyncio.gather(*(client(i, *job) for i, job in enumerate(jobs))), timeout)
     loop.close()
-    await task
+    await task  # a loop that died raises its error here, after every client got it
     return results

@@ -331,9 +331,18 @@ class FakeRunner:
         # yet, what it may write (the referee's view: from the device's position now to the
         # optimistic end); the forward replaces that with what it wrote
         self.optimistic: set[int] = set()
-        self._lazy: dict[int, tuple[set[int], set[int], list[tuple[int, int]]]] = {}
+        self._lazy: dict[int, tuple[set[int], set[int], list[tuple[int, int, int, int | None]]]] = {}
+        # the referee's lower bound of where a launched step's row starts writing: the device position
+        # only while the device has run the row's last chunk (before that it is the row's previous
+        # holder's), else what the host knows at launch: a chunk's end, plus a token per step since
+        self.pos_floor: dict[int, int] = {}
+        self.row_chunk: dict[int, int] = {}  # row -> step id of its last chunk launched
+        self.dev_chunk: dict[int, int] = {}  # row -> step id of its last chunk run on the device
         self.referee.refresh = self._refresh_lazy
         self.drafts_fed = self.drafts_accepted = 0
+        # the device's clock (SampledTokens.step_ms): fn(rows, positions, speculating) -> ms of a decode step
+        self.step_cost = None
+        self.speculating_steps = self.decode_steps = 0
 
     def launch_encoder(self, images) -> None:
         """Queued right before the step's forward (as the loop calls them), on the same stream."""
@@ -384,8 +393,10 @@ class FakeRunner:
             kv_lens.append(self.launch_pos.get(r, 0) + 1 + k)
             self.launch_pos[r] = kv_lens[-1]
             if r in self.optimistic:  # it writes from its device position on, up to the optimistic end
-                lazy.append((r, kv_lens[-1]))
+                lazy.append((r, kv_lens[-1], self.pos_floor.get(r, 0), self.row_chunk.get(r)))
+                self.pos_floor[r] = self.pos_floor.get(r, 0) + 1  # a run emits at least one token
                 continue
+            self.pos_floor[r] = kv_lens[-1]
             written.add(self.launch_pages[r][(kv_lens[-1] - 1) // self.page_size])
         chunks = [(w.row, list(w.tokens), w.start_pos, w.sample) for w in packed.chunks]
         images = [(w.row, w.start_pos, part) for w in packed.chunks for part in w.images]
@@ -394,7 +405,8 @@ class FakeRunner:
             for offset, kind, values in w.carry:  # a recompute re-feeds the values the host kept
                 tokens[offset] = carry_input(kind, values)
         for row, tokens, start, _ in chunks:
-            self.launch_pos[row] = start + len(tokens)
+            self.launch_pos[row] = self.pos_floor[row] = start + len(tokens)
+            self.row_chunk[row] = step_id
             self.optimistic.discard(row)
             seq_rows.append(row)
             kv_lens.append(start + len(tokens))
@@ -410,6 +422,9 @@ class FakeRunner:
         self.referee.steps[step_id] = (pages, set(seq_rows), written, {part.digest for _, _, part in images})
         if packed.num_drafts is not None:
             step.runs = [[] for _ in dec]
+        if not packed.chunks:
+            self.decode_steps += 1
+            self.speculating_steps += packed.num_drafts is not None
 
         def forward() -> None:  # reads the row tables as they are when it runs (stream order)
             if step_id in self.fail_steps:
@@ -434,6 +449,7 @@ class FakeRunner:
             for row, tokens, start, _ in chunks:
                 tokens_at += [(row, start + i, t) for i, t in enumerate(tokens)]
                 self.dev_pos[row] = start + len(tokens)
+                self.dev_chunk[row] = step_id
             for row, start, part in images:  # image rows take the encoder's output (read now: stream order)
                 feats = self.features.get(part.digest)
                 if feats is None:
@@ -454,14 +470,16 @@ class FakeRunner:
         return step
 
     def _refresh_lazy(self) -> None:
-        """What each launched, not yet run step may write: its rows' pages from their device positions
-        now (no lower: committed steps ran) to the optimistic end of the step."""
+        """What each launched, not yet run step may write: its rows' pages from where they start (no
+        lower: the device position now, once it is the row's holder's, else the host's bound) to the
+        optimistic end of the step."""
         for written, static, lazy in self._lazy.values():
             written.clear()
             written |= static
-            for r, end in lazy:
+            for r, end, floor, chunk in lazy:
+                start = max(floor, self.dev_pos.get(r, 0)) if self.dev_chunk.get(r) == chunk else floor
                 pages = self.launch_pages[r]
-                written |= {pages[p // self.page_size] for p in range(self.dev_pos.get(r, 0), end)}
+                written |= {pages[p // self.page_size] for p in range(start, end)}
 
     def _settle(self, step_id: int, spans: list[tuple[int, int, int]]) -> None:
         """The step ran: what it wrote, (row, start, end) positions, replaces the referee's bound."""
@@ -575,7 +593,13 @@ class FakeRunner:
             for r, k, run in zip(step.packed.decode_rows, step.packed.num_drafts, step.host_runs):
                 self.launch_pos[int(r)] -= int(k) + 1 - len(run)
         step.slot.release()
-        return SampledTokens(step.host_result, None, None, step.host_carried, step.host_runs)
+        ms = None
+        packed = step.packed
+        if self.step_cost is not None and not packed.chunks:
+            rows = len(packed.decode_rows)
+            drafts = 0 if packed.num_drafts is None else int(sum(packed.num_drafts))
+            ms = self.step_cost(rows, rows + drafts, packed.num_drafts is not None)
+        return SampledTokens(step.host_result, None, None, step.host_carried, step.host_runs, step_ms=ms)
 
     async def drain(self) -> None:
         for stream in self.streams:

@@ -229,3 +229,13 @@ async def test_aborting_a_stop_string_request_before_its_first_token_ends_it():
         out = await asyncio.wait_for(task, 10)
         assert out.finish_reason == "abort" and out.token_ids == []
         await wait_all_free(engine)
+
+
+async def test_eager_steps_are_counted_in_stats_and_metrics():
+    # the CPU has no graphs: every step is eager (on CUDA the count stays at 0 in steady serving)
+    async with Engine(cfg(2)) as engine:
+        await engine.complete(list(range(40, 60)), SamplingParams(max_tokens=6, temperature=0.0))
+        stats = await wait_all_free(engine)
+        assert stats["eager_steps"] == stats["steps"] > 0
+        text = await engine.metrics_text()
+        assert f'slipstream_eager_steps_total{{model="tiny-random"}} {float(stats["eager_steps"])}' in text

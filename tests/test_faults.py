@@ -142,6 +142,29 @@ async def test_watchdog_fails_a_stalled_step_and_logs_the_state(caplog):
         await asyncio.sleep(1.0)  # let the stalled forward finish before the device closes
 
 
+async def test_a_dead_loop_fails_every_waiting_request_even_one_still_being_submitted():
+    async with Engine(cfg(2)) as engine:
+        loop_task = engine._loop_task
+
+        def bug(*args, **kwargs):
+            raise RuntimeError("a bug in the tick")
+
+        engine.loop.planner.plan = bug
+        tokenize = engine.submitter._prompt_ids
+
+        async def late(prompt, *args, **kwargs):  # it checked the engine before the loop died
+            ids = await tokenize(prompt, *args, **kwargs)
+            if prompt == PROMPTS[1]:
+                await asyncio.wait([loop_task])
+            return ids
+
+        engine.submitter._prompt_ids = late
+        outcomes = await asyncio.wait_for(gather_outcomes(engine, PROMPTS[:2]), 10)
+        assert all(isinstance(r, EngineClosedError) for r in outcomes), outcomes
+        assert isinstance(outcomes[0].__cause__, RuntimeError)
+        assert engine.loop.planner.num_waiting == 0 or all(s.finished for s in engine.loop.planner.waiting)
+
+
 def test_stream_wait_carries_the_error_across_streams():
     """A stream waiting on a failed stream's event fails too: its later work is skipped and its
     events raise (the copy must never run on the outputs of failed sampling)."""

@@ -9,9 +9,9 @@ import asyncio
 
 import pytest
 
-from fake_clients import serve_requests
+from fake_clients import ended, serve_requests
 from fake_runner import CARRY_MAP, EOS, FakeRunner, NullDetok, RefereedPool, RefereedRows, make_prompt, on_device, reference
-from slipstream.errors import StepFailedError
+from slipstream.errors import EngineClosedError, StepFailedError
 from slipstream.outputs import CompletionOutput, RequestMetrics
 from slipstream.params import SamplingParams
 from slipstream.runtime.batch import SamplingRow
@@ -74,6 +74,35 @@ def check_results(requests, results, loop, pool):
     assert pool.num_free == pool.total and pool.num_held() == 0, "pages leaked (or a reference left)"
     assert not loop.pipeline.inflight and all(s.owner is None for s in loop.runner.slots)
     assert not loop.planner.running and loop.planner.num_waiting == 0
+
+
+def test_a_dead_loop_fails_every_waiting_request_and_every_later_one():
+    """A bug in the tick (here: the runner raising) kills the loop: requests waiting, running or
+    submitted after it get EngineClosedError at once, as on the real engine, instead of hanging."""
+    async def go():
+        loop, _ = make_loop(2)
+        launch = loop.runner.launch_forward
+
+        def broken(step_id, *args, **kwargs):
+            if step_id >= 2:
+                raise AssertionError("a bug in the tick")
+            return launch(step_id, *args, **kwargs)
+
+        loop.runner.launch_forward = broken
+        task = asyncio.create_task(loop.run())
+        seqs = []
+        for i in range(6):
+            seqs.append(make_seq(f"r{i}", make_prompt(6, None, i), 8))
+            loop.submit(seqs[-1])
+            for _ in range(i * 10):
+                await asyncio.sleep(0)
+        outcomes = await asyncio.wait_for(asyncio.gather(*(ended(seq) for seq in seqs)), 5)
+        with pytest.raises(AssertionError, match="a bug"):
+            await task
+        return outcomes
+
+    outcomes = asyncio.run(go())
+    assert all(isinstance(o, EngineClosedError) and isinstance(o.__cause__, AssertionError) for o in outcomes)
 
 
 def test_zombie_commit_is_skipped_and_pages_released_once():

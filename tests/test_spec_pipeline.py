@@ -17,7 +17,7 @@ from slipstream.scheduler.speculation import (FORWARD_MS_BY_ACTIVATIONS, FORWARD
 from test_pipeline_invariants import check_results, request, run_workload
 
 pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 
@@ -92,11 +92,46 @@ def test_a_dear_drafter_drafts_less_and_probes_rarely():
     assert dear.row_ms == ROW_MS
 
 
+def dear_speculation(max_drafts, spec_factor):
+    """Adaptive speculation on a fake device that times its steps: a plain decode step costs what the
+    cost table says, a speculating one `spec_factor` times that (on CUDA an eager speculating step
+    costs ~8 graphed ones)."""
+    def instrument(loop):
+        loop.planner.speculation = Speculation(max_drafts, True, timed=True)
+        loop.runner.step_cost = lambda rows, positions, speculating: (spec_factor if speculating else 1.0) * \
+            forward_cost(positions)
+    return instrument
+
+
+@pytest.mark.parametrize("streams", [1, 3])
+def test_a_speculating_step_that_costs_8x_stops_drafting_and_the_batch_stays_plain(streams):
+    # the fake's drafter is right two times in three: on the cost table alone (the old policy) a row
+    # drafts on most steps; priced by what the device measures, drafts never pay and probes are rare
+    reqs = [(make_prompt(6 + s, None, s), 150, 0, None) for s in range(streams)]
+    for depth in (1, 2):
+        results, loop, pool = asyncio.run(run_workload(depth, reqs, instrument=dear_speculation(4, 8.0)))
+        check_results(reqs, results, loop, pool)
+        runner, spec = loop.runner, loop.planner.speculation
+        assert runner.decode_steps >= 140
+        # one speculating step prices the path; at 8x a probe moves the whole batch, due every ~800 plans
+        assert runner.speculating_steps == 1, (runner.speculating_steps, runner.decode_steps, spec.stats())
+        assert spec.penalty > 4
+    # the same device at the table's cost: the policy keeps drafting (the test can tell the two apart)
+    results, loop, pool = asyncio.run(run_workload(2, reqs, instrument=dear_speculation(4, 1.0)))
+    check_results(reqs, results, loop, pool)
+    assert loop.runner.speculating_steps > 20 and loop.planner.speculation.penalty < 1.5
+
+
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(reqs=st.lists(request, min_size=1, max_size=8), depth=st.sampled_from([1, 2]),
        num_pages=st.integers(12, 40), max_batch=st.integers(1, 5), step_tokens=st.integers(5, 24),
        device_seed=st.integers(0, 2**16), fail_steps=st.sets(st.integers(0, 40), max_size=3),
        prefix_caching=st.booleans(), max_drafts=st.integers(1, 5), adaptive=st.booleans())
+# a row's new holder, mapped onto prefix-cache pages, speculates while its prompt's chunk is still in
+# flight: the referee once bounded its writes from the row's previous holder's device position
+@example(reqs=[(9, 7, 7, 25, None), (9, None, 7, 25, 0), (26, None, 7, 26, None), (4, 6, 3, 23, None),
+               (4, 6, 3, 23, None)], depth=2, num_pages=12, max_batch=4, step_tokens=24, device_seed=3513,
+         fail_steps=set(), prefix_caching=True, max_drafts=2, adaptive=True)
 def test_speculation_never_changes_the_output(reqs, depth, num_pages, max_batch, step_tokens, device_seed,
                                               fail_steps, prefix_caching, max_drafts, adaptive):
     requests = [(make_prompt(n, eos, salt), mt, arrive, abort) for salt, (n, eos, mt, arrive, abort) in enumerate(reqs)]
@@ -106,3 +141,25 @@ def test_speculation_never_changes_the_output(reqs, depth, num_pages, max_batch,
     check_results(requests, results, loop, pool)
     for seq in (seq for _, seq in results.values()):
         assert seq.drafts_in_flight == 0
+
+
+# the class of the example above: rows handed from one sequence to the next (aborts, short requests)
+# while prompts share pages through the prefix cache, speculating at both depths
+shared = st.tuples(st.integers(0, 2), st.integers(0, 28), st.integers(1, 28), st.integers(0, 30),
+                   st.none() | st.integers(0, 12))  # (prefix, its length - 4, max_tokens, arrival, abort)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(reqs=st.lists(shared, min_size=2, max_size=8), depth=st.sampled_from([1, 2]), num_pages=st.integers(16, 24),
+       max_batch=st.integers(1, 4), step_tokens=st.integers(5, 24), device_seed=st.integers(0, 2**16),
+       max_drafts=st.integers(1, 4), adaptive=st.booleans())
+@example(reqs=[(0, 0, 1, 0, None), (1, 4, 1, 0, None), (1, 5, 3, 1, None), (0, 0, 1, 0, None)], depth=2,
+         num_pages=16, max_batch=1, step_tokens=5, device_seed=0, max_drafts=1, adaptive=False)  # found with 400 examples
+def test_speculation_over_shared_prefixes_and_reused_rows(reqs, depth, num_pages, max_batch, step_tokens,
+                                                          device_seed, max_drafts, adaptive):
+    bases = [make_prompt(32, eos, 100 + b) for b, eos in enumerate((None, 6, 11))]  # EOS by prefix
+    requests = [(bases[b][:n + 4], mt, arrive, abort) for b, n, mt, arrive, abort in reqs]
+    results, loop, pool = asyncio.run(run_workload(depth, requests, num_pages, max_batch, step_tokens, device_seed,
+                                                   instrument=speculating(max_drafts, adaptive),
+                                                   prefix_caching=True))
+    check_results(requests, results, loop, pool)

@@ -252,6 +252,7 @@ class Engine(SkillMethods):
             "waiting": planner.num_waiting,
             "failed_steps": self.loop.failed_steps,
             "steps": self.loop.num_steps,
+            "eager_steps": self._parts.runner.eager_steps,  # launched without a graph (docs/cuda.md)
             "inflight_steps": len(pipeline.inflight),
             "zombie_commits": pipeline.zombie_commits,
             "preemptions": planner.num_preemptions,

@@ -12,6 +12,7 @@ import _thread
 import asyncio
 import queue
 import threading
+import time
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -80,6 +81,21 @@ def _resolve(fut: asyncio.Future) -> None:
 _STOP = object()
 
 
+class CPUMark:
+    """A perf_counter reading taken on the stream's thread when it reaches the mark."""
+
+    __slots__ = ("t",)
+
+    def __init__(self) -> None:
+        self.t: float | None = None
+
+    def stamp(self) -> None:
+        self.t = time.perf_counter()
+
+    def ms_to(self, end: "CPUMark") -> float | None:
+        return None if self.t is None or end.t is None else (end.t - self.t) * 1000.0
+
+
 class CPUStream:
     """FIFO worker thread. Work items are callables; events complete in launch order.
 
@@ -103,8 +119,6 @@ class CPUStream:
             torch.set_num_threads(before)
 
     def _run(self) -> None:
-        import time
-
         if self.threads is not None:
             torch.get_num_threads()  # torch's lazy per-thread init first, or it would override the setting
             torch.set_num_threads(self.threads)  # this thread's OpenMP team (see __init__)
@@ -135,6 +149,11 @@ class CPUStream:
         ev = CPUEvent()
         self._queue.put(ev)
         return ev
+
+    def mark(self) -> CPUMark:
+        mark = CPUMark()
+        self._queue.put((mark.stamp, ""))
+        return mark
 
     def wait(self, event: Event) -> None:
         """Later work waits for `event`; an error the event carries becomes this stream's error

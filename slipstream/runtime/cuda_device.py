@@ -67,6 +67,19 @@ class CUDAEvent:
             raise self.error
 
 
+class CUDAMark:
+    """A timing event recorded on the stream (read once an event behind it completed: no wait)."""
+
+    __slots__ = ("event",)
+
+    def __init__(self, stream: torch.cuda.Stream) -> None:
+        self.event = torch.cuda.Event(enable_timing=True)
+        self.event.record(stream)
+
+    def ms_to(self, end: "CUDAMark") -> float | None:
+        return self.event.elapsed_time(end.event)
+
+
 class CUDAStream:
     def __init__(self, name: str, device: "CUDADevice", stream: torch.cuda.Stream):
         self.name, self.device, self.stream = name, device, stream
@@ -98,6 +111,9 @@ class CUDAStream:
         ev = torch.cuda.Event()
         ev.record(self.stream)
         return CUDAEvent(ev, self.device, self._error)
+
+    def mark(self) -> CUDAMark:
+        return CUDAMark(self.stream)
 
     def wait(self, event: Event) -> None:
         assert isinstance(event, CUDAEvent), "a stream waits only for its own device's events"

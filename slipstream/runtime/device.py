@@ -11,7 +11,7 @@ this interface.
 """
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -27,6 +27,14 @@ class Event(Protocol):
         """Await completion from the asyncio loop without blocking it."""
 
 
+class Mark(Protocol):
+    """A point of a stream's timeline (`Stream.mark`)."""
+
+    def ms_to(self, end: Any) -> float | None:
+        """Milliseconds of stream time from this mark to `end`, once both have run (read it after an
+        event recorded behind `end` completed); None where the stream skipped them (a failed step)."""
+
+
 class Stream(Protocol):
     name: str
 
@@ -35,6 +43,9 @@ class Stream(Protocol):
 
     def record(self) -> Event:
         """A fresh event that completes when work launched so far on this stream is done."""
+
+    def mark(self) -> Mark:
+        """A timestamp taken when the stream reaches it (the cost of steps, as the device sees it)."""
 
     def wait(self, event: Event) -> None:
         """Work launched later on this stream starts only after `event` completes; if the work

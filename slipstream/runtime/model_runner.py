@@ -81,6 +81,7 @@ class ModelRunner(GraphChoice, EncoderLaunch):
         # encoder outputs by image digest; which are kept is the scheduler's EncoderCache's decision.
         # Written by encode launches and read by forwards, both on the compute stream (stream order)
         self.features: dict[bytes, torch.Tensor] = {}
+        self.eager_steps = 0  # steps launched without a graph (stats(): on CUDA, 0 in steady serving)
         self.spec: SpecRunner | None = None  # speculating steps (runtime/spec_step.py; EngineConfig.speculative)
 
     @property
@@ -193,7 +194,10 @@ class ModelRunner(GraphChoice, EncoderLaunch):
             raise PipelineInvariantError(f"step {step_id} relaunches an input that writes the row tables")
         step = LaunchedStep(step_id, slot, staged, staged.num_samples)
         slot.acquire(step)
+        if self.spec is not None and unmasked:  # (a masked step's span would hold the host's mask wait)
+            step.started = self.device.compute.mark()
         if staged.graphed is None:
+            self.eager_steps += 1
             self._launch_eager(step)
         else:
             self._launch_graph(step)
@@ -338,6 +342,8 @@ class ModelRunner(GraphChoice, EncoderLaunch):
         records its tokens for the drafter."""
         step.sampled = True
         compute = self.device.compute
+        if step.started is not None:
+            step.ended = compute.mark()
         if copy_out is None:
             copy_out = lambda: self._copy_out(step)  # noqa: E731
             if self.spec is not None:  # (the token history is the compute stream's; on the CPU the
@@ -404,7 +410,7 @@ class ModelRunner(GraphChoice, EncoderLaunch):
         if step.staged.carry:
             carried = read_carried(slot.host_carry[:n].numpy(), [k.values for k in self.carry_kinds])
         slot.release()  # the host buffer has been read: the slot may take a new step
-        return SampledTokens(ids, logprobs, top, carried)
+        return SampledTokens(ids, logprobs, top, carried, step_ms=step.step_ms)
 
     # --- failure --------------------------------------------------------------------------------
 

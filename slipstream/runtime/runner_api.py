@@ -32,6 +32,9 @@ class SampledTokens(NamedTuple):
     # a speculating step's proposal time (all its rows) over its forward's, where the compute stream runs
     # on the host (the CPU) and so can time them; None elsewhere (the policy keeps its default)
     draft_cost: float | None = None
+    # with speculation on, an unmasked step's time on the compute stream (ms: forward, drafting and
+    # sampling), timed by the device (CUDA events; the CPU's stream thread); None when not measured
+    step_ms: float | None = None
 
 
 class Launched(Protocol):

@@ -170,6 +170,8 @@ class SpecRunner:
             tokens_out[:n].copy_(emitted)
             slot.stamp.fill_(step_id)
 
+        runner.eager_steps += 1
+        step.started = device.compute.mark()
         device.compute.launch(forward_verify, "spec_forward")
         runner._launch_copy(step, lambda: self._copy_out(step))
         return step
@@ -198,7 +200,8 @@ class SpecRunner:
         cost = self.draft_costs[slot.index]
         slot.release()
         runs = [row[:c] for row, c in zip(tokens, counts)]
-        return SampledTokens([run[-1] for run in runs], None, None, None, runs, [row[-1] for row in tokens], cost)
+        return SampledTokens([run[-1] for run in runs], None, None, None, runs, [row[-1] for row in tokens], cost,
+                             step.step_ms)
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:

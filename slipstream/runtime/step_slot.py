@@ -33,7 +33,7 @@ from slipstream.runtime.batch import MAX_CARRY_VALUES, MAX_TOP_LOGPROBS, Forward
 
 if TYPE_CHECKING:
     from slipstream.runtime.carry import ChunkCarry
-    from slipstream.runtime.device import Event
+    from slipstream.runtime.device import Event, Mark
     from slipstream.runtime.sampling_args import GroupNeeds
     from slipstream.runtime.staging import RowUpdates, StepArena, StepTensors
 
@@ -157,6 +157,14 @@ class LaunchedStep:
     logits: torch.Tensor | None = None  # written by its forward on the compute stream, read by its sampling
     hidden: torch.Tensor | None = None  # a carry step's hidden states of its sample rows
     copy_done: Event | None = None  # its tokens are on the host
+    # with speculation on, an unmasked step's span on the compute stream (forward to its copy): what the
+    # policy prices a speculating step by against a plain one (SampledTokens.step_ms)
+    started: Mark | None = None
+    ended: Mark | None = None
+
+    @property
+    def step_ms(self) -> float | None:
+        return None if self.started is None or self.ended is None else self.started.ms_to(self.ended)
 
     @property
     def sample_rows_host(self) -> np.ndarray:

@@ -70,6 +70,7 @@ class EngineLoop:
         self.idle_waits = 0  # times the loop slept for work: a step period never spans one
         self._wake = asyncio.Event()
         self._closing = False
+        self._ended = False  # run() returned or raised: a request submitted now is failed at once
         self.error: BaseException | None = None
         self.step_timeout_s = step_timeout_s
         self.failed_steps = 0  # steps whose launched work raised (their requests failed)
@@ -82,6 +83,9 @@ class EngineLoop:
     def submit(self, seq: Sequence) -> None:
         self.constraints.on_submit(seq)
         self.planner.add(seq)
+        if self._ended:  # (a caller that checked before awaiting its tokenizer or grammar) nothing would serve it
+            self.outputs.fail(seq, self.error or EngineClosedError("engine loop stopped"))
+            return
         self._wake.set()
 
     def abort(self, seq: Sequence) -> None:
@@ -112,6 +116,9 @@ class EngineLoop:
             self.fail_all(self.error or e)
             raise
         finally:
+            self._ended = True
+            if self.error is None:  # closed: one submitted while it drained is not left waiting
+                self._fail_unfinished(EngineClosedError("engine loop stopped"))
             watchdog.cancel()
             stage.cancel()
             self.outputs.process_pending()  # what the stage had not reached: nothing is left undelivered
@@ -292,6 +299,9 @@ class EngineLoop:
             closed.__cause__ = error
             error = closed
         self.error = error
+        self._fail_unfinished(error)
+
+    def _fail_unfinished(self, error: BaseException) -> None:
         seqs = list(self.planner.waiting) + list(self.planner.running)
         seqs += [seq for step in self.pipeline.inflight for seq in step.seqs]
         for seq in dict.fromkeys(seqs):

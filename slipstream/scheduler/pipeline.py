@@ -119,6 +119,8 @@ class Pipeline:
                 later.append(seq)
         if step.chunks:
             at = self._commit_chunks(step, live, list(range(len(live))) if at is None else at, d)
+        elif result.step_ms is not None and d and self.planner.speculation is not None:
+            self.planner.speculation.on_step_cost(d, d, 0, result.step_ms)
         if live:
             if at is None:  # every row lives: the tokens as they came
                 accept(live, sampled, logprobs, [top.get(i) for i in range(len(live))] if top else None)
@@ -151,6 +153,9 @@ class Pipeline:
         fed = result.fed or step.drafts or ()
         if spec is not None and result.draft_cost is not None:
             spec.on_draft_cost(result.draft_cost, len(step.decode), len(step.decode) + sum(fed))
+        if spec is not None and result.step_ms is not None:
+            spec.on_step_cost(len(step.decode), len(step.decode) + sum(fed), sum(k > 0 for k in step.drafts or ()),
+                              result.step_ms)
         live: list[tuple[Sequence, list[int]]] = []
         later: list[Sequence] = []
         for seq, k, run, f in zip(step.decode, step.drafts or (), runs, fed):

@@ -179,6 +179,11 @@ class Planner:
             self.pages.give(seq, need)
         return True
 
+    @property
+    def plans(self) -> int:
+        """Plans made so far (full or steady)."""
+        return self._plans
+
     def steady_from(self, step: Step) -> bool:
         """Whether `step` (just planned) starts a steady batch."""
         return self._steady is step.decode

@@ -27,6 +27,14 @@ a drafter that measures dearer), and speculates only if that beats the step with
 plans (more, up to `MAX_PROBE_EVERY`, the lower its estimate; more still where a probe is dear: its
 cost stays under `PROBE_SHARE` of the plans between probes), so its estimate can recover.
 
+What the device measures: with speculation on, every unmasked step's time on the compute stream
+comes back (`SampledTokens.step_ms`: CUDA events, the CPU stream's clock). Plain decode steps give the
+device's ms per unit of the cost table by bucket of rows; a speculating step's ms over what that and
+the table predict is its `penalty` (decayed, at least 1), which prices every draft and every probe: on
+CUDA, where a speculating step runs eagerly beside graphed plain steps, it is several times the
+table's, and drafts stop paying; a probe in a step that would not speculate otherwise moves the whole
+batch onto that path, so it is priced as such (`probe_every(alpha, batch)`).
+
 A drafter's cost: where the device measures it (the CPU), a speculating step's result carries its
 proposal's time over its forward's (`SampledTokens.draft_cost`); `on_draft_cost` keeps a decayed
 mean of a row's share in the cost table's unit (`Speculation.draft_cost`, in stats()). A draft model
@@ -47,6 +55,9 @@ class Planner(Protocol):
 
     page_size: int
     pages: Any  # its PageReservation: the entries a step carries
+
+    @property
+    def plans(self) -> int: ...
 
     def batch_changed(self) -> None: ...
 
@@ -88,13 +99,14 @@ def forward_cost(positions: float, costs: CostTable = FORWARD_MS) -> float:
 
 
 def allocate(alphas: list[float], max_drafts: int, costs: CostTable = FORWARD_MS, row_ms: float = ROW_MS,
-             matches: list[float] | None = None) -> list[int]:
+             matches: list[float] | None = None, penalty: float = 1.0) -> list[int]:
     """Drafts per row for a step of these rows (their acceptance estimates, and match rates: 1 if not
     given). A row's j-th draft adds m * alpha^j expected tokens (the device feeds it, and it and the
     drafts before it are accepted) and m positions; taking drafts in the order of what they add, the
     step keeps the prefix with the most expected tokens per unit of cost, the cost being the forward's
-    by expected positions plus each speculating row's own work (paid whether it feeds or not); none
-    unless that beats the step without drafts by MARGIN. At a larger batch, where positions cost more,
+    by expected positions plus each speculating row's own work (paid whether it feeds or not), times
+    `penalty` (what the device measured a speculating step to cost over that); none unless that beats
+    the step without drafts by MARGIN. At a larger batch, where positions cost more,
     fewer drafts pay."""
     n = len(alphas)
     ks = [0] * n
@@ -113,7 +125,7 @@ def allocate(alphas: list[float], max_drafts: int, costs: CostTable = FORWARD_MS
         taken[i] += 1
         tokens += gain
         positions += match[i]
-        rate = tokens / (forward_cost(positions, costs) + row_ms * rows)
+        rate = tokens / (penalty * (forward_cost(positions, costs) + row_ms * rows))
         if rate > best:
             best, best_at = rate, m
     if best < base * MARGIN:
@@ -123,9 +135,14 @@ def allocate(alphas: list[float], max_drafts: int, costs: CostTable = FORWARD_MS
     return ks
 
 
-def best_drafts(alpha: float, max_drafts: int, costs: CostTable = FORWARD_MS, row_ms: float = ROW_MS) -> int:
+def best_drafts(alpha: float, max_drafts: int, costs: CostTable = FORWARD_MS, row_ms: float = ROW_MS,
+                penalty: float = 1.0) -> int:
     """One row alone: `allocate` of a batch of one."""
-    return allocate([alpha], max_drafts, costs, row_ms)[0]
+    return allocate([alpha], max_drafts, costs, row_ms, penalty=penalty)[0]
+
+
+def _bucket(rows: int) -> int:
+    return 1 << max(rows - 1, 0).bit_length()
 
 
 def can_speculate(seq: Sequence) -> bool:
@@ -137,11 +154,22 @@ def can_speculate(seq: Sequence) -> bool:
 
 
 class Speculation:
-    def __init__(self, max_drafts: int, adaptive: bool = True, costs: CostTable = FORWARD_MS):
+    def __init__(self, max_drafts: int, adaptive: bool = True, costs: CostTable = FORWARD_MS, timed: bool = False):
         self.max_drafts, self.adaptive = max_drafts, adaptive
+        # the device times steps (SampledTokens.step_ms): a bucket of rows speculates only once a plain
+        # step of it was measured, so its first speculating step is priced against something
+        self.timed = timed
         self.costs = costs  # the forward's cost by positions (FORWARD_MS_BY_ACTIVATIONS)
         self.row_ms = ROW_MS  # a speculating row's own work, in the table's unit (on_draft_cost)
         self.draft_cost: float | None = None  # decayed mean of a row's proposal, in the table's unit, where measured
+        # what the device measures (SampledTokens.step_ms): a plain decode step's ms per table unit, by
+        # bucket of rows, and a speculating step's cost over what the table and that predict (decayed;
+        # the policy uses it, at least 1: on CUDA an eager speculating step costs several graphed ones)
+        self.unit_ms: dict[int, float] = {}
+        self.measured_penalty: float | None = None
+        self.penalty = 1.0
+        self._pricing = False  # the first speculating step is in flight: none more until it is priced
+        self._steady: tuple[list[Sequence], int] | None = None  # a steady batch's rows and the plan it began at
         self.drafted = 0  # drafts fed (committed steps, live rows)
         self.accepted = 0  # of which accepted
         self.steps = 0  # committed steps with drafts
@@ -154,11 +182,37 @@ class Speculation:
     def match(seq: Sequence) -> float:
         return (seq.draft_feeds + MATCH_PRIOR[0]) / (seq.draft_plans + MATCH_PRIOR[1])
 
-    def probe_every(self, alpha: float) -> int:
+    def probe_every(self, alpha: float, batch: int = 0) -> int:
+        """Plans between a row's probes. In a step that speculates anyway (`batch` 0) a probe costs its
+        drafter's work and one more position; otherwise it moves the whole step of `batch` rows onto the
+        speculating path, priced by the measured penalty, and each of the rows may be the one that
+        does: the interval keeps all of them within PROBE_SHARE of the plans between probes."""
         by_alpha = min(MAX_PROBE_EVERY, max(PROBE_EVERY, int(PROBE_EVERY * 0.5 / max(alpha, 1e-3))))
-        one = forward_cost(1, self.costs)
-        probe = self.row_ms + forward_cost(2, self.costs) - one  # its drafter's work and one more position
+        rows, c = max(batch, 1), self.costs
+        one = forward_cost(rows, c)
+        if batch:
+            probe = batch * (self.penalty * (forward_cost(rows + 1, c) + self.row_ms) - one)
+        else:
+            probe = self.penalty * (self.row_ms + forward_cost(2, c) - forward_cost(1, c))
         return max(by_alpha, math.ceil(probe / (one * PROBE_SHARE) - 1e-9))
+
+    def on_step_cost(self, rows: int, positions: int, speculating_rows: int, ms: float) -> None:
+        """A decode step of `rows` rows fed `positions` positions and took `ms` on the device
+        (`speculating_rows` of them fed drafts; 0: a plain step). A plain step teaches the device's
+        ms per table unit at its bucket; a speculating one its cost over what that predicts."""
+        c, b = self.costs, _bucket(rows)
+        if not speculating_rows:
+            unit = ms / forward_cost(rows, c)
+            prev = self.unit_ms.get(b)
+            self.unit_ms[b] = unit if prev is None else DECAY * prev + (1 - DECAY) * unit
+            return
+        known = self.unit_ms.get(b)
+        if known is None:  # no plain step of its size measured yet: nothing to compare with
+            return
+        ratio = ms / (known * (forward_cost(positions, c) + self.row_ms * speculating_rows))
+        prev, self._pricing = self.measured_penalty, False
+        penalty = ratio if prev is None else DECAY * prev + (1 - DECAY) * ratio
+        self.measured_penalty, self.penalty = penalty, max(1.0, penalty)
 
     def on_draft_cost(self, ratio: float, rows: int, positions: int) -> None:
         """A speculating step of `rows` rows fed `positions` positions; its proposal took `ratio` times
@@ -172,10 +226,13 @@ class Speculation:
         by the rows' estimates, and one draft for a row that drafts none and is due to probe."""
         if not self.adaptive:
             return [self.max_drafts] * len(seqs)
+        if self.timed and (_bucket(len(seqs)) not in self.unit_ms or self._pricing):
+            return [0] * len(seqs)
         alphas = [self.alpha(seq) for seq in seqs]
         matches = [self.match(seq) for seq in seqs]
-        ks = allocate(alphas, self.max_drafts, self.costs, self.row_ms, matches)
-        return [1 if k == 0 and seq.steps_without_drafts >= self.probe_every(a * m) else k
+        ks = allocate(alphas, self.max_drafts, self.costs, self.row_ms, matches, self.penalty)
+        batch = 0 if any(ks) else len(seqs)  # (a probe in a step that does not speculate moves all of it)
+        return [1 if k == 0 and seq.steps_without_drafts >= self.probe_every(a * m, batch) else k
                 for seq, k, a, m in zip(seqs, ks, alphas, matches)]
 
     def draft(self, step: Step, planner: Planner) -> None:
@@ -188,6 +245,11 @@ class Speculation:
             return
         if not step.decode or not all(map(can_speculate, step.decode)):
             return
+        if self._steady is not None:  # the steady batch's repeats were steps without drafts too
+            steady, began = self._steady
+            self._steady = None
+            for seq in steady:
+                seq.steps_without_drafts += planner.plans - began - 1
         page_size = planner.page_size
         ks = []
         for seq, k in zip(step.decode, self.wanted(step.decode)):
@@ -203,6 +265,7 @@ class Speculation:
                 seq.steps_without_drafts += 1
             ks.append(k)
         if any(ks):
+            self._pricing = self.timed and self.measured_penalty is None
             planner.batch_changed()
             step.drafts = ks
             writes = planner.pages.take_writes()
@@ -210,10 +273,11 @@ class Speculation:
                 step.page_writes = step.page_writes + writes
         elif self.adaptive and planner.steady_from(step):
             # the batch repeats without plans until a row's probe is due; the plans it skips count
-            wait = max(1, min(self.probe_every(self.alpha(seq) * self.match(seq)) - seq.steps_without_drafts
+            n = len(step.decode)
+            wait = max(1, min(self.probe_every(self.alpha(seq) * self.match(seq), n) - seq.steps_without_drafts
                               for seq in step.decode))
-            for seq in step.decode:
-                seq.steps_without_drafts += wait - 1
+            # counted as they pass: a batch that changes sooner leaves its rows' probes where they were
+            self._steady = (step.decode, planner.plans)
             planner.end_steady_at(wait)
 
     def on_commit(self, seq: Sequence, fed: int, emitted: int) -> None:
@@ -234,4 +298,4 @@ class Speculation:
         return {"drafted": self.drafted, "accepted": self.accepted, "steps": self.steps,
                 "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
                 "mean_accepted_length": self.accepted / self.steps if self.steps else 0.0,
-                "draft_cost": self.draft_cost}
+                "draft_cost": self.draft_cost, "step_cost_penalty": self.measured_penalty}

@@ -7,6 +7,7 @@ import json
 
 import pytest
 from serve_util import ThreadServer
+from tool_schemas import NOT_OBJECTS
 
 from slipstream import EngineConfig
 from slipstream.serve import EngineBackend
@@ -232,3 +233,47 @@ async def test_200_forced_calls_of_a_random_model_are_valid(server):
         (call,) = a.message.tool_calls
         assert call.function.name == names[i % 5]
         valid(call.function.name, call.function.arguments)
+
+
+async def test_parameters_that_are_not_an_object_are_400s(server):
+    """Every schema whose values are not all objects, on both endpoints and wherever the tool sits."""
+    import httpx
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+        for schema in NOT_OBJECTS:
+            tools = [TOOLS[0], {"type": "function", "function": {"name": "f", "parameters": schema}}]
+            r = await http.post("/v1/chat/completions", json={"model": "m", "messages": ASK, "tools": tools,
+                                                               "max_tokens": 4})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "tools[1].function.parameters", (schema, r.text)
+            r = await http.post("/v1/responses", json={"model": "m", "input": "hi", "max_output_tokens": 4, "tools": [
+                {"type": "function", "name": "f", "parameters": schema}]})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0].parameters", (schema, r.text)
+
+
+_X = {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["x"],
+      "additionalProperties": False}
+TIGHT_OBJECTS = [{"$ref": "#/$defs/x", "$defs": {"x": _X}}, {"allOf": [_X, {"required": ["x"]}]},
+                 {"anyOf": [_X, {"$ref": "#/$defs/x"}], "$defs": {"x": _X}}, {"oneOf": [_X]}, {"const": {"x": 1}},
+                 {"enum": [{"x": 1}, {"y": 2}]}, {}]  # (OBJECTS' open ones: the random model writes on and on)
+
+
+async def test_object_schemas_give_object_arguments_streamed_as_not(server):
+    """Schemas that reach objects through $ref, allOf, anyOf, oneOf, const, enum (and `{}`): every
+    forced call's arguments are a JSON object, and the stream puts together the same answer."""
+    async def one(oa, i: int, schema: dict):
+        args = dict(model="m", messages=ASK, tools=[{"type": "function", "function": {"name": "f", "parameters": schema}}],
+                    tool_choice="required", parallel_tool_calls=False, max_tokens=100, temperature=1.0,
+                    seed=i)
+        r = await oa.chat.completions.create(**args)
+        chunks = [c async for c in await oa.chat.completions.create(**args, stream=True)]
+        msg = r.choices[0].message
+        content, calls, finish = reassembled(chunks)
+        assert (content, [(n, a) for _, n, a in calls], finish) == (
+            msg.content, [(c.function.name, c.function.arguments) for c in msg.tool_calls], r.choices[0].finish_reason)
+        if r.choices[0].finish_reason == "tool_calls":
+            assert all(isinstance(json.loads(c.function.arguments), dict) for c in msg.tool_calls), schema
+            jsonschema.validate(json.loads(msg.tool_calls[0].function.arguments), schema)
+        return r.choices[0].finish_reason
+
+    async with client(server) as oa:
+        finishes = await asyncio.gather(*(one(oa, i, s) for i, s in enumerate(TIGHT_OBJECTS)))
+    assert finishes == ["tool_calls"] * len(TIGHT_OBJECTS)

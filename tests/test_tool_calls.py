@@ -5,6 +5,7 @@ import random
 
 import pytest
 from grammar_helpers import smollm_tokenizer
+from tool_schemas import NOT_OBJECTS, OBJECTS
 
 from slipstream.errors import GrammarMatchError, InvalidRequestError
 from slipstream.grammar.base import GrammarSpec
@@ -155,6 +156,30 @@ def test_bad_tools_name_their_field(what, tools, choice, param):
     with pytest.raises(InvalidRequestError) as e:
         tool_request(tools, choice)
     assert e.value.param == param, str(e.value)
+
+
+@pytest.mark.parametrize("schema", NOT_OBJECTS, ids=[json.dumps(s)[:40] for s in NOT_OBJECTS])
+@pytest.mark.parametrize("flat", [False, True], ids=["chat", "flat"])
+def test_parameters_that_are_not_an_object_are_refused(schema, flat):
+    tool = {"type": "function", "name": "f", "parameters": schema}
+    field = "tools[0].parameters" if flat else "tools[0].function.parameters"
+    with pytest.raises(InvalidRequestError) as e:
+        tool_request([tool if flat else {"type": "function", "function": {k: v for k, v in tool.items()
+                                                                            if k != "type"}}])
+    assert e.value.param == field, str(e.value)
+
+
+@pytest.mark.parametrize("schema", OBJECTS, ids=[json.dumps(s)[:40] for s in OBJECTS])
+def test_parameters_that_describe_objects_are_taken(schema):
+    (tool,) = tool_request([{"type": "function", "name": "f", "parameters": schema}]).tools
+    assert tool.parameters == schema
+
+
+def test_empty_parameters_mean_no_arguments():
+    """`{}` (like no parameters): an empty arguments object, not any JSON value."""
+    (empty,) = tool_request([{"type": "function", "name": "f", "parameters": {}}]).tools
+    (none,) = tool_request([{"type": "function", "name": "f"}]).tools
+    assert empty == none and json.loads(empty.schema_text())["type"] == "object"
 
 
 def test_tool_request_modes():

@@ -120,6 +120,35 @@ def test_parser_streamed_in_any_pieces_equals_parsed_at_once(syntax):
                 whole[0], [(c.id, c.name, c.arguments) for c in whole[1]])
 
 
+SCALARS = ["1", "-2.5e3", '"hello"', '"a}]\\"</tool_call>"', "true", "null", "[1, {\"a\": [2]}]", "[]", '""']
+
+
+@pytest.mark.parametrize("syntax", [HERMES, SMOLLM2, LLAMA3_JSON], ids=["hermes", "smollm2", "llama3"])
+def test_arguments_that_are_not_an_object_end_at_their_call(syntax):
+    """A value that is no object (a grammar that let the model write one) is the call's arguments up
+    to the call's closing brace: the frame's text never leaks into them, the next call is found, and
+    any pieces of the stream give the same answer."""
+    rng = random.Random(1)
+    for value in SCALARS:
+        calls = [("get_weather", value), ("get_time", T_ARGS)] if syntax is not LLAMA3_JSON else [("get_weather", value)]
+        text = syntax.calls_text(calls)
+        whole = ToolCallParser(syntax, True, new_id=lambda: "c").parse(text)
+        assert whole == ("", [_call(n, a) for n, a in calls]), (value, text)
+        for _ in range(20):
+            p = ToolCallParser(syntax, True, new_id=lambda: "c")
+            got: dict[int, list[str]] = {}
+            for piece in [*_pieces(text, rng), ""]:
+                for d in p.push(piece)[1]:
+                    got.setdefault(d.index, [d.name or "", ""])[1] += d.arguments
+            p.finish()
+            assert [tuple(v) for v in got.values()] == list(calls), (value, text)
+
+
+def _call(name: str, arguments: str):
+    from slipstream.outputs import ToolCall
+    return ToolCall("c", name, arguments)
+
+
 def test_parser_holds_back_a_possible_trigger_and_keeps_a_cut_call():
     p = ToolCallParser(HERMES, required=False)
     assert p.push("Hello <tool") == ("Hello ", [])

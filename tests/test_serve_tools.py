@@ -188,6 +188,9 @@ BAD_CHAT = [
     ({"tool_choice": "required"}, "tool_choice"),
     ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f"}}]}]},
      "messages[0].tool_calls[0].function.arguments"),
+    ({"messages": [*ASK, {"role": "tool", "content": "18 C"}]}, "messages[1].tool_call_id"),
+    ({"tools": TOOLS, "messages": [*ASK, {"role": "tool", "tool_call_id": None, "content": "18 C"}]},
+     "messages[1].tool_call_id"),
 ]
 BAD_RESPONSES = [
     ({"previous_response_id": "resp_123"}, "previous_response_id"),

@@ -211,6 +211,25 @@ def test_empty_parameters_mean_no_arguments():
     assert empty == none and json.loads(empty.schema_text())["type"] == "object"
 
 
+CALL = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": W_ARGS}}
+BAD_HISTORY = [  # (messages, the field named): what every entry refuses before the template runs
+    ([{"role": "user", "content": "hi"}, {"role": "tool", "content": "18 C"}], "messages[1].tool_call_id"),
+    ([{"role": "tool", "content": "18 C", "name": "get_weather"}], "messages[0].tool_call_id"),
+    ([{"role": "assistant", "content": None, "tool_calls": [CALL]}, {"role": "tool", "tool_call_id": "c1",
+                                                                      "content": "1"},
+      {"role": "tool", "tool_call_id": None, "content": "2"}], "messages[2].tool_call_id"),
+]
+
+
+@pytest.mark.parametrize("messages,param", BAD_HISTORY, ids=[p for _, p in BAD_HISTORY])
+def test_bad_history_names_its_field(messages, param):
+    from slipstream import validate
+
+    with pytest.raises(InvalidRequestError) as e:
+        validate.messages(messages)
+    assert e.value.param == param, str(e.value)
+
+
 def test_tool_request_modes():
     t = [{"type": "function", "function": {"name": "f"}}, {"type": "function", "name": "g"}]
     assert tool_request(None) is None

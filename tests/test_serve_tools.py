@@ -191,6 +191,11 @@ BAD_CHAT = [
     ({"messages": [*ASK, {"role": "tool", "content": "18 C"}]}, "messages[1].tool_call_id"),
     ({"tools": TOOLS, "messages": [*ASK, {"role": "tool", "tool_call_id": None, "content": "18 C"}]},
      "messages[1].tool_call_id"),
+    ({"tools": TOOLS, "messages": [*ASK, {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
+        "name": "get_wether", "arguments": "{}"}}]}, {"role": "tool", "tool_call_id": "c", "content": "1"}]},
+     "messages[1].tool_calls[0].function.name"),
+    ({"messages": [*ASK, {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
+        "name": "no such name", "arguments": "{}"}}]}]}, "messages[1].tool_calls[0].function.name"),
 ]
 BAD_RESPONSES = [
     ({"previous_response_id": "resp_123"}, "previous_response_id"),
@@ -200,6 +205,8 @@ BAD_RESPONSES = [
     ({"input": [{"type": "mystery"}]}, "input[0].type"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
     ({"max_output_tokens": 5000}, "max_output_tokens"),
+    ({"tools": FLAT, "input": [{"type": "function_call", "call_id": "c", "name": "get_wether", "arguments": "{}"}]},
+     "input"),
 ]
 
 

@@ -230,6 +230,29 @@ def test_bad_history_names_its_field(messages, param):
     assert e.value.param == param, str(e.value)
 
 
+def _history(name: str) -> list[dict]:
+    return [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Let me see.", "tool_calls": [
+        CALL, {**CALL, "id": "c2", "function": {**CALL["function"], "name": name}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "1"}]
+
+
+@pytest.mark.parametrize("name,with_tools", [("get_wether", True), ("a b", True), ("a b", False), ("", False),
+                                             ("x" * 65, False)])
+def test_history_calls_name_a_tool(name, with_tools):
+    """A history call's name follows OpenAI's rule and, when the request has tools, is one of them."""
+    from slipstream import validate
+    from slipstream.tool_calls.plan import make_plan, tool_prompt
+
+    tok = ByteTokenizer()
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+             {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
+    plan = make_plan(tok, tools) if with_tools else None
+    assert '"name": "get_time"' in tool_prompt(tok, validate.messages(_history("get_time")), plan)  # one of them
+    with pytest.raises(InvalidRequestError) as e:
+        tool_prompt(tok, validate.messages(_history(name)), plan)
+    assert e.value.param == "messages[1].tool_calls[1].function.name", str(e.value)
+
+
 def test_tool_request_modes():
     t = [{"type": "function", "function": {"name": "f"}}, {"type": "function", "name": "g"}]
     assert tool_request(None) is None

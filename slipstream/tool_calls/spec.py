@@ -214,3 +214,18 @@ def tool_request(tools: Any, tool_choice: Any = None, parallel_tool_calls: Any =
             raise InvalidRequestError("tool_choice 'required' needs tools", param="tool_choice")
         choice = "none"  # auto without tools: a plain answer
     return ToolRequest(tuple(checked), choice, parallel_tool_calls and named is None, named)
+
+
+def check_history(messages: list[dict], request: ToolRequest | None) -> None:
+    """The names of a conversation's calls (checked messages): OpenAI's rule for names, and, when the
+    request has tools, one of them (a call of another function is not one the model could write)."""
+    names = {t.name for t in request.tools} if request is not None and request.tools else None
+    for i, m in enumerate(messages):
+        for j, call in enumerate(m.get("tool_calls") or ()):
+            name, field = call["function"]["name"], f"messages[{i}].tool_calls[{j}].function.name"
+            if not TOOL_NAME.fullmatch(name):
+                raise InvalidRequestError(f"{field} must be 1 to 64 letters, digits, '_' or '-', got {name!r:.80}",
+                                          param=field)
+            if names is not None and name not in names:
+                raise InvalidRequestError(f"{field}: {name!r} is not one of the request's tools "
+                                          f"({', '.join(sorted(names))})", param=field)

@@ -287,3 +287,20 @@ async def test_object_schemas_give_object_arguments_streamed_as_not(server):
     async with client(server) as oa:
         finishes = await asyncio.gather(*(one(oa, i, s) for i, s in enumerate(TIGHT_OBJECTS)))
     assert finishes == ["tool_calls"] * len(TIGHT_OBJECTS)
+
+
+async def test_tokenize_renders_the_tools_as_chat_completions_do(server):
+    import httpx
+    history = [*ASK, {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
+        "name": "search", "arguments": '{"query": "x"}'}}]}, {"role": "tool", "tool_call_id": "c", "content": "1"}]
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+        for messages, tools in [(ASK, TOOLS), (ASK, TOOLS[:1]), (history, TOOLS), (history, None)]:
+            body = {"messages": messages, **({"tools": tools} if tools else {})}
+            count = (await http.post("/tokenize", json=body)).json()["count"]
+            r = await http.post("/v1/chat/completions", json={"model": "m", **body, "max_tokens": 1})
+            assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == count, (tools, r.text)
+        r = await http.post("/tokenize", json={"prompt": "hi", "tools": TOOLS})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+        r = await http.post("/tokenize", json={"messages": ASK, "tools": [{"type": "function", "function": {
+            "name": "f", "parameters": {"enum": [1]}}}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0].function.parameters"

@@ -304,3 +304,49 @@ async def test_tokenize_renders_the_tools_as_chat_completions_do(server):
         r = await http.post("/tokenize", json={"messages": ASK, "tools": [{"type": "function", "function": {
             "name": "f", "parameters": {"enum": [1]}}}]})
         assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0].function.parameters"
+
+
+PARIS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris"]}}, "required": ["city"], "additionalProperties": False}}}]
+WHOLE = '{"city": "Paris"}'  # the only call the grammar allows: <tool_call>\n{"name": ..., "arguments": WHOLE}\n</tool_call>
+CUTS = [  # (stop, max_tokens, the calls' arguments, finish_reason)
+    (["}"], 200, ['{"city": "Paris"'], "stop"),  # inside the arguments
+    (['"Par'], 200, ['{"city": '], "stop"),
+    (["weat"], 200, [], "stop"),  # inside the name: no call yet
+    (['"arguments"'], 200, [""], "stop"),  # between the name and the arguments
+    (["}\n</tool"], 200, [WHOLE], "tool_calls"),  # across the closing tag: the arguments are whole
+    (["</tool_call>"], 200, [WHOLE], "tool_calls"),
+    (["<tool_call>"], 200, [], "stop"),
+    (None, 30, [], "length"),  # max_tokens (a byte a token: the call's frame is 49)
+    (None, 55, ['{"city'], "length"),
+    (None, 65, ['{"city": "Paris"'], "length"),
+    (None, 200, [WHOLE], "tool_calls"),
+]
+
+
+@pytest.mark.parametrize("stop,max_tokens,arguments,finish", CUTS, ids=[f"{s}-{m}" for s, m, _, _ in CUTS])
+async def test_a_cut_call_is_not_reported_as_complete(server, stop, max_tokens, arguments, finish):
+    """A call that a stop string or max_tokens cut keeps what it had (streams sent it already) but
+    its answer's finish_reason is "stop" / "length": "tool_calls" only when every call is whole."""
+    args = dict(model="m", messages=ASK, tools=PARIS, tool_choice="required", parallel_tool_calls=False,
+                max_tokens=max_tokens, temperature=0, **({"stop": stop} if stop else {}))
+    async with client(server) as oa:
+        r = await oa.chat.completions.create(**args)
+        chunks = [c async for c in await oa.chat.completions.create(**args, stream=True)]
+    msg = r.choices[0].message
+    got = ([c.function.arguments for c in msg.tool_calls or []], r.choices[0].finish_reason)
+    assert got == (arguments, finish)
+    content, calls, streamed_finish = reassembled(chunks)
+    assert (content, [a for _, _, a in calls], streamed_finish) == (msg.content, arguments, finish)
+
+
+async def test_responses_mark_a_cut_call_incomplete(server):
+    args = dict(model="m", input="Weather?", tools=[{"type": "function", **PARIS[0]["function"]}],
+                tool_choice="required", parallel_tool_calls=False, max_output_tokens=65, temperature=0)
+    async with client(server) as oa:
+        r = await oa.responses.create(**args)
+        events = [e async for e in await oa.responses.create(**args, stream=True)]
+    assert [(o.arguments, o.status) for o in r.output] == [('{"city": "Paris"', "incomplete")]
+    final = events[-1].response
+    assert events[-1].type == "response.incomplete"
+    assert [(o.arguments, o.status) for o in final.output] == [('{"city": "Paris"', "incomplete")]

@@ -176,8 +176,8 @@ CHAT_ROLES: tuple[str, ...] = get_args(ChatRole)
 
 def messages(value: Any) -> list[dict[str, Any]]:
     """OpenAI-style chat messages: [{"role": str, "content": str | [{"type": "text", "text": str}]}].
-    An assistant message may carry `tool_calls` (its content may then be None), a tool message its
-    `tool_call_id` and `name`; they are kept, checked and normalised (`_tool_fields`)."""
+    An assistant message may carry `tool_calls` (its content may then be None), a tool message must
+    carry its `tool_call_id` and may carry a `name`; they are kept, checked and normalised (`_tool_fields`)."""
     if not isinstance(value, (list, tuple)) or not value:
         raise InvalidRequestError(f"messages must be a non-empty list of {{'role', 'content'}} dicts, "
                                   f"got {_type_name(value)} {value!r:.80}", param="messages")
@@ -223,6 +223,9 @@ def _tool_fields(i: int, role: str, m: dict) -> dict[str, Any]:
             raise InvalidRequestError(f"messages[{i}].tool_calls must be a list", param=f"messages[{i}].tool_calls")
         out["tool_calls"] = [_history_call(f"messages[{i}].tool_calls[{j}]", c) for j, c in enumerate(calls)]
     if role == "tool":
+        if m.get("tool_call_id") is None:  # (as OpenAI: a result answers a call, named by its id)
+            raise InvalidRequestError(f"messages[{i}].tool_call_id: a tool message must name the call it answers",
+                                      param=f"messages[{i}].tool_call_id")
         for key in ("tool_call_id", "name"):
             if m.get(key) is not None:
                 out[key] = text(f"messages[{i}].{key}", m[key])

@@ -7,6 +7,7 @@ import json
 
 import pytest
 from serve_util import ThreadServer
+from tool_schemas import NOT_OBJECTS
 
 from slipstream import EngineConfig
 from slipstream.serve import EngineBackend
@@ -187,6 +188,14 @@ BAD_CHAT = [
     ({"tool_choice": "required"}, "tool_choice"),
     ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f"}}]}]},
      "messages[0].tool_calls[0].function.arguments"),
+    ({"messages": [*ASK, {"role": "tool", "content": "18 C"}]}, "messages[1].tool_call_id"),
+    ({"tools": TOOLS, "messages": [*ASK, {"role": "tool", "tool_call_id": None, "content": "18 C"}]},
+     "messages[1].tool_call_id"),
+    ({"tools": TOOLS, "messages": [*ASK, {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
+        "name": "get_wether", "arguments": "{}"}}]}, {"role": "tool", "tool_call_id": "c", "content": "1"}]},
+     "messages[1].tool_calls[0].function.name"),
+    ({"messages": [*ASK, {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
+        "name": "no such name", "arguments": "{}"}}]}]}, "messages[1].tool_calls[0].function.name"),
 ]
 BAD_RESPONSES = [
     ({"previous_response_id": "resp_123"}, "previous_response_id"),
@@ -196,6 +205,8 @@ BAD_RESPONSES = [
     ({"input": [{"type": "mystery"}]}, "input[0].type"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
     ({"max_output_tokens": 5000}, "max_output_tokens"),
+    ({"tools": FLAT, "input": [{"type": "function_call", "call_id": "c", "name": "get_wether", "arguments": "{}"}]},
+     "input"),
 ]
 
 
@@ -232,3 +243,110 @@ async def test_200_forced_calls_of_a_random_model_are_valid(server):
         (call,) = a.message.tool_calls
         assert call.function.name == names[i % 5]
         valid(call.function.name, call.function.arguments)
+
+
+async def test_parameters_that_are_not_an_object_are_400s(server):
+    """Every schema whose values are not all objects, on both endpoints and wherever the tool sits."""
+    import httpx
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+        for schema in NOT_OBJECTS:
+            tools = [TOOLS[0], {"type": "function", "function": {"name": "f", "parameters": schema}}]
+            r = await http.post("/v1/chat/completions", json={"model": "m", "messages": ASK, "tools": tools,
+                                                               "max_tokens": 4})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "tools[1].function.parameters", (schema, r.text)
+            r = await http.post("/v1/responses", json={"model": "m", "input": "hi", "max_output_tokens": 4, "tools": [
+                {"type": "function", "name": "f", "parameters": schema}]})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0].parameters", (schema, r.text)
+
+
+_X = {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["x"],
+      "additionalProperties": False}
+TIGHT_OBJECTS = [{"$ref": "#/$defs/x", "$defs": {"x": _X}}, {"allOf": [_X, {"required": ["x"]}]},
+                 {"anyOf": [_X, {"$ref": "#/$defs/x"}], "$defs": {"x": _X}}, {"oneOf": [_X]}, {"const": {"x": 1}},
+                 {"enum": [{"x": 1}, {"y": 2}]}, {}]  # (OBJECTS' open ones: the random model writes on and on)
+
+
+async def test_object_schemas_give_object_arguments_streamed_as_not(server):
+    """Schemas that reach objects through $ref, allOf, anyOf, oneOf, const, enum (and `{}`): every
+    forced call's arguments are a JSON object, and the stream puts together the same answer."""
+    async def one(oa, i: int, schema: dict):
+        args = dict(model="m", messages=ASK, tools=[{"type": "function", "function": {"name": "f", "parameters": schema}}],
+                    tool_choice="required", parallel_tool_calls=False, max_tokens=100, temperature=1.0,
+                    seed=i)
+        r = await oa.chat.completions.create(**args)
+        chunks = [c async for c in await oa.chat.completions.create(**args, stream=True)]
+        msg = r.choices[0].message
+        content, calls, finish = reassembled(chunks)
+        assert (content, [(n, a) for _, n, a in calls], finish) == (
+            msg.content, [(c.function.name, c.function.arguments) for c in msg.tool_calls], r.choices[0].finish_reason)
+        if r.choices[0].finish_reason == "tool_calls":
+            assert all(isinstance(json.loads(c.function.arguments), dict) for c in msg.tool_calls), schema
+            jsonschema.validate(json.loads(msg.tool_calls[0].function.arguments), schema)
+        return r.choices[0].finish_reason
+
+    async with client(server) as oa:
+        finishes = await asyncio.gather(*(one(oa, i, s) for i, s in enumerate(TIGHT_OBJECTS)))
+    assert finishes == ["tool_calls"] * len(TIGHT_OBJECTS)
+
+
+async def test_tokenize_renders_the_tools_as_chat_completions_do(server):
+    import httpx
+    history = [*ASK, {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
+        "name": "search", "arguments": '{"query": "x"}'}}]}, {"role": "tool", "tool_call_id": "c", "content": "1"}]
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+        for messages, tools in [(ASK, TOOLS), (ASK, TOOLS[:1]), (history, TOOLS), (history, None)]:
+            body = {"messages": messages, **({"tools": tools} if tools else {})}
+            count = (await http.post("/tokenize", json=body)).json()["count"]
+            r = await http.post("/v1/chat/completions", json={"model": "m", **body, "max_tokens": 1})
+            assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == count, (tools, r.text)
+        r = await http.post("/tokenize", json={"prompt": "hi", "tools": TOOLS})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+        r = await http.post("/tokenize", json={"messages": ASK, "tools": [{"type": "function", "function": {
+            "name": "f", "parameters": {"enum": [1]}}}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0].function.parameters"
+
+
+PARIS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris"]}}, "required": ["city"], "additionalProperties": False}}}]
+WHOLE = '{"city": "Paris"}'  # the only call the grammar allows: <tool_call>\n{"name": ..., "arguments": WHOLE}\n</tool_call>
+CUTS = [  # (stop, max_tokens, the calls' arguments, finish_reason)
+    (["}"], 200, ['{"city": "Paris"'], "stop"),  # inside the arguments
+    (['"Par'], 200, ['{"city": '], "stop"),
+    (["weat"], 200, [], "stop"),  # inside the name: no call yet
+    (['"arguments"'], 200, [""], "stop"),  # between the name and the arguments
+    (["}\n</tool"], 200, [WHOLE], "tool_calls"),  # across the closing tag: the arguments are whole
+    (["</tool_call>"], 200, [WHOLE], "tool_calls"),
+    (["<tool_call>"], 200, [], "stop"),
+    (None, 30, [], "length"),  # max_tokens (a byte a token: the call's frame is 49)
+    (None, 55, ['{"city'], "length"),
+    (None, 65, ['{"city": "Paris"'], "length"),
+    (None, 200, [WHOLE], "tool_calls"),
+]
+
+
+@pytest.mark.parametrize("stop,max_tokens,arguments,finish", CUTS, ids=[f"{s}-{m}" for s, m, _, _ in CUTS])
+async def test_a_cut_call_is_not_reported_as_complete(server, stop, max_tokens, arguments, finish):
+    """A call that a stop string or max_tokens cut keeps what it had (streams sent it already) but
+    its answer's finish_reason is "stop" / "length": "tool_calls" only when every call is whole."""
+    args = dict(model="m", messages=ASK, tools=PARIS, tool_choice="required", parallel_tool_calls=False,
+                max_tokens=max_tokens, temperature=0, **({"stop": stop} if stop else {}))
+    async with client(server) as oa:
+        r = await oa.chat.completions.create(**args)
+        chunks = [c async for c in await oa.chat.completions.create(**args, stream=True)]
+    msg = r.choices[0].message
+    got = ([c.function.arguments for c in msg.tool_calls or []], r.choices[0].finish_reason)
+    assert got == (arguments, finish)
+    content, calls, streamed_finish = reassembled(chunks)
+    assert (content, [a for _, _, a in calls], streamed_finish) == (msg.content, arguments, finish)
+
+
+async def test_responses_mark_a_cut_call_incomplete(server):
+    args = dict(model="m", input="Weather?", tools=[{"type": "function", **PARIS[0]["function"]}],
+                tool_choice="required", parallel_tool_calls=False, max_output_tokens=65, temperature=0)
+    async with client(server) as oa:
+        r = await oa.responses.create(**args)
+        events = [e async for e in await oa.responses.create(**args, stream=True)]
+    assert [(o.arguments, o.status) for o in r.output] == [('{"city": "Paris"', "incomplete")]
+    final = events[-1].response
+    assert events[-1].type == "response.incomplete"
+    assert [(o.arguments, o.status) for o in final.output] == [('{"city": "Paris"', "incomplete")]

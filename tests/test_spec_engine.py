@@ -203,3 +203,23 @@ def test_a_request_can_opt_out():
     assert e.value.param == "speculative"
     body = CompletionRequest(model="m", prompt="hi", speculative=False)
     assert sampling_params(body, False, 2, None)[0].speculative is False
+
+
+@pytest.mark.parametrize("extra", [{}, {"speculative": True}, {"speculative": False}])
+@pytest.mark.parametrize("endpoint", ["completions", "chat", "responses"])
+def test_every_endpoint_takes_the_speculative_opt_out(endpoint, extra):
+    """The body's `speculative` reaches the SamplingParams on every generating endpoint, as its
+    handler decodes and translates it (the Responses API runs as the chat request it means)."""
+    import json
+
+    from slipstream.serve.generation import decode_body
+    from slipstream.serve.responses import _DECODER
+    from slipstream.serve.responses_types import to_chat
+    from slipstream.serve.sampling import sampling_params
+
+    if endpoint == "responses":
+        req = to_chat(_DECODER.decode(json.dumps({"model": "m", "input": "hi", **extra})))
+    else:
+        base = {"messages": [{"role": "user", "content": "hi"}]} if endpoint == "chat" else {"prompt": "hi"}
+        req = decode_body(json.dumps({"model": "m", **base, **extra}).encode(), endpoint == "chat")
+    assert sampling_params(req, False, 2, None)[0].speculative is extra.get("speculative", True)

@@ -225,3 +225,19 @@ def test_a_long_text_encodes_the_same_and_releases_the_gil(tok):
     stop.set()
     ticker.join()
     assert max(gaps) < max(0.5 * took, 0.05), (max(gaps), took)  # the GIL was not held throughout
+
+
+@pytest.mark.parametrize("at", [0, 1])
+def test_developer_stands_for_system_where_the_template_lacks_it(tok, at):
+    """SmolLM2's template knows no `developer` role: it is rendered as `system` (and the template's
+    default system prompt is not added before it); a template that names the role keeps it."""
+    msgs = [{"role": "user", "content": "Hi"}]
+    msgs.insert(at, {"role": "developer", "content": "Be brief."})
+    as_system = [{**m, "role": "system"} if m["role"] == "developer" else m for m in msgs]
+    text = tok.apply_chat_template(msgs)
+    assert text == tok.apply_chat_template(as_system) and "developer" not in text
+    assert ("You are a helpful AI assistant" in text) == (at == 1)  # (the template adds it unless system is first)
+    knows = Tokenizer(tok.backend, bos_token_id=None, eos_token_ids=[2],
+                      chat_template="{% for m in messages %}{% if m.role == 'developer' %}D{% endif %}"
+                                    "[{{ m.role }}]{{ m.content }}{% endfor %}")
+    assert "D[developer]Be brief." in knows.apply_chat_template(msgs)

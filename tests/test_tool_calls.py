@@ -5,6 +5,7 @@ import random
 
 import pytest
 from grammar_helpers import smollm_tokenizer
+from tool_schemas import NOT_OBJECTS, OBJECTS
 
 from slipstream.errors import GrammarMatchError, InvalidRequestError
 from slipstream.grammar.base import GrammarSpec
@@ -119,6 +120,35 @@ def test_parser_streamed_in_any_pieces_equals_parsed_at_once(syntax):
                 whole[0], [(c.id, c.name, c.arguments) for c in whole[1]])
 
 
+SCALARS = ["1", "-2.5e3", '"hello"', '"a}]\\"</tool_call>"', "true", "null", "[1, {\"a\": [2]}]", "[]", '""']
+
+
+@pytest.mark.parametrize("syntax", [HERMES, SMOLLM2, LLAMA3_JSON], ids=["hermes", "smollm2", "llama3"])
+def test_arguments_that_are_not_an_object_end_at_their_call(syntax):
+    """A value that is no object (a grammar that let the model write one) is the call's arguments up
+    to the call's closing brace: the frame's text never leaks into them, the next call is found, and
+    any pieces of the stream give the same answer."""
+    rng = random.Random(1)
+    for value in SCALARS:
+        calls = [("get_weather", value), ("get_time", T_ARGS)] if syntax is not LLAMA3_JSON else [("get_weather", value)]
+        text = syntax.calls_text(calls)
+        whole = ToolCallParser(syntax, True, new_id=lambda: "c").parse(text)
+        assert whole == ("", [_call(n, a) for n, a in calls]), (value, text)
+        for _ in range(20):
+            p = ToolCallParser(syntax, True, new_id=lambda: "c")
+            got: dict[int, list[str]] = {}
+            for piece in [*_pieces(text, rng), ""]:
+                for d in p.push(piece)[1]:
+                    got.setdefault(d.index, [d.name or "", ""])[1] += d.arguments
+            p.finish()
+            assert [tuple(v) for v in got.values()] == list(calls), (value, text)
+
+
+def _call(name: str, arguments: str):
+    from slipstream.outputs import ToolCall
+    return ToolCall("c", name, arguments)
+
+
 def test_parser_holds_back_a_possible_trigger_and_keeps_a_cut_call():
     p = ToolCallParser(HERMES, required=False)
     assert p.push("Hello <tool") == ("Hello ", [])
@@ -155,6 +185,72 @@ def test_bad_tools_name_their_field(what, tools, choice, param):
     with pytest.raises(InvalidRequestError) as e:
         tool_request(tools, choice)
     assert e.value.param == param, str(e.value)
+
+
+@pytest.mark.parametrize("schema", NOT_OBJECTS, ids=[json.dumps(s)[:40] for s in NOT_OBJECTS])
+@pytest.mark.parametrize("flat", [False, True], ids=["chat", "flat"])
+def test_parameters_that_are_not_an_object_are_refused(schema, flat):
+    tool = {"type": "function", "name": "f", "parameters": schema}
+    field = "tools[0].parameters" if flat else "tools[0].function.parameters"
+    with pytest.raises(InvalidRequestError) as e:
+        tool_request([tool if flat else {"type": "function", "function": {k: v for k, v in tool.items()
+                                                                            if k != "type"}}])
+    assert e.value.param == field, str(e.value)
+
+
+@pytest.mark.parametrize("schema", OBJECTS, ids=[json.dumps(s)[:40] for s in OBJECTS])
+def test_parameters_that_describe_objects_are_taken(schema):
+    (tool,) = tool_request([{"type": "function", "name": "f", "parameters": schema}]).tools
+    assert tool.parameters == schema
+
+
+def test_empty_parameters_mean_no_arguments():
+    """`{}` (like no parameters): an empty arguments object, not any JSON value."""
+    (empty,) = tool_request([{"type": "function", "name": "f", "parameters": {}}]).tools
+    (none,) = tool_request([{"type": "function", "name": "f"}]).tools
+    assert empty == none and json.loads(empty.schema_text())["type"] == "object"
+
+
+CALL = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": W_ARGS}}
+BAD_HISTORY = [  # (messages, the field named): what every entry refuses before the template runs
+    ([{"role": "user", "content": "hi"}, {"role": "tool", "content": "18 C"}], "messages[1].tool_call_id"),
+    ([{"role": "tool", "content": "18 C", "name": "get_weather"}], "messages[0].tool_call_id"),
+    ([{"role": "assistant", "content": None, "tool_calls": [CALL]}, {"role": "tool", "tool_call_id": "c1",
+                                                                      "content": "1"},
+      {"role": "tool", "tool_call_id": None, "content": "2"}], "messages[2].tool_call_id"),
+]
+
+
+@pytest.mark.parametrize("messages,param", BAD_HISTORY, ids=[p for _, p in BAD_HISTORY])
+def test_bad_history_names_its_field(messages, param):
+    from slipstream import validate
+
+    with pytest.raises(InvalidRequestError) as e:
+        validate.messages(messages)
+    assert e.value.param == param, str(e.value)
+
+
+def _history(name: str) -> list[dict]:
+    return [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Let me see.", "tool_calls": [
+        CALL, {**CALL, "id": "c2", "function": {**CALL["function"], "name": name}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "1"}]
+
+
+@pytest.mark.parametrize("name,with_tools", [("get_wether", True), ("a b", True), ("a b", False), ("", False),
+                                             ("x" * 65, False)])
+def test_history_calls_name_a_tool(name, with_tools):
+    """A history call's name follows OpenAI's rule and, when the request has tools, is one of them."""
+    from slipstream import validate
+    from slipstream.tool_calls.plan import make_plan, tool_prompt
+
+    tok = ByteTokenizer()
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+             {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
+    plan = make_plan(tok, tools) if with_tools else None
+    assert '"name": "get_time"' in tool_prompt(tok, validate.messages(_history("get_time")), plan)  # one of them
+    with pytest.raises(InvalidRequestError) as e:
+        tool_prompt(tok, validate.messages(_history(name)), plan)
+    assert e.value.param == "messages[1].tool_calls[1].function.name", str(e.value)
 
 
 def test_tool_request_modes():

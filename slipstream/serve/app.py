@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from slipstream.api.encode import encode_off_loop
 from slipstream.errors import InvalidRequestError, SlipstreamError
-from slipstream.serve import generation, responses, skills
+from slipstream.serve import chat_tools, generation, responses, skills
 from slipstream.serve.api_errors import ApiError, from_slipstream, invalid
 from slipstream.serve.body import DEFAULT_MAX_BODY_BYTES, read_body
 from slipstream.serve.backend import Backend
@@ -158,7 +158,11 @@ def create_app(backend: Backend, max_inflight: int = 1024, max_body_bytes: int =
             raise invalid("give exactly one of prompt or messages", "prompt")
         if req.messages is not None:
             generation.check_chat_chars(state, req.messages)
-            text, field = generation.chat_text(tok, req.messages, req.add_generation_prompt), "messages"
+            plan = (chat_tools.plan_of(tok, req.tools, req.tool_choice, req.parallel_tool_calls)
+                    if req.tools is not None or req.tool_choice is not None else None)
+            text, field = generation.chat_text(tok, req.messages, req.add_generation_prompt, plan), "messages"
+        elif req.tools is not None:
+            raise invalid("tools are rendered into a chat prompt: give messages with them", "tools")
         else:
             text, field = req.prompt, "prompt"
         try:

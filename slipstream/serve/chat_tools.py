@@ -9,6 +9,7 @@ chunk's finish_reason is "tool_calls" when the answer made calls and ended on it
 """
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import msgspec
@@ -75,8 +76,21 @@ def delta_json(d: ToolCallDelta) -> dict:
     return {"index": d.index, "id": d.id, "type": "function", "function": {"name": d.name, "arguments": d.arguments}}
 
 
-def finish_reason(reason: str, made_calls: bool) -> str:
-    return "tool_calls" if made_calls and reason == "stop" else reason
+def complete(arguments: str) -> bool:
+    """Whether a call's arguments are whole JSON: the grammar writes nothing else, so a call whose
+    arguments are not was cut (a stop string, a stop token, max_tokens)."""
+    try:
+        json.loads(arguments)
+    except ValueError:
+        return False
+    return True
+
+
+def finish_reason(reason: str, arguments: list[str]) -> str:
+    """"tool_calls" when the answer made calls, ended on its own and every call is whole; a call cut
+    by a stop string or stop token leaves "stop" (clients read "tool_calls" as "the calls are complete")."""
+    done = bool(arguments) and reason == "stop" and all(complete(a) for a in arguments)
+    return "tool_calls" if done else reason
 
 
 def message(out: CompletionOutput) -> tuple[dict, str]:
@@ -85,7 +99,7 @@ def message(out: CompletionOutput) -> tuple[dict, str]:
     msg: dict[str, Any] = {"role": "assistant", "content": out.content or None}
     if calls:
         msg["tool_calls"] = [call_json(c) for c in calls]
-    return msg, finish_reason(out.finish_reason, bool(calls))
+    return msg, finish_reason(out.finish_reason, [c.arguments for c in calls])
 
 
 class ToolChunks:
@@ -106,4 +120,4 @@ class ToolChunks:
         return body or None
 
     def finish(self, reason: str) -> str:
-        return finish_reason(reason, bool(self.parser.calls))
+        return finish_reason(reason, [a for _, _, a in self.parser.calls])

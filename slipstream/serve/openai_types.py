@@ -186,6 +186,10 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None
     model: str | None = None
     add_generation_prompt: bool = True
+    # with messages: the prompt a chat completion with these tools renders (they are in it)
+    tools: Annotated[list[ChatTool], Meta(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):

@@ -28,6 +28,7 @@ from starlette.responses import Response
 from slipstream.outputs import CompletionOutput, ToolCallDelta, Usage
 from slipstream.serve.api_errors import ApiError
 from slipstream.serve.body import read_body
+from slipstream.serve.chat_tools import complete
 from slipstream.serve.generation import decode_json, generate
 from slipstream.serve.responses_types import ResponsesRequest, blame, to_chat, tools_of
 from slipstream.serve.state import ServerState, new_request_id
@@ -68,6 +69,11 @@ def _call(item_id: str, call_id: str, name: str, arguments: str, status: str) ->
             "arguments": arguments}
 
 
+def _call_status(arguments: str, status: str) -> str:
+    """A call a stop string or max_output_tokens cut (its arguments not whole JSON) is incomplete."""
+    return status if complete(arguments) else "incomplete"
+
+
 class ResponsesStyle:
     endpoint = "responses"
     logprobs = False
@@ -97,8 +103,8 @@ class ResponsesStyle:
         text = out.text if out.tool_calls is None else out.content or ""
         calls = out.tool_calls or []
         output = [_message(text, "completed" if calls else status, _id("msg"))] if text or not calls else []
-        output += [_call(_id("fc"), c.id, c.name, c.arguments, status if i == len(calls) - 1 else "completed")
-                   for i, c in enumerate(calls)]
+        output += [_call(_id("fc"), c.id, c.name, c.arguments, _call_status(c.arguments, status)
+                         if i == len(calls) - 1 else "completed") for i, c in enumerate(calls)]
         u = cast(Usage, out.usage)  # (a finished output has its usage)
         return self.response(rid, created, model, output, out.finish_reason,
                              _usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens))
@@ -188,6 +194,8 @@ class ResponseEvents:
         events = []
         if not self.output and self.open is None:  # an empty answer is still a message, as unstreamed
             events += self._open(_message("", "in_progress", _id("msg")))
+        if self.open is not None and self.open["type"] == "function_call":
+            events += self._close(_call_status(self.open["arguments"], status))
         events += self._close(status)
         kind = "response.incomplete" if status == "incomplete" else "response.completed"
         usage = _usage(self.prompt_tokens, n_out, cached)

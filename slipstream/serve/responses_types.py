@@ -112,6 +112,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     previous_response_id: str | None = None
     store: bool | None = None
     seed: Seed | None = None  # slipstream extra (as on the chat API)
+    speculative: bool = True  # slipstream extra, as on the chat API: False keeps drafts off its steps
     user: str | None = None
 
 
@@ -164,7 +165,7 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
         response_format = ResponseFormat(type="json_object")
     return ChatCompletionRequest(messages=messages, max_completion_tokens=req.max_output_tokens,
                                  temperature=req.temperature, top_p=req.top_p, stream=req.stream, seed=req.seed,
-                                 response_format=response_format, user=req.user)
+                                 response_format=response_format, user=req.user, speculative=req.speculative)
 
 
 def tools_of(req: ResponsesRequest) -> tuple[Any, Any, bool | None]:

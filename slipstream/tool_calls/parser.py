@@ -117,16 +117,19 @@ class ToolCallParser:
             self._depth, self._in_string, self._escape = 0, False, False
             return ""
         # "args": the arguments' JSON value, up to its closing bracket
-        n = self._scan(buf)
-        self.calls[-1][2] += buf[:n]
-        deltas.append(ToolCallDelta(len(self.calls) - 1, arguments=buf[:n]))
+        n, done = self._scan(buf)
+        if n:
+            self.calls[-1][2] += buf[:n]
+            deltas.append(ToolCallDelta(len(self.calls) - 1, arguments=buf[:n]))
         self._buf = buf[n:]
-        if self._depth == 0 and n and not self._in_string:
+        if done:
             self._state = "calls"
         return ""
 
-    def _scan(self, buf: str) -> int:
-        """How many characters of `buf` belong to the arguments (all of it, or up to their end)."""
+    def _scan(self, buf: str) -> tuple[int, bool]:
+        """How many characters of `buf` belong to the arguments, and whether they end there: at the
+        bracket that closes them, or, for a value that is not an object or a list (a grammar that let
+        the model write a scalar), before the call's own closing `}`, which is never arguments."""
         for i, c in enumerate(buf):
             if self._in_string:
                 if self._escape:
@@ -140,10 +143,12 @@ class ToolCallParser:
             elif c in "{[":
                 self._depth += 1
             elif c in "}]":
+                if self._depth == 0:
+                    return i, True
                 self._depth -= 1
                 if self._depth == 0:
-                    return i + 1
-        return len(buf)
+                    return i + 1, True
+        return len(buf), False
 
 
 def _partial_suffix(text: str, trigger: str) -> int:

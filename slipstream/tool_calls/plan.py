@@ -28,7 +28,7 @@ from slipstream.outputs import CompletionOutput, StreamDelta
 from slipstream.params import SamplingParams
 from slipstream.tool_calls.formats import ToolFormat, render_prompt, tool_format
 from slipstream.tool_calls.parser import ToolCallParser
-from slipstream.tool_calls.spec import ToolRequest, tool_request
+from slipstream.tool_calls.spec import ToolRequest, check_history, tool_request
 
 
 @dataclass(frozen=True)
@@ -92,6 +92,7 @@ def make_plan(tokenizer: Any, tools: Any, tool_choice: Any = None, parallel_tool
 
 def tool_prompt(tokenizer: Any, messages: list[dict], plan: ToolPlan | None, add_generation_prompt: bool = True) -> str:
     """The prompt of checked messages with the plan's tools, or (none) of a history holding calls."""
+    check_history(messages, plan.request if plan is not None else None)
     if plan is not None:
         return plan.prompt(tokenizer, messages, add_generation_prompt)
     return render_prompt(tool_format(tokenizer), tokenizer, messages, (), add_generation_prompt)

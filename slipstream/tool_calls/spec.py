@@ -82,6 +82,8 @@ def _tool(i: int, t: Any) -> tuple[Tool, str]:
     if desc is not None and not isinstance(desc, str):
         raise InvalidRequestError(f"{field}.description must be a string", param=f"{field}.description")
     params = d.get("parameters")
+    if params == {}:  # (as no parameters: the function takes an empty arguments object, not any JSON value)
+        params = None
     if params is not None:
         _check_parameters(params, f"{field}.parameters")
     return Tool(name, desc, cast("dict | None", params)), field  # (checked: an object or None)
@@ -90,10 +92,12 @@ def _tool(i: int, t: Any) -> tuple[Tool, str]:
 def _check_parameters(params: Any, field: str) -> None:
     if not isinstance(params, dict):
         raise InvalidRequestError(f"{field} must be a JSON schema object, got {type(params).__name__}", param=field)
-    kind = params.get("type", "object")
-    if kind != "object" and kind != ["object"]:
-        raise InvalidRequestError(f"{field} must describe a JSON object (type: object), got type {kind!r:.80}",
-                                  param=field)
+    if not describes_object(params):
+        # the grammar would let the model write a scalar or a list where a call's arguments object goes
+        kind = params.get("type")
+        got = f"type {kind!r:.80}" if kind is not None else f"a schema without a type (keys {sorted(params)!r:.80})"
+        raise InvalidRequestError(f"{field} must describe a JSON object (\"type\": \"object\", or a $ref, allOf, "
+                                  f"anyOf or oneOf that resolves to objects only), got {got}", param=field)
     try:
         text = json.dumps(params)
     except (TypeError, ValueError, RecursionError) as e:
@@ -101,6 +105,52 @@ def _check_parameters(params: Any, field: str) -> None:
     error = parameters_error(text)
     if error:
         raise InvalidRequestError(f"{field} is not a usable JSON schema: {error}", param=field)
+
+
+def describes_object(schema: Any, root: Any = None, refs: frozenset[str] = frozenset()) -> bool:
+    """Whether every value `schema` accepts is a JSON object, judged conservatively: `type` object
+    (alone in a list), a `const` or `enum` of objects, a local `$ref` to such a schema, an `allOf`
+    with one, an `anyOf` / `oneOf` of them only. Anything this cannot tell is not an object."""
+    root = schema if root is None else root
+    if not isinstance(schema, dict):
+        return False
+    kind = schema.get("type")
+    if kind == "object" or kind == ["object"]:
+        return True
+    if "const" in schema:
+        return isinstance(schema["const"], dict)
+    enum = schema.get("enum")
+    if isinstance(enum, list) and enum and all(isinstance(v, dict) for v in enum):
+        return True
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref not in refs and describes_object(_resolve(root, ref), root, refs | {ref}):
+        return True
+    every = schema.get("allOf")
+    if isinstance(every, list) and any(describes_object(s, root, refs) for s in every):
+        return True
+    for key in ("anyOf", "oneOf"):
+        some = schema.get(key)
+        if isinstance(some, list) and some and all(describes_object(s, root, refs) for s in some):
+            return True
+    return False
+
+
+def _resolve(root: Any, ref: str) -> Any:
+    """A local `$ref` ("#", "#/$defs/x": a JSON pointer into the root), or None."""
+    if ref == "#":
+        return root
+    if not ref.startswith("#/"):
+        return None  # (remote references: llguidance refuses them too)
+    node = root
+    for part in ref[2:].split("/"):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
 
 
 def _named(choice: dict) -> str:
@@ -164,3 +214,18 @@ def tool_request(tools: Any, tool_choice: Any = None, parallel_tool_calls: Any =
             raise InvalidRequestError("tool_choice 'required' needs tools", param="tool_choice")
         choice = "none"  # auto without tools: a plain answer
     return ToolRequest(tuple(checked), choice, parallel_tool_calls and named is None, named)
+
+
+def check_history(messages: list[dict], request: ToolRequest | None) -> None:
+    """The names of a conversation's calls (checked messages): OpenAI's rule for names, and, when the
+    request has tools, one of them (a call of another function is not one the model could write)."""
+    names = {t.name for t in request.tools} if request is not None and request.tools else None
+    for i, m in enumerate(messages):
+        for j, call in enumerate(m.get("tool_calls") or ()):
+            name, field = call["function"]["name"], f"messages[{i}].tool_calls[{j}].function.name"
+            if not TOOL_NAME.fullmatch(name):
+                raise InvalidRequestError(f"{field} must be 1 to 64 letters, digits, '_' or '-', got {name!r:.80}",
+                                          param=field)
+            if names is not None and name not in names:
+                raise InvalidRequestError(f"{field}: {name!r} is not one of the request's tools "
+                                          f"({', '.join(sorted(names))})", param=field)

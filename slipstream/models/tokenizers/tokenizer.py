@@ -207,6 +207,10 @@ class Tokenizer:
             raise ValueError("this tokenizer has no chat template")
         if self._compiled is None:
             self._compiled = _jinja_env().from_string(self._chat_template)
+        if "developer" not in self._chat_template:
+            # OpenAI's `developer` role stands for `system` where the template predates it (SmolLM2's would
+            # print "<|im_start|>developer" and still add its own default system prompt)
+            messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
         tok = self.id_to_token
         variables: dict[str, Any] = {
             "bos_token": tok(self._bos_token_id) if self._bos_token_id is not None else None,

@@ -173,9 +173,12 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
         check.integer("speculative.max_n", self.max_n, minimum=self.min_n, maximum=MAX_NGRAM)
         check.integer("speculative.window", self.window, minimum=self.max_n + 1, maximum=MAX_WINDOW)
         check.boolean("speculative.adaptive", self.adaptive)
-        if (self.method == "draft") != (self.draft_model is not None):
-            raise InvalidRequestError("speculative.draft_model is given with method 'draft', and only then",
-                                      param="speculative.draft_model")
+        if self.method == "draft" and self.draft_model is None:
+            raise InvalidRequestError("speculative.method 'draft' needs speculative.draft_model: the smaller model "
+                                      "that drafts (same tokenizer)", param="speculative.draft_model")
+        if self.method != "draft" and self.draft_model is not None:
+            raise InvalidRequestError(f"speculative.draft_model is read only with method 'draft', not "
+                                      f"{self.method!r}", param="speculative.draft_model")
         if self.draft_model is not None and (not isinstance(self.draft_model, str) or not self.draft_model):
             raise InvalidRequestError("speculative.draft_model must be a model name or path",
                                       param="speculative.draft_model")

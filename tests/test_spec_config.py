@@ -44,3 +44,12 @@ def test_the_cli_refuses_an_out_of_range_num_drafts_in_one_line(capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("slipstream: error: ") and err.count("\n") == 1 and "num_drafts" in err, err
+
+
+def test_draft_model_and_method_disagreeing_say_which_is_missing():
+    with pytest.raises(InvalidRequestError, match="method 'draft' needs speculative.draft_model") as e:
+        SpeculativeConfig(method="draft")
+    assert e.value.param == "speculative.draft_model"
+    with pytest.raises(InvalidRequestError, match="read only with method 'draft', not 'ngram'") as e:
+        SpeculativeConfig(method="ngram", draft_model="tiny-random")
+    assert e.value.param == "speculative.draft_model"

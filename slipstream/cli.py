@@ -90,10 +90,41 @@ def add_engine_args(p: argparse.ArgumentParser, log_level: str = "warning") -> N
     p.add_argument("--speculative", default=None, choices=["ngram", "draft"],
                    help="speculative decoding: decode rows feed drafted tokens and keep those the model agrees "
                         "with; the output is unchanged (off by default: docs/speculative.md)")
-    p.add_argument("--num-drafts", type=int, default=4, help="with --speculative: the most drafts a row feeds per step")
+    add_num_drafts_arg(p)
     p.add_argument("--draft-model", default=None,
-                   help="with --speculative draft: the smaller model that drafts (same tokenizer as --model)")
+                   help="with --speculative draft (needed there): the smaller model that drafts (same tokenizer as "
+                        "--model)")
     add_log_args(p, log_level)
+
+
+def add_num_drafts_arg(p: argparse.ArgumentParser) -> None:
+    # default None, not 4: a --num-drafts given without --speculative is refused, not ignored
+    p.add_argument("--num-drafts", type=int, default=None,
+                   help="with --speculative: the most drafts a row feeds per step (1..16; default 4)")
+
+
+def speculative_config(args):
+    """--speculative's SpeculativeConfig, or None. The flags that mean something only with it are
+    refused without it (they were silently ignored: issue 48), each error one line naming its flag."""
+    from slipstream.errors import InvalidRequestError
+    from slipstream.params import SpeculativeConfig
+
+    method = getattr(args, "speculative", None)
+    num_drafts, draft_model = getattr(args, "num_drafts", None), getattr(args, "draft_model", None)
+    if method is None:
+        for flag, value in (("--num-drafts", num_drafts), ("--draft-model", draft_model)):
+            if value is not None:
+                raise InvalidRequestError(f"{flag} needs --speculative (without it no drafts are fed)",
+                                          param=flag[2:].replace("-", "_"))
+        return None
+    if method == "draft" and draft_model is None:
+        raise InvalidRequestError("--speculative draft needs --draft-model M: the smaller model that drafts "
+                                  "(same tokenizer as --model)", param="draft_model")
+    if method != "draft" and draft_model is not None:
+        raise InvalidRequestError(f"--draft-model is read only with --speculative draft, not --speculative {method}",
+                                  param="draft_model")
+    return SpeculativeConfig(method=method, draft_model=draft_model,
+                             **({} if num_drafts is None else {"num_drafts": num_drafts}))
 
 
 def engine_config(args, **overrides):
@@ -105,11 +136,9 @@ def engine_config(args, **overrides):
                   weights=getattr(args, "weights", "quantized"),
                   activations=getattr(args, "activations", "auto"),
                   prefix_caching=getattr(args, "prefix_caching", True))
-    if getattr(args, "speculative", None):
-        from slipstream.params import SpeculativeConfig
-
-        fields["speculative"] = SpeculativeConfig(method=args.speculative, num_drafts=args.num_drafts,
-                                                  draft_model=getattr(args, "draft_model", None))
+    spec = speculative_config(args)
+    if spec is not None:
+        fields["speculative"] = spec
     fields.update(overrides)
     return EngineConfig(**fields)
 

@@ -140,6 +140,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, f
 
 OUTPUT_STAGES = ("loop", "thread")
 SPEC_METHODS = ("ngram", "draft")
+# The speculative options' upper bounds: a proposal costs about max_n x window comparisons per row
+# and step, the draft model a prefill of draft_context tokens per row; unbounded, window=20_000_000
+# turned 32 tokens on tiny-random from 0.06 s into 10 s and 1.16 GB (issue 48).
+MAX_NUM_DRAFTS = 16
+MAX_NGRAM = 8  # min_n, max_n
+MAX_WINDOW = 4096
+MAX_DRAFT_CONTEXT = 4096
 
 
 class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True,
@@ -161,18 +168,21 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
         if self.method not in SPEC_METHODS:
             raise InvalidRequestError(f"speculative.method must be one of {SPEC_METHODS}, got {self.method!r}",
                                       param="speculative.method")
-        check.integer("speculative.num_drafts", self.num_drafts, minimum=1, maximum=16)
-        check.integer("speculative.min_n", self.min_n, minimum=1)
-        check.integer("speculative.max_n", self.max_n, minimum=self.min_n)
-        check.integer("speculative.window", self.window, minimum=self.max_n + 1)
+        check.integer("speculative.num_drafts", self.num_drafts, minimum=1, maximum=MAX_NUM_DRAFTS)
+        check.integer("speculative.min_n", self.min_n, minimum=1, maximum=MAX_NGRAM)
+        check.integer("speculative.max_n", self.max_n, minimum=self.min_n, maximum=MAX_NGRAM)
+        check.integer("speculative.window", self.window, minimum=self.max_n + 1, maximum=MAX_WINDOW)
         check.boolean("speculative.adaptive", self.adaptive)
-        if (self.method == "draft") != (self.draft_model is not None):
-            raise InvalidRequestError("speculative.draft_model is given with method 'draft', and only then",
-                                      param="speculative.draft_model")
+        if self.method == "draft" and self.draft_model is None:
+            raise InvalidRequestError("speculative.method 'draft' needs speculative.draft_model: the smaller model "
+                                      "that drafts (same tokenizer)", param="speculative.draft_model")
+        if self.method != "draft" and self.draft_model is not None:
+            raise InvalidRequestError(f"speculative.draft_model is read only with method 'draft', not "
+                                      f"{self.method!r}", param="speculative.draft_model")
         if self.draft_model is not None and (not isinstance(self.draft_model, str) or not self.draft_model):
             raise InvalidRequestError("speculative.draft_model must be a model name or path",
                                       param="speculative.draft_model")
-        check.integer("speculative.draft_context", self.draft_context, minimum=1, maximum=4096)
+        check.integer("speculative.draft_context", self.draft_context, minimum=1, maximum=MAX_DRAFT_CONTEXT)
 
 
 class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, metaclass=CheckedStructMeta):

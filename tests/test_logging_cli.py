@@ -214,3 +214,43 @@ def test_an_unknown_model_is_told_every_name_it_could_have_been(capsys):
     err = capsys.readouterr().err
     for name in ("smollm2-135m", "tiny-random", "random-smollm2-135m"):
         assert name in err, err
+
+
+
+class _ConfigBuilt(Exception):
+    """Raised instead of building the engine: a flag the command ignored let it get that far."""
+
+
+@pytest.mark.parametrize("command", ["generate", "bench", "serve", "worker"])
+@pytest.mark.parametrize("flags,names", [
+    (["--num-drafts", "3"], ["--num-drafts", "--speculative"]),  # ignored without --speculative (issue 48)
+    (["--num-drafts", "4"], ["--num-drafts", "--speculative"]),  # (the old default: still refused)
+    (["--draft-model", "tiny-random"], ["--draft-model", "--speculative"]),
+    (["--speculative", "draft"], ["--speculative draft", "--draft-model"]),
+    (["--speculative", "ngram", "--draft-model", "tiny-random"], ["--draft-model", "--speculative draft"]),
+])
+def test_speculative_flags_that_mean_nothing_alone_are_one_error_line(command, flags, names, capsys, monkeypatch):
+    """issue 48, item 8: --num-drafts / --draft-model without --speculative were ignored, and
+    `--speculative draft` alone said "speculative.draft_model is given with method 'draft', and only then"."""
+    import argparse
+
+    from slipstream import params
+    from slipstream.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    options = {a.dest: a for a in sub._actions}
+    if "--draft-model" in flags and "draft_model" not in options or \
+            "draft" in flags and "draft" not in options["speculative"].choices:
+        pytest.skip(f"{command} has no --speculative draft")
+
+    def built(*a, **kw):
+        raise _ConfigBuilt(kw.get("speculative"))
+
+    monkeypatch.setattr(params, "EngineConfig", built)  # (bench builds it inside bench(): never reached)
+    monkeypatch.setattr("slipstream.bench.bench", built)
+    argv = [command, *(["hi"] if command == "generate" else []), "--model", "tiny-random", *flags,
+            *(["--bind", "ipc:///tmp/slipstream-never.sock"] if command == "worker" else [])]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("slipstream: error: ") and err.count("\n") == 1, err
+    assert all(n in err for n in names), err

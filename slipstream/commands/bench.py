@@ -15,7 +15,7 @@ import sys
 
 from slipstream.runtime.event_waits import EVENT_WAITS
 
-from slipstream.cli import add_log_args, add_model_args
+from slipstream.cli import add_log_args, add_model_args, add_num_drafts_arg, speculative_config
 from slipstream.errors import InvalidRequestError
 
 
@@ -33,7 +33,7 @@ def register(sub) -> None:
     p.add_argument("--speculative", default=None, choices=["ngram"],
                    help="both depths with n-gram speculative decoding (docs/speculative.md; tools/bench_spec.py "
                         "compares with it off)")
-    p.add_argument("--num-drafts", type=int, default=4, help="with --speculative: the most drafts a row feeds per step")
+    add_num_drafts_arg(p)
     add_log_args(p)
     p.set_defaults(func=_bench)
 
@@ -47,11 +47,7 @@ def _bench(args) -> int:
 
     if min(args.streams) < 1 or args.output_len < 2 or args.repeats < 1:
         raise InvalidRequestError("bench: need --streams >= 1, --len >= 2 and --repeats >= 1")
-    spec = None
-    if args.speculative:
-        from slipstream.params import SpeculativeConfig
-
-        spec = SpeculativeConfig(method=args.speculative, num_drafts=args.num_drafts)  # (validates num_drafts)
+    spec = speculative_config(args)  # (validates --num-drafts, refuses it without --speculative)
     # one unit per committed step: a run is one prefill step and L − 1 decode steps
     total = 2 * args.repeats * args.output_len * len(args.streams)
     bar = tqdm(total=total, unit="step", file=sys.stderr, disable=args.no_progress or None, dynamic_ncols=True)
@@ -86,7 +82,7 @@ def _bench(args) -> int:
         for line in warnings(rows):
             print(line, file=sys.stderr)
     meta = {"provenance": prov, "model": args.model, "device": args.device, "dtype": args.dtype,
-            "speculative": args.speculative, "num_drafts": args.num_drafts if args.speculative else None,
+            "speculative": args.speculative, "num_drafts": spec.num_drafts if spec else None,
             "event_wait": args.event_wait, "repeats": args.repeats, "output_len": args.output_len}
     doc = json.dumps(to_json(rows, meta), indent=2)
     if args.json_out:

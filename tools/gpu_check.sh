@@ -17,6 +17,8 @@
 #                  compiles while the tests run (only with BUDGET >= 420 s); this stage waits for it
 #   peer-static    transformers static-compile at N = 1, 8 (~75 s of compiling per N): only if >= 180 s are left
 # Other stages, by name: tests (= tests-engine tests-kernels), ttft (slipstream d1/d2 at N = 1..128: issue 42),
+# spec (tools/bench_spec_gpu.py: speculation off/on at N = 1, 8, 32, 128, three workloads, acceptance, and the
+# float32 / bf16 equality; ~90 s: issue 49; its table goes into peer.md, like ttft's),
 # attention (tools/bench_attention_cuda.py, into peer.md), tests-engine-thin (the engine tests with
 # SLIPSTREAM_THIN_LAUNCH=1; log in logs.tgz, summary in gpu.txt),
 # events, bench-thread, llamacpp-server, smoke. PROFILE_ARGS / PROFILE_MIXED_ARGS pass options (e.g.
@@ -135,6 +137,11 @@ for stage in $stages; do
             --systems 'slipstream d1' 'slipstream d2' --concurrency 1 8 32 128 --repeats 2 --no-agreement \
             --json-out "$LOGS/ttft.json" > "$LOGS/ttft.md" 2>"$LOGS/ttft.err"; rc=$?
         append_peer "$LOGS/ttft.md" ;;
+    spec)  # issue 49: speculation (n-gram, defaults) against none, one process, two engines; equality
+        timeout $(limit ${SPEC_LIMIT:-90}) python3 tools/bench_spec_gpu.py --device cuda --dtype bfloat16 \
+            ${SPEC_ARGS:-} --out "$LOGS/spec.md" > "$LOGS/spec.out" 2>"$LOGS/spec.err"; rc=$?
+        [[ -s $LOGS/spec.md ]] || cp "$LOGS/spec.out" "$LOGS/spec.md"  # (cut short: the rows printed so far)
+        append_peer "$LOGS/spec.md" ;;
     llamacpp|llamacpp-server)
         while [[ ! -f $LLAMA_DONE ]] && ((SECONDS < BUDGET - 40)); do sleep 2; done
         if [[ ! -f $LLAMA_DONE ]]; then rc=124; echo "stage $stage: the llama.cpp build did not end in time" >> "$GPU_TXT"

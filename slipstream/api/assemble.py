@@ -148,7 +148,8 @@ def install_speculation(config: EngineConfig, runner: ModelRunner, planner: Plan
     else:
         options = dict(min_n=spec.min_n, max_n=spec.max_n, window=spec.window)
     runner.spec = SpecRunner(runner, spec.method, spec.num_drafts, max_len, **options)
-    planner.speculation = Speculation(spec.num_drafts, spec.adaptive, FORWARD_MS_BY_ACTIVATIONS[activations], timed=True)
+    runner.spec_timed = timed = not runner.device.unified_memory
+    planner.speculation = Speculation(spec.num_drafts, spec.adaptive, FORWARD_MS_BY_ACTIVATIONS[activations], timed=timed)
 
 
 DRAFT_PROBE = "The draft model must split text as the target does: 12345, naïve café, 日本語 🚀."

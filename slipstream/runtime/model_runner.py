@@ -82,7 +82,11 @@ class ModelRunner(GraphChoice, EncoderLaunch):
         # Written by encode launches and read by forwards, both on the compute stream (stream order)
         self.features: dict[bytes, torch.Tensor] = {}
         self.eager_steps = 0  # steps launched without a graph (stats(): on CUDA, 0 in steady serving)
-        self.spec: SpecRunner | None = None  # speculating steps (runtime/spec_step.py; EngineConfig.speculative)
+        self.spec: SpecRunner | None = None
+        # speculation priced by device-timed steps (SampledTokens.step_ms) where the cost table cannot
+        # know the device (CUDA: graphed plain steps, eager speculating ones); on the CPU the table was
+        # measured on the kernels, and a shared CPU's stream clock holds other processes' time
+        self.spec_timed = False  # speculating steps (runtime/spec_step.py; EngineConfig.speculative)
 
     @property
     def arenas(self) -> list[StepArena]:
@@ -194,7 +198,7 @@ class ModelRunner(GraphChoice, EncoderLaunch):
             raise PipelineInvariantError(f"step {step_id} relaunches an input that writes the row tables")
         step = LaunchedStep(step_id, slot, staged, staged.num_samples)
         slot.acquire(step)
-        if self.spec is not None and unmasked:  # (a masked step's span would hold the host's mask wait)
+        if self.spec_timed and unmasked:  # (a masked step's span would hold the host's mask wait)
             step.started = self.device.compute.mark()
         if staged.graphed is None:
             self.eager_steps += 1

@@ -27,8 +27,9 @@ a drafter that measures dearer), and speculates only if that beats the step with
 plans (more, up to `MAX_PROBE_EVERY`, the lower its estimate; more still where a probe is dear: its
 cost stays under `PROBE_SHARE` of the plans between probes), so its estimate can recover.
 
-What the device measures: with speculation on, every unmasked step's time on the compute stream
-comes back (`SampledTokens.step_ms`: CUDA events, the CPU stream's clock). Plain decode steps give the
+What the device measures (`timed`: CUDA): with speculation on, every unmasked step's time on the
+compute stream comes back (`SampledTokens.step_ms`, timing events; the CPU keeps its measured table:
+a shared CPU's stream clock holds other processes' time). Plain decode steps give the
 device's ms per unit of the cost table by bucket of rows; a speculating step's ms over what that and
 the table predict is its `penalty` (decayed, at least 1), which prices every draft and every probe: on
 CUDA, where a speculating step runs eagerly beside graphed plain steps, it is several times the

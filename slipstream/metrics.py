@@ -289,6 +289,10 @@ class EngineMetrics:
             tracer.listeners.append(self.on_step)
         return self
 
+    def detach(self) -> None:
+        """The engine closed: keep the series, not the loop (which holds the runner and KV cache)."""
+        self._loop = None
+
     def on_finish(self, reason: str) -> None:
         """Called once per request as its caller gets its end (OutputProcessor), with that reason."""
         if self.muted:

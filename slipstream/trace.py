@@ -155,6 +155,10 @@ class Tracer:
             self._tag(stream)
         return self
 
+    def detach(self) -> None:
+        """The engine closed: keep the records, not the loop and the device's streams."""
+        self._loop, self._streams = None, ()
+
     def _tag(self, stream) -> None:
         inner = stream.launch
 

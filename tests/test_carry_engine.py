@@ -55,7 +55,7 @@ def run(reqs, depth, inspect=None, **cfg):
             if inspect is not None:
                 inspect(e)
             outs = await asyncio.gather(*(e.complete(p, sp) for p, sp in reqs))
-            return outs, runner, e
+            return outs, runner, e.loop.planner  # (a closed engine lets go of its loop)
 
     with registered():
         return asyncio.run(go())
@@ -118,8 +118,8 @@ def test_a_preempted_carry_row_recomputes_with_its_carried_values():
     kept (Sequence.carried). (Mutant: chunk_work without `carry`: the recompute feeds the tokens,
     the rest of the output differs.)"""
     reqs = [(prompt(i, 6 + i), carry_params(6, 20)) for i in range(5)]
-    small, runner, engine = run(reqs, 2, kv_cache_tokens=96, page_size=8, prefix_caching=False)
-    assert engine._parts.loop.planner.num_preemptions > 0
+    small, runner, planner = run(reqs, 2, kv_cache_tokens=96, page_size=8, prefix_caching=False)
+    assert planner.num_preemptions > 0
     for (p, sp), o in zip(reqs, small):
         want_tokens, want_carried = reference(runner, p, 6, sp.max_tokens)
         assert o.token_ids == want_tokens and o.carried == want_carried

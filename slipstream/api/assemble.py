@@ -41,6 +41,7 @@ class EngineParts:
     tracer: Tracer | None = None  # only with EngineConfig(trace=True)
     encoder_row_bytes: int = 0  # bytes of one encoder output row (the encoder cache's stats)
     image_processing: Any = None  # the model's image preprocessing and prompt expansion (None: text only)
+    outputs: OutputProcessor | None = None  # the loop's output sink (its text thread ends at close)
 
     def close(self) -> None:
         self.device.close()  # (synchronizes: no replay is pending)
@@ -48,6 +49,14 @@ class EngineParts:
             from slipstream.runtime.cuda_graphs import release_graphs
 
             release_graphs(self.runner)
+        # what a caller may keep after close (engine.metrics' registry, engine.tracer) lets go of
+        # the loop, and through it the runner; the output stage's thread ends
+        if self.metrics is not None:
+            self.metrics.detach()
+        if self.tracer is not None:
+            self.tracer.detach()
+        if self.outputs is not None:
+            self.outputs.close()
 
 
 def kv_pages(config: EngineConfig, model: Model, mcfg, device, max_model_len: int, processing=None) -> int:
@@ -122,7 +131,8 @@ def _assemble(config: EngineConfig, device, invariant: bool) -> EngineParts:
     if config.speculative is not None:
         install_speculation(config, runner, planner, ceil_div(max_model_len, config.page_size) * config.page_size,
                             mcfg, tokenizer, device, activations)
-    loop = EngineLoop(runner, planner, OutputProcessor(text_thread=config.output_stage == "thread"), config.pipeline_depth, config.page_size, row_multiple,
+    outputs = OutputProcessor(text_thread=config.output_stage == "thread")
+    loop = EngineLoop(runner, planner, outputs, config.pipeline_depth, config.page_size, row_multiple,
                       vocab_width=mcfg.vocab_size, eos_ids=tuple(tokenizer.eos_token_ids),
                       step_timeout_s=config.step_timeout_s)
     tracer = Tracer().attach(loop, runner, device) if config.trace else None
@@ -130,7 +140,7 @@ def _assemble(config: EngineConfig, device, invariant: bool) -> EngineParts:
     metrics = EngineMetrics(model=config.model).attach(
         loop, pool, tracer, encoder_row_bytes=row_bytes if processing is not None else None)
     return EngineParts(device, runner, pool, loop, tokenizer, mcfg, max_model_len, metrics, tracer, row_bytes,
-                       processing)
+                       processing, outputs)
 
 
 def install_speculation(config: EngineConfig, runner: ModelRunner, planner: Planner, max_len: int, target_config,

@@ -33,6 +33,35 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 
+# the layers the engine loop's task runs (and its stream threads): their frames are finished
+# once the task is done; other frames of a traceback may be a caller's, still suspended, which
+# frame.clear() would close
+_LOOP_CODE = tuple(os.path.join(os.path.dirname(os.path.dirname(__file__)), d) + os.sep
+                   for d in ("scheduler", "runtime", "models"))
+
+
+def clear_loop_frames(*errors: BaseException) -> None:
+    """Drop the locals of the engine loop's frames in each error's traceback (its causes' and
+    contexts' too): the lines stay printable, and an error a caller keeps no longer holds the
+    loop, the runner and the KV cache through them."""
+    seen: set[int] = set()
+    todo = list(errors)
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        tb = e.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename.startswith(_LOOP_CODE):
+                try:
+                    tb.tb_frame.clear()
+                except RuntimeError:  # still executing (a thread's)
+                    pass
+            tb = tb.tb_next
+        todo += [c for c in (e.__cause__, e.__context__) if c is not None]
+
+
 def encoder_cache_stats(cache, bytes_per_row: int) -> dict[str, Any]:
     """The encoder cache's counters for stats() (images for hits/misses/entries; zeros without images)."""
     st = cache.stats()
@@ -65,6 +94,7 @@ class Engine(SkillMethods):
         self.tokenizer: Any = None
         self.model_config: Any = None  # ModelConfig's fields, once started
         self._gc_held = False  # gc_freeze.hold() called, release() not yet
+        self._closed = False  # close() ran (its parts are let go)
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -76,6 +106,7 @@ class Engine(SkillMethods):
                                       param="config")
         if self._loop_task is not None:
             raise EngineAlreadyStartedError("engine already started: close() it before starting it again")
+        self._closed = False
         self._owner = asyncio.get_running_loop()
         # before the parts exist: only the libraries and what the application had are frozen, never
         # an engine (gc_freeze.py); counted for every engine, so none freezes while another runs
@@ -116,7 +147,8 @@ class Engine(SkillMethods):
             # cancelled, not closed: asyncio.run() tearing down after the application raised. The
             # device's threads stop now, before the interpreter does (a thread still inside torch
             # when it finalizes aborts the process: "terminate called without an active exception")
-            self._parts.close()
+            if not self._closed:  # (close() may have let go of them already)
+                self._parts.close()
         elif isinstance(task.exception(), Exception):  # the loop already failed every waiter with it
             log.error("engine_loop_died", error=repr(task.exception()))
 
@@ -131,13 +163,32 @@ class Engine(SkillMethods):
             await self._loop_task
         except BaseException:  # noqa: BLE001 - already reported by _loop_ended
             pass
-        self._loop_task = None
+        task, self._loop_task = self._loop_task, None
         try:
-            self._parts.close()
+            self._release(task)
         finally:
             if self._gc_held:
                 self._gc_held = False
                 gc_freeze.release()
+
+    def _release(self, task: asyncio.Task) -> None:
+        """Let go of the runner, KV cache, weights and graphs: a closed Engine is often still
+        referenced (the name `async with` bound), and the next Engine sizes its KV cache from the
+        memory this one gave back (docs/cuda.md, "Memory")."""
+        self._closed = True
+        parts = self._parts
+        del self._parts, self.loop  # (start() sets them again)
+        self.submitter.unbind()
+        device = parts.device
+        # a dead loop's error goes on in requests' hands; its frames' locals (the loop, the runner) must not
+        errors = [task.exception() if not task.cancelled() else None, parts.loop.error]
+        clear_loop_frames(*(e for e in errors if e is not None))
+        del task, errors
+        try:
+            parts.close()
+        finally:
+            del parts
+            device.release_memory()  # after the graphs and every reference: the allocator's cache back
 
     async def __aenter__(self) -> Self:
         return await self.start()
@@ -149,6 +200,8 @@ class Engine(SkillMethods):
 
     def _check_running(self) -> None:
         if self._loop_task is None or self._loop_task.done():
+            if self._closed:
+                raise EngineClosedError("engine is closed (close() ran; start() it again to use it)")
             error = EngineClosedError("engine is not running (use `async with Engine(...)` or `await engine.start()`)")
             died = self._loop_task is not None and self.loop.error
             if died:
@@ -170,8 +223,9 @@ class Engine(SkillMethods):
 
     @property
     def parts(self):
-        """The running engine's EngineParts (api/assemble.py): for tests and tools that look inside."""
-        return self._parts
+        """The running engine's EngineParts (api/assemble.py): for tests and tools that look inside
+        (None before start and once closed)."""
+        return vars(self).get("_parts")
 
     async def complete(self, prompt: Prompt, params: SamplingParams | None = None,
                        request_id: str | None = None, *, images: Sequence[ImageLike] = ()
@@ -211,6 +265,7 @@ class Engine(SkillMethods):
         the output's `content` and `tool_calls` are filled (docs/tools.md)."""
         messages, found, fields = split_chat_images(messages, images)
         if found:  # before the template sees image parts it may not know
+            self._check_running()  # (a closed engine has no image processing left to ask)
             require_vision(self.submitter.image_processing is not None, fields[0])
         plan = make_plan(self.tokenizer, tools, tool_choice, parallel_tool_calls)
         if plan is None:

@@ -70,6 +70,11 @@ class Submitter:
         self.max_model_len = parts.max_model_len
         self.image_processing = parts.image_processing  # None: a text-only model
 
+    def unbind(self) -> None:
+        """The engine closed: nothing here holds its parts (the image processing holds the model)."""
+        del self._parts, self.loop  # (bind sets them again)
+        self.image_processing = None
+
     async def submit(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None,
                      streaming: bool = True, images: Sequence[ImageLike] = (), fields: Sequence[str] | None = None) -> SchedSeq:
         self.check_running()
@@ -143,7 +148,7 @@ class Submitter:
     def forget(self, seq: SchedSeq, finished: bool) -> None:
         """The caller is done with the request: aborted if it still runs (the caller went away), its
         id free again."""
-        if not finished and not seq.finished:
+        if not finished and not seq.finished and "loop" in vars(self):  # (closed: the engine aborted it)
             self.loop.abort(seq)  # (cancelled: free its pages)
         if self.requests.get(seq.request_id) is seq:
             del self.requests[seq.request_id]

@@ -238,6 +238,11 @@ class OutputProcessor(TextPhase):
             self._apply(w[0], outcome)
         self._end_pass()
 
+    def close(self) -> None:
+        """The engine closed (its loop stopped, the last pass delivered): the text thread ends."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+
     def process_pending(self) -> None:
         """One synchronous pass (when the engine loop stops, for what the stage had not reached). The
         thread's pass in flight goes first: its requests' next tokens start where it ended."""

@@ -215,6 +215,10 @@ class CPUDevice:
     def free_memory(self) -> int:
         return 0
 
+    def release_memory(self) -> None:
+        """Nothing to hand back: host memory is freed as its last reference goes (a cycle, at the
+        next collection)."""
+
     def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
 

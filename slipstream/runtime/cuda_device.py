@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import time
 from typing import TYPE_CHECKING, Callable
 
@@ -192,6 +193,14 @@ class CUDADevice:
 
     def free_memory(self) -> int:
         return torch.cuda.mem_get_info(self.torch_device)[0]
+
+    def release_memory(self) -> None:
+        """A closed engine's objects sit in reference cycles (the loop, its observers, the graphs'
+        owners): collected here, so their blocks are free before the cache is emptied. This runs on
+        the closing thread, which captures no graph (graph_record.py: a capture runs with the
+        collector off and in thread_local mode, so another engine's capture is not disturbed)."""
+        gc.collect()
+        torch.cuda.empty_cache()
 
     def start_clock(self) -> None:
         """Tie the GPU clock to the host's once (a sync, so only when tracing starts)."""

@@ -80,4 +80,11 @@ class Device(Protocol):
         """After a failure, once nothing is in flight: clear sticky stream errors. False if the
         device cannot run new work (a CUDA context error): the engine must stop."""
 
+    def free_memory(self) -> int:
+        """Device bytes the driver reports free (0 where memory is the host's)."""
+
+    def release_memory(self) -> None:
+        """After an engine let go of everything on the device: hand what the allocator caches back
+        to the driver, so the next engine (sized from free memory) gets it."""
+
     def close(self) -> None: ...

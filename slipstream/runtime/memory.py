@@ -4,9 +4,10 @@ Order at start: weights are loaded, then one profiling forward of the largest st
 can emit (max_num_batched_tokens prompt tokens) runs on a throwaway cache, and for a model that
 takes images the vision tower encodes the largest image its processing makes (the runner encodes
 one image at a time, before the forward that reads it), so the allocator reserves the larger of
-the two peaks. What the driver still reports free after that, less what the graphs, sampling, the
-runner's tables and the encoder cache's outputs will take (`RuntimeReserve`, all allocated after
-the KV pool), is the budget: `utilization` of it goes to KV pages; the rest stays for fragmentation.
+the two peaks. What is free after that (`free_after_profile`: what the driver reports, plus what
+the caching allocator holds beyond that peak), less what the graphs, sampling, the runner's tables
+and the encoder cache's outputs will take (`RuntimeReserve`, all allocated after the KV pool), is
+the budget: `utilization` of it goes to KV pages; the rest stays for fragmentation.
 """
 from __future__ import annotations
 
@@ -109,15 +110,26 @@ def runtime_reserve(config, vocab_size: int, hidden_size: int, intermediate_size
         encoder_cache=encoder_rows * hidden_size * dtype.itemsize)
 
 
+def free_after_profile(driver_free: int, reserved: int, peak: int) -> int:
+    """Bytes the KV pool may take once the profiled step ran: what the driver reports free, plus
+    what the caching allocator holds beyond the step's peak (`reserved - peak`: blocks nothing uses,
+    such as a closed engine's when nobody emptied the cache; the driver counts them as used). The
+    peak's own temporaries (`peak - allocated`) are not free: every step of that size needs them."""
+    return driver_free + max(0, reserved - peak)
+
+
 def profile_free_memory(model, config, device, num_tokens: int, page_size: int, dtype: torch.dtype,
                         image: Any = None) -> int:
-    """Free device bytes after weights and the profiled step (`profile_step`)."""
+    """Free device bytes after weights and the profiled step (`profile_step`, `free_after_profile`)."""
     dev = device.torch_device
+    torch.cuda.reset_peak_memory_stats(dev)  # this step's peak, not an earlier engine's (its KV pool)
     profile_step(model, config, dev, num_tokens, page_size, dtype, image)
     torch.cuda.synchronize(dev)
-    free = device.free_memory()
+    driver_free, reserved, peak = device.free_memory(), torch.cuda.memory_reserved(dev), torch.cuda.max_memory_allocated(dev)
+    free = free_after_profile(driver_free, reserved, peak)
     log.info("memory_profiled", tokens=min(num_tokens, config.max_position_embeddings), image=image is not None,
-             peak_gib=round(torch.cuda.max_memory_allocated(dev) / GiB, 2), free_gib=round(free / GiB, 2))
+             peak_gib=round(peak / GiB, 2), driver_free_gib=round(driver_free / GiB, 2),
+             cached_unused_gib=round(max(0, reserved - peak) / GiB, 2), free_gib=round(free / GiB, 2))
     return free
 
 

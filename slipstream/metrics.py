@@ -209,11 +209,15 @@ class EagerStepsCollector:
     """The runner's count of steps launched without a graph, read at each collection."""
 
     def __init__(self, runner, model: str):
-        self.runner, self.model = runner, model
+        self.runner, self.model, self.count = runner, model, 0
+
+    def detach(self) -> None:
+        """Keep the count, not the runner (a closed engine's registry may outlive it)."""
+        self.count, self.runner = self.runner.eager_steps, None
 
     def collect(self):
         fam = CounterMetricFamily("slipstream_eager_steps", "Steps launched without a graph", labels=["model"])
-        fam.add_metric([self.model], self.runner.eager_steps)
+        fam.add_metric([self.model], self.count if self.runner is None else self.runner.eager_steps)
         yield fam
 
 
@@ -258,6 +262,7 @@ class EngineMetrics:
         self.kv_pages_total = gauge("slipstream_kv_pages_total", "KV cache pages sequences can use")
         self.kv_usage = gauge("slipstream_kv_cache_usage_ratio", "KV cache pages used / total (0..1)")
         self._loop: Any = None  # the EngineLoop it is attached to
+        self._eager: EagerStepsCollector | None = None
         self._device_period = False
         self._last: tuple[float, int] | None = None  # (t_launch, idle_waits) of the previous commit
         self.muted = False  # True: nothing is observed (a worker's warm-up request is not traffic)
@@ -278,7 +283,8 @@ class EngineMetrics:
         if getattr(planner, "speculation", None) is not None:
             self.registry.register(SpeculationCollector(planner.speculation, self.model))
         if hasattr(loop.runner, "eager_steps"):  # (a real runner; the tests' fake has no graphs)
-            self.registry.register(EagerStepsCollector(loop.runner, self.model))
+            self._eager = EagerStepsCollector(loop.runner, self.model)
+            self.registry.register(self._eager)
         if encoder_row_bytes is not None:
             self.registry.register(EncoderCacheCollector(planner.encoder_cache, self.model, encoder_row_bytes))
         loop.observers.append(self.on_commit)
@@ -292,6 +298,8 @@ class EngineMetrics:
     def detach(self) -> None:
         """The engine closed: keep the series, not the loop (which holds the runner and KV cache)."""
         self._loop = None
+        if self._eager is not None:
+            self._eager.detach()
 
     def on_finish(self, reason: str) -> None:
         """Called once per request as its caller gets its end (OutputProcessor), with that reason."""

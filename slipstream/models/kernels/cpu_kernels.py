@@ -28,6 +28,8 @@ from pathlib import Path
 
 import structlog
 
+from slipstream.logging_setup import first_start_phase
+
 log = structlog.get_logger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("quant_matmul_cpu.c", "quant_matmul_q8_cpu.c",
@@ -158,6 +160,7 @@ def native_kernels() -> ctypes.CDLL | None:
         if not path.is_file():
             seconds = compile_library(cc, path)
             log.info("cpu_kernels_compiled", path=str(path), seconds=round(seconds, 2))
+            first_start_phase("compiled the CPU kernels for this machine", seconds, cached_in=str(path))
         lib = _declare(ctypes.CDLL(str(path)))
         if lib.sq_abi_version() != ABI_VERSION:
             raise RuntimeError(f"{path}: ABI {lib.sq_abi_version()}, expected {ABI_VERSION}")

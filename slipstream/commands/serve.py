@@ -77,6 +77,10 @@ def image_serving(args):
 
 
 def _serve(args) -> int:
+    if not (args.ray and args.ray_address):  # (a Ray cluster's proxy listens on its head, not here)
+        from slipstream.api.addresses import check_port_free
+
+        check_port_free(args.host, args.port)  # before the model loads: one error line now, not uvicorn's later
     if args.ray:
         return serve_ray.run(args, _engine_config(args))
     try:

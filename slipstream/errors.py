@@ -86,7 +86,7 @@ class DeviceUnavailableError(SlipstreamError, RuntimeError):
 
 class MissingExtraError(SlipstreamError, ImportError):
     """A command or feature needs an optional extra that is not installed; the message names it
-    (`pip install 'slipstream[serve]'`)."""
+    (`.venv/bin/pip install -e ".[serve]"` in the checkout)."""
 
 
 class PipelineInvariantError(SlipstreamError, AssertionError):

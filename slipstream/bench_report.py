@@ -30,7 +30,17 @@ def warnings(results: list[list[Comparison]]) -> list[str]:
     return out
 
 
-def format_tables(results: list[list[Comparison]]) -> str:
+CPU_NOTE = ("On the CPU there is no device to keep busy while the host works: the forward and the engine loop "
+            "share the same cores, so depth 2's gain here is within the repeats' noise (a few percent either way; "
+            "docs/benchmarks.md). What depth 2 wins is measured on a GPU: docs/results/h100-2026-11-27/.")
+
+
+def notes(results: list[list[Comparison]], device: str) -> list[str]:
+    """What the tables' numbers mean on this device, then any repeats-disagree warnings."""
+    return ([CPU_NOTE] if device == "cpu" else []) + warnings(results)
+
+
+def format_tables(results: list[list[Comparison]], device: str = "cuda") -> str:
     rows = [representative(reps) for reps in results]
     a = ["(a) per step, steady state (ms); period and device idle as median / mean / p90", "",
          "| streams | depth | forward | sampling | period | device idle | busy (mean) | host (mean) "
@@ -70,8 +80,8 @@ def format_tables(results: list[list[Comparison]]) -> str:
                  f"{_pct(c.predicted)} | {_pct(c.observed)} | {c.delta_pp:+.1f} | {every} |")
     d += ["", "z: the running-ahead tax from L and N (prefill share, last step's drain, zombies); "
           "a large Δ means time fell outside the traced steps"]
-    notes = ["Rows show the repeat with the median observed speedup."] + warnings(results)
-    return "\n".join(a + [""] + b + [""] + d + [""] + notes)
+    tail = ["Rows show the repeat with the median observed speedup."] + notes(results, device)
+    return "\n".join(a + [""] + b + [""] + d + [""] + tail)
 
 
 def to_json(results: list[list[Comparison]], meta: dict) -> dict:

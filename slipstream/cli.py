@@ -38,6 +38,7 @@ def _shows_default(action) -> bool:
 class _Parser(argparse.ArgumentParser):
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", _Formatter)
+        kwargs.setdefault("allow_abbrev", False)  # `--max-token` is a typo, not --max-tokens
         super().__init__(*args, **kwargs)
 
 
@@ -172,14 +173,19 @@ def check_device(args) -> None:
         importlib.import_module("triton")  # the CUDA forward is the triton backend: needed a minute from now anyway
     except ImportError as e:
         raise DeviceUnavailableError(f"--device cuda needs the `triton` package ({e}): "
-                                     "pip install 'slipstream[gpu]'") from None
+                                     f"{install_hint('gpu')}") from None
 
 
 def needs_extra(extra: str, what: str, error: ImportError):
     """The error a command raises when `extra` is not installed (one line, exit status 2)."""
     from slipstream.errors import MissingExtraError
 
-    return MissingExtraError(f"{what} needs the `{extra}` extra ({error}): pip install 'slipstream[{extra}]'")
+    return MissingExtraError(f"{what} needs the `{extra}` extra ({error}): {install_hint(extra)}")
+
+
+def install_hint(extra: str) -> str:
+    """How to install an extra: slipstream installs from its checkout (it is not on the package index)."""
+    return f"in the slipstream checkout, .venv/bin/pip install -e \".[{extra}]\""
 
 
 def run_async(coro) -> int:
@@ -204,11 +210,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name in COMMANDS:
         importlib.import_module(name).register(sub)
+    parser.subparsers = sub  # type: ignore[attr-defined] - main() reports a stray argument with its command's usage
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the command's own usage, not the top level's, says what the command takes
+        parser.subparsers.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     args.argv = list(sys.argv[1:] if argv is None else argv)  # what was asked, for provenance headers
 
     from slipstream.errors import (DeviceUnavailableError, InvalidRequestError, MissingExtraError, ModelLoadError,

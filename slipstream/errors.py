@@ -41,6 +41,11 @@ class InvalidRequestError(SlipstreamError, ValueError):
         self.param = param
 
 
+class AddressInUseError(InvalidRequestError):
+    """A worker's --bind address or the server's --port is held by a live process (checked before the
+    model loads); `param` names the flag."""
+
+
 class EngineClosedError(SlipstreamError):
     """The engine is not running (never started, shut down, or its loop died)."""
 
@@ -81,7 +86,7 @@ class DeviceUnavailableError(SlipstreamError, RuntimeError):
 
 class MissingExtraError(SlipstreamError, ImportError):
     """A command or feature needs an optional extra that is not installed; the message names it
-    (`pip install 'slipstream[serve]'`)."""
+    (`.venv/bin/pip install -e ".[serve]"` in the checkout)."""
 
 
 class PipelineInvariantError(SlipstreamError, AssertionError):

@@ -5,6 +5,9 @@ has a NullHandler), so they appear only if the application configures logging (e
 `logging.basicConfig(level="INFO")`; the event name is the message, its fields are record
 attributes). The CLI calls `configure_logging`: key=value lines (or JSON) on stderr, ISO-8601 UTC
 timestamps with milliseconds, level from --log-level, else $SLIPSTREAM_LOG_LEVEL, else "warning".
+At a level above "info" the CLI also prints one plain line for each slow first-start phase
+(`first_start_phase`: compiling the CPU kernels, converting a GGUF, measuring the forward's threads),
+so a first start that takes seconds says why; a second start, with everything cached, prints none.
 
 Event names are snake_case identifiers (`model_ready`, `engine_started`, `step_failed`); the
 details go in fields, never into the name.
@@ -25,6 +28,7 @@ LEVELS = ("debug", "info", "warning", "error")
 DEFAULT_LEVEL = "warning"
 _CLI_HANDLERS: weakref.WeakSet[logging.Handler] = weakref.WeakSet()  # what configure_logging installed
 _progress = False  # model-loading progress bars (on only via configure_logging, and only on a terminal)
+_phases = False  # first_start_phase lines on stderr (on only via configure_logging, above "info")
 
 
 def utc_timestamp(_logger, _name, event_dict):
@@ -69,8 +73,10 @@ def resolve_level(level: str | None, default: str = DEFAULT_LEVEL) -> str:
 def configure_logging(level: str | None = None, json: bool = False, stream=None) -> None:
     """What the CLI does: render slipstream's events on stderr (replacing an earlier call's handler)."""
     install_library_defaults()
-    global _progress
+    global _progress, _phases
     _progress = True
+    # at info and below the phases' own events (cpu_kernels_compiled seconds=...) say the same
+    _phases = logging.getLevelName(resolve_level(level).upper()) > logging.INFO
     renderer = (structlog.processors.JSONRenderer() if json
                 else structlog.dev.ConsoleRenderer(colors=False, pad_event_to=0,
                                                    exception_formatter=structlog.dev.plain_traceback))
@@ -107,8 +113,8 @@ class _StderrHandler(logging.StreamHandler):
 
 def reset_logging() -> None:
     """Undo configure_logging: back to the library default (tests)."""
-    global _progress
-    _progress = False
+    global _progress, _phases
+    _progress = _phases = False
     logger = logging.getLogger(LOGGER_NAME)
     for old in [h for h in logger.handlers if getattr(h, "_slipstream_cli", False)]:
         logger.removeHandler(old)
@@ -123,3 +129,12 @@ def load_progress(items, total: int, desc: str):
     from tqdm import tqdm
 
     return tqdm(items, total=total, desc=desc, unit="tensor", file=sys.stderr, leave=False, dynamic_ncols=True)
+
+
+def first_start_phase(done: str, seconds: float, cached_in: str | None = None) -> None:
+    """One line on stderr for a slow phase a first start pays once (`done`: what was done, past tense), when
+    the CLI configured logging above "info"; a library user sees only the phase's own log event."""
+    if not _phases:
+        return
+    later = f" (once: later starts reuse {cached_in})" if cached_in else ""
+    print(f"slipstream: {done} in {seconds:.1f} s{later}", file=sys.stderr, flush=True)

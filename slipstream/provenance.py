@@ -84,8 +84,17 @@ def versions() -> dict[str, str]:
     return out
 
 
+def _cpu_model() -> str | None:
+    """The CPU's model name (platform.processor() is only "x86_64" on Linux)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    return next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), None)
+
+
 def device_info() -> dict:
-    info: dict[str, Any] = {"machine": platform.platform(), "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+    info: dict[str, Any] = {"machine": platform.platform(), "cpu": _cpu_model() or platform.processor() or platform.machine(), "cores": os.cpu_count(),
             "load_avg_at_start": [round(x, 2) for x in os.getloadavg()]}  # other processes sharing the cores
     smi = _run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"])
     info["gpu"] = smi.splitlines() if smi else None
@@ -107,7 +116,7 @@ def header(prov: dict) -> str:
     dirty = {True: " (dirty, diff " + str(git.get("diff_sha256")) + ")", False: " (clean)"}.get(git.get("dirty"), "")
     lines = [f"- command: `{prov['command']}`", f"- date (UTC): {prov['date_utc']}",
              f"- git: {git['commit']}{dirty} [{git['source']}]",
-             f"- machine: {prov['device']['machine']}, {prov['device']['cores']} cores "
+             f"- machine: {prov['device']['machine']}, {prov['device']['cpu']}, {prov['device']['cores']} cores "
              f"(load average {'/'.join(map(str, prov['device']['load_avg_at_start']))} at start), "
              f"gpu: {'; '.join(prov['device']['gpu']) if prov['device']['gpu'] else 'none'}",
              "- versions: " + ", ".join(f"{k} {v}" for k, v in prov["versions"].items())]

@@ -8,6 +8,7 @@ import pytest
 import slipstream.bench as bench_mod
 from slipstream.bench import RunResult, StepStats
 from slipstream.bench_predict import disagreement, predict_depth2
+from slipstream.bench_report import CPU_NOTE, format_tables
 
 
 def _run(depth: int, period: float, busy: float, host: float, wall: float, length: int = 101) -> RunResult:
@@ -56,6 +57,10 @@ async def test_bench_predicts_before_depth2_runs_from_depth1_only(monkeypatch):
         assert c.prediction is p and seen[-1] == ("predict", 1) and seen.count(("run", 2)) < len(reps)
         assert p == real_predict(c.blocking)  # a function of the depth-1 run alone
         assert math.isfinite(p.speedup) and math.isfinite(c.prediction_error_pp)
+    # on the CPU the tables say that depth 2's gain is within noise there (before any repeats-disagree warning)
+    cpu, gpu = format_tables([reps], device="cpu"), format_tables([reps], device="cuda")
+    assert CPU_NOTE in cpu and CPU_NOTE not in gpu
+    assert cpu.index(CPU_NOTE) < cpu.index("WARNING") if "WARNING" in cpu else True
 
 
 def test_disagreement_warns_only_when_the_spread_exceeds_the_effect():

@@ -120,4 +120,4 @@ for argv in (["serve", "--model", "tiny-random"], ["serve", "--ray", "--model", 
     for cmd, extra in {"serve --model": "serve", "serve --ray": "ray", "timeline --model": "plot"}.items():
         status, err = result[cmd]
         assert status == 2 and err.startswith("slipstream: error: ") and err.count("\n") == 1, (cmd, err)
-        assert f"pip install 'slipstream[{extra}]'" in err, (cmd, err)
+        assert f'.venv/bin/pip install -e ".[{extra}]"' in err, (cmd, err)  # as the README says

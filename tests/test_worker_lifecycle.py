@@ -1,6 +1,7 @@
 """Worker life and death: kill -9 / a frozen worker fail pending calls in time; SIGTERM drains;
 a full queue answers OverloadedError."""
 import asyncio
+import os
 import signal
 import time
 
@@ -8,7 +9,8 @@ import pytest
 from worker_util import ipc_address, start_worker
 
 from slipstream import Client, OverloadedError, SamplingParams, WorkerUnavailableError
-from slipstream.errors import WorkerShuttingDownError
+from slipstream.api.addresses import check_bind_address
+from slipstream.errors import AddressInUseError, WorkerShuttingDownError
 
 LONG = SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True)
 # far beyond what tiny-random decodes in a 1.5 s shutdown deadline (the host path runs ~1000 tok/s alone)
@@ -79,6 +81,8 @@ async def test_sigterm_drains_then_exits_and_overload_is_refused(tmp_path):
             short = asyncio.create_task(client.complete("short", SamplingParams(max_tokens=20, temperature=0)))
             long = client.stream("long", PAST_DEADLINE)  # cannot finish within the 1.5 s deadline
             await asyncio.wait_for(anext(long), 10)
+            with pytest.raises(AddressInUseError):  # a second worker on this live address is refused
+                check_bind_address(w.address)
             w.signal(signal.SIGTERM)
             for _ in range(100):
                 if client.draining:
@@ -92,6 +96,7 @@ async def test_sigterm_drains_then_exits_and_overload_is_refused(tmp_path):
                 async for _ in long:
                     pass
         assert w.proc.wait(10) == 0
+        assert not os.path.exists(w.address[len("ipc://"):])  # its socket file goes with it
     finally:
         w.stop()
     log = w.log()

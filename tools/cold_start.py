@@ -19,7 +19,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -41,26 +40,11 @@ print(json.dumps({{"import_s": t1 - t0, "build_s": time.perf_counter() - t1, "rs
 """
 
 
-def _git(*args: str) -> str:
-    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+def provenance(argv: list[str]) -> str:
+    sys.path.insert(0, str(ROOT))  # this checkout's slipstream
+    from slipstream.provenance import header, provenance as prov
 
-
-def provenance(argv: list[str], started: datetime.datetime) -> str:
-    import importlib.metadata as md
-
-    import torch
-
-    versions = ", ".join(f"{p} {md.version(p)}" for p in ("torch", "safetensors", "gguf", "tokenizers"))
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else "?"
-    dirty = " (dirty)" if _git("status", "--porcelain", "--untracked-files=no") else ""
-    return "\n".join([
-        f"command: python tools/cold_start.py {' '.join(argv)}",
-        f"git: {_git('rev-parse', '--short', 'HEAD')}{dirty}",
-        f"machine: {platform.node()}, {cpu}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}",
-        f"python {platform.python_version()}, {versions}",
-        f"date: {started:%Y-%m-%d %H:%M}-{datetime.datetime.now(datetime.timezone.utc):%H:%M} UTC (start-end)",
-    ])
+    return header(prov(["python", "tools/cold_start.py", *argv]))
 
 
 def start(kind: str, spec: str, env: dict[str, str], weights: str) -> dict[str, float]:
@@ -83,6 +67,8 @@ def start(kind: str, spec: str, env: dict[str, str], weights: str) -> dict[str, 
     row = {"wall_s": wall, "peak_rss_mb": usage.ru_maxrss / 1024}  # Linux: ru_maxrss is in KiB
     if kind == "weights":
         row.update(json.loads(stdout.strip().splitlines()[-1]))
+    else:  # what the CLI told the user about its slow first-start phases (logging_setup.first_start_phase)
+        row["phase_lines"] = [line for line in stderr.splitlines() if " in " in line and "(once:" in line]
     return row
 
 
@@ -100,7 +86,7 @@ def main() -> None:
     ap.add_argument("--weights", nargs="+", default=["quantized"], choices=["quantized", "dequantized"])
     ap.add_argument("--out", type=Path, help="also write the report (header + table + raw rows) here")
     args = ap.parse_args()
-    started = datetime.datetime.now(datetime.timezone.utc)
+    head = provenance(sys.argv[1:])  # (the load average before this tool's own starts)
     cache = Path(tempfile.mkdtemp(prefix="slipstream-cold-"))
     env = dict(os.environ, SLIPSTREAM_CACHE_DIR=str(cache), SLIPSTREAM_WEIGHT_CACHE="1", HF_HUB_OFFLINE="1",
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -116,7 +102,8 @@ def main() -> None:
                         print(json.dumps(rows[-1]), file=sys.stderr)
     finally:
         shutil.rmtree(cache, ignore_errors=True)
-    lines = [provenance(sys.argv[1:], started), "",
+    lines = [head, f"end (UTC): {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M}, "
+             f"load average {'/'.join(f'{x:.2f}' for x in os.getloadavg())}", "",
              f"model {args.model}, {args.repeats} repeats, seconds", "",
              "| weights | start | what | wall median | mean | p90 | min | build_model median | mean | p90 | min "
              "| RSS after build MB median | peak RSS MB median | max |",

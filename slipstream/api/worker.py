@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import structlog
 import zmq
 
+from slipstream.api.addresses import check_bind_address
 from slipstream.api.engine import Engine
 from slipstream.api.interface import Messages, Prompt
 from slipstream.api.protocol import (
@@ -119,6 +120,7 @@ class Worker:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop, signal.Signals(sig).name)
+        check_bind_address(self.address)  # before the model loads: a taken address fails now, in one line
         log.info("worker_starting", model=self.config.model, device=self.config.device, address=self.address,
                  pid=os.getpid())
         await self.engine.start()
@@ -163,6 +165,7 @@ class Worker:
         beat.cancel()
         self.io.request_stop()
         await self.io.join()
+        self.io.remove_socket_file()  # (the thread did, unless it outlived join's timeout)
 
     def stop(self, reason: str = "stop", exit_code: int = 0) -> None:
         if self._stop.is_set():  # a second signal: do not wait for the deadline

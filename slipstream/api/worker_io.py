@@ -19,6 +19,7 @@ import msgspec
 import structlog
 import zmq
 
+from slipstream.api.addresses import check_bind_address, ipc_path
 from slipstream.api.protocol import (
     MAX_IMAGE_BYTES,
     PROTOCOL_VERSION,
@@ -30,6 +31,7 @@ from slipstream.api.protocol import (
     error_to_wire,
 )
 from slipstream.errors import (
+    AddressInUseError,
     InvalidRequestError,
     MessageTooLargeError,
     ProtocolError,
@@ -71,10 +73,17 @@ class WorkerIO:
         self.router.setsockopt(zmq.RCVHWM, max_unread_frames)
         self.router.setsockopt(zmq.LINGER, 500)  # final replies get a moment to leave at exit
         try:
+            check_bind_address(address)  # again: Worker.run checked before the model loaded, seconds ago
             self.router.bind(address)  # here, on the caller's thread, so a bad address raises to it
         except zmq.ZMQError as e:
             self.router.close(linger=0)
             raise WorkerError(f"cannot bind {address!r}: {e}") from e
+        except AddressInUseError:
+            self.router.close(linger=0)
+            raise
+        # ZMQ leaves an ipc socket file behind at close; ours is removed then (if it is still ours)
+        path = ipc_path(address)
+        self._socket_file = (path, path.stat().st_ino) if path is not None and path.exists() else None
         wake = f"inproc://slipstream-worker-wake-{next(_wake_ids)}"
         self._wake_rx = ctx.socket(zmq.PULL)
         self._wake_rx.bind(wake)
@@ -151,6 +160,19 @@ class WorkerIO:
         finally:
             self._wake_rx.close(linger=0)
             self.router.close()
+            self.remove_socket_file()
+
+    def remove_socket_file(self) -> None:
+        """Unlink the ipc socket file this worker bound, unless another worker has since bound over it."""
+        if self._socket_file is None:
+            return
+        path, inode = self._socket_file
+        self._socket_file = None
+        try:
+            if path.stat().st_ino == inode:
+                path.unlink()
+        except OSError:
+            pass
 
     def _inbound(self, frames: list[bytes]) -> None:
         self.frames_in += 1

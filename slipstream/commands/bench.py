@@ -42,7 +42,7 @@ def _bench(args) -> int:
     from tqdm import tqdm
 
     from slipstream.bench import bench
-    from slipstream.bench_report import format_tables, to_json, warnings
+    from slipstream.bench_report import format_tables, notes, to_json
     from slipstream.provenance import header, provenance
 
     if min(args.streams) < 1 or args.output_len < 2 or args.repeats < 1:
@@ -79,7 +79,7 @@ def _bench(args) -> int:
     finally:
         bar.close()
     if args.json:  # (the tables carry it in their notes: said once either way)
-        for line in warnings(rows):
+        for line in notes(rows, args.device):
             print(line, file=sys.stderr)
     meta = {"provenance": prov, "model": args.model, "device": args.device, "dtype": args.dtype,
             "speculative": args.speculative, "num_drafts": spec.num_drafts if spec else None,
@@ -94,5 +94,5 @@ def _bench(args) -> int:
         print(header(prov))
         print(f"model {args.model} ({args.dtype}) on {args.device}, L={args.output_len}, {args.repeats} repeat(s), "
               f"{started:%Y-%m-%d %H:%M %Z}\n")
-        print(format_tables(rows))
+        print(format_tables(rows, args.device))
     return 0

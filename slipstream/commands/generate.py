@@ -75,6 +75,12 @@ async def _generate(args) -> int:
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()))
+    if args.prompt == "" and not args.image:
+        from slipstream.errors import InvalidRequestError
+
+        # refused in both modes: raw it is no tokens (the engine's refusal); chat would answer a template
+        raise InvalidRequestError("prompt is empty: give the message to answer (with --raw, the text to continue)",
+                                  param="prompt")
     images = await _load_images(args.image)  # a bad file is refused before any model loads
     if args.connect:
         return await _generate_remote(args, params, images)

@@ -77,7 +77,11 @@ def image_serving(args):
 
 
 def _serve(args) -> int:
+    from slipstream.api.addresses import check_port_free
+
     if args.ray:
+        if not args.ray_address:  # (a Ray cluster's proxy listens on its head, not here)
+            check_port_free(args.host, args.port)
         return serve_ray.run(args, _engine_config(args))
     try:
         import uvicorn
@@ -85,6 +89,7 @@ def _serve(args) -> int:
         from slipstream.serve.app import create_app
     except ImportError as e:
         raise needs_extra("serve", "slipstream serve", e) from None
+    check_port_free(args.host, args.port)  # before the model loads: one error line now, not uvicorn's later
     app = create_app(build_backend(args), max_inflight=args.max_inflight, max_body_bytes=args.max_body_bytes,
                      images=image_serving(args))
     from slipstream.serve.read_timeout import read_timeout_protocol

@@ -23,6 +23,7 @@ from pathlib import Path
 import structlog
 import torch
 
+from slipstream.logging_setup import first_start_phase
 from slipstream.models.kernels.attention import AttentionMetadata
 from slipstream.models.base import ForwardBatch, KVCache
 
@@ -113,8 +114,10 @@ def forward_threads(model, ceiling: int) -> int:
     record = {"threads": n, "median_ms": {str(k): round(v, 3) for k, v in medians.items()},
               "load_average": os.getloadavg(), "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "context": CONTEXT, "repeats": REPEATS}
-    log.info("cpu_forward_threads_measured", threads=n, median_ms=record["median_ms"],
-             seconds=round(time.perf_counter() - t0, 2))
+    seconds = time.perf_counter() - t0
+    log.info("cpu_forward_threads_measured", threads=n, median_ms=record["median_ms"], seconds=round(seconds, 2))
+    first_start_phase(f"measured the CPU forward's thread count ({n} of {ceiling}) for this machine", seconds,
+                      cached_in=str(path))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")

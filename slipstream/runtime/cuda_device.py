@@ -164,7 +164,8 @@ class CUDADevice:
             # cupy host function in 84-126 us, and the thread gave 13-16% less wall time at depth 2
             return "thread"
         if event_wait == "host_func" and self._cupy is None:
-            raise RuntimeError("event_wait='host_func' needs cupy (pip install 'slipstream[gpu]')")
+            raise RuntimeError("event_wait='host_func' needs cupy (in the slipstream checkout, "
+                               '.venv/bin/pip install -e ".[gpu]")')
         return event_wait
 
     # --- awaiting events ---------------------------------------------------------------------

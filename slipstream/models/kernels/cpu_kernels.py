@@ -4,7 +4,8 @@ The C files are compiled with the system's C compiler (`$CC`, else `cc`, else `g
 run on (-march=native) into one library, `<cache>/kernels/cpu-<key>.so`, where <key> hashes the
 sources, the flags, the compiler's version and the CPU's model and feature flags: a new slipstream,
 compiler or machine gets its own build, and every later start only loads the file (milliseconds).
-The first compile takes about a second or two (docs/benchmarks.md, "Quantized weights"). The library
+The first compile takes seconds of compiler CPU time, minutes of wall time on a loaded 2-core machine
+(docs/benchmarks.md, "First start, measured again"); the CLI says so in one line. The library
 links OpenMP; loaded after torch, it shares torch's OpenMP runtime (same soname), so its thread team
 is the one `torch.set_num_threads` sized on the calling thread. ctypes releases the GIL around each
 call, so the loop runs while a kernel does.
@@ -27,6 +28,8 @@ import time
 from pathlib import Path
 
 import structlog
+
+from slipstream.logging_setup import first_start_phase
 
 log = structlog.get_logger(__name__)
 
@@ -158,6 +161,7 @@ def native_kernels() -> ctypes.CDLL | None:
         if not path.is_file():
             seconds = compile_library(cc, path)
             log.info("cpu_kernels_compiled", path=str(path), seconds=round(seconds, 2))
+            first_start_phase("compiled the CPU kernels for this machine", seconds, cached_in=str(path))
         lib = _declare(ctypes.CDLL(str(path)))
         if lib.sq_abi_version() != ABI_VERSION:
             raise RuntimeError(f"{path}: ABI {lib.sq_abi_version()}, expected {ABI_VERSION}")

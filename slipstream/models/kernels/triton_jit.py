@@ -48,8 +48,8 @@ _THIN: dict[object, triton_launch.ThinKernel] = {}  # fn -> its compiled JITFunc
 
 def require_triton(what: str) -> None:
     if triton is None:
-        raise DeviceUnavailableError(f"{what} needs the `triton` package (pip install 'slipstream[gpu]'); "
-                                     "the reference backend needs none")
+        raise DeviceUnavailableError(f"{what} needs the `triton` package (in the slipstream checkout, "
+                                     '.venv/bin/pip install -e ".[gpu]"); the reference backend needs none')
 
 
 def interpreted(t: torch.Tensor) -> bool:

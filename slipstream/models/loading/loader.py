@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
@@ -9,6 +10,7 @@ from typing import Mapping
 import torch
 
 from slipstream.errors import ModelNotFoundError
+from slipstream.logging_setup import first_start_phase
 from slipstream.models import WEIGHT_MODES
 from slipstream.models.config import RANDOM_CONFIGS, ModelConfig
 from slipstream.models.loading.gguf_loader import load_gguf
@@ -94,10 +96,13 @@ def _load_gguf_cached(path: Path):
     hit = load_entry(entry)
     if hit is not None:
         return hit
+    t0 = time.perf_counter()
     config, weights, tokenizer = load_gguf(path, quantized=True)
     store_entry(entry, config, weights, tokenizer)
     if entry.is_file():  # serve from the file, like a hit: its pages can be released (weight_cache.py)
         weights = reopen_mapped(entry, weights)
+        first_start_phase(f"converted {path.name} into the weight cache", time.perf_counter() - t0,
+                          cached_in=str(entry))
     return config, weights, tokenizer
 
 

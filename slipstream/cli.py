@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import Any
 
 # Each module defines `register(subparsers)`, which adds its parser and sets `func(args) -> int`.
 COMMANDS = [
@@ -36,6 +37,8 @@ def _shows_default(action) -> bool:
 
 
 class _Parser(argparse.ArgumentParser):
+    subparsers: Any = None  # the top level's: main() reports a stray argument with its command's usage
+
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", _Formatter)
         kwargs.setdefault("allow_abbrev", False)  # `--max-token` is a typo, not --max-tokens
@@ -204,13 +207,13 @@ def _version() -> str:
         return "unknown"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> _Parser:
     parser = _Parser(prog="slipstream", description="Pipelined LLM inference.")
     parser.add_argument("--version", action="version", version=f"slipstream {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name in COMMANDS:
         importlib.import_module(name).register(sub)
-    parser.subparsers = sub  # type: ignore[attr-defined] - main() reports a stray argument with its command's usage
+    parser.subparsers = sub
     return parser
 
 

@@ -118,8 +118,9 @@ static void u4_q16(const rq_t *j, i64 p0, i64 p1) { work_q16(j, p0, p1, 0, 32); 
 static void i8_32_q16(const rq_t *j, i64 p0, i64 p1) { work_q16(j, p0, p1, 1, 32); }
 static void i8_16_q16(const rq_t *j, i64 p0, i64 p1) { work_q16(j, p0, p1, 1, 16); }
 
-/* x[m] per group of gs (16 or 32): v = rint(x * (32767 / max|x|)) (0 for an all-zero group), stored as
- * pairs xp[c] = (v[c], v[c + gs / 2]); xd = max|x| / 32767; xs = sum x */
+/* x[m] per group of gs (16 or 32): v = rint(x * (32767 / max|x|)), stored as pairs xp[c] = (v[c],
+ * v[c + gs / 2]); xd = max|x| / 32767 (v = 0, xd = 0 for a group of max|x| < SQ_TINY_GROUP, all-zero
+ * included); xs = sum x */
 static void quantize_rows(const float *x, i64 M, i64 K, i64 gs, int32_t *xp, float *xd, float *xs) {
     const i64 G = K / gs;
     for (i64 m = 0; m < M; m++)
@@ -131,13 +132,14 @@ static void quantize_rows(const float *x, i64 M, i64 K, i64 gs, int32_t *xp, flo
                 amax = a > amax ? a : amax;
                 sum += p[c];
             }
-            const float id = amax > 0.f ? 32767.f / amax : 0.f;
+            const int zero = !(amax >= SQ_TINY_GROUP);
+            const float id = zero ? 0.f : 32767.f / amax;
             int32_t *o = xp + m * (K / 2) + g * (gs / 2);
             for (int c = 0; c < gs / 2; c++) {
                 const int lo = (int)__builtin_rintf(p[c] * id), hi = (int)__builtin_rintf(p[c + gs / 2] * id);
                 o[c] = (int32_t)((uint32_t)(uint16_t)lo | (uint32_t)(uint16_t)hi << 16);
             }
-            xd[m * G + g] = amax / 32767.f;
+            xd[m * G + g] = zero ? 0.f : amax / 32767.f;
             xs[m * G + g] = sum;
         }
 }

@@ -127,7 +127,8 @@ static void u4_q8(const rq_t *j, i64 p0, i64 p1) { work_q8(j, p0, p1, 0, 32); }
 static void i8_32_q8(const rq_t *j, i64 p0, i64 p1) { work_q8(j, p0, p1, 1, 32); }
 static void i8_16_q8(const rq_t *j, i64 p0, i64 p1) { work_q8(j, p0, p1, 1, 16); }
 
-/* x[m] per group of gs (16 or 32): xq = round(x / d), d = max|x| / 127 (0 for an all-zero group),
+/* x[m] per group of gs (16 or 32): xq = round(x / d), d = max|x| / 127 (xq = 0, d = 0 for a group of
+ * max|x| < SQ_TINY_GROUP, all-zero included),
  * flipped to xq + 128 (as uint8) with `flip`; xs = sum x */
 static void quantize_rows(const float *x, i64 M, i64 K, i64 gs, int flip, int8_t *xq, float *xd, float *xs) {
     const i64 G = K / gs;
@@ -141,7 +142,8 @@ static void quantize_rows(const float *x, i64 M, i64 K, i64 gs, int flip, int8_t
             }
             const v16 s2 = gs == 32 ? ld16(p) + ld16(p + 16) : ld16(p);
             for (int l = 0; l < 16; l++) sum += s2[l];
-            const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+            const int zero = !(amax >= SQ_TINY_GROUP);
+            const float d = zero ? 0.f : amax / 127.f, id = zero ? 0.f : 127.f / amax;
             int8_t *o = xq + m * K + g * gs;
             for (int c = 0; c < gs; c++) { /* nearest, ties to even */
                 const int v = (int)__builtin_rintf(p[c] * id);

@@ -144,31 +144,36 @@ static void quantize_rows(const float *x, i64 M, i64 K, i64 gs, int32_t *xp, flo
         }
 }
 
-static void run_q16(rq_worker fn, const float *x, i64 M, i64 K, i64 gs, const void *q, const void *scale,
-                    const void *offset, int f16, i64 N, float *y, i64 ldy) {
+/* returns SQ_OK or SQ_ENOMEM (nothing written) */
+static int run_q16(rq_worker fn, const float *x, i64 M, i64 K, i64 gs, const void *q, const void *scale,
+                   const void *offset, int f16, i64 N, float *y, i64 ldy) {
     const i64 G = K / gs;
-    int32_t *xp = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * K / 2));
-    float *xd = (float *)malloc(sizeof(float) * (size_t)(2 * M * G));
-    quantize_rows(x, M, K, gs, xp, xd, xd + M * G);
-    const rq_t j = {M, K, N, ldy, (const uint8_t *)q, scale, offset, f16, xp, xd, xd + M * G, y};
-    run_panels(fn, &j);
+    int32_t *xp = (int32_t *)sq_malloc(sizeof(int32_t) * (size_t)(M * K / 2));
+    float *xd = (float *)sq_malloc(sizeof(float) * (size_t)(2 * M * G));
+    int rc = xp && xd ? SQ_OK : SQ_ENOMEM;
+    if (rc == SQ_OK) {
+        quantize_rows(x, M, K, gs, xp, xd, xd + M * G);
+        const rq_t j = {M, K, N, ldy, (const uint8_t *)q, scale, offset, f16, xp, xd, xd + M * G, y};
+        run_panels(fn, &j);
+    }
     free(xp);
     free(xd);
+    return rc;
 }
 
 /* y[M, ldy] (first N columns) = x[M, K] @ W^T for a u4 W (offset may be NULL), K % 32 == 0, with x
- * rounded to int16 per group of 32 as above. A row's result does not depend on M. */
-void sq_gemm_u4_q16(const float *x, i64 M, i64 K, const uint8_t *q, const void *scale, const void *offset, int f16,
-                    i64 N, float *y, i64 ldy) {
-    run_q16(u4_q16, x, M, K, 32, q, scale, offset, f16, N, y, ldy);
+ * rounded to int16 per group of 32 as above. A row's result does not depend on M. Returns SQ_OK or
+ * SQ_ENOMEM. */
+int sq_gemm_u4_q16(const float *x, i64 M, i64 K, const uint8_t *q, const void *scale, const void *offset, int f16,
+                   i64 N, float *y, i64 ldy) {
+    return run_q16(u4_q16, x, M, K, 32, q, scale, offset, f16, N, y, ldy);
 }
 
-/* the same for an i8 W with groups of gs (16 or 32; else returns -1), x rounded per group of gs */
+/* the same for an i8 W with groups of gs (16 or 32; else returns SQ_EINVAL), x rounded per group of gs */
 int sq_gemm_i8_q16(const float *x, i64 M, i64 K, const int8_t *q, const void *scale, const void *offset, int f16,
                    i64 gs, i64 N, float *y, i64 ldy) {
-    if (gs != 16 && gs != 32) return -1;
-    run_q16(gs == 32 ? i8_32_q16 : i8_16_q16, x, M, K, gs, q, scale, offset, f16, N, y, ldy);
-    return 0;
+    if (gs != 16 && gs != 32) return SQ_EINVAL;
+    return run_q16(gs == 32 ? i8_32_q16 : i8_16_q16, x, M, K, gs, q, scale, offset, f16, N, y, ldy);
 }
 
 /* 1 where this build multiplies with vpdpwssd, 0 where the plain C loop does */

@@ -8,6 +8,8 @@
 #define SQ_QUANT_ROUNDED_CPU_H
 #include <stdint.h>
 #include <stdlib.h>
+
+#include "kernel_alloc_cpu.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif

@@ -376,7 +376,7 @@ def test_compile_is_cached_and_failures_are_not():
 
 def test_timeout_sync_and_async_and_one_attempt_per_spec():
     release = threading.Event()
-    calls = []
+    calls, built = [], []
 
     class G:
         def matcher(self):
@@ -385,15 +385,15 @@ def test_timeout_sync_and_async_and_one_attempt_per_spec():
     def slow(spec, tok, v):
         calls.append(spec)
         release.wait(10)
+        built.append(spec)
         return G()
 
     register_grammar("slow", slow)
     try:
         c = GrammarCompiler(BT, 512, timeout_s=0.2)
-        t0 = time.perf_counter()
         with pytest.raises(GrammarTimeoutError, match="timed out after 0.2 s"):
             c.compile(GrammarSpec("slow"))
-        assert time.perf_counter() - t0 < 2
+        assert not built  # it gave up while the build still ran (not a wall-time bound: issue 48, item 6)
         with pytest.raises(GrammarTimeoutError):
             asyncio.run(c.compile_async(GrammarSpec("slow")))
         assert len(calls) == 1  # the second wait joined the pending attempt

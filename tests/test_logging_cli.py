@@ -130,7 +130,7 @@ def test_connect_without_a_worker_fails_in_one_line(tmp_path, capsys):
     t0 = time.monotonic()
     assert main(["generate", "hi", "--connect", f"ipc://{tmp_path}/none.sock", "--wait-ready", "1"]) == 1
     err = capsys.readouterr().err
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 20  # a 'does not wait' guard: 1 s expected, the default --wait-ready is 30
     assert err.startswith("slipstream: error: no worker answered") and "--wait-ready" in err and err.count("\n") == 1
 
 

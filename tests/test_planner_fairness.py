@@ -1,7 +1,6 @@
 """Planner regressions: head-of-line blocking, the depth-2 preemption cascade, O(n) cancels, and
 linear-time output text."""
 import asyncio
-import time
 
 from slipstream.outputs import RequestMetrics
 from slipstream.params import SamplingParams
@@ -86,22 +85,23 @@ def test_with_nothing_in_flight_victims_free_pages_at_once():
     assert planner.pool.num_free >= 0
 
 
-def test_cancelling_many_waiting_requests_is_linear():
-    def cancel_all(n):
-        planner = Planner(PagePool(64), PAGE, max_batch_size=4, max_step_tokens=16)
-        pipeline = Pipeline(2, planner)
-        seqs = [seq(f"w{i}", 4) for i in range(n)]
-        for s in seqs:
-            planner.add(s)
-        t0 = time.perf_counter()
-        for s in seqs:  # newest last: the worst case for deque.remove
-            pipeline.finish(s, "abort")
-        elapsed = time.perf_counter() - t0
-        assert planner.num_waiting == 0 and planner.plan(depth=2) is None
-        return elapsed
-
-    elapsed = cancel_all(40_000)
-    assert elapsed < 0.5, f"40,000 cancels took {elapsed:.2f} s"  # deque.remove each: several seconds
+def test_cancelling_a_waiting_request_does_not_search_the_queue(monkeypatch):
+    """Cancelling n waiting requests is O(n), not O(n^2) (admission.py, lazy deletion): a cancel
+    compares no queued entry and leaves the queue as it is; the next plan drops the cancelled ones
+    from its head. (It was a wall-time bound, 40,000 cancels in < 0.5 s, which a loaded machine
+    can miss: tools/bench_plan.py --cancel 40000 measures it; issue 48, item 6.)"""
+    compared = []
+    monkeypatch.setattr(Sequence, "__eq__", lambda a, b: compared.append(1) or a is b)  # deque.remove's probe
+    planner = Planner(PagePool(64), PAGE, max_batch_size=4, max_step_tokens=16)
+    pipeline = Pipeline(2, planner)
+    seqs = [seq(f"w{i}", 4) for i in range(2000)]
+    for s in seqs:
+        planner.add(s)
+    queue = planner.waiting
+    for s in reversed(seqs):  # newest first: the worst case for deque.remove (a scan to the end)
+        pipeline.finish(s, "abort")
+    assert compared == [] and planner.waiting is queue and len(queue) == len(seqs)
+    assert planner.num_waiting == 0 and planner.plan(depth=2) is None and len(queue) == 0
 
 
 class ChattyDetok:
@@ -113,25 +113,34 @@ class ChattyDetok:
 
 
 def test_output_text_costs_the_same_per_token_at_any_length():
+    """A token's output work does not grow with the text before it: at ~3 MB of text, 100 tokens
+    allocate what they did at the start, not a copy of the text each. (Memory, not time: a ratio
+    of two timings was asserted here, which a loaded machine moves; issue 48, item 6.)"""
+    import tracemalloc
+
     outputs = OutputProcessor()
     outputs.bind(lambda s, r: setattr(s, "finished", True) or True)
     params = SamplingParams(max_tokens=100_000, temperature=0.0)
     req = RequestState("r", [3], params, ChattyDetok(), frozenset(), RequestMetrics(0.0), queue=asyncio.Queue())
     s = Sequence("r", [3], 100_000, SamplingRow(), user=req)
 
-    def per_token(n):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            outputs.accept([s], [7])  # the tick
-            outputs.process_pending()  # the output stage: text and delivery
-        return (time.perf_counter() - t0) / n
+    def peak_bytes(n):
+        tracemalloc.start()
+        try:
+            base = tracemalloc.get_traced_memory()[0]
+            for _ in range(n):
+                outputs.accept([s], [7])  # the tick
+                outputs.process_pending()  # the output stage: text and delivery
+            return tracemalloc.get_traced_memory()[1] - base
+        finally:
+            tracemalloc.stop()
 
-    early = min(per_token(700) for _ in range(3))  # best of 3: a busy machine only adds time
+    early = peak_bytes(100)
     for _ in range(28_000):
         outputs.accept([s], [7])
         outputs.process_pending()
-    late = min(per_token(700) for _ in range(3))  # the text is now ~3 MB: a copy per token is ~100x slower
-    assert late < 5 * early, (early, late)
+    late = peak_bytes(100)  # the text is now ~3 MB: one copy of it would show 30x over
+    assert late < early + 100_000, (early, late)
 
 
 def test_the_decode_row_choice_spells_out_the_sequence_properties():

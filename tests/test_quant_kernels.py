@@ -13,7 +13,7 @@ from quant_util import FORMATS, random_weight
 
 from slipstream.models.kernels import cpu_kernels
 from slipstream.models.kernels.attention import AttentionMetadata, paged_attention_reference
-from slipstream.models.kernels.quant_linear import cpu_matmul, cpu_rows, dequantize, reference_matmul
+from slipstream.models.kernels.quant_linear import _ROUNDED, cpu_matmul, cpu_rows, dequantize, reference_matmul
 from slipstream.models.kernels.rotary import rotate_half_reference
 
 lib = cpu_kernels.native_kernels()
@@ -47,13 +47,19 @@ def test_invariant_rows_do_not_depend_on_the_batch(name):
         assert torch.equal(cpu_matmul(x[:m], w, invariant=True, lib=lib), full[:m]), m
 
 
+# SQ_TINY_GROUP of quant_rounded_cpu.h: a group whose max |x| is below it (zero, denormal, tiny)
+# rounds to all zeros with scale 0 in both rounding kernels
+TINY_GROUP = 2.0 ** -111
+
+
 def int8_reference(x, w):
     """What the int8-activation kernels compute, in float64: each row of x rounded to int8 per group
-    (scale max|x| / 127, ties to even) against the weights' integers, the offsets against exact x."""
+    (scale max|x| / 127, ties to even; 0 for a group of max|x| < TINY_GROUP) against the weights'
+    integers, the offsets against exact x."""
     gs = 32 if w.kind == "u4" else w.group
     g = x.double().view(x.shape[0], -1, gs)
     amax = g.abs().amax(-1, keepdim=True)
-    xq = torch.where(amax > 0, torch.round(g * (127 / amax)) * (amax / 127), 0).view_as(x)
+    xq = torch.where(amax >= TINY_GROUP, torch.round(g * (127 / amax)) * (amax / 127), 0).view_as(x)
     offsets = replace(w, values=torch.zeros_like(w.values)).dequantize().double()  # q = 0: the offset
     return xq @ (w.dequantize().double() - offsets).T + x.double() @ offsets.T
 
@@ -75,13 +81,14 @@ def test_int8_activations_match_their_reference(name):
 def int16_reference(x, w):
     """What the int16-activation kernels compute, in float64 from the same integers: each row of x
     rounded per group to v = rint(float32(x * float32(32767 / max|x|))) (ties to even, as the kernel's
-    float32 arithmetic gives them), scale max|x| / 32767, against the weights' integers; the offsets
-    against exact x."""
+    float32 arithmetic gives them), scale max|x| / 32767 (0 and 0 for a group of max|x| < TINY_GROUP),
+    against the weights' integers; the offsets against exact x."""
     gs = 32 if w.kind == "u4" else w.group
     g = x.view(x.shape[0], -1, gs)
     amax = g.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, torch.full_like(amax, 32767) / amax, 0)  # a float32 division, as in the kernel
-    xq = (torch.round(g * inv).double() * (amax / 32767).double()).view_as(x)
+    keep = amax >= TINY_GROUP
+    inv = torch.where(keep, torch.full_like(amax, 32767) / amax, 0)  # a float32 division, as in the kernel
+    xq = (torch.round(g * inv).double() * torch.where(keep, amax / 32767, 0).double()).view_as(x)
     offsets = replace(w, values=torch.zeros_like(w.values)).dequantize().double()  # q = 0: the offset
     return xq @ (w.dequantize().double() - offsets).T + x.double() @ offsets.T
 
@@ -119,6 +126,78 @@ def test_int16_activations_match_their_reference(name, q16_plain):
         assert torch.equal(cpu_matmul(x[:m], w, lib=lib, activations="int16"), full[:m]), m
     assert q16_plain.sq_q16_vnni() == 0
     assert torch.equal(cpu_matmul(x, w, lib=q16_plain, activations="int16"), full)
+
+
+def tiny_group_rows(k: int = 512) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """Rows of normal groups beside groups whose max |x| is zero, denormal (1e-40), tiny (1e-36, 1e-35),
+    just below TINY_GROUP or at it; a row of denormals alone. Returns x and the (row, group of 16) that
+    round to zero."""
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(7))
+    small = [(0, 1, 0.0), (0, 4, 1e-40), (1, 2, 1e-36), (1, 3, 1e-35), (2, 0, TINY_GROUP * 0.99),
+             (2, 6, 1.4e-45), (3, 5, 1e-36)]  # (row, group of 32, max |x|)
+    for row, g, amax in small:
+        part = torch.randn(32, generator=torch.Generator().manual_seed(row * 100 + g))
+        x[row, g * 32:(g + 1) * 32] = (part / part.abs().max() * amax).float()
+    x[3, 7 * 32:8 * 32] = TINY_GROUP  # at the bound: rounded as usual
+    x[4] = 1e-40  # a row of denormals
+    zero = [(r, 2 * g + h) for r, g, _ in small for h in (0, 1)] + [(4, g) for g in range(k // 16)]
+    return x, zero
+
+
+@pytest.mark.parametrize("mode", ["int8", "int16"])
+@pytest.mark.parametrize("name", FORMATS)
+def test_zero_denormal_and_tiny_groups_round_to_zero(name, mode):
+    """A group whose max |x| is below TINY_GROUP rounds to zeros with scale 0, as the exact models say;
+    no inf or NaN anywhere (32767 / max|x| and 127 / max|x| overflow for the denormal and tiny groups,
+    rounding that inf to an int is undefined: issue 48, item 8), and such a group adds nothing."""
+    w = random_weight(name, 40, 512)
+    x, zero = tiny_group_rows()
+    y = cpu_matmul(x, w, lib=lib, activations=mode)
+    assert torch.isfinite(y).all()
+    ref = (int8_reference if mode == "int8" else int16_reference)(x, w)
+    assert torch.isfinite(ref).all()
+    assert (y.double() - ref).abs().max().item() <= 1e-6 * ref.abs().max().item()
+    cleared = x.clone()
+    gs = 16  # (the groups listed are of 16; a group of 32 is two of them)
+    for r, g in zero:
+        cleared[r, g * gs:(g + 1) * gs] = 0
+    if w.offsets is None:  # (with offsets, exact x meets them: the tiny sums are absorbed but not zero)
+        assert torch.equal(cpu_matmul(cleared, w, lib=lib, activations=mode), y)
+        assert torch.equal(y[4], torch.zeros_like(y[4]))
+    else:
+        assert torch.equal(cpu_matmul(cleared[:4], w, lib=lib, activations=mode), y[:4])
+
+
+@pytest.fixture(scope="module")
+def rounding_ubsan(tmp_path_factory):
+    """quant_matmul_q8_cpu.c and quant_matmul_q16_cpu.c built with UBSan's float-cast-overflow check
+    (unoptimized: a second to build), or skip where the compiler cannot."""
+    cc = cpu_kernels._compiler()
+    out = tmp_path_factory.mktemp("ubsan") / "rounding_ubsan.so"
+    here = Path(cpu_kernels.__file__).parent
+    done = subprocess.run([cc, "-O0", "-march=native", "-shared", "-fPIC", "-std=gnu11",
+                           "-fsanitize=float-cast-overflow", str(here / "quant_matmul_q8_cpu.c"),
+                           str(here / "quant_matmul_q16_cpu.c"), "-lm", "-o", str(out)],
+                          capture_output=True, timeout=300)
+    if done.returncode != 0:
+        pytest.skip(f"no float-cast-overflow sanitizer here: {done.stderr.decode()[-300:]}")
+    try:
+        return cpu_kernels._declare(ctypes.CDLL(str(out)), tuple(n for pair in _ROUNDED.values() for n in pair))
+    except OSError as exc:
+        pytest.skip(f"the sanitizer's runtime does not load here: {exc}")
+
+
+def test_rounding_kernels_convert_no_out_of_range_float(rounding_ubsan, capfd):
+    """Under UBSan every float -> int conversion of the rounding kernels is in range on zero,
+    denormal and tiny groups (before: `inf is outside the range of representable values of type 'int'`)."""
+    x, _ = tiny_group_rows()
+    for name in ("Q4_1", "Q8_0", "Q6_K"):  # u4; i8 in groups of 32 and of 16
+        w = random_weight(name, 16, 512)
+        for mode in ("int8", "int16"):
+            y = cpu_matmul(x, w, lib=rounding_ubsan, activations=mode)
+            assert torch.isfinite(y).all()
+    err = capfd.readouterr().err
+    assert "runtime error" not in err, err
 
 
 @pytest.mark.parametrize("name", FORMATS)

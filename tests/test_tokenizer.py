@@ -207,24 +207,26 @@ def test_a_long_text_encodes_the_same_and_releases_the_gil(tok):
 
     text = "lorem ipsum dolor, sit amet! " * 20_000  # 580 KB
     assert tok.encode(text) == tok.backend.encode(text, add_special_tokens=True).ids
-    gaps, stop = [], threading.Event()
+    ticks, stop = [], threading.Event()
 
     def tick():
-        last = time.perf_counter()
         while not stop.is_set():
             time.sleep(0.001)
-            now = time.perf_counter()
-            gaps.append(now - last)
-            last = now
+            ticks.append(time.perf_counter())
 
     ticker = threading.Thread(target=tick)
     ticker.start()
+    time.sleep(0.01)  # (ticking)
     t0 = time.perf_counter()
     tok.encode(text)
-    took = time.perf_counter() - t0
+    t1 = time.perf_counter()
     stop.set()
     ticker.join()
-    assert max(gaps) < max(0.5 * took, 0.05), (max(gaps), took)  # the GIL was not held throughout
+    # The GIL was not held throughout: another thread ran Python while the encode did (event order;
+    # it was a wall-time share of the longest gap, which a loaded machine moves: issue 48, item 6).
+    # Held, no tick could land between t0 and t1 but the one or two at the edges.
+    during = sum(t0 < t < t1 for t in ticks)
+    assert during >= 5, (during, len(ticks))
 
 
 @pytest.mark.parametrize("at", [0, 1])

@@ -4,7 +4,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import statistics
 import urllib.request
 
 import pytest
@@ -101,14 +100,22 @@ async def test_spans_recorded_and_consistent(depth):
             assert host[s + depth].t_plan >= host[s].t_committed - 1e-6, (s, depth)  # (t_plan: a difference of sums)
 
 
-async def test_pipelining_removes_device_idle():
-    idle = {}
+async def test_pipelining_launches_the_next_step_before_committing():
+    """What removes the device's idle time between steps: at depth 2 a decode step is planned and
+    launched before the one before it is committed, at depth 1 never. (Event order on the host's
+    clock; how much idle it removes is a wall-time share, measured by `slipstream bench` and
+    tools/bench_pipeline.py: issue 48, item 6.)"""
+    overlapped = {}
     for depth in (1, 2):
         async with Engine(_config(depth, trace=True)) as engine:
             params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
             await asyncio.gather(*(engine.complete([100 + i, 5], params) for i in range(4)))
-            idle[depth] = statistics.median(r.idle for r in engine.tracer.steps if r.kind == "decode")
-    assert idle[2] < idle[1]
+            host = engine.tracer.host
+            pairs = [(s, s + 1) for s in host if s + 1 in host and host[s + 1].kind == "decode"]
+            overlapped[depth] = sum(host[b].t_plan < host[a].t_committed for a, b in pairs)
+            assert len(pairs) >= 10
+    assert overlapped[1] == 0
+    assert overlapped[2] >= len(pairs) // 2
 
 
 @pytest.mark.parametrize("depth", [1, 2])

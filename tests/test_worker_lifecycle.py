@@ -3,7 +3,6 @@ a full queue answers OverloadedError."""
 import asyncio
 import os
 import signal
-import time
 
 import pytest
 from worker_util import ipc_address, start_worker
@@ -27,18 +26,17 @@ async def start_pending(client, n_streams=3, n_completes=2):
     return streams, completes
 
 
-async def all_fail_within(streams, completes, limit: float):
+async def all_fail_with(streams, completes, cause: str):
+    """Every pending call fails with WorkerUnavailableError saying `cause`: what failed it (the
+    heartbeat timeout, the dropped connection), not how fast (a wall-time bound here failed on a
+    loaded machine: issue 48, item 6). The 30 s wait is a 'does not hang' guard only."""
     async def drain(s):
         async for _ in s:
             pass
 
-    t0 = time.monotonic()
     results = await asyncio.wait_for(asyncio.gather(*(drain(s) for s in streams), *completes,
-                                                    return_exceptions=True), limit + 5)
-    elapsed = time.monotonic() - t0
-    assert all(isinstance(r, WorkerUnavailableError) for r in results), results
-    assert elapsed < limit, elapsed
-    return elapsed
+                                                    return_exceptions=True), 30)
+    assert all(isinstance(r, WorkerUnavailableError) and cause in str(r) for r in results), results
 
 
 async def test_frozen_worker_then_kill_9_fail_pending_calls_in_time(tmp_path):
@@ -48,7 +46,7 @@ async def test_frozen_worker_then_kill_9_fail_pending_calls_in_time(tmp_path):
             # frozen (SIGSTOP): the connection stays up, only the missing heartbeats tell
             streams, completes = await start_pending(client)
             w.signal(signal.SIGSTOP)
-            await all_fail_within(streams, completes, 1.5 + 0.5)
+            await all_fail_with(streams, completes, "no message from the worker")  # the heartbeats' 1.5 s
             with pytest.raises(WorkerUnavailableError):
                 await client.stats()
             w.signal(signal.SIGCONT)
@@ -56,7 +54,7 @@ async def test_frozen_worker_then_kill_9_fail_pending_calls_in_time(tmp_path):
             # kill -9 mid-stream: the dropped connection fails them at once, well within the timeout
             streams, completes = await start_pending(client)
             w.signal(signal.SIGKILL)
-            await all_fail_within(streams, completes, 1.5)
+            await all_fail_with(streams, completes, "lost the connection")  # not the timeout
             with pytest.raises(WorkerUnavailableError):
                 await client.complete("anyone there?")
     finally:

@@ -12,13 +12,13 @@ from slipstream import Client, SamplingParams, WorkerUnavailableError
 SHORT = SamplingParams(max_tokens=4, temperature=0.0)
 
 
-async def fails_fast(call, limit: float = 1.0) -> float:
-    t0 = time.monotonic()
-    with pytest.raises(WorkerUnavailableError):
-        await asyncio.wait_for(call, limit + 1)  # a TimeoutError here means it waited: not fast
-    elapsed = time.monotonic() - t0
-    assert elapsed < limit, elapsed
-    return elapsed
+async def fails_fast(call) -> None:
+    """Fails at once: from the connection's state, not the Client's 30 s timeout (its message says
+    which; a wall-time bound here failed on a loaded machine: issue 48, item 6). The 10 s wait only
+    guards against a hang, and against waiting out that timeout."""
+    with pytest.raises(WorkerUnavailableError) as info:
+        await asyncio.wait_for(call, 10)  # a TimeoutError here means it waited: not fast
+    assert not any(t in str(info.value) for t in ("no reply from", "no message from")), info.value
 
 
 def kill_9(proc) -> None:

@@ -36,7 +36,12 @@ def library_at(ref: str) -> ctypes.CDLL:
     sources = re.findall(r'"(\w+\.c)"', spec[spec.index("SOURCES"):spec.index("\n\n", spec.index("SOURCES"))])
     out = tmp / "cpu.so"
     subprocess.run([cc, *cpu_kernels.FLAGS, *(str(tmp / s) for s in sources), "-lm", "-o", str(out)], check=True)
-    return cpu_kernels._declare(ctypes.CDLL(str(out)), missing_ok=True)  # (kernels added since `ref` are absent)
+    lib = cpu_kernels._declare(ctypes.CDLL(str(out)), missing_ok=True)  # (kernels added since `ref` are absent)
+    if lib.sq_abi_version() < 3:  # these returned nothing before: check_rc passes None
+        for name in ("sq_gemm_u4", "sq_gemm_u4_q8", "sq_gemm_u4_q16"):
+            if hasattr(lib, name):
+                getattr(lib, name).restype = None
+    return lib
 
 
 def describe(ref: str) -> str:

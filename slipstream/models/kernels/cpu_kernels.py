@@ -13,6 +13,10 @@ call, so the loop runs while a kernel does.
 Without a compiler, when it fails, or with `SLIPSTREAM_NATIVE_KERNELS=0`, `native_kernels()` returns
 None once and logs why; the model then runs the pure-torch paths (dequantized weights, the
 reference forward).
+
+Every kernel that allocates scratch memory checks it (kernel_alloc_cpu.h) and returns SQ_ENOMEM when
+it cannot have it; `check_rc` turns that into MemoryError and a shape the kernel does not handle
+(SQ_EINVAL) into ValueError.
 """
 from __future__ import annotations
 
@@ -36,10 +40,23 @@ log = structlog.get_logger(__name__)
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("quant_matmul_cpu.c", "quant_matmul_q8_cpu.c",
                                                        "quant_matmul_q16_cpu.c", "layer_ops_cpu.c",
                                                        "llama_forward_cpu.c"))
-HEADERS = (Path(__file__).with_name("quant_rounded_cpu.h"),)  # included by SOURCES: hashed into the key too
-ABI_VERSION = 2  # sq_abi_version() of the sources whose signatures _declare describes
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("quant_rounded_cpu.h", "kernel_alloc_cpu.h"))  # included by
+# SOURCES: hashed into the key too
+ABI_VERSION = 3  # sq_abi_version() of the sources whose signatures _declare describes
+SQ_EINVAL, SQ_ENOMEM = -1, -2  # the kernels' return codes (kernel_alloc_cpu.h); 0: done
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 _OFF = {"0", "false", "no", "off"}
+
+
+def check_rc(rc: int | None, invalid: str) -> None:
+    """Raise for a kernel's return code: MemoryError for SQ_ENOMEM (its scratch could not be
+    allocated), ValueError(`invalid`) for any other non-zero code. None (a kernel of an older build
+    that returned nothing, tools/kernels_at.py) passes."""
+    if rc is None or rc == 0:
+        return
+    if rc == SQ_ENOMEM:
+        raise MemoryError("a compiled CPU kernel could not allocate its scratch memory")
+    raise ValueError(invalid)
 
 
 def _cpu_identity() -> str:
@@ -119,11 +136,12 @@ def _declare(lib: ctypes.CDLL, names: tuple[str, ...] | None = None, missing_ok:
     signatures = {  # name: (argument types, result type)
         "sq_abi_version": ([], i32),
         "sq_max_threads": ([], i32),
-        "sq_gemm_u4": ([p, i64, i64, p, p, p, i32, i64, p, i64, i32], None),
+        "sq_fail_allocs": ([i64], None),
+        "sq_gemm_u4": ([p, i64, i64, p, p, p, i32, i64, p, i64, i32], i32),
         "sq_gemm_i8": ([p, i64, i64, p, p, p, i32, i64, i64, p, i64, i32], i32),
-        "sq_gemm_u4_q8": ([p, i64, i64, p, p, p, i32, i64, p, i64], None),
+        "sq_gemm_u4_q8": ([p, i64, i64, p, p, p, i32, i64, p, i64], i32),
         "sq_gemm_i8_q8": ([p, i64, i64, p, p, p, i32, i64, i64, p, i64], i32),
-        "sq_gemm_u4_q16": ([p, i64, i64, p, p, p, i32, i64, p, i64], None),
+        "sq_gemm_u4_q16": ([p, i64, i64, p, p, p, i32, i64, p, i64], i32),
         "sq_gemm_i8_q16": ([p, i64, i64, p, p, p, i32, i64, i64, p, i64], i32),
         "sq_q16_vnni": ([], i32),
         "sq_dequant_rows": ([i32, p, p, p, i32, i64, i64, p, i64, p], None),

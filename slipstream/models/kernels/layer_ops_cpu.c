@@ -8,6 +8,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "kernel_alloc_cpu.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -258,8 +260,8 @@ ALWAYS_INLINE void attend(const float *q, i64 ldq, const float *k_cache, const f
 
 /* Causal attention over a paged KV cache. Sequence s owns query rows [qs[s], qs[s+1]) of q [T, Hq, D]
  * (rows ldq floats apart), the last of its kv_lens[s] positions; its pages are page_table[s * P ..]
- * (page size ps). out [T, Hq, D] (rows Hq * D apart). D % 16 == 0, D <= 128, Hq / Hk <= 16: returns -1
- * otherwise. Work items are TILE query positions of a sequence with all kv heads, or one kv head where
+ * (page size ps). out [T, Hq, D] (rows Hq * D apart). D % 16 == 0, D <= 128, Hq / Hk <= 16: returns
+ * SQ_EINVAL otherwise; SQ_ENOMEM (out partly written) where scratch memory could not be had. Work items are TILE query positions of a sequence with all kv heads, or one kv head where
  * threads would otherwise go idle; the longest first. At several query positions (verification of k
  * drafts, prefill) each K and V vector is read once per item instead of once per position, and 16
  * scores share one tree of sums; at one position (decode) it is no faster than the per-(row, kv head)
@@ -268,15 +270,18 @@ ALWAYS_INLINE void attend(const float *q, i64 ldq, const float *k_cache, const f
 int sq_attention(const float *q, i64 ldq, const float *k_cache, const float *v_cache, const i64 *qs,
                  const i64 *kv_lens, const i64 *page_table, i64 P, i64 ps, i64 S, i64 Hq, i64 Hk, i64 D,
                  float scale, float *out) {
-    if (D % 16 || D > 128 || Hq % Hk || Hq / Hk > 16) return -1;
+    if (D % 16 || D > 128 || Hq % Hk || Hq / Hk > 16) return SQ_EINVAL;
     const i64 group = Hq / Hk;
     i64 work = 0, tiles = 0;
     for (i64 s = 0; s < S; s++) {
         work += (qs[s + 1] - qs[s]) * kv_lens[s];
         tiles += (qs[s + 1] - qs[s] + TILE - 1) / TILE;
     }
-    if (tiles == 0) return 0;
-    i64 *tile_s = (i64 *)malloc(sizeof(i64) * (size_t)(2 * tiles)), *tile_t = tile_s + tiles;
+    if (tiles == 0) return SQ_OK;
+    i64 *tile_s = (i64 *)sq_malloc(sizeof(i64) * (size_t)(2 * tiles));
+    if (!tile_s) return SQ_ENOMEM;
+    i64 *tile_t = tile_s + tiles;
+    int failed = 0; /* a thread without its scratch: its items are skipped, the call fails */
     for (i64 s = 0, k = 0; s < S; s++)
         for (i64 t = qs[s]; t < qs[s + 1]; t += TILE, k++) {
             tile_s[k] = s;
@@ -294,10 +299,16 @@ int sq_attention(const float *q, i64 ldq, const float *k_cache, const float *v_c
          * ones */
         const i64 nh = threads == 1 || tiles >= 4 * threads ? Hk : 1, items = tiles * (Hk / nh);
         const size_t rows = (size_t)(TILE * group * nh);
-        float *acc = (float *)malloc(sizeof(float) * rows * (size_t)(D + 34));
-        float *ls = acc + rows * (size_t)D, *sc = ls + rows * 16, *mx = sc + rows * 16, *cf = mx + rows;
+        float *acc = (float *)sq_malloc(sizeof(float) * rows * (size_t)(D + 34)), *ls = NULL, *sc = NULL,
+              *mx = NULL, *cf = NULL;
+        if (acc) {
+            ls = acc + rows * (size_t)D, sc = ls + rows * 16, mx = sc + rows * 16, cf = mx + rows;
+        } else {
+            __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
+        }
 #pragma omp for schedule(dynamic, 1)
         for (i64 w = 0; w < items; w++) {
+            if (!acc) continue; /* (every thread meets the loop: its items go to no one) */
             const i64 k = tiles - 1 - w / (Hk / nh), hk0 = w % (Hk / nh) * nh, s = tile_s[k], t0 = tile_t[k];
             const i64 nt = qs[s + 1] - t0 < TILE ? qs[s + 1] - t0 : TILE;
             const i64 n0 = kv_lens[s] - (qs[s + 1] - t0) + 1; /* keys up to the first row's own position */
@@ -316,7 +327,7 @@ int sq_attention(const float *q, i64 ldq, const float *k_cache, const float *v_c
         free(acc);
     }
     free(tile_s);
-    return 0;
+    return failed ? SQ_ENOMEM : SQ_OK;
 }
 
 /* out[t, i] = silu(g[t, i]) * u[t, i], rows of g and u ldg and ldu floats apart (halves of one fused

@@ -9,6 +9,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernel_alloc_cpu.h"
+
 typedef int64_t i64;
 
 /* a QuantWeight (quant_formats.py) */
@@ -26,16 +28,16 @@ typedef struct {
     qmat_t qkv, o, gate_up, down;
 } layer_t;
 
-void sq_gemm_u4(const float *x, i64 M, i64 K, const uint8_t *q, const void *scale, const void *offset, int f16, i64 N,
-                float *y, i64 ldy, int split);
+int sq_gemm_u4(const float *x, i64 M, i64 K, const uint8_t *q, const void *scale, const void *offset, int f16, i64 N,
+               float *y, i64 ldy, int split);
 int sq_gemm_i8(const float *x, i64 M, i64 K, const int8_t *q, const void *scale, const void *offset, int f16, i64 gs,
                i64 N, float *y, i64 ldy, int split);
-void sq_gemm_u4_q8(const float *x, i64 M, i64 K, const uint8_t *q, const void *scale, const void *offset, int f16,
-                   i64 N, float *y, i64 ldy);
+int sq_gemm_u4_q8(const float *x, i64 M, i64 K, const uint8_t *q, const void *scale, const void *offset, int f16,
+                  i64 N, float *y, i64 ldy);
 int sq_gemm_i8_q8(const float *x, i64 M, i64 K, const int8_t *q, const void *scale, const void *offset, int f16,
                   i64 gs, i64 N, float *y, i64 ldy);
-void sq_gemm_u4_q16(const float *x, i64 M, i64 K, const uint8_t *q, const void *scale, const void *offset, int f16,
-                    i64 N, float *y, i64 ldy);
+int sq_gemm_u4_q16(const float *x, i64 M, i64 K, const uint8_t *q, const void *scale, const void *offset, int f16,
+                   i64 N, float *y, i64 ldy);
 int sq_gemm_i8_q16(const float *x, i64 M, i64 K, const int8_t *q, const void *scale, const void *offset, int f16,
                    i64 gs, i64 N, float *y, i64 ldy);
 void sq_add_rms_norm(float *x, const float *delta, const float *w, float eps, float *out, i64 T, i64 H,
@@ -48,55 +50,63 @@ int sq_attention(const float *q, i64 ldq, const float *k_cache, const float *v_c
                  float *out);
 void sq_silu_mul(const float *g, i64 ldg, const float *u, i64 ldu, float *out, i64 T, i64 I);
 
-static void matmul(const qmat_t *w, const float *x, i64 T, float *y) {
+/* SQ_OK, or the product's error (SQ_EINVAL: its group size; SQ_ENOMEM) */
+static int matmul(const qmat_t *w, const float *x, i64 T, float *y) {
+    int rc;
     if (w->kind == 4)
-        sq_gemm_u4_q16(x, T, w->cols, w->values, w->scales, w->offsets, (int)w->f16, w->rows, y, w->rows);
+        rc = sq_gemm_u4_q16(x, T, w->cols, w->values, w->scales, w->offsets, (int)w->f16, w->rows, y, w->rows);
     else if (w->kind == 5)
-        sq_gemm_i8_q16(x, T, w->cols, w->values, w->scales, w->offsets, (int)w->f16, w->group, w->rows, y, w->rows);
+        rc = sq_gemm_i8_q16(x, T, w->cols, w->values, w->scales, w->offsets, (int)w->f16, w->group, w->rows, y,
+                            w->rows);
     else if (w->kind == 2)
-        sq_gemm_u4_q8(x, T, w->cols, w->values, w->scales, w->offsets, (int)w->f16, w->rows, y, w->rows);
+        rc = sq_gemm_u4_q8(x, T, w->cols, w->values, w->scales, w->offsets, (int)w->f16, w->rows, y, w->rows);
     else if (w->kind == 3)
-        sq_gemm_i8_q8(x, T, w->cols, w->values, w->scales, w->offsets, (int)w->f16, w->group, w->rows, y, w->rows);
+        rc = sq_gemm_i8_q8(x, T, w->cols, w->values, w->scales, w->offsets, (int)w->f16, w->group, w->rows, y,
+                           w->rows);
     else if (w->kind == 0)
-        sq_gemm_u4(x, T, w->cols, w->values, w->scales, w->offsets, (int)w->f16, w->rows, y, w->rows, 0);
+        rc = sq_gemm_u4(x, T, w->cols, w->values, w->scales, w->offsets, (int)w->f16, w->rows, y, w->rows, 0);
     else
-        sq_gemm_i8(x, T, w->cols, w->values, w->scales, w->offsets, (int)w->f16, w->group, w->rows, y, w->rows, 0);
-    if (w->bias)
+        rc = sq_gemm_i8(x, T, w->cols, w->values, w->scales, w->offsets, (int)w->f16, w->group, w->rows, y, w->rows,
+                        0);
+    if (rc == SQ_OK && w->bias)
         for (i64 t = 0; t < T; t++)
             for (i64 n = 0; n < w->rows; n++) y[t * w->rows + n] += w->bias[n];
+    return rc;
 }
 
 /* x [T, H]: the embedded tokens, updated in place as the residual stream. out [nrows, H]: the final
  * norm of rows `rows`. The KV caches: layer l's [slots, Hk, D] at k_cache + l * layer_stride (floats).
- * Attention tables as sq_attention's. Returns 0, or -1 (attention shape). */
+ * Attention tables as sq_attention's. Returns SQ_OK, SQ_EINVAL (attention shape or a group size) or
+ * SQ_ENOMEM (x and the caches then partly updated: the step is lost). */
 int sq_decoder_forward(const layer_t *layers, i64 L, float eps, float *x, i64 T, i64 H, i64 Hq, i64 Hk, i64 D, i64 I,
                        float *k_cache, float *v_cache, i64 layer_stride,
                        const i64 *pos, const i64 *kv_idx, const float *cos_t, const float *sin_t, const i64 *qs,
                        const i64 *kv_lens, const i64 *pages, i64 P, i64 ps, i64 S, float scale, const float *norm_w,
                        const i64 *rows, i64 nrows, float *out) {
     const i64 wqkv = (Hq + 2 * Hk) * D;
-    float *h = malloc(sizeof(float) * T * H), *qkv = malloc(sizeof(float) * T * wqkv);
-    float *attn = calloc((size_t)(T * Hq * D), sizeof(float)); /* padding rows stay 0 */
-    float *o = malloc(sizeof(float) * T * H), *gu = malloc(sizeof(float) * T * 2 * I);
-    float *act = malloc(sizeof(float) * T * I);
-    int rc = 0;
+    float *h = sq_malloc(sizeof(float) * T * H), *qkv = sq_malloc(sizeof(float) * T * wqkv);
+    float *attn = sq_calloc((size_t)(T * Hq * D), sizeof(float)); /* padding rows stay 0 */
+    float *o = sq_malloc(sizeof(float) * T * H), *gu = sq_malloc(sizeof(float) * T * 2 * I);
+    float *act = sq_malloc(sizeof(float) * T * I);
+    int rc = h && qkv && attn && o && gu && act ? SQ_OK : SQ_ENOMEM;
     const float *delta = NULL;
-    for (i64 l = 0; l < L && rc == 0; l++) {
+    for (i64 l = 0; l < L && rc == SQ_OK; l++) {
         const layer_t *ly = layers + l;
         float *kc = k_cache + l * layer_stride, *vc = v_cache + l * layer_stride;
         sq_add_rms_norm(x, delta, ly->ln1, eps, h, T, H, NULL, T);
-        matmul(&ly->qkv, h, T, qkv);
+        if ((rc = matmul(&ly->qkv, h, T, qkv)) != SQ_OK) break;
         sq_rotary_kv(qkv, qkv + Hq * D, qkv + (Hq + Hk) * D, wqkv, wqkv, wqkv, pos, cos_t, sin_t, kc, vc, kv_idx,
                      T, Hq, Hk, D);
-        rc = sq_attention(qkv, wqkv, kc, vc, qs, kv_lens, pages, P, ps, S, Hq, Hk, D, scale, attn);
-        matmul(&ly->o, attn, T, o);
+        if ((rc = sq_attention(qkv, wqkv, kc, vc, qs, kv_lens, pages, P, ps, S, Hq, Hk, D, scale, attn)) != SQ_OK)
+            break;
+        if ((rc = matmul(&ly->o, attn, T, o)) != SQ_OK) break;
         sq_add_rms_norm(x, o, ly->ln2, eps, h, T, H, NULL, T);
-        matmul(&ly->gate_up, h, T, gu);
+        if ((rc = matmul(&ly->gate_up, h, T, gu)) != SQ_OK) break;
         sq_silu_mul(gu, 2 * I, gu + I, 2 * I, act, T, I);
-        matmul(&ly->down, act, T, o);
+        if ((rc = matmul(&ly->down, act, T, o)) != SQ_OK) break;
         delta = o;
     }
-    if (rc == 0) sq_add_rms_norm(x, delta, norm_w, eps, out, T, H, rows, nrows);
+    if (rc == SQ_OK) sq_add_rms_norm(x, delta, norm_w, eps, out, T, H, rows, nrows);
     free(h);
     free(qkv);
     free(attn);

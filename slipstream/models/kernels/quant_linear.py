@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from slipstream.models.kernels.cpu_kernels import check_rc
 from slipstream.models.kernels.quant_formats import QuantWeight
 
 _KIND = {"u4": 0, "i8": 1}
@@ -59,17 +60,19 @@ def cpu_matmul(x: torch.Tensor, w: QuantWeight, invariant: bool = False, lib=Non
     if activations != "float":
         u4, i8 = _ROUNDED[activations]
         if w.kind == "u4":
-            getattr(lib, u4)(x.data_ptr(), m, k, w.values.data_ptr(), w.scales.data_ptr(), ptr_or_none(w.offsets),
-                             f16, n, y.data_ptr(), n)
-        elif getattr(lib, i8)(x.data_ptr(), m, k, w.values.data_ptr(), w.scales.data_ptr(),
-                              ptr_or_none(w.offsets), f16, w.group, n, y.data_ptr(), n) != 0:
-            raise ValueError(f"no {activations} kernel for groups of {w.group}")
+            rc = getattr(lib, u4)(x.data_ptr(), m, k, w.values.data_ptr(), w.scales.data_ptr(),
+                                  ptr_or_none(w.offsets), f16, n, y.data_ptr(), n)
+        else:
+            rc = getattr(lib, i8)(x.data_ptr(), m, k, w.values.data_ptr(), w.scales.data_ptr(),
+                                  ptr_or_none(w.offsets), f16, w.group, n, y.data_ptr(), n)
+        check_rc(rc, f"no {activations} kernel for groups of {w.group}")
     elif w.kind == "u4":
-        lib.sq_gemm_u4(x.data_ptr(), m, k, w.values.data_ptr(), w.scales.data_ptr(), ptr_or_none(w.offsets), f16, n,
-                       y.data_ptr(), n, int(invariant))
-    elif lib.sq_gemm_i8(x.data_ptr(), m, k, w.values.data_ptr(), w.scales.data_ptr(), ptr_or_none(w.offsets), f16,
-                        w.group, n, y.data_ptr(), n, int(invariant)) != 0:
-        raise ValueError(f"no int8 kernel for groups of {w.group}")
+        check_rc(lib.sq_gemm_u4(x.data_ptr(), m, k, w.values.data_ptr(), w.scales.data_ptr(), ptr_or_none(w.offsets),
+                                f16, n, y.data_ptr(), n, int(invariant)), "no u4 kernel")
+    else:
+        check_rc(lib.sq_gemm_i8(x.data_ptr(), m, k, w.values.data_ptr(), w.scales.data_ptr(), ptr_or_none(w.offsets),
+                                f16, w.group, n, y.data_ptr(), n, int(invariant)),
+                 f"no int8 kernel for groups of {w.group}")
     return y
 
 

@@ -18,6 +18,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "kernel_alloc_cpu.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -36,7 +38,7 @@ typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 typedef float v16_u __attribute__((vector_size(64), aligned(4)));
 
-int sq_abi_version(void) { return 2; }
+int sq_abi_version(void) { return 3; }
 
 int sq_max_threads(void) {
 #ifdef _OPENMP
@@ -227,11 +229,13 @@ WORKER(i8_32_f32, 1, 32, 0)
 WORKER(i8_16_f16, 1, 16, 1)
 WORKER(i8_16_f32, 1, 16, 0)
 
-static void run(worker_fn fn, job_t *j, i64 gs) {
+/* returns SQ_OK or SQ_ENOMEM */
+static int run(worker_fn fn, job_t *j, i64 gs) {
     const i64 panels = (j->N + PANEL - 1) / PANEL, G = j->K / gs;
     float *xs = NULL;
     if (j->of) { /* sum_k x[m][k] per group: the offsets' share of every output */
-        xs = (float *)malloc(sizeof(float) * (size_t)(j->M * G));
+        xs = (float *)sq_malloc(sizeof(float) * (size_t)(j->M * G));
+        if (!xs) return SQ_ENOMEM;
         for (i64 m = 0; m < j->M; m++)
             for (i64 g = 0; g < G; g++) {
                 const float *p = j->x + m * j->K + g * gs;
@@ -253,29 +257,31 @@ static void run(worker_fn fn, job_t *j, i64 gs) {
             fn(j, p0, p1);
         }
         free(xs);
-        return;
+        return SQ_OK;
     }
 #endif
     fn(j, 0, panels);
     free(xs);
+    return SQ_OK;
 }
 
 /* y[M, ldy] (first N columns written) = x[M, K] @ W^T, W u4 with K % 32 == 0.
- * split != 0: one row of x per pass, so a row's result does not depend on M (batch invariance). */
-void sq_gemm_u4(const float *x, i64 M, i64 K, const uint8_t *q, const void *scale, const void *offset, int f16,
-                i64 N, float *y, i64 ldy, int split) {
+ * split != 0: one row of x per pass, so a row's result does not depend on M (batch invariance).
+ * Returns SQ_OK, or SQ_ENOMEM (nothing written). */
+int sq_gemm_u4(const float *x, i64 M, i64 K, const uint8_t *q, const void *scale, const void *offset, int f16,
+               i64 N, float *y, i64 ldy, int split) {
     job_t j = {x, M, K, q, scale, offset, N, y, ldy, NULL, split};
-    run(f16 ? u4_f16 : u4_f32, &j, 32);
+    return run(f16 ? u4_f16 : u4_f32, &j, 32);
 }
 
-/* the same for i8 (offset may be NULL), K % gs == 0; returns -1 for a group size other than 16 or 32 */
+/* the same for i8 (offset may be NULL), K % gs == 0; returns SQ_EINVAL for a group size other than 16
+ * or 32 */
 int sq_gemm_i8(const float *x, i64 M, i64 K, const int8_t *q, const void *scale, const void *offset, int f16,
                i64 gs, i64 N, float *y, i64 ldy, int split) {
     job_t j = {x, M, K, q, scale, offset, N, y, ldy, NULL, split};
-    if (gs == 32) run(f16 ? i8_32_f16 : i8_32_f32, &j, 32);
-    else if (gs == 16) run(f16 ? i8_16_f16 : i8_16_f32, &j, 16);
-    else return -1;
-    return 0;
+    if (gs == 32) return run(f16 ? i8_32_f16 : i8_32_f32, &j, 32);
+    if (gs == 16) return run(f16 ? i8_16_f16 : i8_16_f32, &j, 16);
+    return SQ_EINVAL;
 }
 
 /* out[i, :] = row rows[i] of W as floats (rows == NULL: rows 0 .. nrows-1); kind 0 u4, 1 i8 */

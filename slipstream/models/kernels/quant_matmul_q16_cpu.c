@@ -118,8 +118,9 @@ static void u4_q16(const rq_t *j, i64 p0, i64 p1) { work_q16(j, p0, p1, 0, 32); 
 static void i8_32_q16(const rq_t *j, i64 p0, i64 p1) { work_q16(j, p0, p1, 1, 32); }
 static void i8_16_q16(const rq_t *j, i64 p0, i64 p1) { work_q16(j, p0, p1, 1, 16); }
 
-/* x[m] per group of gs (16 or 32): v = rint(x * (32767 / max|x|)) (0 for an all-zero group), stored as
- * pairs xp[c] = (v[c], v[c + gs / 2]); xd = max|x| / 32767; xs = sum x */
+/* x[m] per group of gs (16 or 32): v = rint(x * (32767 / max|x|)), stored as pairs xp[c] = (v[c],
+ * v[c + gs / 2]); xd = max|x| / 32767 (v = 0, xd = 0 for a group of max|x| < SQ_TINY_GROUP, all-zero
+ * included); xs = sum x */
 static void quantize_rows(const float *x, i64 M, i64 K, i64 gs, int32_t *xp, float *xd, float *xs) {
     const i64 G = K / gs;
     for (i64 m = 0; m < M; m++)
@@ -131,42 +132,48 @@ static void quantize_rows(const float *x, i64 M, i64 K, i64 gs, int32_t *xp, flo
                 amax = a > amax ? a : amax;
                 sum += p[c];
             }
-            const float id = amax > 0.f ? 32767.f / amax : 0.f;
+            const int zero = !(amax >= SQ_TINY_GROUP);
+            const float id = zero ? 0.f : 32767.f / amax;
             int32_t *o = xp + m * (K / 2) + g * (gs / 2);
             for (int c = 0; c < gs / 2; c++) {
                 const int lo = (int)__builtin_rintf(p[c] * id), hi = (int)__builtin_rintf(p[c + gs / 2] * id);
                 o[c] = (int32_t)((uint32_t)(uint16_t)lo | (uint32_t)(uint16_t)hi << 16);
             }
-            xd[m * G + g] = amax / 32767.f;
+            xd[m * G + g] = zero ? 0.f : amax / 32767.f;
             xs[m * G + g] = sum;
         }
 }
 
-static void run_q16(rq_worker fn, const float *x, i64 M, i64 K, i64 gs, const void *q, const void *scale,
-                    const void *offset, int f16, i64 N, float *y, i64 ldy) {
+/* returns SQ_OK or SQ_ENOMEM (nothing written) */
+static int run_q16(rq_worker fn, const float *x, i64 M, i64 K, i64 gs, const void *q, const void *scale,
+                   const void *offset, int f16, i64 N, float *y, i64 ldy) {
     const i64 G = K / gs;
-    int32_t *xp = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * K / 2));
-    float *xd = (float *)malloc(sizeof(float) * (size_t)(2 * M * G));
-    quantize_rows(x, M, K, gs, xp, xd, xd + M * G);
-    const rq_t j = {M, K, N, ldy, (const uint8_t *)q, scale, offset, f16, xp, xd, xd + M * G, y};
-    run_panels(fn, &j);
+    int32_t *xp = (int32_t *)sq_malloc(sizeof(int32_t) * (size_t)(M * K / 2));
+    float *xd = (float *)sq_malloc(sizeof(float) * (size_t)(2 * M * G));
+    int rc = xp && xd ? SQ_OK : SQ_ENOMEM;
+    if (rc == SQ_OK) {
+        quantize_rows(x, M, K, gs, xp, xd, xd + M * G);
+        const rq_t j = {M, K, N, ldy, (const uint8_t *)q, scale, offset, f16, xp, xd, xd + M * G, y};
+        run_panels(fn, &j);
+    }
     free(xp);
     free(xd);
+    return rc;
 }
 
 /* y[M, ldy] (first N columns) = x[M, K] @ W^T for a u4 W (offset may be NULL), K % 32 == 0, with x
- * rounded to int16 per group of 32 as above. A row's result does not depend on M. */
-void sq_gemm_u4_q16(const float *x, i64 M, i64 K, const uint8_t *q, const void *scale, const void *offset, int f16,
-                    i64 N, float *y, i64 ldy) {
-    run_q16(u4_q16, x, M, K, 32, q, scale, offset, f16, N, y, ldy);
+ * rounded to int16 per group of 32 as above. A row's result does not depend on M. Returns SQ_OK or
+ * SQ_ENOMEM. */
+int sq_gemm_u4_q16(const float *x, i64 M, i64 K, const uint8_t *q, const void *scale, const void *offset, int f16,
+                   i64 N, float *y, i64 ldy) {
+    return run_q16(u4_q16, x, M, K, 32, q, scale, offset, f16, N, y, ldy);
 }
 
-/* the same for an i8 W with groups of gs (16 or 32; else returns -1), x rounded per group of gs */
+/* the same for an i8 W with groups of gs (16 or 32; else returns SQ_EINVAL), x rounded per group of gs */
 int sq_gemm_i8_q16(const float *x, i64 M, i64 K, const int8_t *q, const void *scale, const void *offset, int f16,
                    i64 gs, i64 N, float *y, i64 ldy) {
-    if (gs != 16 && gs != 32) return -1;
-    run_q16(gs == 32 ? i8_32_q16 : i8_16_q16, x, M, K, gs, q, scale, offset, f16, N, y, ldy);
-    return 0;
+    if (gs != 16 && gs != 32) return SQ_EINVAL;
+    return run_q16(gs == 32 ? i8_32_q16 : i8_16_q16, x, M, K, gs, q, scale, offset, f16, N, y, ldy);
 }
 
 /* 1 where this build multiplies with vpdpwssd, 0 where the plain C loop does */

@@ -127,7 +127,8 @@ static void u4_q8(const rq_t *j, i64 p0, i64 p1) { work_q8(j, p0, p1, 0, 32); }
 static void i8_32_q8(const rq_t *j, i64 p0, i64 p1) { work_q8(j, p0, p1, 1, 32); }
 static void i8_16_q8(const rq_t *j, i64 p0, i64 p1) { work_q8(j, p0, p1, 1, 16); }
 
-/* x[m] per group of gs (16 or 32): xq = round(x / d), d = max|x| / 127 (0 for an all-zero group),
+/* x[m] per group of gs (16 or 32): xq = round(x / d), d = max|x| / 127 (xq = 0, d = 0 for a group of
+ * max|x| < SQ_TINY_GROUP, all-zero included),
  * flipped to xq + 128 (as uint8) with `flip`; xs = sum x */
 static void quantize_rows(const float *x, i64 M, i64 K, i64 gs, int flip, int8_t *xq, float *xd, float *xs) {
     const i64 G = K / gs;
@@ -141,7 +142,8 @@ static void quantize_rows(const float *x, i64 M, i64 K, i64 gs, int flip, int8_t
             }
             const v16 s2 = gs == 32 ? ld16(p) + ld16(p + 16) : ld16(p);
             for (int l = 0; l < 16; l++) sum += s2[l];
-            const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+            const int zero = !(amax >= SQ_TINY_GROUP);
+            const float d = zero ? 0.f : amax / 127.f, id = zero ? 0.f : 127.f / amax;
             int8_t *o = xq + m * K + g * gs;
             for (int c = 0; c < gs; c++) { /* nearest, ties to even */
                 const int v = (int)__builtin_rintf(p[c] * id);
@@ -152,29 +154,34 @@ static void quantize_rows(const float *x, i64 M, i64 K, i64 gs, int flip, int8_t
         }
 }
 
-static void run_q8(rq_worker fn, const float *x, i64 M, i64 K, i64 gs, int flip, const void *q, const void *scale,
-                   const void *offset, int f16, i64 N, float *y, i64 ldy) {
+/* returns SQ_OK or SQ_ENOMEM (nothing written) */
+static int run_q8(rq_worker fn, const float *x, i64 M, i64 K, i64 gs, int flip, const void *q, const void *scale,
+                  const void *offset, int f16, i64 N, float *y, i64 ldy) {
     const i64 G = K / gs;
-    int8_t *xq = (int8_t *)malloc((size_t)(M * K));
-    float *xd = (float *)malloc(sizeof(float) * (size_t)(2 * M * G));
-    quantize_rows(x, M, K, gs, flip, xq, xd, xd + M * G);
-    const rq_t j = {M, K, N, ldy, (const uint8_t *)q, scale, offset, f16, xq, xd, xd + M * G, y};
-    run_panels(fn, &j);
+    int8_t *xq = (int8_t *)sq_malloc((size_t)(M * K));
+    float *xd = (float *)sq_malloc(sizeof(float) * (size_t)(2 * M * G));
+    int rc = xq && xd ? SQ_OK : SQ_ENOMEM;
+    if (rc == SQ_OK) {
+        quantize_rows(x, M, K, gs, flip, xq, xd, xd + M * G);
+        const rq_t j = {M, K, N, ldy, (const uint8_t *)q, scale, offset, f16, xq, xd, xd + M * G, y};
+        run_panels(fn, &j);
+    }
     free(xq);
     free(xd);
+    return rc;
 }
 
 /* y[M, ldy] (first N columns) = x[M, K] @ W^T for a u4 W (offset may be NULL), K % 32 == 0, with x
- * rounded to int8 per group of 32 as above. A row's result does not depend on M. */
-void sq_gemm_u4_q8(const float *x, i64 M, i64 K, const uint8_t *q, const void *scale, const void *offset, int f16,
-                   i64 N, float *y, i64 ldy) {
-    run_q8(u4_q8, x, M, K, 32, 0, q, scale, offset, f16, N, y, ldy);
+ * rounded to int8 per group of 32 as above. A row's result does not depend on M. Returns SQ_OK or
+ * SQ_ENOMEM. */
+int sq_gemm_u4_q8(const float *x, i64 M, i64 K, const uint8_t *q, const void *scale, const void *offset, int f16,
+                  i64 N, float *y, i64 ldy) {
+    return run_q8(u4_q8, x, M, K, 32, 0, q, scale, offset, f16, N, y, ldy);
 }
 
-/* the same for an i8 W with groups of gs (16 or 32; else returns -1), x rounded per group of gs */
+/* the same for an i8 W with groups of gs (16 or 32; else returns SQ_EINVAL), x rounded per group of gs */
 int sq_gemm_i8_q8(const float *x, i64 M, i64 K, const int8_t *q, const void *scale, const void *offset, int f16,
                   i64 gs, i64 N, float *y, i64 ldy) {
-    if (gs != 16 && gs != 32) return -1;
-    run_q8(gs == 32 ? i8_32_q8 : i8_16_q8, x, M, K, gs, 1, q, scale, offset, f16, N, y, ldy);
-    return 0;
+    if (gs != 16 && gs != 32) return SQ_EINVAL;
+    return run_q8(gs == 32 ? i8_32_q8 : i8_16_q8, x, M, K, gs, 1, q, scale, offset, f16, N, y, ldy);
 }

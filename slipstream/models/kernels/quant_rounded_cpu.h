@@ -8,6 +8,8 @@
 #define SQ_QUANT_ROUNDED_CPU_H
 #include <stdint.h>
 #include <stdlib.h>
+
+#include "kernel_alloc_cpu.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -20,6 +22,11 @@ typedef int64_t i64;
 #define PANEL 16
 #define MAX_MB 8
 #define PARALLEL_MIN 65536
+/* A group whose max |x| is below this (zero, denormal or tiny) rounds to all zeros with scale 0:
+ * 32767 / max|x| would overflow to inf below ~9.6e-35 (127 / max|x| below ~3.7e-37), and rounding
+ * inf to an int is undefined; max|x| / 32767 would leave float32's normals. 2^-111 keeps both
+ * finite and normal for either kernel; such activations are ~1e-34 of any normal one. */
+#define SQ_TINY_GROUP 0x1p-111f
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slipstream.models.kernels.cpu_kernels import Layer, QMat, native_kernels
+from slipstream.models.kernels.cpu_kernels import Layer, QMat, check_rc, native_kernels
 from slipstream.models.kernels.quant_formats import concat
 from slipstream.models.kernels.quant_linear import QuantLinear, cpu_matmul, ptr_or_none as _ptr
 
@@ -142,13 +142,13 @@ def forward_cpu(model, x: torch.Tensor, batch, kv) -> torch.Tensor:
     if table is not None:  # the whole stack in one call (llama_forward_cpu.c)
         rows = batch.sample_indices.to(torch.int64).contiguous()
         out = torch.empty(rows.numel(), hidden)
-        if lib.sq_decoder_forward(table, len(table), model.model.norm.eps, x.data_ptr(), t, hidden, hq, hk, d,
-                                  c.intermediate_size, kv.k.data_ptr(), kv.v.data_ptr(), kv.k[0].numel(),
-                                  positions.data_ptr(), kv_idx.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                                  qs.data_ptr(), kv_lens.data_ptr(), pages.data_ptr(), width, kv.page_size, seqs,
-                                  d ** -0.5, model.model.norm.weight.data_ptr(), rows.data_ptr(), rows.numel(),
-                                  out.data_ptr()) != 0:
-            raise ValueError(f"no CPU attention kernel for head_dim {d}, {hq} heads over {hk}")
+        rc = lib.sq_decoder_forward(table, len(table), model.model.norm.eps, x.data_ptr(), t, hidden, hq, hk, d,
+                                    c.intermediate_size, kv.k.data_ptr(), kv.v.data_ptr(), kv.k[0].numel(),
+                                    positions.data_ptr(), kv_idx.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                                    qs.data_ptr(), kv_lens.data_ptr(), pages.data_ptr(), width, kv.page_size, seqs,
+                                    d ** -0.5, model.model.norm.weight.data_ptr(), rows.data_ptr(), rows.numel(),
+                                    out.data_ptr())
+        check_rc(rc, f"no CPU kernels for head_dim {d}, {hq} heads over {hk} or these weights' groups")
         return out
     h = torch.empty(t, hidden)
     attn = torch.zeros(t, hq * d)  # rows past the sequences' queries (padding) stay finite
@@ -169,9 +169,9 @@ def forward_cpu(model, x: torch.Tensor, batch, kv) -> torch.Tensor:
         kc, vc = kv.k[a.layer], kv.v[a.layer]
         lib.sq_rotary_kv(q.data_ptr(), k.data_ptr(), v.data_ptr(), ldq, ldk, ldv, positions.data_ptr(),
                          cos.data_ptr(), sin.data_ptr(), kc.data_ptr(), vc.data_ptr(), kv_idx.data_ptr(), t, hq, hk, d)
-        if lib.sq_attention(q.data_ptr(), ldq, kc.data_ptr(), vc.data_ptr(), qs.data_ptr(), kv_lens.data_ptr(),
-                            pages.data_ptr(), width, kv.page_size, seqs, hq, hk, d, scale, attn.data_ptr()) != 0:
-            raise ValueError(f"no CPU attention kernel for head_dim {d}, {hq} heads over {hk}")
+        check_rc(lib.sq_attention(q.data_ptr(), ldq, kc.data_ptr(), vc.data_ptr(), qs.data_ptr(), kv_lens.data_ptr(),
+                                  pages.data_ptr(), width, kv.page_size, seqs, hq, hk, d, scale, attn.data_ptr()),
+                 f"no CPU attention kernel for head_dim {d}, {hq} heads over {hk}")
         o = _linear(a.o_proj, attn, lib).contiguous()
         ln = layer.post_attention_layernorm
         lib.sq_add_rms_norm(x.data_ptr(), o.data_ptr(), ln.weight.data_ptr(), ln.eps, h.data_ptr(), t, hidden,

@@ -130,6 +130,14 @@ def decode_ready(layer) -> bool:
             and type(m.down_proj) is nn.Linear and m.down_proj.bias is None)
 
 
+def takes_fused_decode(model, rows: int) -> bool:
+    """Whether a step of `rows` token rows runs the 5-launch fused decode layer (else the 8-launch
+    layer), under the model's options (TRITON_DEFAULTS unless set_kernel_backend got others). The
+    one place the choice is made: forward_triton and the launch-count tests both ask it."""
+    options = model.triton_options or TRITON_DEFAULTS
+    return rows <= options.fused_decode_max_rows and all(decode_ready(layer) for layer in model.model.layers)
+
+
 def fused_decode_layer(layer, x: torch.Tensor, batch, kv, rope) -> None:
     """One layer in 5 launches; the sublayer outputs are added into `x` in place."""
     a, m = layer.self_attn, layer.mlp
@@ -149,7 +157,7 @@ def forward_triton(model, x: torch.Tensor, batch, kv) -> torch.Tensor:
     options = model.triton_options or TRITON_DEFAULTS
     layers = model.model.layers
     norm = model.model.norm
-    if x.shape[0] <= options.fused_decode_max_rows and all(decode_ready(layer) for layer in layers):
+    if takes_fused_decode(model, x.shape[0]):
         for layer in layers:
             fused_decode_layer(layer, x, batch, kv, model.rope)
         return add_rms_norm_triton(None, x, norm.weight, norm.eps, rows=batch.sample_indices)

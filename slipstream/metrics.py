@@ -213,7 +213,8 @@ class EagerStepsCollector:
 
     def detach(self) -> None:
         """Keep the count, not the runner (a closed engine's registry may outlive it)."""
-        self.count, self.runner = self.runner.eager_steps, None
+        if self.runner is not None:  # (a dead loop's parts may be closed twice)
+            self.count, self.runner = self.runner.eager_steps, None
 
     def collect(self):
         fam = CounterMetricFamily("slipstream_eager_steps", "Steps launched without a graph", labels=["model"])

@@ -91,10 +91,15 @@ def special_ids(vocab: Vocab) -> tuple[int, int]:
     return vocab.tokens.index("<|endoftext|>"), vocab.tokens.index("<|im_end|>")
 
 
+SLIDING_WINDOW = 12  # shorter than the prompts and the generations of the sliding-window families
+
+
 def hf_model(family: str, vocab_size: int, seed: int = 0, bos: int = 1, eos: int = 2):
-    """A random transformers model of `family` ("llama", "llama3-rope", "linear-rope", "qwen2"), norms and
-    biases perturbed."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    """A random transformers model of `family` ("llama", "llama3-rope", "linear-rope", "qwen2",
+    "mistral-sw": every layer windowed, "qwen2-sw": layer 0 full, layer 1 windowed), norms and biases
+    perturbed."""
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM)
 
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
@@ -104,6 +109,14 @@ def hf_model(family: str, vocab_size: int, seed: int = 0, bos: int = 1, eos: int
         cfg = Qwen2Config(**common, tie_word_embeddings=True, rope_parameters={"rope_type": "default",
                                                                                "rope_theta": 1000000.0})
         model = Qwen2ForCausalLM(cfg)
+    elif family == "qwen2-sw":
+        cfg = Qwen2Config(**common, tie_word_embeddings=True, use_sliding_window=True, sliding_window=SLIDING_WINDOW,
+                          max_window_layers=1, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+        model = Qwen2ForCausalLM(cfg)
+    elif family == "mistral-sw":
+        cfg = MistralConfig(**common, head_dim=16, tie_word_embeddings=False, sliding_window=SLIDING_WINDOW,
+                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+        model = MistralForCausalLM(cfg)
     else:
         scaling = {"llama3-rope": LLAMA3_ROPE, "linear-rope": LINEAR_ROPE}.get(family, {"rope_type": "default"})
         rope = {"rope_theta": 10000.0, **scaling}
@@ -153,6 +166,12 @@ def write_gguf(path: Path, arch: str, model, vocab: Vocab, rope_freqs: np.ndarra
         w.add_rope_scaling_type(gguf.RopeScalingType(rope_scaling[0]))
         w.add_rope_scaling_factor(rope_scaling[1])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if getattr(cfg, "head_dim", None):
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+    if getattr(cfg, "sliding_window", None) and set(getattr(cfg, "layer_types", None) or ["sliding_attention"]) == {
+            "sliding_attention"}:
+        w.add_sliding_window(cfg.sliding_window)
     w.add_vocab_size(cfg.vocab_size)
     w.add_token_list(vocab.tokens)
     w.add_token_types(vocab.types)

@@ -32,10 +32,20 @@ class ModelConfig:
     # RoPE frequency divisors, one per rotary pair (head_dim // 2): inv_freq[i] / factors[i].
     # Llama-3 scaling and linear scaling reduce to this; so does a GGUF's `rope_freqs` tensor.
     rope_freq_factors: tuple[float, ...] | None = None
+    # Sliding-window attention: a query at position p sees the keys at positions (p - window, p].
+    # `sliding_layers[i]`: whether layer i is windowed (None: all are, when sliding_window is set).
+    sliding_window: int | None = None
+    sliding_layers: tuple[bool, ...] | None = None
     # Images (Idefics3): the placeholder id whose rows take vision embeddings, and the vision tower's
     # config; both None for a text-only model.
     image_token_id: int | None = None
     vision: VisionConfig | None = None
+
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s attention window in positions, or None (full causal attention)."""
+        if self.sliding_window is None or (self.sliding_layers is not None and not self.sliding_layers[layer]):
+            return None
+        return self.sliding_window
 
     def __post_init__(self) -> None:
         if (self.image_token_id is None) != (self.vision is None):
@@ -47,6 +57,10 @@ class ModelConfig:
         if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
             raise ValueError(f"rope_freq_factors has {len(self.rope_freq_factors)} entries, "
                              f"head_dim={self.head_dim} needs {self.head_dim // 2}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window={self.sliding_window} must be >= 1 (or None)")
+        if self.sliding_layers is not None and len(self.sliding_layers) != self.num_layers:
+            raise ValueError(f"sliding_layers has {len(self.sliding_layers)} entries for {self.num_layers} layers")
 
 
 def llama3_rope_factors(head_dim: int, theta: float, factor: float, low_freq_factor: float,

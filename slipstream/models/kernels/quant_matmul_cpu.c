@@ -36,7 +36,7 @@ typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 typedef float v16_u __attribute__((vector_size(64), aligned(4)));
 
-int sq_abi_version(void) { return 2; }
+int sq_abi_version(void) { return 3; }
 
 int sq_max_threads(void) {
 #ifdef _OPENMP

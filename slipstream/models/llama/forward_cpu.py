@@ -7,7 +7,8 @@ computing, so each layer here is:
     add + RMSNorm            sq_add_rms_norm (the previous sublayer's output joins the residual)
     QKV matmul               one fused QuantWeight (fuse_projections_cpu), or the three projections
     rotary + KV-cache write  sq_rotary_kv
-    paged causal attention   sq_attention (keys and values read in place through the page table)
+    paged causal attention   sq_attention (keys and values read in place through the page table;
+                             a layer's sliding window masks and skips the keys before it)
     o_proj matmul
     add + RMSNorm
     gate-up matmul           one fused QuantWeight, or two
@@ -122,7 +123,7 @@ def decoder_layers(model) -> Any:
         table = (Layer * len(layers))(*[
             Layer(ly.input_layernorm.weight.data_ptr(), ly.post_attention_layernorm.weight.data_ptr(),
                   _qmat(ly.self_attn.qkv_cpu), _qmat(ly.self_attn.o_proj), _qmat(ly.mlp.gate_up_cpu),
-                  _qmat(ly.mlp.down_proj)) for ly in layers])
+                  _qmat(ly.mlp.down_proj), ly.self_attn.window or 0) for ly in layers])
     model.cpu_layers = table  # (the tensors it points into live as long as the model)
     return table
 
@@ -170,7 +171,8 @@ def forward_cpu(model, x: torch.Tensor, batch, kv) -> torch.Tensor:
         lib.sq_rotary_kv(q.data_ptr(), k.data_ptr(), v.data_ptr(), ldq, ldk, ldv, positions.data_ptr(),
                          cos.data_ptr(), sin.data_ptr(), kc.data_ptr(), vc.data_ptr(), kv_idx.data_ptr(), t, hq, hk, d)
         if lib.sq_attention(q.data_ptr(), ldq, kc.data_ptr(), vc.data_ptr(), qs.data_ptr(), kv_lens.data_ptr(),
-                            pages.data_ptr(), width, kv.page_size, seqs, hq, hk, d, scale, attn.data_ptr()) != 0:
+                            pages.data_ptr(), width, kv.page_size, seqs, hq, hk, d, scale, a.window or 0,
+                            attn.data_ptr()) != 0:
             raise ValueError(f"no CPU attention kernel for head_dim {d}, {hq} heads over {hk}")
         o = _linear(a.o_proj, attn, lib).contiguous()
         ln = layer.post_attention_layernorm

@@ -108,7 +108,7 @@ def attend(attn, q: torch.Tensor, batch, kv) -> torch.Tensor:
     out = torch.empty(t, attn.heads, attn.head_dim, dtype=q.dtype, device=q.device)
     m = batch.attn.on_device
     paged_attention_triton(q, kv.k[attn.layer], kv.v[attn.layer], m.query_start, m.kv_lens, m.page_table,
-                           kv.page_size, m.max_q_len, out, blocks=m.blocks)
+                           kv.page_size, m.max_q_len, out, blocks=m.blocks, window=attn.window)
     return out.view(t, attn.heads * attn.head_dim)
 
 

@@ -1,4 +1,4 @@
-"""A Llama-family decoder (Llama, Qwen2) written for a serving engine.
+"""A Llama-family decoder (Llama, Mistral, Qwen2) written for a serving engine.
 
 One forward takes a flat batch of tokens from many sequences (prefill chunks and single decode
 tokens mixed), writes each token's K/V into a paged cache through its KV index, reads context
@@ -54,6 +54,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.heads * self.head_dim, h, bias=False)
+        self.window = config.window(layer)  # sliding-window attention (None: full causal)
         self.compute_dtype: torch.dtype | None = None  # float64: batch/chunk-invariant results
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fused (weight, bias): llama/forward_triton.py
 
@@ -67,7 +68,7 @@ class Attention(nn.Module):
         write_kv(k_cache, batch.kv_indices, k)
         write_kv(v_cache, batch.kv_indices, v)
         out = torch.zeros_like(q)  # the reference leaves padding rows untouched: keep them finite
-        paged_attention_reference(q, k_cache, v_cache, batch.attn, out, self.compute_dtype)
+        paged_attention_reference(q, k_cache, v_cache, batch.attn, out, self.compute_dtype, self.window)
         return self.o_proj(out.view(t, self.heads * self.head_dim))
 
 

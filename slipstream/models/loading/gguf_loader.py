@@ -1,6 +1,7 @@
 """Loading a llama.cpp GGUF file: weights in Hugging Face naming, config and tokenizer.
 
-Architectures `llama` and `qwen2` (llama + q/k/v biases). With `quantized=True` every matrix in a
+Architectures `llama` (Mistral included: llama.cpp writes it so), and `qwen2` (llama + q/k/v biases). An
+`<arch>.attention.sliding_window` key windows every layer's attention. With `quantized=True` every matrix in a
 format of quant_formats.QUANTIZED_TYPES is repacked, still quantized, into a QuantWeight; everything
 else (and every tensor with `quantized=False`) is dequantised to float. loader.py caches the result.
 For `llama`, llama.cpp's converter permutes the rows of q/k projections to its interleaved RoPE
@@ -138,6 +139,7 @@ def _config(meta: dict[str, Any], tensors: dict[str, Any], path: Path, eos: tupl
     if vocab is None:
         raise CorruptModelError(f"{path}: cannot tell the vocabulary size")
     bos = meta.get("tokenizer.ggml.bos_token_id")
+    window = get("attention.sliding_window")
     return ModelConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,
@@ -156,6 +158,7 @@ def _config(meta: dict[str, Any], tensors: dict[str, Any], path: Path, eos: tupl
         architecture=arch,
         attention_bias=arch == "qwen2",
         rope_freq_factors=_rope_factors(meta, tensors, path, arch, head_dim),
+        sliding_window=None if window is None else int(window),
     )
 
 
@@ -220,7 +223,7 @@ def load_gguf(
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise UnsupportedArchitectureError(f"{path}: architecture {arch!r} is not supported "
-                                           f"(need one of {ARCHITECTURES})")
+                                           f"(supported: {', '.join(ARCHITECTURES)})")
     tensors = {t.name: t for t in reader.tensors}
     # The reader's parsed fields (every token and merge as numpy parts) cost ~85 MB for a 49k
     # vocabulary; everything needed is in `meta` now, so drop them before the weights arrive.

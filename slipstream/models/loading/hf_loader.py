@@ -1,4 +1,4 @@
-"""Loading a Hugging Face Llama / Qwen2 folder (config.json + *.safetensors + tokenizer.json)."""
+"""Loading a Hugging Face Llama / Mistral / Qwen2 folder (config.json + *.safetensors + tokenizer.json)."""
 from __future__ import annotations
 
 import json
@@ -47,7 +47,9 @@ def check_weights(config: ModelConfig, weights: Mapping[str, Any], source: Path 
             raise CorruptModelError(f"{source}: {name} has shape {tuple(weights[name].shape)}, config implies {shape}")
 
 
-_ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+# HF class -> ModelConfig.architecture (Mistral is Llama with a sliding window)
+_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
 
 
 def _architecture(cfg: Mapping[str, Any], source: Path | str) -> str:
@@ -55,11 +57,39 @@ def _architecture(cfg: Mapping[str, Any], source: Path | str) -> str:
     for a in archs:
         if a in _ARCHS:
             return _ARCHS[a]
-    if not archs and cfg.get("model_type") in _ARCHS.values():
-        return str(cfg["model_type"])
+    if not archs and cfg.get("model_type") in _MODEL_TYPES:
+        return _MODEL_TYPES[str(cfg["model_type"])]
     arch = archs[0] if archs else cfg.get("model_type")
     raise UnsupportedArchitectureError(f"{source}: architecture {arch!r} is not supported "
-                                       f"(need one of {sorted(_ARCHS)})")
+                                       f"(supported: {', '.join(sorted(_ARCHS))})")
+
+
+def _sliding_window(cfg: Mapping[str, Any], arch: str, layers: int,
+                    source: Path | str) -> tuple[int | None, tuple[bool, ...] | None]:
+    """(window, which layers are windowed) as transformers reads them: Qwen2 windows only with
+    `use_sliding_window`, the layers from `max_window_layers` on; Mistral every layer; `layer_types`
+    (transformers 5) says per layer where present."""
+    if arch == "qwen2":
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+    else:
+        window = cfg.get("sliding_window")
+    if window is None:
+        return None, None
+    types = cfg.get("layer_types")
+    if types is not None:
+        unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+        if unknown or len(types) != layers:
+            raise UnsupportedArchitectureError(f"{source}: layer_types {types!r} is not supported "
+                                               f"(one of full_attention, sliding_attention per layer)")
+        sliding = tuple(t == "sliding_attention" for t in types)
+    elif arch == "qwen2":
+        first = int(cfg.get("max_window_layers", 28))
+        sliding = tuple(i >= first for i in range(layers))
+    else:
+        sliding = (True,) * layers
+    if not any(sliding):
+        return None, None
+    return int(window), None if all(sliding) else sliding
 
 
 def rope_factors_from_hf(rope: Mapping[str, Any], head_dim: int, theta: float,
@@ -82,18 +112,25 @@ def rope_factors_from_hf(rope: Mapping[str, Any], head_dim: int, theta: float,
 
 
 def config_from_hf(cfg: Mapping[str, Any], name: str, source: Path | str) -> ModelConfig:
-    """Map a Llama/Qwen2 config dict (transformers 4 or 5 layout) to ModelConfig; refuse what we cannot run."""
+    """Map a Llama/Mistral/Qwen2 config dict (transformers 4 or 5 layout) to ModelConfig; refuse
+    what we cannot run, naming the field."""
     arch = _architecture(cfg, source)
     if arch == "llama" and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
-        raise UnsupportedArchitectureError(f"{source}: Llama with attention/MLP biases is not supported")
-    if arch == "qwen2" and cfg.get("use_sliding_window"):
-        raise UnsupportedArchitectureError(f"{source}: Qwen2 with sliding-window attention is not supported")
+        raise UnsupportedArchitectureError(f"{source}: {arch} with attention_bias/mlp_bias is not supported "
+                                           f"(biases on attention/MLP)")
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedArchitectureError(f"{source}: hidden_act {act!r} is not supported (supported: silu)")
+    if float(cfg.get("partial_rotary_factor") or 1.0) != 1.0:
+        raise UnsupportedArchitectureError(f"{source}: partial_rotary_factor {cfg['partial_rotary_factor']!r} "
+                                           f"(partial rotary) is not supported")
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     try:
         hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
         head_dim = int(cfg.get("head_dim") or hidden // heads)
         theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
         eos = cfg.get("eos_token_id")
+        window, sliding = _sliding_window(cfg, arch, int(cfg["num_hidden_layers"]), source)
         return ModelConfig(
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
@@ -112,6 +149,8 @@ def config_from_hf(cfg: Mapping[str, Any], name: str, source: Path | str) -> Mod
             architecture=arch,
             attention_bias=arch == "qwen2",
             rope_freq_factors=rope_factors_from_hf(rope, head_dim, theta, source),
+            sliding_window=window,
+            sliding_layers=sliding,
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise CorruptModelError(f"{source}: config.json lacks or mangles a field ({exc!r})") from exc
@@ -138,7 +177,7 @@ def read_safetensors(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor
 def load_hf_folder(
     path: str | Path, dtype: torch.dtype = torch.float32, name: str | None = None
 ) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
-    """Read a HF Llama folder; tensors are converted to `dtype`, a tied lm_head is dropped."""
+    """Read a HF Llama / Mistral / Qwen2 folder; tensors are converted to `dtype`, a tied lm_head is dropped."""
     folder = Path(path)
     if not folder.is_dir():
         raise ModelNotFoundError(f"{folder}: no such model folder")

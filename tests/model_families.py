@@ -40,7 +40,7 @@ TEXTS = [
 _GGUF_LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
                "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
                "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-               "mlp.down_proj": "ffn_down"}
+               "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
 LINEAR_ROPE = {"rope_type": "linear", "factor": 4.0}
@@ -95,26 +95,33 @@ SLIDING_WINDOW = 12  # shorter than the prompts and the generations of the slidi
 
 
 def hf_model(family: str, vocab_size: int, seed: int = 0, bos: int = 1, eos: int = 2):
-    """A random transformers model of `family` ("llama", "llama3-rope", "linear-rope", "qwen2",
+    """A random transformers model of `family` ("llama", "llama3-rope", "linear-rope", "qwen2", "qwen3",
     "mistral-sw": every layer windowed, "qwen2-sw": layer 0 full, layer 1 windowed), norms and biases
     perturbed."""
     from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM)
+                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
                   bos_token_id=bos, eos_token_id=eos)
     torch.manual_seed(seed)
+    # the newer families' weights 10x transformers' default: with std 0.02 a tiny tied Qwen3 greedily repeats
+    # one token, which would hide a wrong attention
+    wide = dict(initializer_range=0.2)
     if family == "qwen2":
         cfg = Qwen2Config(**common, tie_word_embeddings=True, rope_parameters={"rope_type": "default",
                                                                                "rope_theta": 1000000.0})
         model = Qwen2ForCausalLM(cfg)
     elif family == "qwen2-sw":
-        cfg = Qwen2Config(**common, tie_word_embeddings=True, use_sliding_window=True, sliding_window=SLIDING_WINDOW,
+        cfg = Qwen2Config(**common, **wide, tie_word_embeddings=True, use_sliding_window=True, sliding_window=SLIDING_WINDOW,
                           max_window_layers=1, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
         model = Qwen2ForCausalLM(cfg)
+    elif family == "qwen3":
+        cfg = Qwen3Config(**common, **wide, head_dim=16, tie_word_embeddings=True,
+                          rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+        model = Qwen3ForCausalLM(cfg)
     elif family == "mistral-sw":
-        cfg = MistralConfig(**common, head_dim=16, tie_word_embeddings=False, sliding_window=SLIDING_WINDOW,
+        cfg = MistralConfig(**common, **wide, head_dim=16, tie_word_embeddings=False, sliding_window=SLIDING_WINDOW,
                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
         model = MistralForCausalLM(cfg)
     else:

@@ -1,4 +1,4 @@
-"""Sliding-window attention (Mistral: every layer; Qwen2 `use_sliding_window`: the
+"""Qwen3 (q/k norms) and sliding-window attention (Mistral: every layer; Qwen2 `use_sliding_window`: the
 layers from `max_window_layers` on) against transformers, from a Hugging Face folder and from a GGUF.
 
 Random tiny weights (model_families.py); the window (SLIDING_WINDOW) is shorter than the prompts and
@@ -18,7 +18,7 @@ from slipstream.models.llama.model import LlamaForCausalLM
 from slipstream.models.loading.loader import load_model
 
 # family -> GGUF architecture (None: the layout has no GGUF form: a window on some layers only)
-FAMILIES = {"mistral-sw": "llama", "qwen2-sw": None}
+FAMILIES = {"qwen3": "qwen3", "mistral-sw": "llama", "qwen2-sw": None}
 NEW_TOKENS = 64
 
 
@@ -39,14 +39,16 @@ def family(request, tmp_path_factory):
     with torch.no_grad():
         want = [model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
                                pad_token_id=0)[0, len(p):].tolist() for p in prompts[:3]]
+    assert all(len(set(w)) > 8 for w in want)  # (not a degenerate repeat: the tokens depend on the attention)
     return {"name": name, "model": model, "folder": folder, "gguf": gguf_path if FAMILIES[name] else None,
             "prompts": prompts, "want": want + [want[2]]}
 
 
 def test_config(family):
     config = load_model(str(family["folder"])).config
+    assert config.qk_norm == (family["name"] == "qwen3")
     windows = [config.window(i) for i in range(config.num_layers)]
-    assert windows == {"mistral-sw": [SLIDING_WINDOW] * 2,
+    assert windows == {"qwen3": [None, None], "mistral-sw": [SLIDING_WINDOW] * 2,
                        "qwen2-sw": [None, SLIDING_WINDOW]}[family["name"]]
     if family["gguf"] is not None:
         from_gguf = load_model(str(family["gguf"])).config  # (its eps went through float32)
@@ -74,9 +76,13 @@ def test_logits_match_transformers(family, backend):
 
 
 def test_the_window_is_not_a_no_op(family):
-    """Guards the test above: without the window logits move visibly."""
+    """Guards the test above: without the window (or without the q/k norms) logits move visibly."""
     loaded = load_model(str(family["folder"]))
-    plain, weights = dataclasses.replace(loaded.config, sliding_window=None, sliding_layers=None), loaded.weights
+    if family["name"] == "qwen3":
+        plain = dataclasses.replace(loaded.config, qk_norm=False)
+        weights = {k: v for k, v in loaded.weights.items() if "_norm" not in k or "layernorm" in k}
+    else:
+        plain, weights = dataclasses.replace(loaded.config, sliding_window=None, sliding_layers=None), loaded.weights
     ours = LlamaForCausalLM.from_weights(plain, weights, torch.float32, "cpu")
     ids = family["prompts"][2]
     assert len(ids) > 2 * SLIDING_WINDOW

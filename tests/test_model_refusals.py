@@ -35,8 +35,9 @@ def _edit_config(src, dst, **changes):
      "layer_types"),
     ({"hidden_act": "gelu_pytorch_tanh"}, "hidden_act 'gelu_pytorch_tanh' is not supported"),
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
+    ({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": True}, "attention_bias"),
     ({"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"},
-     "'Gemma3ForCausalLM' is not supported.*LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"),
+     "'Gemma3ForCausalLM' is not supported.*LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, "'yarn' is not supported"),
     ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}}, "'dynamic' is not supported"),
     ({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral"}, "MixtralForCausalLM"),
@@ -53,7 +54,7 @@ def test_gguf_unsupported_architecture_lists_the_supported(qwen, tmp_path):
     path = tmp_path / "gemma.gguf"
     write_gguf(path, "gemma3", model, vocab, pre="qwen2")
     with pytest.raises(UnsupportedArchitectureError, match=r"gemma\.gguf: architecture 'gemma3' is not supported "
-                                                           r"\(supported: llama, qwen2\)"):
+                                                           r"\(supported: llama, qwen2, qwen3\)"):
         load_gguf(path)
 
 

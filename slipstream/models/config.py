@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from slipstream.models.idefics3.config import VisionConfig
 
-ARCHITECTURES = ("llama", "qwen2")  # qwen2 = llama + biases on the q/k/v projections
+# qwen2 = llama + biases on the q/k/v projections; qwen3 = llama + per-head RMSNorm on q and k
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,8 @@ class ModelConfig:
     # RoPE frequency divisors, one per rotary pair (head_dim // 2): inv_freq[i] / factors[i].
     # Llama-3 scaling and linear scaling reduce to this; so does a GGUF's `rope_freqs` tensor.
     rope_freq_factors: tuple[float, ...] | None = None
+    # Per-head RMSNorm of q and k (over head_dim, before rotary): Qwen3 (q_norm / k_norm weights)
+    qk_norm: bool = False
     # Sliding-window attention: a query at position p sees the keys at positions (p - window, p].
     # `sliding_layers[i]`: whether layer i is windowed (None: all are, when sliding_window is set).
     sliding_window: int | None = None

@@ -6,6 +6,7 @@ computing, so each layer here is:
 
     add + RMSNorm            sq_add_rms_norm (the previous sublayer's output joins the residual)
     QKV matmul               one fused QuantWeight (fuse_projections_cpu), or the three projections
+    (q/k RMSNorm per head)   Qwen3: torch ops
     rotary + KV-cache write  sq_rotary_kv
     paged causal attention   sq_attention (keys and values read in place through the page table;
                              a layer's sliding window masks and skips the keys before it)
@@ -111,13 +112,13 @@ def _qmat(linear: QuantLinear) -> QMat:
 
 def decoder_layers(model) -> Any:
     """The model's layers as llama_forward_cpu.c's layer_t array (built once, kept on the model), or
-    None unless every projection is quantized and q/k/v and gate/up are fused."""
+    None unless every projection is quantized and q/k/v and gate/up are fused (and no q/k norm)."""
     cached = model.cpu_layers
     if cached is not False:
         return cached
     table = None
     layers = model.model.layers
-    if all(getattr(ly.self_attn, "qkv_cpu", None) is not None and getattr(ly.mlp, "gate_up_cpu", None) is not None
+    if not model.config.qk_norm and all(getattr(ly.self_attn, "qkv_cpu", None) is not None and getattr(ly.mlp, "gate_up_cpu", None) is not None
            and isinstance(ly.self_attn.o_proj, QuantLinear) and isinstance(ly.mlp.down_proj, QuantLinear)
            and ly.self_attn.o_proj.bias is None and ly.mlp.down_proj.bias is None for ly in layers):
         table = (Layer * len(layers))(*[
@@ -167,6 +168,10 @@ def forward_cpu(model, x: torch.Tensor, batch, kv) -> torch.Tensor:
         else:
             q, k, v = (_linear(p, h, lib).contiguous() for p in (a.q_proj, a.k_proj, a.v_proj))
             ldq, ldk, ldv = q.stride(0), k.stride(0), v.stride(0)
+        if a.qk_norm:  # Qwen3: RMSNorm per head before rotary (into new contiguous rows)
+            q = a.q_norm(q[:, :hq * d].reshape(t, hq, d)).reshape(t, hq * d)
+            k = a.k_norm(k[:, :hk * d].reshape(t, hk, d)).reshape(t, hk * d)
+            ldq, ldk = q.stride(0), k.stride(0)
         kc, vc = kv.k[a.layer], kv.v[a.layer]
         lib.sq_rotary_kv(q.data_ptr(), k.data_ptr(), v.data_ptr(), ldq, ldk, ldv, positions.data_ptr(),
                          cos.data_ptr(), sin.data_ptr(), kc.data_ptr(), vc.data_ptr(), kv_idx.data_ptr(), t, hq, hk, d)

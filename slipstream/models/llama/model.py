@@ -1,4 +1,4 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2) written for a serving engine.
+"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) written for a serving engine.
 
 One forward takes a flat batch of tokens from many sequences (prefill chunks and single decode
 tokens mixed), writes each token's K/V into a paged cache through its KV index, reads context
@@ -54,6 +54,10 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.heads * self.head_dim, h, bias=False)
+        if config.qk_norm:  # Qwen3: each head's q and k RMS-normed over head_dim before rotary
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
         self.window = config.window(layer)  # sliding-window attention (None: full causal)
         self.compute_dtype: torch.dtype | None = None  # float64: batch/chunk-invariant results
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fused (weight, bias): llama/forward_triton.py
@@ -61,8 +65,10 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache, rotate) -> torch.Tensor:
         """The reference path (PyTorch ops, attention over host metadata)."""
         t = x.shape[0]
-        q, k = rotate(self.q_proj(x).view(t, self.heads, self.head_dim),
-                      self.k_proj(x).view(t, self.kv_heads, self.head_dim))
+        q, k = self.q_proj(x).view(t, self.heads, self.head_dim), self.k_proj(x).view(t, self.kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotate(q, k)
         v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
         k_cache, v_cache = kv.k[self.layer], kv.v[self.layer]
         write_kv(k_cache, batch.kv_indices, k)

@@ -1,11 +1,12 @@
 """Loading a llama.cpp GGUF file: weights in Hugging Face naming, config and tokenizer.
 
-Architectures `llama` (Mistral included: llama.cpp writes it so), and `qwen2` (llama + q/k/v biases). An
+Architectures `llama` (Mistral included: llama.cpp writes it so), `qwen2` (llama + q/k/v biases) and
+`qwen3` (llama + per-head q/k RMSNorm, `attn_q_norm` / `attn_k_norm`). An
 `<arch>.attention.sliding_window` key windows every layer's attention. With `quantized=True` every matrix in a
 format of quant_formats.QUANTIZED_TYPES is repacked, still quantized, into a QuantWeight; everything
 else (and every tensor with `quantized=False`) is dequantised to float. loader.py caches the result.
 For `llama`, llama.cpp's converter permutes the rows of q/k projections to its interleaved RoPE
-layout; we undo that so the weights equal the original Hugging Face checkpoint's. `qwen2` files use
+layout; we undo that so the weights equal the original Hugging Face checkpoint's. `qwen2` / `qwen3` files use
 llama.cpp's NeoX rotary layout and are stored unpermuted. A `rope_freqs` tensor (Llama-3.1/3.2
 scaling, one divisor per rotary frequency) becomes ModelConfig.rope_freq_factors.
 """
@@ -49,11 +50,14 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",  # qwen3
+    "attn_k_norm": "self_attn.k_norm",
 }
+_QK_NORMS = {"attn_q_norm", "attn_k_norm"}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 _BIASED = {"attn_q", "attn_k", "attn_v"}  # the only biases of the architectures we load (Qwen2)
 ROPE_FREQS = "rope_freqs.weight"
-ARCHITECTURES = ("llama", "qwen2")
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -158,6 +162,7 @@ def _config(meta: dict[str, Any], tensors: dict[str, Any], path: Path, eos: tupl
         architecture=arch,
         attention_bias=arch == "qwen2",
         rope_freq_factors=_rope_factors(meta, tensors, path, arch, head_dim),
+        qk_norm=arch == "qwen3",
         sliding_window=None if window is None else int(window),
     )
 
@@ -208,7 +213,7 @@ def _repack(tensor: Any, path: Path, permute_rows=None) -> QuantWeight | None:
 def load_gguf(
     path: str | Path, dtype: torch.dtype = torch.float32, quantized: bool = False
 ) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantWeight], Tokenizer]:
-    """Read config, HF-named weights and tokenizer from a llama / qwen2 GGUF: dequantised to `dtype`,
+    """Read config, HF-named weights and tokenizer from a llama / qwen2 / qwen3 GGUF: dequantised to `dtype`,
     or, with `quantized`, kept quantized where quant_formats can (float32 elsewhere)."""
     path = Path(path)
     if not path.is_file():
@@ -238,7 +243,8 @@ def load_gguf(
         if name == ROPE_FREQS:
             continue  # already in config.rope_freq_factors
         target = hf_name(name)
-        if target is None or (target.endswith(".bias") and not config.attention_bias):
+        qk_norm = any(f".{n}." in name for n in _QK_NORMS)
+        if target is None or (target.endswith(".bias") and not config.attention_bias) or (qk_norm and not config.qk_norm):
             raise UnsupportedArchitectureError(f"{path}: tensor {name!r} has no {arch} counterpart")
         permute = None
         if arch == "llama" and (".attn_q." in name or ".attn_k." in name):

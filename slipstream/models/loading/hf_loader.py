@@ -1,4 +1,4 @@
-"""Loading a Hugging Face Llama / Mistral / Qwen2 folder (config.json + *.safetensors + tokenizer.json)."""
+"""Loading a Hugging Face Llama / Mistral / Qwen2 / Qwen3 folder (config.json + *.safetensors + tokenizer.json)."""
 from __future__ import annotations
 
 import json
@@ -21,6 +21,8 @@ def llama_weight_names(config: ModelConfig) -> list[str]:
         p = f"model.layers.{i}."
         names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
         names += [p + f"self_attn.{x}_proj.weight" for x in "qkvo"]
+        if config.qk_norm:
+            names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
         if config.attention_bias:
             names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
         names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
@@ -48,8 +50,9 @@ def check_weights(config: ModelConfig, weights: Mapping[str, Any], source: Path 
 
 
 # HF class -> ModelConfig.architecture (Mistral is Llama with a sliding window)
-_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
-_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+          "Qwen3ForCausalLM": "qwen3"}
+_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
 def _architecture(cfg: Mapping[str, Any], source: Path | str) -> str:
@@ -66,10 +69,10 @@ def _architecture(cfg: Mapping[str, Any], source: Path | str) -> str:
 
 def _sliding_window(cfg: Mapping[str, Any], arch: str, layers: int,
                     source: Path | str) -> tuple[int | None, tuple[bool, ...] | None]:
-    """(window, which layers are windowed) as transformers reads them: Qwen2 windows only with
+    """(window, which layers are windowed) as transformers reads them: Qwen2/Qwen3 window only with
     `use_sliding_window`, the layers from `max_window_layers` on; Mistral every layer; `layer_types`
     (transformers 5) says per layer where present."""
-    if arch == "qwen2":
+    if arch in ("qwen2", "qwen3"):
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
     else:
         window = cfg.get("sliding_window")
@@ -82,7 +85,7 @@ def _sliding_window(cfg: Mapping[str, Any], arch: str, layers: int,
             raise UnsupportedArchitectureError(f"{source}: layer_types {types!r} is not supported "
                                                f"(one of full_attention, sliding_attention per layer)")
         sliding = tuple(t == "sliding_attention" for t in types)
-    elif arch == "qwen2":
+    elif arch in ("qwen2", "qwen3"):
         first = int(cfg.get("max_window_layers", 28))
         sliding = tuple(i >= first for i in range(layers))
     else:
@@ -112,10 +115,10 @@ def rope_factors_from_hf(rope: Mapping[str, Any], head_dim: int, theta: float,
 
 
 def config_from_hf(cfg: Mapping[str, Any], name: str, source: Path | str) -> ModelConfig:
-    """Map a Llama/Mistral/Qwen2 config dict (transformers 4 or 5 layout) to ModelConfig; refuse
+    """Map a Llama/Mistral/Qwen2/Qwen3 config dict (transformers 4 or 5 layout) to ModelConfig; refuse
     what we cannot run, naming the field."""
     arch = _architecture(cfg, source)
-    if arch == "llama" and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
+    if arch in ("llama", "qwen3") and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
         raise UnsupportedArchitectureError(f"{source}: {arch} with attention_bias/mlp_bias is not supported "
                                            f"(biases on attention/MLP)")
     act = cfg.get("hidden_act", "silu")
@@ -149,6 +152,7 @@ def config_from_hf(cfg: Mapping[str, Any], name: str, source: Path | str) -> Mod
             architecture=arch,
             attention_bias=arch == "qwen2",
             rope_freq_factors=rope_factors_from_hf(rope, head_dim, theta, source),
+            qk_norm=arch == "qwen3",
             sliding_window=window,
             sliding_layers=sliding,
         )
@@ -177,7 +181,7 @@ def read_safetensors(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor
 def load_hf_folder(
     path: str | Path, dtype: torch.dtype = torch.float32, name: str | None = None
 ) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
-    """Read a HF Llama / Mistral / Qwen2 folder; tensors are converted to `dtype`, a tied lm_head is dropped."""
+    """Read a HF Llama / Mistral / Qwen2 / Qwen3 folder; tensors are converted to `dtype`, a tied lm_head is dropped."""
     folder = Path(path)
     if not folder.is_dir():
         raise ModelNotFoundError(f"{folder}: no such model folder")

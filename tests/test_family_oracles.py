@@ -10,7 +10,7 @@ import dataclasses
 
 import pytest
 import torch
-from model_families import SLIDING_WINDOW, byte_vocab, hf_model, special_ids, write_gguf, write_hf_folder
+from model_families import LONGROPE, SLIDING_WINDOW, byte_vocab, hf_model, special_ids, write_gguf, write_hf_folder
 from test_model_families import last_logits
 
 from slipstream.models.kernels.cpu_kernels import native_kernels
@@ -18,7 +18,7 @@ from slipstream.models.llama.model import LlamaForCausalLM
 from slipstream.models.loading.loader import load_model
 
 # family -> GGUF architecture (None: the layout has no GGUF form: a window on some layers only)
-FAMILIES = {"qwen3": "qwen3", "mistral-sw": "llama", "qwen2-sw": None}
+FAMILIES = {"qwen3": "qwen3", "mistral-sw": "llama", "qwen2-sw": None, "phi3": "phi3"}
 NEW_TOKENS = 64
 
 
@@ -49,11 +49,17 @@ def test_config(family):
     assert config.qk_norm == (family["name"] == "qwen3")
     windows = [config.window(i) for i in range(config.num_layers)]
     assert windows == {"qwen3": [None, None], "mistral-sw": [SLIDING_WINDOW] * 2,
-                       "qwen2-sw": [None, SLIDING_WINDOW]}[family["name"]]
+                       "qwen2-sw": [None, SLIDING_WINDOW], "phi3": [None, None]}[family["name"]]
+    assert (config.rope_long_from, config.rope_long_factors) == (
+        (128, tuple(LONGROPE["long_factor"])) if family["name"] == "phi3" else (None, None))
     if family["gguf"] is not None:
-        from_gguf = load_model(str(family["gguf"])).config  # (its eps went through float32)
-        assert from_gguf.rms_norm_eps == pytest.approx(config.rms_norm_eps, rel=1e-6)
-        assert from_gguf == dataclasses.replace(config, name=family["gguf"].stem, rms_norm_eps=from_gguf.rms_norm_eps)
+        from_gguf = load_model(str(family["gguf"])).config  # (its floats went through float32)
+        rounded = ("rms_norm_eps", "rope_freq_factors", "rope_long_factors", "rope_attention_factor")
+        for f in rounded:
+            ours, theirs = getattr(from_gguf, f), getattr(config, f)
+            assert ours == theirs if theirs is None else ours == pytest.approx(theirs, rel=1e-6), f
+        assert from_gguf == dataclasses.replace(config, name=family["gguf"].stem,
+                                                **{f: getattr(from_gguf, f) for f in rounded})
 
 
 def _sources(family):
@@ -75,17 +81,45 @@ def test_logits_match_transformers(family, backend):
             assert (last_logits(ours, ids) - want).abs().max().item() < 1e-4, (source, len(ids))
 
 
+def test_longrope_tables():
+    """Positions from original_max_position_embeddings on take the long factors; cos/sin carry the
+    attention factor everywhere (what transformers computes for a sequence longer than the switch)."""
+    import math
+
+    from transformers import Phi3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from slipstream.models.kernels.rotary import RotaryEmbedding
+    from slipstream.models.loading.hf_loader import config_from_hf
+
+    hf = Phi3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                    original_max_position_embeddings=128, rope_parameters=dict(LONGROPE), vocab_size=300,
+                    pad_token_id=0)
+    ours = config_from_hf(hf.to_dict() | {"architectures": ["Phi3ForCausalLM"]}, "phi3", "config.json")
+    rope = RotaryEmbedding(ours)
+    for seq_len, positions in ((100, torch.arange(0, 128)), (400, torch.arange(128, 512))):
+        inv, scale = ROPE_INIT_FUNCTIONS["longrope"](hf, None, seq_len=seq_len)
+        freqs = torch.outer(positions.float(), inv)
+        want = torch.cat([freqs, freqs], -1).cos() * scale
+        assert scale == pytest.approx(math.sqrt(1 + math.log(4) / math.log(128)))
+        assert (rope.cos[positions] - want).abs().max().item() < 1e-6
+
+
 def test_the_window_is_not_a_no_op(family):
-    """Guards the test above: without the window (or without the q/k norms) logits move visibly."""
+    """Guards the test above: without the window (the q/k norms, LongRoPE's factors) logits move visibly."""
     loaded = load_model(str(family["folder"]))
-    if family["name"] == "qwen3":
+    if family["name"] == "phi3":
+        plain = dataclasses.replace(loaded.config, rope_freq_factors=None, rope_long_factors=None, rope_long_from=None,
+                                    rope_attention_factor=1.0)
+        weights = loaded.weights
+    elif family["name"] == "qwen3":
         plain = dataclasses.replace(loaded.config, qk_norm=False)
         weights = {k: v for k, v in loaded.weights.items() if "_norm" not in k or "layernorm" in k}
     else:
         plain, weights = dataclasses.replace(loaded.config, sliding_window=None, sliding_layers=None), loaded.weights
     ours = LlamaForCausalLM.from_weights(plain, weights, torch.float32, "cpu")
     ids = family["prompts"][2]
-    assert len(ids) > 2 * SLIDING_WINDOW
+    assert len(ids) > 2 * SLIDING_WINDOW and len(ids) + NEW_TOKENS <= 128  # (the LongRoPE switch: 128)
     with torch.no_grad():
         want = family["model"](torch.tensor([ids])).logits[0, -1].float()
     assert (last_logits(ours, ids) - want).abs().max().item() > 1e-3

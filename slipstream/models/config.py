@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from slipstream.models.idefics3.config import VisionConfig
 
-# qwen2 = llama + biases on the q/k/v projections; qwen3 = llama + per-head RMSNorm on q and k
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# qwen2 = llama + biases on the q/k/v projections; qwen3 = llama + per-head RMSNorm on q and k;
+# phi3 = llama whose checkpoints fuse qkv_proj and gate_up_proj (split at load), LongRoPE
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,11 @@ class ModelConfig:
     # RoPE frequency divisors, one per rotary pair (head_dim // 2): inv_freq[i] / factors[i].
     # Llama-3 scaling and linear scaling reduce to this; so does a GGUF's `rope_freqs` tensor.
     rope_freq_factors: tuple[float, ...] | None = None
+    # LongRoPE (Phi-3): positions from rope_long_from on divide by these factors instead (None: no
+    # switch), and cos/sin are scaled by rope_attention_factor at every position
+    rope_long_factors: tuple[float, ...] | None = None
+    rope_long_from: int | None = None
+    rope_attention_factor: float = 1.0
     # Per-head RMSNorm of q and k (over head_dim, before rotary): Qwen3 (q_norm / k_norm weights)
     qk_norm: bool = False
     # Sliding-window attention: a query at position p sees the keys at positions (p - window, p].
@@ -60,6 +66,9 @@ class ModelConfig:
         if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
             raise ValueError(f"rope_freq_factors has {len(self.rope_freq_factors)} entries, "
                              f"head_dim={self.head_dim} needs {self.head_dim // 2}")
+        if (self.rope_long_factors is None) != (self.rope_long_from is None) or (
+                self.rope_long_factors is not None and len(self.rope_long_factors) != self.head_dim // 2):
+            raise ValueError("rope_long_factors (head_dim // 2 of them) and rope_long_from are set together")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window={self.sliding_window} must be >= 1 (or None)")
         if self.sliding_layers is not None and len(self.sliding_layers) != self.num_layers:

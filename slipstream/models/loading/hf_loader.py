@@ -1,7 +1,8 @@
-"""Loading a Hugging Face Llama / Mistral / Qwen2 / Qwen3 folder (config.json + *.safetensors + tokenizer.json)."""
+"""Loading a Hugging Face Llama / Mistral / Qwen2 / Qwen3 / Phi-3 folder (config.json + *.safetensors + tokenizer.json)."""
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -51,8 +52,8 @@ def check_weights(config: ModelConfig, weights: Mapping[str, Any], source: Path 
 
 # HF class -> ModelConfig.architecture (Mistral is Llama with a sliding window)
 _ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-          "Qwen3ForCausalLM": "qwen3"}
-_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+          "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3"}
+_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
 
 
 def _architecture(cfg: Mapping[str, Any], source: Path | str) -> str:
@@ -95,11 +96,35 @@ def _sliding_window(cfg: Mapping[str, Any], arch: str, layers: int,
     return int(window), None if all(sliding) else sliding
 
 
+def longrope_from_hf(cfg: Mapping[str, Any], rope: Mapping[str, Any], head_dim: int,
+                     source: Path | str) -> dict[str, Any]:
+    """ModelConfig's LongRoPE fields (Phi-3): short factors up to original_max_position_embeddings, long
+    ones from there, cos/sin scaled by attention_factor (default sqrt(1 + ln(factor) / ln(original)),
+    factor = max_position_embeddings / original, as transformers computes them). transformers picks
+    one side for a whole sequence by its length; here each position takes its own side, which is the
+    same while a sequence stays within original_max_position_embeddings."""
+    try:
+        original = int(rope.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"])
+        short = tuple(float(f) for f in rope["short_factor"])
+        long = tuple(float(f) for f in rope["long_factor"])
+        factor = rope.get("factor") or int(cfg["max_position_embeddings"]) / original
+        attention = rope.get("attention_factor")
+        if attention is None:
+            attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CorruptModelError(f"{source}: rope scaling 'longrope' lacks or mangles a field ({exc!r})") from exc
+    if len(short) != head_dim // 2 or len(long) != head_dim // 2:
+        raise CorruptModelError(f"{source}: longrope short_factor / long_factor have {len(short)} / {len(long)} "
+                                f"entries, head_dim {head_dim} needs {head_dim // 2}")
+    return dict(rope_freq_factors=short, rope_long_factors=long, rope_long_from=original,
+                rope_attention_factor=float(attention))
+
+
 def rope_factors_from_hf(rope: Mapping[str, Any], head_dim: int, theta: float,
                          source: Path | str) -> tuple[float, ...] | None:
     """Per-frequency RoPE divisors for the scalings we implement; refuse the others by name."""
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type in ("default", None):
+    if rope_type in ("default", None, "longrope"):  # (longrope: longrope_from_hf)
         return None
     try:
         if rope_type == "linear":
@@ -111,7 +136,7 @@ def rope_factors_from_hf(rope: Mapping[str, Any], head_dim: int, theta: float,
     except (KeyError, TypeError, ValueError) as exc:
         raise CorruptModelError(f"{source}: rope scaling {rope_type!r} lacks or mangles a field ({exc!r})") from exc
     raise UnsupportedArchitectureError(f"{source}: rope scaling {rope_type!r} is not supported "
-                                       f"(supported: default, linear, llama3)")
+                                       f"(supported: default, linear, llama3, longrope)")
 
 
 def config_from_hf(cfg: Mapping[str, Any], name: str, source: Path | str) -> ModelConfig:
@@ -124,10 +149,14 @@ def config_from_hf(cfg: Mapping[str, Any], name: str, source: Path | str) -> Mod
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise UnsupportedArchitectureError(f"{source}: hidden_act {act!r} is not supported (supported: silu)")
-    if float(cfg.get("partial_rotary_factor") or 1.0) != 1.0:
-        raise UnsupportedArchitectureError(f"{source}: partial_rotary_factor {cfg['partial_rotary_factor']!r} "
-                                           f"(partial rotary) is not supported")
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    partial = cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
+    if float(partial) != 1.0:
+        raise UnsupportedArchitectureError(f"{source}: partial_rotary_factor {partial!r} (partial rotary) is not "
+                                           f"supported")
+    rope_type = rope.get("rope_type", rope.get("type"))
+    if rope_type == "longrope" and arch != "phi3":
+        raise UnsupportedArchitectureError(f"{source}: rope scaling 'longrope' is supported on Phi-3 only")
     try:
         hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
         head_dim = int(cfg.get("head_dim") or hidden // heads)
@@ -151,13 +180,31 @@ def config_from_hf(cfg: Mapping[str, Any], name: str, source: Path | str) -> Mod
             name=name,
             architecture=arch,
             attention_bias=arch == "qwen2",
-            rope_freq_factors=rope_factors_from_hf(rope, head_dim, theta, source),
             qk_norm=arch == "qwen3",
             sliding_window=window,
             sliding_layers=sliding,
+            **(longrope_from_hf(cfg, rope, head_dim, source) if rope_type == "longrope"
+               else {"rope_freq_factors": rope_factors_from_hf(rope, head_dim, theta, source)}),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise CorruptModelError(f"{source}: config.json lacks or mangles a field ({exc!r})") from exc
+
+
+def split_fused(config: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Phi-3's fused qkv_proj ([q; k; v] rows) and gate_up_proj ([gate; up]) as the Llama layer's
+    separate projections (row views of the fused tensors: no copy)."""
+    q, kv, inter = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim, config.intermediate_size
+    out = {}
+    for name, t in weights.items():
+        if name.endswith("self_attn.qkv_proj.weight"):
+            p = name.removesuffix("qkv_proj.weight")
+            out[p + "q_proj.weight"], out[p + "k_proj.weight"], out[p + "v_proj.weight"] = t.split([q, kv, kv])
+        elif name.endswith("mlp.gate_up_proj.weight"):
+            p = name.removesuffix("gate_up_proj.weight")
+            out[p + "gate_proj.weight"], out[p + "up_proj.weight"] = t.split([inter, inter])
+        else:
+            out[name] = t
+    return out
 
 
 def read_safetensors(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -197,6 +244,8 @@ def load_hf_folder(
         raise CorruptModelError(f"{cfg_path}: expected a JSON object")
     config = config_from_hf(cfg, name or folder.name, cfg_path)
     weights = read_safetensors(folder, dtype)
+    if config.architecture == "phi3":
+        weights = split_fused(config, weights)
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
     check_weights(config, weights, folder)

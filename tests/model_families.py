@@ -40,7 +40,13 @@ TEXTS = [
 _GGUF_LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
                "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
                "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-               "mlp.down_proj": "ffn_down"}
+               "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+               "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}  # (phi3: fused, as llama.cpp)
+# Phi-3's LongRoPE, the switch at 128 positions: the tests' sequences (<= 104) stay on the short side,
+# where transformers' per-sequence choice and slipstream's per-position one agree
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0,
+            "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 4.0],
+            "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 12.0, 16.0]}
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
 LINEAR_ROPE = {"rope_type": "linear", "factor": 4.0}
@@ -91,19 +97,43 @@ def special_ids(vocab: Vocab) -> tuple[int, int]:
     return vocab.tokens.index("<|endoftext|>"), vocab.tokens.index("<|im_end|>")
 
 
+SLIDING_WINDOW = 12  # shorter than the prompts and the generations of the sliding-window families
+
+
 def hf_model(family: str, vocab_size: int, seed: int = 0, bos: int = 1, eos: int = 2):
-    """A random transformers model of `family` ("llama", "llama3-rope", "linear-rope", "qwen2"), norms and
-    biases perturbed."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    """A random transformers model of `family` ("llama", "llama3-rope", "linear-rope", "qwen2", "qwen3",
+    "mistral-sw": every layer windowed, "qwen2-sw": layer 0 full, layer 1 windowed, "phi3": fused
+    projections and LongRoPE), norms and biases perturbed."""
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config,
+                              Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
                   bos_token_id=bos, eos_token_id=eos)
     torch.manual_seed(seed)
+    # the newer families' weights 10x transformers' default: with std 0.02 a tiny tied Qwen3 greedily repeats
+    # one token, which would hide a wrong attention
+    wide = dict(initializer_range=0.2)
     if family == "qwen2":
         cfg = Qwen2Config(**common, tie_word_embeddings=True, rope_parameters={"rope_type": "default",
                                                                                "rope_theta": 1000000.0})
         model = Qwen2ForCausalLM(cfg)
+    elif family == "qwen2-sw":
+        cfg = Qwen2Config(**common, **wide, tie_word_embeddings=True, use_sliding_window=True, sliding_window=SLIDING_WINDOW,
+                          max_window_layers=1, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+        model = Qwen2ForCausalLM(cfg)
+    elif family == "qwen3":
+        cfg = Qwen3Config(**common, **wide, head_dim=16, tie_word_embeddings=True,
+                          rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+        model = Qwen3ForCausalLM(cfg)
+    elif family == "phi3":
+        cfg = Phi3Config(**{**common, "max_position_embeddings": 512}, **wide, original_max_position_embeddings=128,
+                         tie_word_embeddings=False, pad_token_id=0, rope_parameters=dict(LONGROPE))
+        model = Phi3ForCausalLM(cfg)
+    elif family == "mistral-sw":
+        cfg = MistralConfig(**common, **wide, head_dim=16, tie_word_embeddings=False, sliding_window=SLIDING_WINDOW,
+                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+        model = MistralForCausalLM(cfg)
     else:
         scaling = {"llama3-rope": LLAMA3_ROPE, "linear-rope": LINEAR_ROPE}.get(family, {"rope_type": "default"})
         rope = {"rope_theta": 10000.0, **scaling}
@@ -153,6 +183,12 @@ def write_gguf(path: Path, arch: str, model, vocab: Vocab, rope_freqs: np.ndarra
         w.add_rope_scaling_type(gguf.RopeScalingType(rope_scaling[0]))
         w.add_rope_scaling_factor(rope_scaling[1])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if getattr(cfg, "head_dim", None):
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+    if getattr(cfg, "sliding_window", None) and set(getattr(cfg, "layer_types", None) or ["sliding_attention"]) == {
+            "sliding_attention"}:
+        w.add_sliding_window(cfg.sliding_window)
     w.add_vocab_size(cfg.vocab_size)
     w.add_token_list(vocab.tokens)
     w.add_token_types(vocab.types)
@@ -194,6 +230,14 @@ def write_gguf(path: Path, arch: str, model, vocab: Vocab, rope_freqs: np.ndarra
             w.add_tensor(g, gguf.quants.quantize(t.numpy(), qtype), raw_dtype=qtype)
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
+    if cfg.rope_parameters.get("rope_type") == "longrope":  # as llama.cpp's converter writes Phi-3
+        import math
+
+        factor = cfg.max_position_embeddings / cfg.original_max_position_embeddings
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(factor) / math.log(cfg.original_max_position_embeddings)))
+        w.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
+        w.add_tensor("rope_factors_long.weight", np.array(cfg.rope_parameters["long_factor"], np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(cfg.rope_parameters["short_factor"], np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

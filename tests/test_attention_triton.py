@@ -327,3 +327,32 @@ def test_cuda_graph_with_block_table_replays_other_mixes_of_the_same_token_bucke
         torch.cuda.synchronize()
         ref = _reference(q, k, v, meta)
         torch.testing.assert_close(out.cpu().double(), ref, atol=TOL[dtype][0], rtol=TOL[dtype][1])
+
+
+WINDOW_CASES = [  # (name, q_lens, kv_lens, heads, kv_heads, head_dim, page_size, splits, flat)
+    ("prefill_chunks", [5, 17, 1], [40, 30, 9], 4, 2, 16, 8, None, False),
+    ("flat_grid", [1, 0, 12, 20, 1], [50, 0, 12, 45, 3], 3, 1, 16, 8, None, True),
+    ("decode_splits", [1, 1], [600, 300], 2, 1, 16, 16, 3, False),  # splits wholly before the window
+]
+
+
+@pytest.mark.parametrize("window", [1, 7, 20])
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=[c[0] for c in WINDOW_CASES])
+def test_sliding_window_matches_reference_interpreted(case, window):
+    """A query at position p sees keys (p - window, p]: tiles before the window skipped, rows whose window
+    starts inside a tile or past a decode split masked, as the reference's window mask."""
+    _, q_lens, kv_lens, heads, kv_heads, head_dim, page_size, splits, flat = case
+    q, k, v, meta, dev = _make(q_lens, kv_lens, heads, kv_heads, head_dim, page_size, 0, torch.float32, window)
+    out = torch.full(q.shape, SENTINEL, dtype=torch.float32)
+    blocks = None
+    if flat:
+        programs = ab.num_query_programs(q.shape[0] + 8, len(q_lens) + 1)
+        blocks = torch.tensor(ab.query_blocks(q_lens, programs), dtype=dev["kv_lens"].dtype)
+    at.paged_attention_triton(q, k, v, dev["query_start"], dev["kv_lens"], dev["page_table"], page_size,
+                              max(q_lens), out, blocks=blocks, splits=splits, window=window)
+    ref = torch.full(q.shape, SENTINEL, dtype=torch.float64)
+    for s in range(meta.num_seqs):
+        if meta.query_start[s + 1] > meta.query_start[s]:
+            m = AttentionMetadata(meta.query_start[s:s + 2], [meta.kv_lens[s]], [meta.page_tables[s]], page_size)
+            paged_attention_reference(q.double(), k.double(), v.double(), m, ref, window=window)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5, equal_nan=False)

@@ -32,15 +32,15 @@ def make(seqs, hq, hk, d, ps, seed, q_scale=1.0):
     return q, ld, k, v, qs, lens, table
 
 
-def run(q, ld, k, v, qs, lens, table, hq, hk, d, ps):
+def run(q, ld, k, v, qs, lens, table, hq, hk, d, ps, window=0):
     out = torch.full((int(qs[-1]), hq * d), float("nan"))
     assert lib.sq_attention(q.data_ptr(), ld, k.data_ptr(), v.data_ptr(), qs.data_ptr(), lens.data_ptr(),
-                            table.data_ptr(), table.shape[1], ps, len(lens), hq, hk, d, d ** -0.5,
+                            table.data_ptr(), table.shape[1], ps, len(lens), hq, hk, d, d ** -0.5, window,
                             out.data_ptr()) == 0
     return out
 
 
-def reference(q, k, v, qs, lens, table, hq, hk, d, ps):
+def reference(q, k, v, qs, lens, table, hq, hk, d, ps, window=0):
     out = torch.zeros(int(qs[-1]), hq, d, dtype=torch.float64)
     for s in range(len(lens)):
         n = int(lens[s])
@@ -49,18 +49,19 @@ def reference(q, k, v, qs, lens, table, hq, hk, d, ps):
         rows = range(int(qs[s]), int(qs[s + 1]))
         for t in rows:
             seen = n - (int(qs[s + 1]) - t) + 1
+            lo = max(0, seen - window) if window else 0  # the window: keys (p - window, p]
             qt = q[t, :hq * d].double().view(hq, d)
             for h in range(hq):
                 kv = h // (hq // hk)
-                w = torch.softmax(ks[:seen, kv] @ qt[h] * d ** -0.5, dim=0)
-                out[t, h] = w @ vs[:seen, kv]
+                w = torch.softmax(ks[lo:seen, kv] @ qt[h] * d ** -0.5, dim=0)
+                out[t, h] = w @ vs[lo:seen, kv]
     return out.view(-1, hq * d)
 
 
-def check(seqs, hq, hk, d, ps, seed, q_scale=1.0):
+def check(seqs, hq, hk, d, ps, seed, q_scale=1.0, window=0):
     q, ld, k, v, qs, lens, table = make(seqs, hq, hk, d, ps, seed, q_scale)
-    out = run(q, ld, k, v, qs, lens, table, hq, hk, d, ps)
-    ref = reference(q, k, v, qs, lens, table, hq, hk, d, ps)
+    out = run(q, ld, k, v, qs, lens, table, hq, hk, d, ps, window)
+    ref = reference(q, k, v, qs, lens, table, hq, hk, d, ps, window)
     err = (out.double() - ref).abs().max().item()
     assert err <= 2e-6 * max(1.0, ref.abs().max().item()), (seqs, hq, hk, d, ps, err)
     return out
@@ -71,6 +72,21 @@ def check(seqs, hq, hk, d, ps, seed, q_scale=1.0):
 def test_matches_float64_on_ragged_sequences(hq, hk, d, ps):
     """Decode rows, a prefill chunk past a block boundary, short and long contexts, a row seeing 1 key."""
     check([(1, 1), (40, 1), (37, 20), (17, 3), (70, 9)], hq, hk, d, ps, seed=hq * 100 + d)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 17, 40])
+def test_sliding_window(window):
+    """A window shorter than the contexts, on and off the 16-key block grid: decode rows, a prefill chunk
+    whose rows begin in different blocks, a context shorter than the window."""
+    check([(1, 1), (40, 1), (37, 20), (17, 3), (70, 9), (90, 33)], 8, 2, 32, 5, seed=window, window=window)
+
+
+def test_windowed_row_does_not_depend_on_the_other_rows():
+    hq, hk, d, ps = 4, 2, 16, 4
+    q, ld, k, v, qs, lens, table = make([(120, 9), (300, 64)], hq, hk, d, ps, seed=3)
+    full = run(q, ld, k, v, qs, lens, table, hq, hk, d, ps, window=23)
+    alone = run(q[8:9], ld, k, v, torch.tensor([0, 1]), lens[:1], table[:1], hq, hk, d, ps, window=23)
+    assert torch.equal(alone[0], full[8])
 
 
 def test_speculating_positions_beside_other_sequences():

@@ -264,10 +264,10 @@ def test_hf_folder_round_trip(tiny, hf_folder):
 def test_hf_folder_errors(hf_folder, tmp_path):
     folder, _ = hf_folder
     cfg = json.loads((folder / "config.json").read_text())
-    bad = tmp_path / "mistral"
+    bad = tmp_path / "mixtral"
     shutil.copytree(folder, bad)
-    (bad / "config.json").write_text(json.dumps({**cfg, "architectures": ["MistralForCausalLM"],
-                                                 "model_type": "mistral"}))
+    (bad / "config.json").write_text(json.dumps({**cfg, "architectures": ["MixtralForCausalLM"],
+                                                 "model_type": "mixtral"}))
     with pytest.raises(UnsupportedArchitectureError, match="config.json"):
         load_hf_folder(bad)
     (bad / "config.json").write_text(json.dumps(cfg))

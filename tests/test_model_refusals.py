@@ -31,7 +31,18 @@ def _edit_config(src, dst, **changes):
 
 
 @pytest.mark.parametrize("changes, match", [
-    ({"use_sliding_window": True}, "sliding-window"),
+    ({"use_sliding_window": True, "sliding_window": 8, "layer_types": ["full_attention", "chunked_attention"]},
+     "layer_types"),
+    ({"hidden_act": "gelu_pytorch_tanh"}, "hidden_act 'gelu_pytorch_tanh' is not supported"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
+    ({"architectures": ["Phi3ForCausalLM"], "model_type": "phi3",  # Phi-4-mini's layout
+      "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}},
+     "partial_rotary_factor 0.75"),
+    ({"rope_parameters": {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [1.0] * 8,
+                          "rope_theta": 1e4}}, "'longrope' is supported on Phi-3 only"),
+    ({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": True}, "attention_bias"),
+    ({"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"},
+     "'Gemma3ForCausalLM' is not supported.*LlamaForCausalLM, MistralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, "'yarn' is not supported"),
     ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}}, "'dynamic' is not supported"),
     ({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral"}, "MixtralForCausalLM"),
@@ -41,6 +52,15 @@ def test_hf_folder_refusals(qwen, tmp_path, changes, match):
     with pytest.raises(UnsupportedArchitectureError, match=match) as err:
         load_hf_folder(folder)
     assert "config.json" in str(err.value)
+
+
+def test_gguf_unsupported_architecture_lists_the_supported(qwen, tmp_path):
+    _, model, vocab = qwen
+    path = tmp_path / "gemma.gguf"
+    write_gguf(path, "gemma3", model, vocab, pre="qwen2")
+    with pytest.raises(UnsupportedArchitectureError, match=r"gemma\.gguf: architecture 'gemma3' is not supported "
+                                                           r"\(supported: llama, qwen2, qwen3, phi3\)"):
+        load_gguf(path)
 
 
 def test_llama3_rope_missing_a_field_is_corrupt(qwen, tmp_path):

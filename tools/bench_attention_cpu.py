@@ -29,6 +29,16 @@ from slipstream.models.kernels.cpu_kernels import native_kernels  # noqa: E402
 HQ, HK, D, PAGE, LAYERS = 9, 3, 64, 16, 30
 
 
+def attention_call(lib):
+    """sq_attention without a window: ABI 4 added the window argument (0: none) before `out` (on main;
+    ABI 3 was checked allocations); an older commit's library takes the call without it."""
+    if lib.sq_abi_version() >= 4:
+        return lambda *args: lib.sq_attention(*args[:-1], 0, args[-1])
+    fn = lib.sq_attention
+    fn.argtypes = fn.argtypes[:14] + fn.argtypes[15:]
+    return fn
+
+
 class Case:
     """seqs: (context before the step, query positions) per sequence."""
 
@@ -49,7 +59,7 @@ class Case:
 
     def forward(self, lib) -> None:
         for layer in range(LAYERS):
-            rc = lib.sq_attention(self.q.data_ptr(), HQ * D, self.k[layer].data_ptr(), self.v[layer].data_ptr(),
+            rc = attention_call(lib)(self.q.data_ptr(), HQ * D, self.k[layer].data_ptr(), self.v[layer].data_ptr(),
                                   self.qs.data_ptr(), self.lens.data_ptr(), self.table.data_ptr(),
                                   self.table.shape[1], PAGE, len(self.lens), HQ, HK, D, D ** -0.5,
                                   self.out.data_ptr())

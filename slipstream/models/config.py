@@ -8,7 +8,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from slipstream.models.idefics3.config import VisionConfig
 
-ARCHITECTURES = ("llama", "qwen2")  # qwen2 = llama + biases on the q/k/v projections
+# qwen2 = llama + biases on the q/k/v projections; qwen3 = llama + per-head RMSNorm on q and k;
+# phi3 = llama whose checkpoints fuse qkv_proj and gate_up_proj (split at load), LongRoPE
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
 
 
 @dataclass(frozen=True)
@@ -32,10 +34,27 @@ class ModelConfig:
     # RoPE frequency divisors, one per rotary pair (head_dim // 2): inv_freq[i] / factors[i].
     # Llama-3 scaling and linear scaling reduce to this; so does a GGUF's `rope_freqs` tensor.
     rope_freq_factors: tuple[float, ...] | None = None
+    # LongRoPE (Phi-3): positions from rope_long_from on divide by these factors instead (None: no
+    # switch), and cos/sin are scaled by rope_attention_factor at every position
+    rope_long_factors: tuple[float, ...] | None = None
+    rope_long_from: int | None = None
+    rope_attention_factor: float = 1.0
+    # Per-head RMSNorm of q and k (over head_dim, before rotary): Qwen3 (q_norm / k_norm weights)
+    qk_norm: bool = False
+    # Sliding-window attention: a query at position p sees the keys at positions (p - window, p].
+    # `sliding_layers[i]`: whether layer i is windowed (None: all are, when sliding_window is set).
+    sliding_window: int | None = None
+    sliding_layers: tuple[bool, ...] | None = None
     # Images (Idefics3): the placeholder id whose rows take vision embeddings, and the vision tower's
     # config; both None for a text-only model.
     image_token_id: int | None = None
     vision: VisionConfig | None = None
+
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s attention window in positions, or None (full causal attention)."""
+        if self.sliding_window is None or (self.sliding_layers is not None and not self.sliding_layers[layer]):
+            return None
+        return self.sliding_window
 
     def __post_init__(self) -> None:
         if (self.image_token_id is None) != (self.vision is None):
@@ -47,6 +66,13 @@ class ModelConfig:
         if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
             raise ValueError(f"rope_freq_factors has {len(self.rope_freq_factors)} entries, "
                              f"head_dim={self.head_dim} needs {self.head_dim // 2}")
+        if (self.rope_long_factors is None) != (self.rope_long_from is None) or (
+                self.rope_long_factors is not None and len(self.rope_long_factors) != self.head_dim // 2):
+            raise ValueError("rope_long_factors (head_dim // 2 of them) and rope_long_from are set together")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window={self.sliding_window} must be >= 1 (or None)")
+        if self.sliding_layers is not None and len(self.sliding_layers) != self.num_layers:
+            raise ValueError(f"sliding_layers has {len(self.sliding_layers)} entries for {self.num_layers} layers")
 
 
 def llama3_rope_factors(head_dim: int, theta: float, factor: float, low_freq_factor: float,

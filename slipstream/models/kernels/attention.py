@@ -61,6 +61,27 @@ class CPUAttentionPlan:
     kv_indices: list[torch.Tensor]
     padded: torch.Tensor | None = None
     mask: torch.Tensor | None = None
+    window_masks: "dict[int, torch.Tensor] | None" = None  # `mask` with a sliding window, by window
+
+
+def _window_mask(plan: CPUAttentionPlan, meta: AttentionMetadata, window: int, device: torch.device) -> torch.Tensor:
+    """The padded decode step's mask for a sliding window: key j of a sequence of n keys is seen when
+    n - window <= j < n. Built once per window per forward (the layers of one window share it)."""
+    if plan.window_masks is None:
+        plan.window_masks = {}
+    if window not in plan.window_masks:
+        assert plan.padded is not None
+        lens = torch.tensor(meta.kv_lens, device=device)[:, None]
+        j = torch.arange(plan.padded.shape[1], device=device)[None, :]
+        plan.window_masks[window] = ((j < lens) & (j >= lens - window))[:, None, None, :]
+    return plan.window_masks[window]
+
+
+def window_mask(q_len: int, kv_len: int, window: int, device: torch.device) -> torch.Tensor:
+    """[q_len, kv_len] bool: the query at position p (the chunk's last positions) sees keys (p - window, p]."""
+    q_pos = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
+    k_pos = torch.arange(kv_len, device=device)[None, :]
+    return (k_pos <= q_pos) & (k_pos > q_pos - window)
 
 
 def cpu_plan(meta: AttentionMetadata, device: torch.device, batched: bool) -> CPUAttentionPlan:
@@ -118,12 +139,16 @@ def paged_attention_reference(
     meta: AttentionMetadata,
     out: torch.Tensor,  # [T, heads, head_dim]; rows of padding tokens are left untouched
     compute_dtype: torch.dtype | None = None,
+    window: int | None = None,  # sliding window: a query at position p sees keys (p - window, p]
 ) -> torch.Tensor:
     cd = compute_dtype or q.dtype
     # Invariance needs each sequence's arithmetic alone (a padded batch changes the reduction).
     plan = cpu_plan(meta, q.device, batched=compute_dtype is None)
+    if window is not None and max(meta.kv_lens, default=0) <= window:
+        window = None  # every key is inside every query's window
     if plan.padded is not None:  # (one query per sequence: a prefix never changes its mask)
-        return _decode_batched(q, k_cache, v_cache, plan, out)
+        mask = plan.mask if window is None else _window_mask(plan, meta, window, q.device)
+        return _decode_batched(q, k_cache, v_cache, plan, out, mask)
     prefixes = _bidirectional_prefixes(meta)
     for s in range(meta.num_seqs):
         q_lo, q_hi = meta.query_start[s], meta.query_start[s + 1]
@@ -132,7 +157,12 @@ def paged_attention_reference(
         k = k_cache.index_select(0, kv_indices).transpose(0, 1).unsqueeze(0).to(cd)  # [1, kv_heads, L, D]
         v = v_cache.index_select(0, kv_indices).transpose(0, 1).unsqueeze(0).to(cd)
         qs = q[q_lo:q_hi].transpose(0, 1).unsqueeze(0).to(cd)  # [1, heads, q_len, D]
-        if prefixes[s]:
+        if window is not None and kv_len > window:
+            mask = window_mask(q_len, kv_len, window, q.device)
+            if prefixes[s]:
+                mask &= bidirectional_prefix_mask(q_len, kv_len, prefixes[s], q.device)
+            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, enable_gqa=True)
+        elif prefixes[s]:
             mask = bidirectional_prefix_mask(q_len, kv_len, prefixes[s], q.device)
             o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, enable_gqa=True)
         elif q_len == 1:
@@ -177,7 +207,7 @@ def bidirectional_prefix_mask(q_len: int, kv_len: int, prefix: int, device: torc
 
 
 def _decode_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: CPUAttentionPlan,
-                    out: torch.Tensor) -> torch.Tensor:
+                    out: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """One query per sequence, all sequences in one SDPA call over padded, masked keys."""
     padded = plan.padded
     assert padded is not None  # (built for a decode-only step: _decode_batched's only caller)
@@ -185,6 +215,6 @@ def _decode_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     flat = padded.view(-1)  # index_select of KV indices: several times faster than advanced indexing here
     k = k_cache.index_select(0, flat).view(n, longest, *k_cache.shape[1:]).transpose(1, 2)  # [S, kv_heads, L, D]
     v = v_cache.index_select(0, flat).view(n, longest, *v_cache.shape[1:]).transpose(1, 2)
-    o = F.scaled_dot_product_attention(q[:n].unsqueeze(2), k, v, attn_mask=plan.mask, enable_gqa=True)
+    o = F.scaled_dot_product_attention(q[:n].unsqueeze(2), k, v, attn_mask=mask, enable_gqa=True)
     out[:n] = o[:, :, 0]
     return out

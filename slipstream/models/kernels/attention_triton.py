@@ -6,6 +6,10 @@ so query i sits at position kv_len - q_len + i and attends causally to keys 0..t
 (decode is q_len 1, a prefill chunk q_len <= kv_len). Query head h reads kv head
 h // (heads // kv_heads) (GQA); scores are scaled by 1/sqrt(head_dim).
 
+With `window` (a host int; Mistral, Qwen2/3's sliding layers) a query at position p sees only keys
+(p - window, p]: the tiles wholly before a query sub-block's first window are skipped, and a row with
+no key yet in a tile (or a decode split) adds weight 0 (the flag WINDOWED compiles that in).
+
 With `bidirectional_lens` ([S] device tensor; Moondream's BOS + image prefix) a query at position
 p < prefix also sees keys j < prefix (the reference's `bidirectional_prefix_mask`). The prefix is
 clamped to kv_len: the planner computes a prefix in one chunk, so a chunk with a query inside it
@@ -118,11 +122,11 @@ if triton is not None:
     def _grouped_attention_kernel(
         Q, K, V, O, QS, KVL, PT, BT, BL, WA, WML,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_pt,
-        stride_bt, qk_scale, page_size, num_splits,
+        stride_bt, qk_scale, page_size, num_splits, window,
         HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
         Q_BLOCK: tl.constexpr, QB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr, FLAT: tl.constexpr, BIDI: tl.constexpr, SPLIT: tl.constexpr,
-        MIN_SPLIT: tl.constexpr,
+        MIN_SPLIT: tl.constexpr, WINDOWED: tl.constexpr,
     ):
         kvh = tl.program_id(1)
         if FLAT:  # program -> (sequence, first query) from the block table
@@ -150,6 +154,9 @@ if triton is not None:
             q0 = m_start + sub
             # programs past their sequence's queries (padding, the grid's tail) or keys stop here
             if (q0 < q_end) & (lo < kv_len):
+                start = lo
+                if WINDOWED:  # the tiles wholly before the sub-block's first query's window are skipped
+                    start = tl.maximum(lo, tl.maximum(kv_len - q_len + q0 - window + 1, 0) // BLOCK_N * BLOCK_N)
                 q_idx = q0 + rows // GROUP
                 row_ok = (rows < QB * GROUP) & (q_idx < q_end)
                 q_pos = kv_len - q_len + q_idx
@@ -165,7 +172,7 @@ if triton is not None:
                     hi = tl.maximum(hi, prefix)
                 if SPLIT:
                     hi = tl.minimum(hi, lo + split_len)
-                for n0 in range(lo, hi, BLOCK_N):
+                for n0 in range(start, hi, BLOCK_N):
                     offs_n = n0 + tl.arange(0, BLOCK_N)
                     n_mask = offs_n < hi
                     page = tl.load(PT + s * stride_pt + offs_n // page_size, mask=n_mask, other=0).to(tl.int64)
@@ -177,11 +184,16 @@ if triton is not None:
                     visible = offs_n[None, :] <= q_pos[:, None]
                     if BIDI:
                         visible = visible | ((q_pos[:, None] < prefix) & (offs_n[None, :] < prefix))
+                    if WINDOWED:
+                        visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
                     # scores in log2 units so exp2 can be used
                     qk = tl.where(visible & n_mask[None, :], qk * qk_scale, float("-inf"))
                     m_new = tl.maximum(m_i, tl.reduce(qk, 1, MAX_COMBINE))
-                    alpha = tl.math.exp2(m_i - m_new)
-                    p = tl.math.exp2(qk - m_new[:, None])
+                    m_sub = m_new
+                    if WINDOWED:  # a row whose window starts past this tile (or this split) has no key yet:
+                        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)  # 0 weights, not -inf - -inf
+                    alpha = tl.math.exp2(m_i - m_sub)
+                    p = tl.math.exp2(qk - m_sub[:, None])
                     l_i = l_i * alpha + tl.reduce(p, 1, SUM_COMBINE)
                     v = tl.load(V + kv_index[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
                                 mask=kv_mask, other=0.0)
@@ -251,13 +263,14 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            kv_lens: torch.Tensor, page_table: torch.Tensor, page_size: int, max_q_len: int,
                            out: torch.Tensor, blocks: torch.Tensor | None = None,
                            bidirectional_lens: torch.Tensor | None = None, *, impl: str = "grouped",
-                           splits: int | None = None) -> torch.Tensor:
+                           splits: int | None = None, window: int | None = None) -> torch.Tensor:
     """Write attention for every query token into `out` (see the module docstring) and return it.
 
     Only shapes, dtypes and devices are checked here (never values: this must stay graph-capturable);
     `max_q_len` must bound every q_len, and q_len <= kv_len must hold for each sequence. `blocks`:
     the [2, P] program table of `query_blocks` (then `max_q_len` is not used). `bidirectional_lens`:
-    [S] int32/int64, each sequence's bidirectional prefix length (0: plain causal). `impl` and
+    [S] int32/int64, each sequence's bidirectional prefix length (0: plain causal). `window`: sliding-window
+    attention, a query at position p sees keys (p - window, p] (a host int: fixed per graph). `impl` and
     `splits` (a decode step's split count instead of `decode_splits`') are for the tests and the
     benchmark."""
     require_triton("paged_attention_triton")
@@ -297,6 +310,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError(f"page_size must be positive and max_q_len non-negative; got {page_size}, {max_q_len}")
     if impl not in IMPLS or (splits is not None and not 1 <= splits <= MAX_SPLITS):
         raise ValueError(f"impl must be one of {IMPLS} and splits in 1..{MAX_SPLITS}; got {impl!r}, {splits}")
+    if window is not None and (type(window) is not int or window < 1 or impl != "grouped"):
+        raise ValueError(f"window must be an int >= 1 (grouped kernel only), got {window!r} with impl {impl!r}")
     if num_seqs == 0 or q.shape[0] == 0 or (max_q_len == 0 if blocks is None else blocks.shape[1] == 0):
         return out
     interpret = interpreted(q)
@@ -328,9 +343,10 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         work_acc, work_ml,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), page_table.stride(0), 0 if blocks is None else blocks.stride(0),
-        _LOG2E / math.sqrt(head_dim), page_size, n_split,
+        _LOG2E / math.sqrt(head_dim), page_size, n_split, window or 0,
         HEAD_DIM=head_dim, GROUP=group, DOT_DTYPE=dot_dtype, PRECISION=precision, FLAT=blocks is not None,
-        BIDI=bidirectional_lens is not None, SPLIT=n_split > 1, MIN_SPLIT=MIN_SPLIT, **t,
+        BIDI=bidirectional_lens is not None, SPLIT=n_split > 1, MIN_SPLIT=MIN_SPLIT, WINDOWED=window is not None,
+        **t,
     )
     if n_split > 1:
         jitted(_merge_splits_kernel, interpret)[(num_seqs, heads)](

@@ -156,14 +156,15 @@ ALWAYS_INLINE float hmax16(v16 a) {
 
 /* One work item: query positions [t0, t0 + nt) of one sequence (pages `pages`, page size ps; KV index of
  * position j: pages[j / ps] * ps + j % ps), the query heads over kv heads [hk0, hk0 + nh), position
- * t0 + i seeing keys [0, n0 + i). Every K and V vector of a block of KEYS keys is loaded once for all
+ * t0 + i seeing keys [0, n0 + i), or with a sliding window W > 0 keys [n0 + i - W, n0 + i). Every K and V vector of a block of KEYS keys is loaded once for all
  * the item's rows (from L1 after the first). Softmax is online (flash-style), block by block; the
  * blocks start at key 0 whatever the item, so a row's result depends on its own query and keys only:
- * not on the other rows of the call, nor on TILE, nh or the thread count. Scratch per row: acc [D],
+ * not on the other rows of the call, nor on TILE, nh or the thread count (a window only skips
+ * the blocks wholly before a row's first key, and masks the lanes before it). Scratch per row: acc [D],
  * ls and sc [16], mx and cf [1]. */
 ALWAYS_INLINE void attend(const float *q, i64 ldq, const float *k_cache, const float *v_cache, const i64 *pages,
                           i64 ps, i64 n0, i64 nt, i64 hk0, i64 nh, i64 group, i64 Hk, const int DV, float scale,
-                          float *out, i64 ldo, float *acc, float *mx, float *ls, float *sc, float *cf) {
+                          i64 window, float *out, i64 ldo, float *acc, float *mx, float *ls, float *sc, float *cf) {
     const i64 heads = nh * group, rows = nt * heads, stride = Hk * DV * 16, nmax = n0 + nt - 1;
     const float *kb = k_cache + hk0 * DV * 16, *vb = v_cache + hk0 * DV * 16;
     for (i64 r = 0; r < rows; r++) {
@@ -172,8 +173,11 @@ ALWAYS_INLINE void attend(const float *q, i64 ldq, const float *k_cache, const f
         for (int d = 0; d < DV; d++) st(acc + (r * DV + d) * 16, (v16){0});
     }
     const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    i64 page = 0, off = 0; /* of key j0 */
-    for (i64 j0 = 0; j0 < nmax; j0 += KEYS) {
+    /* row i's first key: lo(i) = n0 + i - window (>= 0), rising with i; the first block is the one
+     * holding row 0's, on the grid of KEYS from key 0 */
+    const i64 lo0 = window > 0 && n0 - window > 0 ? n0 - window : 0, start = lo0 / KEYS * KEYS;
+    i64 page = start / ps, off = start % ps; /* of key j0 */
+    for (i64 j0 = start; j0 < nmax; j0 += KEYS) {
         const float *kp[KEYS], *vp[KEYS];
         const i64 nb = nmax - j0 < KEYS ? nmax - j0 : KEYS;
         for (int j = 0; j < KEYS; j++) {
@@ -198,11 +202,15 @@ ALWAYS_INLINE void attend(const float *q, i64 ldq, const float *k_cache, const f
         }
         /* rows whose causal bound falls before this block are done: they are the first `skip` */
         const i64 skip = j0 - n0 + 1 > 0 ? j0 - n0 + 1 : 0;
+        /* rows whose window starts past this block have not begun: they are the rows from `end` on */
+        i64 end = nt;
+        if (window > 0 && j0 + KEYS + window - n0 < nt) end = j0 + KEYS + window - n0;
         /* three passes over the rows, each row's chain independent of the others' (the core overlaps
          * them): scores, then the online-softmax update, then the values */
-        for (i64 i = skip; i < nt; i++) {
+        for (i64 i = skip; i < end; i++) {
             const i64 valid = n0 + i - j0; /* keys of this block the row sees (causal) */
-            const v16i keep = lane < (int)(valid < KEYS ? valid : KEYS);
+            const i64 first = window > 0 ? n0 + i - window - j0 : 0; /* and the window's first */
+            const v16i keep = (lane < (int)(valid < KEYS ? valid : KEYS)) & (lane >= (int)(first > 0 ? first : 0));
             for (i64 h = 0; h < heads; h++) {
                 const float *qr = q + i * ldq + (hk0 * group + h) * DV * 16;
                 const i64 kvo = h / group * DV * 16;
@@ -215,7 +223,7 @@ ALWAYS_INLINE void attend(const float *q, i64 ldq, const float *k_cache, const f
                 st(sc + 16 * (i * heads + h), sel(keep, hsum16(a) * scale, splat(-INFINITY)));
             }
         }
-        for (i64 r = skip * heads; r < rows; r++) {
+        for (i64 r = skip * heads; r < end * heads; r++) {
             const v16 s = ld(sc + 16 * r);
             const float bm = hmax16(s), m = bm > mx[r] ? bm : mx[r];
             const float c = expf(mx[r] - m); /* rescales what was summed under the old max (0 at first) */
@@ -225,9 +233,9 @@ ALWAYS_INLINE void attend(const float *q, i64 ldq, const float *k_cache, const f
             st(ls + 16 * r, ld(ls + 16 * r) * c + p);
             st(sc + 16 * r, p);
         }
-        for (i64 i = skip; i < nt; i++) {
+        for (i64 i = skip; i < end; i++) {
             const i64 valid = n0 + i - j0;
-            const int nv = (int)(valid < KEYS ? valid : KEYS);
+            const int nv = (int)(valid < KEYS ? valid : KEYS); /* (lanes before the window: p = 0) */
             for (i64 h = 0; h < heads; h++) {
                 const i64 r = i * heads + h, kvo = h / group * DV * 16;
                 const float *pj = sc + 16 * r;
@@ -258,7 +266,7 @@ ALWAYS_INLINE void attend(const float *q, i64 ldq, const float *k_cache, const f
         }
 }
 
-/* Causal attention over a paged KV cache. Sequence s owns query rows [qs[s], qs[s+1]) of q [T, Hq, D]
+/* Causal attention over a paged KV cache, windowed when window > 0 (position p sees keys (p - window, p]). Sequence s owns query rows [qs[s], qs[s+1]) of q [T, Hq, D]
  * (rows ldq floats apart), the last of its kv_lens[s] positions; its pages are page_table[s * P ..]
  * (page size ps). out [T, Hq, D] (rows Hq * D apart). D % 16 == 0, D <= 128, Hq / Hk <= 16: returns
  * SQ_EINVAL otherwise; SQ_ENOMEM (out partly written) where scratch memory could not be had. Work items are TILE query positions of a sequence with all kv heads, or one kv head where
@@ -269,12 +277,12 @@ ALWAYS_INLINE void attend(const float *q, i64 ldq, const float *k_cache, const f
  * (tools/bench_attention_cpu.py; docs/benchmarks.md). */
 int sq_attention(const float *q, i64 ldq, const float *k_cache, const float *v_cache, const i64 *qs,
                  const i64 *kv_lens, const i64 *page_table, i64 P, i64 ps, i64 S, i64 Hq, i64 Hk, i64 D,
-                 float scale, float *out) {
+                 float scale, i64 window, float *out) {
     if (D % 16 || D > 128 || Hq % Hk || Hq / Hk > 16) return SQ_EINVAL;
     const i64 group = Hq / Hk;
     i64 work = 0, tiles = 0;
     for (i64 s = 0; s < S; s++) {
-        work += (qs[s + 1] - qs[s]) * kv_lens[s];
+        work += (qs[s + 1] - qs[s]) * (window > 0 && window < kv_lens[s] ? window : kv_lens[s]);
         tiles += (qs[s + 1] - qs[s] + TILE - 1) / TILE;
     }
     if (tiles == 0) return SQ_OK;
@@ -316,8 +324,8 @@ int sq_attention(const float *q, i64 ldq, const float *k_cache, const float *v_c
             float *ot = out + t0 * Hq * D;
 #define DV_CASE(DVV)                                                                                           \
     case DVV:                                                                                                  \
-        attend(qt, ldq, k_cache, v_cache, page_table + s * P, ps, n0, nt, hk0, nh, group, Hk, DVV, scale, ot, \
-               Hq * D, acc, mx, ls, sc, cf);                                                                   \
+        attend(qt, ldq, k_cache, v_cache, page_table + s * P, ps, n0, nt, hk0, nh, group, Hk, DVV, scale,      \
+               window, ot, Hq * D, acc, mx, ls, sc, cf);                                                       \
         break;
             switch (D / 16) {
                 DV_CASE(1) DV_CASE(2) DV_CASE(3) DV_CASE(4) DV_CASE(5) DV_CASE(6) DV_CASE(7) DV_CASE(8)

@@ -26,6 +26,7 @@ typedef struct {
 typedef struct {
     const float *ln1, *ln2; /* RMSNorm weights */
     qmat_t qkv, o, gate_up, down;
+    i64 window; /* sliding-window attention's width in positions, 0: full causal */
 } layer_t;
 
 int sq_gemm_u4(const float *x, i64 M, i64 K, const uint8_t *q, const void *scale, const void *offset, int f16, i64 N,
@@ -47,7 +48,7 @@ void sq_rotary_kv(float *q, const float *k, const float *v, i64 ldq, i64 ldk, i6
                   i64 Hq, i64 Hk, i64 D);
 int sq_attention(const float *q, i64 ldq, const float *k_cache, const float *v_cache, const i64 *qs,
                  const i64 *kv_lens, const i64 *page_table, i64 P, i64 ps, i64 S, i64 Hq, i64 Hk, i64 D, float scale,
-                 float *out);
+                 i64 window, float *out);
 void sq_silu_mul(const float *g, i64 ldg, const float *u, i64 ldu, float *out, i64 T, i64 I);
 
 /* SQ_OK, or the product's error (SQ_EINVAL: its group size; SQ_ENOMEM) */
@@ -97,7 +98,8 @@ int sq_decoder_forward(const layer_t *layers, i64 L, float eps, float *x, i64 T,
         if ((rc = matmul(&ly->qkv, h, T, qkv)) != SQ_OK) break;
         sq_rotary_kv(qkv, qkv + Hq * D, qkv + (Hq + Hk) * D, wqkv, wqkv, wqkv, pos, cos_t, sin_t, kc, vc, kv_idx,
                      T, Hq, Hk, D);
-        if ((rc = sq_attention(qkv, wqkv, kc, vc, qs, kv_lens, pages, P, ps, S, Hq, Hk, D, scale, attn)) != SQ_OK)
+        if ((rc = sq_attention(qkv, wqkv, kc, vc, qs, kv_lens, pages, P, ps, S, Hq, Hk, D, scale, ly->window,
+                               attn)) != SQ_OK)
             break;
         if ((rc = matmul(&ly->o, attn, T, o)) != SQ_OK) break;
         sq_add_rms_norm(x, o, ly->ln2, eps, h, T, H, NULL, T);

@@ -35,9 +35,17 @@ class RotaryEmbedding(nn.Module):
             inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32, device=cpu)
         pos = torch.arange(config.max_position_embeddings, dtype=torch.float32, device=cpu)
         freqs = torch.outer(pos, inv_freq)
+        if config.rope_long_factors is not None:  # LongRoPE: each position by its own side of the switch,
+            # the frequencies rounded as transformers rounds them: 1 / (factor * theta^(i / d))
+            powers = config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=cpu).float() / d)
+            for factors, lo, hi in ((config.rope_freq_factors, 0, config.rope_long_from),
+                                    (config.rope_long_factors, config.rope_long_from, None)):
+                inv = 1.0 / (torch.tensor(factors, dtype=torch.float32, device=cpu) * powers)
+                freqs[lo:hi] = torch.outer(pos[lo:hi], inv)
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        scale = config.rope_attention_factor
+        self.register_buffer("cos", emb.cos() * scale if scale != 1.0 else emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin() * scale if scale != 1.0 else emb.sin(), persistent=False)
 
     def for_positions(self, positions: torch.Tensor, dtype: torch.dtype):
         """A function rotating (q [T, H, D], k [T, KVH, D]) at these token positions. The tables are

@@ -6,8 +6,10 @@ computing, so each layer here is:
 
     add + RMSNorm            sq_add_rms_norm (the previous sublayer's output joins the residual)
     QKV matmul               one fused QuantWeight (fuse_projections_cpu), or the three projections
+    (q/k RMSNorm per head)   Qwen3: torch ops
     rotary + KV-cache write  sq_rotary_kv
-    paged causal attention   sq_attention (keys and values read in place through the page table)
+    paged causal attention   sq_attention (keys and values read in place through the page table;
+                             a layer's sliding window masks and skips the keys before it)
     o_proj matmul
     add + RMSNorm
     gate-up matmul           one fused QuantWeight, or two
@@ -110,19 +112,19 @@ def _qmat(linear: QuantLinear) -> QMat:
 
 def decoder_layers(model) -> Any:
     """The model's layers as llama_forward_cpu.c's layer_t array (built once, kept on the model), or
-    None unless every projection is quantized and q/k/v and gate/up are fused."""
+    None unless every projection is quantized and q/k/v and gate/up are fused (and no q/k norm)."""
     cached = model.cpu_layers
     if cached is not False:
         return cached
     table = None
     layers = model.model.layers
-    if all(getattr(ly.self_attn, "qkv_cpu", None) is not None and getattr(ly.mlp, "gate_up_cpu", None) is not None
+    if not model.config.qk_norm and all(getattr(ly.self_attn, "qkv_cpu", None) is not None and getattr(ly.mlp, "gate_up_cpu", None) is not None
            and isinstance(ly.self_attn.o_proj, QuantLinear) and isinstance(ly.mlp.down_proj, QuantLinear)
            and ly.self_attn.o_proj.bias is None and ly.mlp.down_proj.bias is None for ly in layers):
         table = (Layer * len(layers))(*[
             Layer(ly.input_layernorm.weight.data_ptr(), ly.post_attention_layernorm.weight.data_ptr(),
                   _qmat(ly.self_attn.qkv_cpu), _qmat(ly.self_attn.o_proj), _qmat(ly.mlp.gate_up_cpu),
-                  _qmat(ly.mlp.down_proj)) for ly in layers])
+                  _qmat(ly.mlp.down_proj), ly.self_attn.window or 0) for ly in layers])
     model.cpu_layers = table  # (the tensors it points into live as long as the model)
     return table
 
@@ -166,11 +168,16 @@ def forward_cpu(model, x: torch.Tensor, batch, kv) -> torch.Tensor:
         else:
             q, k, v = (_linear(p, h, lib).contiguous() for p in (a.q_proj, a.k_proj, a.v_proj))
             ldq, ldk, ldv = q.stride(0), k.stride(0), v.stride(0)
+        if a.qk_norm:  # Qwen3: RMSNorm per head before rotary (into new contiguous rows)
+            q = a.q_norm(q[:, :hq * d].reshape(t, hq, d)).reshape(t, hq * d)
+            k = a.k_norm(k[:, :hk * d].reshape(t, hk, d)).reshape(t, hk * d)
+            ldq, ldk = q.stride(0), k.stride(0)
         kc, vc = kv.k[a.layer], kv.v[a.layer]
         lib.sq_rotary_kv(q.data_ptr(), k.data_ptr(), v.data_ptr(), ldq, ldk, ldv, positions.data_ptr(),
                          cos.data_ptr(), sin.data_ptr(), kc.data_ptr(), vc.data_ptr(), kv_idx.data_ptr(), t, hq, hk, d)
         check_rc(lib.sq_attention(q.data_ptr(), ldq, kc.data_ptr(), vc.data_ptr(), qs.data_ptr(), kv_lens.data_ptr(),
-                                  pages.data_ptr(), width, kv.page_size, seqs, hq, hk, d, scale, attn.data_ptr()),
+                                  pages.data_ptr(), width, kv.page_size, seqs, hq, hk, d, scale, a.window or 0,
+                                  attn.data_ptr()),
                  f"no CPU attention kernel for head_dim {d}, {hq} heads over {hk}")
         o = _linear(a.o_proj, attn, lib).contiguous()
         ln = layer.post_attention_layernorm

@@ -91,6 +91,8 @@ def project_qkv(attn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
 
 def attention(attn, x: torch.Tensor, batch, kv, rope) -> torch.Tensor:
     q, k, v = project_qkv(attn, x)
+    if attn.qk_norm:  # Qwen3: RMSNorm per head before rotary (torch ops; not fused yet)
+        q, k = attn.q_norm(q).contiguous(), attn.k_norm(k).contiguous()
     k_cache, v_cache = kv.k[attn.layer], kv.v[attn.layer]
     rotary_kv_triton(q, k, v, batch.positions, rope.cos, rope.sin, k_cache, v_cache, batch.kv_indices)
     return attn.o_proj(attend(attn, q, batch, kv))
@@ -108,7 +110,7 @@ def attend(attn, q: torch.Tensor, batch, kv) -> torch.Tensor:
     out = torch.empty(t, attn.heads, attn.head_dim, dtype=q.dtype, device=q.device)
     m = batch.attn.on_device
     paged_attention_triton(q, kv.k[attn.layer], kv.v[attn.layer], m.query_start, m.kv_lens, m.page_table,
-                           kv.page_size, m.max_q_len, out, blocks=m.blocks)
+                           kv.page_size, m.max_q_len, out, blocks=m.blocks, window=attn.window)
     return out.view(t, attn.heads * attn.head_dim)
 
 
@@ -124,9 +126,10 @@ def mlp(m, x: torch.Tensor, options: TritonOptions) -> torch.Tensor:
 
 def decode_ready(layer) -> bool:
     """Whether a layer can run as the fused decode layer: fused dense qkv and gate-up, dense
-    o_proj and down without biases (PackedLinear and quantized layers keep the 8-launch layer)."""
+    o_proj and down without biases, no q/k norm (PackedLinear, quantized and Qwen3 layers keep the
+    8-launch layer)."""
     a, m = layer.self_attn, layer.mlp
-    return (a.qkv is not None and m.gate_up is not None and type(a.o_proj) is nn.Linear and a.o_proj.bias is None
+    return (not a.qk_norm and a.qkv is not None and m.gate_up is not None and type(a.o_proj) is nn.Linear and a.o_proj.bias is None
             and type(m.down_proj) is nn.Linear and m.down_proj.bias is None)
 
 

@@ -1,4 +1,4 @@
-"""A Llama-family decoder (Llama, Qwen2) written for a serving engine.
+"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) written for a serving engine.
 
 One forward takes a flat batch of tokens from many sequences (prefill chunks and single decode
 tokens mixed), writes each token's K/V into a paged cache through its KV index, reads context
@@ -54,20 +54,27 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.heads * self.head_dim, h, bias=False)
+        if config.qk_norm:  # Qwen3: each head's q and k RMS-normed over head_dim before rotary
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
+        self.window = config.window(layer)  # sliding-window attention (None: full causal)
         self.compute_dtype: torch.dtype | None = None  # float64: batch/chunk-invariant results
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fused (weight, bias): llama/forward_triton.py
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache, rotate) -> torch.Tensor:
         """The reference path (PyTorch ops, attention over host metadata)."""
         t = x.shape[0]
-        q, k = rotate(self.q_proj(x).view(t, self.heads, self.head_dim),
-                      self.k_proj(x).view(t, self.kv_heads, self.head_dim))
+        q, k = self.q_proj(x).view(t, self.heads, self.head_dim), self.k_proj(x).view(t, self.kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotate(q, k)
         v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
         k_cache, v_cache = kv.k[self.layer], kv.v[self.layer]
         write_kv(k_cache, batch.kv_indices, k)
         write_kv(v_cache, batch.kv_indices, v)
         out = torch.zeros_like(q)  # the reference leaves padding rows untouched: keep them finite
-        paged_attention_reference(q, k_cache, v_cache, batch.attn, out, self.compute_dtype)
+        paged_attention_reference(q, k_cache, v_cache, batch.attn, out, self.compute_dtype, self.window)
         return self.o_proj(out.view(t, self.heads * self.head_dim))
 
 

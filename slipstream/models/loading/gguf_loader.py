@@ -1,15 +1,20 @@
 """Loading a llama.cpp GGUF file: weights in Hugging Face naming, config and tokenizer.
 
-Architectures `llama` and `qwen2` (llama + q/k/v biases). With `quantized=True` every matrix in a
+Architectures `llama` (Mistral included: llama.cpp writes it so), `qwen2` (llama + q/k/v biases) and
+`qwen3` (llama + per-head q/k RMSNorm, `attn_q_norm` / `attn_k_norm`) and `phi3` (fused `attn_qkv`, and
+`ffn_up` holding gate and up; split into the Llama layer's projections at load, quantized rows
+included; LongRoPE from `rope_factors_short` / `rope_factors_long`). An
+`<arch>.attention.sliding_window` key windows every layer's attention. With `quantized=True` every matrix in a
 format of quant_formats.QUANTIZED_TYPES is repacked, still quantized, into a QuantWeight; everything
 else (and every tensor with `quantized=False`) is dequantised to float. loader.py caches the result.
 For `llama`, llama.cpp's converter permutes the rows of q/k projections to its interleaved RoPE
-layout; we undo that so the weights equal the original Hugging Face checkpoint's. `qwen2` files use
+layout; we undo that so the weights equal the original Hugging Face checkpoint's. `qwen2` / `qwen3` files use
 llama.cpp's NeoX rotary layout and are stored unpermuted. A `rope_freqs` tensor (Llama-3.1/3.2
 scaling, one divisor per rotary frequency) becomes ModelConfig.rope_freq_factors.
 """
 from __future__ import annotations
 
+import math
 import re
 import time
 from pathlib import Path
@@ -48,18 +53,26 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",  # qwen3
+    "attn_k_norm": "self_attn.k_norm",
 }
+_QK_NORMS = {"attn_q_norm", "attn_k_norm"}
+_PHI3_FUSED = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+LONGROPE_TENSORS = ("rope_factors_short.weight", "rope_factors_long.weight")
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 _BIASED = {"attn_q", "attn_k", "attn_v"}  # the only biases of the architectures we load (Qwen2)
 ROPE_FREQS = "rope_freqs.weight"
-ARCHITECTURES = ("llama", "qwen2")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """Hugging Face name of a GGUF tensor, or None when it has no Llama/Qwen2 counterpart."""
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """Hugging Face name of a GGUF tensor, or None when it has no Llama/Qwen2 counterpart (Phi-3: its
+    fused names, qkv_proj and gate_up_proj)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _LAYER_RE.match(gguf_name)
+    if arch == "phi3" and m and m.group(2) in _PHI3_FUSED and m.group(3) == "weight":
+        return f"model.layers.{m.group(1)}.{_PHI3_FUSED[m.group(2)]}.weight"
     if m and m.group(2) in _LAYER_NAMES and (m.group(3) == "weight" or m.group(2) in _BIASED):
         return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
     return None
@@ -138,6 +151,20 @@ def _config(meta: dict[str, Any], tensors: dict[str, Any], path: Path, eos: tupl
     if vocab is None:
         raise CorruptModelError(f"{path}: cannot tell the vocabulary size")
     bos = meta.get("tokenizer.ggml.bos_token_id")
+    window = get("attention.sliding_window")
+    longrope: dict[str, Any] = {"rope_freq_factors": _rope_factors(meta, tensors, path, arch, head_dim)}
+    if all(n in tensors for n in LONGROPE_TENSORS):
+        short, long = (tuple(_dequantize(tensors[n], path, torch.float64).flatten().tolist()) for n in LONGROPE_TENSORS)
+        original = int(get("rope.scaling.original_context_length") or get("context_length", 2048))
+        factor = int(get("context_length", 2048)) / original
+        attention = get("rope.scaling.attn_factor")
+        if attention is None:
+            attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        if len(short) != head_dim // 2 or len(long) != head_dim // 2:
+            raise CorruptModelError(f"{path}: rope_factors_short / _long have {len(short)} / {len(long)} entries, "
+                                    f"head_dim {head_dim} needs {head_dim // 2}")
+        longrope = dict(rope_freq_factors=short, rope_long_factors=long, rope_long_from=original,
+                        rope_attention_factor=float(attention))
     return ModelConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,
@@ -155,7 +182,9 @@ def _config(meta: dict[str, Any], tensors: dict[str, Any], path: Path, eos: tupl
         name=path.name.removesuffix(".gguf"),
         architecture=arch,
         attention_bias=arch == "qwen2",
-        rope_freq_factors=_rope_factors(meta, tensors, path, arch, head_dim),
+        qk_norm=arch == "qwen3",
+        sliding_window=None if window is None else int(window),
+        **longrope,
     )
 
 
@@ -202,10 +231,38 @@ def _repack(tensor: Any, path: Path, permute_rows=None) -> QuantWeight | None:
         raise CorruptModelError(f"{path}: tensor {tensor.name!r} data is malformed ({exc})") from exc
 
 
+def _split_fused(tensor: Any, target: str, config: ModelConfig, path: Path, quantized: bool,
+                 dtype: torch.dtype) -> dict[str, torch.Tensor | QuantWeight]:
+    """A Phi-3 fused matrix as its parts, by HF name: each part's rows repacked still quantized where
+    the type allows (a row of blocks is one matrix row), else dequantised."""
+    from slipstream.models.loading.hf_loader import split_fused
+
+    q, kv, inter = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim, config.intermediate_size
+    names: tuple[str, ...]
+    sizes: tuple[int, ...]
+    if target.endswith("qkv_proj.weight"):
+        prefix, names, sizes = target.removesuffix("qkv_proj.weight"), ("q_proj", "k_proj", "v_proj"), (q, kv, kv)
+    else:
+        prefix, names, sizes = target.removesuffix("gate_up_proj.weight"), ("gate_proj", "up_proj"), (inter, inter)
+    out: dict[str, torch.Tensor | QuantWeight] = {}
+    at = 0
+    for name, size in zip(names, sizes):
+        part = _repack(tensor, path, lambda t, a=at, b=at + size: t[a:b]) if quantized else None
+        at += size
+        if part is None:  # (a type without a quantized container: the dense split below)
+            out = {}
+            break
+        out[f"{prefix}{name}.weight"] = part
+    if out:
+        return out
+    # (own storage each: the weight cache stores tensors that share none)
+    return {k: v.clone() for k, v in split_fused(config, {target: _dequantize(tensor, path, dtype)}).items()}
+
+
 def load_gguf(
     path: str | Path, dtype: torch.dtype = torch.float32, quantized: bool = False
 ) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantWeight], Tokenizer]:
-    """Read config, HF-named weights and tokenizer from a llama / qwen2 GGUF: dequantised to `dtype`,
+    """Read config, HF-named weights and tokenizer from a llama / qwen2 / qwen3 GGUF: dequantised to `dtype`,
     or, with `quantized`, kept quantized where quant_formats can (float32 elsewhere)."""
     path = Path(path)
     if not path.is_file():
@@ -220,7 +277,7 @@ def load_gguf(
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise UnsupportedArchitectureError(f"{path}: architecture {arch!r} is not supported "
-                                           f"(need one of {ARCHITECTURES})")
+                                           f"(supported: {', '.join(ARCHITECTURES)})")
     tensors = {t.name: t for t in reader.tensors}
     # The reader's parsed fields (every token and merge as numpy parts) cost ~85 MB for a 49k
     # vocabulary; everything needed is in `meta` now, so drop them before the weights arrive.
@@ -232,15 +289,19 @@ def load_gguf(
 
     weights: dict[str, torch.Tensor | QuantWeight] = {}
     for name, tensor in load_progress(tensors.items(), len(tensors), "loading weights"):
-        if name == ROPE_FREQS:
-            continue  # already in config.rope_freq_factors
-        target = hf_name(name)
-        if target is None or (target.endswith(".bias") and not config.attention_bias):
+        if name == ROPE_FREQS or name in LONGROPE_TENSORS:
+            continue  # already in the config's rope fields
+        target = hf_name(name, arch)
+        qk_norm = any(f".{n}." in name for n in _QK_NORMS)
+        if target is None or (target.endswith(".bias") and not config.attention_bias) or (qk_norm and not config.qk_norm):
             raise UnsupportedArchitectureError(f"{path}: tensor {name!r} has no {arch} counterpart")
         permute = None
         if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
             heads = config.num_heads if ".attn_q." in name else config.num_kv_heads
             permute = lambda t, heads=heads: unpermute_qk(t, heads)  # noqa: E731
+        if target.endswith(("qkv_proj.weight", "gate_up_proj.weight")):  # Phi-3: split into the Llama names
+            weights.update(_split_fused(tensor, target, config, path, quantized, dtype))
+            continue
         packed = _repack(tensor, path, permute) if quantized else None
         if packed is not None:
             weights[target] = packed

@@ -1,7 +1,8 @@
-"""Loading a Hugging Face Llama / Qwen2 folder (config.json + *.safetensors + tokenizer.json)."""
+"""Loading a Hugging Face Llama / Mistral / Qwen2 / Qwen3 / Phi-3 folder (config.json + *.safetensors + tokenizer.json)."""
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -21,6 +22,8 @@ def llama_weight_names(config: ModelConfig) -> list[str]:
         p = f"model.layers.{i}."
         names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
         names += [p + f"self_attn.{x}_proj.weight" for x in "qkvo"]
+        if config.qk_norm:
+            names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
         if config.attention_bias:
             names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
         names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
@@ -47,7 +50,10 @@ def check_weights(config: ModelConfig, weights: Mapping[str, Any], source: Path 
             raise CorruptModelError(f"{source}: {name} has shape {tuple(weights[name].shape)}, config implies {shape}")
 
 
-_ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+# HF class -> ModelConfig.architecture (Mistral is Llama with a sliding window)
+_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+          "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3"}
+_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
 
 
 def _architecture(cfg: Mapping[str, Any], source: Path | str) -> str:
@@ -55,18 +61,70 @@ def _architecture(cfg: Mapping[str, Any], source: Path | str) -> str:
     for a in archs:
         if a in _ARCHS:
             return _ARCHS[a]
-    if not archs and cfg.get("model_type") in _ARCHS.values():
-        return str(cfg["model_type"])
+    if not archs and cfg.get("model_type") in _MODEL_TYPES:
+        return _MODEL_TYPES[str(cfg["model_type"])]
     arch = archs[0] if archs else cfg.get("model_type")
     raise UnsupportedArchitectureError(f"{source}: architecture {arch!r} is not supported "
-                                       f"(need one of {sorted(_ARCHS)})")
+                                       f"(supported: {', '.join(sorted(_ARCHS))})")
+
+
+def _sliding_window(cfg: Mapping[str, Any], arch: str, layers: int,
+                    source: Path | str) -> tuple[int | None, tuple[bool, ...] | None]:
+    """(window, which layers are windowed) as transformers reads them: Qwen2/Qwen3 window only with
+    `use_sliding_window`, the layers from `max_window_layers` on; Mistral every layer; `layer_types`
+    (transformers 5) says per layer where present."""
+    if arch in ("qwen2", "qwen3"):
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+    else:
+        window = cfg.get("sliding_window")
+    if window is None:
+        return None, None
+    types = cfg.get("layer_types")
+    if types is not None:
+        unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+        if unknown or len(types) != layers:
+            raise UnsupportedArchitectureError(f"{source}: layer_types {types!r} is not supported "
+                                               f"(one of full_attention, sliding_attention per layer)")
+        sliding = tuple(t == "sliding_attention" for t in types)
+    elif arch in ("qwen2", "qwen3"):
+        first = int(cfg.get("max_window_layers", 28))
+        sliding = tuple(i >= first for i in range(layers))
+    else:
+        sliding = (True,) * layers
+    if not any(sliding):
+        return None, None
+    return int(window), None if all(sliding) else sliding
+
+
+def longrope_from_hf(cfg: Mapping[str, Any], rope: Mapping[str, Any], head_dim: int,
+                     source: Path | str) -> dict[str, Any]:
+    """ModelConfig's LongRoPE fields (Phi-3): short factors up to original_max_position_embeddings, long
+    ones from there, cos/sin scaled by attention_factor (default sqrt(1 + ln(factor) / ln(original)),
+    factor = max_position_embeddings / original, as transformers computes them). transformers picks
+    one side for a whole sequence by its length; here each position takes its own side, which is the
+    same while a sequence stays within original_max_position_embeddings."""
+    try:
+        original = int(rope.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"])
+        short = tuple(float(f) for f in rope["short_factor"])
+        long = tuple(float(f) for f in rope["long_factor"])
+        factor = rope.get("factor") or int(cfg["max_position_embeddings"]) / original
+        attention = rope.get("attention_factor")
+        if attention is None:
+            attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CorruptModelError(f"{source}: rope scaling 'longrope' lacks or mangles a field ({exc!r})") from exc
+    if len(short) != head_dim // 2 or len(long) != head_dim // 2:
+        raise CorruptModelError(f"{source}: longrope short_factor / long_factor have {len(short)} / {len(long)} "
+                                f"entries, head_dim {head_dim} needs {head_dim // 2}")
+    return dict(rope_freq_factors=short, rope_long_factors=long, rope_long_from=original,
+                rope_attention_factor=float(attention))
 
 
 def rope_factors_from_hf(rope: Mapping[str, Any], head_dim: int, theta: float,
                          source: Path | str) -> tuple[float, ...] | None:
     """Per-frequency RoPE divisors for the scalings we implement; refuse the others by name."""
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type in ("default", None):
+    if rope_type in ("default", None, "longrope"):  # (longrope: longrope_from_hf)
         return None
     try:
         if rope_type == "linear":
@@ -78,22 +136,33 @@ def rope_factors_from_hf(rope: Mapping[str, Any], head_dim: int, theta: float,
     except (KeyError, TypeError, ValueError) as exc:
         raise CorruptModelError(f"{source}: rope scaling {rope_type!r} lacks or mangles a field ({exc!r})") from exc
     raise UnsupportedArchitectureError(f"{source}: rope scaling {rope_type!r} is not supported "
-                                       f"(supported: default, linear, llama3)")
+                                       f"(supported: default, linear, llama3, longrope)")
 
 
 def config_from_hf(cfg: Mapping[str, Any], name: str, source: Path | str) -> ModelConfig:
-    """Map a Llama/Qwen2 config dict (transformers 4 or 5 layout) to ModelConfig; refuse what we cannot run."""
+    """Map a Llama/Mistral/Qwen2/Qwen3 config dict (transformers 4 or 5 layout) to ModelConfig; refuse
+    what we cannot run, naming the field."""
     arch = _architecture(cfg, source)
-    if arch == "llama" and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
-        raise UnsupportedArchitectureError(f"{source}: Llama with attention/MLP biases is not supported")
-    if arch == "qwen2" and cfg.get("use_sliding_window"):
-        raise UnsupportedArchitectureError(f"{source}: Qwen2 with sliding-window attention is not supported")
+    if arch in ("llama", "qwen3") and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
+        raise UnsupportedArchitectureError(f"{source}: {arch} with attention_bias/mlp_bias is not supported "
+                                           f"(biases on attention/MLP)")
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedArchitectureError(f"{source}: hidden_act {act!r} is not supported (supported: silu)")
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    partial = cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
+    if float(partial) != 1.0:
+        raise UnsupportedArchitectureError(f"{source}: partial_rotary_factor {partial!r} (partial rotary) is not "
+                                           f"supported")
+    rope_type = rope.get("rope_type", rope.get("type"))
+    if rope_type == "longrope" and arch != "phi3":
+        raise UnsupportedArchitectureError(f"{source}: rope scaling 'longrope' is supported on Phi-3 only")
     try:
         hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
         head_dim = int(cfg.get("head_dim") or hidden // heads)
         theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
         eos = cfg.get("eos_token_id")
+        window, sliding = _sliding_window(cfg, arch, int(cfg["num_hidden_layers"]), source)
         return ModelConfig(
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
@@ -111,10 +180,31 @@ def config_from_hf(cfg: Mapping[str, Any], name: str, source: Path | str) -> Mod
             name=name,
             architecture=arch,
             attention_bias=arch == "qwen2",
-            rope_freq_factors=rope_factors_from_hf(rope, head_dim, theta, source),
+            qk_norm=arch == "qwen3",
+            sliding_window=window,
+            sliding_layers=sliding,
+            **(longrope_from_hf(cfg, rope, head_dim, source) if rope_type == "longrope"
+               else {"rope_freq_factors": rope_factors_from_hf(rope, head_dim, theta, source)}),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise CorruptModelError(f"{source}: config.json lacks or mangles a field ({exc!r})") from exc
+
+
+def split_fused(config: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Phi-3's fused qkv_proj ([q; k; v] rows) and gate_up_proj ([gate; up]) as the Llama layer's
+    separate projections (row views of the fused tensors: no copy)."""
+    q, kv, inter = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim, config.intermediate_size
+    out = {}
+    for name, t in weights.items():
+        if name.endswith("self_attn.qkv_proj.weight"):
+            p = name.removesuffix("qkv_proj.weight")
+            out[p + "q_proj.weight"], out[p + "k_proj.weight"], out[p + "v_proj.weight"] = t.split([q, kv, kv])
+        elif name.endswith("mlp.gate_up_proj.weight"):
+            p = name.removesuffix("gate_up_proj.weight")
+            out[p + "gate_proj.weight"], out[p + "up_proj.weight"] = t.split([inter, inter])
+        else:
+            out[name] = t
+    return out
 
 
 def read_safetensors(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -138,7 +228,7 @@ def read_safetensors(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor
 def load_hf_folder(
     path: str | Path, dtype: torch.dtype = torch.float32, name: str | None = None
 ) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
-    """Read a HF Llama folder; tensors are converted to `dtype`, a tied lm_head is dropped."""
+    """Read a HF Llama / Mistral / Qwen2 / Qwen3 folder; tensors are converted to `dtype`, a tied lm_head is dropped."""
     folder = Path(path)
     if not folder.is_dir():
         raise ModelNotFoundError(f"{folder}: no such model folder")
@@ -154,6 +244,8 @@ def load_hf_folder(
         raise CorruptModelError(f"{cfg_path}: expected a JSON object")
     config = config_from_hf(cfg, name or folder.name, cfg_path)
     weights = read_safetensors(folder, dtype)
+    if config.architecture == "phi3":
+        weights = split_fused(config, weights)
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
     check_weights(config, weights, folder)

@@ -1,0 +1,151 @@
+"""Qwen3 (q/k norms) and sliding-window attention (Mistral: every layer; Qwen2 `use_sliding_window`: the
+layers from `max_window_layers` on) against transformers, from a Hugging Face folder and from a GGUF.
+
+Random tiny weights (model_families.py); the window (SLIDING_WINDOW) is shorter than the prompts and
+the generations. The engine runs greedy with prefix caching on (a repeated prompt hits it) and a KV
+pool small enough to preempt, at depth 1 and 2.
+"""
+import asyncio
+import dataclasses
+
+import pytest
+import torch
+from model_families import LONGROPE, SLIDING_WINDOW, byte_vocab, hf_model, special_ids, write_gguf, write_hf_folder
+from test_model_families import last_logits
+
+from slipstream.models.kernels.cpu_kernels import native_kernels
+from slipstream.models.llama.model import LlamaForCausalLM
+from slipstream.models.loading.loader import load_model
+
+# family -> GGUF architecture (None: the layout has no GGUF form: a window on some layers only)
+FAMILIES = {"qwen3": "qwen3", "mistral-sw": "llama", "qwen2-sw": None, "phi3": "phi3"}
+NEW_TOKENS = 64
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    name = request.param
+    vocab = byte_vocab()
+    bos, eos = special_ids(vocab)
+    model = hf_model(name, len(vocab.tokens), seed=20 + list(FAMILIES).index(name), bos=bos, eos=eos)
+    root = tmp_path_factory.mktemp(name)
+    gguf_path = root / f"{name}.gguf"
+    write_gguf(gguf_path, FAMILIES[name] or "qwen2", model, vocab, pre="qwen2")  # (also the folder's tokenizer)
+    folder = root / f"{name}-hf"
+    write_hf_folder(folder, model, gguf_path)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, len(vocab.tokens) - 3, (n,), generator=g).tolist() for n in (5, 23, 40)]
+    prompts.append(prompts[2])  # the same prompt again: a prefix-cache hit
+    with torch.no_grad():
+        want = [model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
+                               pad_token_id=0)[0, len(p):].tolist() for p in prompts[:3]]
+    assert all(len(set(w)) > 8 for w in want)  # (not a degenerate repeat: the tokens depend on the attention)
+    return {"name": name, "model": model, "folder": folder, "gguf": gguf_path if FAMILIES[name] else None,
+            "prompts": prompts, "want": want + [want[2]]}
+
+
+def test_config(family):
+    config = load_model(str(family["folder"])).config
+    assert config.qk_norm == (family["name"] == "qwen3")
+    windows = [config.window(i) for i in range(config.num_layers)]
+    assert windows == {"qwen3": [None, None], "mistral-sw": [SLIDING_WINDOW] * 2,
+                       "qwen2-sw": [None, SLIDING_WINDOW], "phi3": [None, None]}[family["name"]]
+    assert (config.rope_long_from, config.rope_long_factors) == (
+        (128, tuple(LONGROPE["long_factor"])) if family["name"] == "phi3" else (None, None))
+    if family["gguf"] is not None:
+        from_gguf = load_model(str(family["gguf"])).config  # (its floats went through float32)
+        rounded = ("rms_norm_eps", "rope_freq_factors", "rope_long_factors", "rope_attention_factor")
+        for f in rounded:
+            ours, theirs = getattr(from_gguf, f), getattr(config, f)
+            assert ours == theirs if theirs is None else ours == pytest.approx(theirs, rel=1e-6), f
+        assert from_gguf == dataclasses.replace(config, name=family["gguf"].stem,
+                                                **{f: getattr(from_gguf, f) for f in rounded})
+
+
+def _sources(family):
+    return ["folder"] + (["gguf"] if family["gguf"] is not None else [])
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_logits_match_transformers(family, backend):
+    """Prefill logits at the last position, the prompts longer than the window included."""
+    if backend == "cpu" and native_kernels() is None:
+        pytest.skip("no compiled CPU kernels")
+    for source in _sources(family):
+        loaded = load_model(str(family[source]))
+        ours = LlamaForCausalLM.from_weights(loaded.config, loaded.weights, torch.float32, "cpu")
+        ours.set_kernel_backend(backend)
+        for ids in family["prompts"][:3]:
+            with torch.no_grad():
+                want = family["model"](torch.tensor([ids])).logits[0, -1].float()
+            assert (last_logits(ours, ids) - want).abs().max().item() < 1e-4, (source, len(ids))
+
+
+def test_longrope_tables():
+    """Positions from original_max_position_embeddings on take the long factors; cos/sin carry the
+    attention factor everywhere (what transformers computes for a sequence longer than the switch)."""
+    import math
+
+    from transformers import Phi3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from slipstream.models.kernels.rotary import RotaryEmbedding
+    from slipstream.models.loading.hf_loader import config_from_hf
+
+    hf = Phi3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                    original_max_position_embeddings=128, rope_parameters=dict(LONGROPE), vocab_size=300,
+                    pad_token_id=0)
+    ours = config_from_hf(hf.to_dict() | {"architectures": ["Phi3ForCausalLM"]}, "phi3", "config.json")
+    rope = RotaryEmbedding(ours)
+    for seq_len, positions in ((100, torch.arange(0, 128)), (400, torch.arange(128, 512))):
+        inv, scale = ROPE_INIT_FUNCTIONS["longrope"](hf, None, seq_len=seq_len)
+        freqs = torch.outer(positions.float(), inv)
+        want = torch.cat([freqs, freqs], -1).cos() * scale
+        assert scale == pytest.approx(math.sqrt(1 + math.log(4) / math.log(128)))
+        assert (rope.cos[positions] - want).abs().max().item() < 1e-6
+
+
+def test_the_window_is_not_a_no_op(family):
+    """Guards the test above: without the window (the q/k norms, LongRoPE's factors) logits move visibly."""
+    loaded = load_model(str(family["folder"]))
+    if family["name"] == "phi3":
+        plain = dataclasses.replace(loaded.config, rope_freq_factors=None, rope_long_factors=None, rope_long_from=None,
+                                    rope_attention_factor=1.0)
+        weights = loaded.weights
+    elif family["name"] == "qwen3":
+        plain = dataclasses.replace(loaded.config, qk_norm=False)
+        weights = {k: v for k, v in loaded.weights.items() if "_norm" not in k or "layernorm" in k}
+    else:
+        plain, weights = dataclasses.replace(loaded.config, sliding_window=None, sliding_layers=None), loaded.weights
+    ours = LlamaForCausalLM.from_weights(plain, weights, torch.float32, "cpu")
+    ids = family["prompts"][2]
+    assert len(ids) > 2 * SLIDING_WINDOW and len(ids) + NEW_TOKENS <= 128  # (the LongRoPE switch: 128)
+    with torch.no_grad():
+        want = family["model"](torch.tensor([ids])).logits[0, -1].float()
+    assert (last_logits(ours, ids) - want).abs().max().item() > 1e-3
+
+
+def _generate(spec: str, prompts, depth: int):
+    from slipstream import Engine, EngineConfig, SamplingParams
+
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    # 8 pages of 16 for 4 sequences of up to 104 tokens: preemption; prefix caching on (the default)
+    config = EngineConfig(model=spec, device="cpu", pipeline_depth=depth, kv_cache_tokens=128, page_size=16)
+
+    async def run():
+        async with Engine(config) as engine:
+            outs = await asyncio.gather(*(engine.complete(p, params) for p in prompts))
+            return [o.token_ids for o in outs], engine._parts.loop.planner.num_preemptions
+
+    return asyncio.run(run())
+
+
+def test_engine_greedy_equals_transformers(family):
+    """64 greedy tokens of 4 prompts (one repeated), preempting, at depth 2 from the folder, depth 1 from
+    the folder, and from the GGUF: all transformers' tokens."""
+    got, preemptions = _generate(str(family["folder"]), family["prompts"], depth=2)
+    assert got == family["want"]
+    assert preemptions > 0
+    assert _generate(str(family["folder"]), family["prompts"], depth=1)[0] == got
+    if family["gguf"] is not None:
+        assert _generate(str(family["gguf"]), family["prompts"], depth=2)[0] == got

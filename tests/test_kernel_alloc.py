@@ -62,7 +62,7 @@ def test_attention_raises_memory_error():
     def attend():
         out = torch.zeros(6, hq * d)
         cpu_kernels.check_rc(lib.sq_attention(q.data_ptr(), hq * d, k.data_ptr(), v.data_ptr(), qs.data_ptr(),
-                                              lens.data_ptr(), table.data_ptr(), 6, ps, 2, hq, hk, d, d ** -0.5,
+                                              lens.data_ptr(), table.data_ptr(), 6, ps, 2, hq, hk, d, d ** -0.5, 0,
                                               out.data_ptr()), "shape")
         return out
 

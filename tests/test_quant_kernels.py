@@ -250,7 +250,7 @@ def test_rotary_kv_and_attention_match_the_reference():
     qs, lens = torch.tensor([0, 5, 6]), torch.tensor([8, 21])
     out = torch.zeros(6, hq * d)
     assert lib.sq_attention(qkv.data_ptr(), w, k_cache.data_ptr(), v_cache.data_ptr(), qs.data_ptr(), lens.data_ptr(),
-                            table.data_ptr(), 6, ps, 2, hq, hk, d, d ** -0.5, out.data_ptr()) == 0
+                            table.data_ptr(), 6, ps, 2, hq, hk, d, d ** -0.5, 0, out.data_ptr()) == 0
     torch.testing.assert_close(out.view(6, hq, d), ref_out, rtol=1e-4, atol=1e-5)
 
 

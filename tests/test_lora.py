@@ -1,0 +1,245 @@
+"""LoRA adapters (docs/lora.md): token-exact against transformers + peft on a tiny random Llama, with
+four adapters (different ranks, targets, rsLoRA) and base rows in one batch at depth 1 and 2; the
+quantized CPU kernels' path and Qwen2 (biases) at the model level; loads refused naming the field;
+prefix caching never sharing a page across adapters; unloading while a request runs."""
+import asyncio
+import copy
+import json
+import os
+
+import pytest
+import torch
+
+from hf_oracle import hf_llama_from_weights
+from slipstream import Engine, SamplingParams
+from slipstream.errors import InvalidRequestError, LoraAdapterError, LoraNotFoundError
+from slipstream.models.config import tiny_config
+from slipstream.models.llama.build import random_weights
+
+peft = pytest.importorskip("peft")
+
+# name -> (rank, targets, alpha, rslora)
+ADAPTERS = {
+    "a": (4, ["q_proj", "v_proj", "down_proj"], 8, False),
+    "b": (8, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], 16, True),
+    "c": (2, ["k_proj", "o_proj", "gate_proj", "up_proj"], 4, False),
+    "d": (16, ["q_proj", "k_proj", "v_proj", "o_proj"], 32, False),
+}
+PROMPTS = [[1, 5, 9, 33, 70, 100], [1, 44, 12, 8, 31], [1, 200, 3, 3, 3, 17, 250, 9, 81], [1, 7],
+           [1, 301, 302, 303, 304, 305, 306, 307, 308, 309, 310, 311, 312, 313, 314, 315, 316, 317, 318]]
+TOKENS = 6
+
+
+def make_adapter(hf, folder, rank, targets, alpha, rslora, seed, **extra):
+    """A peft LoRA of `hf` saved in `folder`, A and B random (peft starts B at zero)."""
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora,
+                             lora_dropout=0.0, **extra)
+    model = peft.get_peft_model(copy.deepcopy(hf), config)  # (the oracle's model stays as it is)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_A" in name or "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = tiny_config()
+    return cfg, hf_llama_from_weights(cfg, random_weights(cfg, seed=0))  # the weights of model="tiny-random"
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny, tmp_path_factory):
+    _, hf = tiny
+    root = tmp_path_factory.mktemp("loras")
+    return {name: str(make_adapter(hf, root / name, *spec, seed=i))
+            for i, (name, spec) in enumerate(ADAPTERS.items())}
+
+
+@pytest.fixture(scope="module")
+def oracle(tiny, adapters):
+    """(prompt, adapter or None) -> (greedy tokens, log-softmax rows) by transformers + peft."""
+    _, hf = tiny
+    names = list(adapters)
+    model = peft.PeftModel.from_pretrained(hf, adapters[names[0]], adapter_name=names[0])
+    for n in names[1:]:
+        model.load_adapter(adapters[n], adapter_name=n)
+    model.eval()
+    cache = {}
+
+    def run(prompt, lora):
+        key = (tuple(prompt), lora)
+        if key not in cache:
+            ids, rows = list(prompt), []
+            with torch.no_grad():
+                for _ in range(TOKENS):
+                    if lora is None:
+                        with model.disable_adapter():
+                            logits = model(torch.tensor([ids])).logits[0, -1]
+                    else:
+                        model.set_adapter(lora)
+                        logits = model(torch.tensor([ids])).logits[0, -1]
+                    rows.append(torch.log_softmax(logits.float(), -1))
+                    ids.append(int(logits.argmax()))
+            cache[key] = ids[len(prompt):], rows
+        return cache[key]
+
+    yield run
+    model.unload()
+
+
+def check_output(out, want_tokens, want_rows):
+    assert out.token_ids == want_tokens
+    for step, (top, row) in enumerate(zip(out.top_logprobs, want_rows)):
+        for token, lp in top.items():
+            assert abs(lp - float(row[token])) < 1e-4, (step, token, lp, float(row[token]))
+
+
+def greedy(lora=None, **kw):
+    return SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True, top_logprobs=5, lora=lora, **kw)
+
+
+@pytest.mark.parametrize("depth,invariant", [(1, False), (2, False), (2, True)])
+async def test_mixed_batch_matches_peft(adapters, oracle, depth, invariant):
+    """Four adapters and base rows submitted together (prompts of different lengths: chunks and decode
+    rows of different adapters share steps): every request's greedy tokens and top logprobs equal
+    peft's (the compiled-kernel CPU backend; invariant: the reference backend)."""
+    jobs = [(p, lora) for i, p in enumerate(PROMPTS) for lora in [None, *adapters][i % 2::2]]
+    async with Engine(model="tiny-random", pipeline_depth=depth, batch_invariant=invariant, lora_adapters=adapters,
+                      max_loras=4, kv_cache_tokens=2048) as engine:
+        outs = await asyncio.gather(*(engine.complete(p, greedy(lora)) for p, lora in jobs))
+        stats = await engine.stats()
+    assert stats["steps"] < len(jobs) * TOKENS  # they shared steps
+    for (p, lora), out in zip(jobs, outs):
+        check_output(out, *oracle(p, lora))
+
+
+async def test_unknown_adapter_is_refused_naming_it(adapters):
+    async with Engine(model="tiny-random", lora_adapters={"a": adapters["a"]}) as engine:
+        with pytest.raises(LoraNotFoundError, match="'nope'") as e:
+            await engine.complete([1, 2, 3], greedy("nope"))
+        assert e.value.param == "lora"
+        with pytest.raises(LoraNotFoundError):
+            await engine.unload_lora("nope")
+        assert [x["name"] for x in engine.loras()] == ["a"]
+
+
+def _corrupt(path):
+    with open(os.path.join(path, "adapter_model.safetensors"), "r+b") as f:
+        f.truncate(40)
+
+
+def _edit_config(path, **changes):
+    file = os.path.join(path, "adapter_config.json")
+    with open(file) as f:
+        cfg = json.load(f)
+    cfg.update(changes)
+    with open(file, "w") as f:
+        json.dump(cfg, f)
+
+
+@pytest.fixture(scope="module")
+def bad_adapters(tiny, tmp_path_factory):
+    """name -> (folder, the field its refusal names)."""
+    cfg, hf = tiny
+    root = tmp_path_factory.mktemp("bad")
+    out = {"rank": (make_adapter(hf, root / "rank", 32, ["q_proj"], 8, False, 0), "r"),
+           "dora": (make_adapter(hf, root / "dora", 4, ["q_proj"], 8, False, 0, use_dora=True), "use_dora"),
+           "bias": (make_adapter(hf, root / "bias", 4, ["q_proj"], 8, False, 0, bias="lora_only"), "bias"),
+           "lm_head": (make_adapter(hf, root / "lm_head", 4, ["q_proj", "lm_head"], 8, False, 0), "target_modules"),
+           "missing": (root / "nothing-here", "lora_path")}
+    out["corrupt"] = (make_adapter(hf, root / "corrupt", 4, ["q_proj"], 8, False, 0), "adapter_model.safetensors")
+    _corrupt(out["corrupt"][0])
+    # another model's shapes (a wider MLP) under this model's module names
+    from dataclasses import replace
+
+    other_cfg = replace(cfg, intermediate_size=96)
+    other = hf_llama_from_weights(other_cfg, random_weights(other_cfg, seed=3))
+    out["shape"] = (make_adapter(other, root / "shape", 4, ["down_proj"], 8, False, 0), "shape")
+    out["pattern"] = (make_adapter(hf, root / "pattern", 4, ["q_proj"], 8, False, 0), "rank_pattern")
+    _edit_config(out["pattern"][0], rank_pattern={"q_proj": 2})
+    out["unknown_target"] = (make_adapter(hf, root / "unknown_target", 4, ["q_proj"], 8, False, 0), "target_modules")
+    _edit_config(out["unknown_target"][0], target_modules=["q_proj", "wq"])
+    return {k: (str(v[0]), v[1]) for k, v in out.items()}
+
+
+async def test_bad_adapters_are_refused_naming_the_field_engine_unharmed(adapters, bad_adapters, oracle):
+    async with Engine(model="tiny-random", lora_adapters={"a": adapters["a"]}, max_lora_rank=16) as engine:
+        for name, (path, field) in bad_adapters.items():
+            with pytest.raises(LoraAdapterError) as e:
+                await engine.load_lora(name, path)
+            assert e.value.param == field, (name, str(e.value))
+            assert name in str(e.value)
+        assert [x["name"] for x in engine.loras()] == ["a"]
+        for lora in (None, "a"):  # what ran before still runs the same
+            check_output(await engine.complete(PROMPTS[0], greedy(lora)), *oracle(PROMPTS[0], lora))
+        with pytest.raises(InvalidRequestError, match="already loaded") as e:
+            await engine.load_lora("a", adapters["b"])
+        assert e.value.param == "lora_name"
+
+
+async def test_bad_adapter_at_start_fails_the_start(bad_adapters):
+    with pytest.raises(LoraAdapterError) as e:
+        async with Engine(model="tiny-random", lora_adapters={"x": bad_adapters["dora"][0]}):
+            pass
+    assert e.value.param == "use_dora"
+
+
+def test_config_checks():
+    from slipstream import EngineConfig
+
+    with pytest.raises(InvalidRequestError) as e:
+        EngineConfig(lora_adapters={str(i): "/x" for i in range(3)}, max_loras=2)
+    assert e.value.param == "lora_adapters"
+    with pytest.raises(InvalidRequestError) as e:
+        EngineConfig(max_lora_rank=0)
+    assert e.value.param == "max_lora_rank"
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(lora="")
+    assert e.value.param == "lora"
+
+
+async def test_prefix_cache_never_shares_across_adapters(adapters):
+    """A prompt of 3 full pages: cached for a second request of the same adapter, never for another
+    adapter, the base model, or the same name loaded again (another load: another key)."""
+    prompt = list(range(1, 50))
+
+    async def cached(engine, lora):
+        return (await engine.complete(prompt, greedy(lora))).usage.cached_tokens
+
+    async with Engine(model="tiny-random", page_size=16, lora_adapters={"a": adapters["a"], "b": adapters["b"]}) as engine:
+        assert await cached(engine, "a") == 0
+        assert await cached(engine, "a") == 48
+        assert await cached(engine, "b") == 0
+        assert await cached(engine, None) == 0
+        assert await cached(engine, None) == 48
+        assert await cached(engine, "b") == 48
+        await engine.unload_lora("a")
+        await engine.load_lora("a", adapters["c"])  # the same name, other weights
+        assert await cached(engine, "a") == 0
+
+
+async def test_unload_lets_running_requests_finish(adapters, oracle):
+    """Unloading an adapter a stream is using: the stream ends with that adapter's tokens; new requests
+    cannot name it; its slot is reused once the stream is done, and a load under load loses nothing."""
+    async with Engine(model="tiny-random", lora_adapters={"a": adapters["a"]}, max_loras=1) as engine:
+        stream = engine.stream(PROMPTS[2], greedy("a"))
+        ids = []
+        async for delta in stream:
+            if not ids:
+                await engine.unload_lora("a")
+                with pytest.raises(LoraNotFoundError):
+                    await engine.complete(PROMPTS[0], greedy("a"))
+                with pytest.raises(InvalidRequestError, match="max_loras") as e:  # its slot is still in use
+                    await engine.load_lora("b", adapters["b"])
+                assert e.value.param == "lora_name"
+            ids += delta.token_ids
+        assert ids == oracle(PROMPTS[2], "a")[0]
+        base = [engine.complete(p, greedy()) for p in PROMPTS]
+        load = engine.load_lora("b", adapters["b"])  # while base requests run
+        *outs, _ = await asyncio.gather(*base, load)
+        for p, out in zip(PROMPTS, outs):
+            check_output(out, *oracle(p, None))
+        check_output(await engine.complete(PROMPTS[1], greedy("b")), *oracle(PROMPTS[1], "b"))

@@ -46,6 +46,15 @@ class AddressInUseError(InvalidRequestError):
     model loads); `param` names the flag."""
 
 
+class LoraAdapterError(InvalidRequestError):
+    """A LoRA adapter was refused at load (its folder, config or weights); `param` names the field
+    or file (e.g. "r", "target_modules", "adapter_model.safetensors"). The engine is unchanged."""
+
+
+class LoraNotFoundError(InvalidRequestError):
+    """A request names a LoRA adapter the engine has not loaded (HTTP: 404 model_not_found)."""
+
+
 class EngineClosedError(SlipstreamError):
     """The engine is not running (never started, shut down, or its loop died)."""
 

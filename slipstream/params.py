@@ -60,6 +60,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, f
     # speculative decoding (docs/speculative.md): False keeps this request's steps free of drafts
     # (where EngineConfig.speculative is on; the output is the same either way)
     speculative: bool = True
+    # the LoRA adapter this request computes with (docs/lora.md): a name EngineConfig.lora_adapters or
+    # Engine.load_lora gave; None: the base model
+    lora: str | None = None
 
     def grammar_field(self) -> str | None:
         """The field the constraint came from (what a GrammarCompileError's `param` names)."""
@@ -129,6 +132,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, f
             force(self, "choice", tuple(check.text(f"choice[{i}]", c) for i, c in enumerate(self.choice)))
         check.boolean("prefix_caching", self.prefix_caching)
         check.boolean("speculative", self.speculative)
+        if self.lora is not None:
+            check.text("lora", self.lora)
         if self.cache_salt is not None and len(check.text("cache_salt", self.cache_salt)) > MAX_CACHE_SALT:
             raise InvalidRequestError(f"cache_salt must be at most {MAX_CACHE_SALT} characters, got "
                                       f"{len(self.cache_salt)}", param="cache_salt")
@@ -237,9 +242,15 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, met
     #                             tick) | "thread" (a worker thread; delivery stays on the loop)
     # speculative decoding (docs/speculative.md); None: off. A dict (HTTP, Ray) is read as SpeculativeConfig
     speculative: SpeculativeConfig | None = None
+    # LoRA adapters (docs/lora.md): name -> PEFT folder, loaded at start; at most max_loras loaded at
+    # once (Engine.load_lora adds more), each of rank <= max_lora_rank. CPU only for now
+    lora_adapters: dict[str, str] | None = None
+    max_loras: int = 8
+    max_lora_rank: int = 64
 
     def __post_init__(self) -> None:
         check.text("model", self.model)
+        self._check_lora()
         if self.device not in ("cpu", "cuda"):
             raise InvalidRequestError(f"device must be 'cpu' or 'cuda', got {self.device!r}", param="device")
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -305,6 +316,25 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, met
                                           f"({self.max_num_batched_tokens}), got ({lo}, {hi})",
                                           param="graph_token_sizes")
             self.graph_token_sizes = (lo, hi)
+
+    def _check_lora(self) -> None:
+        check.integer("max_loras", self.max_loras, minimum=1, maximum=256)
+        check.integer("max_lora_rank", self.max_lora_rank, minimum=1, maximum=1024)
+        adapters = self.lora_adapters
+        if adapters is None:
+            return
+        if not isinstance(adapters, dict):
+            raise InvalidRequestError(f"lora_adapters must be a dict of name -> path, got {type(adapters).__name__}",
+                                      param="lora_adapters")
+        for name, path in adapters.items():
+            check.text("lora_adapters", name)
+            check.text(f"lora_adapters[{name!r}]", path)
+        if len(adapters) > self.max_loras:
+            raise InvalidRequestError(f"lora_adapters has {len(adapters)} adapters, more than max_loras="
+                                      f"{self.max_loras}", param="lora_adapters")
+        if adapters and self.device != "cpu":
+            raise InvalidRequestError("lora_adapters: LoRA runs on the CPU only for now (no CUDA kernels yet)",
+                                      param="lora_adapters")
 
     def token_bucket_range(self) -> tuple[int, int]:
         """(min, max) of the mixed-step graph buckets, in tokens."""

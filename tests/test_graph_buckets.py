@@ -130,7 +130,7 @@ def test_arena_stages_chunks_after_the_decode_rows():
         assert u.param_rows.tolist() == [2, 4]
         ints, floats = u.params_int[:, 0], u.params_float[:, 0]
         assert (ints[IntColumn.TOP_K], ints[IntColumn.SEED], ints[IntColumn.OUTPUT_INDEX]) == (3, 11, 0)
-        assert ints[IntColumn.CARRY:].tolist() == [NO_CARRY] * MAX_CARRY_TOKENS
+        assert ints[IntColumn.CARRY:IntColumn.CARRY + MAX_CARRY_TOKENS].tolist() == [NO_CARRY] * MAX_CARRY_TOKENS
         assert (floats[FloatColumn.TEMPERATURE], floats[FloatColumn.TOP_P], floats[FloatColumn.REPETITION_PENALTY],
                 floats[FloatColumn.MIN_P]) == (0.5, 1.0, 1.0, 0.0)
     finally:

@@ -128,6 +128,7 @@ class Engine(SkillMethods):
                                        timeout_s=self.config.grammar_timeout_s,
                                        factories=region_factories(*region) if region else None)
             self.submitter.bind(self.config, self._parts, grammars)
+            await self._start_loras()
             self._loop_task = asyncio.create_task(self.loop.run(), name="slipstream-engine-loop")
             self._loop_task.add_done_callback(self._loop_ended)
         except BaseException:  # a failed start leaves no device threads and no gc hold behind
@@ -215,6 +216,34 @@ class Engine(SkillMethods):
         if running is not self._owner:
             raise WrongEventLoopError("this Engine was started on another event loop; call it from that loop "
                                       "(asyncio.run_coroutine_threadsafe from other threads)")
+
+    # --- LoRA adapters (docs/lora.md; api/lora.py) ---------------------------------------------------
+
+    async def _start_loras(self) -> None:
+        from slipstream.models.base import DTYPES
+        from slipstream.models.registry import for_spec
+
+        parts = self._parts
+        self.submitter.loras.bind(parts.runner, parts.model_config, for_spec(self.config.model).lora,
+                                  parts.device.kind, DTYPES[self.config.dtype], self.submitter.lora_slots)
+        for name, path in (self.config.lora_adapters or {}).items():
+            await self.submitter.loras.load(name, path)
+
+    async def load_lora(self, name: str, path: str) -> dict[str, Any]:
+        """Load a PEFT LoRA folder under `name` (read off the loop; requests running meanwhile are
+        untouched). LoraAdapterError (an InvalidRequestError naming the field) when it is refused."""
+        self._check_running()
+        entry = await self.submitter.loras.load(name, path)
+        return {"name": entry.name, "path": entry.path, "rank": entry.rank, "targets": list(entry.targets)}
+
+    async def unload_lora(self, name: str) -> None:
+        """New requests can no longer name it (LoraNotFoundError if none is loaded so); running ones finish."""
+        self._check_running()
+        self.submitter.loras.unload(name)
+
+    def loras(self) -> list[dict[str, Any]]:
+        """The loaded adapters: name, path, rank, targets, slot, bytes."""
+        return self.submitter.loras.list()
 
     @property
     def region_skills(self) -> bool:

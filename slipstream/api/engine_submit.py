@@ -31,8 +31,9 @@ from slipstream.runtime.batch import MAX_CARRY_TOKENS, MAX_CARRY_VALUES, Samplin
 from slipstream.api.interface import Messages, Prompt
 from slipstream.api.encode import check_prompt_chars, encode_off_loop
 from slipstream.api.image_prompt import IMAGE_MARKER, prepare_images_off_loop
+from slipstream.api.lora import LoraRegistry
 from slipstream.api.request_stream import RequestState
-from slipstream.scheduler.block_hash import image_key, salt_key
+from slipstream.scheduler.block_hash import image_key, lora_key, salt_key
 from slipstream.scheduler.sequence import ImageState, PrefixState, Sequence as SchedSeq
 from slipstream.images import ImageLike, check_image_fields, require_vision
 from slipstream.tool_calls.plan import ToolPlan, has_tool_messages, tool_prompt
@@ -56,6 +57,11 @@ class Submitter:
         self._id_prefix = f"req-{secrets.token_hex(4)}-"  # auto ids never look like a user's "req-1"
         self._rng = random.Random(config.seed)
         self.tokenizer: Any = None
+        self.loras = LoraRegistry(config)  # the LoRA adapters a request may name (api/lora.py)
+
+    def lora_slots(self) -> set[int]:
+        """The LoRA slots live requests hold (a slot is reused only after them)."""
+        return {seq.sampling.lora for seq in self.requests.values() if seq.sampling.lora}
 
     def check_running(self) -> None:
         check = self._check()
@@ -87,6 +93,8 @@ class Submitter:
         if params.n > 1:  # complete/chat fan out before this; a stream cannot (slipstream/api/fanout.py)
             raise InvalidRequestError("n > 1 cannot be streamed; use complete() or chat()", param="n")
         request_id = check.request_id(request_id)
+        if params.lora is not None:
+            self.loras.resolve(params.lora)  # an unknown adapter fails before the prompt's work
         spec = params.grammar_spec()
         skill = self._region_skill(spec, prompt, images)
         ids, spans = await self._prompt_ids(prompt, images, fields, skill)
@@ -117,6 +125,8 @@ class Submitter:
         if ceil_div(len(ids) + max_tokens, page) > pool.total:
             raise InvalidRequestError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) needs more KV pages "
                                       f"than the whole pool holds ({pool.total} pages of {page})", param="max_tokens")
+        # resolved again after the last await: the slot is the one loaded now (no await until it is held)
+        lora = self.loras.resolve(params.lora) if params.lora is not None else None
         eos = () if params.ignore_eos else tuple(self.tokenizer.eos_token_ids)
         seed = params.seed if params.seed is not None else self._rng.randrange(2**31)
         row = SamplingRow(temperature=float(params.temperature), top_k=max(params.top_k, 0), top_p=params.top_p,
@@ -124,7 +134,8 @@ class Submitter:
                           presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
                           repetition_penalty=params.repetition_penalty, min_p=params.min_p,
                           min_tokens=params.min_tokens, top_logprobs=params.top_logprobs,
-                          stop_ids=tuple(sorted(frozenset(eos) | frozenset(params.stop_token_ids or ()))), carry=carry)
+                          stop_ids=tuple(sorted(frozenset(eos) | frozenset(params.stop_token_ids or ()))), carry=carry,
+                          lora=0 if lora is None else lora.slot)
         req = RequestState(request_id, ids, params, make_detokenizer(self.tokenizer, ids),
                            frozenset(eos) | frozenset(params.stop_token_ids or ()), RequestMetrics(time.perf_counter()),
                            matcher=matcher, streaming=streaming)
@@ -132,7 +143,8 @@ class Submitter:
         seq = SchedSeq(request_id, ids, max_tokens, row, user=req, matcher=matcher, ends_with_grammar=not params.stop,
                        images=ImageState(spans) if spans else None,
                        bidirectional_len=bidirectional,
-                       prefix=PrefixState(salt_key(params.cache_salt) if params.prefix_caching else None),
+                       prefix=PrefixState(lora_key(None if lora is None else lora.key) + salt_key(params.cache_salt)
+                                          if params.prefix_caching else None),
                        speculate=params.speculative)
         self.requests[request_id] = seq
         self.loop.submit(seq)

@@ -30,7 +30,7 @@ Tools = Sequence[dict] | None  # OpenAI function tools: [{"type": "function", "f
 ToolChoice = str | dict | None  # "auto" | "none" | "required" | {"type": "function", "function": {"name"}}
 
 # Public methods only one side has, because only its transport has the concept.
-TRANSPORT_EXTRAS = {"Engine": frozenset({"stats_now"}), "Client": frozenset({"wait_connected"})}
+TRANSPORT_EXTRAS = {"Engine": frozenset({"stats_now", "load_lora", "unload_lora", "loras"}), "Client": frozenset({"wait_connected"})}
 
 
 class DeltaStream(Protocol):

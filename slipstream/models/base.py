@@ -15,6 +15,7 @@ import torch
 from slipstream.models.carry_heads import CarryHeads, CarryInput
 from slipstream.models.config import ModelConfig
 from slipstream.models.kernels.attention import AttentionMetadata
+from slipstream.models.lora import LoraInput
 
 # EngineConfig.dtype names -> torch dtypes (weights, activations, KV cache)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -36,6 +37,8 @@ class ForwardBatch:
     # a carry row.
     carry: CarryInput | None = None
     return_hidden: bool = False
+    # LoRA (models/lora.py): each token's adapter slot and the adapters; None: no adapter is loaded
+    lora: LoraInput | None = None
 
 
 class KVCache:
@@ -119,3 +122,4 @@ class ModelFamily:
     claims: Callable[[str], bool]  # whether a model spec names a checkpoint of this family
     # the model's image preprocessing and prompt expansion (images.py's ImageProcessing); None: text only
     image_processing: Callable[[Model], Any] = lambda model: None
+    lora: bool = False  # its models compute LoRA adapters' deltas (models/lora.py: ForwardBatch.lora)

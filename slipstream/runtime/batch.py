@@ -58,6 +58,7 @@ class SamplingRow:
     # carry tokens (token id, carry kind >= 1): after sampling such a token the row's next input is
     # the value of that kind decoded from this step's hidden state (docs/moondream.md, "The carry")
     carry: tuple[tuple[int, int], ...] = ()
+    lora: int = 0  # the LoRA adapter slot the row computes with (0: the base model; docs/lora.md)
 
     @property
     def penalized(self) -> bool:

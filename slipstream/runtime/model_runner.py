@@ -45,6 +45,7 @@ from slipstream.intmath import round_up
 from slipstream.models.kernels.attention import AttentionMetadata, DeviceAttentionMetadata
 from slipstream.models.carry_kind import CarryKind
 from slipstream.models.base import ForwardBatch, KVCache, Model
+from slipstream.models.lora import LoraInput, LoraWeights
 from slipstream.runtime.batch import ForwardInput
 from slipstream.runtime.host_copy import copy_to_host, upload_array
 from slipstream.runtime.carry import ChunkCarry, carry_input, read_carried, stage_chunk_carry
@@ -82,11 +83,31 @@ class ModelRunner(GraphChoice, EncoderLaunch):
         # Written by encode launches and read by forwards, both on the compute stream (stream order)
         self.features: dict[bytes, torch.Tensor] = {}
         self.eager_steps = 0  # steps launched without a graph (stats(): on CUDA, 0 in steady serving)
-        self.spec: SpecRunner | None = None
+        self.spec: SpecRunner | None = None  # speculating steps (runtime/spec_step.py; EngineConfig.speculative)
         # speculation priced by device-timed steps (SampledTokens.step_ms) where the cost table cannot
         # know the device (CUDA: graphed plain steps, eager speculating ones); on the CPU the table was
         # measured on the kernels, and a shared CPU's stream clock holds other processes' time
-        self.spec_timed = False  # speculating steps (runtime/spec_step.py; EngineConfig.speculative)
+        self.spec_timed = False
+        # LoRA adapters by slot (0: none), replaced whole so a forward reads one consistent tuple; a
+        # row's slot is its row-table column (SamplingRow.lora), gathered per token (docs/lora.md)
+        self.lora_adapters: tuple[LoraWeights | None, ...] = (None,)
+
+    def set_lora(self, slot: int, weights: LoraWeights | None) -> None:
+        """Put an adapter in `slot` (>= 1), or empty it. The caller hands a slot out only when no live
+        row reads it (api/lora.py), so a step in flight sees the old or the new tuple alike."""
+        assert slot >= 1, "slot 0 is the base model"
+        adapters = list(self.lora_adapters) + [None] * max(0, slot + 1 - len(self.lora_adapters))
+        adapters[slot] = weights
+        while len(adapters) > 1 and adapters[-1] is None:
+            adapters.pop()
+        self.lora_adapters = tuple(adapters)
+
+    def lora_input(self, token_rows: torch.Tensor) -> LoraInput | None:
+        """Each token's adapter slot from its row's column (None while no adapter is loaded: no cost)."""
+        adapters = self.lora_adapters
+        if len(adapters) == 1:
+            return None
+        return LoraInput(self.rows.sampling.lora.index_select(0, token_rows), adapters)
 
     @property
     def arenas(self) -> list[StepArena]:
@@ -123,6 +144,8 @@ class ModelRunner(GraphChoice, EncoderLaunch):
             if host_attention:
                 raise ValueError("a static (graph-shaped) step needs the device attention backend")
             ids, positions, kv_indices, meta = static_inputs(self.rows, t, self.kv.page_size)
+            if len(self.lora_adapters) > 1:  # (EngineConfig refuses LoRA where graphs run)
+                raise NotImplementedError("LoRA adapters in a captured graph")
             return self.model(ForwardBatch(input_ids=ids, positions=positions, kv_indices=kv_indices,
                                            sample_indices=t.sample_indices, attn=meta), self.kv)
         r, ps = self.rows, self.kv.page_size
@@ -154,7 +177,7 @@ class ModelRunner(GraphChoice, EncoderLaunch):
                                                  bidirectional_lens=bidi)
         meta.bidirectional_lens = bidirectional_lens
         batch = ForwardBatch(input_ids=ids, positions=positions, kv_indices=kv_indices,
-                             sample_indices=t.sample_indices, attn=meta)
+                             sample_indices=t.sample_indices, attn=meta, lora=self.lora_input(token_rows))
         if embeds is not None:  # image placeholders take encoder rows (never in a graph: _choose_graph)
             batch.embed_rows, batch.embeds = embeds
         if carry is not None:

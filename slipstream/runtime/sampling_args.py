@@ -36,6 +36,7 @@ class IntColumn(IntEnum):
     LOGPROBS = 3
     MIN_TOKENS = 4
     CARRY = 5
+    LORA = CARRY + MAX_CARRY_TOKENS  # the row's LoRA adapter slot (0: the base model; docs/lora.md)
 
 
 class FloatColumn(IntEnum):
@@ -50,7 +51,7 @@ class FloatColumn(IntEnum):
 
 
 NO_CARRY = -1
-NUM_INTS, NUM_FLOATS = IntColumn.CARRY + MAX_CARRY_TOKENS, len(FloatColumn)
+NUM_INTS, NUM_FLOATS = IntColumn.LORA + 1, len(FloatColumn)
 
 
 def stage_params(chunks: Seq[SeqWork], ints: np.ndarray, floats: np.ndarray) -> None:
@@ -61,6 +62,7 @@ def stage_params(chunks: Seq[SeqWork], ints: np.ndarray, floats: np.ndarray) -> 
     ints[IntColumn.OUTPUT_INDEX] = [w.output_index for w in chunks]
     ints[IntColumn.LOGPROBS] = [s.logprobs for s in rows]
     ints[IntColumn.MIN_TOKENS] = [s.min_tokens for s in rows]
+    ints[IntColumn.LORA] = [s.lora for s in rows]
     carry = ints[IntColumn.CARRY:IntColumn.CARRY + MAX_CARRY_TOKENS]
     carry[:] = NO_CARRY
     for j, s in enumerate(rows):
@@ -150,7 +152,8 @@ class SamplingTables:
         self.ints = torch.zeros(NUM_INTS, max_rows, dtype=torch.int64, device=device)
         self.floats = torch.zeros(NUM_FLOATS, max_rows, dtype=torch.float32, device=device)
         self.output_index = self.ints[IntColumn.OUTPUT_INDEX]
-        self.carry_maps = self.ints[IntColumn.CARRY:]  # [MAX_CARRY_TOKENS, R] packed carry tokens
+        self.carry_maps = self.ints[IntColumn.CARRY:IntColumn.CARRY + MAX_CARRY_TOKENS]  # [MAX_CARRY_TOKENS, R] packed
+        self.lora = self.ints[IntColumn.LORA]  # [R] each row's adapter slot: what a forward's tokens gather
         self._needs = np.zeros(max_rows, np.uint8)
         self.top_logprobs = np.zeros(max_rows, np.int64)  # per row (read_sampled keeps each row's own k)
         self.carry_rows: set[int] = set()  # rows whose sequence has carry tokens (empty: no step checks more)

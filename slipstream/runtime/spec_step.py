@@ -147,7 +147,8 @@ class SpecRunner:
             meta.on_device = DeviceAttentionMetadata(query_start_dev, kv_lens, page_table, max_drafts + 1)
             t2 = time.perf_counter()
             logits = model(ForwardBatch(input_ids=ids, positions=positions, kv_indices=kv_indices,
-                                        sample_indices=sample_indices, attn=meta), kv)[:num_pos]
+                                        sample_indices=sample_indices, attn=meta,
+                                        lora=runner.lora_input(token_rows)), kv)[:num_pos]
             if host_attention:  # (elsewhere the forward is only launched here: nothing to time)
                 self.draft_costs[slot.index] = (t1 - t0) / max(time.perf_counter() - t2, 1e-6)
             if runner.faults is not None:

@@ -2,8 +2,8 @@
 
 Page i's hash chains (page i-1's hash, page i's token ids, extra keys), so equal hashes mean equal
 whole prefixes: a page's K/V depends on every earlier token (causal attention), never on later ones.
-`extra` isolates what the token ids do not say: the request's cache salt (tenants never share a
-page) and the digests of the images whose placeholder tokens the page holds (`page_extra`: two
+`extra` isolates what the token ids do not say: the request's LoRA adapter (`lora_key`: no page is
+shared across adapters), its cache salt (tenants never share a page) and the digests of the images whose placeholder tokens the page holds (`page_extra`: two
 prompts with the same text and other images never share a page). A partial last page has no hash:
 a page still being filled is not shared.
 
@@ -81,3 +81,10 @@ def image_key(digest: bytes, cache_salt: str | None) -> bytes:
     if cache_salt is None:
         return digest
     return hashlib.blake2b(salt_key(cache_salt) + digest, digest_size=32).digest()
+
+
+def lora_key(adapter: str | None) -> bytes:
+    """The `extra` bytes of a request's LoRA adapter (api/lora.py's key, unique per load; none: b"",
+    so base-model hashes are unchanged). A tag and a fixed-length hash, placed before the salt's key:
+    no salt key starts with the tag, so the concatenation stays unambiguous."""
+    return b"" if adapter is None else b"lora:" + hashlib.blake2b(adapter.encode("utf-8"), digest_size=16).digest()

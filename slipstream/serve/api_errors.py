@@ -59,6 +59,8 @@ def from_slipstream(e: errors.SlipstreamError, grammar_param: str | None = None)
         return ApiError(503, str(e), "service_unavailable", None, code)
     if isinstance(e, (errors.GrammarCompileError, errors.GrammarTimeoutError)):
         return invalid(str(e), grammar_param or e.param, code)
+    if isinstance(e, errors.LoraNotFoundError):  # as OpenAI answers an unknown model
+        return ApiError(404, str(e), "invalid_request_error", e.param, "model_not_found")
     if isinstance(e, (errors.InvalidRequestError, errors.ProtocolError)):
         return invalid(str(e), getattr(e, "param", None), code)
     return ApiError(500, str(e), "server_error", None, code)

@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from slipstream.api.encode import encode_off_loop
 from slipstream.errors import InvalidRequestError, SlipstreamError
-from slipstream.serve import chat_tools, generation, responses, skills
+from slipstream.serve import chat_tools, generation, lora, responses, skills
 from slipstream.serve.api_errors import ApiError, from_slipstream, invalid
 from slipstream.serve.body import DEFAULT_MAX_BODY_BYTES, read_body
 from slipstream.serve.backend import Backend
@@ -121,16 +121,18 @@ def create_app(backend: Backend, max_inflight: int = 1024, max_body_bytes: int =
         return await skills.handle(state, request, "detect")
 
     @app.get("/v1/models")
-    async def models() -> Response:
-        return _json({"object": "list", "data": [{"id": backend.model_name, "object": "model", "created": now_s(),
-                                                  "owned_by": "slipstream"}]})
+    async def models() -> Response:  # the base model, then its LoRA adapters (serve/lora.py)
+        return _json({"object": "list", "data": lora.model_cards(backend)})
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> Response:  # the OpenAI SDK's models.retrieve
-        if model_id != backend.model_name:
+        card = next((c for c in lora.model_cards(backend) if c["id"] == model_id), None)
+        if card is None:
             raise ApiError(404, f"the model {model_id!r} does not exist; this server serves {backend.model_name!r}",
                            "invalid_request_error", "model", "model_not_found")
-        return _json({"id": backend.model_name, "object": "model", "created": now_s(), "owned_by": "slipstream"})
+        return _json(card)
+
+    lora.add_routes(app, state)  # POST /v1/load_lora_adapter, /v1/unload_lora_adapter
 
     @app.get("/health")
     async def health() -> Response:

@@ -85,6 +85,15 @@ class EngineBackend:
     async def metrics_text(self) -> str:
         return await self.engine.metrics_text()
 
+    def loras(self) -> list[dict]:  # LoRA adapters (serve/lora.py)
+        return self.engine.loras()
+
+    async def load_lora(self, name: str, path: str) -> dict:
+        return await self.engine.load_lora(name, path)
+
+    async def unload_lora(self, name: str) -> None:
+        await self.engine.unload_lora(name)
+
 
 class ClientsBackend:
     """Spreads requests over one or more workers: each goes to the one with the fewest in flight."""

@@ -18,6 +18,7 @@ from slipstream.serve import chat_tools, render, sse
 from slipstream.serve.api_errors import ApiError, from_decode_error, from_slipstream, invalid
 from slipstream.serve.body import read_body
 from slipstream.serve.images import request_images
+from slipstream.serve.lora import lora_of
 from slipstream.serve.openai_types import IMAGE_MARKER, ChatCompletionRequest, CompletionRequest, image_parts
 from slipstream.serve.sampling import sampling_params
 from slipstream.serve.state import ServerState, new_request_id, now_s
@@ -145,6 +146,9 @@ async def generate(state: ServerState, request: Request, req: CompletionRequest 
     images = await _images(state, req) if isinstance(req, ChatCompletionRequest) else []
     ids, _ = await prompt_ids(state, req, plan)
     params, grammar_param = sampling_params(req, style.logprobs, len(ids), state.backend.max_model_len)
+    adapter = lora_of(state.backend, req.model)  # the request's `model` may name a LoRA adapter
+    if adapter is not None:
+        params = msgspec.structs.replace(params, lora=adapter)
     if plan is not None:
         plan, params, grammar_param = chat_tools.constrain(plan, params, grammar_param)
     parser = plan.parser() if plan is not None else None
@@ -152,7 +156,7 @@ async def generate(state: ServerState, request: Request, req: CompletionRequest 
     prompt = (chat_text(state.backend.tokenizer, cast(ChatCompletionRequest, req).messages, plan=plan) if images
               else ids)  # (images come only with a chat request)
     images_kw = {"images": images} if images else {}
-    model = state.backend.model_name
+    model = adapter or state.backend.model_name
     state.admit()
     released = False
     try:

@@ -11,4 +11,4 @@ def _build(spec: str, options: BuildOptions):
     return build_llama(spec, options)
 
 
-LLAMA = ModelFamily(name="llama", build=_build, claims=lambda spec: True)
+LLAMA = ModelFamily(name="llama", build=_build, claims=lambda spec: True, lora=True)

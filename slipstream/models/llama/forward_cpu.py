@@ -35,6 +35,7 @@ from torch import nn
 from slipstream.models.kernels.cpu_kernels import Layer, QMat, check_rc, native_kernels
 from slipstream.models.kernels.quant_formats import concat
 from slipstream.models.kernels.quant_linear import QuantLinear, cpu_matmul, ptr_or_none as _ptr
+from slipstream.models.lora import lora_groups
 
 def _fuse(linears: list[Any]) -> QuantLinear | None:
     """A QuantLinear over `linears` stacked, each re-pointed at its panels of it (one copy in memory)."""
@@ -140,7 +141,8 @@ def forward_cpu(model, x: torch.Tensor, batch, kv) -> torch.Tensor:
     seqs, width = kv_lens.numel(), pages.shape[1]
     positions, kv_idx = batch.positions.to(torch.int64).contiguous(), batch.kv_indices.to(torch.int64).contiguous()
     cos, sin = model.rope.cos, model.rope.sin
-    table = decoder_layers(model)
+    lora = lora_groups(batch)
+    table = decoder_layers(model) if lora is None else None  # (the one-call stack has no LoRA hook)
     if table is not None:  # the whole stack in one call (llama_forward_cpu.c)
         rows = batch.sample_indices.to(torch.int64).contiguous()
         out = torch.empty(rows.numel(), hidden)
@@ -168,6 +170,8 @@ def forward_cpu(model, x: torch.Tensor, batch, kv) -> torch.Tensor:
         else:
             q, k, v = (_linear(p, h, lib).contiguous() for p in (a.q_proj, a.k_proj, a.v_proj))
             ldq, ldk, ldv = q.stride(0), k.stride(0), v.stride(0)
+        if lora is not None:  # (on the projections' outputs, before Qwen3's norms)
+            lora.add(a.layer, 0, h, {"q_proj": q[:, :hq * d], "k_proj": k[:, :hk * d], "v_proj": v[:, :hk * d]})
         if a.qk_norm:  # Qwen3: RMSNorm per head before rotary (into new contiguous rows)
             q = a.q_norm(q[:, :hq * d].reshape(t, hq, d)).reshape(t, hq * d)
             k = a.k_norm(k[:, :hk * d].reshape(t, hk, d)).reshape(t, hk * d)
@@ -180,6 +184,8 @@ def forward_cpu(model, x: torch.Tensor, batch, kv) -> torch.Tensor:
                                   attn.data_ptr()),
                  f"no CPU attention kernel for head_dim {d}, {hq} heads over {hk}")
         o = _linear(a.o_proj, attn, lib).contiguous()
+        if lora is not None:
+            lora.add(a.layer, 1, attn, {"o_proj": o})
         ln = layer.post_attention_layernorm
         lib.sq_add_rms_norm(x.data_ptr(), o.data_ptr(), ln.weight.data_ptr(), ln.eps, h.data_ptr(), t, hidden,
                             None, t)
@@ -189,9 +195,13 @@ def forward_cpu(model, x: torch.Tensor, batch, kv) -> torch.Tensor:
             g, u = gu, gu[:, inter:]
         else:
             g, u = _linear(m.gate_proj, h, lib).contiguous(), _linear(m.up_proj, h, lib).contiguous()
+        if lora is not None:
+            lora.add(a.layer, 2, h, {"gate_proj": g[:, :inter], "up_proj": u[:, :inter]})
         act = torch.empty(t, inter)
         lib.sq_silu_mul(g.data_ptr(), g.stride(0), u.data_ptr(), u.stride(0), act.data_ptr(), t, inter)
         delta = _linear(m.down_proj, act, lib).contiguous()
+        if lora is not None:
+            lora.add(a.layer, 3, act, {"down_proj": delta})
     rows = batch.sample_indices.to(torch.int64).contiguous()
     out = torch.empty(rows.numel(), hidden)
     norm = model.model.norm

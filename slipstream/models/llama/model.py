@@ -25,6 +25,7 @@ from slipstream.models.carry_heads import CarryHeads, apply_carry
 from slipstream.models.config import ModelConfig
 from slipstream.models.kernels.attention import paged_attention_reference, write_kv
 from slipstream.models.kernels.rotary import RotaryEmbedding
+from slipstream.models.lora import LoraGroups, lora_groups
 
 if TYPE_CHECKING:
     from slipstream.models.llama.forward_triton import TritonOptions
@@ -65,17 +66,25 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache, rotate) -> torch.Tensor:
         """The reference path (PyTorch ops, attention over host metadata)."""
         t = x.shape[0]
-        q, k = self.q_proj(x).view(t, self.heads, self.head_dim), self.k_proj(x).view(t, self.kv_heads, self.head_dim)
+        lora = lora_groups(batch)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if lora is not None:
+            lora.add(self.layer, 0, x, {"q_proj": q, "k_proj": k, "v_proj": v})
+        q, k = q.view(t, self.heads, self.head_dim), k.view(t, self.kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotate(q, k)
-        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
+        v = v.view(t, self.kv_heads, self.head_dim)
         k_cache, v_cache = kv.k[self.layer], kv.v[self.layer]
         write_kv(k_cache, batch.kv_indices, k)
         write_kv(v_cache, batch.kv_indices, v)
         out = torch.zeros_like(q)  # the reference leaves padding rows untouched: keep them finite
         paged_attention_reference(q, k_cache, v_cache, batch.attn, out, self.compute_dtype, self.window)
-        return self.o_proj(out.view(t, self.heads * self.head_dim))
+        out = out.view(t, self.heads * self.head_dim)
+        o = self.o_proj(out)
+        if lora is not None:
+            lora.add(self.layer, 1, out, {"o_proj": o})
+        return o
 
 
 class MLP(nn.Module):
@@ -87,8 +96,15 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(i, h, bias=False)
         self.gate_up: torch.Tensor | None = None  # fused [2 * intermediate, hidden]: llama/forward_triton.py
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, lora: LoraGroups | None = None, layer: int = 0) -> torch.Tensor:
+        if lora is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        g, u = self.gate_proj(x), self.up_proj(x)
+        lora.add(layer, 2, x, {"gate_proj": g, "up_proj": u})
+        act = F.silu(g) * u
+        y = self.down_proj(act)
+        lora.add(layer, 3, act, {"down_proj": y})
+        return y
 
 
 class DecoderLayer(nn.Module):
@@ -101,7 +117,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, batch: ForwardBatch, kv: KVCache, rotate) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), batch, kv, rotate)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x), lora_groups(batch), self.self_attn.layer)
 
 
 class _Body(nn.Module):
@@ -276,6 +292,8 @@ class LlamaForCausalLM(nn.Module):
 
             if not llama_cpu.supports(self, batch):  # (a bidirectional prefix, an odd head size)
                 backend = "reference"
+        if backend == "triton" and batch.lora is not None:  # (no LoRA kernels on triton yet)
+            raise NotImplementedError("LoRA adapters on the triton backend")
         if backend == "triton":
             from slipstream.models.llama.forward_triton import forward_triton
 

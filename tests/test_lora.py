@@ -1,0 +1,255 @@
+"""LoRA adapters (docs/lora.md): token-exact against transformers + peft on a tiny random Llama, with
+four adapters (different ranks, targets, rsLoRA) and base rows in one batch at depth 1 and 2; the
+quantized CPU kernels' path and Qwen2 (biases) at the model level; loads refused naming the field;
+prefix caching never sharing a page across adapters; unloading while a request runs."""
+import asyncio
+import copy
+import json
+import os
+
+import pytest
+import torch
+
+from hf_oracle import hf_llama_from_weights
+from lora_util import PROMPTS, TOKENS, make_adapter, make_adapters, peft_oracle, tiny_hf
+from slipstream import Engine, SamplingParams
+from slipstream.errors import InvalidRequestError, LoraAdapterError, LoraNotFoundError
+from slipstream.models.llama.build import random_weights
+
+pytest.importorskip("peft")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_hf()
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny, tmp_path_factory):
+    return make_adapters(tiny[1], tmp_path_factory.mktemp("loras"))
+
+
+@pytest.fixture(scope="module")
+def oracle(tiny, adapters):
+    return peft_oracle(tiny[1], adapters)
+
+
+def check_output(out, want_tokens, want_rows):
+    assert out.token_ids == want_tokens
+    for step, (top, row) in enumerate(zip(out.top_logprobs, want_rows)):
+        for token, lp in top.items():
+            assert abs(lp - float(row[token])) < 1e-4, (step, token, lp, float(row[token]))
+
+
+def greedy(lora=None, **kw):
+    return SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True, top_logprobs=5, lora=lora, **kw)
+
+
+@pytest.mark.parametrize("depth,invariant", [(1, False), (2, False), (2, True)])
+async def test_mixed_batch_matches_peft(adapters, oracle, depth, invariant):
+    """Four adapters and base rows submitted together (prompts of different lengths: chunks and decode
+    rows of different adapters share steps): every request's greedy tokens and top logprobs equal
+    peft's (the compiled-kernel CPU backend; invariant: the reference backend)."""
+    jobs = [(p, lora) for i, p in enumerate(PROMPTS) for lora in [None, *adapters][i % 2::2]]
+    async with Engine(model="tiny-random", pipeline_depth=depth, batch_invariant=invariant, lora_adapters=adapters,
+                      max_loras=4, kv_cache_tokens=2048) as engine:
+        outs = await asyncio.gather(*(engine.complete(p, greedy(lora)) for p, lora in jobs))
+        stats = await engine.stats()
+    assert stats["steps"] < len(jobs) * TOKENS  # they shared steps
+    for (p, lora), out in zip(jobs, outs):
+        check_output(out, *oracle(p, lora))
+
+
+async def test_unknown_adapter_is_refused_naming_it(adapters):
+    async with Engine(model="tiny-random", lora_adapters={"a": adapters["a"]}) as engine:
+        with pytest.raises(LoraNotFoundError, match="'nope'") as e:
+            await engine.complete([1, 2, 3], greedy("nope"))
+        assert e.value.param == "lora"
+        with pytest.raises(LoraNotFoundError):
+            await engine.unload_lora("nope")
+        assert [x["name"] for x in engine.loras()] == ["a"]
+
+
+def _corrupt(path):
+    with open(os.path.join(path, "adapter_model.safetensors"), "r+b") as f:
+        f.truncate(40)
+
+
+def _edit_config(path, **changes):
+    file = os.path.join(path, "adapter_config.json")
+    with open(file) as f:
+        cfg = json.load(f)
+    cfg.update(changes)
+    with open(file, "w") as f:
+        json.dump(cfg, f)
+
+
+@pytest.fixture(scope="module")
+def bad_adapters(tiny, tmp_path_factory):
+    """name -> (folder, the field its refusal names)."""
+    cfg, hf = tiny
+    root = tmp_path_factory.mktemp("bad")
+    out = {"rank": (make_adapter(hf, root / "rank", 32, ["q_proj"], 8, False, 0), "r"),
+           "dora": (make_adapter(hf, root / "dora", 4, ["q_proj"], 8, False, 0, use_dora=True), "use_dora"),
+           "bias": (make_adapter(hf, root / "bias", 4, ["q_proj"], 8, False, 0, bias="lora_only"), "bias"),
+           "lm_head": (make_adapter(hf, root / "lm_head", 4, ["q_proj", "lm_head"], 8, False, 0), "target_modules"),
+           "missing": (root / "nothing-here", "lora_path")}
+    out["corrupt"] = (make_adapter(hf, root / "corrupt", 4, ["q_proj"], 8, False, 0), "adapter_model.safetensors")
+    _corrupt(out["corrupt"][0])
+    # another model's shapes (a wider MLP) under this model's module names
+    from dataclasses import replace
+
+    other_cfg = replace(cfg, intermediate_size=96)
+    other = hf_llama_from_weights(other_cfg, random_weights(other_cfg, seed=3))
+    out["shape"] = (make_adapter(other, root / "shape", 4, ["down_proj"], 8, False, 0), "shape")
+    out["pattern"] = (make_adapter(hf, root / "pattern", 4, ["q_proj"], 8, False, 0), "rank_pattern")
+    _edit_config(out["pattern"][0], rank_pattern={"q_proj": 2})
+    out["unknown_target"] = (make_adapter(hf, root / "unknown_target", 4, ["q_proj"], 8, False, 0), "target_modules")
+    _edit_config(out["unknown_target"][0], target_modules=["q_proj", "wq"])
+    return {k: (str(v[0]), v[1]) for k, v in out.items()}
+
+
+async def test_bad_adapters_are_refused_naming_the_field_engine_unharmed(adapters, bad_adapters, oracle):
+    async with Engine(model="tiny-random", lora_adapters={"a": adapters["a"]}, max_lora_rank=16) as engine:
+        for name, (path, field) in bad_adapters.items():
+            with pytest.raises(LoraAdapterError) as e:
+                await engine.load_lora(name, path)
+            assert e.value.param == field, (name, str(e.value))
+            assert name in str(e.value)
+        assert [x["name"] for x in engine.loras()] == ["a"]
+        for lora in (None, "a"):  # what ran before still runs the same
+            check_output(await engine.complete(PROMPTS[0], greedy(lora)), *oracle(PROMPTS[0], lora))
+        with pytest.raises(InvalidRequestError, match="already loaded") as e:
+            await engine.load_lora("a", adapters["b"])
+        assert e.value.param == "lora_name"
+
+
+async def test_bad_adapter_at_start_fails_the_start(bad_adapters):
+    with pytest.raises(LoraAdapterError) as e:
+        async with Engine(model="tiny-random", lora_adapters={"x": bad_adapters["dora"][0]}):
+            pass
+    assert e.value.param == "use_dora"
+
+
+def test_config_checks():
+    from slipstream import EngineConfig
+
+    with pytest.raises(InvalidRequestError) as e:
+        EngineConfig(lora_adapters={str(i): "/x" for i in range(3)}, max_loras=2)
+    assert e.value.param == "lora_adapters"
+    with pytest.raises(InvalidRequestError) as e:
+        EngineConfig(max_lora_rank=0)
+    assert e.value.param == "max_lora_rank"
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(lora="")
+    assert e.value.param == "lora"
+
+
+async def test_prefix_cache_never_shares_across_adapters(adapters):
+    """A prompt of 3 full pages: cached for a second request of the same adapter, never for another
+    adapter, the base model, or the same name loaded again (another load: another key)."""
+    prompt = list(range(1, 50))
+
+    async def cached(engine, lora):
+        return (await engine.complete(prompt, greedy(lora))).usage.cached_tokens
+
+    async with Engine(model="tiny-random", page_size=16, lora_adapters={"a": adapters["a"], "b": adapters["b"]}) as engine:
+        assert await cached(engine, "a") == 0
+        assert await cached(engine, "a") == 48
+        assert await cached(engine, "b") == 0
+        assert await cached(engine, None) == 0
+        assert await cached(engine, None) == 48
+        assert await cached(engine, "b") == 48
+        await engine.unload_lora("a")
+        await engine.load_lora("a", adapters["c"])  # the same name, other weights
+        assert await cached(engine, "a") == 0
+
+
+async def test_unload_lets_running_requests_finish(adapters, oracle):
+    """Unloading an adapter a stream is using: the stream ends with that adapter's tokens; new requests
+    cannot name it; its slot is reused once the stream is done, and a load under load loses nothing."""
+    async with Engine(model="tiny-random", lora_adapters={"a": adapters["a"]}, max_loras=1) as engine:
+        stream = engine.stream(PROMPTS[2], greedy("a"))
+        ids = []
+        async for delta in stream:
+            if not ids:
+                await engine.unload_lora("a")
+                with pytest.raises(LoraNotFoundError):
+                    await engine.complete(PROMPTS[0], greedy("a"))
+                with pytest.raises(InvalidRequestError, match="max_loras") as e:  # its slot is still in use
+                    await engine.load_lora("b", adapters["b"])
+                assert e.value.param == "lora_name"
+            ids += delta.token_ids
+        assert ids == oracle(PROMPTS[2], "a")[0]
+        base = [engine.complete(p, greedy()) for p in PROMPTS]
+        load = engine.load_lora("b", adapters["b"])  # while base requests run
+        *outs, _ = await asyncio.gather(*base, load)
+        for p, out in zip(PROMPTS, outs):
+            check_output(out, *oracle(p, None))
+        check_output(await engine.complete(PROMPTS[1], greedy("b")), *oracle(PROMPTS[1], "b"))
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def quant_gguf(request, tmp_path_factory):
+    """A tiny quantized GGUF (Q4_1 q/k/v as the default model, Q8_0 / Q4_0 / Q5_1 elsewhere); qwen2 has
+    q/k/v biases and a tied head."""
+    import gguf
+    from model_families import byte_vocab, hf_model, special_ids, write_gguf
+
+    from slipstream.models.llama.build import forget_loaded
+
+    q = gguf.GGMLQuantizationType
+    family = request.param
+    path = tmp_path_factory.mktemp("lora-q") / f"tiny-{family}-q.gguf"
+    vocab = byte_vocab()
+    bos, eos = special_ids(vocab)
+    quantize = {"token_embd.weight": q.Q8_0}
+    for i in range(2):
+        quantize.update({f"blk.{i}.attn_q.weight": q.Q4_1, f"blk.{i}.attn_k.weight": q.Q4_1,
+                         f"blk.{i}.attn_v.weight": q.Q4_1, f"blk.{i}.attn_output.weight": q.Q8_0,
+                         f"blk.{i}.ffn_gate.weight": q.Q4_0, f"blk.{i}.ffn_up.weight": q.Q4_0,
+                         f"blk.{i}.ffn_down.weight": q.Q5_1})
+    hf = hf_model(family, len(vocab.tokens), seed=11, bos=bos, eos=eos)
+    write_gguf(path, family, hf, vocab, pre="llama-bpe" if family == "llama" else "qwen2", quantize=quantize)
+    forget_loaded()
+    yield str(path), hf
+    forget_loaded()
+
+
+def test_quantized_cpu_kernels_and_qwen2_match_peft(quant_gguf, tmp_path):
+    """The "cpu" backend on quantized weights (the C kernels' products, the delta beside them), Llama
+    and Qwen2: two sequences in one forward, one with an adapter of all seven targets, one without,
+    against peft over the same (dequantized) weights."""
+    import peft
+    from host_batch import Chunk, host_batch
+
+    from slipstream.models.base import KVCache
+    from slipstream.models.kernels.cpu_kernels import native_kernels
+    from slipstream.models.loading.build import build_model
+    from slipstream.models.lora import LoraInput, load_peft_adapter
+
+    if native_kernels() is None:
+        pytest.skip("no C compiler: no compiled CPU kernels")
+    path, hf = quant_gguf
+    quant, _, config = build_model(path, "float32", torch.device("cpu"), weights="quantized")
+    quant.set_kernel_backend("cpu")
+    dense, _, _ = build_model(path, "float32", torch.device("cpu"), weights="dequantized")
+    hf = copy.deepcopy(hf)
+    hf.load_state_dict(dense.state_dict(), strict=False)  # the dequantized weights (HF names)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    folder = make_adapter(hf, tmp_path / "ad", 8, targets, 16, False, seed=5)
+    weights = load_peft_adapter("ad", str(folder), config)
+    prompts = [[5, 9, 77, 3, 101, 44, 12], [8, 31, 2, 60, 61]]
+    kv = KVCache(config, 8, 4, torch.float32, "cpu")
+    batch, _ = host_batch([Chunk(prompts[0], 0, [1, 2]), Chunk(prompts[1], 0, [3, 4])], 4)
+    batch.lora = LoraInput(torch.tensor([1] * len(prompts[0]) + [0] * len(prompts[1])), (None, weights))
+    got = quant(batch, kv)
+    model = peft.PeftModel.from_pretrained(hf, str(folder)).eval()
+    with torch.no_grad():
+        want = model(torch.tensor([prompts[0]])).logits[0, -1]
+        with model.disable_adapter():
+            want_base = model(torch.tensor([prompts[1]])).logits[0, -1]
+            base_of_0 = model(torch.tensor([prompts[0]])).logits[0, -1]
+    assert (got[0] - want).abs().max().item() < 1e-4
+    assert (got[1] - want_base).abs().max().item() < 1e-4
+    assert (want - base_of_0).abs().max().item() > 1e-2  # (the adapter matters)

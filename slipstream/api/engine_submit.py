@@ -80,6 +80,7 @@ class Submitter:
         """The engine closed: nothing here holds its parts (the image processing holds the model)."""
         del self._parts, self.loop  # (bind sets them again)
         self.image_processing = None
+        self.loras.unbind()
 
     async def submit(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None,
                      streaming: bool = True, images: Sequence[ImageLike] = (), fields: Sequence[str] | None = None) -> SchedSeq:

@@ -49,6 +49,13 @@ class LoraRegistry:
         elif device_kind != "cpu":
             self._reason = "LoRA runs on the CPU only for now (no CUDA kernels yet)"
 
+    def unbind(self) -> None:
+        """The engine closed: hold none of its parts, nor the adapters (start() loads the configured
+        ones again; one loaded with load_lora is gone with the engine)."""
+        self._runner = self._model_config = None
+        self.loaded.clear()
+        self._reason = "the engine is closed"
+
     def resolve(self, name: str) -> LoraEntry:
         entry = self.loaded.get(name)
         if entry is None:

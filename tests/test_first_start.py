@@ -13,6 +13,13 @@ from slipstream.models.loading.build import build_model
 from slipstream.runtime import cpu_threads
 
 
+@pytest.fixture(autouse=True)
+def library_default():
+    reset_logging()  # (an earlier test's CLI run leaves logging configured: this file starts from a library's)
+    yield
+    reset_logging()
+
+
 @pytest.fixture
 def cli_logging():
     configure_logging("warning")

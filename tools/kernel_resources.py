@@ -102,17 +102,20 @@ def cases(cfg, dtype):
                   PRECISION="ieee" if dtype == torch.float32 else None, MIN_SPLIT=attention_triton.MIN_SPLIT)
     # prefill chunks on the sequence grid, the block-table grid of mixed graphs, the sequence grid
     # with a bidirectional prefix (Moondream's image steps), decode, decode split over the keys
-    # (the split workspace is fp32; unsplit launches pass `out` in its place)
-    for flat, bidi, decode, split in ((False, False, False, False), (True, False, False, False),
-                                      (False, True, False, False), (False, False, True, False),
-                                      (False, False, True, True)):
+    # (the split workspace is fp32; unsplit launches pass `out` in its place); prefill and split decode
+    # windowed too (sliding-window layers)
+    for flat, bidi, decode, split, windowed in ((False, False, False, False, False), (True, False, False, False, False),
+                                                (False, True, False, False, False), (False, False, True, False, False),
+                                                (False, False, True, True, False), (False, False, False, False, True),
+                                                (False, False, True, True, True)):
         work = "*fp32" if split else p
         attn_sig = dict(Q=p, K=p, V=p, O=p, QS="*i64", KVL="*i64", PT="*i64", BT="*i64", BL="*i64", WA=work,
                         WML=work, **{s: i32 for s in attn_strides.split()}, qk_scale="fp32", page_size=i32,
-                        num_splits=i32)
+                        num_splits=i32, window=i32)
         t = attention_triton.tiles(group, cfg.head_dim, dtype, decode)
         yield (attention_triton._grouped_attention_kernel, attn_sig,
-               dict(consts, **{k: v for k, v in t.items() if k != "num_warps"}, FLAT=flat, BIDI=bidi, SPLIT=split),
+               dict(consts, **{k: v for k, v in t.items() if k != "num_warps"}, FLAT=flat, BIDI=bidi, SPLIT=split,
+                    WINDOWED=windowed),
                dict(num_warps=t["num_warps"]))
     t = attention_triton.tiles(group, cfg.head_dim, dtype, True)
     merge_sig = dict(O=p, QS="*i64", KVL="*i64", WA="*fp32", WML="*fp32", stride_ot=i32, stride_oh=i32,

@@ -20,6 +20,7 @@ EXTRA_MODULES = {
     "slipstream.serve.generation": {"starlette"},
     "slipstream.serve.skills": {"starlette"},
     "slipstream.serve.responses": {"starlette"},
+    "slipstream.serve.lora": {"starlette"},
     "slipstream.serve.body": {"starlette"},
     "slipstream.serve.server": {"uvicorn"},
     "slipstream.serve.read_timeout": {"uvicorn"},

@@ -283,7 +283,7 @@ class EngineMetrics:
             self.registry.register(PrefixCacheCollector(cache, self.model))
         if getattr(planner, "speculation", None) is not None:
             self.registry.register(SpeculationCollector(planner.speculation, self.model))
-        if hasattr(loop.runner, "eager_steps"):  # (a real runner; the tests' fake has no graphs)
+        if hasattr(getattr(loop, "runner", None), "eager_steps"):  # (a real runner; the tests' fakes have none)
             self._eager = EagerStepsCollector(loop.runner, self.model)
             self.registry.register(self._eager)
         if encoder_row_bytes is not None:

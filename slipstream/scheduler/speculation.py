@@ -207,11 +207,12 @@ class Speculation:
             prev = self.unit_ms.get(b)
             self.unit_ms[b] = unit if prev is None else DECAY * prev + (1 - DECAY) * unit
             return
+        self._pricing = False
         known = self.unit_ms.get(b)
         if known is None:  # no plain step of its size measured yet: nothing to compare with
             return
         ratio = ms / (known * (forward_cost(positions, c) + self.row_ms * speculating_rows))
-        prev, self._pricing = self.measured_penalty, False
+        prev = self.measured_penalty
         penalty = ratio if prev is None else DECAY * prev + (1 - DECAY) * ratio
         self.measured_penalty, self.penalty = penalty, max(1.0, penalty)
 

@@ -10,7 +10,12 @@ runs here (tools/kernel_resources.py has the cases).
 Two compilers: the triton installed here (newer; its interpreter runs the other CPU tests, and
 triton 3.6.0's interpreter fails on numpy >= 2.4) compiles SmolLM2's bf16 cases in this process
 (a newer triton still compiles them); the GPU image's triton (GPU_IMAGE_TRITON, installed on first use into a cache folder, without dependencies)
-compiles every case in a subprocess."""
+compiles every case in a subprocess.
+
+Both compile the cover of the cases (kernel_resources.cover_cases: each kernel x dtype x branch once,
+at its largest tiles), a quarter of the whole set; SLIPSTREAM_KERNELS_ALL=1 compiles every case
+(~6 minutes on two cores), as `python tools/kernel_resources.py --model all --dtype bfloat16 float16
+float32` does: run it after changing a kernel's tiling or launch configuration."""
 import os
 import subprocess
 import sys
@@ -27,7 +32,9 @@ import kernel_resources  # noqa: E402
 
 GPU_IMAGE_TRITON = "3.6.0"  # the GPU machines' image (docs/cuda.md): what compiles the kernels there
 DTYPES = ["bfloat16", "float16", "float32"]
-LOCAL = kernel_resources.unique_cases(["random-smollm2-135m"], [torch.bfloat16])  # the GPU's default dtype
+ALL = os.environ.get("SLIPSTREAM_KERNELS_ALL") == "1"
+SELECT = kernel_resources.unique_cases if ALL else kernel_resources.cover_cases
+LOCAL = SELECT(list(kernel_resources.SHAPES), [torch.bfloat16])  # the GPU's default dtype
 
 
 @pytest.mark.parametrize("name,dtype,case", LOCAL,
@@ -63,13 +70,25 @@ def gpu_image_triton() -> Path | None:
 
 def test_every_case_compiles_with_the_gpu_image_triton():
     folder = gpu_image_triton()
-    everything = kernel_resources.unique_cases(list(kernel_resources.SHAPES),
-                                               [kernel_resources.DTYPES[d] for d in DTYPES])
+    everything = SELECT(list(kernel_resources.SHAPES), [kernel_resources.DTYPES[d] for d in DTYPES])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(p) for p in (folder, ROOT) if p is not None]))
     run = subprocess.run([sys.executable, str(ROOT / "tools" / "kernel_resources.py"), "--model", "all",
-                          "--dtype", *DTYPES, "--no-usage"], capture_output=True, text=True, env=env, timeout=900)
+                          "--dtype", *DTYPES, "--no-usage", *([] if ALL else ["--cover"])], capture_output=True, text=True, env=env, timeout=900)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
     assert f"{len(everything)} of {len(everything)} compiled for sm_90 with triton {GPU_IMAGE_TRITON}" in run.stdout
-    for shape in kernel_resources.SHAPES:  # each shape's cases are in the table
+    for shape in {name for name, _, _ in everything}:  # each shape's cases are in the table
         assert f"| {shape} |" in run.stdout
     assert torch.float16 in {d for _, d, _ in everything}
+
+
+def test_the_cover_has_every_kernel_dtype_and_branch_at_its_largest_tiles():
+    dtypes = [kernel_resources.DTYPES[d] for d in DTYPES]
+    every = kernel_resources.unique_cases(list(kernel_resources.SHAPES), dtypes)
+    cover = kernel_resources.cover_cases(list(kernel_resources.SHAPES), dtypes)
+    def key(c):
+        return c[2][0], c[1], kernel_resources.switches(c[2])
+    assert {key(c) for c in cover} == {key(c) for c in every} and len(cover) == len({key(c) for c in every})
+    for c in every:  # none of the whole set has bigger tiles than its combination's case in the cover
+        chosen = next(x for x in cover if key(x) == key(c))
+        assert kernel_resources.tile(c[2]) <= kernel_resources.tile(chosen[2])
+    assert len(cover) < len(every) / 2  # the point of it

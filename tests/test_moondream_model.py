@@ -22,7 +22,7 @@ from slipstream.models.base import ForwardBatch, KVCache
 from slipstream.models.moondream.config import MoondreamConfig
 from slipstream.models.moondream.image import overlap_crops, preprocess, select_tiling
 from slipstream.models.moondream.model import MoondreamForCausalLM
-from slipstream.models.moondream.region import coordinate_from_bin, size_from_bin
+from slipstream.models.moondream.region import coordinate_from_bin, fourier_features, size_from_bin
 from slipstream.models.moondream.vision import stitch_crops
 from slipstream.models.moondream.weights import load_moondream_folder
 
@@ -447,6 +447,22 @@ def test_region_encoders_and_decoders_equal_the_oracle(model, weights):
                                torch.stack([r_encode_coord(float(x), weights) for x in values]))
     wh = torch.tensor([[0.5, 0.125], [2 ** -10, 1.0]])
     torch.testing.assert_close(model.region.encode_size(wh), torch.stack([r_encode_size(x.tolist(), weights) for x in wh]))
+
+
+@pytest.mark.parametrize("fn", ["size", "coordinate", "fourier"])
+def test_region_values_do_not_depend_on_the_batch(fn):
+    """A row's value is the same alone and at any place in a batch of any length (float32, as the
+    engine runs them): the CPU's vector lanes and scalar tail round exp2 differently, which made
+    depth 2's detect sizes differ from depth 1's by an ulp where the batches differed."""
+    bins = torch.arange(1024).repeat(2)[torch.randperm(2048, generator=torch.Generator().manual_seed(0))]
+    freqs = torch.randn(1, 64, generator=torch.Generator().manual_seed(1))
+    one = {"size": lambda b: size_from_bin(b, 1024), "coordinate": lambda b: coordinate_from_bin(b, 1024),
+           "fourier": lambda b: fourier_features(coordinate_from_bin(b, 1024).reshape(-1, 1), freqs)}[fn]
+    alone = torch.cat([one(bins[i:i + 1]) for i in range(len(bins))])
+    for n in (2, 7, 8, 9, 15, 16, 17, 31, 33, 64, 100, 2048):
+        for start in (0, 1, 5):
+            got = torch.cat([one(bins[i:i + n]) for i in range(start, len(bins), n)])
+            assert torch.equal(got, alone[start * (alone.shape[0] // len(bins)):]), (fn, n, start)
 
 
 def test_bins_to_values():

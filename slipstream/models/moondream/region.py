@@ -38,7 +38,11 @@ def coordinate_from_bin(bins: torch.Tensor, num_bins: int) -> torch.Tensor:
 
 
 def size_from_bin(bins: torch.Tensor, num_bins: int) -> torch.Tensor:
-    return torch.exp2(bins.float() / (num_bins - 1) * 10.0 - 10.0)
+    # float32 exp2 on the CPU rounds a value differently in a vector lane than in the scalar tail,
+    # so a row's size would depend on where it sits in the batch (depth 2 then differs from depth 1).
+    # In float64 every one of the 1024 bins' values lies > 70,000 double ulps from a float32 rounding
+    # boundary: the cast gives the correctly rounded value on any path (tests/test_moondream_model.py).
+    return torch.exp2(bins.double() / (num_bins - 1) * 10.0 - 10.0).float()
 
 
 class RegionHeads(nn.Module):

@@ -91,6 +91,11 @@ def library_path(cc: str) -> Path:
     return cache_root() / "kernels" / f"cpu-{build_key(cc)}.so"
 
 
+# For a compiler that hangs, not a slow one: -O3 of SOURCES takes ~60 s of CPU, and 4 minutes on a
+# loaded 2-core machine, where the old 300 s limit turned the kernels off without a word to the user.
+COMPILE_TIMEOUT_S = 1800
+
+
 def compile_library(cc: str, out: Path) -> float:
     """Compile SOURCES into `out` (atomically: a temp file renamed into place); returns the seconds. A
     compiler without OpenMP (Apple's clang) gets a second try without it: single-threaded kernels."""
@@ -102,7 +107,7 @@ def compile_library(cc: str, out: Path) -> float:
     try:
         for flags in (FLAGS, tuple(f for f in FLAGS if f != "-fopenmp")):
             done = subprocess.run([cc, *flags, *map(str, SOURCES), "-lm", "-o", tmp], capture_output=True,
-                                  text=True, timeout=300)
+                                  text=True, timeout=COMPILE_TIMEOUT_S)
             if done.returncode == 0:
                 break
         if done.returncode != 0:

@@ -1,4 +1,4 @@
-"""Depth 2 == depth 1 on the default model for 64 mixed, staggered requests; a subset == transformers."""
+"""Depth 2 == depth 1 on the default model for 32 mixed, staggered requests; a subset == transformers."""
 import asyncio
 import random
 
@@ -12,10 +12,10 @@ TOPICS = ["the ocean", "a small robot", "prime numbers", "Paris in spring", "how
           "a chess opening", "volcanoes", "the history of tea", "binary search", "a rainy day", "owls"]
 
 
-def requests_64(seed=7):
+def requests_32(seed=7):
     rng = random.Random(seed)
     reqs = []
-    for i in range(64):
+    for i in range(32):
         topic = rng.choice(TOPICS)
         words = " ".join(rng.choice(TOPICS) for _ in range(rng.randint(0, 30)))  # mixed prompt lengths
         prompt = f"<|im_start|>user\nWrite about {topic}. {words}<|im_end|>\n<|im_start|>assistant\n"
@@ -40,7 +40,7 @@ async def run(depth, reqs):
 
 @pytest.fixture(scope="module")
 def both_depths():
-    reqs = requests_64()
+    reqs = requests_32()
     return reqs, {d: asyncio.run(run(d, reqs)) for d in (1, 2)}
 
 

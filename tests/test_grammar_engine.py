@@ -31,7 +31,7 @@ CHOICES = [["Paris", "London", "Rome"], ["positive", "negative"], ["A", "B", "C"
 TOPICS = ["a cat on a sofa", "three apples", "a busy street", "a red car", "two dogs playing"]
 
 
-def workload(n=100, seed=11):
+def workload(n=40, seed=11):
     rng = random.Random(seed)
     reqs = []
     for i in range(n):

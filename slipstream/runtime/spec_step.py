@@ -30,9 +30,10 @@ from slipstream.models.kernels.attention import AttentionMetadata, DeviceAttenti
 from slipstream.models.base import ForwardBatch
 from slipstream.runtime.batch import ForwardInput
 from slipstream.runtime.drafter_registry import build_drafter
-from slipstream.runtime.host_copy import copy_to_host, upload_array
+from slipstream.runtime.host_copy import copy_to_device, copy_to_host, upload_array
 from slipstream.runtime.runner_api import SampledTokens
-from slipstream.runtime.spec_verify import replay_accept, spec_layout, target_tokens, verify_inputs
+from slipstream.runtime.spec_verify import (SpecLayout, layout_arrays, replay_accept, spec_layout, target_tokens,
+                                            verify_inputs)
 from slipstream.runtime.step_slot import LaunchedStep, Staged
 from slipstream.runtime.token_history import TokenHistory
 
@@ -41,6 +42,52 @@ from slipstream.runtime.token_history import TokenHistory
 # feed all planned): a 1-gram draft is right too rarely to pay for its position outside repetitive
 # text, and adds little inside it (tools/spec_policy_sim.py; docs/results/spec-policy-2026-11-27/)
 WEAK = np.array([0, 0, 2])
+
+
+class SpecStaging:
+    """One slot's host->device staging of a speculating step's layout (the host's k per row, what
+    the device runs where its shape cannot follow the device: CUDA): a host buffer (pinned on CUDA)
+    and its device twin, each array at a fixed offset, uploaded in one non-blocking copy on the
+    upload stream that the compute stream waits for — as `StepArena` stages a plain step, so the
+    launch never waits for the step in flight. The buffer is the slot's: it is rewritten only when
+    the slot takes its next step, after this one's commit, by which time the copy has long landed
+    (a pinned buffer rewritten while its copy is in flight would feed the step the next one's layout)."""
+
+    def __init__(self, device, max_rows: int, max_drafts: int):
+        r, t = max_rows, max_rows * (max_drafts + 1)
+        self.device, self.max_drafts = device, max_drafts
+        self.offsets: dict[str, int] = {}
+        at = 0
+        for name, size in (("num_drafts", r), ("owner", t), ("offset", t), ("start", r), ("query_start", r + 1)):
+            self.offsets[name] = at
+            at += size
+        self.host = device.host_buffer((at,), torch.int64)
+        self.host.zero_()
+        self.host_np = self.host.numpy()
+        self.dev = self.host if device.unified_memory else torch.zeros(at, dtype=torch.int64,
+                                                                         device=device.torch_device)
+
+    def _put(self, name: str, values: np.ndarray) -> torch.Tensor:
+        at = self.offsets[name]
+        self.host_np[at:at + len(values)] = values
+        return self.dev[at:at + len(values)]
+
+    def stage(self, k: np.ndarray) -> tuple[SpecLayout, torch.Tensor, int]:
+        """(layout, query starts [n + 1], positions) of k drafts per row, as device views, their
+        upload enqueued. Vectorised numpy; nothing here reads the device."""
+        k, owner, offset, start, width = layout_arrays(k, self.max_drafts)
+        query_start = np.concatenate([start, [len(owner)]])
+        views = [self._put(name, a) for name, a in (("num_drafts", k), ("owner", owner), ("offset", offset),
+                                                    ("start", start), ("query_start", query_start))]
+        if not self.device.unified_memory:
+            n = self.offsets["query_start"] + len(query_start)  # (the used prefix: one copy)
+
+            def h2d() -> None:
+                copy_to_device(self.dev[:n], self.host[:n])
+
+            self.device.upload.launch(h2d, "h2d")
+            self.device.compute.wait(self.device.upload.record())
+        return SpecLayout(*views[:4], width), views[4], len(owner)
 
 
 class SpecRunner:
@@ -60,6 +107,7 @@ class SpecRunner:
         # compute stream before the slot's copy item, read by `read` after that copy landed: the same
         # ordering as host_runs
         self.draft_costs: list[float | None] = [None] * len(runner.slots)
+        self.staging = [SpecStaging(device, rows, max_drafts) for _ in runner.slots]
 
     # --- steps without drafts -------------------------------------------------------------------
 
@@ -108,6 +156,9 @@ class SpecRunner:
         tensors, updates, drafter, history = staged.tensors, staged.updates, self.drafter, self.history
         planned = packed.num_drafts
         max_drafts = self.max_drafts
+        # where the shape is the host's (not the CPU: below), its layout is staged now, on the host,
+        # and uploaded without blocking: nothing in forward_verify then reads or waits for the host
+        staged_layout = None if host_attention else self.staging[slot.index].stage(planned)
 
         def forward_verify() -> None:
             runner._check_fault(step_id)
@@ -125,10 +176,17 @@ class SpecRunner:
             # what the drafter found, and no host waits for it: a weak proposal feeds fewer drafts
             # (`WEAK`); elsewhere the shape is the planned k's (a data-dependent one would need a
             # device read). Laid out here, on the compute stream, either way.
-            if host_attention and proposal.strength is not None:
-                strength = np.minimum(proposal.strength.numpy(), len(WEAK))
-                k = np.minimum(planned, np.append(WEAK, max_drafts)[strength])
-            lay, query_start, query_start_dev, sample_indices, scratch, num_pos = self._shape(k, device.torch_device)
+            if staged_layout is None:
+                if proposal.strength is not None:
+                    strength = np.minimum(proposal.strength.numpy(), len(WEAK))
+                    k = np.minimum(planned, np.append(WEAK, max_drafts)[strength])
+                lay, query_start, query_start_dev, sample_indices, scratch, num_pos = self._shape(k, device.torch_device)
+            else:
+                lay, query_start_dev, num_pos = staged_layout
+                query_start = None
+                pad = round_up(num_pos, runner.row_multiple) - num_pos
+                sample_indices = torch.arange(num_pos + pad, device=device.torch_device)
+                scratch = torch.zeros(pad, dtype=torch.int64, device=device.torch_device)
             num_drafts = lay.num_drafts
             ids = verify_inputs(last, drafts, lay)
             positions = pos0.index_select(0, lay.owner) + lay.offset
@@ -140,6 +198,7 @@ class SpecRunner:
             if host_attention:
                 kv_host = kv_lens.tolist()
                 page_table = rows.pages[dec, :-(-max(kv_host) // ps)]
+                assert query_start is not None
                 meta = AttentionMetadata(query_start.tolist(), kv_host, page_table, ps)
             else:
                 page_table = rows.pages[dec]

@@ -63,6 +63,7 @@ class SeparateMemoryDevice(CPUDevice):
         self.upload_delay_s = upload_delay_s
         self.host_storages: set[int] = set()
         self.syncs: list[str] = []
+        self.launches: list[tuple[str, str]] = []  # (stream, label) of what was launched while checking
         self.checking = False  # set by the test once warm (first-use allocations are not steady state)
         for stream in (self.compute, self.copy, self.upload):
             self._checked(stream)
@@ -87,6 +88,9 @@ class SeparateMemoryDevice(CPUDevice):
         launch = stream.launch
 
         def checked(fn, label=""):
+            if self.checking:
+                self.launches.append((stream.name, label))
+
             def run():
                 if stream is self.upload and self.upload_delay_s:
                     time.sleep(self.upload_delay_s)

@@ -12,6 +12,7 @@ The `cuda` test runs the same with torch's sync debug mode and real graphs."""
 import asyncio
 
 import pytest
+import torch
 
 from slipstream import Engine, EngineConfig, SamplingParams
 from slipstream.api import assemble
@@ -24,9 +25,9 @@ PROMPTS = [[5 + i, 9, 11, 40] * 6 for i in range(3)]  # repetitive: the n-gram d
 GREEDY = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
 
 
-def run_separate(monkeypatch, spec, depth=2, upload_delay_s=0.0, prompts=PROMPTS, params=GREEDY, **kw):
+def run_separate(monkeypatch, spec, depth=2, upload_delay_s=0.0, prompts=PROMPTS, params=GREEDY, prepare=None, **kw):
     """(token ids, stats, syncs, device) of `prompts` completed twice on a SeparateMemoryDevice, the
-    second time (warm) under the sync detector."""
+    second time (warm) under the sync detector; `prepare(engine)` first."""
     devices = []
     monkeypatch.setattr(assemble, "make_device",
                         lambda *a, **k: devices.append(SeparateMemoryDevice(upload_delay_s=upload_delay_s))
@@ -36,6 +37,8 @@ def run_separate(monkeypatch, spec, depth=2, upload_delay_s=0.0, prompts=PROMPTS
     async def go():
         async with Engine(cfg) as engine:
             device = devices[-1]
+            if prepare is not None:
+                prepare(engine)
             check_runner(device, engine._parts.runner)
             await asyncio.gather(*(engine.complete(p, params) for p in prompts))  # warm: first-use allocations
             device.checking = True
@@ -60,3 +63,57 @@ def test_a_speculating_step_launches_without_a_host_sync(monkeypatch, depth):
     assert stats["speculative"]["drafted"] > 0 and stats["speculative"]["accepted"] > 0
     assert syncs == [] and plain_syncs == [], (syncs or plain_syncs)[0]
     assert got == want
+
+
+class _ReplayAgain:
+    """A stand-in graph: the function captured, run again on the views staged at capture."""
+
+    def __init__(self, forward, tensors):
+        self.forward, self.tensors, self.replays = forward, tensors, 0
+
+    def replay(self):
+        self.replays += 1
+        return self.forward(self.tensors)
+
+
+@pytest.fixture
+def stand_in_graphs(monkeypatch):
+    from slipstream.runtime import cuda_graphs
+
+    def capture(runner, device, pool, stage, forward=None):
+        return _ReplayAgain(runner.forward_from if forward is None else forward, stage())
+
+    monkeypatch.setattr(cuda_graphs, "_capture", capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    return cuda_graphs
+
+
+GRAPHS = dict(graph_batch_sizes=(1, 2, 4), mixed_graphs=False)
+
+
+def test_plain_steps_with_speculation_on_write_the_history_inside_their_graphs(monkeypatch, stand_in_graphs):
+    """Rows that opt out of speculation beside a runner with it on: each decode step replays its
+    (greedy) graph, which writes the rows' inputs into the token history; nothing else runs beside
+    it on the compute stream (before: an eager `spec_record` launch after every plain step), and the
+    history holds each sequence through its last input."""
+    use_torch_paths(monkeypatch)
+    opt_out = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True, speculative=False)
+    seen = {}
+
+    def install(engine):
+        runner = engine._parts.runner
+        stand_in_graphs.install_graphs(runner, engine._parts.device, EngineConfig(**BASE, **GRAPHS))
+        seen["runner"] = runner
+
+    want, _, _, _ = run_separate(monkeypatch, None, params=opt_out, **GRAPHS)
+    got, stats, syncs, device = run_separate(monkeypatch, SPEC, params=opt_out, prepare=install, **GRAPHS)
+    runner = seen["runner"]
+    assert got == want and syncs == []
+    replays = sum(runner.greedy_graphs.replays.values())
+    assert replays > 0 and stats["speculative"]["drafted"] == 0
+    compute = [label for stream, label in device.launches if stream == "compute"]
+    assert set(compute) == {"forward", "sample"}  # (a replay, then the stamp)
+    history = runner.spec.history
+    held = {tuple(history.tokens[row, :int(history.length[row])].tolist()) for row in range(1, 4)}
+    assert held == {tuple(p + out[:-1]) for p, out in zip(PROMPTS, got)}

@@ -14,8 +14,10 @@ A speculating step (`ForwardInput.num_drafts`, k_i per decode row, no chunks) ru
      buffer gets the tokens, its sampled ids the counts e; then the stamp and the copy.
 KV written for rejected drafts lies past the new `pos`: the row's next step overwrites it.
 
-Steps without drafts keep their path; with speculation on, `record` keeps the history current
-behind them (chunk tokens, each sampled row's newest token), so drafts see the whole sequence.
+Steps without drafts keep their path and their graphs: with speculation on, each step's forward
+writes its inputs into the history (TokenHistory.write_inputs, inside a plain step's graph), so
+drafts see the whole sequence; only the first chunk after prefix-cache hits adds a write
+(`known_before`: the hits' tokens).
 """
 from __future__ import annotations
 
@@ -111,28 +113,25 @@ class SpecRunner:
 
     # --- steps without drafts -------------------------------------------------------------------
 
-    def record(self, step: LaunchedStep):
-        """What runs behind a step without drafts (on the compute stream, after its sampling): its
-        chunks' tokens, and each sampled row's newest token at its position, into the history."""
-        t, n, rows, history = step.staged.tensors, step.num_samples, self.runner.rows, self.history
-        before = [(w.row, w.known_before) for w in step.staged.packed.chunks if w.known_before]
-        if before:  # prefix-cache hits: their tokens, which no chunk feeds (rows, positions, tokens)
-            known = np.stack([np.concatenate([np.full(len(k), r, np.int64) for r, k in before]),
-                              np.concatenate([np.arange(len(k), dtype=np.int64) for _, k in before]),
-                              np.concatenate([np.asarray(k, np.int64) for _, k in before])])
+    def known_before(self, packed: ForwardInput):
+        """For a step whose chunks start after prefix-cache hits, the write of the hits' tokens (which
+        no chunk feeds) into the history, to run on the compute stream before its forward; None for
+        any other step. Every step's own inputs are written by its forward (TokenHistory.write_inputs,
+        inside a plain step's graph), so this is the only history work beside a plain step, and only
+        the first chunk after hits has it."""
+        before = [(w.row, w.known_before) for w in packed.chunks if w.known_before]
+        if not before:
+            return None
+        known = np.stack([np.concatenate([np.full(len(k), r, np.int64) for r, k in before]),
+                          np.concatenate([np.arange(len(k), dtype=np.int64) for _, k in before]),
+                          np.concatenate([np.asarray(k, np.int64) for _, k in before])])
+        history, device = self.history, self.runner.rows.device
 
-        def record() -> None:
-            if before:  # (uploaded here: on the compute stream, which then reads it)
-                at = upload_array(known, rows.device)
-                history.tokens[at[0], at[1]] = at[2].to(history.tokens.dtype)
-            if t.chunk_rows.shape[0]:
-                history.write_chunks(t.chunk_token_rows, t.chunk_pos, t.chunk_ids, t.chunk_rows, t.chunk_ends)
-            r = t.sample_rows[:n]
-            pos = rows.pos.index_select(0, r)
-            history.tokens[r, pos] = rows.last_token.index_select(0, r).to(history.tokens.dtype)
-            history.length.index_copy_(0, r, pos + 1)
+        def write() -> None:  # (uploaded here: on the compute stream, which then reads it)
+            at = upload_array(known, device)
+            history.tokens[at[0], at[1]] = at[2].to(history.tokens.dtype)
 
-        return record
+        return write
 
     # --- a speculating step ---------------------------------------------------------------------
 
@@ -167,6 +166,7 @@ class SpecRunner:
             dec = tensors.decode_rows
             pos0 = rows.pos.index_select(0, dec)
             last = rows.last_token.index_select(0, dec)
+            history.write_inputs(dec, pos0, last, dec, pos0 + 1)  # (what the proposal reads last: the input)
             t0 = time.perf_counter()
             proposal = drafter.propose(dec)
             t1 = time.perf_counter()
@@ -221,8 +221,6 @@ class SpecRunner:
             rows.last_token.index_copy_(0, dec, verdict.last)
             rows.pos.index_copy_(0, dec, pos0 + emitted)
             rows.sampling.output_index.index_add_(0, dec, emitted)
-            history.length.index_copy_(0, dec, pos0 + 1)  # (the last token's place: `record` or this step)
-            history.tokens[dec, pos0] = last.to(history.tokens.dtype)
             drafter.on_emitted(dec, verdict.tokens, emitted)
             n = dec.shape[0]
             runs[:n, :-1].copy_(verdict.tokens)

@@ -117,3 +117,89 @@ def test_plain_steps_with_speculation_on_write_the_history_inside_their_graphs(m
     history = runner.spec.history
     held = {tuple(history.tokens[row, :int(history.length[row])].tolist()) for row in range(1, 4)}
     assert held == {tuple(p + out[:-1]) for p, out in zip(PROMPTS, got)}
+
+
+def count_eager_decode(runner, counts, ks) -> None:
+    """counts["plain"] / ["spec"] += each decode-only step launched without a graph; ks: each
+    speculating step's draft counts."""
+    launch = runner.launch_forward
+
+    def counting(step_id, packed, unmasked=False):
+        before = runner.eager_steps
+        step = launch(step_id, packed, unmasked)
+        if packed.decode_only and runner.eager_steps > before:
+            counts["spec" if packed.num_drafts is not None else "plain"] += 1
+        if packed.num_drafts is not None:
+            ks.append(tuple(packed.num_drafts.tolist()))
+        return step
+
+    runner.launch_forward = counting
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_speculating_steps_replay_graphs_and_give_the_eager_steps_tokens(monkeypatch, stand_in_graphs, depth):
+    """With graphs installed, every speculating step (plain greedy rows, up to the largest bucket)
+    replays the speculating graph of its slot and bucket: the same tokens as without speculation and
+    as speculating eagerly, no host sync, and no decode step counted eager (stats' eager_steps: only
+    the prompts' steps, which have no graph with the CPU kernels). (Before: every speculating step
+    ran eagerly.)"""
+    use_torch_paths(monkeypatch)
+    counts, ks, seen, caches = dict(plain=0, spec=0), [], {}, []
+
+    def zero_kv(engine):
+        kv = engine._parts.runner.kv
+        kv.k.zero_(), kv.v.zero_()
+        caches.append(kv)
+
+    def install(engine):
+        zero_kv(engine)
+        runner = engine._parts.runner
+        stand_in_graphs.install_graphs(runner, engine._parts.device, EngineConfig(**BASE, **GRAPHS))
+        count_eager_decode(runner, counts, ks)
+        seen["runner"] = runner
+
+    want, _, _, _ = run_separate(monkeypatch, None, depth, **GRAPHS)
+    got, stats, syncs, _ = run_separate(monkeypatch, SPEC, depth, prepare=install, **GRAPHS)
+    assert got == want and syncs == []
+    if depth == 1:  # speculating eagerly: (the same plans: the same pages) the same K/V at every fed position
+        eager, _, _, _ = run_separate(monkeypatch, SPEC, depth, prepare=zero_kv, **GRAPHS)
+        assert eager == got
+        page = BASE["page_size"]
+        for a, b in ((caches[0].k, caches[1].k), (caches[0].v, caches[1].v)):
+            torch.testing.assert_close(a[:, page:], b[:, page:], rtol=1e-5, atol=1e-5)  # (page 0: scratch)
+    assert stats["speculative"]["accepted"] > 0
+    replays = seen["runner"].spec_graphs.replays
+    assert sum(replays.values()) > 0 and {b for _, b in replays} <= {1, 2, 4}
+    assert counts == dict(plain=0, spec=0)
+    # masked positions were fed: rows with fewer drafts than K (beside fuller ones), padding rows
+    assert any(len(set(k)) > 1 for k in ks) and any(len(k) == 3 for k in ks)
+    runner = seen["runner"]
+    graphed = sum(sum(c.replays.values()) for c in (runner.spec_graphs, runner.graphs, runner.greedy_graphs))
+    assert 0 < stats["eager_steps"] == stats["steps"] - graphed  # (the prompts' steps: no mixed graphs here)
+
+
+@pytest.mark.cuda
+def test_cuda_speculating_steps_replay_graphs_without_a_host_sync():
+    """On a GPU: after a warm run, speculating steps replay their graphs under torch's sync debug
+    mode (any synchronising call raises, failing the request), no decode step is eager, and greedy
+    float32 output equals the output without speculation."""
+    cfg = dict(BASE, device="cuda", graph_batch_sizes=(1, 2, 4))
+    counts, ks = dict(plain=0, spec=0), []
+
+    async def run(spec):
+        async with Engine(EngineConfig(**cfg, speculative=spec)) as engine:
+            await asyncio.gather(*(engine.complete(p, GREEDY) for p in PROMPTS))  # warm: every shape once
+            runner = engine._parts.runner
+            count_eager_decode(runner, counts, ks)
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                outs = await asyncio.gather(*(engine.complete(p, GREEDY) for p in PROMPTS))
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            replays = 0 if runner.spec_graphs is None else sum(runner.spec_graphs.replays.values())
+            return [o.token_ids for o in outs], replays
+
+    want, _ = asyncio.run(run(None))
+    got, replays = asyncio.run(run(SPEC))
+    assert got == want and replays > 0 and ks
+    assert counts == dict(plain=0, spec=0)

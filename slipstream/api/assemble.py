@@ -116,9 +116,12 @@ def _assemble(config: EngineConfig, device, invariant: bool) -> EngineParts:
     if invariant:  # the probe (seconds at start) runs only here
         row_multiple = row_multiple_for(mcfg)
         model.set_attention_dtype(torch.float64)
+    max_pages = ceil_div(max_model_len, config.page_size)
+    if config.speculative is not None:  # a speculating graph's masked positions read up to K past a row's
+        max_pages += ceil_div(config.speculative.num_drafts + 1, config.page_size)  # end: scratch-page columns
     runner = ModelRunner(model, kv, device, max_rows=config.max_batch_size + 1,
                          max_tokens=config.max_num_batched_tokens,
-                         max_pages=ceil_div(max_model_len, config.page_size), row_multiple=row_multiple,
+                         max_pages=max_pages, row_multiple=row_multiple,
                          num_slots=config.pipeline_depth)  # depth 1 never uses a second slot (nor its graphs)
     pool = PagePool(num_pages)
     planner = Planner(pool, config.page_size, config.max_batch_size, config.max_num_batched_tokens,

@@ -31,6 +31,8 @@ host landing buffers (on the copy stream; on a unified-memory device, on the com
 step with a row whose sequence has carry tokens (a carry step, runtime/carry.py) replays, when
 decode-only, the carry decode graph of its slot and bucket (`carry_graphs`: forward_carry, which
 also swaps in the head encodings and returns the hidden states); a carry step with chunks runs eagerly.
+A speculating step goes to runtime/spec_step.py (its own graphs: `spec_graphs`). With speculation on,
+every forward writes its inputs into the token history (inside the graphs too).
 """
 from __future__ import annotations
 

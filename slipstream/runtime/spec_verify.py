@@ -53,7 +53,8 @@ class SpecLayout(NamedTuple):
     max_drafts: int  # K, the width of the drafts tensors
 
 
-def layout_arrays(num_drafts, max_drafts: int | None = None) -> tuple[np.ndarray, ...]:
+def layout_arrays(num_drafts, max_drafts: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray,
+                                                                      np.ndarray, int]:
     """(k, owner, offset, start) of `SpecLayout` as host arrays, and the width K: built on the host
     from the per-row draft counts the host chose (no device read)."""
     k = np.asarray(num_drafts, np.int64)
@@ -73,7 +74,8 @@ def spec_layout(num_drafts, device: torch.device | str = "cpu", max_drafts: int 
     in the slot's buffers instead (runtime/spec_step.py, `SpecStaging`)."""
     k, owner, offset, start, width = layout_arrays(num_drafts, max_drafts)
     dev = torch.device(device)
-    return SpecLayout(*(upload_array(a, dev) for a in (k, owner, offset, start)), width)
+    up = [upload_array(a, dev) for a in (k, owner, offset, start)]
+    return SpecLayout(up[0], up[1], up[2], up[3], width)
 
 
 def verify_inputs(last_token: torch.Tensor, drafts: torch.Tensor, lay: SpecLayout) -> torch.Tensor:

@@ -116,14 +116,13 @@ def _assemble(config: EngineConfig, device, invariant: bool) -> EngineParts:
     if invariant:  # the probe (seconds at start) runs only here
         row_multiple = row_multiple_for(mcfg)
         model.set_attention_dtype(torch.float64)
+    max_pages = ceil_div(max_model_len, config.page_size)
+    if config.speculative is not None:  # a speculating graph's masked positions read up to K past a row's
+        max_pages += ceil_div(config.speculative.num_drafts + 1, config.page_size)  # end: scratch-page columns
     runner = ModelRunner(model, kv, device, max_rows=config.max_batch_size + 1,
                          max_tokens=config.max_num_batched_tokens,
-                         max_pages=ceil_div(max_model_len, config.page_size), row_multiple=row_multiple,
+                         max_pages=max_pages, row_multiple=row_multiple,
                          num_slots=config.pipeline_depth)  # depth 1 never uses a second slot (nor its graphs)
-    if device.kind == "cuda" and config.cuda_graphs:
-        from slipstream.runtime.cuda_graphs import install_graphs
-
-        install_graphs(runner, device, config)
     pool = PagePool(num_pages)
     planner = Planner(pool, config.page_size, config.max_batch_size, config.max_num_batched_tokens,
                       prefix_caching=config.prefix_caching, encoder_cache_tokens=config.encoder_cache_tokens,
@@ -131,6 +130,10 @@ def _assemble(config: EngineConfig, device, invariant: bool) -> EngineParts:
     if config.speculative is not None:
         install_speculation(config, runner, planner, ceil_div(max_model_len, config.page_size) * config.page_size,
                             mcfg, tokenizer, device, activations)
+    if device.kind == "cuda" and config.cuda_graphs:
+        from slipstream.runtime.cuda_graphs import install_graphs
+
+        install_graphs(runner, device, config)  # (after speculation: plain graphs write its history)
     outputs = OutputProcessor(text_thread=config.output_stage == "thread")
     loop = EngineLoop(runner, planner, outputs, config.pipeline_depth, config.page_size, row_multiple,
                       vocab_width=mcfg.vocab_size, eos_ids=tuple(tokenizer.eos_token_ids),

@@ -46,7 +46,7 @@ import torch
 from slipstream.runtime.batch import pack_step
 from slipstream.runtime.buckets import make_buckets, token_buckets
 from slipstream.runtime.graph_record import record
-from slipstream.runtime.graphs import CARRY, DECODE, GREEDY, MIXED, GraphCache
+from slipstream.runtime.graphs import CARRY, DECODE, GREEDY, MIXED, SPEC, GraphCache
 from slipstream.runtime.static_step import fill_static, static_tensors
 
 log = structlog.get_logger(__name__)
@@ -127,6 +127,26 @@ def mixed_graphs(runner, device, token_range: tuple[int, int], pool=None) -> Gra
     return GraphCache(token_buckets(*token_range), len(runner.slots), capture, device.free_memory, MIXED)
 
 
+def spec_graphs(runner, device, bucket_range: tuple[int, int, int], pool=None) -> GraphCache[CapturedForward]:
+    """A GraphCache of speculating steps by rows bucket: SpecRunner.verify_fixed on the fixed-k layout
+    (runtime/spec_step.py), staged as an all-padding step (row 0, no drafts)."""
+    pool = torch.cuda.graph_pool_handle() if pool is None else pool
+    spec = runner.spec
+
+    def capture(slot: int, bucket: int) -> CapturedForward:
+        arena = runner.arenas[slot]
+
+        def stage():
+            arena.fill(_empty_step(), pad_decode=bucket)
+            arena.upload()
+            spec.staging[slot].stage_fixed(np.zeros(0, np.int64), bucket)
+            return spec.fixed_layout(slot, bucket)
+
+        return _capture(runner, device, pool, stage, lambda t: spec.verify_fixed(t, slot))
+
+    return GraphCache(make_buckets(*bucket_range), len(runner.slots), capture, device.free_memory, SPEC)
+
+
 def install_graphs(runner, device, config) -> None:
     """Give `runner` its decode, greedy decode, carry decode (and, with config.mixed_graphs, mixed) graph
     caches sharing one pool; with config.warmup capture them all now (mixed first; carry graphs only
@@ -137,10 +157,12 @@ def install_graphs(runner, device, config) -> None:
     runner.carry_graphs = decode_graphs(runner, device, config.buckets(), pool, carry=True)
     if config.mixed_graphs:
         runner.mixed_graphs = mixed_graphs(runner, device, config.token_bucket_range(), pool)
+    if runner.spec is not None and runner.spec.graphable:  # (installed first: assemble.py)
+        runner.spec_graphs = spec_graphs(runner, device, config.buckets(), pool)
     if not config.warmup:
         return
     carry = runner.carry_graphs if runner.carry_kinds else None  # (no heads: no carry step ever comes)
-    for cache in (runner.mixed_graphs, runner.graphs, runner.greedy_graphs, carry):
+    for cache in (runner.mixed_graphs, runner.spec_graphs, runner.graphs, runner.greedy_graphs, carry):
         if cache is not None:
             before = torch.cuda.memory_reserved(device.torch_device)
             seconds = cache.warmup()  # (a failed capture turns only this cache off: graphs.py)
@@ -151,7 +173,7 @@ def install_graphs(runner, device, config) -> None:
 def release_graphs(runner) -> None:
     """Drop every captured graph now (engine close, the device synchronized): freed here, not by a
     later cycle collection that could run inside another engine's capture (graph_record.py)."""
-    for cache in (runner.graphs, runner.greedy_graphs, runner.carry_graphs, runner.mixed_graphs):
+    for cache in (runner.graphs, runner.greedy_graphs, runner.carry_graphs, runner.mixed_graphs, runner.spec_graphs):
         if cache is not None:
             cache.release()
     for slot in runner.slots:  # a staged input holds the graph it chose (a steady batch relaunches it)

@@ -28,6 +28,8 @@ PAGE = 16
 
 
 class DraftModelDrafter:
+    reads_host = True  # (its proposal reads the history on the host: never in a captured graph)
+
     def __init__(self, history: TokenHistory, max_drafts: int = 4, model: Any = None, context: int = 64):
         if model is None:
             raise ValueError("the draft drafter needs a built draft model")

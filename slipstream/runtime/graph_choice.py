@@ -54,6 +54,7 @@ class GraphChoice:
     mixed_graphs = _GraphCacheField()  # ... of mixed/prefill steps, by token bucket
     greedy_graphs = _GraphCacheField()  # decode graphs that also sample (all rows plain greedy)
     carry_graphs = _GraphCacheField()  # decode graphs of carry steps (forward_carry)
+    spec_graphs = _GraphCacheField()  # speculating steps by rows, fixed k (SpecRunner.verify_fixed)
 
     def _choose_graph(self, slot: StepSlot, packed: ForwardInput, unmasked: bool, carry: bool,
                       needs: GroupNeeds) -> _Graphed | None:

@@ -1,7 +1,8 @@
 """Captured graphs per (slot, bucket): warmup, lazy capture, eager fallback above the top.
 
-Four kinds share this bookkeeping: decode graphs, greedy decode graphs (which also sample) and carry
-decode graphs (which also feed head values and return hidden states: runtime/carry.py),
+Five kinds share this bookkeeping: decode graphs, greedy decode graphs (which also sample), carry
+decode graphs (which also feed head values and return hidden states: runtime/carry.py) and
+speculating graphs (draft, forward, verify and advance: runtime/spec_step.py),
 bucketed by batch size, and mixed/prefill graphs, bucketed by token count (slipstream/runtime/buckets.py). It is device-agnostic; what a capture is
 comes from the `capture` callable (slipstream/runtime/cuda_graphs.py on CUDA, a fake in the CPU
 tests). Invariants enforced here:
@@ -36,7 +37,7 @@ GiB = 1024**3
 
 @dataclass(frozen=True)
 class GraphKind:
-    name: str  # "decode" | "greedy" | "carry" | "mixed" (the `kind` field of log lines)
+    name: str  # "decode" | "greedy" | "carry" | "mixed" | "spec" (the `kind` field of log lines)
     size_field: str  # what a bucket counts, as logged: "batch_size" | "tokens"
 
 
@@ -44,6 +45,7 @@ DECODE = GraphKind("decode", "batch_size")
 GREEDY = GraphKind("greedy", "batch_size")  # decode + greedy sampling (looked up only below DECODE's top)
 CARRY = GraphKind("carry", "batch_size")  # decode of carry steps (ModelRunner.forward_carry)
 MIXED = GraphKind("mixed", "tokens")
+SPEC = GraphKind("spec", "batch_size")  # speculating steps of plain greedy rows (SpecRunner.verify_fixed)
 
 
 class GraphCache(Generic[G]):

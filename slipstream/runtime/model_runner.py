@@ -31,6 +31,8 @@ host landing buffers (on the copy stream; on a unified-memory device, on the com
 step with a row whose sequence has carry tokens (a carry step, runtime/carry.py) replays, when
 decode-only, the carry decode graph of its slot and bucket (`carry_graphs`: forward_carry, which
 also swaps in the head encodings and returns the hidden states); a carry step with chunks runs eagerly.
+A speculating step goes to runtime/spec_step.py (its own graphs: `spec_graphs`). With speculation on,
+every forward writes its inputs into the token history (inside the graphs too).
 """
 from __future__ import annotations
 
@@ -143,7 +145,8 @@ class ModelRunner(GraphChoice, EncoderLaunch):
             assert carry is None, "a carry step never runs on the static (graph) layout"
             if host_attention:
                 raise ValueError("a static (graph-shaped) step needs the device attention backend")
-            ids, positions, kv_indices, meta = static_inputs(self.rows, t, self.kv.page_size)
+            ids, positions, kv_indices, meta = static_inputs(self.rows, t, self.kv.page_size,
+                                                             None if self.spec is None else self.spec.history)
             if len(self.lora_adapters) > 1:  # (EngineConfig refuses LoRA where graphs run)
                 raise NotImplementedError("LoRA adapters in a captured graph")
             return self.model(ForwardBatch(input_ids=ids, positions=positions, kv_indices=kv_indices,
@@ -162,6 +165,8 @@ class ModelRunner(GraphChoice, EncoderLaunch):
             seq_rows = torch.cat([dec, t.chunk_rows])
         kv_indices = r.kv_indices(token_rows, positions, ps)
         r.set_positions(seq_rows, kv_lens, t.scratch)  # each sequence's next position is its context length
+        if self.spec is not None:  # the drafter's history, inside the forward (and its graph: no launch of its own)
+            self.spec.history.write_inputs(token_rows, positions, ids, seq_rows, kv_lens)
         if host_attention:  # the reference attention loops over sequences on the host (CPU)
             kv_host = kv_lens.tolist()
             # only the columns the longest sequence uses (the device path keeps the static width)
@@ -284,11 +289,14 @@ class ModelRunner(GraphChoice, EncoderLaunch):
         graphed.cache.replays[slot.index, graphed.bucket] += 1
         rows, graph, samples, carry = self.rows, graphed.graph, graphed.samples, graphed.carry
         updates, packed, step_id = staged.updates, staged.packed, step.step_id
+        before = self._known_before(packed)
 
         def forward() -> None:
             self._check_fault(step_id)
             if updates is not None:
                 rows.apply(updates, packed)
+            if before is not None:
+                before()
             if carry:
                 slot.carry_out.zero_()  # as eagerly: rows of groups without carry rows carry nothing
                 step.logits, step.hidden = graph.replay()
@@ -302,11 +310,14 @@ class ModelRunner(GraphChoice, EncoderLaunch):
         staged, step_id = step.staged, step.step_id
         packed, tensors, updates, carry = staged.packed, staged.tensors, staged.updates, staged.chunk_carry
         rows, host_attention = self.rows, self.device.unified_memory
+        before = self._known_before(packed)
         if carry is None and not packed.embed_sources and packed.bidirectional_lens is None:
             def forward() -> None:  # a text step: the common case
                 self._check_fault(step_id)
                 if updates is not None:
                     rows.apply(updates, packed)
+                if before is not None:
+                    before()
                 step.logits = self.forward_from(tensors, host_attention)
 
             self.device.compute.launch(forward, "forward")
@@ -317,6 +328,8 @@ class ModelRunner(GraphChoice, EncoderLaunch):
             self._check_fault(step_id)
             if updates is not None:
                 rows.apply(updates, packed)
+            if before is not None:
+                before()
             embeds = self._embeds(packed, tensors.decode_rows.shape[0]) if packed.embed_sources else None
             if carry is None:
                 step.logits = self.forward_from(tensors, host_attention, embeds, None, bidi)
@@ -326,6 +339,10 @@ class ModelRunner(GraphChoice, EncoderLaunch):
                                                          carry.to_device(rows.device), bidi)
 
         self.device.compute.launch(forward_with, "forward")
+
+    def _known_before(self, packed: ForwardInput):
+        """With speculation on, the history write a step's forward runs first (SpecRunner.known_before)."""
+        return None if self.spec is None or not packed.chunks else self.spec.known_before(packed)
 
     def _check_fault(self, step_id: int) -> None:
         if self._faults is not None:
@@ -365,21 +382,13 @@ class ModelRunner(GraphChoice, EncoderLaunch):
         """The step's tokens to the host, behind its final sampling: on a device whose host memory
         is device memory (the CPU) in stream order on the compute stream (no copy engine to overlap,
         no second stream to wake and wait for), else on the copy stream after an event. `copy_out`:
-        a speculating step's copy (its runs); with speculation on, a step without drafts first
-        records its tokens for the drafter."""
+        a speculating step's copy (its runs)."""
         step.sampled = True
         compute = self.device.compute
         if step.started is not None:
             step.ended = compute.mark()
         if copy_out is None:
             copy_out = lambda: self._copy_out(step)  # noqa: E731
-            if self.spec is not None:  # (the token history is the compute stream's; on the CPU the
-                record = self.spec.record(step)  # record rides in the d2h item: one item fewer)
-                if self.device.unified_memory:
-                    copy_tokens = copy_out
-                    copy_out = lambda: (record(), copy_tokens())  # noqa: E731
-                else:
-                    compute.launch(record, "spec_record")
         if self.device.unified_memory:
             compute.launch(copy_out, "d2h")
             step.copy_done = compute.record()

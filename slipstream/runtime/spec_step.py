@@ -3,7 +3,7 @@ each row's tables advanced by what it emitted — all on the compute stream, so 
 depth 2 launched before this one commits) reads the truth without a host round trip
 (docs/speculative.md). Private to the ModelRunner; present only with `EngineConfig.speculative`.
 
-A speculating step (`ForwardInput.num_drafts`, k_i per decode row, no chunks) runs eagerly:
+A speculating step (`ForwardInput.num_drafts`, k_i per decode row, no chunks), eagerly:
   1. propose: the drafter reads each row's `TokenHistory` (whose newest entry is the row's last
      token, at its position `pos`) and proposes `max_drafts` tokens; row i feeds the first k_i;
   2. forward: ids = [last token, d_1..d_k] at positions pos..pos + k, logits at every position;
@@ -14,13 +14,21 @@ A speculating step (`ForwardInput.num_drafts`, k_i per decode row, no chunks) ru
      buffer gets the tokens, its sampled ids the counts e; then the stamp and the copy.
 KV written for rejected drafts lies past the new `pos`: the row's next step overwrites it.
 
-Steps without drafts keep their path; with speculation on, `record` keeps the history current
-behind them (chunk tokens, each sampled row's newest token), so drafts see the whole sequence.
+Where the device's memory is not the host's (CUDA) the shape is the host's k, staged at launch in the
+slot's `SpecStaging` (no blocking copy, no host read), and a step of plain greedy rows within the
+buckets replays the speculating graph of its slot and bucket instead (`verify_fixed` on the fixed-k
+layout, `FixedLayout`; docs/speculative.md, "Speculating steps from graphs"). On the CPU the compute
+thread shapes the step by the drafter's strength (`WEAK`), eagerly.
+
+Steps without drafts keep their path and their graphs: with speculation on, each step's forward
+writes its inputs into the history (TokenHistory.write_inputs, inside a plain step's graph), so
+drafts see the whole sequence; only the first chunk after prefix-cache hits adds a write
+(`known_before`: the hits' tokens).
 """
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -28,11 +36,12 @@ import torch
 from slipstream.intmath import round_up
 from slipstream.models.kernels.attention import AttentionMetadata, DeviceAttentionMetadata
 from slipstream.models.base import ForwardBatch
-from slipstream.runtime.batch import ForwardInput
+from slipstream.runtime.batch import SCRATCH_ROW, ForwardInput
 from slipstream.runtime.drafter_registry import build_drafter
-from slipstream.runtime.host_copy import copy_to_host, upload_array
+from slipstream.runtime.host_copy import copy_to_device, copy_to_host, upload_array
 from slipstream.runtime.runner_api import SampledTokens
-from slipstream.runtime.spec_verify import replay_accept, spec_layout, target_tokens, verify_inputs
+from slipstream.runtime.spec_verify import (SpecLayout, layout_arrays, replay_accept, spec_layout, target_tokens,
+                                            verify_inputs)
 from slipstream.runtime.step_slot import LaunchedStep, Staged
 from slipstream.runtime.token_history import TokenHistory
 
@@ -41,6 +50,82 @@ from slipstream.runtime.token_history import TokenHistory
 # feed all planned): a 1-gram draft is right too rarely to pay for its position outside repetitive
 # text, and adds little inside it (tools/spec_policy_sim.py; docs/results/spec-policy-2026-11-27/)
 WEAK = np.array([0, 0, 2])
+
+
+class SpecStaging:
+    """One slot's host->device staging of a speculating step's layout (the host's k per row, what
+    the device runs where its shape cannot follow the device: CUDA): a host buffer (pinned on CUDA)
+    and its device twin, each array at a fixed offset, uploaded in one non-blocking copy on the
+    upload stream that the compute stream waits for — as `StepArena` stages a plain step, so the
+    launch never waits for the step in flight. The buffer is the slot's: it is rewritten only when
+    the slot takes its next step, after this one's commit, by which time the copy has long landed
+    (a pinned buffer rewritten while its copy is in flight would feed the step the next one's layout)."""
+
+    def __init__(self, device, max_rows: int, max_drafts: int):
+        r, t = max_rows, max_rows * (max_drafts + 1)
+        self.device, self.max_drafts = device, max_drafts
+        self.offsets: dict[str, int] = {}
+        at = 0
+        regions = (("num_drafts", r), ("owner", t), ("offset", t), ("start", r), ("query_start", r + 1), ("fixed_k", r))
+        for name, size in regions:
+            self.offsets[name] = at
+            at += size
+        self.host = device.host_buffer((at,), torch.int64)
+        self.host.zero_()
+        self.host_np = self.host.numpy()
+        self.dev = self.host if device.unified_memory else torch.zeros(at, dtype=torch.int64,
+                                                                         device=device.torch_device)
+
+    def _put(self, name: str, values: np.ndarray) -> torch.Tensor:
+        at = self.offsets[name]
+        self.host_np[at:at + len(values)] = values
+        return self.dev[at:at + len(values)]
+
+    def stage(self, k: np.ndarray) -> tuple[SpecLayout, torch.Tensor, int]:
+        """(layout, query starts [n + 1], positions) of k drafts per row, as device views, their
+        upload enqueued. Vectorised numpy; nothing here reads the device."""
+        k, owner, offset, start, width = layout_arrays(k, self.max_drafts)
+        query_start = np.concatenate([start, [len(owner)]])
+        views = [self._put(name, a) for name, a in (("num_drafts", k), ("owner", owner), ("offset", offset),
+                                                    ("start", start), ("query_start", query_start))]
+        if not self.device.unified_memory:
+            n = self.offsets["query_start"] + len(query_start)  # (the used prefix: one copy)
+
+            def h2d() -> None:
+                copy_to_device(self.dev[:n], self.host[:n])
+
+            self.device.upload.launch(h2d, "h2d")
+            self.device.compute.wait(self.device.upload.record())
+        return SpecLayout(views[0], views[1], views[2], views[3], width), views[4], len(owner)
+
+    def fixed_k(self, rows: int) -> torch.Tensor:
+        """The device view a graph of `rows` reads its rows' draft counts from (a fixed address)."""
+        at = self.offsets["fixed_k"]
+        return self.dev[at:at + rows]
+
+    def stage_fixed(self, k: np.ndarray, rows: int) -> None:
+        """A graphed step's draft counts, padded with 0 to its bucket of `rows`, and their upload."""
+        at = self.offsets["fixed_k"]
+        self.host_np[at:at + len(k)] = k
+        self.host_np[at + len(k):at + rows] = 0
+        if not self.device.unified_memory:
+            def h2d() -> None:
+                copy_to_device(self.dev[at:at + rows], self.host[at:at + rows])
+
+            self.device.upload.launch(h2d, "h2d")
+            self.device.compute.wait(self.device.upload.record())
+
+
+class FixedLayout(NamedTuple):
+    """What a speculating graph of B rows reads: the fixed-k layout, every row K + 1 positions (row i
+    at i(K + 1) .. i(K + 1) + K) whatever its k, so every shape is the bucket's (docs/speculative.md,
+    "Speculating steps from graphs"). Only `rows` (the slot's decode-row view, padded with row 0) and
+    the counts in `lay.num_drafts` (SpecStaging.fixed_k) change from step to step."""
+
+    rows: torch.Tensor  # [B]
+    lay: SpecLayout  # num_drafts [B] staged; owner, offset, start constant
+    query_start: torch.Tensor  # [B + 1] constant: i(K + 1)
+    sample_indices: torch.Tensor  # [B(K + 1)] constant: every position's logits
 
 
 class SpecRunner:
@@ -60,31 +145,100 @@ class SpecRunner:
         # compute stream before the slot's copy item, read by `read` after that copy landed: the same
         # ordering as host_runs
         self.draft_costs: list[float | None] = [None] * len(runner.slots)
+        self.staging = [SpecStaging(device, rows, max_drafts) for _ in runner.slots]
+        # speculating graphs need a drafter that proposes on the device (not one that reads the host)
+        self.graphable = not getattr(self.drafter, "reads_host", False)
+        self.fixed: dict[tuple[int, int], FixedLayout] = {}  # (slot, bucket) -> what its graph reads
 
     # --- steps without drafts -------------------------------------------------------------------
 
-    def record(self, step: LaunchedStep):
-        """What runs behind a step without drafts (on the compute stream, after its sampling): its
-        chunks' tokens, and each sampled row's newest token at its position, into the history."""
-        t, n, rows, history = step.staged.tensors, step.num_samples, self.runner.rows, self.history
-        before = [(w.row, w.known_before) for w in step.staged.packed.chunks if w.known_before]
-        if before:  # prefix-cache hits: their tokens, which no chunk feeds (rows, positions, tokens)
-            known = np.stack([np.concatenate([np.full(len(k), r, np.int64) for r, k in before]),
-                              np.concatenate([np.arange(len(k), dtype=np.int64) for _, k in before]),
-                              np.concatenate([np.asarray(k, np.int64) for _, k in before])])
+    def known_before(self, packed: ForwardInput):
+        """For a step whose chunks start after prefix-cache hits, the write of the hits' tokens (which
+        no chunk feeds) into the history, to run on the compute stream before its forward; None for
+        any other step. Every step's own inputs are written by its forward (TokenHistory.write_inputs,
+        inside a plain step's graph), so this is the only history work beside a plain step, and only
+        the first chunk after hits has it."""
+        before = [(w.row, w.known_before) for w in packed.chunks if w.known_before]
+        if not before:
+            return None
+        known = np.stack([np.concatenate([np.full(len(k), r, np.int64) for r, k in before]),
+                          np.concatenate([np.arange(len(k), dtype=np.int64) for _, k in before]),
+                          np.concatenate([np.asarray(k, np.int64) for _, k in before])])
+        history, device = self.history, self.runner.rows.device
 
-        def record() -> None:
-            if before:  # (uploaded here: on the compute stream, which then reads it)
-                at = upload_array(known, rows.device)
-                history.tokens[at[0], at[1]] = at[2].to(history.tokens.dtype)
-            if t.chunk_rows.shape[0]:
-                history.write_chunks(t.chunk_token_rows, t.chunk_pos, t.chunk_ids, t.chunk_rows, t.chunk_ends)
-            r = t.sample_rows[:n]
-            pos = rows.pos.index_select(0, r)
-            history.tokens[r, pos] = rows.last_token.index_select(0, r).to(history.tokens.dtype)
-            history.length.index_copy_(0, r, pos + 1)
+        def write() -> None:  # (uploaded here: on the compute stream, which then reads it)
+            at = upload_array(known, device)
+            history.tokens[at[0], at[1]] = at[2].to(history.tokens.dtype)
 
-        return record
+        return write
+
+    # --- a speculating step from a graph -----------------------------------------------------------
+
+    def fixed_layout(self, slot: int, bucket: int) -> FixedLayout:
+        """The views and constants a graph of `bucket` rows in `slot` reads (built before its capture,
+        and kept here: a graph reads its inputs' memory, which must outlive it)."""
+        if (slot, bucket) in self.fixed:
+            return self.fixed[slot, bucket]
+        k1, dev = self.max_drafts + 1, self.runner.rows.device
+        owner = torch.arange(bucket, device=dev).repeat_interleave(k1)
+        offset = torch.arange(k1, device=dev).repeat(bucket)
+        start = torch.arange(bucket, device=dev) * k1
+        lay = SpecLayout(self.staging[slot].fixed_k(bucket), owner, offset, start, self.max_drafts)
+        fixed = self.fixed[slot, bucket] = FixedLayout(self.runner.slots[slot].arena.dev_region("decode_rows", bucket),
+                                                       lay, torch.arange(bucket + 1, device=dev) * k1,
+                                                       torch.arange(bucket * k1, device=dev))
+        return fixed
+
+    def verify_fixed(self, t: FixedLayout, slot: int) -> None:
+        """A speculating step of plain greedy rows on the fixed-k layout: what a speculating graph
+        captures (proposal, forward, verification, advance; no host read, no data-dependent shape).
+        A row with k < K drafts feeds its K - k masked positions too, at its last real position, with
+        their K/V written to the scratch page: its real positions see what the eager step's see
+        (context length pos + K + 1 puts query j at pos + j), and acceptance never reaches a masked
+        one (accepted <= k). Padding rows (row 0, k = 0) advance row 0, which is reset to position 0."""
+        runner, history, drafter = self.runner, self.history, self.drafter
+        rows, kv, ps, K = runner.rows, runner.kv, runner.kv.page_size, self.max_drafts
+        dec, lay = t.rows, t.lay
+        pos0 = rows.pos.index_select(0, dec)
+        last = rows.last_token.index_select(0, dec)
+        history.write_inputs(dec, pos0, last, dec, pos0 + 1)
+        drafts = drafter.propose(dec).tokens
+        live = lay.offset <= lay.num_drafts.index_select(0, lay.owner)
+        start = pos0.index_select(0, lay.owner)
+        positions = torch.where(live, start + lay.offset, start)
+        token_rows = dec.index_select(0, lay.owner)
+        kv_indices = torch.where(live, rows.kv_indices(token_rows, positions, ps), 0)  # (0: the scratch page)
+        meta = AttentionMetadata([], [], [], ps)
+        meta.on_device = DeviceAttentionMetadata(t.query_start, pos0 + K + 1, rows.pages[dec], K + 1)
+        if len(runner.lora_adapters) > 1:  # (EngineConfig refuses LoRA where graphs run)
+            raise NotImplementedError("LoRA adapters in a captured graph")
+        logits = runner.model(ForwardBatch(input_ids=verify_inputs(last, drafts, lay), positions=positions,
+                                           kv_indices=kv_indices, sample_indices=t.sample_indices, attn=meta), kv)
+        verdict = replay_accept(_argmax(logits), drafts, lay)
+        self._advance(slot, dec, pos0, verdict, lay.num_drafts)
+        rows.pos[SCRATCH_ROW:SCRATCH_ROW + 1].zero_()
+
+    def _advance(self, slot: int, dec: torch.Tensor, pos0: torch.Tensor, verdict, num_drafts: torch.Tensor) -> None:
+        """Each row's tables by its run (last token, position, output index, history) and the slot's
+        run buffer, fed-draft counts and sampled ids (the counts e)."""
+        rows = self.runner.rows
+        emitted = verdict.accepted + 1
+        rows.last_token.index_copy_(0, dec, verdict.last)
+        rows.pos.index_copy_(0, dec, pos0 + emitted)
+        rows.sampling.output_index.index_add_(0, dec, emitted)
+        self.drafter.on_emitted(dec, verdict.tokens, emitted)
+        n, runs = dec.shape[0], self.runs[slot]
+        runs[:n, :-1].copy_(verdict.tokens)
+        runs[:n, -1].copy_(num_drafts)
+        self.runner.slots[slot].sampled[:n].copy_(emitted)
+
+    def _graph(self, slot, packed: ForwardInput, needs):
+        """(bucket, graph) a speculating step replays, or None: it runs eagerly (no speculating
+        graphs, a row that is not plain greedy, or more rows than the largest bucket)."""
+        cache = self.runner.spec_graphs
+        if cache is None or not needs.plain_greedy or self.runner.row_multiple != 1:
+            return None
+        return cache.lookup(slot.index, packed.num_decode)
 
     # --- a speculating step ---------------------------------------------------------------------
 
@@ -93,21 +247,26 @@ class SpecRunner:
         assert packed.num_drafts is not None and not packed.chunks
         slot = runner._free_slot()
         arena = slot.arena
-        lay_host = arena.fill(packed)
-        arena.upload()
         needs = runner.rows.sampling.needs(packed.sample_rows)
+        hit = self._graph(slot, packed, needs)
+        lay_host = arena.fill(packed, pad_decode=0 if hit is None else hit[0])
+        arena.upload()
         staged = Staged(packed, True, None, arena.tensors(lay_host), arena.updates(lay_host) if lay_host.w else None,
                         False, None, needs)
         slot.staged = None  # (never relaunched as staged: every speculating step is packed anew)
         step = LaunchedStep(step_id, slot, staged, staged.num_samples)
         slot.acquire(step)
+        if hit is not None:
+            return self._launch_graph(step, packed, *hit)
         device = runner.device
         host_attention = device.unified_memory
-        runs, tokens_out = self.runs[slot.index], slot.sampled
         rows, kv, model, ps = runner.rows, runner.kv, runner.model, runner.kv.page_size
         tensors, updates, drafter, history = staged.tensors, staged.updates, self.drafter, self.history
         planned = packed.num_drafts
         max_drafts = self.max_drafts
+        # where the shape is the host's (not the CPU: below), its layout is staged now, on the host,
+        # and uploaded without blocking: nothing in forward_verify then reads or waits for the host
+        staged_layout = None if host_attention else self.staging[slot.index].stage(planned)
 
         def forward_verify() -> None:
             runner._check_fault(step_id)
@@ -116,6 +275,7 @@ class SpecRunner:
             dec = tensors.decode_rows
             pos0 = rows.pos.index_select(0, dec)
             last = rows.last_token.index_select(0, dec)
+            history.write_inputs(dec, pos0, last, dec, pos0 + 1)  # (what the proposal reads last: the input)
             t0 = time.perf_counter()
             proposal = drafter.propose(dec)
             t1 = time.perf_counter()
@@ -125,10 +285,17 @@ class SpecRunner:
             # what the drafter found, and no host waits for it: a weak proposal feeds fewer drafts
             # (`WEAK`); elsewhere the shape is the planned k's (a data-dependent one would need a
             # device read). Laid out here, on the compute stream, either way.
-            if host_attention and proposal.strength is not None:
-                strength = np.minimum(proposal.strength.numpy(), len(WEAK))
-                k = np.minimum(planned, np.append(WEAK, max_drafts)[strength])
-            lay, query_start, query_start_dev, sample_indices, scratch, num_pos = self._shape(k, device.torch_device)
+            if staged_layout is None:
+                if proposal.strength is not None:
+                    strength = np.minimum(proposal.strength.numpy(), len(WEAK))
+                    k = np.minimum(planned, np.append(WEAK, max_drafts)[strength])
+                lay, query_start, query_start_dev, sample_indices, scratch, num_pos = self._shape(k, device.torch_device)
+            else:
+                lay, query_start_dev, num_pos = staged_layout
+                query_start = None
+                pad = round_up(num_pos, runner.row_multiple) - num_pos
+                sample_indices = torch.arange(num_pos + pad, device=device.torch_device)
+                scratch = torch.zeros(pad, dtype=torch.int64, device=device.torch_device)
             num_drafts = lay.num_drafts
             ids = verify_inputs(last, drafts, lay)
             positions = pos0.index_select(0, lay.owner) + lay.offset
@@ -140,6 +307,7 @@ class SpecRunner:
             if host_attention:
                 kv_host = kv_lens.tolist()
                 page_table = rows.pages[dec, :-(-max(kv_host) // ps)]
+                assert query_start is not None
                 meta = AttentionMetadata(query_start.tolist(), kv_host, page_table, ps)
             else:
                 page_table = rows.pages[dec]
@@ -157,24 +325,36 @@ class SpecRunner:
                 targets = _argmax(logits)
             else:  # replay: each position drawn as one-token decoding draws its output index
                 targets = target_tokens(logits, rows.sampling.gather(dec, needs), drafts, lay)
-            verdict = replay_accept(targets, drafts, lay)
-            emitted = verdict.accepted + 1
-            rows.last_token.index_copy_(0, dec, verdict.last)
-            rows.pos.index_copy_(0, dec, pos0 + emitted)
-            rows.sampling.output_index.index_add_(0, dec, emitted)
-            history.length.index_copy_(0, dec, pos0 + 1)  # (the last token's place: `record` or this step)
-            history.tokens[dec, pos0] = last.to(history.tokens.dtype)
-            drafter.on_emitted(dec, verdict.tokens, emitted)
-            n = dec.shape[0]
-            runs[:n, :-1].copy_(verdict.tokens)
-            runs[:n, -1].copy_(num_drafts)
-            tokens_out[:n].copy_(emitted)
+            self._advance(slot.index, dec, pos0, replay_accept(targets, drafts, lay), num_drafts)
             slot.stamp.fill_(step_id)
 
         runner.eager_steps += 1
         if runner.spec_timed:
             step.started = device.compute.mark()
         device.compute.launch(forward_verify, "spec_forward")
+        runner._launch_copy(step, lambda: self._copy_out(step))
+        return step
+
+    def _launch_graph(self, step: LaunchedStep, packed: ForwardInput, bucket: int, graph) -> LaunchedStep:
+        runner, slot, step_id = self.runner, step.slot, step.step_id
+        assert packed.num_drafts is not None
+        self.staging[slot.index].stage_fixed(packed.num_drafts, bucket)
+        runner._check_other_slots_sampled(step)  # (the graphs' shared pool: graph_choice.py, cuda_graphs.py)
+        runner.spec_graphs.replays[slot.index, bucket] += 1
+        rows, updates = runner.rows, step.staged.updates
+
+        def replay() -> None:
+            runner._check_fault(step_id)
+            if updates is not None:
+                rows.apply(updates, packed)
+            if runner.faults is not None:
+                runner.faults.check("sample", step_id)
+            graph.replay()
+            slot.stamp.fill_(step_id)  # (outside the graph: the step id changes)
+
+        if runner.spec_timed:
+            step.started = runner.device.compute.mark()
+        runner.device.compute.launch(replay, "spec_forward")
         runner._launch_copy(step, lambda: self._copy_out(step))
         return step
 

@@ -34,6 +34,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from slipstream.runtime.host_copy import upload_array
 from slipstream.runtime.sampler import draw_logits, hash32, process_group, row_keys, sample_group, uniforms
 from slipstream.runtime.sampling_args import Draw, Penalties, SamplingArgs, TopKTopP
 
@@ -52,8 +53,10 @@ class SpecLayout(NamedTuple):
     max_drafts: int  # K, the width of the drafts tensors
 
 
-def spec_layout(num_drafts, device: torch.device | str = "cpu", max_drafts: int | None = None) -> SpecLayout:
-    """The layout for per-row draft counts the host chose (so it is built on the host: no device read)."""
+def layout_arrays(num_drafts, max_drafts: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray,
+                                                                      np.ndarray, int]:
+    """(k, owner, offset, start) of `SpecLayout` as host arrays, and the width K: built on the host
+    from the per-row draft counts the host chose (no device read)."""
     k = np.asarray(num_drafts, np.int64)
     counts = k + 1
     start = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
@@ -62,12 +65,17 @@ def spec_layout(num_drafts, device: torch.device | str = "cpu", max_drafts: int 
     width = int(k.max(initial=0)) if max_drafts is None else max_drafts
     if len(k) and int(k.max()) > width:
         raise ValueError(f"a row has {int(k.max())} drafts, more than max_drafts={width}")
+    return k, owner, offset, start, width
+
+
+def spec_layout(num_drafts, device: torch.device | str = "cpu", max_drafts: int | None = None) -> SpecLayout:
+    """The layout for per-row draft counts the host chose. Off the CPU each array goes up through
+    pinned memory without blocking the host (host_copy.upload_array); the runner's steps stage theirs
+    in the slot's buffers instead (runtime/spec_step.py, `SpecStaging`)."""
+    k, owner, offset, start, width = layout_arrays(num_drafts, max_drafts)
     dev = torch.device(device)
-
-    def up(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(a).to(dev)
-
-    return SpecLayout(up(k), up(owner), up(offset), up(start), width)
+    up = [upload_array(a, dev) for a in (k, owner, offset, start)]
+    return SpecLayout(up[0], up[1], up[2], up[3], width)
 
 
 def verify_inputs(last_token: torch.Tensor, drafts: torch.Tensor, lay: SpecLayout) -> torch.Tensor:

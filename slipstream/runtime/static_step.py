@@ -106,15 +106,18 @@ def static_tensors(arena, tokens: int) -> StaticStepTensors:
         sample_indices=v("s_sample_indices", n_rows), blocks=v("s_blocks", 2 * p).view(2, p))
 
 
-def static_inputs(rows, t: StaticStepTensors, page_size: int):
+def static_inputs(rows, t: StaticStepTensors, page_size: int, history=None):
     """(input ids, positions, KV indices, attention metadata) of a static step, gathered on the
-    device from the row tables, which it advances (decode rows by one, chunks to their end)."""
+    device from the row tables, which it advances (decode rows by one, chunks to their end); with
+    speculation on, its inputs also go into the token history (`history`, in the graph)."""
     fed = t.token_fed != 0
     ids = torch.where(fed, rows.last_token[t.token_rows], t.token_ids)
     positions = torch.where(fed, rows.pos[t.token_rows], t.token_pos)
     kv_indices = rows.kv_indices(t.token_rows, positions, page_size)
     kv_lens = torch.where(t.seq_fed != 0, rows.pos[t.seq_rows] + 1, t.seq_ends)
     rows.set_positions(t.seq_rows, kv_lens)  # padding sequences write 0 to row 0
+    if history is not None:
+        history.write_inputs(t.token_rows, positions, ids, t.seq_rows, kv_lens)
     meta = AttentionMetadata([], [], [], page_size)
     meta.on_device = DeviceAttentionMetadata(t.query_start, kv_lens, rows.pages[t.seq_rows], t.tokens, t.blocks)
     return ids, positions, kv_indices, meta

@@ -4,7 +4,10 @@ tokens[row, p] is the token at position p of the row's sequence (prompt, then em
 length[row] is how many are known: the newest emitted token sits at length - 1, which is the row's
 next input position (RowTables.pos). Written on the compute stream like the row tables: a chunk's
 known tokens before the forward that feeds them, a step's emitted tokens after its acceptance, so
-the next proposal sees them without a host round trip. Column `max_len` is a sink that padding
+the next proposal sees them without a host round trip. Every step writes its own inputs at its start
+(`write_inputs`, inside the forward and so inside a plain step's graph: no launch of its own); a
+speculating step writes them before its proposal and its emitted run after its acceptance. So when a
+step starts, each of its rows' history holds the row's tokens through its input token. Column `max_len` is a sink that padding
 writes go to, so no two writes of a step land on one live entry (duplicate scatter indices are
 undefined on a device).
 """
@@ -27,6 +30,14 @@ class TokenHistory:
         length becomes its end (a recompute from position 0 shortens it). One chunk per row."""
         self.tokens[token_rows, positions] = tokens.to(self.tokens.dtype)
         self.length[chunk_rows] = chunk_ends
+
+    def write_inputs(self, token_rows: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor,
+                     seq_rows: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        """A step's input tokens [T] (decode rows' last tokens, chunk tokens) at their positions, and
+        each sequence's length: its context length through this step's inputs (a recompute from 0
+        shortens it). Padding writes row 0 (the scratch row, read by no drafter)."""
+        self.tokens[token_rows, positions] = ids.to(self.tokens.dtype)
+        self.length.index_copy_(0, seq_rows, seq_lens)
 
     def append(self, rows: torch.Tensor, tokens: torch.Tensor, counts: torch.Tensor) -> None:
         """Each row's first counts[i] tokens of tokens [n, w] (emitted by a step) after its length."""

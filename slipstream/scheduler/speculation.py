@@ -32,7 +32,7 @@ compute stream comes back (`SampledTokens.step_ms`, timing events; the CPU keeps
 a shared CPU's stream clock holds other processes' time). Plain decode steps give the
 device's ms per unit of the cost table by bucket of rows; a speculating step's ms over what that and
 the table predict is its `penalty` (decayed, at least 1), which prices every draft and every probe: on
-CUDA, where a speculating step runs eagerly beside graphed plain steps, it is several times the
+CUDA, where a speculating step ran eagerly beside graphed plain steps, it was several times the
 table's, and drafts stop paying; a probe in a step that would not speculate otherwise moves the whole
 batch onto that path, so it is priced as such (`probe_every(alpha, batch)`).
 

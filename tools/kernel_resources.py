@@ -32,7 +32,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from slipstream.models.kernels import (add_norm_triton, attention_triton, decode_fused_triton,  # noqa: E402
-                                      gate_up_silu_triton, rotary_kv_triton, silu_mul_triton)
+                                      gate_up_silu_triton, gemv_splitk_triton, rotary_kv_triton, silu_mul_triton)
 from slipstream.models.llama.build import RANDOM  # noqa: E402
 
 SHARED_LIMIT = 227 * 1024  # the most shared memory one block may use on sm_90 (H100/H200)
@@ -141,6 +141,23 @@ def cases(cfg, dtype):
                dict(DOT_DTYPE=TL[dtype], PRECISION="ieee" if dtype == torch.float32 else None, **tiles),
                {k: v for k, v in launch.items() if not k.startswith("BLOCK")})
     yield from decode_cases(cfg, dtype)
+    yield from gemv_cases(cfg, dtype)
+
+
+def gemv_cases(cfg, dtype):
+    """The split-K GEMV (gemv_splitk_triton.py) at 1 and 8 rows over K = hidden, whole (one launch) and in
+    4 slices (fp32 partials), and the ordered reduction of 4 slices."""
+    p, i32 = PTR[dtype], "i32"
+    sig = dict(X=p, W=p, Y=p, P="*fp32", M=i32, N=i32, K=i32, k_per_split=i32, stride_xm=i32, stride_wn=i32,
+               stride_ym=i32)
+    for rows in (1, 8):
+        for split in (1, 4):
+            launch = gemv_splitk_triton.gemv_launch(rows, cfg.hidden_size, 8, split)
+            yield (gemv_splitk_triton._gemv_splitk_kernel, sig,
+                   dict(SPLIT=split, **{k: v for k, v in launch.items() if k.startswith("BLOCK")}),
+                   {k: v for k, v in launch.items() if k.startswith("num_")})
+    yield (gemv_splitk_triton._splitk_reduce_kernel, dict(P="*fp32", Y=p, M=i32, N=i32, stride_ym=i32),
+           dict(SPLIT=4, BLOCK=gemv_splitk_triton.REDUCE_BLOCK), dict(num_warps=4))
 
 
 def decode_cases(cfg, dtype):

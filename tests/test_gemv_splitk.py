@@ -43,7 +43,7 @@ def test_the_split_is_deterministic_and_shapes_are_checked():
 
 
 def test_launch_slices_cover_k_in_whole_chunks():
-    for rows, k, block_n, split in ((1, 2048, 8, 4), (8, 8192, 8, 3), (3, 300, 4, 2)):
+    for rows, k, block_n, split in ((1, 2048, 8, 4), (8, 8192, 8, 3), (3, 300, 4, 2), (2, 64, 8, 2)):
         cfg = gs.gemv_launch(rows, k, block_n, split)
-        assert cfg["k_per_split"] % cfg["BLOCK_K"] == 0 and gs.cdiv(k, cfg["k_per_split"]) <= split
+        assert cfg["k_per_split"] % cfg["BLOCK_K"] == 0 and gs.cdiv(k, cfg["k_per_split"]) == split  # honoured
         assert cfg["BLOCK_M"] * block_n * cfg["BLOCK_K"] <= 8192 or cfg["BLOCK_K"] == 16

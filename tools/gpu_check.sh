@@ -12,7 +12,9 @@
 #                  (limit BENCH_1B_LIMIT, 60 s), appended to bench.md
 #   profile        tools/profile_forward_cuda.py: kernels/step, replay vs floor at batch 1/32/128/256 (limit 50 s);
 #                  then the 1B shape at batch 1/8/32, the 2,048-token prefill in TFLOP/s beside the bf16 peak,
-#                  graphs captured on first use (limit PROFILE_1B_LIMIT, 60 s): profile.md, one section per model
+#                  graphs captured on first use, variants fused (the default) and gemv (the split-K GEMV where
+#                  measured faster; its kernels compile at start) (limit PROFILE_1B_LIMIT, 90 s): profile.md,
+#                  one section per model
 #   profile-mixed  tools/profile_mixed_cuda.py: mixed-step host launch, eager vs graph (limit 40 s)
 #   peer           slipstream d1/d2 and transformers cb-graphs at N = 1, 8, fresh processes (limit 100 s)
 #   llamacpp       llama.cpp (CUDA, sm_90) llama-batched-bench bf16 at N = 1, 8 (limit 80 s): the carried
@@ -23,7 +25,7 @@
 # Time (H200, 2026-11-28, s): tests-engine 77, tests-kernels 95, bench 20, profile 20-25 (one variant),
 # profile-mixed 14, peer 50, llamacpp ~40 from a dist: ~320 s, so peer-static ran in what was left. The 1B rows
 # (estimated, not yet measured: engine starts with graph capture ~15 s each, 1.2 B bf16 weights drawn in ms)
-# add ~40 s to bench and ~35 s to profile; at ~395 s fewer than 180 s are left and peer-static is skipped,
+# add ~40 s to bench and ~60 s to profile (two variants); at ~420 s fewer than 180 s are left and peer-static is skipped,
 # its place in the default call taken by the 1B rows. The 1B shape can be left out with SHAPE_1B=0.
 # Other stages, by name: tests (= tests-engine tests-kernels), peer-1b (slipstream d2 vs transformers cb-graphs at
 # the 1B shape, N = 1, 8, 32, L = 64: ~100 s), llamacpp-1b (llama.cpp on a bf16 GGUF of the 1B shape written on
@@ -135,8 +137,8 @@ for stage in $stages; do
             2>"$LOGS/profile.err"; rc=$?
         if [[ ${SHAPE_1B:-1} == 1 ]] && ((SECONDS < BUDGET - 5)); then
             t1=$SECONDS
-            { echo; timeout $(limit ${PROFILE_1B_LIMIT:-60}) python3 tools/profile_forward_cuda.py --model random-llama-3.2-1b \
-                --batches 1 8 32 --repeats 20 --launch triton --no-warmup --prefill 2048 ${PROFILE_1B_ARGS:-} \
+            { echo; timeout $(limit ${PROFILE_1B_LIMIT:-90}) python3 tools/profile_forward_cuda.py --model random-llama-3.2-1b \
+                --variants fused gemv --batches 1 8 32 --repeats 20 --launch triton --no-warmup --prefill 2048 ${PROFILE_1B_ARGS:-} \
                 2>"$LOGS/profile-1b.err"; } >> "$OUT/profile.md"; rc1=$?
             echo "  profile random-llama-3.2-1b: rc=$rc1 in $((SECONDS - t1)) s" | tee -a "$GPU_TXT"; ((rc == 0)) && rc=$rc1
         fi ;;

@@ -148,13 +148,13 @@ def gemv_cases(cfg, dtype):
     """The split-K GEMV (gemv_splitk_triton.py) at 1 and 8 rows over K = hidden, whole (one launch) and in
     4 slices (fp32 partials), and the ordered reduction of 4 slices."""
     p, i32 = PTR[dtype], "i32"
-    sig = dict(X=p, W=p, Y=p, P="*fp32", M=i32, N=i32, K=i32, k_per_split=i32, stride_xm=i32, stride_wn=i32,
-               stride_ym=i32)
     for rows in (1, 8):
-        for split in (1, 4):
+        for split in (1, 4):  # unsplit, the output is passed in the partials' place
+            sig = dict(X=p, W=p, Y=p, P="*fp32" if split > 1 else p, M=i32, N=i32, K=i32, k_per_split=i32,
+                       stride_xm=i32, stride_wn=i32, stride_ym=i32)
             launch = gemv_splitk_triton.gemv_launch(rows, cfg.hidden_size, 8, split)
             yield (gemv_splitk_triton._gemv_splitk_kernel, sig,
-                   dict(SPLIT=split, **{k: v for k, v in launch.items() if k.startswith("BLOCK")}),
+                   dict(PARTIAL=split > 1, **{k: v for k, v in launch.items() if k.startswith("BLOCK")}),
                    {k: v for k, v in launch.items() if k.startswith("num_")})
     yield (gemv_splitk_triton._splitk_reduce_kernel, dict(P="*fp32", Y=p, M=i32, N=i32, stride_ym=i32),
            dict(SPLIT=4, BLOCK=gemv_splitk_triton.REDUCE_BLOCK), dict(num_warps=4))

@@ -13,7 +13,9 @@ eager forward with torch.profiler: number of kernels and the kernels with the mo
 `fused-decode` (the 5-launch decode layer up to fused_decode_max_rows = 16 rows, the 8-launch
 layer above), `fused-decode-256` (the 5-launch layer up to 256 rows), `fused` (the default: the
 8-launch layer at every batch), `no-mlp-gemm` (that, with gate-up on cuBLAS + the SiLU·up kernel), `unfused`
-(separate q/k/v and gate/up matmuls as well), `before` (main before issue 42: the 8-launch layer with
+(separate q/k/v and gate/up matmuls as well), `gemv` (the default with QKV, o_proj and down on cuBLAS or
+the split-K GEMV, per shape and row count up to 8, whichever measured faster at start: the table is
+printed), `before` (main before issue 42: the 8-launch layer with
 the per-head attention kernel, attention_per_head_triton.py), so one run shows before and after.
 
 `--launch both` (default) also times the eager forward with the thin launcher
@@ -90,6 +92,8 @@ VARIANTS = {
     "fused-decode": llama_triton.TritonOptions(fused_decode_max_rows=16),  # the 5-launch layer up to 16 rows
     "fused-decode-256": llama_triton.TritonOptions(fused_decode_max_rows=256),  # where does it stop paying?
     "fused": llama_triton.TritonOptions(),  # the default: the 8-launch layer at every batch
+    # that, with cuBLAS or the split-K GEMV per projection shape up to 8 rows, measured at start (issue 50)
+    "gemv": llama_triton.TritonOptions(small_gemm_max_rows=8),
     "no-mlp-gemm": llama_triton.TritonOptions(mlp_gemm_max_rows=0, fused_decode_max_rows=0),
     "unfused": llama_triton.TritonOptions(fuse_projections=False, mlp_gemm_max_rows=0, fused_decode_max_rows=0),
     # main before issue 42 (5a54f2e): the 8-launch layer and the per-head attention kernel
@@ -188,6 +192,11 @@ async def profile_variant(args) -> None:
         pages = -(-(args.context + 1) // kv.page_size)
         print(f"{args.model} ({args.dtype}) on {torch.cuda.get_device_name()}, context {args.context}, "
               f"torch {torch.__version__}\n")
+        chosen = getattr(runner.model, "small_gemms", None)
+        if chosen:  # the `gemv` variant: what the measurement at start chose, per (rows, N, K)
+            print("small GEMMs chosen at start (rows, N, K: kernel): " + "; ".join(
+                f"{r}, {n}, {k}: {'cuBLAS' if c is None else f'GEMV {c.block_n} columns, split {c.split}'}"
+                for (r, n, k), c in sorted(chosen.items())) + "\n")
         bandwidth = copy_bandwidth()
         print(f"floor: bytes a step must read (weights once + K/V of every sequence) ÷ the measured copy bandwidth "
               f"({bandwidth / 1e12:.2f} TB/s)\n")

@@ -29,10 +29,10 @@ REDUCE_BLOCK = 1024
 if triton is not None:
 
     def _gemv_splitk_kernel(X, W, Y, P, M, N, K, k_per_split, stride_xm, stride_wn, stride_ym,
-                            SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            PARTIAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_K: tl.constexpr):
-        """Columns program_id(0) of Y (SPLIT == 1) or of the partial sums P[program_id(1)] over the
-        K slice [program_id(1) * k_per_split, + k_per_split) (k_per_split: a multiple of BLOCK_K)."""
+        """Columns program_id(0) of Y, or with PARTIAL of the fp32 partial sums P[program_id(1)] over
+        the K slice [program_id(1) * k_per_split, + k_per_split) (k_per_split: a multiple of BLOCK_K)."""
         offs_m = tl.arange(0, BLOCK_M)
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m_mask = offs_m < M
@@ -50,7 +50,7 @@ if triton is not None:
                         other=0.0).to(tl.float32)
             acc += tl.reduce(x[:, None, :] * w[None, :, :], 2, SUM_COMBINE)
         mask = m_mask[:, None] & n_mask[None, :]
-        if SPLIT == 1:
+        if not PARTIAL:
             tl.store(Y + rows[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty), mask=mask)
         else:
             base = tl.program_id(1).to(tl.int64) * M * N
@@ -71,9 +71,10 @@ if triton is not None:
 
 def gemv_launch(rows: int, k: int, block_n: int, split: int) -> dict:
     """Tiles of a step of `rows` rows over a reduction dim of k: all rows in one tile, the longest K
-    chunk the budget allows for block_n columns; each of the `split` K slices a whole number of chunks."""
+    chunk the budget allows for block_n columns and no longer than a slice; each of the `split` K slices
+    a whole number of chunks."""
     block_m = next_power_of_2(rows)
-    block_k = max(16, min(next_power_of_2(k), _BUDGET // (block_m * block_n)))
+    block_k = max(16, min(next_power_of_2(cdiv(k, split)), _BUDGET // (block_m * block_n)))
     k_per_split = cdiv(cdiv(k, split), block_k) * block_k
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, k_per_split=k_per_split, num_warps=4,
                 num_stages=3)
@@ -113,7 +114,8 @@ def gemv_splitk_triton(x: torch.Tensor, weight: torch.Tensor, block_n: int = 8, 
     split = cdiv(k, k_per_split)  # (whole chunks per slice: fewer slices than asked when K is short)
     partial = out if split == 1 else torch.empty(split, t, n, dtype=torch.float32, device=x.device)
     jitted(_gemv_splitk_kernel, interpret)[(cdiv(n, block_n), split)](
-        x, weight, out, partial, t, n, k, k_per_split, x.stride(0), weight.stride(0), out.stride(0), SPLIT=split, **cfg)
+        x, weight, out, partial, t, n, k, k_per_split, x.stride(0), weight.stride(0), out.stride(0),
+        PARTIAL=split > 1, **cfg)
     if split > 1:
         jitted(_splitk_reduce_kernel, interpret)[(cdiv(t * n, REDUCE_BLOCK),)](
             partial, out, t, n, out.stride(0), SPLIT=split, BLOCK=REDUCE_BLOCK, num_warps=4)

@@ -53,7 +53,8 @@ def add_log_args(p: argparse.ArgumentParser, default: str = "warning") -> None:
 
 
 def add_model_args(p: argparse.ArgumentParser, dtype: bool = True) -> None:
-    p.add_argument("--model", default="smollm2-135m", help="model name, .gguf path, HF folder, or tiny-random / random-smollm2-135m (random weights)")
+    p.add_argument("--model", default="smollm2-135m", help="model name, .gguf path, HF folder, or random weights: tiny-random, random-smollm2-135m, "
+                        "random-llama-3.2-1b / -3b (Llama-3.2 shapes, drawn on the device)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model runs")
     if dtype:
         p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],

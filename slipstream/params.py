@@ -192,7 +192,7 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
 
 class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, metaclass=CheckedStructMeta):
     model: str = "smollm2-135m"  # a known name, a .gguf path, a Hugging Face folder, or random weights:
-    #                              "tiny-random", "random-smollm2-135m" (byte tokenizer)
+    #                              "tiny-random", "random-smollm2-135m", "random-llama-3.2-1b"/"-3b" (byte tokenizer)
     device: str = "cpu"  # "cpu" | "cuda"
     dtype: str = "float32"  # "float32" | "bfloat16" | "float16"
     pipeline_depth: int = 2  # 1: blocking baseline; 2: launch t+1 before committing t

@@ -20,13 +20,14 @@ import kernel_resources  # noqa: E402
 
 from slipstream import Engine, EngineConfig, SamplingParams  # noqa: E402
 from slipstream.models.kernels import (add_norm_triton, attention_triton, decode_fused_triton,  # noqa: E402
-                                      gate_up_silu_triton, rotary_kv_triton, silu_mul_triton)
+                                      gate_up_silu_triton, gemv_splitk_triton, rotary_kv_triton, silu_mul_triton)
+from slipstream.models.kernels.gemm_choice import Gemv  # noqa: E402
 from slipstream.models.config import tiny_config  # noqa: E402
 from slipstream.models.kernels.rotary import RotaryEmbedding  # noqa: E402
 from slipstream.models.llama.forward_triton import TritonOptions  # noqa: E402
 
-MODULES = (add_norm_triton, attention_triton, decode_fused_triton, gate_up_silu_triton, rotary_kv_triton,
-           silu_mul_triton)
+MODULES = (add_norm_triton, attention_triton, decode_fused_triton, gate_up_silu_triton, gemv_splitk_triton,
+           rotary_kv_triton, silu_mul_triton)
 LAUNCH_OPTIONS = {"num_warps", "num_stages"}
 POINTEE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64",
            torch.int32: "i32", torch.bool: "i1"}
@@ -100,7 +101,14 @@ def test_runtime_kernel_arguments_are_the_compiled_signature(monkeypatch, dtype)
             model = engine._parts.runner.model
             # prefill steps (> 4 rows) take cuBLAS + the SiLU·up kernel, decode steps of both sequences
             # the gate-up GEMM, and those of the longer one alone the fused decode layer
-            model.set_kernel_backend("triton", TritonOptions(mlp_gemm_max_rows=4, fused_decode_max_rows=1))
+            model.set_kernel_backend("triton", TritonOptions(mlp_gemm_max_rows=4, fused_decode_max_rows=1,
+                                                             small_gemm_max_rows=2))
+            # the decode steps of both sequences (2 rows): QKV on the unsplit GEMV, o_proj and down split
+            # (partials and the reduction); the CPU measures nothing, so the choice is set here
+            from slipstream.models.llama.forward_triton import small_gemm_weights
+
+            model.small_gemms = {(2, w.shape[0], w.shape[1]): Gemv(8, 1 if i == 0 else 2)
+                                 for i, w in enumerate(small_gemm_weights(model)[:3])}
             assert model.rope.cos.dtype == model.rope.sin.dtype == torch_dtype  # cast with the model
             await asyncio.gather(*(engine.complete([5 + i, 6, 7, 8, 9, 10], SamplingParams(
                 max_tokens=3 + 4 * i, temperature=0.0, ignore_eos=True)) for i in range(2)))

@@ -87,3 +87,39 @@ def test_bad_arguments_are_refused(capsys):
     if not torch.cuda.is_available():
         assert peer_bench.main(["--device", "cuda"]) == 2
     assert "peer_bench:" in capsys.readouterr().err
+
+
+def test_llama_3_2_twin_holds_the_engines_weights_and_rope_scaling(monkeypatch):
+    """`--arch llama-3.2-1b` (scaled down here): the twin holds what the engine draws (on the device, in the
+    dtype) and transformers' llama3 RoPE scaling (the tiny arch's harness test checks greedy agreement)."""
+    from shape_util import small_llama_3_2
+    from slipstream.models.llama import build
+
+    cfg = small_llama_3_2()
+    monkeypatch.setitem(build.RANDOM, "random-llama-3.2-1b", lambda: cfg)
+    build.forget_loaded()
+    try:
+        hf = peer_bench.hf_twin(peer_bench.ARCHS["llama-3.2-1b"], torch.float32, "cpu")
+        assert hf.config.rope_parameters["rope_type"] == "llama3" and hf.config.rope_parameters["factor"] == 32.0
+        d = cfg.head_dim  # transformers' scaled frequencies are slipstream's (inv_freq / rope_freq_factors)
+        ours = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2).float() / d)) / torch.tensor(cfg.rope_freq_factors)
+        assert torch.allclose(hf.model.rotary_emb.inv_freq.float(), ours, rtol=1e-5)
+        want = build.random_weights_on(cfg, peer_bench.SEED, torch.float32, "cpu")
+        got = hf.state_dict()
+        assert all(torch.equal(got[name], w) for name, w in want.items())
+    finally:
+        build.forget_loaded()
+
+
+def test_hf_config_refuses_a_rope_scaling_that_is_not_the_configs():
+    import pytest
+
+    from hf_oracle import hf_llama_config
+    from shape_util import small_llama_3_2
+    from slipstream.models.config import LLAMA_3_2_ROPE
+
+    cfg = small_llama_3_2()
+    with pytest.raises(ValueError, match="rope_scaling"):
+        hf_llama_config(cfg)  # scaled, but no scaling given
+    with pytest.raises(ValueError, match="rope_freq_factors"):
+        hf_llama_config(cfg, {**LLAMA_3_2_ROPE, "factor": 8.0})

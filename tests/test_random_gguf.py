@@ -69,3 +69,25 @@ def test_no_vocab_option(tmp_path):
     random_gguf.write("tiny-random", "f16", str(out), vocab="none")
     fields = {k: f.contents() for k, f in gguf.GGUFReader(out).fields.items()}
     assert fields["tokenizer.ggml.model"] == "none" and "tokenizer.ggml.tokens" not in fields
+
+
+def test_llama_3_2_shape_is_written_as_the_engine_draws_it(tmp_path, monkeypatch):
+    """`--spec random-llama-3.2-1b` (scaled down here): bf16 bits as drawn on the device in bf16, and the
+    llama3 scaling as a `rope_freqs` tensor that slipstream's own GGUF loader reads back into the config."""
+    from shape_util import small_llama_3_2
+    from slipstream.models.llama import build
+    from slipstream.models.loading.gguf_loader import load_gguf
+
+    cfg = small_llama_3_2()
+    monkeypatch.setitem(build.RANDOM, "random-llama-3.2-1b", lambda: cfg)
+    out = tmp_path / "llama.gguf"
+    info = random_gguf.write("random-llama-3.2-1b", "bf16", str(out), device="cpu")
+    assert info["device"] == "cpu"
+    config, weights, _ = load_gguf(out, dtype=torch.bfloat16)
+    assert config.rope_freq_factors == pytest.approx(cfg.rope_freq_factors)
+    assert (config.num_heads, config.num_kv_heads, config.head_dim, config.tie_word_embeddings) == (8, 2, 8, True)
+    want = build.random_weights_on(cfg, 0, torch.bfloat16, "cpu")
+    assert set(weights) == set(want)
+    for name, w in want.items():
+        got = weights[name]
+        assert torch.equal(got, w) if w.ndim > 1 else torch.equal(got, w.float().to(torch.bfloat16)), name

@@ -7,8 +7,14 @@
 #   tests-engine   pytest -m cuda tests/*cuda*.py (whole engines; limit 150 s)
 #   tests-kernels  pytest -m cuda on the rest (compiled kernels vs references; limit 110 s)
 #   bench          slipstream bench, 1..256 streams, depth 1 and 2: period ÷ (forward+sampling), device idle
-#                  median/mean/p90, the prediction from depth 1 (limit 80 s)
-#   profile        tools/profile_forward_cuda.py: kernels/step, replay vs floor at batch 1/32/128/256 (limit 50 s)
+#                  median/mean/p90, the prediction from depth 1 (limit 80 s); then the same at the 1B shape
+#                  (random-llama-3.2-1b, weights drawn on the GPU) at 1, 32, 256 streams, L = 64, 2 repeats
+#                  (limit BENCH_1B_LIMIT, 60 s), appended to bench.md
+#   profile        tools/profile_forward_cuda.py: kernels/step, replay vs floor at batch 1/32/128/256 (limit 50 s);
+#                  then the 1B shape at batch 1/8/32, the 2,048-token prefill in TFLOP/s beside the bf16 peak,
+#                  graphs captured on first use, variants fused (the default) and gemv (the split-K GEMV where
+#                  measured faster; its kernels compile at start) (limit PROFILE_1B_LIMIT, 90 s): profile.md,
+#                  one section per model
 #   profile-mixed  tools/profile_mixed_cuda.py: mixed-step host launch, eager vs graph (limit 40 s)
 #   peer           slipstream d1/d2 and transformers cb-graphs at N = 1, 8, fresh processes (limit 100 s)
 #   llamacpp       llama.cpp (CUDA, sm_90) llama-batched-bench bf16 at N = 1, 8 (limit 80 s): the carried
@@ -16,7 +22,14 @@
 #                  from .whl/llamacpp-src.tgz, started detached (setsid) when this script starts, so it
 #                  compiles while the tests run (only with BUDGET >= 420 s); this stage waits for it
 #   peer-static    transformers static-compile at N = 1, 8 (~75 s of compiling per N): only if >= 180 s are left
-# Other stages, by name: tests (= tests-engine tests-kernels), ttft (slipstream d1/d2 at N = 1..128: issue 42),
+# Time (H200, 2026-11-28, s): tests-engine 77, tests-kernels 95, bench 20, profile 20-25 (one variant),
+# profile-mixed 14, peer 50, llamacpp ~40 from a dist: ~320 s, so peer-static ran in what was left. The 1B rows
+# (estimated, not yet measured: engine starts with graph capture ~15 s each, 1.2 B bf16 weights drawn in ms)
+# add ~40 s to bench and ~60 s to profile (two variants); at ~420 s fewer than 180 s are left and peer-static is skipped,
+# its place in the default call taken by the 1B rows. The 1B shape can be left out with SHAPE_1B=0.
+# Other stages, by name: tests (= tests-engine tests-kernels), peer-1b (slipstream d2 vs transformers cb-graphs at
+# the 1B shape, N = 1, 8, 32, L = 64: ~100 s), llamacpp-1b (llama.cpp on a bf16 GGUF of the 1B shape written on
+# the GPU by tools/random_gguf.py, N = 1, 8, 32: ~80 s), ttft (slipstream d1/d2 at N = 1..128: issue 42),
 # spec (tools/bench_spec_gpu.py: speculation off/on at N = 1, 8, 32, 128, three workloads, acceptance, and the
 # float32 / bf16 equality; ~90 s: issue 49; its table goes into peer.md, like ttft's),
 # attention (tools/bench_attention_cuda.py, into peer.md), tests-engine-thin (the engine tests with
@@ -111,10 +124,24 @@ for stage in $stages; do
     bench)  # mean/p90 idle, period ÷ (forward+sampling), the prediction from depth 1, the accounting identity
         timeout $(limit 80) python3 -m slipstream.cli bench --device cuda --model random-smollm2-135m --dtype bfloat16 \
             --streams 1 8 32 128 256 --len 128 --repeats 3 --no-progress --json-out "$LOGS/bench.json" \
-            > "$OUT/bench.md" 2>"$LOGS/bench.err"; rc=$? ;;
+            > "$OUT/bench.md" 2>"$LOGS/bench.err"; rc=$?
+        if [[ ${SHAPE_1B:-1} == 1 ]] && ((SECONDS < BUDGET - 5)); then  # issue 50: the 1B shape in every call
+            t1=$SECONDS
+            { echo; timeout $(limit ${BENCH_1B_LIMIT:-60}) python3 -m slipstream.cli bench --device cuda \
+                --model random-llama-3.2-1b --dtype bfloat16 --streams 1 32 256 --len 64 --repeats 2 --no-progress \
+                --json-out "$LOGS/bench-1b.json" 2>"$LOGS/bench-1b.err"; } >> "$OUT/bench.md"; rc1=$?
+            echo "  bench random-llama-3.2-1b: rc=$rc1 in $((SECONDS - t1)) s" | tee -a "$GPU_TXT"; ((rc == 0)) && rc=$rc1
+        fi ;;
     profile)
         timeout $(limit ${PROFILE_LIMIT:-50}) python3 tools/profile_forward_cuda.py ${PROFILE_ARGS:-} > "$OUT/profile.md" \
-            2>"$LOGS/profile.err"; rc=$? ;;
+            2>"$LOGS/profile.err"; rc=$?
+        if [[ ${SHAPE_1B:-1} == 1 ]] && ((SECONDS < BUDGET - 5)); then
+            t1=$SECONDS
+            { echo; timeout $(limit ${PROFILE_1B_LIMIT:-90}) python3 tools/profile_forward_cuda.py --model random-llama-3.2-1b \
+                --variants fused gemv --batches 1 8 32 --repeats 20 --launch triton --no-warmup --prefill 2048 ${PROFILE_1B_ARGS:-} \
+                2>"$LOGS/profile-1b.err"; } >> "$OUT/profile.md"; rc1=$?
+            echo "  profile random-llama-3.2-1b: rc=$rc1 in $((SECONDS - t1)) s" | tee -a "$GPU_TXT"; ((rc == 0)) && rc=$rc1
+        fi ;;
     profile-mixed)
         timeout $(limit ${PROFILE_MIXED_LIMIT:-40}) python3 tools/profile_mixed_cuda.py ${PROFILE_MIXED_ARGS:-} \
             > "$OUT/profile-mixed.md" 2>"$LOGS/profile-mixed.err"; rc=$? ;;
@@ -123,6 +150,12 @@ for stage in $stages; do
             --systems 'slipstream d1' 'slipstream d2' 'transformers cb-graphs' --concurrency 1 8 --repeats 2 \
             --no-agreement --json-out "$LOGS/peer.json" > "$LOGS/peer.md" 2>"$LOGS/peer.err"; rc=$?
         append_peer "$LOGS/peer.md" ;;
+    peer-1b)  # issue 50: the peer table at the 1B shape (llama.cpp's rows: stage llamacpp-1b)
+        timeout $(limit ${PEER_1B_LIMIT:-120}) python3 tools/peer_bench.py --arch llama-3.2-1b --device cuda \
+            --dtype bfloat16 --hf-configs cb-graphs --systems 'slipstream d2' 'transformers cb-graphs' \
+            --concurrency 1 8 32 --output-len 64 --repeats 2 --no-agreement --json-out "$LOGS/peer-1b.json" \
+            > "$LOGS/peer-1b.md" 2>"$LOGS/peer-1b.err"; rc=$?
+        append_peer "$LOGS/peer-1b.md" ;;
     attention)  # issue 42: the per-head decode attention kernel vs the grouped one (split-KV), beside the floor
         timeout $(limit 60) python3 tools/bench_attention_cuda.py --out "$LOGS/attention.md" > "$LOGS/attention.out" \
             2>"$LOGS/attention.err"; rc=$?
@@ -142,13 +175,18 @@ for stage in $stages; do
             ${SPEC_ARGS:-} --out "$LOGS/spec.md" > "$LOGS/spec.out" 2>"$LOGS/spec.err"; rc=$?
         [[ -s $LOGS/spec.md ]] || cp "$LOGS/spec.out" "$LOGS/spec.md"  # (cut short: the rows printed so far)
         append_peer "$LOGS/spec.md" ;;
-    llamacpp|llamacpp-server)
+    llamacpp|llamacpp-server|llamacpp-1b)
         while [[ ! -f $LLAMA_DONE ]] && ((SECONDS < BUDGET - 40)); do sleep 2; done
         if [[ ! -f $LLAMA_DONE ]]; then rc=124; echo "stage $stage: the llama.cpp build did not end in time" >> "$GPU_TXT"
         elif [[ $(cat "$LLAMA_DONE") != 0 ]]; then rc=$(cat "$LLAMA_DONE")
         else
             export LD_LIBRARY_PATH=$(cu13_libs)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-            if [[ $stage == llamacpp ]]; then
+            if [[ $stage == llamacpp-1b ]]; then  # the GGUF is written here, on the GPU (tools/random_gguf.py)
+                timeout $(limit ${LLAMA_1B_LIMIT:-100}) python3 tools/llamacpp_bench.py --build "$LLAMA" --dtype bf16 \
+                    --spec random-llama-3.2-1b --concurrency 1 8 32 --output-len 64 --repeats 2 ${LLAMA_ARGS:-} \
+                    --json-out "$LOGS/llamacpp-1b.json" > "$LOGS/llamacpp-1b.md" 2>"$LOGS/llamacpp-1b.err"; rc=$?
+                append_peer "$LOGS/llamacpp-1b.md"
+            elif [[ $stage == llamacpp ]]; then
                 timeout $(limit 80) python3 tools/llamacpp_bench.py --build "$LLAMA" --dtype bf16 --concurrency 1 8 \
                     --repeats 2 ${LLAMA_ARGS:-} --json-out "$LOGS/llamacpp-bf16.json" > "$LOGS/llamacpp-bf16.md" \
                     2>"$LOGS/llamacpp-bf16.err"; rc=$?

@@ -33,7 +33,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from slipstream.models.kernels import (add_norm_triton, attention_triton, decode_fused_triton,  # noqa: E402
-                                      gate_up_silu_triton, rotary_kv_triton, silu_mul_triton)
+                                      gate_up_silu_triton, gemv_splitk_triton, rotary_kv_triton, silu_mul_triton)
 from slipstream.models.llama.build import RANDOM  # noqa: E402
 
 SHARED_LIMIT = 227 * 1024  # the most shared memory one block may use on sm_90 (H100/H200)
@@ -59,6 +59,15 @@ SHAPES = {
     "qwen2-7b": _shape("qwen2-7b", 3584, 18944, 28, 4, 128, "qwen2"),  # head dim 128, GQA 7
     # no Llama or Qwen2 model has it, but the attention kernel has a branch for it (BLOCK_N 32)
     "head-dim-256": _shape("head-dim-256", 3072, 24576, 16, 8, 256),
+}
+
+
+# issue 50's benchmark shapes, by --model name only: not in `all`, whose every case the suite compiles in three
+# dtypes (these add ~96 compilations, minutes on the CPU machine); their bf16 cases compiled with triton 3.6.0
+# for sm_90, 29 of 29 each without a spill, on 2026-12-02 (docs/benchmarks.md, "Llama-3.2 shapes")
+BENCH_SHAPES = {
+    "random-llama-3.2-1b": RANDOM["random-llama-3.2-1b"],  # head dim 64, GQA 4
+    "random-llama-3.2-3b": RANDOM["random-llama-3.2-3b"],  # head dim 128, GQA 3
 }
 
 
@@ -133,6 +142,23 @@ def cases(cfg, dtype):
                dict(DOT_DTYPE=TL[dtype], PRECISION="ieee" if dtype == torch.float32 else None, **tiles),
                {k: v for k, v in launch.items() if not k.startswith("BLOCK")})
     yield from decode_cases(cfg, dtype)
+    yield from gemv_cases(cfg, dtype)
+
+
+def gemv_cases(cfg, dtype):
+    """The split-K GEMV (gemv_splitk_triton.py) at 1 and 8 rows over K = hidden, whole (one launch) and in
+    4 slices (fp32 partials), and the ordered reduction of 4 slices."""
+    p, i32 = PTR[dtype], "i32"
+    for rows in (1, 8):
+        for split in (1, 4):  # unsplit, the output is passed in the partials' place
+            sig = dict(X=p, W=p, Y=p, P="*fp32" if split > 1 else p, M=i32, N=i32, K=i32, k_per_split=i32,
+                       stride_xm=i32, stride_wn=i32, stride_ym=i32)
+            launch = gemv_splitk_triton.gemv_launch(rows, cfg.hidden_size, 8, split)
+            yield (gemv_splitk_triton._gemv_splitk_kernel, sig,
+                   dict(PARTIAL=split > 1, **{k: v for k, v in launch.items() if k.startswith("BLOCK")}),
+                   {k: v for k, v in launch.items() if k.startswith("num_")})
+    yield (gemv_splitk_triton._splitk_reduce_kernel, dict(P="*fp32", Y=p, M=i32, N=i32, stride_ym=i32),
+           dict(SPLIT=4, BLOCK=gemv_splitk_triton.REDUCE_BLOCK), dict(num_warps=4))
 
 
 def decode_cases(cfg, dtype):
@@ -177,7 +203,7 @@ def unique_cases(shapes, dtypes) -> list[tuple[str, torch.dtype, tuple]]:
     seen, out = set(), []
     for dtype in dtypes:
         for name in shapes:
-            for case in cases(SHAPES[name](), dtype):
+            for case in cases({**SHAPES, **BENCH_SHAPES}[name](), dtype):
                 fn, sig, consts, options = case
                 key = (fn, tuple(sig.items()), repr(sorted(consts.items())), tuple(sorted(options.items())))
                 if key not in seen:
@@ -214,7 +240,7 @@ def cover_cases(shapes, dtypes) -> list[tuple[str, torch.dtype, tuple]]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (H100/H200)")
-    ap.add_argument("--model", default="random-smollm2-135m", choices=[*SHAPES, "all"],
+    ap.add_argument("--model", default="random-smollm2-135m", choices=[*SHAPES, *BENCH_SHAPES, "all"],
                     help="whose shapes (all: every one of SHAPES, each distinct compilation once)")
     ap.add_argument("--dtype", nargs="+", default=["bfloat16", "float32"], choices=list(DTYPES))
     ap.add_argument("--no-usage", action="store_true", help="compile only (no cuobjdump)")

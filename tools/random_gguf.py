@@ -10,6 +10,11 @@ real tokenizer travels: by default a synthetic SentencePiece-style vocabulary (p
 …; <s> = 1, </s> = 2) so that llama-server can turn ids into text; `--vocab none` writes
 `tokenizer.ggml.model = "none"` (dummy tokens: llama-batched-bench runs, llama-server aborts).
 Both tools feed token ids, never text.
+
+The Llama-3.2 shapes (`--spec random-llama-3.2-1b`, `-3b`) are drawn as the engine draws them: on
+`--device` (default: CUDA when there is one) in bfloat16 (float32 for `--dtype f32`), so a bf16 GGUF
+written on the GPU machine holds the bits a `--dtype bfloat16` engine there runs; their llama3 RoPE
+scaling travels as the `rope_freqs` tensor (per-frequency divisors), as llama.cpp's converter writes it.
 """
 from __future__ import annotations
 
@@ -23,7 +28,8 @@ import torch
 _TOOLS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(_TOOLS))  # this checkout's slipstream
 
-from slipstream.models.llama.build import RANDOM, random_weights  # noqa: E402
+from slipstream.models.config import ON_DEVICE_INIT  # noqa: E402
+from slipstream.models.llama.build import RANDOM, random_model_weights  # noqa: E402
 from slipstream.models.loading.gguf_loader import _GLOBAL_NAMES, _LAYER_NAMES  # noqa: E402
 
 FILE_TYPES = {"f32": 0, "f16": 1, "bf16": 32, "q4_1": 3}  # llama_ftype: ALL_F32, MOSTLY_F16, MOSTLY_BF16, MOSTLY_Q4_1
@@ -47,11 +53,16 @@ def gguf_name(hf: str) -> str:
     raise KeyError(f"no GGUF name for {hf}")
 
 
-def write(spec: str, dtype: str, out: str, seed: int = 0, vocab: str = "synthetic") -> dict:
+def default_device(spec: str) -> str:
+    return "cuda" if spec in ON_DEVICE_INIT and torch.cuda.is_available() else "cpu"
+
+
+def write(spec: str, dtype: str, out: str, seed: int = 0, vocab: str = "synthetic", device: str | None = None) -> dict:
     import gguf
 
     config = RANDOM[spec]()
-    weights = random_weights(config, seed)
+    draw = torch.float32 if dtype == "f32" else torch.bfloat16  # (only ON_DEVICE_INIT specs draw in a dtype)
+    weights = random_model_weights(spec, config, seed, draw, device or default_device(spec))
     w = gguf.GGUFWriter(out, "llama")
     w.add_name(f"{spec} (random weights, seed {seed})")
     w.add_context_length(config.max_position_embeddings)
@@ -85,6 +96,11 @@ def write(spec: str, dtype: str, out: str, seed: int = 0, vocab: str = "syntheti
             t = permute_qk(t, config.num_heads)
         elif ".k_proj." in hf:
             t = permute_qk(t, config.num_kv_heads)
+        t = t.cpu()
+        if qtype == gguf.GGMLQuantizationType.BF16 and t.ndim > 1:  # torch's rounding, bits as they are
+            w.add_tensor(gguf_name(hf), t.to(torch.bfloat16).contiguous().view(torch.int16).numpy(),
+                         raw_dtype=qtype)
+            continue
         data = t.float().contiguous().numpy()
         # q4_1: the mix of the default model's file (SmolLM2-135M-Instruct.Q4_1.gguf): Q8_0 embedding
         if qtype == gguf.GGMLQuantizationType.Q4_1 and hf in ("model.embed_tokens.weight", "lm_head.weight"):
@@ -96,11 +112,14 @@ def write(spec: str, dtype: str, out: str, seed: int = 0, vocab: str = "syntheti
             w.add_tensor(gguf_name(hf), data.astype(np.float16))
         else:
             w.add_tensor(gguf_name(hf), gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+    if config.rope_freq_factors is not None:  # llama3 scaling: llama.cpp divides each frequency by its entry
+        w.add_tensor("rope_freqs.weight", np.array(config.rope_freq_factors, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return {"spec": spec, "dtype": dtype, "seed": seed, "vocab": vocab, "path": out, "bytes": os.path.getsize(out)}
+    return {"spec": spec, "dtype": dtype, "seed": seed, "vocab": vocab, "device": device or default_device(spec),
+            "path": out, "bytes": os.path.getsize(out)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,8 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vocab", default="synthetic", choices=["synthetic", "none"])
     ap.add_argument("--out", required=True)
+    ap.add_argument("--device", default=None, help="where ON_DEVICE_INIT specs are drawn (default: cuda if any)")
     args = ap.parse_args(argv)
-    print(write(args.spec, args.dtype, args.out, args.seed, args.vocab))
+    print(write(args.spec, args.dtype, args.out, args.seed, args.vocab, args.device))
     return 0
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from slipstream.models.idefics3.config import VisionConfig
@@ -146,6 +146,52 @@ def smollm2_360m_config() -> ModelConfig:
                    num_kv_heads=5, name="random-smollm2-360m")
 
 
+# Llama-3.2's RoPE scaling, as both checkpoints' config.json has it (rope_theta 500000)
+LLAMA_3_2_ROPE: dict[str, Any] = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def _llama_3_2(name: str, hidden: int, layers: int, heads: int, head_dim: int) -> ModelConfig:
+    """Llama-3.2's architecture (meta-llama/Llama-3.2-{1B,3B} config.json: GQA with 8 KV heads, SwiGLU 8192,
+    vocabulary 128,256, tied embeddings, llama3 RoPE scaling), for random-weight timing runs at the sizes
+    people run. The byte tokenizer's ids stand in for the real one's: bos 1, eos 2 (not 128000 / 128001)."""
+    theta = 500000.0
+    scaling = {k: v for k, v in LLAMA_3_2_ROPE.items() if k != "rope_type"}
+    return ModelConfig(
+        vocab_size=128256,
+        hidden_size=hidden,
+        intermediate_size=8192,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=8,
+        head_dim=head_dim,
+        rope_theta=theta,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=131072,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_ids=(2,),
+        name=name,
+        rope_freq_factors=llama3_rope_factors(head_dim, theta, **scaling),
+    )
+
+
+def llama_3_2_1b_config() -> ModelConfig:
+    """Llama-3.2-1B's shape: 1,235,814,400 parameters."""
+    return _llama_3_2("random-llama-3.2-1b", hidden=2048, layers=16, heads=32, head_dim=64)
+
+
+def llama_3_2_3b_config() -> ModelConfig:
+    """Llama-3.2-3B's shape: 3,212,749,824 parameters."""
+    return _llama_3_2("random-llama-3.2-3b", hidden=3072, layers=28, heads=24, head_dim=128)
+
+
 TINY = "tiny-random"
 RANDOM_CONFIGS = {TINY: tiny_config, "random-smollm2-135m": smollm2_135m_config,
-                  "random-smollm2-360m": smollm2_360m_config}  # random weights, byte tokenizer
+                  "random-smollm2-360m": smollm2_360m_config,
+                  "random-llama-3.2-1b": llama_3_2_1b_config,
+                  "random-llama-3.2-3b": llama_3_2_3b_config}  # random weights, byte tokenizer
+# Random specs whose weights are drawn where the model runs, in its dtype, by a generator seeded there
+# (build.random_weights_on): at 1-3 B parameters a float32 draw on the CPU and a copy would take much of a
+# GPU call. The others keep their CPU float32 draw, which the tests' transformers twins reproduce.
+ON_DEVICE_INIT = frozenset({"random-llama-3.2-1b", "random-llama-3.2-3b"})

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import functools
 import time
+from dataclasses import replace
 from typing import Any
 
 import structlog
 import torch
 
 from slipstream.models.base import DTYPES, BuildOptions
-from slipstream.models.config import RANDOM_CONFIGS, TINY, ModelConfig
+from slipstream.models.config import ON_DEVICE_INIT, RANDOM_CONFIGS, TINY, ModelConfig
 from slipstream.models.llama.model import LlamaForCausalLM
 
 log = structlog.get_logger(__name__)
@@ -31,6 +32,37 @@ def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor
         else:
             weights[name] = torch.randn(p.shape, generator=g) * (1.0 / p.shape[-1] ** 0.5)
     return weights
+
+
+def random_weights_on(config: ModelConfig, seed: int, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
+    """Random weights drawn where they will live, in their dtype, by a generator seeded on that device: the
+    same scale as `random_weights`, not its values (CUDA's Philox and the CPU's Mersenne Twister draw
+    different numbers from one seed). A 1B model's draw takes milliseconds on a GPU instead of seconds of
+    CPU float32 and a copy; on the meta device the tensors are empty (shapes only)."""
+    device = torch.device(device)
+    with torch.device("meta"):  # (one position: the rotary tables, not in the state dict, cost nothing)
+        skeleton = LlamaForCausalLM(replace(config, max_position_embeddings=1))
+    g = None if device.type == "meta" else torch.Generator(device=device).manual_seed(seed)
+    weights = {}
+    for name, p in skeleton.state_dict().items():
+        t = torch.empty(p.shape, dtype=dtype, device=device)
+        if g is not None:
+            t.normal_(generator=g)
+            if "norm" in name:
+                t.mul_(0.1).add_(1.0)
+            else:
+                t.mul_(1.0 / p.shape[-1] ** 0.5)
+        weights[name] = t
+    return weights
+
+
+def random_model_weights(spec: str, config: ModelConfig, seed: int, dtype: torch.dtype, device
+                         ) -> dict[str, torch.Tensor]:
+    """A random spec's weights as every user of the spec draws them (the engine, the transformers twin of
+    tools/peer_bench.py, tools/random_gguf.py): on the device for ON_DEVICE_INIT specs, else on the CPU."""
+    if spec in ON_DEVICE_INIT:
+        return random_weights_on(config, seed, dtype, device)
+    return random_weights(config, seed)
 
 
 @functools.lru_cache(maxsize=1)
@@ -60,7 +92,8 @@ def _load_packed(spec: str, seed: int):
         from slipstream.models.tokenizers.byte_tokenizer import ByteTokenizer
 
         config = RANDOM[spec]()
-        weights, tokenizer = random_weights(config, seed), ByteTokenizer(config.vocab_size)
+        weights = random_model_weights(spec, config, seed, torch.float32, "cpu")
+        tokenizer = ByteTokenizer(config.vocab_size)
     else:
         from slipstream.models.loading.loader import load_model
 
@@ -136,7 +169,8 @@ def build_llama(spec: str, options: BuildOptions):
         from slipstream.models.tokenizers.byte_tokenizer import ByteTokenizer
 
         config = RANDOM[spec]()
-        weights, tokenizer = random_weights(config, seed), ByteTokenizer(config.vocab_size)
+        weights = random_model_weights(spec, config, seed, DTYPES[dtype], device)
+        tokenizer = ByteTokenizer(config.vocab_size)
     else:
         loaded = _load_cached(spec)
         config, weights, tokenizer = loaded.config, loaded.weights, loaded.tokenizer

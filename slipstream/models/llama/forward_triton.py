@@ -35,6 +35,7 @@ from slipstream.models.kernels.decode_fused_triton import (linear_residual_trito
                                                            norm_qkv_rotary_triton)
 from slipstream.models.kernels.fused_projections import fuse_linears
 from slipstream.models.kernels.gate_up_silu_triton import gate_up_silu_triton
+from slipstream.models.kernels.gemm_choice import Table, small_linear
 from slipstream.models.kernels.rotary_kv_triton import rotary_kv_triton
 from slipstream.models.kernels.silu_mul_triton import silu_mul_triton
 
@@ -50,12 +51,19 @@ class TritonOptions:
     # default: on an H100 its GEMVs (30-36 programs for 132 SMs) made SmolLM2's batch-1 replay 1.20 ms
     # against the 8-launch layer's 1.12 (docs/results/h100-2026-11-27/kernels-ecc4e48/profile.md).
     fused_decode_max_rows: int = 0
+    # Up to this many token rows (at most gemv_splitk_triton.MAX_ROWS) the QKV, o_proj and down matmuls
+    # of the 8-launch layer take cuBLAS or the split-K GEMV, whichever choose_small_gemms measured
+    # faster for that shape and row count at start (models/kernels/gemm_choice.py). 0: always cuBLAS, the
+    # default until a GPU run measures it (issue 50's prediction: docs/benchmarks.md).
+    small_gemm_max_rows: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("mlp_gemm_max_rows", "fused_decode_max_rows"):
+        for name in ("mlp_gemm_max_rows", "fused_decode_max_rows", "small_gemm_max_rows"):
             value = getattr(self, name)
             if type(value) is not int or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        if self.small_gemm_max_rows > 16:  # (gemv_splitk_triton.MAX_ROWS: one row tile)
+            raise ValueError(f"small_gemm_max_rows must be <= 16, got {self.small_gemm_max_rows}")
 
 
 TRITON_DEFAULTS = TritonOptions()
@@ -77,11 +85,41 @@ def fuse_projections(model) -> int:
     return done
 
 
-def project_qkv(attn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def small_gemm_weights(model) -> list[torch.Tensor]:
+    """The weights the 8-launch layer multiplies through small_linear: fused QKV without bias, dense
+    o_proj and down without bias (packed, quantized or biased layers keep their own path)."""
+    out = []
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        if a.qkv is not None and a.qkv[1] is None:
+            out.append(a.qkv[0])
+        out += [lin.weight for lin in (a.o_proj, m.down_proj) if type(lin) is nn.Linear and lin.bias is None]
+    return out
+
+
+def choose_small_gemms(model, options: TritonOptions) -> Table:
+    """cuBLAS or the split-K GEMV per weight shape and row count up to options.small_gemm_max_rows, by
+    CUDA-event timings on the model's device (gemm_choice.measure); empty when off or not on CUDA."""
+    from slipstream.models.kernels import gemm_choice
+
+    weights = small_gemm_weights(model)
+    if options.small_gemm_max_rows == 0 or not weights or weights[0].device.type != "cuda":
+        return {}
+    return gemm_choice.measure(weights, range(1, options.small_gemm_max_rows + 1), gemm_choice.cuda_event_ms)
+
+
+def _linear(module, x: torch.Tensor, gemms: Table | None) -> torch.Tensor:
+    if gemms and type(module) is nn.Linear:
+        return small_linear(x, module.weight, module.bias, gemms)
+    return module(x)
+
+
+def project_qkv(attn, x: torch.Tensor, gemms: Table | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q [T, H, D], k and v [T, KVH, D]; when fused, strided column views of one matmul's output."""
     t, hd, kvd = x.shape[0], attn.heads * attn.head_dim, attn.kv_heads * attn.head_dim
     if attn.qkv is not None:
-        qkv = F.linear(x, *attn.qkv)
+        weight, bias = attn.qkv
+        qkv = small_linear(x, weight, bias, gemms)
         q, k, v = qkv[:, :hd], qkv[:, hd:hd + kvd], qkv[:, hd + kvd:]
     else:
         q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
@@ -89,13 +127,13 @@ def project_qkv(attn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
             v.view(t, attn.kv_heads, attn.head_dim))
 
 
-def attention(attn, x: torch.Tensor, batch, kv, rope) -> torch.Tensor:
-    q, k, v = project_qkv(attn, x)
+def attention(attn, x: torch.Tensor, batch, kv, rope, gemms: Table | None = None) -> torch.Tensor:
+    q, k, v = project_qkv(attn, x, gemms)
     if attn.qk_norm:  # Qwen3: RMSNorm per head before rotary (torch ops; not fused yet)
         q, k = attn.q_norm(q).contiguous(), attn.k_norm(k).contiguous()
     k_cache, v_cache = kv.k[attn.layer], kv.v[attn.layer]
     rotary_kv_triton(q, k, v, batch.positions, rope.cos, rope.sin, k_cache, v_cache, batch.kv_indices)
-    return attn.o_proj(attend(attn, q, batch, kv))
+    return _linear(attn.o_proj, attend(attn, q, batch, kv), gemms)
 
 
 def attend(attn, q: torch.Tensor, batch, kv) -> torch.Tensor:
@@ -114,14 +152,14 @@ def attend(attn, q: torch.Tensor, batch, kv) -> torch.Tensor:
     return out.view(t, attn.heads * attn.head_dim)
 
 
-def mlp(m, x: torch.Tensor, options: TritonOptions) -> torch.Tensor:
+def mlp(m, x: torch.Tensor, options: TritonOptions, gemms: Table | None = None) -> torch.Tensor:
     if m.gate_up is not None and x.shape[0] <= options.mlp_gemm_max_rows:
-        return m.down_proj(gate_up_silu_triton(x, m.gate_up))
+        return _linear(m.down_proj, gate_up_silu_triton(x, m.gate_up), gemms)
     if m.gate_up is not None:
         gate, up = F.linear(x, m.gate_up).chunk(2, dim=1)
     else:
         gate, up = m.gate_proj(x), m.up_proj(x)
-    return m.down_proj(silu_mul_triton(gate, up))
+    return _linear(m.down_proj, silu_mul_triton(gate, up), gemms)
 
 
 def decode_ready(layer) -> bool:
@@ -165,9 +203,10 @@ def forward_triton(model, x: torch.Tensor, batch, kv) -> torch.Tensor:
             fused_decode_layer(layer, x, batch, kv, model.rope)
         return add_rms_norm_triton(None, x, norm.weight, norm.eps, rows=batch.sample_indices)
     delta = None  # the last sublayer's output, not yet added to the residual
+    gemms = getattr(model, "small_gemms", None) if x.shape[0] <= options.small_gemm_max_rows else None
     for layer in layers:
         h = add_rms_norm_triton(delta, x, layer.input_layernorm.weight, layer.input_layernorm.eps)
-        a = attention(layer.self_attn, h, batch, kv, model.rope)
+        a = attention(layer.self_attn, h, batch, kv, model.rope, gemms)
         h = add_rms_norm_triton(a, x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
-        delta = mlp(layer.mlp, h, options)
+        delta = mlp(layer.mlp, h, options, gemms)
     return add_rms_norm_triton(delta, x, norm.weight, norm.eps, rows=batch.sample_indices)

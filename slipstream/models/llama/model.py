@@ -143,6 +143,7 @@ class LlamaForCausalLM(nn.Module):
         self.rope = RotaryEmbedding(config)
         self.backend = "reference"
         self.triton_options: TritonOptions | None = None  # on the triton backend
+        self.small_gemms: dict = {}  # (rows, N, K) -> the GEMV chosen at start (gemm_choice.Table); empty: cuBLAS
         self.cpu_layers: Any = False  # the "cpu" backend's layer table (forward_cpu.decoder_layers); False: not built
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -267,6 +268,8 @@ class LlamaForCausalLM(nn.Module):
             self.triton_options = opts = options or llama_triton.TRITON_DEFAULTS
             if opts.fuse_projections:
                 llama_triton.fuse_projections(self)
+            # measured here, at start, before any graph is captured (nothing when off or not on CUDA)
+            self.small_gemms = llama_triton.choose_small_gemms(self, opts)
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight

@@ -20,8 +20,8 @@ PROMPTS = [[1, 5, 9, 33, 70, 100], [1, 44, 12, 8, 31], [1, 200, 3, 3, 3, 17, 250
 TOKENS = 6
 
 
-def make_adapter(hf, folder, rank, targets, alpha, rslora, seed, **extra):
-    """A peft LoRA of `hf` saved in `folder`, A and B random (peft starts B at zero)."""
+def make_adapter(hf, folder, rank, targets, alpha, rslora, seed, std=0.3, **extra):
+    """A peft LoRA of `hf` saved in `folder`, A and B random of deviation `std` (peft starts B at zero)."""
     import peft
 
     config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora,
@@ -31,7 +31,7 @@ def make_adapter(hf, folder, rank, targets, alpha, rslora, seed, **extra):
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_A" in name or "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+                p.copy_(torch.randn(p.shape, generator=g) * std)
     model.save_pretrained(folder)
     return folder
 

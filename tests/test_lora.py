@@ -310,3 +310,24 @@ def test_quantized_cpu_kernels_and_qwen2_match_peft(quant_gguf, tmp_path):
     assert (got[0] - want).abs().max().item() < 1e-4
     assert (got[1] - want_base).abs().max().item() < 1e-4
     assert (want - base_of_0).abs().max().item() > 1e-2  # (the adapter matters)
+
+
+SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+async def test_default_model_with_a_random_adapter_matches_peft(loaded, hf_model, tmp_path):
+    """The default model (SmolLM2-135M GGUF, dequantized, float32) with a random adapter of its shapes
+    (rank 8, all seven targets): two adapted rows and a base row in one batch give peft's greedy
+    tokens, top logprobs within 1e-4 (the session's transformers model, copied: peft wraps it)."""
+    folder = str(make_adapter(hf_model, tmp_path / "smol", 8, SEVEN, 16, False, seed=3, std=0.02))
+    oracle = peft_oracle(copy.deepcopy(hf_model), {"smol": folder})
+    tok = loaded.tokenizer
+    prompts = [tok.encode("The quick brown fox"), tok.encode("def fibonacci(n):\n    ")]
+    jobs = [(prompts[0], "smol"), (prompts[1], "smol"), (prompts[0], None)]
+    async with Engine(model="smollm2-135m", weights="dequantized", lora_adapters={"smol": folder},
+                      max_batch_size=4) as engine:
+        outs = await asyncio.gather(*(engine.complete(p, greedy(lora)) for p, lora in jobs))
+    for (p, lora), out in zip(jobs, outs):
+        check_output(out, *oracle(p, lora))
+    adapted, base = oracle(prompts[0], "smol")[1][0], oracle(prompts[0], None)[1][0]
+    assert (adapted - base).abs().max().item() > 1e-2  # (the adapter matters)

@@ -331,3 +331,52 @@ async def test_default_model_with_a_random_adapter_matches_peft(loaded, hf_model
         check_output(out, *oracle(p, lora))
     adapted, base = oracle(prompts[0], "smol")[1][0], oracle(prompts[0], None)[1][0]
     assert (adapted - base).abs().max().item() > 1e-2  # (the adapter matters)
+
+
+async def test_soak_loads_and_unloads_while_requests_run(adapters, oracle):
+    """64 staggered requests over a changing set of adapters (names never reused, each bound to one of
+    four folders; two slots, so reads, evictions and waits happen under load) and the base model,
+    while adapters are unloaded and others loaded: none lost (each completes, or is refused because
+    the name it asked for was unloaded), none with another adapter's tokens (each equals peft's run
+    of its own adapter alone), every page and slot back at the end."""
+    import random
+
+    from engine_util import wait_all_free
+
+    rng = random.Random(5)
+    folders = list(adapters)
+    names = {f"{f}-0": f for f in folders}  # name -> the folder (the oracle's adapter) it was loaded from
+    live, unloaded = list(names), set()
+    async with Engine(model="tiny-random", pipeline_depth=2, lora_adapters={n: adapters[f] for n, f in names.items()},
+                      max_loras=2, page_size=4, kv_cache_tokens=2048) as engine:
+        async def request(i):
+            await asyncio.sleep(rng.random() * 0.4)
+            prompt, name = rng.choice(PROMPTS), rng.choice(live + [None])
+            try:
+                return prompt, name, await engine.complete(prompt, greedy(name))
+            except LoraNotFoundError as e:
+                return prompt, name, e
+
+        async def churn():
+            for gen in range(1, 9):
+                await asyncio.sleep(rng.random() * 0.05)
+                gone = live.pop(rng.randrange(len(live)))
+                unloaded.add(gone)
+                await engine.unload_lora(gone)
+                name = f"{rng.choice(folders)[0]}-{gen}"
+                names[name] = name[0]
+                await engine.load_lora(name, adapters[name[0]])
+                live.append(name)
+
+        *results, _ = await asyncio.gather(*(request(i) for i in range(64)), churn())
+        free = await wait_all_free(engine)
+        lora = free["lora"]
+    refused = 0
+    for prompt, name, out in results:
+        if isinstance(out, LoraNotFoundError):
+            assert name in unloaded, (name, out)
+            refused += 1
+            continue
+        check_output(out, *oracle(prompt, None if name is None else names[name]))
+    assert refused < len(results) // 4 and lora["loaded"] == 4 and lora["resident"] <= 2
+    assert lora["evictions"] > 0

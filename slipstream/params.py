@@ -242,8 +242,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, met
     #                             tick) | "thread" (a worker thread; delivery stays on the loop)
     # speculative decoding (docs/speculative.md); None: off. A dict (HTTP, Ray) is read as SpeculativeConfig
     speculative: SpeculativeConfig | None = None
-    # LoRA adapters (docs/lora.md): name -> PEFT folder, loaded at start; at most max_loras loaded at
-    # once (Engine.load_lora adds more), each of rank <= max_lora_rank. CPU only for now
+    # LoRA adapters (docs/lora.md): name -> PEFT folder, loaded at start (Engine.load_lora adds more),
+    # each of rank <= max_lora_rank; at most max_loras have weights in memory at once, the least
+    # recently used idle one evicted for another (read again when a request names it). CPU only for now
     lora_adapters: dict[str, str] | None = None
     max_loras: int = 8
     max_lora_rank: int = 64
@@ -329,9 +330,6 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, met
         for name, path in adapters.items():
             check.text("lora_adapters", name)
             check.text(f"lora_adapters[{name!r}]", path)
-        if len(adapters) > self.max_loras:
-            raise InvalidRequestError(f"lora_adapters has {len(adapters)} adapters, more than max_loras="
-                                      f"{self.max_loras}", param="lora_adapters")
         if adapters and self.device != "cpu":
             raise InvalidRequestError("lora_adapters: LoRA runs on the CPU only for now (no CUDA kernels yet)",
                                       param="lora_adapters")

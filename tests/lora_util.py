@@ -20,8 +20,8 @@ PROMPTS = [[1, 5, 9, 33, 70, 100], [1, 44, 12, 8, 31], [1, 200, 3, 3, 3, 17, 250
 TOKENS = 6
 
 
-def make_adapter(hf, folder, rank, targets, alpha, rslora, seed, **extra):
-    """A peft LoRA of `hf` saved in `folder`, A and B random (peft starts B at zero)."""
+def make_adapter(hf, folder, rank, targets, alpha, rslora, seed, std=0.3, **extra):
+    """A peft LoRA of `hf` saved in `folder`, A and B random of deviation `std` (peft starts B at zero)."""
     import peft
 
     config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora,
@@ -31,7 +31,7 @@ def make_adapter(hf, folder, rank, targets, alpha, rslora, seed, **extra):
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_A" in name or "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+                p.copy_(torch.randn(p.shape, generator=g) * std)
     model.save_pretrained(folder)
     return folder
 
@@ -61,18 +61,26 @@ def peft_oracle(hf, adapters):
         key = (tuple(prompt), lora)
         if key not in cache:
             ids, rows = list(prompt), []
-            with torch.no_grad():
-                for _ in range(TOKENS):
-                    if lora is None:
-                        with model.disable_adapter():
-                            logits = model(torch.tensor([ids])).logits[0, -1]
-                    else:
-                        model.set_adapter(lora)
-                        logits = model(torch.tensor([ids])).logits[0, -1]
-                    rows.append(torch.log_softmax(logits.float(), -1))
-                    ids.append(int(logits.argmax()))
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)  # (a shared, loaded machine: small forwards ran 30x slower on 2 threads)
+            try:
+                run_one(ids, rows, lora)
+            finally:
+                torch.set_num_threads(threads)
             cache[key] = ids[len(prompt):], rows
         return cache[key]
+
+    def run_one(ids, rows, lora):
+        with torch.no_grad():
+            for _ in range(TOKENS):
+                if lora is None:
+                    with model.disable_adapter():
+                        logits = model(torch.tensor([ids])).logits[0, -1]
+                else:
+                    model.set_adapter(lora)
+                    logits = model(torch.tensor([ids])).logits[0, -1]
+                rows.append(torch.log_softmax(logits.float(), -1))
+                ids.append(int(logits.argmax()))
 
     return run
 

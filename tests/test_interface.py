@@ -101,3 +101,39 @@ async def test_client_stream_skill_left_early_aborts_on_the_worker(worker):
         assert set(first) == {"x", "y"}
         stats = await wait_pages_free(client)
         assert stats["running"] == 0
+
+
+async def test_client_loads_and_unloads_lora_adapters_in_the_worker(worker, tmp_path):
+    """Client.load_lora / unload_lora run Engine.load_lora / unload_lora in the worker; a request's
+    SamplingParams.lora crosses the wire; refusals come back as the Engine's error types and fields."""
+    pytest.importorskip("peft")
+    from lora_util import make_adapter, tiny_hf
+
+    from slipstream.errors import LoraAdapterError, LoraNotFoundError
+
+    folder = str(make_adapter(tiny_hf()[1], tmp_path / "a", 4, ["q_proj", "v_proj", "down_proj"], 8, False, seed=0))
+    prompt, params = [1, 5, 9, 33, 70], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, lora="w")
+    async with Engine(engine_config(lora_adapters={"w": folder})) as engine:
+        want = (await engine.complete(prompt, params)).token_ids
+        base = (await engine.complete(prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))).token_ids
+    assert want != base
+    async with Client(worker.address, timeout=10) as client:
+        with pytest.raises(LoraNotFoundError) as e:
+            await client.complete(prompt, params)
+        assert e.value.param == "lora"
+        info = await client.load_lora("w", folder)
+        assert (info["name"], info["rank"], info["targets"]) == ("w", 4, ["q_proj", "v_proj", "down_proj"])
+        assert (await client.complete(prompt, params)).token_ids == want
+        assert [t async for d in client.stream(prompt, params) for t in d.token_ids] == want
+        with pytest.raises(InvalidRequestError, match="already loaded") as e:
+            await client.load_lora("w", folder)
+        assert e.value.param == "lora_name"
+        with pytest.raises(LoraAdapterError) as e:
+            await client.load_lora("x", str(tmp_path / "nothing-here"))
+        assert e.value.param == "lora_path"
+        assert (await client.stats())["lora"]["loaded"] == 1
+        await client.unload_lora("w")
+        with pytest.raises(LoraNotFoundError):
+            await client.complete(prompt, params)
+        with pytest.raises(LoraNotFoundError):
+            await client.unload_lora("w")

@@ -134,9 +134,10 @@ async def test_bad_adapter_at_start_fails_the_start(bad_adapters):
 def test_config_checks():
     from slipstream import EngineConfig
 
+    EngineConfig(lora_adapters={str(i): "/x" for i in range(3)}, max_loras=2)  # (more than resident: fine)
     with pytest.raises(InvalidRequestError) as e:
-        EngineConfig(lora_adapters={str(i): "/x" for i in range(3)}, max_loras=2)
-    assert e.value.param == "lora_adapters"
+        EngineConfig(max_loras=0)
+    assert e.value.param == "max_loras"
     with pytest.raises(InvalidRequestError) as e:
         EngineConfig(max_lora_rank=0)
     assert e.value.param == "max_lora_rank"
@@ -176,17 +177,73 @@ async def test_unload_lets_running_requests_finish(adapters, oracle):
                 await engine.unload_lora("a")
                 with pytest.raises(LoraNotFoundError):
                     await engine.complete(PROMPTS[0], greedy("a"))
-                with pytest.raises(InvalidRequestError, match="max_loras") as e:  # its slot is still in use
-                    await engine.load_lora("b", adapters["b"])
-                assert e.value.param == "lora_name"
+                await engine.load_lora("b", adapters["b"])  # its slot is still in use: b is registered only
+                assert [(x["name"], x["slot"]) for x in engine.loras()] == [("b", None)]
             ids += delta.token_ids
         assert ids == oracle(PROMPTS[2], "a")[0]
+        assert (await engine.stats())["lora"]["resident"] == 0  # a's memory went with its stream
+        await engine.unload_lora("b")
         base = [engine.complete(p, greedy()) for p in PROMPTS]
         load = engine.load_lora("b", adapters["b"])  # while base requests run
         *outs, _ = await asyncio.gather(*base, load)
         for p, out in zip(PROMPTS, outs):
             check_output(out, *oracle(p, None))
         check_output(await engine.complete(PROMPTS[1], greedy("b")), *oracle(PROMPTS[1], "b"))
+
+
+async def _held(engine, prompt, lora):
+    """A stream of `lora` with its first delta read: its request stays live (its slot busy) until the
+    stream is read to its end."""
+    stream = engine.stream(prompt, greedy(lora))
+    first = await stream.__anext__()
+    return stream, first.token_ids
+
+
+async def _rest(stream, ids):
+    async for delta in stream:
+        ids = ids + delta.token_ids
+    return ids
+
+
+async def test_least_recently_used_idle_adapter_is_evicted_busy_ones_kept(adapters, oracle):
+    """Four adapters, two slots: a new one takes the least recently used idle adapter's slot; an adapter
+    a live request holds is never evicted, even when least recently used; with every slot busy a
+    request waits (it does not fail) and runs once a slot frees; an evicted adapter is read again when
+    named, with the same tokens (and the same prefix-cache key: same files)."""
+    async with Engine(model="tiny-random", lora_adapters=adapters, max_loras=2, page_size=4,
+                      kv_cache_tokens=2048) as engine:
+        def resident():
+            return {x["name"]: x["slot"] for x in engine.loras() if x["slot"] is not None}
+
+        async def run(p, lora):
+            out = await engine.complete(p, greedy(lora))
+            check_output(out, *oracle(p, lora))
+            return out
+
+        assert resident() == {"a": 1, "b": 2}  # loaded at start while slots were free; c, d registered
+        await run(PROMPTS[0], "b")
+        await run(PROMPTS[0], "a")  # b is now the least recently used
+        await run(PROMPTS[1], "c")
+        assert resident() == {"a": 1, "c": 2}
+        held_a, ids_a = await _held(engine, PROMPTS[2], "a")  # a busy ...
+        await run(PROMPTS[1], "c")  # ... and the least recently used
+        await run(PROMPTS[3], "d")
+        assert resident() == {"a": 1, "d": 2}  # c went, not the busy a
+        held_d, ids_d = await _held(engine, PROMPTS[3], "d")
+        waiting = asyncio.ensure_future(engine.complete(PROMPTS[4], greedy("b")))  # every slot busy
+        while (await engine.stats())["lora"]["waits"] == 0:
+            await asyncio.sleep(0.01)
+        assert not waiting.done() and resident() == {"a": 1, "d": 2}
+        assert await _rest(held_d, ids_d) == oracle(PROMPTS[3], "d")[0]  # frees d's slot
+        check_output(await waiting, *oracle(PROMPTS[4], "b"))
+        assert resident() == {"a": 1, "b": 2}
+        assert await _rest(held_a, ids_a) == oracle(PROMPTS[2], "a")[0]
+        reads = (await engine.stats())["lora"]["reads"]
+        out = await run(PROMPTS[1], "c")  # evicted before: read again, the same tokens
+        assert out.usage.cached_tokens > 0  # (same files, same key: its pages from before still serve)
+        stats = (await engine.stats())["lora"]
+        assert stats["reads"] == reads + 1 and stats["evictions"] == 4 and stats["loaded"] == 4
+        assert resident() == {"a": 1, "c": 2}  # b was the least recently used (a's stream ended after it)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
@@ -253,3 +310,73 @@ def test_quantized_cpu_kernels_and_qwen2_match_peft(quant_gguf, tmp_path):
     assert (got[0] - want).abs().max().item() < 1e-4
     assert (got[1] - want_base).abs().max().item() < 1e-4
     assert (want - base_of_0).abs().max().item() > 1e-2  # (the adapter matters)
+
+
+SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+async def test_default_model_with_a_random_adapter_matches_peft(loaded, hf_model, tmp_path):
+    """The default model (SmolLM2-135M GGUF, dequantized, float32) with a random adapter of its shapes
+    (rank 8, all seven targets): two adapted rows and a base row in one batch give peft's greedy
+    tokens, top logprobs within 1e-4 (the session's transformers model, copied: peft wraps it)."""
+    folder = str(make_adapter(hf_model, tmp_path / "smol", 8, SEVEN, 16, False, seed=3, std=0.02))
+    oracle = peft_oracle(copy.deepcopy(hf_model), {"smol": folder})
+    tok = loaded.tokenizer
+    prompts = [tok.encode("The quick brown fox"), tok.encode("def fibonacci(n):\n    ")]
+    jobs = [(prompts[0], "smol"), (prompts[1], "smol"), (prompts[0], None)]
+    async with Engine(model="smollm2-135m", weights="dequantized", lora_adapters={"smol": folder},
+                      max_batch_size=4) as engine:
+        outs = await asyncio.gather(*(engine.complete(p, greedy(lora)) for p, lora in jobs))
+    for (p, lora), out in zip(jobs, outs):
+        check_output(out, *oracle(p, lora))
+    adapted, base = oracle(prompts[0], "smol")[1][0], oracle(prompts[0], None)[1][0]
+    assert (adapted - base).abs().max().item() > 1e-2  # (the adapter matters)
+
+
+async def test_soak_loads_and_unloads_while_requests_run(adapters, oracle):
+    """64 staggered requests over a changing set of adapters (names never reused, each bound to one of
+    four folders; two slots, so reads, evictions and waits happen under load) and the base model,
+    while adapters are unloaded and others loaded: none lost (each completes, or is refused because
+    the name it asked for was unloaded), none with another adapter's tokens (each equals peft's run
+    of its own adapter alone), every page and slot back at the end."""
+    import random
+
+    from engine_util import wait_all_free
+
+    rng = random.Random(5)
+    folders = list(adapters)
+    names = {f"{f}-0": f for f in folders}  # name -> the folder (the oracle's adapter) it was loaded from
+    live, unloaded = list(names), set()
+    async with Engine(model="tiny-random", pipeline_depth=2, lora_adapters={n: adapters[f] for n, f in names.items()},
+                      max_loras=2, page_size=4, kv_cache_tokens=2048) as engine:
+        async def request(i):
+            await asyncio.sleep(rng.random() * 0.4)
+            prompt, name = rng.choice(PROMPTS), rng.choice(live + [None])
+            try:
+                return prompt, name, await engine.complete(prompt, greedy(name))
+            except LoraNotFoundError as e:
+                return prompt, name, e
+
+        async def churn():
+            for gen in range(1, 9):
+                await asyncio.sleep(rng.random() * 0.05)
+                gone = live.pop(rng.randrange(len(live)))
+                unloaded.add(gone)
+                await engine.unload_lora(gone)
+                name = f"{rng.choice(folders)[0]}-{gen}"
+                names[name] = name[0]
+                await engine.load_lora(name, adapters[name[0]])
+                live.append(name)
+
+        *results, _ = await asyncio.gather(*(request(i) for i in range(64)), churn())
+        free = await wait_all_free(engine)
+        lora = free["lora"]
+    refused = 0
+    for prompt, name, out in results:
+        if isinstance(out, LoraNotFoundError):
+            assert name in unloaded, (name, out)
+            refused += 1
+            continue
+        check_output(out, *oracle(prompt, None if name is None else names[name]))
+    assert refused < len(results) // 4 and lora["loaded"] == 4 and lora["resident"] <= 2
+    assert lora["evictions"] > 0

@@ -82,10 +82,16 @@ async def test_load_and_unload_over_http(server, folders, reference):
         assert [m["id"] for m in (await http.get("/v1/models")).json()["data"]] == ["base", "a", "b"]
         r = await http.post("/v1/completions", json={"model": "b", "prompt": PROMPT, "max_tokens": 8, "temperature": 0})
         assert r.json()["choices"][0]["text"] == reference["b"]
+        # a third beyond max_loras=2: registered, read into the least recently used idle slot (a's) when named
         r = await http.post("/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": folders["c"]})
-        assert r.status_code == 400 and "max_loras" in r.json()["error"]["message"]  # a and b hold both slots
-        r = await http.post("/v1/unload_lora_adapter", json={"lora_name": "b"})
-        assert r.status_code == 200
+        assert r.status_code == 200, r.text
+        r = await http.post("/v1/completions", json={"model": "c", "prompt": PROMPT, "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["model"] == "c"
+        r = await http.post("/v1/completions", json={"model": "a", "prompt": PROMPT, "max_tokens": 8, "temperature": 0})
+        assert r.json()["choices"][0]["text"] == reference["a"]  # a read again: the same text
+        for name in ("c", "b"):
+            r = await http.post("/v1/unload_lora_adapter", json={"lora_name": name})
+            assert r.status_code == 200
         r = await http.post("/v1/completions", json={"model": "b", "prompt": PROMPT, "max_tokens": 2})
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
         r = await http.post("/v1/unload_lora_adapter", json={"lora_name": "b"})

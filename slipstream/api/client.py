@@ -21,8 +21,10 @@ from slipstream.api.protocol import (
     Abort,
     ChatPromptRequest,
     HealthReply,
+    LoadLoraRequest,
     MetricsRequest,
     StatsRequest,
+    UnloadLoraRequest,
 )
 from slipstream.images import ImageLike
 from slipstream.outputs import CompletionOutput
@@ -125,6 +127,23 @@ class Client(SkillMethods):
         reply = await self.connection.call(Abort(v=PROTOCOL_VERSION, seq=self.connection.next_seq(),
                                                  request_id=request_id))
         return reply.aborted
+
+    # --- LoRA adapters (docs/lora.md) --------------------------------------------------------------
+
+    async def load_lora(self, name: str, path: str) -> dict[str, Any]:
+        """Engine.load_lora in the worker (`path` is on the worker's machine); its refusal is raised
+        here, the same error type with its `param`."""
+        check.text("lora_name", name)
+        check.text("lora_path", path)
+        reply = await self.connection.call(LoadLoraRequest(v=PROTOCOL_VERSION, seq=self.connection.next_seq(),
+                                                           lora_name=name, lora_path=path))
+        return reply.adapter
+
+    async def unload_lora(self, name: str) -> None:
+        """Engine.unload_lora in the worker (LoraNotFoundError if it has none so named)."""
+        check.text("lora_name", name)
+        await self.connection.call(UnloadLoraRequest(v=PROTOCOL_VERSION, seq=self.connection.next_seq(),
+                                                     lora_name=name))
 
     # --- introspection --------------------------------------------------------------------------
 

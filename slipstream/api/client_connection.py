@@ -37,6 +37,7 @@ from slipstream.api.protocol import (
     Error,
     HealthReply,
     HealthRequest,
+    LoraReply,
     MetricsReply,
     Result,
     Shutdown,
@@ -52,7 +53,7 @@ log = structlog.get_logger(__name__)
 
 _monitor_ids = itertools.count()
 _EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
-_REPLIES = AbortReply | StatsReply | HealthReply | ChatPromptReply | MetricsReply | Error
+_REPLIES = AbortReply | StatsReply | HealthReply | ChatPromptReply | MetricsReply | LoraReply | Error
 
 
 @dataclass(eq=False)

@@ -231,7 +231,8 @@ class Engine(SkillMethods):
 
     async def load_lora(self, name: str, path: str) -> dict[str, Any]:
         """Load a PEFT LoRA folder under `name` (read off the loop; requests running meanwhile are
-        untouched). LoraAdapterError (an InvalidRequestError naming the field) when it is refused."""
+        untouched); any number may be loaded, at most max_loras resident at once (docs/lora.md).
+        LoraAdapterError (an InvalidRequestError naming the field) when it is refused."""
         self._check_running()
         entry = await self.submitter.loras.load(name, path)
         return {"name": entry.name, "path": entry.path, "rank": entry.rank, "targets": list(entry.targets)}
@@ -242,7 +243,7 @@ class Engine(SkillMethods):
         self.submitter.loras.unload(name)
 
     def loras(self) -> list[dict[str, Any]]:
-        """The loaded adapters: name, path, rank, targets, slot, bytes."""
+        """The loaded adapters: name, path, rank, targets, slot (None: not resident now), bytes."""
         return self.submitter.loras.list()
 
     @property
@@ -344,6 +345,7 @@ class Engine(SkillMethods):
             **prefix_cache_stats(planner.prefix_cache),
             **encoder_cache_stats(planner.encoder_cache, self._parts.encoder_row_bytes),
             **({"speculative": planner.speculation.stats()} if planner.speculation is not None else {}),
+            "lora": self.submitter.loras.stats(),  # adapters loaded, resident, reads, evictions, waits
         }
 
     # --- observability (slipstream/metrics.py, slipstream/trace.py) ---------------------------

@@ -60,7 +60,7 @@ class Submitter:
         self.loras = LoraRegistry(config)  # the LoRA adapters a request may name (api/lora.py)
 
     def lora_slots(self) -> set[int]:
-        """The LoRA slots live requests hold (a slot is reused only after them)."""
+        """The LoRA slots live requests (running or waiting) hold: never evicted (api/lora.py)."""
         return {seq.sampling.lora for seq in self.requests.values() if seq.sampling.lora}
 
     def check_running(self) -> None:
@@ -117,6 +117,9 @@ class Submitter:
         except RecursionError:  # a schema nested deeper than the compiler's recursion
             raise InvalidRequestError(f"{params.grammar_field()} is nested too deeply to compile",
                                       param=params.grammar_field()) from None
+        # the adapter's slot, read into one if it has none (waiting while every slot is busy); held
+        # from here by the live request (no await until it is in self.requests)
+        lora, lora_slot = await self.loras.acquire(params.lora) if params.lora is not None else (None, 0)
         if request_id is None:
             request_id = f"{self._id_prefix}{next(self._ids)}"
         if request_id in self.requests:
@@ -126,8 +129,6 @@ class Submitter:
         if ceil_div(len(ids) + max_tokens, page) > pool.total:
             raise InvalidRequestError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) needs more KV pages "
                                       f"than the whole pool holds ({pool.total} pages of {page})", param="max_tokens")
-        # resolved again after the last await: the slot is the one loaded now (no await until it is held)
-        lora = self.loras.resolve(params.lora) if params.lora is not None else None
         eos = () if params.ignore_eos else tuple(self.tokenizer.eos_token_ids)
         seed = params.seed if params.seed is not None else self._rng.randrange(2**31)
         row = SamplingRow(temperature=float(params.temperature), top_k=max(params.top_k, 0), top_p=params.top_p,
@@ -136,7 +137,7 @@ class Submitter:
                           repetition_penalty=params.repetition_penalty, min_p=params.min_p,
                           min_tokens=params.min_tokens, top_logprobs=params.top_logprobs,
                           stop_ids=tuple(sorted(frozenset(eos) | frozenset(params.stop_token_ids or ()))), carry=carry,
-                          lora=0 if lora is None else lora.slot)
+                          lora=lora_slot)
         req = RequestState(request_id, ids, params, make_detokenizer(self.tokenizer, ids),
                            frozenset(eos) | frozenset(params.stop_token_ids or ()), RequestMetrics(time.perf_counter()),
                            matcher=matcher, streaming=streaming)
@@ -165,6 +166,8 @@ class Submitter:
             self.loop.abort(seq)  # (cancelled: free its pages)
         if self.requests.get(seq.request_id) is seq:
             del self.requests[seq.request_id]
+            if seq.sampling.lora:  # its adapter's slot may be idle now (api/lora.py)
+                self.loras.release(seq.sampling.lora)
 
     def chat_prompt(self, messages: Messages, plan: ToolPlan | None = None) -> str:
         """The prompt text of checked messages: the tools' prompt with a plan or tool messages, else

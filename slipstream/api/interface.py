@@ -30,7 +30,7 @@ Tools = Sequence[dict] | None  # OpenAI function tools: [{"type": "function", "f
 ToolChoice = str | dict | None  # "auto" | "none" | "required" | {"type": "function", "function": {"name"}}
 
 # Public methods only one side has, because only its transport has the concept.
-TRANSPORT_EXTRAS = {"Engine": frozenset({"stats_now", "load_lora", "unload_lora", "loras"}), "Client": frozenset({"wait_connected"})}
+TRANSPORT_EXTRAS = {"Engine": frozenset({"stats_now", "loras"}), "Client": frozenset({"wait_connected"})}
 
 
 class DeltaStream(Protocol):
@@ -114,6 +114,16 @@ class EngineAPI(Protocol):
                      params: SamplingParams | None = None, *,
                      images: Sequence[ImageLike] = ()) -> AsyncIterator[dict[str, Any]]:
         """point/detect: each object as its line completes; segment: the final dict."""
+
+    # --- LoRA adapters (docs/lora.md) ------------------------------------------------------------
+
+    async def load_lora(self, name: str, path: str) -> dict[str, Any]:
+        """Read, check and register a PEFT LoRA folder under `name` (off the engine's loop): requests
+        name it by SamplingParams.lora. {"name", "path", "rank", "targets"}; LoraAdapterError naming
+        the field when it is refused (the engine unchanged). The path is on the engine's machine."""
+
+    async def unload_lora(self, name: str) -> None:
+        """New requests can no longer name it (LoraNotFoundError if none is so named); running ones finish."""
 
     # --- introspection ------------------------------------------------------------------------
 

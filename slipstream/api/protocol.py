@@ -65,11 +65,25 @@ class MetricsRequest(_In, tag="metrics"):
     seq: int
 
 
+class LoadLoraRequest(_In, tag="load_lora"):
+    """Engine.load_lora on the worker: the folder is a path on the worker's machine (docs/lora.md)."""
+
+    seq: int
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraRequest(_In, tag="unload_lora"):
+    seq: int
+    lora_name: str
+
+
 class Bye(_In, tag="bye"):
     """The client is closing: abort its requests now rather than at the next failed send."""
 
 
-ClientMsg = Generate | Abort | StatsRequest | HealthRequest | ChatPromptRequest | MetricsRequest | Bye
+ClientMsg = (Generate | Abort | StatsRequest | HealthRequest | ChatPromptRequest | MetricsRequest | LoadLoraRequest
+             | UnloadLoraRequest | Bye)
 
 
 class Header(msgspec.Struct):
@@ -148,6 +162,11 @@ class MetricsReply(_Out, tag="metrics_reply"):
     text: str  # Prometheus text exposition of the worker's engine metrics
 
 
+class LoraReply(_Out, tag="lora_reply"):
+    seq: int
+    adapter: dict[str, Any] | None = None  # load_lora: what Engine.load_lora returned; unload_lora: None
+
+
 class Heartbeat(_Out, tag="heartbeat"):
     inflight: int  # this client's unfinished requests, as the worker sees them
 
@@ -160,7 +179,7 @@ class Shutdown(_Out, tag="shutdown"):
 
 
 ServerMsg = (Delta | Result | Error | AbortReply | StatsReply | HealthReply | ChatPromptReply | MetricsReply
-             | Heartbeat | Shutdown)
+             | LoraReply | Heartbeat | Shutdown)
 
 
 class Frame(msgspec.Struct):

@@ -35,12 +35,15 @@ from slipstream.api.protocol import (
     HealthReply,
     HealthRequest,
     Heartbeat,
+    LoadLoraRequest,
+    LoraReply,
     MetricsReply,
     MetricsRequest,
     Result,
     Shutdown,
     StatsReply,
     StatsRequest,
+    UnloadLoraRequest,
     error_to_wire,
     output_to_wire,
 )
@@ -209,8 +212,9 @@ class Worker:
                     request_id=rid))
         if isinstance(msg, Generate):
             self._admit(session, msg, cast(SamplingParams, params))  # (decoded with every Generate)
-        elif isinstance(msg, Abort):
-            task = asyncio.create_task(self._abort(session, msg))
+        elif isinstance(msg, Abort | LoadLoraRequest | UnloadLoraRequest):
+            work = self._abort(session, msg) if isinstance(msg, Abort) else self._lora(session, msg)
+            task = asyncio.create_task(work)
             self._background.add(task)  # the loop keeps only weak references to tasks
             task.add_done_callback(self._background.discard)
         elif isinstance(msg, StatsRequest):
@@ -317,6 +321,23 @@ class Worker:
             aborted = await self.engine.abort(engine_id)
         if not session.gone:
             self._io.send(session.identity, AbortReply(seq=msg.seq, aborted=aborted))
+
+    async def _lora(self, session: _Session, msg: LoadLoraRequest | UnloadLoraRequest) -> None:
+        """Engine.load_lora / unload_lora (the folder read off the loop: requests go on meanwhile)."""
+        reply: LoraReply | Error
+        try:
+            if isinstance(msg, LoadLoraRequest):
+                reply = LoraReply(seq=msg.seq, adapter=await self.engine.load_lora(msg.lora_name, msg.lora_path))
+            else:
+                await self.engine.unload_lora(msg.lora_name)
+                reply = LoraReply(seq=msg.seq)
+        except SlipstreamError as e:
+            reply = error_to_wire(e, seq=msg.seq)
+        except Exception as e:  # noqa: BLE001 - answered as an error; the worker goes on
+            log.exception("call_failed", type=type(msg).__name__)
+            reply = Error(code="WorkerError", message=f"internal error: {e!r}", seq=msg.seq)
+        if not session.gone:
+            self._io.send(session.identity, reply)
 
     async def _heartbeats(self) -> None:
         while True:

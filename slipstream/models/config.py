@@ -9,8 +9,11 @@ if TYPE_CHECKING:
     from slipstream.models.idefics3.config import VisionConfig
 
 # qwen2 = llama + biases on the q/k/v projections; qwen3 = llama + per-head RMSNorm on q and k;
-# phi3 = llama whose checkpoints fuse qkv_proj and gate_up_proj (split at load), LongRoPE
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
+# phi3 = llama whose checkpoints fuse qkv_proj and gate_up_proj (split at load), LongRoPE;
+# gemma3 = llama + the Gemma options below (GeGLU, sandwich norms, scaled embeddings, q/k norms, local
+# and global layers with their own rotary bases, attention scale, logit softcapping)
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
+ACTIVATIONS = ("silu", "gelu_tanh")  # the MLP's gate activation: SiLU (SwiGLU) or tanh-GELU (GeGLU, Gemma)
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,14 @@ class ModelConfig:
     # `sliding_layers[i]`: whether layer i is windowed (None: all are, when sliding_window is set).
     sliding_window: int | None = None
     sliding_layers: tuple[bool, ...] | None = None
+    # Gemma's layer options. RMSNorm weights are stored as the factor they multiply by: Gemma's
+    # `1 + weight` is added at load (HF folders; llama.cpp's GGUFs hold it added), so one norm serves all.
+    hidden_act: str = "silu"  # one of ACTIVATIONS
+    sandwich_norms: bool = False  # post_attention_layernorm on the attention's output, pre/post_feedforward_layernorm around the MLP
+    embed_scale: bool = False  # embeddings times sqrt(hidden_size), the factor rounded to the model's dtype
+    attn_scale: float | None = None  # the attention scores' factor (None: head_dim ** -0.5)
+    rope_local_theta: float | None = None  # the windowed layers' rotary base, unscaled (None: rope_theta, scaled)
+    final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
     # Images (Idefics3): the placeholder id whose rows take vision embeddings, and the vision tower's
     # config; both None for a text-only model.
     image_token_id: int | None = None
@@ -55,6 +66,10 @@ class ModelConfig:
         if self.sliding_window is None or (self.sliding_layers is not None and not self.sliding_layers[layer]):
             return None
         return self.sliding_window
+
+    def scale(self) -> float:
+        """The attention scores' factor."""
+        return self.head_dim ** -0.5 if self.attn_scale is None else self.attn_scale
 
     def __post_init__(self) -> None:
         if (self.image_token_id is None) != (self.vision is None):
@@ -71,6 +86,10 @@ class ModelConfig:
             raise ValueError("rope_long_factors (head_dim // 2 of them) and rope_long_from are set together")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window={self.sliding_window} must be >= 1 (or None)")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act={self.hidden_act!r} is not one of {ACTIVATIONS}")
+        if self.final_logit_softcap is not None and not self.final_logit_softcap > 0:
+            raise ValueError(f"final_logit_softcap={self.final_logit_softcap} must be > 0 (or None)")
         if self.sliding_layers is not None and len(self.sliding_layers) != self.num_layers:
             raise ValueError(f"sliding_layers has {len(self.sliding_layers)} entries for {self.num_layers} layers")
 

@@ -3,7 +3,11 @@
 Architectures `llama` (Mistral included: llama.cpp writes it so), `qwen2` (llama + q/k/v biases) and
 `qwen3` (llama + per-head q/k RMSNorm, `attn_q_norm` / `attn_k_norm`) and `phi3` (fused `attn_qkv`, and
 `ffn_up` holding gate and up; split into the Llama layer's projections at load, quantized rows
-included; LongRoPE from `rope_factors_short` / `rope_factors_long`). An
+included; LongRoPE from `rope_factors_short` / `rope_factors_long`) and `gemma3` (text: sandwich norms
+`post_attention_norm` / `ffn_norm` / `post_ffw_norm`, stored as llama.cpp's converter writes them, with
+Gemma's `+ 1` already added; local and global layers by `attention.sliding_window_pattern`, else
+llama.cpp's gemma3 default of every 6th layer global; the local rotary base `rope.freq_base_swa`, else
+10000). An
 `<arch>.attention.sliding_window` key windows every layer's attention. With `quantized=True` every matrix in a
 format of quant_formats.QUANTIZED_TYPES is repacked, still quantized, into a QuantWeight; everything
 else (and every tensor with `quantized=False`) is dequantised to float. loader.py caches the result.
@@ -62,7 +66,12 @@ LONGROPE_TENSORS = ("rope_factors_short.weight", "rope_factors_long.weight")
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 _BIASED = {"attn_q", "attn_k", "attn_v"}  # the only biases of the architectures we load (Qwen2)
 ROPE_FREQS = "rope_freqs.weight"
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
+# Gemma 3's norms: its ffn_norm is the MLP's input norm, and two more norm the sublayers' outputs
+_GEMMA3_NAMES = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+                 "post_ffw_norm": "post_feedforward_layernorm"}
+GEMMA3_SWA_PATTERN = 6  # llama.cpp's gemma3 default: layer i is local unless (i + 1) % 6 == 0
+GEMMA3_SWA_THETA = 10000.0
 
 
 def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
@@ -73,6 +82,8 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     m = _LAYER_RE.match(gguf_name)
     if arch == "phi3" and m and m.group(2) in _PHI3_FUSED and m.group(3) == "weight":
         return f"model.layers.{m.group(1)}.{_PHI3_FUSED[m.group(2)]}.weight"
+    if arch == "gemma3" and m and m.group(2) in _GEMMA3_NAMES and m.group(3) == "weight":
+        return f"model.layers.{m.group(1)}.{_GEMMA3_NAMES[m.group(2)]}.weight"
     if m and m.group(2) in _LAYER_NAMES and (m.group(3) == "weight" or m.group(2) in _BIASED):
         return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
     return None
@@ -165,11 +176,16 @@ def _config(meta: dict[str, Any], tensors: dict[str, Any], path: Path, eos: tupl
                                     f"head_dim {head_dim} needs {head_dim // 2}")
         longrope = dict(rope_freq_factors=short, rope_long_factors=long, rope_long_from=original,
                         rope_attention_factor=float(attention))
+    layers = int(need("block_count"))
+    gemma: dict[str, Any] = {}
+    sliding = None
+    if arch == "gemma3":
+        gemma, sliding = _gemma3(get, layers, hidden, heads, head_dim, window, path)
     return ModelConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(need("feed_forward_length")),
-        num_layers=int(need("block_count")),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(get("attention.head_count_kv") or heads),
         head_dim=head_dim,
@@ -182,10 +198,39 @@ def _config(meta: dict[str, Any], tensors: dict[str, Any], path: Path, eos: tupl
         name=path.name.removesuffix(".gguf"),
         architecture=arch,
         attention_bias=arch == "qwen2",
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "gemma3"),
         sliding_window=None if window is None else int(window),
+        sliding_layers=sliding,
         **longrope,
+        **gemma,
     )
+
+
+def _gemma3(get, layers: int, hidden: int, heads: int, head_dim: int, window: Any,
+            path: Path) -> tuple[dict[str, Any], tuple[bool, ...] | None]:
+    """Gemma 3's options and which layers are local, read as llama.cpp reads them: the scores' factor
+    from `attention.scale` where present, else llama.cpp's rule (1/sqrt(head_dim); 1/sqrt(hidden/heads) for
+    the 62-layer 27B, whose query_pre_attn_scalar is that)."""
+    if get("attn_logit_softcapping"):
+        raise UnsupportedArchitectureError(f"{path}: gemma3 with attn_logit_softcapping (attention softcapping) "
+                                           f"is not supported")
+    sliding = None
+    if window:
+        pattern = get("attention.sliding_window_pattern", GEMMA3_SWA_PATTERN)
+        if isinstance(pattern, (list, tuple)):
+            if len(pattern) != layers:
+                raise CorruptModelError(f"{path}: attention.sliding_window_pattern has {len(pattern)} entries for "
+                                        f"{layers} layers")
+            sliding = tuple(bool(p) for p in pattern)
+        else:
+            sliding = tuple(bool((i + 1) % int(pattern)) for i in range(layers))
+    scale = get("attention.scale")
+    if scale is None:
+        scale = (hidden // heads) ** -0.5 if layers == 62 else head_dim ** -0.5
+    cap = get("final_logit_softcapping")
+    return dict(hidden_act="gelu_tanh", sandwich_norms=True, embed_scale=True, attn_scale=float(scale),
+                rope_local_theta=float(get("rope.freq_base_swa", GEMMA3_SWA_THETA)),
+                final_logit_softcap=float(cap) if cap else None), sliding
 
 
 # Rows dequantised at a time. A whole tensor at once holds several float32 temporaries of its full

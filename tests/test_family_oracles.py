@@ -221,7 +221,9 @@ def _generate(spec: str, prompts, depth: int, device: str = "cpu", dtype: str = 
 def test_engine_greedy_equals_transformers(family):
     """64 greedy tokens of 4 prompts (one repeated), preempting, at depth 2 from the folder, depth 1 from
     the folder, and from the GGUF: all transformers' tokens."""
-    kv = 128
+    # every layer windowed: pages before the window go back (about 3 a sequence), so a pool of 7 (what
+    # the longest request needs) makes the 4 sequences preempt
+    kv = 112 if family["name"] == "mistral-sw" else 128
     got, preemptions = _generate(str(family["folder"]), family["prompts"], depth=2, kv_tokens=kv)
     assert got == family["want"]
     assert preemptions > 0
@@ -250,3 +252,56 @@ def test_cuda_greedy_agrees_with_transformers(family, dtype):
     else:
         assert sum(g[:8] == w[:8] for g, w in zip(got, want)) >= 3
 
+
+
+@pytest.mark.parametrize("family", ["mistral-sw"], indirect=True)
+@pytest.mark.parametrize("depth", [1, 2])
+def test_pages_outside_the_window_go_back_to_the_pool(family, depth):
+    """A request of 87 positions (over 7 windows of 12; every layer windowed) holds at most the pages of
+    its window and the ones it is filling, read from the pool at every streamed delta, and its tokens are
+    transformers'. Then the same prompt twice at once, the second after the first's first tokens: it maps
+    the first's prompt pages from the prefix cache, those the first gave back (to the cache's LRU) and
+    those it still holds, which it gives back under the second (a reference each); both give
+    transformers' tokens, and nothing stays held. At depth 2 with drafts (speculation)."""
+    from slipstream import Engine, EngineConfig, SamplingParams
+    from slipstream.params import SpeculativeConfig
+
+    prompt, want = family["prompts"][1], family["want"][1]
+    page = 4
+    assert len(prompt) + NEW_TOKENS > 4 * SLIDING_WINDOW
+    # the window's pages, the partial one before it, the one being filled and what the steps in flight reach
+    bound = SLIDING_WINDOW // page + 2 + depth
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    spec = SpeculativeConfig(num_drafts=3, adaptive=False) if depth == 2 else None
+    config = EngineConfig(model=str(family["folder"]), device="cpu", pipeline_depth=depth, kv_cache_tokens=256,
+                          page_size=page, speculative=spec)
+
+    async def collect(stream, held=None, started=None):
+        tokens = []
+        async for delta in stream:
+            tokens += delta.token_ids
+            if held is not None:
+                held.append(held_pages())
+            if started is not None:
+                started.set()
+        return tokens
+
+    async def run():
+        nonlocal held_pages
+        async with Engine(config) as engine:
+            planner = engine._parts.loop.planner
+            held_pages = planner.pool.num_held
+            held: list[int] = []
+            alone = await collect(engine.stream(prompt, params), held)
+            started = asyncio.Event()
+            first = asyncio.create_task(collect(engine.stream(prompt, params), started=started))
+            await started.wait()
+            second = await collect(engine.stream(prompt, params))
+            return alone, held, [await first, second], planner.prefix_cache.hits, held_pages()
+
+    held_pages = None
+    alone, held, both, hits, held_after = asyncio.run(run())
+    assert alone == want
+    assert len(held) > 10 and max(held) <= bound, (max(held), bound)  # (without the release: 22 pages at the end)
+    assert both == [want, want]
+    assert hits > 0 and held_after == 0

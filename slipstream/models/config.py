@@ -67,6 +67,12 @@ class ModelConfig:
             return None
         return self.sliding_window
 
+    def kv_window(self) -> int | None:
+        """The positions back from a query whose K/V some layer still reads, when every layer is windowed
+        (the largest window); None when a layer attends to the whole context (Gemma's global layers)."""
+        windows = [self.window(i) for i in range(self.num_layers)]
+        return None if any(w is None for w in windows) else max(w for w in windows if w is not None)
+
     def scale(self) -> float:
         """The attention scores' factor."""
         return self.head_dim ** -0.5 if self.attn_scale is None else self.attn_scale

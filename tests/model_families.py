@@ -47,6 +47,9 @@ _GGUF_LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "se
 LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0,
             "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 4.0],
             "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 12.0, 16.0]}
+# Phi-4-mini's layout: partial rotary (0.75 of head_dim 16: 12 dims, 6 pairs of factors), LongRoPE, tied head
+PHI4_ROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+             "short_factor": [1.0, 1.2, 1.5, 2.0, 3.0, 4.0], "long_factor": [1.0, 2.0, 4.0, 8.0, 12.0, 16.0]}
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
 LINEAR_ROPE = {"rope_type": "linear", "factor": 4.0}
@@ -108,7 +111,8 @@ GEMMA3_SOFTCAP = 8.0
 def hf_model(family: str, vocab_size: int, seed: int = 0, bos: int = 1, eos: int = 2):
     """A random transformers model of `family` ("llama", "llama3-rope", "linear-rope", "qwen2", "qwen3",
     "mistral-sw": every layer windowed, "qwen2-sw": layer 0 full, layer 1 windowed, "phi3": fused
-    projections and LongRoPE, "gemma3": text, GEMMA3_LAYERS), norms and biases perturbed."""
+    projections and LongRoPE, "phi4": Phi-4-mini's partial rotary, "gemma3": text, GEMMA3_LAYERS), norms and
+    biases perturbed."""
     from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
                               MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
                               Qwen3Config, Qwen3ForCausalLM)
@@ -135,6 +139,10 @@ def hf_model(family: str, vocab_size: int, seed: int = 0, bos: int = 1, eos: int
     elif family == "phi3":
         cfg = Phi3Config(**{**common, "max_position_embeddings": 512}, **wide, original_max_position_embeddings=128,
                          tie_word_embeddings=False, pad_token_id=0, rope_parameters=dict(LONGROPE))
+        model = Phi3ForCausalLM(cfg)
+    elif family == "phi4":
+        cfg = Phi3Config(**{**common, "max_position_embeddings": 512}, **wide, original_max_position_embeddings=128,
+                         tie_word_embeddings=True, pad_token_id=0, rope_parameters=dict(PHI4_ROPE))
         model = Phi3ForCausalLM(cfg)
     elif family == "gemma3":  # hidden 80: sqrt(hidden) is not a round number
         cfg = Gemma3TextConfig(**{**common, "hidden_size": 80}, **wide, head_dim=16, tie_word_embeddings=True,
@@ -212,6 +220,10 @@ def write_gguf(path: Path, arch: str, model, vocab: Vocab, rope_freqs: np.ndarra
     if getattr(cfg, "head_dim", None):
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
+    partial = (cfg.rope_parameters or {}).get("partial_rotary_factor", 1.0) if not gemma else 1.0
+    if partial != 1.0:  # llama.cpp's n_rot (Phi-4-mini: 96 of 128)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        w.add_rope_dimension_count(int(head_dim * partial))
     if getattr(cfg, "sliding_window", None) and set(getattr(cfg, "layer_types", None) or ["sliding_attention"]) == {
             "sliding_attention"}:
         w.add_sliding_window(cfg.sliding_window)

@@ -11,7 +11,7 @@ import dataclasses
 
 import pytest
 import torch
-from model_families import (GEMMA3_SCALAR, GEMMA3_SOFTCAP, LONGROPE, SLIDING_WINDOW, byte_vocab, hf_model, special_ids,
+from model_families import (GEMMA3_SCALAR, GEMMA3_SOFTCAP, LONGROPE, PHI4_ROPE, SLIDING_WINDOW, byte_vocab, hf_model, special_ids,
                             write_gguf, write_hf_folder)
 from test_model_families import last_logits
 
@@ -20,7 +20,8 @@ from slipstream.models.llama.model import LlamaForCausalLM
 from slipstream.models.loading.loader import load_model
 
 # family -> GGUF architecture (None: the layout has no GGUF form: a window on some layers only)
-FAMILIES = {"qwen3": "qwen3", "mistral-sw": "llama", "qwen2-sw": None, "phi3": "phi3", "gemma3": "gemma3"}
+FAMILIES = {"qwen3": "qwen3", "mistral-sw": "llama", "qwen2-sw": None, "phi3": "phi3", "phi4": "phi3",
+            "gemma3": "gemma3"}
 NEW_TOKENS = 64
 
 
@@ -51,14 +52,16 @@ def test_config(family):
     assert config.qk_norm == (family["name"] in ("qwen3", "gemma3"))
     windows = [config.window(i) for i in range(config.num_layers)]
     assert windows == {"qwen3": [None, None], "mistral-sw": [SLIDING_WINDOW] * 2, "gemma3": [SLIDING_WINDOW, None],
-                       "qwen2-sw": [None, SLIDING_WINDOW], "phi3": [None, None]}[family["name"]]
+                       "qwen2-sw": [None, SLIDING_WINDOW], "phi3": [None, None], "phi4": [None, None]}[family["name"]]
+    assert config.rotary_dim == (12 if family["name"] == "phi4" else None)
     gemma = family["name"] == "gemma3"
     assert (config.hidden_act, config.sandwich_norms, config.embed_scale, config.rope_local_theta,
             config.attn_scale, config.final_logit_softcap) == (
         ("gelu_tanh", True, True, 10000.0, GEMMA3_SCALAR ** -0.5, GEMMA3_SOFTCAP) if gemma
         else ("silu", False, False, None, None, None))
-    assert (config.rope_long_from, config.rope_long_factors) == (
-        (128, tuple(LONGROPE["long_factor"])) if family["name"] == "phi3" else (None, None))
+    assert (config.rope_long_from, config.rope_long_factors) == {
+        "phi3": (128, tuple(LONGROPE["long_factor"])), "phi4": (128, tuple(PHI4_ROPE["long_factor"]))}.get(
+        family["name"], (None, None))
     if family["gguf"] is not None:
         from_gguf = load_model(str(family["gguf"])).config  # (its floats went through float32)
         rounded = ("rms_norm_eps", "rope_freq_factors", "rope_long_factors", "rope_attention_factor", "attn_scale")
@@ -115,9 +118,9 @@ def test_longrope_tables():
 def test_the_window_is_not_a_no_op(family):
     """Guards the test above: without the window (the q/k norms, LongRoPE's factors) logits move visibly."""
     loaded = load_model(str(family["folder"]))
-    if family["name"] == "phi3":
+    if family["name"] in ("phi3", "phi4"):  # (phi4: every dim rotating, with the default frequencies)
         plain = dataclasses.replace(loaded.config, rope_freq_factors=None, rope_long_factors=None, rope_long_from=None,
-                                    rope_attention_factor=1.0)
+                                    rope_attention_factor=1.0, rotary_dim=None)
         weights = loaded.weights
     elif family["name"] == "qwen3":
         plain = dataclasses.replace(loaded.config, qk_norm=False)

@@ -38,9 +38,9 @@ def _edit_config(src, dst, **changes):
      "layer_types"),
     ({"hidden_act": "gelu_pytorch_tanh"}, "hidden_act 'gelu_pytorch_tanh' is not supported"),
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
-    ({"architectures": ["Phi3ForCausalLM"], "model_type": "phi3",  # Phi-4-mini's layout
-      "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}},
-     "partial_rotary_factor 0.75"),
+    ({"architectures": ["Phi3ForCausalLM"], "model_type": "phi3",  # Phi-4-mini's layout, but 0.7 of 16 is odd
+      "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.7}},
+     "partial_rotary_factor 0.7 gives 11 rotary dims"),
     ({"rope_parameters": {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [1.0] * 8,
                           "rope_theta": 1e4}}, "'longrope' is supported on Phi-3 only"),
     ({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": True}, "attention_bias"),

@@ -34,7 +34,12 @@ class ModelConfig:
     name: str = "llama"
     architecture: str = "llama"
     attention_bias: bool = False  # biases on q/k/v (Qwen2); o_proj and the MLP never have one
-    # RoPE frequency divisors, one per rotary pair (head_dim // 2): inv_freq[i] / factors[i].
+    # Partial rotary (Phi-4-mini): the first rotary_dim dims of each q/k head rotate, the rest pass as they
+    # are (None: all head_dim). Loaders reorder the q/k projections' rows so that the kernels' rotation of
+    # (j, j + head_dim / 2) pairs rotates the pairs of those dims and leaves the others (cos 1, sin 0):
+    # rotary.partial_rotary_order.
+    rotary_dim: int | None = None
+    # RoPE frequency divisors, one per rotary pair (rotary_dims // 2): inv_freq[i] / factors[i].
     # Llama-3 scaling and linear scaling reduce to this; so does a GGUF's `rope_freqs` tensor.
     rope_freq_factors: tuple[float, ...] | None = None
     # LongRoPE (Phi-3): positions from rope_long_from on divide by these factors instead (None: no
@@ -67,6 +72,11 @@ class ModelConfig:
             return None
         return self.sliding_window
 
+    @property
+    def rotary_dims(self) -> int:
+        """The dims of each q/k head that rotate."""
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
+
     def kv_window(self) -> int | None:
         """The positions back from a query whose K/V some layer still reads, when every layer is windowed
         (the largest window); None when a layer attends to the whole context (Gemma's global layers)."""
@@ -84,12 +94,15 @@ class ModelConfig:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if self.architecture not in ARCHITECTURES:
             raise ValueError(f"architecture={self.architecture!r} is not one of {ARCHITECTURES}")
-        if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
+        if self.rotary_dim is not None and (self.rotary_dim % 2 or not 2 <= self.rotary_dim <= self.head_dim):
+            raise ValueError(f"rotary_dim={self.rotary_dim} must be even, in 2..head_dim={self.head_dim} (or None)")
+        pairs = self.rotary_dims // 2
+        if self.rope_freq_factors is not None and len(self.rope_freq_factors) != pairs:
             raise ValueError(f"rope_freq_factors has {len(self.rope_freq_factors)} entries, "
-                             f"head_dim={self.head_dim} needs {self.head_dim // 2}")
+                             f"{self.rotary_dims} rotary dims need {pairs}")
         if (self.rope_long_factors is None) != (self.rope_long_from is None) or (
-                self.rope_long_factors is not None and len(self.rope_long_factors) != self.head_dim // 2):
-            raise ValueError("rope_long_factors (head_dim // 2 of them) and rope_long_from are set together")
+                self.rope_long_factors is not None and len(self.rope_long_factors) != pairs):
+            raise ValueError("rope_long_factors (rotary_dims // 2 of them) and rope_long_from are set together")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window={self.sliding_window} must be >= 1 (or None)")
         if self.hidden_act not in ACTIVATIONS:

@@ -153,17 +153,20 @@ def _config(meta: dict[str, Any], tensors: dict[str, Any], path: Path, eos: tupl
         return meta.get(f"{arch}.{key}", default)
 
     hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
-    head_dim = int(get("attention.key_length") or get("rope.dimension_count") or hidden // heads)
     rope_dims = get("rope.dimension_count")
-    if rope_dims is not None and int(rope_dims) != head_dim:
-        raise UnsupportedArchitectureError(f"{path}: partial rotary ({rope_dims} of {head_dim} dims) is not supported")
+    # (phi3: n_rot is Phi-4-mini's partial rotary, the head is hidden / heads)
+    head_dim = int(get("attention.key_length") or (None if arch == "phi3" else rope_dims) or hidden // heads)
+    rotary = head_dim if rope_dims is None else int(rope_dims)
+    if rotary != head_dim and (arch != "phi3" or rotary % 2 or not 2 <= rotary < head_dim):
+        raise UnsupportedArchitectureError(f"{path}: partial rotary ({rope_dims} of {head_dim} dims) is supported on "
+                                           f"phi3 only, for an even count below head_dim")
     embd = tensors.get("token_embd.weight")
     vocab = get("vocab_size") or (int(embd.shape[1]) if embd is not None else None)
     if vocab is None:
         raise CorruptModelError(f"{path}: cannot tell the vocabulary size")
     bos = meta.get("tokenizer.ggml.bos_token_id")
     window = get("attention.sliding_window")
-    longrope: dict[str, Any] = {"rope_freq_factors": _rope_factors(meta, tensors, path, arch, head_dim)}
+    longrope: dict[str, Any] = {"rope_freq_factors": _rope_factors(meta, tensors, path, arch, rotary)}
     if all(n in tensors for n in LONGROPE_TENSORS):
         short, long = (tuple(_dequantize(tensors[n], path, torch.float64).flatten().tolist()) for n in LONGROPE_TENSORS)
         original = int(get("rope.scaling.original_context_length") or get("context_length", 2048))
@@ -171,9 +174,9 @@ def _config(meta: dict[str, Any], tensors: dict[str, Any], path: Path, eos: tupl
         attention = get("rope.scaling.attn_factor")
         if attention is None:
             attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-        if len(short) != head_dim // 2 or len(long) != head_dim // 2:
+        if len(short) != rotary // 2 or len(long) != rotary // 2:
             raise CorruptModelError(f"{path}: rope_factors_short / _long have {len(short)} / {len(long)} entries, "
-                                    f"head_dim {head_dim} needs {head_dim // 2}")
+                                    f"{rotary} rotary dims need {rotary // 2}")
         longrope = dict(rope_freq_factors=short, rope_long_factors=long, rope_long_from=original,
                         rope_attention_factor=float(attention))
     layers = int(need("block_count"))
@@ -199,6 +202,7 @@ def _config(meta: dict[str, Any], tensors: dict[str, Any], path: Path, eos: tupl
         architecture=arch,
         attention_bias=arch == "qwen2",
         qk_norm=arch in ("qwen3", "gemma3"),
+        rotary_dim=None if rotary == head_dim else rotary,
         sliding_window=None if window is None else int(window),
         sliding_layers=sliding,
         **longrope,
@@ -289,10 +293,19 @@ def _split_fused(tensor: Any, target: str, config: ModelConfig, path: Path, quan
         prefix, names, sizes = target.removesuffix("qkv_proj.weight"), ("q_proj", "k_proj", "v_proj"), (q, kv, kv)
     else:
         prefix, names, sizes = target.removesuffix("gate_up_proj.weight"), ("gate_proj", "up_proj"), (inter, inter)
+    from slipstream.models.kernels.rotary import partial_rotary_order, reorder_heads
+
+    # partial rotary (Phi-4-mini): q's and k's rows in the order the rotation needs (hf_loader.reorder_rotary)
+    order = None if config.rotary_dim is None else partial_rotary_order(config.head_dim, config.rotary_dim)
+    heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}
+
+    def rows(t: torch.Tensor, name: str) -> torch.Tensor:
+        return t if order is None or name not in heads else reorder_heads(t, heads[name], order)
+
     out: dict[str, torch.Tensor | QuantWeight] = {}
     at = 0
     for name, size in zip(names, sizes):
-        part = _repack(tensor, path, lambda t, a=at, b=at + size: t[a:b]) if quantized else None
+        part = _repack(tensor, path, lambda t, a=at, b=at + size, n=name: rows(t[a:b], n)) if quantized else None
         at += size
         if part is None:  # (a type without a quantized container: the dense split below)
             out = {}
@@ -301,7 +314,8 @@ def _split_fused(tensor: Any, target: str, config: ModelConfig, path: Path, quan
     if out:
         return out
     # (own storage each: the weight cache stores tensors that share none)
-    return {k: v.clone() for k, v in split_fused(config, {target: _dequantize(tensor, path, dtype)}).items()}
+    return {k: rows(v, k.split(".")[-2]).clone()
+            for k, v in split_fused(config, {target: _dequantize(tensor, path, dtype)}).items()}
 
 
 def load_gguf(
@@ -344,6 +358,12 @@ def load_gguf(
         if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
             heads = config.num_heads if ".attn_q." in name else config.num_kv_heads
             permute = lambda t, heads=heads: unpermute_qk(t, heads)  # noqa: E731
+        elif config.rotary_dim is not None and (".attn_q." in name or ".attn_k." in name):  # (partial rotary)
+            from slipstream.models.kernels.rotary import partial_rotary_order, reorder_heads
+
+            heads, order = (config.num_heads if ".attn_q." in name else config.num_kv_heads,
+                            partial_rotary_order(config.head_dim, config.rotary_dim))
+            permute = lambda t, heads=heads, order=order: reorder_heads(t, heads, order)  # noqa: E731
         if target.endswith(("qkv_proj.weight", "gate_up_proj.weight")):  # Phi-3: split into the Llama names
             weights.update(_split_fused(tensor, target, config, path, quantized, dtype))
             continue

@@ -195,15 +195,19 @@ def config_from_hf(cfg: Mapping[str, Any], name: str, source: Path | str) -> Mod
             raise UnsupportedArchitectureError(f"{source}: hidden_act {act!r} is not supported (supported: silu)")
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     partial = cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
-    if float(partial) != 1.0:
-        raise UnsupportedArchitectureError(f"{source}: partial_rotary_factor {partial!r} (partial rotary) is not "
-                                           f"supported")
+    if float(partial) != 1.0 and arch != "phi3":
+        raise UnsupportedArchitectureError(f"{source}: partial_rotary_factor {partial!r} (partial rotary) is "
+                                           f"supported on Phi-3 / Phi-4 only")
     rope_type = rope.get("rope_type", rope.get("type"))
     if rope_type == "longrope" and arch != "phi3":
         raise UnsupportedArchitectureError(f"{source}: rope scaling 'longrope' is supported on Phi-3 only")
     try:
         hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
         head_dim = int(cfg.get("head_dim") or (256 if arch == "gemma3" else hidden // heads))
+        rotary = int(head_dim * float(partial))  # (as transformers rounds it)
+        if rotary % 2 or rotary < 2:
+            raise UnsupportedArchitectureError(f"{source}: partial_rotary_factor {partial!r} gives {rotary} rotary "
+                                               f"dims of {head_dim}: not an even number")
         theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
         eos = cfg.get("eos_token_id")
         window, sliding = _sliding_window(cfg, arch, int(cfg["num_hidden_layers"]), source)
@@ -228,8 +232,9 @@ def config_from_hf(cfg: Mapping[str, Any], name: str, source: Path | str) -> Mod
             sliding_window=window,
             sliding_layers=sliding,
             **gemma,
-            **(longrope_from_hf(cfg, rope, head_dim, source) if rope_type == "longrope"
-               else {"rope_freq_factors": rope_factors_from_hf(rope, head_dim, theta, source)}),
+            rotary_dim=None if rotary == head_dim else rotary,
+            **(longrope_from_hf(cfg, rope, rotary, source) if rope_type == "longrope"
+               else {"rope_freq_factors": rope_factors_from_hf(rope, rotary, theta, source)}),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise CorruptModelError(f"{source}: config.json lacks or mangles a field ({exc!r})") from exc
@@ -249,6 +254,20 @@ def split_fused(config: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[s
             out[p + "gate_proj.weight"], out[p + "up_proj.weight"] = t.split([inter, inter])
         else:
             out[name] = t
+    return out
+
+
+def reorder_rotary(config: ModelConfig, weights: dict[str, Any]) -> dict[str, Any]:
+    """Partial rotary: each q/k head's rows (weights and biases) in rotary.partial_rotary_order."""
+    from slipstream.models.kernels.rotary import partial_rotary_order, reorder_heads
+
+    assert config.rotary_dim is not None
+    order = partial_rotary_order(config.head_dim, config.rotary_dim)
+    out = dict(weights)
+    for name, t in weights.items():
+        for proj, heads in (("q_proj", config.num_heads), ("k_proj", config.num_kv_heads)):
+            if name.endswith((f"self_attn.{proj}.weight", f"self_attn.{proj}.bias")):
+                out[name] = reorder_heads(t, heads, order).contiguous()
     return out
 
 
@@ -299,6 +318,8 @@ def load_hf_folder(
         weights = split_fused(config, weights)
     if config.architecture == "gemma3":
         weights = gemma_norms(weights)
+    if config.rotary_dim is not None:
+        weights = reorder_rotary(config, weights)
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
     check_weights(config, weights, folder)

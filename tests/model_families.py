@@ -196,10 +196,10 @@ def _gguf_name(hf: str, arch: str = "llama") -> str:
 
 def write_gguf(path: Path, arch: str, model, vocab: Vocab, rope_freqs: np.ndarray | None = None,
                pre: str | None = None, quantize: dict | None = None,
-               rope_scaling: tuple[str, float] | None = None, extra_floats: dict[str, float] | None = None) -> None:
+               rope_scaling: tuple[str, float] | None = None, extra: dict[str, float | int | list] | None = None) -> None:
     """`quantize` maps GGUF tensor names to a storage type (default: float32); `rope_scaling`
-    (type, factor) overrides the scaling metadata taken from the model's config; `extra_floats`: more
-    float32 metadata keys."""
+    (type, factor) overrides the scaling metadata taken from the model's config; `extra`: more metadata
+    keys (float32, uint32 or an array)."""
     cfg = model.config
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg.num_hidden_layers)
@@ -234,8 +234,13 @@ def write_gguf(path: Path, arch: str, model, vocab: Vocab, rope_freqs: np.ndarra
         w.add_attention_scale(cfg.query_pre_attn_scalar ** -0.5)
         if cfg.final_logit_softcapping is not None:
             w.add_final_logit_softcapping(cfg.final_logit_softcapping)
-    for key, value in (extra_floats or {}).items():
-        w.add_float32(key, value)
+    for key, value in (extra or {}).items():
+        if isinstance(value, float):
+            w.add_float32(key, value)
+        elif isinstance(value, int):
+            w.add_uint32(key, value)
+        else:
+            w.add_array(key, value)
     w.add_vocab_size(cfg.vocab_size)
     w.add_token_list(vocab.tokens)
     w.add_token_types(vocab.types)

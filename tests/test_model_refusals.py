@@ -118,6 +118,27 @@ def test_gemma3_gguf_with_attention_softcapping_is_refused(tmp_path):
     bos, eos = special_ids(vocab)
     model = hf_model("gemma3", len(vocab.tokens), seed=9, bos=bos, eos=eos)
     path = tmp_path / "softcap.gguf"
-    write_gguf(path, "gemma3", model, vocab, pre="qwen2", extra_floats={"gemma3.attn_logit_softcapping": 50.0})
+    write_gguf(path, "gemma3", model, vocab, pre="qwen2", extra={"gemma3.attn_logit_softcapping": 50.0})
     with pytest.raises(UnsupportedArchitectureError, match=r"softcap\.gguf: gemma3 with attn_logit_softcapping"):
+        load_gguf(path)
+
+
+def test_gguf_partial_rotary_outside_phi3_is_refused(qwen, tmp_path):
+    _, model, vocab = qwen
+    path = tmp_path / "partial.gguf"
+    write_gguf(path, "qwen2", model, vocab, pre="qwen2", extra={"qwen2.attention.key_length": 16, "qwen2.rope.dimension_count": 8})
+    with pytest.raises(UnsupportedArchitectureError, match=r"partial\.gguf: partial rotary \(8 of 16 dims\) is "
+                                                           r"supported on phi3 only"):
+        load_gguf(path)
+
+
+def test_gemma3_gguf_window_pattern_of_the_wrong_length_is_corrupt(tmp_path):
+    vocab = byte_vocab()
+    bos, eos = special_ids(vocab)
+    model = hf_model("gemma3", len(vocab.tokens), seed=9, bos=bos, eos=eos)
+    model.config.layer_types = ["sliding_attention"] * 3  # (what the writer writes as the pattern: 3 for 2 layers)
+    path = tmp_path / "pattern.gguf"
+    write_gguf(path, "gemma3", model, vocab, pre="qwen2")
+    with pytest.raises(CorruptModelError, match=r"pattern\.gguf: attention\.sliding_window_pattern has 3 entries "
+                                                r"for 2 layers"):
         load_gguf(path)

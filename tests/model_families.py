@@ -47,6 +47,9 @@ _GGUF_LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "se
 LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0,
             "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 4.0],
             "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 12.0, 16.0]}
+# Phi-4-mini's layout: partial rotary (0.75 of head_dim 16: 12 dims, 6 pairs of factors), LongRoPE, tied head
+PHI4_ROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+             "short_factor": [1.0, 1.2, 1.5, 2.0, 3.0, 4.0], "long_factor": [1.0, 2.0, 4.0, 8.0, 12.0, 16.0]}
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
 LINEAR_ROPE = {"rope_type": "linear", "factor": 4.0}
@@ -98,14 +101,21 @@ def special_ids(vocab: Vocab) -> tuple[int, int]:
 
 
 SLIDING_WINDOW = 12  # shorter than the prompts and the generations of the sliding-window families
+# Gemma 3's layers: local (windowed, rope base 10000) then global (1e6); the scores' factor from
+# query_pre_attn_scalar 24 (not head_dim 16), a final softcap low enough to bend the random logits
+GEMMA3_LAYERS = ["sliding_attention", "full_attention"]
+GEMMA3_SCALAR = 24
+GEMMA3_SOFTCAP = 8.0
 
 
 def hf_model(family: str, vocab_size: int, seed: int = 0, bos: int = 1, eos: int = 2):
     """A random transformers model of `family` ("llama", "llama3-rope", "linear-rope", "qwen2", "qwen3",
     "mistral-sw": every layer windowed, "qwen2-sw": layer 0 full, layer 1 windowed, "phi3": fused
-    projections and LongRoPE), norms and biases perturbed."""
-    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config,
-                              Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+    projections and LongRoPE, "phi4": Phi-4-mini's partial rotary, "gemma3": text, GEMMA3_LAYERS), norms and
+    biases perturbed."""
+    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                              MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                              Qwen3Config, Qwen3ForCausalLM)
 
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
@@ -130,6 +140,17 @@ def hf_model(family: str, vocab_size: int, seed: int = 0, bos: int = 1, eos: int
         cfg = Phi3Config(**{**common, "max_position_embeddings": 512}, **wide, original_max_position_embeddings=128,
                          tie_word_embeddings=False, pad_token_id=0, rope_parameters=dict(LONGROPE))
         model = Phi3ForCausalLM(cfg)
+    elif family == "phi4":
+        cfg = Phi3Config(**{**common, "max_position_embeddings": 512}, **wide, original_max_position_embeddings=128,
+                         tie_word_embeddings=True, pad_token_id=0, rope_parameters=dict(PHI4_ROPE))
+        model = Phi3ForCausalLM(cfg)
+    elif family == "gemma3":  # hidden 80: sqrt(hidden) is not a round number
+        cfg = Gemma3TextConfig(**{**common, "hidden_size": 80}, **wide, head_dim=16, tie_word_embeddings=True,
+                               pad_token_id=0, sliding_window=SLIDING_WINDOW, layer_types=list(GEMMA3_LAYERS),
+                               query_pre_attn_scalar=GEMMA3_SCALAR, final_logit_softcapping=GEMMA3_SOFTCAP,
+                               rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                                "full_attention": {"rope_type": "default", "rope_theta": 1e6}})
+        model = Gemma3ForCausalLM(cfg)
     elif family == "mistral-sw":
         cfg = MistralConfig(**common, **wide, head_dim=16, tie_word_embeddings=False, sliding_window=SLIDING_WINDOW,
                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
@@ -144,6 +165,10 @@ def hf_model(family: str, vocab_size: int, seed: int = 0, bos: int = 1, eos: int
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith(".bias"):
                 p.add_(torch.randn_like(p) * 0.1)
+            if family == "gemma3" and "post_" in name:  # sublayer outputs large beside the (scaled, tied)
+                p.add_(4.0)  # embedding, which would otherwise greedily repeat the input token
+            elif family == "gemma3" and "embed" in name:
+                p.mul_(0.3)
     return model
 
 
@@ -152,7 +177,11 @@ def _permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _gguf_name(hf: str) -> str:
+_GEMMA3_GGUF = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                 "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def _gguf_name(hf: str, arch: str = "llama") -> str:
     if hf == "model.embed_tokens.weight":
         return "token_embd.weight"
     if hf == "model.norm.weight":
@@ -160,14 +189,17 @@ def _gguf_name(hf: str) -> str:
     if hf == "lm_head.weight":
         return "output.weight"
     parts = hf.split(".")
-    return f"blk.{parts[2]}.{_GGUF_LAYER['.'.join(parts[3:-1])]}.{parts[-1]}"
+    module = ".".join(parts[3:-1])
+    names = {**_GGUF_LAYER, **_GEMMA3_GGUF} if arch == "gemma3" else _GGUF_LAYER
+    return f"blk.{parts[2]}.{names[module]}.{parts[-1]}"
 
 
 def write_gguf(path: Path, arch: str, model, vocab: Vocab, rope_freqs: np.ndarray | None = None,
                pre: str | None = None, quantize: dict | None = None,
-               rope_scaling: tuple[str, float] | None = None) -> None:
+               rope_scaling: tuple[str, float] | None = None, extra: dict[str, float | int | list] | None = None) -> None:
     """`quantize` maps GGUF tensor names to a storage type (default: float32); `rope_scaling`
-    (type, factor) overrides the scaling metadata taken from the model's config."""
+    (type, factor) overrides the scaling metadata taken from the model's config; `extra`: more metadata
+    keys (float32, uint32 or an array)."""
     cfg = model.config
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg.num_hidden_layers)
@@ -176,9 +208,11 @@ def write_gguf(path: Path, arch: str, model, vocab: Vocab, rope_freqs: np.ndarra
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    if rope_scaling is None and cfg.rope_parameters.get("rope_type") == "linear":
-        rope_scaling = ("linear", cfg.rope_parameters["factor"])
+    gemma = arch == "gemma3"
+    rope_parameters = cfg.rope_parameters["full_attention"] if gemma else cfg.rope_parameters
+    w.add_rope_freq_base(rope_parameters["rope_theta"])
+    if rope_scaling is None and rope_parameters.get("rope_type") == "linear":
+        rope_scaling = ("linear", rope_parameters["factor"])
     if rope_scaling is not None:
         w.add_rope_scaling_type(gguf.RopeScalingType(rope_scaling[0]))
         w.add_rope_scaling_factor(rope_scaling[1])
@@ -186,9 +220,27 @@ def write_gguf(path: Path, arch: str, model, vocab: Vocab, rope_freqs: np.ndarra
     if getattr(cfg, "head_dim", None):
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
+    partial = (cfg.rope_parameters or {}).get("partial_rotary_factor", 1.0) if not gemma else 1.0
+    if partial != 1.0:  # llama.cpp's n_rot (Phi-4-mini: 96 of 128)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        w.add_rope_dimension_count(int(head_dim * partial))
     if getattr(cfg, "sliding_window", None) and set(getattr(cfg, "layer_types", None) or ["sliding_attention"]) == {
             "sliding_attention"}:
         w.add_sliding_window(cfg.sliding_window)
+    if gemma:  # what llama.cpp's converter writes, plus the pattern, the local base and the scale as keys
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
+        w.add_rope_freq_base_swa(cfg.rope_parameters["sliding_attention"]["rope_theta"])
+        w.add_attention_scale(cfg.query_pre_attn_scalar ** -0.5)
+        if cfg.final_logit_softcapping is not None:
+            w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    for key, value in (extra or {}).items():
+        if isinstance(value, float):
+            w.add_float32(key, value)
+        elif isinstance(value, int):
+            w.add_uint32(key, value)
+        else:
+            w.add_array(key, value)
     w.add_vocab_size(cfg.vocab_size)
     w.add_token_list(vocab.tokens)
     w.add_token_types(vocab.types)
@@ -213,8 +265,10 @@ def write_gguf(path: Path, arch: str, model, vocab: Vocab, rope_freqs: np.ndarra
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     for name, t in state.items():
-        g = _gguf_name(name)
+        g = _gguf_name(name, arch)
         t = t.detach().float()
+        if gemma and name.endswith("norm.weight"):  # llama.cpp's converter: Gemma's 1 + weight, stored
+            t = t + 1
         if arch == "llama" and ".attn_q." in g:
             t = _permute(t, heads)
         elif arch == "llama" and ".attn_k." in g:
@@ -230,7 +284,7 @@ def write_gguf(path: Path, arch: str, model, vocab: Vocab, rope_freqs: np.ndarra
             w.add_tensor(g, gguf.quants.quantize(t.numpy(), qtype), raw_dtype=qtype)
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
-    if cfg.rope_parameters.get("rope_type") == "longrope":  # as llama.cpp's converter writes Phi-3
+    if rope_parameters.get("rope_type") == "longrope":  # as llama.cpp's converter writes Phi-3
         import math
 
         factor = cfg.max_position_embeddings / cfg.original_max_position_embeddings

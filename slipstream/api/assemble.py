@@ -126,7 +126,7 @@ def _assemble(config: EngineConfig, device, invariant: bool) -> EngineParts:
     pool = PagePool(num_pages)
     planner = Planner(pool, config.page_size, config.max_batch_size, config.max_num_batched_tokens,
                       prefix_caching=config.prefix_caching, encoder_cache_tokens=config.encoder_cache_tokens,
-                      max_encoder_tokens=config.max_encoder_tokens_per_step)
+                      max_encoder_tokens=config.max_encoder_tokens_per_step, kv_window=mcfg.kv_window())
     if config.speculative is not None:
         install_speculation(config, runner, planner, ceil_div(max_model_len, config.page_size) * config.page_size,
                             mcfg, tokenizer, device, activations)

@@ -9,8 +9,11 @@ if TYPE_CHECKING:
     from slipstream.models.idefics3.config import VisionConfig
 
 # qwen2 = llama + biases on the q/k/v projections; qwen3 = llama + per-head RMSNorm on q and k;
-# phi3 = llama whose checkpoints fuse qkv_proj and gate_up_proj (split at load), LongRoPE
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
+# phi3 = llama whose checkpoints fuse qkv_proj and gate_up_proj (split at load), LongRoPE;
+# gemma3 = llama + the Gemma options below (GeGLU, sandwich norms, scaled embeddings, q/k norms, local
+# and global layers with their own rotary bases, attention scale, logit softcapping)
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
+ACTIVATIONS = ("silu", "gelu_tanh")  # the MLP's gate activation: SiLU (SwiGLU) or tanh-GELU (GeGLU, Gemma)
 
 
 @dataclass(frozen=True)
@@ -31,7 +34,12 @@ class ModelConfig:
     name: str = "llama"
     architecture: str = "llama"
     attention_bias: bool = False  # biases on q/k/v (Qwen2); o_proj and the MLP never have one
-    # RoPE frequency divisors, one per rotary pair (head_dim // 2): inv_freq[i] / factors[i].
+    # Partial rotary (Phi-4-mini): the first rotary_dim dims of each q/k head rotate, the rest pass as they
+    # are (None: all head_dim). Loaders reorder the q/k projections' rows so that the kernels' rotation of
+    # (j, j + head_dim / 2) pairs rotates the pairs of those dims and leaves the others (cos 1, sin 0):
+    # rotary.partial_rotary_order.
+    rotary_dim: int | None = None
+    # RoPE frequency divisors, one per rotary pair (rotary_dims // 2): inv_freq[i] / factors[i].
     # Llama-3 scaling and linear scaling reduce to this; so does a GGUF's `rope_freqs` tensor.
     rope_freq_factors: tuple[float, ...] | None = None
     # LongRoPE (Phi-3): positions from rope_long_from on divide by these factors instead (None: no
@@ -45,6 +53,14 @@ class ModelConfig:
     # `sliding_layers[i]`: whether layer i is windowed (None: all are, when sliding_window is set).
     sliding_window: int | None = None
     sliding_layers: tuple[bool, ...] | None = None
+    # Gemma's layer options. RMSNorm weights are stored as the factor they multiply by: Gemma's
+    # `1 + weight` is added at load (HF folders; llama.cpp's GGUFs hold it added), so one norm serves all.
+    hidden_act: str = "silu"  # one of ACTIVATIONS
+    sandwich_norms: bool = False  # post_attention_layernorm on the attention's output, pre/post_feedforward_layernorm around the MLP
+    embed_scale: bool = False  # embeddings times sqrt(hidden_size), the factor rounded to the model's dtype
+    attn_scale: float | None = None  # the attention scores' factor (None: head_dim ** -0.5)
+    rope_local_theta: float | None = None  # the windowed layers' rotary base, unscaled (None: rope_theta, scaled)
+    final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
     # Images (Idefics3): the placeholder id whose rows take vision embeddings, and the vision tower's
     # config; both None for a text-only model.
     image_token_id: int | None = None
@@ -56,6 +72,21 @@ class ModelConfig:
             return None
         return self.sliding_window
 
+    @property
+    def rotary_dims(self) -> int:
+        """The dims of each q/k head that rotate."""
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
+
+    def kv_window(self) -> int | None:
+        """The positions back from a query whose K/V some layer still reads, when every layer is windowed
+        (the largest window); None when a layer attends to the whole context (Gemma's global layers)."""
+        windows = [self.window(i) for i in range(self.num_layers)]
+        return None if any(w is None for w in windows) else max(w for w in windows if w is not None)
+
+    def scale(self) -> float:
+        """The attention scores' factor."""
+        return self.head_dim ** -0.5 if self.attn_scale is None else self.attn_scale
+
     def __post_init__(self) -> None:
         if (self.image_token_id is None) != (self.vision is None):
             raise ValueError("image_token_id and vision are set together (a vision model) or not at all")
@@ -63,14 +94,21 @@ class ModelConfig:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if self.architecture not in ARCHITECTURES:
             raise ValueError(f"architecture={self.architecture!r} is not one of {ARCHITECTURES}")
-        if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
+        if self.rotary_dim is not None and (self.rotary_dim % 2 or not 2 <= self.rotary_dim <= self.head_dim):
+            raise ValueError(f"rotary_dim={self.rotary_dim} must be even, in 2..head_dim={self.head_dim} (or None)")
+        pairs = self.rotary_dims // 2
+        if self.rope_freq_factors is not None and len(self.rope_freq_factors) != pairs:
             raise ValueError(f"rope_freq_factors has {len(self.rope_freq_factors)} entries, "
-                             f"head_dim={self.head_dim} needs {self.head_dim // 2}")
+                             f"{self.rotary_dims} rotary dims need {pairs}")
         if (self.rope_long_factors is None) != (self.rope_long_from is None) or (
-                self.rope_long_factors is not None and len(self.rope_long_factors) != self.head_dim // 2):
-            raise ValueError("rope_long_factors (head_dim // 2 of them) and rope_long_from are set together")
+                self.rope_long_factors is not None and len(self.rope_long_factors) != pairs):
+            raise ValueError("rope_long_factors (rotary_dims // 2 of them) and rope_long_from are set together")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window={self.sliding_window} must be >= 1 (or None)")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act={self.hidden_act!r} is not one of {ACTIVATIONS}")
+        if self.final_logit_softcap is not None and not self.final_logit_softcap > 0:
+            raise ValueError(f"final_logit_softcap={self.final_logit_softcap} must be > 0 (or None)")
         if self.sliding_layers is not None and len(self.sliding_layers) != self.num_layers:
             raise ValueError(f"sliding_layers has {len(self.sliding_layers)} entries for {self.num_layers} layers")
 

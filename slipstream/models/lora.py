@@ -179,6 +179,11 @@ def load_peft_adapter(name: str, path: str, config: ModelConfig, max_rank: int =
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise _refuse(name, f"{where} holds non-finite values", WEIGHTS_FILE)
         rank = max(rank, r)
+        if config.rotary_dim is not None and target in ("q_proj", "k_proj"):  # (the base rows' partial-rotary order)
+            from slipstream.models.kernels.rotary import partial_rotary_order, reorder_heads
+
+            heads = config.num_heads if target == "q_proj" else config.num_kv_heads
+            b = reorder_heads(b, heads, partial_rotary_order(config.head_dim, config.rotary_dim))
         per_layer[layer][target] = (a.to(dtype=torch.float32), b.to(dtype=torch.float32) * scale)
     layers = []
     for entries in per_layer:

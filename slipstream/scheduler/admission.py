@@ -57,7 +57,7 @@ class Admission:
         self.waiting.popleft()
         self.num_waiting -= 1
         seq.status, seq.row = SeqStatus.RUNNING, self.free_rows.pop()
-        seq.pages = []
+        seq.pages, seq.pages_released = [], 0
         self.pages.share(seq, hit)
         reused = len(hit) * self.pages.page_size
         seq.num_scheduled = seq.num_computed = seq.prefix.num_reused = reused

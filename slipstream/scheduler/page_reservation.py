@@ -5,7 +5,14 @@ pages; admission and the Planner decide that, preemption makes room.
 Rule, enforced here: the entries a step carries name each (row, index) at most once. The runner
 applies them as one scatter, and with repeated indices the value that lands is undefined on CUDA.
 Only a row's holder has entries for it, and a released holder's entries not yet in a step go with
-its pages (`free`), including those a failed step gave back (`requeue`)."""
+its pages (`free`), including those a failed step gave back (`requeue`).
+
+Rule, sliding window (`release_before`): a sequence's pages wholly before every layer's window of the
+lowest position any step of it will still compute are given back while it runs. Only its own
+reference is dropped (a page the prefix cache registered stays hittable, a page another sequence
+shares stays that one's); no entry is written for it: the row's table keeps naming the page, whose
+keys every kernel masks (they are outside the window), and whatever K/V a new holder writes there
+are finite numbers times a zero weight."""
 from __future__ import annotations
 
 from slipstream.intmath import ceil_div
@@ -34,6 +41,17 @@ class PageReservation:
         writes = self._writes
         for j, page in enumerate(new):
             writes += (row, base + j, page)
+
+    def release_before(self, seq: Sequence, pos: int) -> int:
+        """Give back its pages wholly before position `pos` (still held ones); returns how many."""
+        end = min(pos // self.page_size, len(seq.pages))
+        start = seq.pages_released
+        if end <= start:
+            return 0
+        self.pool.free(seq.pages[start:end][::-1])  # (the newest first, as `free` orders the LRU)
+        seq.pages[start:end] = [0] * (end - start)
+        seq.pages_released = end
+        return end - start
 
     def share(self, seq: Sequence, pages: list[int]) -> None:
         """Map prefix-cache pages at the start of its (empty) page row, a reference each."""
@@ -69,8 +87,8 @@ class PageReservation:
         """Give back its pages (it is being released, its row too). Its entries not yet in a step go
         with them: the row's next holder maps other pages at the same indices, and one step carrying
         both is a scatter with repeated indices (undefined on CUDA: the stale page may win)."""
-        self.pool.free(seq.pages[::-1])  # last pages first: the LRU evicts a prefix's tail before its head
-        seq.pages = []
+        self.pool.free(seq.pages[seq.pages_released:][::-1])  # last pages first: the LRU evicts a prefix's tail
+        seq.pages, seq.pages_released = [], 0  # before its head
         writes, row = self._writes, seq.row
         if writes and row in writes[::3]:
             self._writes = [x for i in range(0, len(writes), 3) if writes[i] != row for x in writes[i:i + 3]]

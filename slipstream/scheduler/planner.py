@@ -48,8 +48,12 @@ from slipstream.scheduler.step import Step
 
 class Planner:
     def __init__(self, pool: PagePool, page_size: int, max_batch_size: int, max_step_tokens: int,
-                 prefix_caching: bool = False, encoder_cache_tokens: int = 0, max_encoder_tokens: int = 0):
+                 prefix_caching: bool = False, encoder_cache_tokens: int = 0, max_encoder_tokens: int = 0,
+                 kv_window: int | None = None):
         self.pool, self.page_size = pool, page_size
+        # every layer's sliding window (the largest): a running sequence's pages wholly before it are
+        # given back (PageReservation.release_before); None: the model attends to the whole context
+        self.kv_window = kv_window
         self.max_batch_size, self.max_step_tokens = max_batch_size, max_step_tokens
         self.pages = PageReservation(pool, page_size)
         self.prefix_cache = PrefixCache(pool, page_size) if prefix_caching else None
@@ -97,6 +101,7 @@ class Planner:
                 if seq.max_tokens - len(seq.output_ids) - seq.pending_samples <= 0:
                     self.batch_changed()  # out of samples: it leaves the batch
                     return None
+                self._release_window(seq)  # (due at each new page: what it crossed since the last)
                 end = seq.num_scheduled + 1
                 if end > len(seq.pages) * self.page_size and not self._reserve(seq, end, victims=[]):
                     self.batch_changed()  # the pool is short: a full plan decides
@@ -111,8 +116,18 @@ class Planner:
         room = len(seq.pages) * self.page_size - seq.num_scheduled
         self._due.setdefault(self._plans + min(left, room), []).append(seq)
 
+    def _release_window(self, seq: Sequence) -> None:
+        """Give back its pages wholly before every layer's window of the lowest position a step of it
+        will still compute (num_computed: the committed ones are done, the in-flight ones start there):
+        a query at p reads keys from p - window + 1 on."""
+        if self.kv_window is not None and not seq.finished and seq.row is not None:
+            self.pages.release_before(seq, seq.num_computed - self.kv_window + 1)
+
     def _full_plan(self, depth: int) -> Step | None:
         self.batch_changed()
+        if self.kv_window is not None:
+            for seq in self.running:
+                self._release_window(seq)
         rows = choose_decode_rows(self.running, depth, self.max_batch_size, self.max_step_tokens,
                                   self.page_size, self._reserve)
         budget = self.max_step_tokens - len(rows.decode)

@@ -91,7 +91,7 @@ class PrefixCache:
         hashes = self.hashes(seq, full)
         for i in range(seq.prefix.num_registered_pages, full):
             page, h = seq.pages[i], hashes[i]
-            if h not in self._page_of and page not in self._hash_of:
+            if i >= seq.pages_released and h not in self._page_of and page not in self._hash_of:
                 self._page_of[h], self._hash_of[page] = page, h
                 self.pool.register(page)
         seq.prefix.num_registered_pages = full

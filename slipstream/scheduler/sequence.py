@@ -75,6 +75,9 @@ class Sequence:
     row: int | None = None  # its row of the runner's device tables while admitted
     last_token_on_device: bool = False  # its row holds its newest sampled token (set once a sample launches)
     pages: list[int] = field(default_factory=list)
+    # its leading pages given back because they lie wholly before every layer's sliding window: their
+    # entries in `pages` are 0 (the scratch page), their places in the row's table left as they were
+    pages_released: int = 0
     # output index -> (carry kind, head values) of each committed carry token (the carried values)
     carried: dict[int, tuple[int, tuple[float, ...]]] = field(default_factory=dict)
     num_computed: int = 0  # (read at every commit: flat; the prefix cache's own state is `prefix`)

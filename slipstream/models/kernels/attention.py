@@ -140,6 +140,7 @@ def paged_attention_reference(
     out: torch.Tensor,  # [T, heads, head_dim]; rows of padding tokens are left untouched
     compute_dtype: torch.dtype | None = None,
     window: int | None = None,  # sliding window: a query at position p sees keys (p - window, p]
+    scale: float | None = None,  # the scores' factor (None: head_dim ** -0.5)
 ) -> torch.Tensor:
     cd = compute_dtype or q.dtype
     # Invariance needs each sequence's arithmetic alone (a padded batch changes the reduction).
@@ -148,7 +149,7 @@ def paged_attention_reference(
         window = None  # every key is inside every query's window
     if plan.padded is not None:  # (one query per sequence: a prefix never changes its mask)
         mask = plan.mask if window is None else _window_mask(plan, meta, window, q.device)
-        return _decode_batched(q, k_cache, v_cache, plan, out, mask)
+        return _decode_batched(q, k_cache, v_cache, plan, out, mask, scale)
     prefixes = _bidirectional_prefixes(meta)
     for s in range(meta.num_seqs):
         q_lo, q_hi = meta.query_start[s], meta.query_start[s + 1]
@@ -161,18 +162,18 @@ def paged_attention_reference(
             mask = window_mask(q_len, kv_len, window, q.device)
             if prefixes[s]:
                 mask &= bidirectional_prefix_mask(q_len, kv_len, prefixes[s], q.device)
-            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, enable_gqa=True)
+            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, enable_gqa=True, scale=scale)
         elif prefixes[s]:
             mask = bidirectional_prefix_mask(q_len, kv_len, prefixes[s], q.device)
-            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, enable_gqa=True)
+            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, enable_gqa=True, scale=scale)
         elif q_len == 1:
-            o = F.scaled_dot_product_attention(qs, k, v, enable_gqa=True)
+            o = F.scaled_dot_product_attention(qs, k, v, enable_gqa=True, scale=scale)
         elif q_len == kv_len:
-            o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, enable_gqa=True)
+            o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, enable_gqa=True, scale=scale)
         else:  # a later prefill chunk: query i may see keys up to its own position
             q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
             mask = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]
-            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, enable_gqa=True)
+            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, enable_gqa=True, scale=scale)
         out[q_lo:q_hi] = o[0].transpose(0, 1)
     return out
 
@@ -207,7 +208,7 @@ def bidirectional_prefix_mask(q_len: int, kv_len: int, prefix: int, device: torc
 
 
 def _decode_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: CPUAttentionPlan,
-                    out: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+                    out: torch.Tensor, mask: torch.Tensor | None, scale: float | None = None) -> torch.Tensor:
     """One query per sequence, all sequences in one SDPA call over padded, masked keys."""
     padded = plan.padded
     assert padded is not None  # (built for a decode-only step: _decode_batched's only caller)
@@ -215,6 +216,6 @@ def _decode_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     flat = padded.view(-1)  # index_select of KV indices: several times faster than advanced indexing here
     k = k_cache.index_select(0, flat).view(n, longest, *k_cache.shape[1:]).transpose(1, 2)  # [S, kv_heads, L, D]
     v = v_cache.index_select(0, flat).view(n, longest, *v_cache.shape[1:]).transpose(1, 2)
-    o = F.scaled_dot_product_attention(q[:n].unsqueeze(2), k, v, attn_mask=mask, enable_gqa=True)
+    o = F.scaled_dot_product_attention(q[:n].unsqueeze(2), k, v, attn_mask=mask, enable_gqa=True, scale=scale)
     out[:n] = o[:, :, 0]
     return out

@@ -263,14 +263,16 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            kv_lens: torch.Tensor, page_table: torch.Tensor, page_size: int, max_q_len: int,
                            out: torch.Tensor, blocks: torch.Tensor | None = None,
                            bidirectional_lens: torch.Tensor | None = None, *, impl: str = "grouped",
-                           splits: int | None = None, window: int | None = None) -> torch.Tensor:
+                           splits: int | None = None, window: int | None = None,
+                           scale: float | None = None) -> torch.Tensor:
     """Write attention for every query token into `out` (see the module docstring) and return it.
 
     Only shapes, dtypes and devices are checked here (never values: this must stay graph-capturable);
     `max_q_len` must bound every q_len, and q_len <= kv_len must hold for each sequence. `blocks`:
     the [2, P] program table of `query_blocks` (then `max_q_len` is not used). `bidirectional_lens`:
     [S] int32/int64, each sequence's bidirectional prefix length (0: plain causal). `window`: sliding-window
-    attention, a query at position p sees keys (p - window, p] (a host int: fixed per graph). `impl` and
+    attention, a query at position p sees keys (p - window, p] (a host int: fixed per graph). `scale`: the
+    scores' factor (None: 1/sqrt(head_dim); Gemma's query_pre_attn_scalar ** -0.5). `impl` and
     `splits` (a decode step's split count instead of `decode_splits`') are for the tests and the
     benchmark."""
     require_triton("paged_attention_triton")
@@ -312,6 +314,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError(f"impl must be one of {IMPLS} and splits in 1..{MAX_SPLITS}; got {impl!r}, {splits}")
     if window is not None and (type(window) is not int or window < 1 or impl != "grouped"):
         raise ValueError(f"window must be an int >= 1 (grouped kernel only), got {window!r} with impl {impl!r}")
+    if scale is not None and impl != "grouped":
+        raise ValueError(f"scale is for the grouped kernel only, got impl {impl!r}")
     if num_seqs == 0 or q.shape[0] == 0 or (max_q_len == 0 if blocks is None else blocks.shape[1] == 0):
         return out
     interpret = interpreted(q)
@@ -343,7 +347,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         work_acc, work_ml,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), page_table.stride(0), 0 if blocks is None else blocks.stride(0),
-        _LOG2E / math.sqrt(head_dim), page_size, n_split, window or 0,
+        _LOG2E * (1 / math.sqrt(head_dim) if scale is None else scale), page_size, n_split, window or 0,
         HEAD_DIM=head_dim, GROUP=group, DOT_DTYPE=dot_dtype, PRECISION=precision, FLAT=blocks is not None,
         BIDI=bidirectional_lens is not None, SPLIT=n_split > 1, MIN_SPLIT=MIN_SPLIT, WINDOWED=window is not None,
         **t,

@@ -12,6 +12,23 @@ from torch import nn
 from slipstream.models.config import ModelConfig
 
 
+def partial_rotary_order(head_dim: int, rotary_dim: int) -> list[int]:
+    """Partial rotary as a full one: position j of a reordered q/k head holds dim order[j]. The rotation
+    pairs j with j + head_dim / 2; the first rotary_dim / 2 pairs get the rotary pairs (i, i + rotary_dim / 2),
+    the others two pass-through dims, which the tables leave alone (cos 1, sin 0). q and k are reordered
+    alike, so their dot products are the model's; v and the outputs are not touched."""
+    r2, p = rotary_dim // 2, (head_dim - rotary_dim) // 2
+    return ([*range(r2), *range(rotary_dim, rotary_dim + p)]
+            + [*range(r2, rotary_dim), *range(rotary_dim + p, head_dim)])
+
+
+def reorder_heads(t, heads: int, order: list[int]):
+    """Rows of a [heads * head_dim, ...] projection (or its bias) with each head's rows in `order`."""
+    d = len(order)
+    idx = torch.tensor(order, dtype=torch.long)
+    return t.reshape(heads, d, *t.shape[1:])[:, idx].reshape(t.shape)
+
+
 def rotate_half_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
@@ -26,7 +43,7 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        d = config.head_dim
+        d = config.rotary_dims  # (partial rotary: the tables' other columns are cos 1, sin 0, below)
         # Tables are computed on the CPU even while the model is built on the meta device (they are
         # not in checkpoints): real values, and no meta-tensor arithmetic (which imports torch._dynamo).
         cpu = torch.device("cpu")
@@ -42,10 +59,14 @@ class RotaryEmbedding(nn.Module):
                                     (config.rope_long_factors, config.rope_long_from, None)):
                 inv = 1.0 / (torch.tensor(factors, dtype=torch.float32, device=cpu) * powers)
                 freqs[lo:hi] = torch.outer(pos[lo:hi], inv)
-        emb = torch.cat([freqs, freqs], dim=-1)
         scale = config.rope_attention_factor
-        self.register_buffer("cos", emb.cos() * scale if scale != 1.0 else emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin() * scale if scale != 1.0 else emb.sin(), persistent=False)
+        cos, sin = (freqs.cos() * scale, freqs.sin() * scale) if scale != 1.0 else (freqs.cos(), freqs.sin())
+        if d < config.head_dim:  # the pass-through pairs (partial_rotary_order)
+            pad = (config.head_dim - d) // 2
+            cos = torch.cat([cos, torch.ones(cos.shape[0], pad, device=cpu)], dim=-1)
+            sin = torch.cat([sin, torch.zeros(sin.shape[0], pad, device=cpu)], dim=-1)
+        self.register_buffer("cos", torch.cat([cos, cos], dim=-1), persistent=False)
+        self.register_buffer("sin", torch.cat([sin, sin], dim=-1), persistent=False)
 
     def for_positions(self, positions: torch.Tensor, dtype: torch.dtype):
         """A function rotating (q [T, H, D], k [T, KVH, D]) at these token positions. The tables are

@@ -6,15 +6,18 @@ computing, so each layer here is:
 
     add + RMSNorm            sq_add_rms_norm (the previous sublayer's output joins the residual)
     QKV matmul               one fused QuantWeight (fuse_projections_cpu), or the three projections
-    (q/k RMSNorm per head)   Qwen3: torch ops
+    (q/k RMSNorm per head)   Qwen3, Gemma: torch ops
     rotary + KV-cache write  sq_rotary_kv
     paged causal attention   sq_attention (keys and values read in place through the page table;
                              a layer's sliding window masks and skips the keys before it)
     o_proj matmul
     add + RMSNorm
     gate-up matmul           one fused QuantWeight, or two
-    SiLU(gate) * up          sq_silu_mul
+    SiLU(gate) * up          sq_silu_mul (Gemma's tanh-GELU: torch ops)
     down matmul
+
+Gemma's sandwich norms (the attention's and the MLP's outputs normed before they join the residual)
+are two more sq_add_rms_norm calls, its local layers read their own rotary tables.
 
 (layer_ops_cpu.c; the matmuls are quant_matmul_cpu.c for quantized weights, else the layer's own
 module: oneDNN-packed or dense). When every projection is quantized and fused, the whole stack is one
@@ -113,13 +116,17 @@ def _qmat(linear: QuantLinear) -> QMat:
 
 def decoder_layers(model) -> Any:
     """The model's layers as llama_forward_cpu.c's layer_t array (built once, kept on the model), or
-    None unless every projection is quantized and q/k/v and gate/up are fused (and no q/k norm)."""
+    None unless every projection is quantized and q/k/v and gate/up are fused (and the layers are plain
+    Llama ones: no q/k norm, no Gemma options)."""
     cached = model.cpu_layers
     if cached is not False:
         return cached
     table = None
     layers = model.model.layers
-    if not model.config.qk_norm and all(getattr(ly.self_attn, "qkv_cpu", None) is not None and getattr(ly.mlp, "gate_up_cpu", None) is not None
+    c = model.config
+    plain = (not c.qk_norm and c.hidden_act == "silu" and not c.sandwich_norms and c.rope_local_theta is None
+             and c.attn_scale is None)
+    if plain and all(getattr(ly.self_attn, "qkv_cpu", None) is not None and getattr(ly.mlp, "gate_up_cpu", None) is not None
            and isinstance(ly.self_attn.o_proj, QuantLinear) and isinstance(ly.mlp.down_proj, QuantLinear)
            and ly.self_attn.o_proj.bias is None and ly.mlp.down_proj.bias is None for ly in layers):
         table = (Layer * len(layers))(*[
@@ -128,6 +135,12 @@ def decoder_layers(model) -> Any:
                   _qmat(ly.mlp.down_proj), ly.self_attn.window or 0) for ly in layers])
     model.cpu_layers = table  # (the tensors it points into live as long as the model)
     return table
+
+
+def _norm(lib, norm, x: torch.Tensor, out: torch.Tensor) -> None:
+    """out = norm(x), rows of contiguous [T, hidden]."""
+    lib.sq_add_rms_norm(x.data_ptr(), None, norm.weight.data_ptr(), norm.eps, out.data_ptr(), x.shape[0], x.shape[1],
+                        None, x.shape[0])
 
 
 def forward_cpu(model, x: torch.Tensor, batch, kv) -> torch.Tensor:
@@ -156,10 +169,12 @@ def forward_cpu(model, x: torch.Tensor, batch, kv) -> torch.Tensor:
         return out
     h = torch.empty(t, hidden)
     attn = torch.zeros(t, hq * d)  # rows past the sequences' queries (padding) stay finite
-    scale = d ** -0.5
+    normed = torch.empty(t, hidden) if c.sandwich_norms else None
     delta = None
-    for layer in model.model.layers:
+    for i, layer in enumerate(model.model.layers):
         a, m = layer.self_attn, layer.mlp
+        rope = model.rope_for(i)
+        cos, sin = rope.cos, rope.sin
         ln = layer.input_layernorm
         lib.sq_add_rms_norm(x.data_ptr(), _ptr(delta), ln.weight.data_ptr(), ln.eps, h.data_ptr(), t, hidden,
                             None, t)
@@ -180,13 +195,16 @@ def forward_cpu(model, x: torch.Tensor, batch, kv) -> torch.Tensor:
         lib.sq_rotary_kv(q.data_ptr(), k.data_ptr(), v.data_ptr(), ldq, ldk, ldv, positions.data_ptr(),
                          cos.data_ptr(), sin.data_ptr(), kc.data_ptr(), vc.data_ptr(), kv_idx.data_ptr(), t, hq, hk, d)
         check_rc(lib.sq_attention(q.data_ptr(), ldq, kc.data_ptr(), vc.data_ptr(), qs.data_ptr(), kv_lens.data_ptr(),
-                                  pages.data_ptr(), width, kv.page_size, seqs, hq, hk, d, scale, a.window or 0,
+                                  pages.data_ptr(), width, kv.page_size, seqs, hq, hk, d, a.scale, a.window or 0,
                                   attn.data_ptr()),
                  f"no CPU attention kernel for head_dim {d}, {hq} heads over {hk}")
         o = _linear(a.o_proj, attn, lib).contiguous()
         if lora is not None:
             lora.add(a.layer, 1, attn, {"o_proj": o})
-        ln = layer.post_attention_layernorm
+        if normed is not None:  # Gemma: the attention's output normed before it joins the residual
+            _norm(lib, layer.post_attention_layernorm, o, normed)
+            o = normed
+        ln = layer.mlp_norm()
         lib.sq_add_rms_norm(x.data_ptr(), o.data_ptr(), ln.weight.data_ptr(), ln.eps, h.data_ptr(), t, hidden,
                             None, t)
         inter = c.intermediate_size
@@ -197,11 +215,18 @@ def forward_cpu(model, x: torch.Tensor, batch, kv) -> torch.Tensor:
             g, u = _linear(m.gate_proj, h, lib).contiguous(), _linear(m.up_proj, h, lib).contiguous()
         if lora is not None:
             lora.add(a.layer, 2, h, {"gate_proj": g[:, :inter], "up_proj": u[:, :inter]})
-        act = torch.empty(t, inter)
-        lib.sq_silu_mul(g.data_ptr(), g.stride(0), u.data_ptr(), u.stride(0), act.data_ptr(), t, inter)
+        if m.act == "silu":
+            act = torch.empty(t, inter)
+            lib.sq_silu_mul(g.data_ptr(), g.stride(0), u.data_ptr(), u.stride(0), act.data_ptr(), t, inter)
+        else:
+            act = (F.gelu(g[:, :inter], approximate="tanh") * u[:, :inter]).contiguous()
         delta = _linear(m.down_proj, act, lib).contiguous()
         if lora is not None:
             lora.add(a.layer, 3, act, {"down_proj": delta})
+        if normed is not None:  # Gemma: so is the MLP's
+            out_normed = torch.empty(t, hidden)
+            _norm(lib, layer.post_feedforward_layernorm, delta, out_normed)
+            delta = out_normed
     rows = batch.sample_indices.to(torch.int64).contiguous()
     out = torch.empty(rows.numel(), hidden)
     norm = model.model.norm

@@ -129,7 +129,7 @@ def project_qkv(attn, x: torch.Tensor, gemms: Table | None = None) -> tuple[torc
 
 def attention(attn, x: torch.Tensor, batch, kv, rope, gemms: Table | None = None) -> torch.Tensor:
     q, k, v = project_qkv(attn, x, gemms)
-    if attn.qk_norm:  # Qwen3: RMSNorm per head before rotary (torch ops; not fused yet)
+    if attn.qk_norm:  # Qwen3, Gemma: RMSNorm per head before rotary (torch ops; not fused yet)
         q, k = attn.q_norm(q).contiguous(), attn.k_norm(k).contiguous()
     k_cache, v_cache = kv.k[attn.layer], kv.v[attn.layer]
     rotary_kv_triton(q, k, v, batch.positions, rope.cos, rope.sin, k_cache, v_cache, batch.kv_indices)
@@ -148,11 +148,15 @@ def attend(attn, q: torch.Tensor, batch, kv) -> torch.Tensor:
     out = torch.empty(t, attn.heads, attn.head_dim, dtype=q.dtype, device=q.device)
     m = batch.attn.on_device
     paged_attention_triton(q, kv.k[attn.layer], kv.v[attn.layer], m.query_start, m.kv_lens, m.page_table,
-                           kv.page_size, m.max_q_len, out, blocks=m.blocks, window=attn.window)
+                           kv.page_size, m.max_q_len, out, blocks=m.blocks, window=attn.window,
+                           scale=None if attn.scale == attn.head_dim ** -0.5 else attn.scale)
     return out.view(t, attn.heads * attn.head_dim)
 
 
 def mlp(m, x: torch.Tensor, options: TritonOptions, gemms: Table | None = None) -> torch.Tensor:
+    if m.act != "silu":  # Gemma's tanh-GELU: torch ops (no fused kernel yet)
+        gate, up = F.linear(x, m.gate_up).chunk(2, dim=1) if m.gate_up is not None else (m.gate_proj(x), m.up_proj(x))
+        return _linear(m.down_proj, F.gelu(gate, approximate="tanh") * up, gemms)
     if m.gate_up is not None and x.shape[0] <= options.mlp_gemm_max_rows:
         return _linear(m.down_proj, gate_up_silu_triton(x, m.gate_up), gemms)
     if m.gate_up is not None:
@@ -164,10 +168,10 @@ def mlp(m, x: torch.Tensor, options: TritonOptions, gemms: Table | None = None) 
 
 def decode_ready(layer) -> bool:
     """Whether a layer can run as the fused decode layer: fused dense qkv and gate-up, dense
-    o_proj and down without biases, no q/k norm (PackedLinear, quantized and Qwen3 layers keep the
-    8-launch layer)."""
+    o_proj and down without biases, no q/k norm, a plain Llama layer (PackedLinear, quantized, Qwen3 and
+    Gemma layers keep the 8-launch layer)."""
     a, m = layer.self_attn, layer.mlp
-    return (not a.qk_norm and a.qkv is not None and m.gate_up is not None and type(a.o_proj) is nn.Linear and a.o_proj.bias is None
+    return (not a.qk_norm and not layer.sandwich and m.act == "silu" and a.scale == a.head_dim ** -0.5 and a.qkv is not None and m.gate_up is not None and type(a.o_proj) is nn.Linear and a.o_proj.bias is None
             and type(m.down_proj) is nn.Linear and m.down_proj.bias is None)
 
 
@@ -204,9 +208,15 @@ def forward_triton(model, x: torch.Tensor, batch, kv) -> torch.Tensor:
         return add_rms_norm_triton(None, x, norm.weight, norm.eps, rows=batch.sample_indices)
     delta = None  # the last sublayer's output, not yet added to the residual
     gemms = getattr(model, "small_gemms", None) if x.shape[0] <= options.small_gemm_max_rows else None
-    for layer in layers:
+    for i, layer in enumerate(layers):
         h = add_rms_norm_triton(delta, x, layer.input_layernorm.weight, layer.input_layernorm.eps)
-        a = attention(layer.self_attn, h, batch, kv, model.rope, gemms)
-        h = add_rms_norm_triton(a, x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
+        a = attention(layer.self_attn, h, batch, kv, model.rope_for(i), gemms)
+        if layer.sandwich:  # Gemma: the attention's output normed before it joins the residual
+            a = add_rms_norm_triton(None, a, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
+        ln = layer.mlp_norm()
+        h = add_rms_norm_triton(a, x, ln.weight, ln.eps)
         delta = mlp(layer.mlp, h, options, gemms)
+        if layer.sandwich:  # and so is the MLP's
+            ln = layer.post_feedforward_layernorm
+            delta = add_rms_norm_triton(None, delta, ln.weight, ln.eps)
     return add_rms_norm_triton(delta, x, norm.weight, norm.eps, rows=batch.sample_indices)

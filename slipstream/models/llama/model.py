@@ -1,9 +1,10 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) written for a serving engine.
+"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3) written for a serving engine.
 
 One forward takes a flat batch of tokens from many sequences (prefill chunks and single decode
 tokens mixed), writes each token's K/V into a paged cache through its KV index, reads context
 through per-sequence page tables, and computes logits only for the rows that sample.
-Weights use Hugging Face Llama names so checkpoints and the transformers oracle line up.
+Weights use Hugging Face Llama names so checkpoints and the transformers oracle line up. The families'
+differences are ModelConfig's options, read here per layer (models/config.py).
 
 Two paths compute the same function: the reference backend (PyTorch ops, attention per sequence
 over host metadata; the CPU path) and the "triton" backend (the GPU path), built for few
@@ -13,6 +14,8 @@ add folded into RMSNorm, the KV write folded into rotary, SiLU·up in the gate-u
 """
 from __future__ import annotations
 
+import math
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -60,6 +63,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
         self.window = config.window(layer)  # sliding-window attention (None: full causal)
+        self.scale = config.scale()  # Gemma: query_pre_attn_scalar ** -0.5
         self.compute_dtype: torch.dtype | None = None  # float64: batch/chunk-invariant results
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fused (weight, bias): llama/forward_triton.py
 
@@ -79,12 +83,16 @@ class Attention(nn.Module):
         write_kv(k_cache, batch.kv_indices, k)
         write_kv(v_cache, batch.kv_indices, v)
         out = torch.zeros_like(q)  # the reference leaves padding rows untouched: keep them finite
-        paged_attention_reference(q, k_cache, v_cache, batch.attn, out, self.compute_dtype, self.window)
+        paged_attention_reference(q, k_cache, v_cache, batch.attn, out, self.compute_dtype, self.window, self.scale)
         out = out.view(t, self.heads * self.head_dim)
         o = self.o_proj(out)
         if lora is not None:
             lora.add(self.layer, 1, out, {"o_proj": o})
         return o
+
+
+def gate_act(kind: str, g: torch.Tensor) -> torch.Tensor:
+    return F.silu(g) if kind == "silu" else F.gelu(g, approximate="tanh")
 
 
 class MLP(nn.Module):
@@ -95,13 +103,14 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(h, i, bias=False)
         self.down_proj = nn.Linear(i, h, bias=False)
         self.gate_up: torch.Tensor | None = None  # fused [2 * intermediate, hidden]: llama/forward_triton.py
+        self.act = config.hidden_act  # "silu" (SwiGLU) or "gelu_tanh" (GeGLU: Gemma)
 
     def forward(self, x: torch.Tensor, lora: LoraGroups | None = None, layer: int = 0) -> torch.Tensor:
         if lora is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(gate_act(self.act, self.gate_proj(x)) * self.up_proj(x))
         g, u = self.gate_proj(x), self.up_proj(x)
         lora.add(layer, 2, x, {"gate_proj": g, "up_proj": u})
-        act = F.silu(g) * u
+        act = gate_act(self.act, g) * u
         y = self.down_proj(act)
         lora.add(layer, 3, act, {"down_proj": y})
         return y
@@ -112,12 +121,23 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer)
+        # Llama: the norm before the MLP; with sandwich norms (Gemma) the norm of the attention's output
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
+        self.sandwich = config.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def mlp_norm(self) -> RMSNorm:
+        """The norm the MLP's input takes."""
+        return self.pre_feedforward_layernorm if self.sandwich else self.post_attention_layernorm
 
     def forward(self, x, batch: ForwardBatch, kv: KVCache, rotate) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch, kv, rotate)
-        return x + self.mlp(self.post_attention_layernorm(x), lora_groups(batch), self.self_attn.layer)
+        a = self.self_attn(self.input_layernorm(x), batch, kv, rotate)
+        x = x + (self.post_attention_layernorm(a) if self.sandwich else a)
+        m = self.mlp(self.mlp_norm()(x), lora_groups(batch), self.self_attn.layer)
+        return x + (self.post_feedforward_layernorm(m) if self.sandwich else m)
 
 
 class _Body(nn.Module):
@@ -141,6 +161,10 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = _Body(config)
         self.rope = RotaryEmbedding(config)
+        # Gemma: the windowed (local) layers rotate with their own base, without the global scaling
+        self.rope_local = None if config.rope_local_theta is None else RotaryEmbedding(replace(
+            config, rope_theta=config.rope_local_theta, rope_freq_factors=None, rope_long_factors=None,
+            rope_long_from=None, rope_attention_factor=1.0))
         self.backend = "reference"
         self.triton_options: TritonOptions | None = None  # on the triton backend
         self.small_gemms: dict = {}  # (rows, N, K) -> the GEMV chosen at start (gemm_choice.Table); empty: cuBLAS
@@ -271,6 +295,18 @@ class LlamaForCausalLM(nn.Module):
             # measured here, at start, before any graph is captured (nothing when off or not on CUDA)
             self.small_gemms = llama_triton.choose_small_gemms(self, opts)
 
+    def rope_for(self, layer: int) -> RotaryEmbedding:
+        """The rotary tables of layer `layer`."""
+        if self.rope_local is not None and self.config.window(layer) is not None:
+            return self.rope_local
+        return self.rope
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        if self.config.embed_scale:  # Gemma: sqrt(hidden) rounded to the dtype first, as transformers does
+            x = x * float(torch.tensor(math.sqrt(self.config.hidden_size), dtype=torch.float32).to(x.dtype))
+        return x
+
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
 
@@ -283,8 +319,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, kv: KVCache):
         """Returns float32 logits [N, vocab] for batch.sample_indices; with batch.return_hidden,
         (logits, hidden [N, H]): the final-normed hidden states the logits are computed from."""
-        x = self.model.embed_tokens(batch.input_ids)
+        x = self.embed(batch.input_ids)
         if batch.embeds is not None:  # image placeholders take the vision embeddings (both backends)
+            assert batch.embed_rows is not None, "image embeddings without their rows"
             x.index_copy_(0, batch.embed_rows, batch.embeds.to(x.dtype))
         if batch.carry is not None:
             assert self.carry_heads is not None, "a carry step on a model without carry heads"
@@ -305,8 +342,12 @@ class LlamaForCausalLM(nn.Module):
             x = llama_cpu.forward_cpu(self, x, batch, kv)
         else:
             rotate = self.rope.for_positions(batch.positions, x.dtype)
-            for layer in self.model.layers:
-                x = layer(x, batch, kv, rotate)
+            local = rotate if self.rope_local is None else self.rope_local.for_positions(batch.positions, x.dtype)
+            for i, layer in enumerate(self.model.layers):
+                x = layer(x, batch, kv, local if self.rope_for(i) is self.rope_local else rotate)
             x = self.model.norm(x.index_select(0, batch.sample_indices))
         logits = self.logits(x).float()
+        cap = self.config.final_logit_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
         return (logits, x) if batch.return_hidden else logits

@@ -3,7 +3,11 @@
 Architectures `llama` (Mistral included: llama.cpp writes it so), `qwen2` (llama + q/k/v biases) and
 `qwen3` (llama + per-head q/k RMSNorm, `attn_q_norm` / `attn_k_norm`) and `phi3` (fused `attn_qkv`, and
 `ffn_up` holding gate and up; split into the Llama layer's projections at load, quantized rows
-included; LongRoPE from `rope_factors_short` / `rope_factors_long`). An
+included; LongRoPE from `rope_factors_short` / `rope_factors_long`) and `gemma3` (text: sandwich norms
+`post_attention_norm` / `ffn_norm` / `post_ffw_norm`, stored as llama.cpp's converter writes them, with
+Gemma's `+ 1` already added; local and global layers by `attention.sliding_window_pattern`, else
+llama.cpp's gemma3 default of every 6th layer global; the local rotary base `rope.freq_base_swa`, else
+10000). An
 `<arch>.attention.sliding_window` key windows every layer's attention. With `quantized=True` every matrix in a
 format of quant_formats.QUANTIZED_TYPES is repacked, still quantized, into a QuantWeight; everything
 else (and every tensor with `quantized=False`) is dequantised to float. loader.py caches the result.
@@ -62,7 +66,12 @@ LONGROPE_TENSORS = ("rope_factors_short.weight", "rope_factors_long.weight")
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 _BIASED = {"attn_q", "attn_k", "attn_v"}  # the only biases of the architectures we load (Qwen2)
 ROPE_FREQS = "rope_freqs.weight"
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
+# Gemma 3's norms: its ffn_norm is the MLP's input norm, and two more norm the sublayers' outputs
+_GEMMA3_NAMES = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+                 "post_ffw_norm": "post_feedforward_layernorm"}
+GEMMA3_SWA_PATTERN = 6  # llama.cpp's gemma3 default: layer i is local unless (i + 1) % 6 == 0
+GEMMA3_SWA_THETA = 10000.0
 
 
 def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
@@ -73,6 +82,8 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     m = _LAYER_RE.match(gguf_name)
     if arch == "phi3" and m and m.group(2) in _PHI3_FUSED and m.group(3) == "weight":
         return f"model.layers.{m.group(1)}.{_PHI3_FUSED[m.group(2)]}.weight"
+    if arch == "gemma3" and m and m.group(2) in _GEMMA3_NAMES and m.group(3) == "weight":
+        return f"model.layers.{m.group(1)}.{_GEMMA3_NAMES[m.group(2)]}.weight"
     if m and m.group(2) in _LAYER_NAMES and (m.group(3) == "weight" or m.group(2) in _BIASED):
         return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
     return None
@@ -142,17 +153,20 @@ def _config(meta: dict[str, Any], tensors: dict[str, Any], path: Path, eos: tupl
         return meta.get(f"{arch}.{key}", default)
 
     hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
-    head_dim = int(get("attention.key_length") or get("rope.dimension_count") or hidden // heads)
     rope_dims = get("rope.dimension_count")
-    if rope_dims is not None and int(rope_dims) != head_dim:
-        raise UnsupportedArchitectureError(f"{path}: partial rotary ({rope_dims} of {head_dim} dims) is not supported")
+    # (phi3: n_rot is Phi-4-mini's partial rotary, the head is hidden / heads)
+    head_dim = int(get("attention.key_length") or (None if arch == "phi3" else rope_dims) or hidden // heads)
+    rotary = head_dim if rope_dims is None else int(rope_dims)
+    if rotary != head_dim and (arch != "phi3" or rotary % 2 or not 2 <= rotary < head_dim):
+        raise UnsupportedArchitectureError(f"{path}: partial rotary ({rope_dims} of {head_dim} dims) is supported on "
+                                           f"phi3 only, for an even count below head_dim")
     embd = tensors.get("token_embd.weight")
     vocab = get("vocab_size") or (int(embd.shape[1]) if embd is not None else None)
     if vocab is None:
         raise CorruptModelError(f"{path}: cannot tell the vocabulary size")
     bos = meta.get("tokenizer.ggml.bos_token_id")
     window = get("attention.sliding_window")
-    longrope: dict[str, Any] = {"rope_freq_factors": _rope_factors(meta, tensors, path, arch, head_dim)}
+    longrope: dict[str, Any] = {"rope_freq_factors": _rope_factors(meta, tensors, path, arch, rotary)}
     if all(n in tensors for n in LONGROPE_TENSORS):
         short, long = (tuple(_dequantize(tensors[n], path, torch.float64).flatten().tolist()) for n in LONGROPE_TENSORS)
         original = int(get("rope.scaling.original_context_length") or get("context_length", 2048))
@@ -160,16 +174,21 @@ def _config(meta: dict[str, Any], tensors: dict[str, Any], path: Path, eos: tupl
         attention = get("rope.scaling.attn_factor")
         if attention is None:
             attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-        if len(short) != head_dim // 2 or len(long) != head_dim // 2:
+        if len(short) != rotary // 2 or len(long) != rotary // 2:
             raise CorruptModelError(f"{path}: rope_factors_short / _long have {len(short)} / {len(long)} entries, "
-                                    f"head_dim {head_dim} needs {head_dim // 2}")
+                                    f"{rotary} rotary dims need {rotary // 2}")
         longrope = dict(rope_freq_factors=short, rope_long_factors=long, rope_long_from=original,
                         rope_attention_factor=float(attention))
+    layers = int(need("block_count"))
+    gemma: dict[str, Any] = {}
+    sliding = None
+    if arch == "gemma3":
+        gemma, sliding = _gemma3(get, layers, hidden, heads, head_dim, window, path)
     return ModelConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(need("feed_forward_length")),
-        num_layers=int(need("block_count")),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(get("attention.head_count_kv") or heads),
         head_dim=head_dim,
@@ -182,10 +201,40 @@ def _config(meta: dict[str, Any], tensors: dict[str, Any], path: Path, eos: tupl
         name=path.name.removesuffix(".gguf"),
         architecture=arch,
         attention_bias=arch == "qwen2",
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "gemma3"),
+        rotary_dim=None if rotary == head_dim else rotary,
         sliding_window=None if window is None else int(window),
+        sliding_layers=sliding,
         **longrope,
+        **gemma,
     )
+
+
+def _gemma3(get, layers: int, hidden: int, heads: int, head_dim: int, window: Any,
+            path: Path) -> tuple[dict[str, Any], tuple[bool, ...] | None]:
+    """Gemma 3's options and which layers are local, read as llama.cpp reads them: the scores' factor
+    from `attention.scale` where present, else llama.cpp's rule (1/sqrt(head_dim); 1/sqrt(hidden/heads) for
+    the 62-layer 27B, whose query_pre_attn_scalar is that)."""
+    if get("attn_logit_softcapping"):
+        raise UnsupportedArchitectureError(f"{path}: gemma3 with attn_logit_softcapping (attention softcapping) "
+                                           f"is not supported")
+    sliding = None
+    if window:
+        pattern = get("attention.sliding_window_pattern", GEMMA3_SWA_PATTERN)
+        if isinstance(pattern, (list, tuple)):
+            if len(pattern) != layers:
+                raise CorruptModelError(f"{path}: attention.sliding_window_pattern has {len(pattern)} entries for "
+                                        f"{layers} layers")
+            sliding = tuple(bool(p) for p in pattern)
+        else:
+            sliding = tuple(bool((i + 1) % int(pattern)) for i in range(layers))
+    scale = get("attention.scale")
+    if scale is None:
+        scale = (hidden // heads) ** -0.5 if layers == 62 else head_dim ** -0.5
+    cap = get("final_logit_softcapping")
+    return dict(hidden_act="gelu_tanh", sandwich_norms=True, embed_scale=True, attn_scale=float(scale),
+                rope_local_theta=float(get("rope.freq_base_swa", GEMMA3_SWA_THETA)),
+                final_logit_softcap=float(cap) if cap else None), sliding
 
 
 # Rows dequantised at a time. A whole tensor at once holds several float32 temporaries of its full
@@ -244,10 +293,19 @@ def _split_fused(tensor: Any, target: str, config: ModelConfig, path: Path, quan
         prefix, names, sizes = target.removesuffix("qkv_proj.weight"), ("q_proj", "k_proj", "v_proj"), (q, kv, kv)
     else:
         prefix, names, sizes = target.removesuffix("gate_up_proj.weight"), ("gate_proj", "up_proj"), (inter, inter)
+    from slipstream.models.kernels.rotary import partial_rotary_order, reorder_heads
+
+    # partial rotary (Phi-4-mini): q's and k's rows in the order the rotation needs (hf_loader.reorder_rotary)
+    order = None if config.rotary_dim is None else partial_rotary_order(config.head_dim, config.rotary_dim)
+    heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}
+
+    def rows(t: torch.Tensor, name: str) -> torch.Tensor:
+        return t if order is None or name not in heads else reorder_heads(t, heads[name], order)
+
     out: dict[str, torch.Tensor | QuantWeight] = {}
     at = 0
     for name, size in zip(names, sizes):
-        part = _repack(tensor, path, lambda t, a=at, b=at + size: t[a:b]) if quantized else None
+        part = _repack(tensor, path, lambda t, a=at, b=at + size, n=name: rows(t[a:b], n)) if quantized else None
         at += size
         if part is None:  # (a type without a quantized container: the dense split below)
             out = {}
@@ -256,7 +314,8 @@ def _split_fused(tensor: Any, target: str, config: ModelConfig, path: Path, quan
     if out:
         return out
     # (own storage each: the weight cache stores tensors that share none)
-    return {k: v.clone() for k, v in split_fused(config, {target: _dequantize(tensor, path, dtype)}).items()}
+    return {k: rows(v, k.split(".")[-2]).clone()
+            for k, v in split_fused(config, {target: _dequantize(tensor, path, dtype)}).items()}
 
 
 def load_gguf(
@@ -299,6 +358,12 @@ def load_gguf(
         if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
             heads = config.num_heads if ".attn_q." in name else config.num_kv_heads
             permute = lambda t, heads=heads: unpermute_qk(t, heads)  # noqa: E731
+        elif config.rotary_dim is not None and (".attn_q." in name or ".attn_k." in name):  # (partial rotary)
+            from slipstream.models.kernels.rotary import partial_rotary_order, reorder_heads
+
+            heads, order = (config.num_heads if ".attn_q." in name else config.num_kv_heads,
+                            partial_rotary_order(config.head_dim, config.rotary_dim))
+            permute = lambda t, heads=heads, order=order: reorder_heads(t, heads, order)  # noqa: E731
         if target.endswith(("qkv_proj.weight", "gate_up_proj.weight")):  # Phi-3: split into the Llama names
             weights.update(_split_fused(tensor, target, config, path, quantized, dtype))
             continue

@@ -1,4 +1,4 @@
-"""Loading a Hugging Face Llama / Mistral / Qwen2 / Qwen3 / Phi-3 folder (config.json + *.safetensors + tokenizer.json)."""
+"""Loading a Hugging Face Llama / Mistral / Qwen2 / Qwen3 / Phi-3 / Gemma 3 (text) folder (config.json + *.safetensors + tokenizer.json)."""
 from __future__ import annotations
 
 import json
@@ -24,6 +24,8 @@ def llama_weight_names(config: ModelConfig) -> list[str]:
         names += [p + f"self_attn.{x}_proj.weight" for x in "qkvo"]
         if config.qk_norm:
             names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+        if config.sandwich_norms:
+            names += [p + "pre_feedforward_layernorm.weight", p + "post_feedforward_layernorm.weight"]
         if config.attention_bias:
             names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
         names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
@@ -52,8 +54,9 @@ def check_weights(config: ModelConfig, weights: Mapping[str, Any], source: Path 
 
 # HF class -> ModelConfig.architecture (Mistral is Llama with a sliding window)
 _ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-          "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3"}
-_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+          "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Gemma3ForCausalLM": "gemma3"}
+_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
+                "gemma3_text": "gemma3"}
 
 
 def _architecture(cfg: Mapping[str, Any], source: Path | str) -> str:
@@ -89,6 +92,9 @@ def _sliding_window(cfg: Mapping[str, Any], arch: str, layers: int,
     elif arch in ("qwen2", "qwen3"):
         first = int(cfg.get("max_window_layers", 28))
         sliding = tuple(i >= first for i in range(layers))
+    elif arch == "gemma3":  # transformers 4's configs: every `sliding_window_pattern`-th layer is global
+        pattern = int(cfg.get("sliding_window_pattern", 6))
+        sliding = tuple(bool((i + 1) % pattern) for i in range(layers))
     else:
         sliding = (True,) * layers
     if not any(sliding):
@@ -139,6 +145,40 @@ def rope_factors_from_hf(rope: Mapping[str, Any], head_dim: int, theta: float,
                                        f"(supported: default, linear, llama3, longrope)")
 
 
+# Gemma 3 fields that change the function and that this implementation does not compute
+_GEMMA3_REFUSED = ("attn_logit_softcapping", "use_bidirectional_attention", "attention_bias")
+
+
+def gemma3_from_hf(cfg: Mapping[str, Any], source: Path | str) -> tuple[dict[str, Any], Mapping[str, Any]]:
+    """Gemma 3's ModelConfig options and its global layers' rope parameters. transformers 5 keeps a
+    rope dict per layer type (`rope_parameters.full_attention` / `.sliding_attention`), transformers 4
+    `rope_theta` + `rope_scaling` (global) and `rope_local_base_freq`; local layers are never scaled."""
+    for f in _GEMMA3_REFUSED:
+        if cfg.get(f):
+            raise UnsupportedArchitectureError(f"{source}: gemma3 with {f}={cfg[f]!r} is not supported")
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise UnsupportedArchitectureError(f"{source}: gemma3 hidden_activation {act!r} is not supported "
+                                           f"(supported: gelu_pytorch_tanh)")
+    params = cfg.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        full = params.get("full_attention") or {}
+        local = params.get("sliding_attention") or {}
+        if local.get("rope_type", "default") != "default":
+            raise UnsupportedArchitectureError(f"{source}: gemma3 rope_parameters.sliding_attention rope_type "
+                                               f"{local['rope_type']!r} is not supported (supported: default)")
+        local_theta = float(local.get("rope_theta", 10000.0))
+        full = {"rope_theta": 1000000.0, **full}
+    else:
+        full = {"rope_theta": float(cfg.get("rope_theta", 1000000.0)), **(cfg.get("rope_scaling") or {})}
+        local_theta = float(cfg.get("rope_local_base_freq", 10000.0))
+    cap = cfg.get("final_logit_softcapping")
+    options = dict(hidden_act="gelu_tanh", sandwich_norms=True, embed_scale=True,
+                   attn_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5, rope_local_theta=local_theta,
+                   final_logit_softcap=None if cap is None else float(cap))
+    return options, full
+
+
 def config_from_hf(cfg: Mapping[str, Any], name: str, source: Path | str) -> ModelConfig:
     """Map a Llama/Mistral/Qwen2/Qwen3 config dict (transformers 4 or 5 layout) to ModelConfig; refuse
     what we cannot run, naming the field."""
@@ -146,20 +186,28 @@ def config_from_hf(cfg: Mapping[str, Any], name: str, source: Path | str) -> Mod
     if arch in ("llama", "qwen3") and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
         raise UnsupportedArchitectureError(f"{source}: {arch} with attention_bias/mlp_bias is not supported "
                                            f"(biases on attention/MLP)")
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise UnsupportedArchitectureError(f"{source}: hidden_act {act!r} is not supported (supported: silu)")
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    gemma: dict[str, Any] = {}
+    if arch == "gemma3":
+        gemma, rope = gemma3_from_hf(cfg, source)
+    else:
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedArchitectureError(f"{source}: hidden_act {act!r} is not supported (supported: silu)")
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     partial = cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
-    if float(partial) != 1.0:
-        raise UnsupportedArchitectureError(f"{source}: partial_rotary_factor {partial!r} (partial rotary) is not "
-                                           f"supported")
+    if float(partial) != 1.0 and arch != "phi3":
+        raise UnsupportedArchitectureError(f"{source}: partial_rotary_factor {partial!r} (partial rotary) is "
+                                           f"supported on Phi-3 / Phi-4 only")
     rope_type = rope.get("rope_type", rope.get("type"))
     if rope_type == "longrope" and arch != "phi3":
         raise UnsupportedArchitectureError(f"{source}: rope scaling 'longrope' is supported on Phi-3 only")
     try:
         hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        head_dim = int(cfg.get("head_dim") or (256 if arch == "gemma3" else hidden // heads))
+        rotary = int(head_dim * float(partial))  # (as transformers rounds it)
+        if rotary % 2 or rotary < 2:
+            raise UnsupportedArchitectureError(f"{source}: partial_rotary_factor {partial!r} gives {rotary} rotary "
+                                               f"dims of {head_dim}: not an even number")
         theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
         eos = cfg.get("eos_token_id")
         window, sliding = _sliding_window(cfg, arch, int(cfg["num_hidden_layers"]), source)
@@ -174,17 +222,19 @@ def config_from_hf(cfg: Mapping[str, Any], name: str, source: Path | str) -> Mod
             rope_theta=theta,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch == "gemma3")),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=tuple([eos] if isinstance(eos, int) else (eos or [])),
             name=name,
             architecture=arch,
             attention_bias=arch == "qwen2",
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "gemma3"),
             sliding_window=window,
             sliding_layers=sliding,
-            **(longrope_from_hf(cfg, rope, head_dim, source) if rope_type == "longrope"
-               else {"rope_freq_factors": rope_factors_from_hf(rope, head_dim, theta, source)}),
+            **gemma,
+            rotary_dim=None if rotary == head_dim else rotary,
+            **(longrope_from_hf(cfg, rope, rotary, source) if rope_type == "longrope"
+               else {"rope_freq_factors": rope_factors_from_hf(rope, rotary, theta, source)}),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise CorruptModelError(f"{source}: config.json lacks or mangles a field ({exc!r})") from exc
@@ -205,6 +255,26 @@ def split_fused(config: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[s
         else:
             out[name] = t
     return out
+
+
+def reorder_rotary(config: ModelConfig, weights: dict[str, Any]) -> dict[str, Any]:
+    """Partial rotary: each q/k head's rows (weights and biases) in rotary.partial_rotary_order."""
+    from slipstream.models.kernels.rotary import partial_rotary_order, reorder_heads
+
+    assert config.rotary_dim is not None
+    order = partial_rotary_order(config.head_dim, config.rotary_dim)
+    out = dict(weights)
+    for name, t in weights.items():
+        for proj, heads in (("q_proj", config.num_heads), ("k_proj", config.num_kv_heads)):
+            if name.endswith((f"self_attn.{proj}.weight", f"self_attn.{proj}.bias")):
+                out[name] = reorder_heads(t, heads, order).contiguous()
+    return out
+
+
+def gemma_norms(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Gemma's RMSNorms multiply by `1 + weight`: stored here as that factor (what llama.cpp's GGUFs hold),
+    computed in float32 as transformers does, then in the weights' dtype."""
+    return {k: (1.0 + v.float()).to(v.dtype) if k.endswith("norm.weight") else v for k, v in weights.items()}
 
 
 def read_safetensors(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -246,6 +316,10 @@ def load_hf_folder(
     weights = read_safetensors(folder, dtype)
     if config.architecture == "phi3":
         weights = split_fused(config, weights)
+    if config.architecture == "gemma3":
+        weights = gemma_norms(weights)
+    if config.rotary_dim is not None:
+        weights = reorder_rotary(config, weights)
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
     check_weights(config, weights, folder)

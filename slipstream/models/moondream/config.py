@@ -82,6 +82,10 @@ class MoondreamTextConfig:
     def tie_word_embeddings(self) -> bool:
         return False
 
+    def kv_window(self) -> None:
+        """Every layer attends to the whole context: no page is given back early (ModelConfig.kv_window)."""
+        return None
+
     def validate(self) -> None:
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
             raise ValueError(f"text hidden_size {self.hidden_size}, num_heads {self.num_heads}, num_kv_heads "

@@ -36,7 +36,6 @@ import argparse
 import functools
 import asyncio
 import math
-import statistics
 import sys
 
 import numpy as np
@@ -53,23 +52,10 @@ from gpu_peaks import dense_bf16_peak  # noqa: E402
 from slipstream import Engine, EngineConfig  # noqa: E402
 from slipstream.models.kernels import attention_triton  # noqa: E402
 from slipstream.models.kernels import triton_launch  # noqa: E402
+from slipstream.models.kernels.gemm_choice import event_ms  # noqa: E402
 from slipstream.models.llama import forward_triton as llama_triton  # noqa: E402
 from slipstream.runtime.batch import SeqWork, pack_step  # noqa: E402
 from slipstream.runtime.static_step import fill_static  # noqa: E402
-
-
-def event_ms(fn, repeats: int, warmup: int = 5) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def kernel_profile(fn, top: int) -> tuple[int, float, list[tuple[str, float, int]]]:

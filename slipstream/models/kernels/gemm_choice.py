@@ -66,6 +66,11 @@ def measure(weights: Iterable[torch.Tensor], rows: Iterable[int],
 
 
 def cuda_event_ms(candidate: Gemv | None, fn: Callable[[], object], repeats: int = 25, warmup: int = 3) -> float:
+    """measure's timer: event_ms of fn (the candidate is in fn already)."""
+    return event_ms(fn, repeats, warmup)
+
+
+def event_ms(fn: Callable[[], object], repeats: int, warmup: int = 5) -> float:
     """Median ms of fn on the current CUDA stream, by events around each call (the first calls compile)."""
     for _ in range(warmup):
         fn()

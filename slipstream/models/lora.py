@@ -9,12 +9,16 @@ compute wrongly (DoRA, biases, patterns, modules it does not compute, shapes tha
 
 A step mixes rows of several adapters and of none: each token carries its row's adapter slot
 (`LoraInput.slots`, gathered on the device from the row tables' column), and `LoraGroups` sorts the
-step's tokens by slot once per forward; each projection then runs one pair of small matmuls per
-adapter present in the step (per group, not per row), its A matrices fused across the projections
-that share an input (q/k/v, gate/up).
+step's tokens by slot once per forward; each projection then adds the deltas of every adapter
+present in the step, its A matrices fused across the projections that share an input (q/k/v,
+gate/up). Two implementations of that one sum: on the CPU backend one compiled call per layer and
+input group for all adapters (`add_cpu`, sq_lora_add in layer_ops_cpu.c, reading each adapter's
+`records`), elsewhere a pair of torch matmuls per adapter present (`add`); tests/test_lora_kernel.py
+holds both to a float64 reference.
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import os
@@ -47,10 +51,11 @@ def target_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
 @dataclass(frozen=True, eq=False)
 class GroupWeights:
     """One input group of one layer: A of its targets stacked [sum r, in], and each target's B with the
-    scale folded in [out, r] and its rows of the stacked A product."""
+    scale folded in, stored transposed [r, out] (the kernel's expand adds rows of it: vectors along
+    the output, no horizontal sum), and its rows of the stacked A product."""
 
     a: torch.Tensor
-    b: tuple[tuple[str, int, int, torch.Tensor], ...]  # (target, first, end, B)
+    b: tuple[tuple[str, int, int, torch.Tensor], ...]  # (target, first, end, B^T)
 
 
 @dataclass(frozen=True, eq=False)
@@ -64,6 +69,9 @@ class LoraWeights:
     rslora: bool
     targets: tuple[str, ...]
     layers: tuple[tuple[GroupWeights | None, ...], ...]
+    # [layers, groups, LORA_REC] int64: each group's weights as sq_lora_add reads them (pointers into
+    # `layers`' tensors, which this object keeps alive); None off the CPU
+    records: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -196,13 +204,30 @@ def load_peft_adapter(name: str, path: str, config: ModelConfig, max_rank: int =
             at, bs = 0, []
             for t in present:
                 r = entries[t][0].shape[0]
-                bs.append((t, at, at + r, entries[t][1].to(device=device, dtype=dtype).contiguous()))
+                bs.append((t, at, at + r, entries[t][1].T.to(device=device, dtype=dtype).contiguous()))
                 at += r
             a_cat = torch.cat([entries[t][0] for t in present]).to(device=device, dtype=dtype).contiguous()
             groups.append(GroupWeights(a_cat, tuple(bs)))
         layers.append(tuple(groups))
     targets = tuple(t for t in TARGETS if any(t in e for e in per_layer))
-    return LoraWeights(name, path, rank, alpha, rslora, targets, tuple(layers))
+    records = _records(layers) if torch.device(device).type == "cpu" and dtype == torch.float32 else None
+    return LoraWeights(name, path, rank, alpha, rslora, targets, tuple(layers), records)
+
+
+LORA_REC = 15  # longs per (layer, group) record of sq_lora_add: A, r_total, n_b, then (B^T, lo, hi, j) x 3
+
+
+def _records(layers: list[tuple[GroupWeights | None, ...]]) -> torch.Tensor:
+    rec = torch.zeros(len(layers), len(INPUT_GROUPS), LORA_REC, dtype=torch.int64)
+    for i, groups in enumerate(layers):
+        for k, w in enumerate(groups):
+            if w is None:
+                continue  # (a null A: not adapted)
+            row = [w.a.data_ptr(), w.a.shape[0], len(w.b)]
+            for target, lo, hi, b in w.b:
+                row += [b.data_ptr(), lo, hi, INPUT_GROUPS[k].index(target)]
+            rec[i, k, :len(row)] = torch.tensor(row, dtype=torch.int64)
+    return rec
 
 
 @dataclass(eq=False)
@@ -229,6 +254,8 @@ class LoraGroups:
         counts = torch.bincount(slots, minlength=len(adapters)).tolist()
         total = slots.shape[0]
         self.groups: list[tuple[LoraWeights, torch.Tensor | None]] = []
+        self._slots, self._counts = slots, counts
+        self._native: tuple | None = None
         order = None
         at = counts[0]
         for s in range(1, len(adapters)):
@@ -244,6 +271,7 @@ class LoraGroups:
                         order = torch.argsort(slots, stable=True)
                     self.groups.append((adapter, order[at:at + n]))
             at += n
+        self._order = order
 
     def __bool__(self) -> bool:
         return bool(self.groups)
@@ -260,11 +288,49 @@ class LoraGroups:
             mid = xs @ w.a.T
             for target, lo, hi, b in w.b:
                 y = outs[target]
-                d = mid[:, lo:hi] @ b.T
+                d = mid[:, lo:hi] @ b
                 if rows is None:
                     y += d
                 else:
                     y.index_add_(0, rows, d)
+
+    def _native_tables(self) -> tuple:
+        """(sorted tokens, segment offsets, the present adapters' records, scratch, its row width), built
+        on the first add_cpu of a forward."""
+        if self._native is None:
+            tokens, seg, recs = [], [0], []
+            order = self._order if self._order is not None else torch.arange(self._slots.shape[0])
+            for adapter, rows in self.groups:
+                tokens.append(order if rows is None else rows)
+                seg.append(seg[-1] + tokens[-1].shape[0])
+                recs.append(adapter.records)
+            rmax = max(int(r[:, :, 1].max()) for r in recs)
+            self._native = (torch.cat(tokens).to(torch.int64).contiguous(), torch.tensor(seg, dtype=torch.int64),
+                            torch.stack(recs).contiguous(), torch.empty(seg[-1], max(rmax, 1)), max(rmax, 1))
+        return self._native
+
+    def add_cpu(self, lib, layer: int, group: int, x: torch.Tensor, outs: dict[str, torch.Tensor]) -> None:
+        """add's sum in one compiled call for every adapter of the step (the CPU backend; float32 rows
+        whose elements are contiguous); add's matmuls where an adapter has no records."""
+        from slipstream.models.kernels.cpu_kernels import check_rc
+
+        if not self.groups:
+            return None
+        if any(adapter.records is None for adapter, _ in self.groups):
+            return self.add(layer, group, x, outs)
+
+        tokens, seg, recs, mid, rmax = self._native_tables()
+        names = INPUT_GROUPS[group]
+        views = [outs[n] for n in names]
+        assert x.stride(1) == 1 and all(v.stride(1) == 1 for v in views)
+        ptrs = (ctypes.c_void_p * 3)(*[v.data_ptr() for v in views], *[None] * (3 - len(views)))
+        lds = (ctypes.c_int64 * 3)(*[v.stride(0) for v in views], *[0] * (3 - len(views)))
+        nouts = (ctypes.c_int64 * 3)(*[v.shape[1] for v in views], *[0] * (3 - len(views)))
+        rec_stride = recs.stride(0)
+        rec = recs.data_ptr() + (layer * recs.stride(1) + group * recs.stride(2)) * recs.element_size()
+        check_rc(lib.sq_lora_add(x.data_ptr(), x.stride(0), x.shape[1], tokens.data_ptr(), seg.data_ptr(),
+                                 seg.shape[0] - 1, rec, rec_stride, mid.data_ptr(), rmax, ptrs, lds, nouts),
+                 "sq_lora_add: an adapter record does not fit its group")
 
 
 def lora_groups(batch) -> LoraGroups | None:

@@ -42,7 +42,7 @@ SOURCES = tuple(Path(__file__).with_name(n) for n in ("quant_matmul_cpu.c", "qua
                                                        "llama_forward_cpu.c"))
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("quant_rounded_cpu.h", "kernel_alloc_cpu.h"))  # included by
 # SOURCES: hashed into the key too
-ABI_VERSION = 4  # sq_abi_version() of the sources whose signatures _declare describes
+ABI_VERSION = 5  # sq_abi_version() of the sources whose signatures _declare describes
 SQ_EINVAL, SQ_ENOMEM = -1, -2  # the kernels' return codes (kernel_alloc_cpu.h); 0: done
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 _OFF = {"0", "false", "no", "off"}
@@ -154,6 +154,7 @@ def _declare(lib: ctypes.CDLL, names: tuple[str, ...] | None = None, missing_ok:
         "sq_rotary_kv": ([p, p, p, i64, i64, i64, p, p, p, p, p, p, i64, i64, i64, i64], None),
         "sq_attention": ([p, i64, p, p, p, p, p, i64, i64, i64, i64, i64, i64, f32, i64, p], i32),
         "sq_silu_mul": ([p, i64, p, i64, p, i64, i64], None),
+        "sq_lora_add": ([p, i64, i64, p, p, i64, p, i64, p, i64, p, p, p], i32),
         "sq_decoder_forward": ([p, i64, f32, p, i64, i64, i64, i64, i64, i64, p, p, i64, p, p, p, p, p, p, p, i64,
                                 i64, i64, f32, p, p, i64, p], i32),
     }

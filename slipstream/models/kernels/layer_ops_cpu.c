@@ -347,3 +347,79 @@ void sq_silu_mul(const float *g, i64 ldg, const float *u, i64 ldu, float *out, i
             st(out + t * I + i, a / (1.f + vexp(-a)) * ld(u + t * ldu + i));
         }
 }
+
+/* dot product of n floats (any n: 16 lanes, then the tail) */
+ALWAYS_INLINE float dotn(const float *a, const float *b, i64 n) {
+    v16 acc = splat(0.f);
+    i64 i = 0;
+    for (; i + 16 <= n; i += 16) acc += ld(a + i) * ld(b + i);
+    float s = hsum(acc);
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* LoRA deltas of one input group of one layer (models/lora.py, LoraGroups.add_cpu), the step's
+ * tokens sorted by adapter: segment g holds tokens tok[seg[g] .. seg[g+1]) of one adapter, whose
+ * record for this layer and group is rec + g * rec_stride, LORA_REC longs:
+ *   [A (float *, [r_total, n_in]), r_total, n_b, then n_b times (B^T (float *, [hi - lo, n_out_j]), lo, hi, j)]
+ * and out_j[tok] += (A x[tok])[lo:hi] B^T for each of its n_b targets, j the target's place in the group
+ * (outs[j]: rows lds[j] floats apart, nouts[j] wide). mid: scratch, a row of rmax floats per sorted token.
+ * Shrink: a thread per row of A (a dot product per token); expand: a thread per 16 output columns
+ * (rows of B^T added along the output, no horizontal sums). No two threads touch one value, and each
+ * is a fixed-order sum of its own token's inputs, whatever the batch. A null A: not adapted. */
+#define LORA_REC 15
+int sq_lora_add(const float *x, i64 ldx, i64 n_in, const i64 *tok, const i64 *seg, i64 G, const i64 *rec,
+                i64 rec_stride, float *mid, i64 rmax, float *const *outs, const i64 *lds, const i64 *nouts) {
+    i64 rows = 0, width = 0;
+    for (i64 g = 0; g < G; g++) {
+        const i64 *r = rec + g * rec_stride;
+        if (r[1] > rmax || r[2] > 3) return SQ_EINVAL;
+        rows = r[1] > rows ? r[1] : rows;
+        for (i64 b = 0; b < r[2]; b++) {
+            const i64 *e = r + 3 + 4 * b;
+            if (e[1] < 0 || e[2] > r[1] || e[1] > e[2] || e[3] < 0 || e[3] > 2) return SQ_EINVAL;
+            width = nouts[e[3]] > width ? nouts[e[3]] : width;
+        }
+    }
+    const i64 chunks = (width + 15) / 16;
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (i64 k = 0; k < rows; k++) /* shrink: mid = A x */
+            for (i64 g = 0; g < G; g++) {
+                const i64 *r = rec + g * rec_stride;
+                const float *a = (const float *)(intptr_t)r[0];
+                if (a == NULL || k >= r[1]) continue;
+                for (i64 s = seg[g]; s < seg[g + 1]; s++) mid[s * rmax + k] = dotn(a + k * n_in, x + tok[s] * ldx, n_in);
+            }
+#pragma omp for schedule(static)
+        for (i64 c = 0; c < chunks; c++) /* expand: out += mid B^T, 16 output columns per iteration */
+            for (i64 g = 0; g < G; g++) {
+                const i64 *r = rec + g * rec_stride;
+                if ((const float *)(intptr_t)r[0] == NULL) continue;
+                for (i64 b = 0; b < r[2]; b++) {
+                    const i64 *e = r + 3 + 4 * b;
+                    const i64 j = e[3], n = e[2] - e[1], nout = nouts[j], o = c * 16;
+                    if (o >= nout) continue;
+                    const float *bt = (const float *)(intptr_t)e[0] + o;
+                    const i64 w = nout - o < 16 ? nout - o : 16;
+                    for (i64 s = seg[g]; s < seg[g + 1]; s++) {
+                        const float *m = mid + s * rmax + e[1];
+                        float *y = outs[j] + tok[s] * lds[j] + o;
+                        if (w == 16) {
+                            v16 acc = splat(0.f);
+                            for (i64 k = 0; k < n; k++) acc += splat(m[k]) * ld(bt + k * nout);
+                            st(y, ld(y) + acc);
+                        } else {
+                            for (i64 l = 0; l < w; l++) {
+                                float acc = 0.f;
+                                for (i64 k = 0; k < n; k++) acc += m[k] * bt[k * nout + l];
+                                y[l] += acc;
+                            }
+                        }
+                    }
+                }
+            }
+    }
+    return SQ_OK;
+}

@@ -186,7 +186,7 @@ def forward_cpu(model, x: torch.Tensor, batch, kv) -> torch.Tensor:
             q, k, v = (_linear(p, h, lib).contiguous() for p in (a.q_proj, a.k_proj, a.v_proj))
             ldq, ldk, ldv = q.stride(0), k.stride(0), v.stride(0)
         if lora is not None:  # (on the projections' outputs, before Qwen3's norms)
-            lora.add(a.layer, 0, h, {"q_proj": q[:, :hq * d], "k_proj": k[:, :hk * d], "v_proj": v[:, :hk * d]})
+            lora.add_cpu(lib, a.layer, 0, h, {"q_proj": q[:, :hq * d], "k_proj": k[:, :hk * d], "v_proj": v[:, :hk * d]})
         if a.qk_norm:  # Qwen3: RMSNorm per head before rotary (into new contiguous rows)
             q = a.q_norm(q[:, :hq * d].reshape(t, hq, d)).reshape(t, hq * d)
             k = a.k_norm(k[:, :hk * d].reshape(t, hk, d)).reshape(t, hk * d)
@@ -200,7 +200,7 @@ def forward_cpu(model, x: torch.Tensor, batch, kv) -> torch.Tensor:
                  f"no CPU attention kernel for head_dim {d}, {hq} heads over {hk}")
         o = _linear(a.o_proj, attn, lib).contiguous()
         if lora is not None:
-            lora.add(a.layer, 1, attn, {"o_proj": o})
+            lora.add_cpu(lib, a.layer, 1, attn, {"o_proj": o})
         if normed is not None:  # Gemma: the attention's output normed before it joins the residual
             _norm(lib, layer.post_attention_layernorm, o, normed)
             o = normed
@@ -214,7 +214,7 @@ def forward_cpu(model, x: torch.Tensor, batch, kv) -> torch.Tensor:
         else:
             g, u = _linear(m.gate_proj, h, lib).contiguous(), _linear(m.up_proj, h, lib).contiguous()
         if lora is not None:
-            lora.add(a.layer, 2, h, {"gate_proj": g[:, :inter], "up_proj": u[:, :inter]})
+            lora.add_cpu(lib, a.layer, 2, h, {"gate_proj": g[:, :inter], "up_proj": u[:, :inter]})
         if m.act == "silu":
             act = torch.empty(t, inter)
             lib.sq_silu_mul(g.data_ptr(), g.stride(0), u.data_ptr(), u.stride(0), act.data_ptr(), t, inter)
@@ -222,7 +222,7 @@ def forward_cpu(model, x: torch.Tensor, batch, kv) -> torch.Tensor:
             act = (F.gelu(g[:, :inter], approximate="tanh") * u[:, :inter]).contiguous()
         delta = _linear(m.down_proj, act, lib).contiguous()
         if lora is not None:
-            lora.add(a.layer, 3, act, {"down_proj": delta})
+            lora.add_cpu(lib, a.layer, 3, act, {"down_proj": delta})
         if normed is not None:  # Gemma: so is the MLP's
             out_normed = torch.empty(t, hidden)
             _norm(lib, layer.post_feedforward_layernorm, delta, out_normed)

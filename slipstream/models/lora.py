@@ -301,6 +301,7 @@ class LoraGroups:
             tokens, seg, recs = [], [0], []
             order = self._order if self._order is not None else torch.arange(self._slots.shape[0])
             for adapter, rows in self.groups:
+                assert adapter.records is not None  # (add_cpu takes add's path otherwise)
                 tokens.append(order if rows is None else rows)
                 seg.append(seg[-1] + tokens[-1].shape[0])
                 recs.append(adapter.records)

@@ -254,7 +254,7 @@ class LoraGroups:
         counts = torch.bincount(slots, minlength=len(adapters)).tolist()
         total = slots.shape[0]
         self.groups: list[tuple[LoraWeights, torch.Tensor | None]] = []
-        self._slots, self._counts = slots, counts
+        self._slots = slots
         self._native: tuple | None = None
         order = None
         at = counts[0]
@@ -272,6 +272,7 @@ class LoraGroups:
                     self.groups.append((adapter, order[at:at + n]))
             at += n
         self._order = order
+        self._compiled = all(adapter.records is not None for adapter, _ in self.groups)  # else add's matmuls
 
     def __bool__(self) -> bool:
         return bool(self.groups)
@@ -317,7 +318,7 @@ class LoraGroups:
 
         if not self.groups:
             return None
-        if any(adapter.records is None for adapter, _ in self.groups):
+        if not self._compiled:
             return self.add(layer, group, x, outs)
 
         tokens, seg, recs, mid, rmax = self._native_tables()

@@ -223,3 +223,44 @@ def test_every_endpoint_takes_the_speculative_opt_out(endpoint, extra):
         base = {"messages": [{"role": "user", "content": "hi"}]} if endpoint == "chat" else {"prompt": "hi"}
         req = decode_body(json.dumps({"model": "m", **base, **extra}).encode(), endpoint == "chat")
     assert sampling_params(req, False, 2, None)[0].speculative is extra.get("speculative", True)
+
+
+@pytest.mark.parametrize("factor", [8.0, 1.0])
+def test_on_the_cpu_a_dear_speculating_forward_stops_the_drafts(factor):
+    """The CPU times its steps as CUDA does (the compute thread's CPU time, runtime/cpu_device.py), so
+    the policy sees what a speculating step really costs there, not only what the cost table says.
+    A forward over more positions than one row's (a speculating step here: one request alone) burns
+    `factor` times its own CPU time on the compute thread, as a kernel that handles several positions
+    badly would (the AVX2 machine of docs/results/spec-2026-12-02/). At 8x the drafts stop after the
+    step that priced the path; at 1x the same prompt drafts on most steps, so the test tells the two apart."""
+    import time
+
+    prompt = [7, 8, 9, 10] * 10  # the n-gram drafter is right on almost every draft here
+
+    async def run():
+        config = EngineConfig(model="tiny-random", max_batch_size=4, kv_cache_tokens=256, page_size=8,
+                              speculative=SpeculativeConfig(num_drafts=4, adaptive=True))
+        async with Engine(config) as engine:
+            model = engine._parts.runner.model
+            real = model.forward
+
+            def forward(batch, kv):
+                t0 = time.thread_time()
+                out = real(batch, kv)
+                if batch.input_ids.shape[0] > 1:
+                    spent = time.thread_time() - t0
+                    until = t0 + factor * spent
+                    while time.thread_time() < until:
+                        pass
+                return out
+
+            model.forward = forward
+            out = await engine.complete(prompt, SamplingParams(max_tokens=60, temperature=0.0))
+            return out, (await engine.stats())["speculative"]
+
+    out, stats = asyncio.run(run())
+    assert len(out.token_ids) == 60
+    if factor > 1:
+        assert stats["steps"] <= 2 and stats["step_cost_penalty"] > 4, stats
+    else:
+        assert stats["steps"] >= 10 and stats["step_cost_penalty"] < 2, stats

@@ -161,8 +161,11 @@ def install_speculation(config: EngineConfig, runner: ModelRunner, planner: Plan
     else:
         options = dict(min_n=spec.min_n, max_n=spec.max_n, window=spec.window)
     runner.spec = SpecRunner(runner, spec.method, spec.num_drafts, max_len, **options)
-    runner.spec_timed = timed = not runner.device.unified_memory
-    planner.speculation = Speculation(spec.num_drafts, spec.adaptive, FORWARD_MS_BY_ACTIVATIONS[activations], timed=timed)
+    # every device times its steps (CUDA by events, the CPU by its compute thread's CPU time): the cost
+    # table's shape is one machine's, and where a multi-position forward costs more than it says (an
+    # AVX2 CPU: docs/results/spec-2026-12-02/NOTES.md) drafts must stop paying
+    runner.spec_timed = True
+    planner.speculation = Speculation(spec.num_drafts, spec.adaptive, FORWARD_MS_BY_ACTIVATIONS[activations], timed=True)
 
 
 DRAFT_PROBE = "The draft model must split text as the target does: 12345, naïve café, 日本語 🚀."

@@ -86,9 +86,10 @@ class ModelRunner(GraphChoice, EncoderLaunch):
         self.features: dict[bytes, torch.Tensor] = {}
         self.eager_steps = 0  # steps launched without a graph (stats(): on CUDA, 0 in steady serving)
         self.spec: SpecRunner | None = None  # speculating steps (runtime/spec_step.py; EngineConfig.speculative)
-        # speculation priced by device-timed steps (SampledTokens.step_ms) where the cost table cannot
-        # know the device (CUDA: graphed plain steps, eager speculating ones); on the CPU the table was
-        # measured on the kernels, and a shared CPU's stream clock holds other processes' time
+        # with speculation on, steps are timed on the compute stream (SampledTokens.step_ms): the cost
+        # table cannot know the device (CUDA: graphed plain steps beside eager speculating ones; a CPU
+        # whose multi-position forward is dearer than the table's machine's). CPU marks read the compute
+        # thread's CPU time, which other processes on a shared machine do not inflate
         self.spec_timed = False
         # LoRA adapters by slot (0: none), replaced whole so a forward reads one consistent tuple; a
         # row's slot is its row-table column (SamplingRow.lora), gathered per token (docs/lora.md)

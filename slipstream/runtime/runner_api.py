@@ -32,8 +32,8 @@ class SampledTokens(NamedTuple):
     # a speculating step's proposal time (all its rows) over its forward's, where the compute stream runs
     # on the host (the CPU) and so can time them; None elsewhere (the policy keeps its default)
     draft_cost: float | None = None
-    # with speculation on (CUDA: ModelRunner.spec_timed), an unmasked step's time on the compute stream
-    # (ms: forward, drafting and sampling), timed by the device's events; None when not measured
+    # with speculation on (ModelRunner.spec_timed), an unmasked step's time on the compute stream (ms:
+    # forward, drafting and sampling): CUDA's events, the CPU compute thread's CPU time; None when not measured
     step_ms: float | None = None
 
 

@@ -157,7 +157,7 @@ class LaunchedStep:
     logits: torch.Tensor | None = None  # written by its forward on the compute stream, read by its sampling
     hidden: torch.Tensor | None = None  # a carry step's hidden states of its sample rows
     copy_done: Event | None = None  # its tokens are on the host
-    # with timed speculation (CUDA), an unmasked step's span on the compute stream (forward to its copy): what the
+    # with timed speculation, an unmasked step's span on the compute stream (forward to its copy): what the
     # policy prices a speculating step by against a plain one (SampledTokens.step_ms)
     started: Mark | None = None
     ended: Mark | None = None

@@ -27,14 +27,15 @@ a drafter that measures dearer), and speculates only if that beats the step with
 plans (more, up to `MAX_PROBE_EVERY`, the lower its estimate; more still where a probe is dear: its
 cost stays under `PROBE_SHARE` of the plans between probes), so its estimate can recover.
 
-What the device measures (`timed`: CUDA): with speculation on, every unmasked step's time on the
-compute stream comes back (`SampledTokens.step_ms`, timing events; the CPU keeps its measured table:
-a shared CPU's stream clock holds other processes' time). Plain decode steps give the
-device's ms per unit of the cost table by bucket of rows; a speculating step's ms over what that and
-the table predict is its `penalty` (decayed, at least 1), which prices every draft and every probe: on
-CUDA, where a speculating step ran eagerly beside graphed plain steps, it was several times the
-table's, and drafts stop paying; a probe in a step that would not speculate otherwise moves the whole
-batch onto that path, so it is priced as such (`probe_every(alpha, batch)`).
+What the device measures (`timed`, every device the engine builds): with speculation on, every
+unmasked step's time on the compute stream comes back (`SampledTokens.step_ms`: CUDA's timing events,
+the CPU compute thread's CPU time, which other processes on a shared machine do not inflate). Plain
+decode steps give the device's ms per unit of the cost table by bucket of rows; a speculating step's
+ms over what that and the table predict is its `penalty` (decayed, at least 1), which prices every
+draft and every probe: on CUDA, where a speculating step ran eagerly beside graphed plain steps, it
+was several times the table's; on a CPU whose multi-position forward is dearer than on the table's
+machine, above 1; past some penalty drafts stop paying. A probe in a step that would not speculate
+otherwise moves the whole batch onto that path, so it is priced as such (`probe_every(alpha, batch)`).
 
 A drafter's cost: where the device measures it (the CPU), a speculating step's result carries its
 proposal's time over its forward's (`SampledTokens.draft_cost`); `on_draft_cost` keeps a decayed

@@ -10,8 +10,8 @@ from slipstream.errors import InvalidRequestError
 from slipstream.grammar.base import GrammarSpec
 from slipstream.models import ACTIVATION_MODES, WEIGHT_MODES
 from slipstream.runtime.batch import MAX_TOP_LOGPROBS  # (one constant: the runner sizes its buffers by it)
-from slipstream.runtime.buckets import make_buckets
-from slipstream.runtime.event_waits import EVENT_WAITS
+from slipstream.runtime.graphs.buckets import make_buckets
+from slipstream.runtime.devices.event_waits import EVENT_WAITS
 from slipstream.validate import CheckedStructMeta
 
 
@@ -159,8 +159,8 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     """Speculative decoding (docs/speculative.md): a decode row feeds up to `num_drafts` drafted tokens
     after its last one and keeps those the model agrees with; the output is unchanged."""
 
-    method: str = "ngram"  # "ngram": prompt lookup on the device (runtime/ngram_drafter.py); "draft": a
-    #                        smaller model's greedy tokens (runtime/draft_model_drafter.py)
+    method: str = "ngram"  # "ngram": prompt lookup on the device (speculation/ngram_drafter.py); "draft": a
+    #                        smaller model's greedy tokens (speculation/draft_model_drafter.py)
     num_drafts: int = 4  # the most drafts a row feeds in one step (k)
     min_n: int = 1  # n-gram lengths looked up, longest first
     max_n: int = 3

@@ -1,7 +1,7 @@
 """Named factories that plug in: built-ins, in-process registrations, then an entry-point group.
 
 One mechanism for every plugin point (grammar kinds: grammar/registry.py; drafters:
-runtime/drafter_registry.py). A shared leaf: it imports nothing of slipstream, so every layer may
+speculation/registry.py). A shared leaf: it imports nothing of slipstream, so every layer may
 use it. What a factory is called with, and which error a user sees, stays with each plugin point.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A stand-in for the torch.cuda calls of slipstream/runtime/graph_record.py, keeping the caching
+"""A stand-in for the torch.cuda calls of slipstream/runtime/graphs/graph_record.py, keeping the caching
 allocator's capture bookkeeping the way torch 2.11 does (aten/src/ATen/cuda/CUDAGraph.cpp,
 c10/cuda/CUDACachingAllocator.cpp), so CPU tests can show that a failed capture poisons nothing:
   * capture_begin takes a pool reference and records the pool as "being allocated to"; a second

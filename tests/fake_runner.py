@@ -29,7 +29,7 @@ fails a run that drops an encoder output an in-flight step reads.
 
 Prompts are [marker, prompt_len, ...]: marker 1000 + k means "EOS as output token k".
 
-The carry (runtime/carry.py): a row whose chunk declares carry tokens (SamplingRow.carry, here
+The carry (runtime/step/carry.py): a row whose chunk declares carry tokens (SamplingRow.carry, here
 CARRY_MAP) samples them from its model (`next_token(..., carries=True)`); the sampling then
 decodes a value from the context (`head_value`) into the device's carry table, and the next input of
 the row is that value (`carry_input`, in the context) instead of the token. The carry table is
@@ -223,7 +223,7 @@ class FakeEvent(asyncio.Event):
 
 class FakeStream:
     """FIFO work on an asyncio task; each item runs after 0..max_delay loop passes. Like the real
-    streams (runtime/cpu_device.py), an item that raises makes the error sticky: later work is
+    streams (runtime/devices/cpu_device.py), an item that raises makes the error sticky: later work is
     skipped, events still complete and carry the error, until `clear_error` (the runner's recover)."""
 
     def __init__(self, rng: random.Random, max_delay: int):

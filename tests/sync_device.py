@@ -26,7 +26,7 @@ import traceback
 import torch
 from torch.overrides import TorchFunctionMode
 
-from slipstream.runtime.cpu_device import CPUDevice, CPUStream
+from slipstream.runtime.devices.cpu_device import CPUDevice, CPUStream
 
 _READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.__bool__,
           torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__}
@@ -151,7 +151,7 @@ def check_runner(device: SeparateMemoryDevice, runner) -> None:
 def use_torch_paths(monkeypatch) -> None:
     """The runner's CUDA branches on the CPU: the n-gram proposal, greedy argmax and replay
     acceptance in torch ops (their numpy twins are chosen by the tensors' device type)."""
-    from slipstream.runtime import ngram_drafter, spec_step, spec_verify
+    from slipstream.speculation import ngram_drafter, runner as spec_step, verify as spec_verify
 
     monkeypatch.setattr(ngram_drafter.NgramDrafter, "propose", ngram_drafter.NgramDrafter._propose_torch)
     monkeypatch.setattr(spec_verify, "replay_accept", spec_verify._replay_accept_torch)

@@ -1,4 +1,4 @@
-"""Decode-only carry steps replay a carry decode graph (ModelRunner.forward_carry: the kinds and values
+"""Decode-only carry steps replay a carry decode graph (StepForward.carry: the kinds and values
 read from the row tables on the device, the head encodings swapped in with torch.where, the hidden
 states returned for the sampling groups); carry steps with chunks run eagerly; steps without carry
 rows keep the plain decode graphs. The CPU tests install the graphs through the real install_graphs
@@ -12,7 +12,7 @@ import pytest
 from carry_util import install_heads, registered
 from slipstream import Engine, SamplingParams
 from slipstream.grammar import GrammarSpec
-from slipstream.runtime import cuda_graphs
+from slipstream.runtime.graphs import cuda_graphs
 from test_cuda_paths import gpu
 from test_graph_paths import CFG, shared_pool_graphs  # noqa: F401 - a fixture
 from test_mixed_graphs import needs_triton

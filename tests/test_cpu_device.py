@@ -5,8 +5,8 @@ import time
 
 import pytest
 
-from slipstream.runtime.cpu_device import CPUDevice
-from slipstream.runtime.devices import make_device
+from slipstream.runtime.devices.cpu_device import CPUDevice
+from slipstream.runtime.devices.make import make_device
 
 
 @pytest.fixture
@@ -104,7 +104,7 @@ async def test_an_event_completed_at_any_point_of_its_await_wakes_the_loop():
     read of `_done`, a completion between the first read and the append hangs the await.)"""
     import sys
 
-    from slipstream.runtime import cpu_device
+    from slipstream.runtime.devices import cpu_device
 
     k, points = 0, 1
     while k <= points:

@@ -6,7 +6,7 @@ import torch
 from slipstream import EngineConfig
 from slipstream.api.assemble import assemble
 from slipstream.models.loading.build import build_model
-from slipstream.runtime import cpu_threads
+from slipstream.runtime.devices import cpu_threads
 
 
 def test_choice_needs_a_clear_win():

@@ -17,7 +17,7 @@ import torch
 
 from slipstream import Engine, EngineConfig, SamplingParams
 from slipstream.grammar import GrammarSpec, register_grammar, set_allowed, unregister_grammar, words_for
-from slipstream.runtime.row_tables import HistoryTables
+from slipstream.runtime.step.row_tables import HistoryTables
 from test_sampling_engine import reference_choice
 
 pytestmark = pytest.mark.cuda
@@ -42,7 +42,7 @@ def device_bound(monkeypatch, cycles: int = 2_000_000) -> None:
     next into the other slot. Without it the tiny model is host-bound on an H100: every tick commits
     the finished step first and relaunches slot 0 (engine_loop.py), so slot 1 never replays
     (2026-11-27: the `{0}` failures; docs/cuda.md, "Which step reads which outputs")."""
-    from slipstream.runtime.cuda_graphs import CapturedForward
+    from slipstream.runtime.graphs.cuda_graphs import CapturedForward
 
     replay = CapturedForward.replay
 

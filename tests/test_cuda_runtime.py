@@ -12,7 +12,7 @@ import torch
 
 from slipstream import Engine, EngineConfig, SamplingParams
 from slipstream.runtime.batch import pack_step
-from slipstream.runtime.buckets import make_buckets, pick_bucket
+from slipstream.runtime.graphs.buckets import make_buckets, pick_bucket
 from idefics3_fixture import idefics3_folder  # noqa: F401 (a pytest fixture)
 from moondream_fixture import moondream_folder  # noqa: F401 (a pytest fixture)
 from test_engine_tiny import mixed_requests
@@ -20,20 +20,20 @@ from test_engine_tiny import mixed_requests
 
 def test_cuda_modules_import_without_cupy_or_gpu():
     code = ("import sys; sys.modules['cupy'] = None\n"  # importing cupy now raises ImportError
-            "import slipstream.runtime.cuda_device as cd, slipstream.runtime.cuda_graphs, slipstream.api.engine\n"
+            "import slipstream.runtime.devices.cuda_device as cd, slipstream.runtime.graphs.cuda_graphs, slipstream.api.engine\n"
             "assert cd.load_cupy() is None\n"
             "print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().endswith("ok")
-    out = subprocess.run([sys.executable, "-c", "import slipstream.api.engine, slipstream.runtime.cuda_device, sys; "
+    out = subprocess.run([sys.executable, "-c", "import slipstream.api.engine, slipstream.runtime.devices.cuda_device, sys; "
                           "print('cupy' in sys.modules)"], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "False"  # cupy is imported lazily, only by a CUDA device
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a GPU")
 def test_cuda_device_without_gpu_is_a_clear_error():
-    from slipstream.runtime.devices import make_device
+    from slipstream.runtime.devices.make import make_device
 
     with pytest.raises(RuntimeError, match="needs an NVIDIA GPU"):
         make_device("cuda")
@@ -130,12 +130,12 @@ def test_graph_replay_equals_eager_forward():
                     runner.rows.pos[1:n + 1] = positions
 
                 packed = pack_step(np.array(rows), [])
-                arena, compute = runner.arenas[0], runner.device.compute.stream
+                arena, compute = runner.slots[0].arena, runner.device.compute.stream
                 layout = arena.fill(packed)
                 arena.upload()
                 with torch.cuda.stream(compute):
                     hold()
-                    eager = runner.forward_from(arena.tensors(layout))[:n].clone()
+                    eager = runner.forward.logits(arena.tensors(layout))[:n].clone()
                 torch.cuda.synchronize()
                 bucket, graph = runner.graphs.lookup(0, n)
                 assert bucket == pick_bucket(make_buckets(1, 4, 16), n)
@@ -253,7 +253,7 @@ def on(device, **kw):
 def test_pinned_pixels_are_one_contiguous_pinned_range():
     """Tensor.pin_memory() keeps a strided layout; the encoder launch copies only a contiguous one."""
     from slipstream.models.idefics3.processor import ProcessedImage
-    from slipstream.runtime.host_copy import pin_pixels, stage_pixels
+    from slipstream.runtime.devices.host_copy import pin_pixels, stage_pixels
 
     strided = torch.arange(2 * 8 * 8 * 3, dtype=torch.float32).reshape(2, 8, 8, 3).permute(0, 3, 1, 2)
     image = ProcessedImage(strided, torch.ones(2, 8, 8, dtype=torch.bool), rows=0, cols=0, num_image_tokens=8)

@@ -1,4 +1,4 @@
-"""The draft-model drafter (SpeculativeConfig(method="draft"), runtime/draft_model_drafter.py) on the tiny
+"""The draft-model drafter (SpeculativeConfig(method="draft"), speculation/draft_model_drafter.py) on the tiny
 random model, drafting for itself: greedy output with speculation equals the output without it at
 depth 1 and 2, with full context (nearly every draft accepted) and with a 2-token context (drafts
 rejected often); a draft model whose vocabulary or tokenizer differs is refused by name."""

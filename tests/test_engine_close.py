@@ -77,7 +77,7 @@ async def test_close_releases_device_memory_after_every_reference_is_gone():
     """release_memory (on CUDA: collect, then torch.cuda.empty_cache) is the last step of close,
     when the graphs and every reference to the runner are gone; before it, blocks that are still
     referenced would stay in the allocator."""
-    from slipstream.runtime.cuda_device import CUDADevice
+    from slipstream.runtime.devices.cuda_device import CUDADevice
 
     seen = []
     async with Engine(EngineConfig(**CFG)) as engine:

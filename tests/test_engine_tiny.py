@@ -11,7 +11,7 @@ from invariance import invariant_config
 from slipstream import Engine, EngineConfig, InvalidRequestError, SamplingParams
 from slipstream.errors import PipelineInvariantError, SlotReuseError
 from slipstream.runtime.batch import SeqWork, pack_step
-from slipstream.runtime.step_slot import LaunchedStep
+from slipstream.runtime.step.step_slot import LaunchedStep
 
 
 def cfg(depth, **kw):

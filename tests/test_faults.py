@@ -22,8 +22,8 @@ from slipstream.errors import (
     StepTimeoutError,
 )
 from slipstream.faults import FaultInjector, InjectedFault, install
-from slipstream.runtime.step_slot import LaunchedStep, StepSlot
-from slipstream.runtime.cpu_device import CPUDevice
+from slipstream.runtime.step.step_slot import LaunchedStep, StepSlot
+from slipstream.runtime.devices.cpu_device import CPUDevice
 
 
 def cfg(depth, **kw):

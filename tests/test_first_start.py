@@ -10,7 +10,7 @@ from slipstream.logging_setup import configure_logging, first_start_phase, reset
 from slipstream.models.kernels import cpu_kernels
 from slipstream.models.loading import loader
 from slipstream.models.loading.build import build_model
-from slipstream.runtime import cpu_threads
+from slipstream.runtime.devices import cpu_threads
 
 
 @pytest.fixture(autouse=True)

@@ -13,12 +13,12 @@ import structlog
 from engine_util import wait_all_free
 from slipstream import Engine, EngineConfig, InvalidRequestError, SamplingParams
 from slipstream.runtime.batch import MAX_CARRY_TOKENS, SamplingRow, SeqWork, pack_step
-from slipstream.runtime.buckets import make_buckets, pick_bucket
-from slipstream.runtime.cpu_device import CPUDevice
-from slipstream.runtime.graphs import GraphCache
-from slipstream.runtime.memory import kv_pages_for_memory
-from slipstream.runtime.sampling_args import NO_CARRY, FloatColumn, IntColumn
-from slipstream.runtime.staging import Layout, StepArena
+from slipstream.runtime.graphs.buckets import make_buckets, pick_bucket
+from slipstream.runtime.devices.cpu_device import CPUDevice
+from slipstream.runtime.graphs.cache import GraphCache
+from slipstream.runtime.devices.memory import kv_pages_for_memory
+from slipstream.runtime.sampling.sampling_args import NO_CARRY, FloatColumn, IntColumn
+from slipstream.runtime.step.staging import Layout, StepArena
 from test_engine_tiny import mixed_requests
 
 
@@ -161,14 +161,14 @@ class EagerGraph:
     """Replays like a captured graph: fixed bucket shapes read from the slot arena, padding included."""
 
     def __init__(self, runner, slot, bucket, log):
-        self.runner, self.arena, self.bucket, self.log = runner, runner.arenas[slot], bucket, log
+        self.runner, self.arena, self.bucket, self.log = runner, runner.slots[slot].arena, bucket, log
         self.slot = runner.slots[slot]
 
     def replay(self):
         tensors = self.arena.tensors(Layout.decode_bucket(self.bucket))
         kv = (self.runner.rows.pos[tensors.decode_rows] + 1).tolist()  # what the forward will see
         self.log.append((self.bucket, self.slot.owner.num_samples, kv))
-        return self.runner.forward_from(tensors, host_attention=True)
+        return self.runner.forward.logits(tensors, host_attention=True)
 
 
 async def _run(graphs: bool, reqs):
@@ -213,9 +213,9 @@ def test_device_metadata_path_with_the_triton_kernel_matches_the_reference():
             replays = []
             if graphs:
                 def capture(slot, b):
-                    arena = runner.arenas[slot]
+                    arena = runner.slots[slot].arena
                     return type("Replay", (), {"replay": lambda self: replays.append(b) or
-                                               runner.forward_from(arena.tensors(Layout.decode_bucket(b)))})()
+                                               runner.forward.logits(arena.tensors(Layout.decode_bucket(b)))})()
 
                 runner.graphs = GraphCache(make_buckets(1, 2, 8), 2, capture)
             params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)

@@ -12,7 +12,7 @@ import torch
 
 from slipstream import Engine, EngineConfig, SamplingParams
 from slipstream.grammar import GrammarSpec, register_grammar, unregister_grammar
-from slipstream.runtime import cuda_graphs
+from slipstream.runtime.graphs import cuda_graphs
 from test_cuda_paths import PROMPTS, _Alternating, record_launches, tokens
 from test_mixed_graphs import needs_triton
 
@@ -27,7 +27,7 @@ def shared_pool_graphs(monkeypatch):
 
     def stand_in(runner, device, pool_handle, stage, forward=None):
         tensors = stage()
-        forward = runner.forward_from if forward is None else forward
+        forward = runner.forward.logits if forward is None else forward
 
         class Replay:
             def replay(self):
@@ -168,7 +168,7 @@ def test_a_replay_while_the_other_slots_sampling_is_not_launched_is_refused(shar
     sampling is not enqueued yet, so the runner refuses to launch it."""
     from slipstream.errors import PipelineInvariantError
     from slipstream.runtime.batch import pack_step
-    from slipstream.runtime.cpu_device import CPUDevice
+    from slipstream.runtime.devices.cpu_device import CPUDevice
     from test_mixed_graphs import _runner
 
     device = CPUDevice()

@@ -1,4 +1,4 @@
-"""A failed graph capture poisons nothing (runtime/graph_record.py), on the CPU: the real capture
+"""A failed graph capture poisons nothing (runtime/graphs/graph_record.py), on the CPU: the real capture
 code against tests/fake_graph_api.py, which keeps torch's allocator bookkeeping (a capture left
 recording to the shared pool makes every later capture into it raise, as on the H100 on
 2026-11-27). One capture fails mid-way; that cache runs eagerly, the others capture and replay into
@@ -14,9 +14,9 @@ import torch
 
 from fake_graph_api import FakeGraphApi
 from slipstream import Engine, EngineConfig, SamplingParams
-from slipstream.runtime import cuda_graphs, graph_record
-from slipstream.runtime.graph_record import record
-from slipstream.runtime.static_step import StaticStepTensors
+from slipstream.runtime.graphs import cuda_graphs, graph_record
+from slipstream.runtime.graphs.graph_record import record
+from slipstream.runtime.graphs.static_step import StaticStepTensors
 from test_mixed_graphs import needs_triton
 
 POOL = (0, 1)  # one pool for every engine (harsher than torch: a leftover recording hits the next engine)
@@ -91,9 +91,9 @@ async def _start(cfg, fail_mixed=False, only_start=False):
     device.compute.stream = "compute"  # (what _capture records on)
     runner.model.set_kernel_backend("triton")  # what a graph holds: the device attention (interpreted here)
     if only_start:
-        runner.forward_from = lambda t, *args, **kw: torch.zeros(1)
+        runner.forward.logits = lambda t, *args, **kw: torch.zeros(1)
     if fail_mixed:
-        forward = runner.forward_from
+        forward = runner.forward.logits
 
         def failing(t, *args, **kw):
             if isinstance(t, StaticStepTensors) and graph_record.API.capture is not None:
@@ -101,7 +101,7 @@ async def _start(cfg, fail_mixed=False, only_start=False):
                 raise RuntimeError(FORBIDDEN)
             return forward(t, *args, **kw)
 
-        runner.forward_from = failing
+        runner.forward.logits = failing
     cuda_graphs.install_graphs(runner, device, cfg)
     return engine
 

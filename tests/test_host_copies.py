@@ -14,8 +14,10 @@ import torch
 
 from slipstream import Engine, EngineConfig, SamplingParams
 from slipstream.errors import PipelineInvariantError
-from slipstream.runtime import host_copy, model_runner, row_tables
-from slipstream.runtime.row_tables import HistoryTables
+from slipstream.runtime.devices import host_copy
+from slipstream.runtime import model_runner
+from slipstream.runtime.step import row_tables
+from slipstream.runtime.step.row_tables import HistoryTables
 
 CFG = dict(model="tiny-random", max_batch_size=8, max_num_batched_tokens=64, kv_cache_tokens=4096, page_size=8)
 PROMPT = [5, 9, 11, 40, 40, 7, 300, 12]

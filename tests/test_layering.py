@@ -24,9 +24,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1] / "slipstream"
 SHARED = {"slipstream.errors", "slipstream.intmath", "slipstream.validate", "slipstream.logging_setup",
           "slipstream.plugins", "slipstream.faults"}  # (faults: the injection points every layer checks; imports nothing)
-RANK = {"models": 0, "grammar": 1, "runtime": 2, "scheduler": 3}
+RANK = {"models": 0, "grammar": 1, "runtime": 2, "speculation": 2, "scheduler": 3}
 API = 4
-NO_TORCH = ("slipstream.scheduler",)
+NO_TORCH = ("slipstream.scheduler", "slipstream.speculation.policy")
 
 
 def module_name(path: Path) -> str:
@@ -138,6 +138,80 @@ def cycles(g: dict[str, list[tuple[str, bool]]], typing: bool = True) -> list[li
     return found
 
 
+def _private_names(tree: ast.AST) -> set[str]:
+    """`_name`s a file defines: functions, classes, attributes it assigns (self._x, x._x, module and
+    class level), annotated fields and __slots__ entries."""
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                for n in ast.walk(t):
+                    if isinstance(n, ast.Name):
+                        out.add(n.id)
+                    elif isinstance(n, ast.Attribute):
+                        out.add(n.attr)
+            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__slots__"
+                                                    for t in node.targets):
+                out.update(c.value for c in ast.walk(node.value) if isinstance(c, ast.Constant)
+                           and isinstance(c.value, str))
+    return {n for n in out if n.startswith("_") and not n.startswith("__")}
+
+
+def private_reads_across_files() -> tuple[list[str], list[str]]:
+    """(across the package's files, of libraries): `x._name` with x not self, cls or super(), and
+    `from m import _name`. Across files: `_name` is defined in another file of the package and not
+    in this one, so this file reaches into another room's privates (what a public method is for).
+    Of libraries: defined nowhere in the package (torch._C and the like), counted apart."""
+    mods = modules()
+    trees = {p: ast.parse(p.read_text(), str(p)) for p in mods.values()}
+    defined = {p: _private_names(t) for p, t in trees.items()}
+    everywhere: set[str] = set().union(*defined.values())
+    across, library = [], []
+    for path, tree in trees.items():
+        own = defined[path]
+        for node in ast.walk(tree):
+            names: list[tuple[str, int]] = []
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+                    and not (isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Name)
+                             and node.value.func.id == "super")):
+                names.append((node.attr, node.lineno))
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("slipstream"):
+                names += [(a.name, node.lineno) for a in node.names
+                          if a.name.startswith("_") and not a.name.startswith("__")]
+            for name, line in names:
+                where = f"{path.relative_to(ROOT.parent)}:{line} .{name}"
+                if name in everywhere and name not in own:
+                    across.append(where)
+                elif name not in everywhere:
+                    library.append(where)
+    return sorted(across), sorted(library)
+
+
+def test_no_file_reads_another_files_privates():
+    """A room is used through its public names: a `_name` defined in one file of the package is read
+    only in that file (issue 53; tools/layout_counts.py reports the same count)."""
+    assert private_reads_across_files()[0] == []
+
+
+def test_the_private_check_sees_a_reach_across_files(tmp_path):
+    """The check can fail: a file that calls another file's private method is found."""
+    pkg = tmp_path / "slipstream"
+    (pkg / "a").mkdir(parents=True)
+    (pkg / "a" / "runner.py").write_text("class R:\n    def _free(self):\n        return 1\n")
+    (pkg / "a" / "spec.py").write_text("def launch(r):\n    return r._free()\n\n\ndef own(x):\n    return x._mine\n"
+                                       "\n\nclass T:\n    _mine = 0\n")
+    global ROOT
+    saved, ROOT = ROOT, pkg
+    try:
+        across, library = private_reads_across_files()
+    finally:
+        ROOT = saved
+    assert across == ["slipstream/a/spec.py:2 ._free"] and library == []
+
+
 def test_no_module_imports_a_higher_layer():
     assert layering_violations(graph()) == []
 
@@ -150,9 +224,9 @@ def test_the_checks_see_what_they_check():
     g = graph()
     assert ("slipstream.runtime.batch", False) in g["slipstream.scheduler.step"]
     assert ("slipstream.faults", True) in g["slipstream.runtime.model_runner"]  # a TYPE_CHECKING import
-    g["slipstream.runtime.cuda_device"].append(("slipstream.params", False))  # the old upward import
+    g["slipstream.runtime.devices.cuda_device"].append(("slipstream.params", False))  # the old upward import
     g["slipstream.scheduler.planner"].append(("torch", False))
-    assert layering_violations(g) == ["slipstream.runtime.cuda_device imports slipstream.params (a higher layer)",
+    assert layering_violations(g) == ["slipstream.runtime.devices.cuda_device imports slipstream.params (a higher layer)",
                                       "slipstream.scheduler.planner imports torch"]
     g["slipstream.models.kernels.rotary"].append(("slipstream.models.llama.model", False))  # deferred in a function counts
     (circle,) = cycles(g)

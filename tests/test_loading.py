@@ -25,7 +25,7 @@ from slipstream.models.loading.gguf_loader import load_gguf
 from slipstream.models.loading.hf_loader import load_hf_folder
 from hf_oracle import random_hf_llama
 from slipstream.models.loading.loader import DEFAULT_MODEL, LoadedModel, load_model, resolve_model_path
-from slipstream.models.tokenizers.tokenizer import _byte_alphabet
+from slipstream.models.tokenizers.tokenizer import byte_alphabet
 
 Q8 = gguf.GGMLQuantizationType.Q8_0
 
@@ -83,7 +83,7 @@ def write_tiny_gguf(path, cfg: ModelConfig, weights: dict, arch: str = "llama", 
     w.add_head_count_kv(cfg.num_kv_heads)
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    tokens = list(_byte_alphabet().values()) + ["<|end|>", "<|start|>"]
+    tokens = list(byte_alphabet().values()) + ["<|end|>", "<|start|>"]
     tokens += [f"<unused{i}>" for i in range(cfg.vocab_size - len(tokens))]
     w.add_tokenizer_model("gpt2")
     w.add_token_list(tokens)

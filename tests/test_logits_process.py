@@ -1,4 +1,4 @@
-"""Batched logit processing (slipstream/runtime/logits_process.py) against independent references:
+"""Batched logit processing (slipstream/runtime/sampling/logits_process.py) against independent references:
 transformers' logits processors where one exists, a plain per-row loop otherwise. Every row of a
 batch has its own parameters, and neutral rows must come out bit-identical."""
 import math
@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from slipstream.params import SamplingParams
-from slipstream.runtime.logits_process import (ProcessFlags, apply_penalties, flat_rows, min_p_filter, process_flags,
+from slipstream.runtime.sampling.logits_process import (ProcessFlags, apply_penalties, flat_rows, min_p_filter, process_flags,
                                                process_logits, record_sampled, reset_rows, suppress_stop_tokens,
                                                top_logprobs)
-from slipstream.runtime.row_tables import HistoryTables
-from slipstream.runtime.sampler import sample
-from slipstream.runtime.sampling_args import SamplingArgs
+from slipstream.runtime.step.row_tables import HistoryTables
+from slipstream.runtime.sampling.sampler import sample
+from slipstream.runtime.sampling.sampling_args import SamplingArgs
 
 pytest.importorskip("transformers")
 from transformers import (MinNewTokensLengthLogitsProcessor, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,  # noqa: E402

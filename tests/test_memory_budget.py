@@ -1,4 +1,4 @@
-"""The memory reserved before KV sizing (runtime/memory.py: runtime_reserve) against the buffers it
+"""The memory reserved before KV sizing (runtime/devices/memory.py: runtime_reserve) against the buffers it
 predicts, built by the real allocation code on the CPU: graph outputs from the capture path (with a
 stand-in capture that runs the forward once, as the real one does), slot buffers, history tables,
 and the measured peak temporaries of the real sampling launch."""
@@ -12,10 +12,10 @@ from test_mixed_graphs import needs_triton
 
 from slipstream import Engine, EngineConfig, SamplingParams
 from slipstream.errors import InvalidRequestError
-from slipstream.runtime import cuda_graphs
-from slipstream.runtime.step_slot import StepSlot
-from slipstream.runtime.memory import SAMPLING_BYTES_PER_LOGIT, engine_reserve, kv_pages_for_memory
-from slipstream.runtime.row_tables import HistoryTables
+from slipstream.runtime.graphs import cuda_graphs
+from slipstream.runtime.step.step_slot import StepSlot
+from slipstream.runtime.devices.memory import SAMPLING_BYTES_PER_LOGIT, engine_reserve, kv_pages_for_memory
+from slipstream.runtime.step.row_tables import HistoryTables
 
 TEXT_MODEL = types.SimpleNamespace(carry_heads=None)  # kv_pages asks a model only whether it has carry heads
 
@@ -37,8 +37,8 @@ def capture_graph_outputs(monkeypatch, cfg, prepare=lambda runner: None):
         tensors = stage()
         name = getattr(forward, "__name__", "")
         kind = ("mixed" if hasattr(tensors, "blocks") else "decode" if forward is None
-                else "carry" if name == "forward_carry" else "greedy")
-        out = (runner.forward_from if forward is None else forward)(tensors)  # the output a graph keeps
+                else "carry" if name == "carry" else "greedy")
+        out = (runner.forward.logits if forward is None else forward)(tensors)  # the output a graph keeps
         held[kind].append(out)
         return types.SimpleNamespace(replay=lambda: out)
 
@@ -139,7 +139,7 @@ def test_engine_kv_sizing_subtracts_the_reserve_and_logs_it(monkeypatch):
 
     from slipstream.api import assemble
     from slipstream.models.config import smollm2_135m_config
-    from slipstream.runtime import memory
+    from slipstream.runtime.devices import memory
 
     mcfg = smollm2_135m_config()
     cfg = EngineConfig(model="random-smollm2-135m", device="cuda", dtype="bfloat16", max_batch_size=256,

@@ -14,7 +14,7 @@ import torch
 from slipstream.api import assemble
 from slipstream.models.config import smollm2_135m_config
 from slipstream.params import EngineConfig
-from slipstream.runtime import memory
+from slipstream.runtime.devices import memory
 
 GiB = 2**30
 TOTAL = 140 * GiB
@@ -67,7 +67,7 @@ class FakeAllocator:
 
 def fake_cuda_device():
     """A CUDA-kind device whose free_memory is CUDADevice's (the driver's figure)."""
-    from slipstream.runtime.cuda_device import CUDADevice
+    from slipstream.runtime.devices.cuda_device import CUDADevice
 
     device = types.SimpleNamespace(kind="cuda", torch_device=torch.device("cuda", 0))
     device.free_memory = lambda: CUDADevice.free_memory(device)

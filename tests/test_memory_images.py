@@ -12,8 +12,8 @@ from slipstream.models.idefics3.config import ProcessingConfig
 from slipstream.models.idefics3.processor import Idefics3Processing
 from slipstream.models.moondream.config import MoondreamConfig
 from slipstream.models.moondream.serving import MoondreamProcessing
-from slipstream.runtime import memory
-from slipstream.runtime.memory import engine_reserve
+from slipstream.runtime.devices import memory
+from slipstream.runtime.devices.memory import engine_reserve
 
 pytest.importorskip("PIL.Image")
 TEXT_MODEL = types.SimpleNamespace(carry_heads=None)  # kv_pages asks a model only whether it has carry heads

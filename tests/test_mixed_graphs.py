@@ -1,5 +1,5 @@
 """Graphs of mixed and prefill steps, without a GPU: the fixed-shape layout of a token bucket
-(slipstream/runtime/static_step.py) run through ModelRunner with the Triton kernels interpreted.
+(slipstream/runtime/graphs/static_step.py) run through ModelRunner with the Triton kernels interpreted.
 
 The stand-in "graph" is captured once per (slot, token bucket): it keeps the bucket's device views
 and replays by running the forward on them again. That is exactly what a CUDA graph relies on:
@@ -19,13 +19,13 @@ from slipstream.errors import PipelineInvariantError
 from slipstream.models.loading.build import build_model
 from slipstream.models.base import KVCache
 from slipstream.runtime.batch import SamplingRow, SeqWork, pack_step
-from slipstream.runtime.buckets import token_buckets
-from slipstream.runtime.cpu_device import CPUDevice
-from slipstream.runtime.sampling_launch import SamplingLauncher
-from slipstream.runtime.graphs import MIXED, GraphCache
+from slipstream.runtime.graphs.buckets import token_buckets
+from slipstream.runtime.devices.cpu_device import CPUDevice
+from slipstream.runtime.sampling.sampling_launch import SamplingLauncher
+from slipstream.runtime.graphs.cache import MIXED, GraphCache
 from slipstream.runtime.model_runner import ModelRunner
-from slipstream.runtime.staging import StepArena
-from slipstream.runtime.static_step import fill_static, static_tensors
+from slipstream.runtime.step.staging import StepArena
+from slipstream.runtime.graphs.static_step import fill_static, static_tensors
 
 try:
     import triton  # noqa: F401
@@ -186,11 +186,11 @@ class ReplayAgain:
 
     def __init__(self, runner, slot, tokens, log):
         self.runner, self.tokens, self.log, self.slot = runner, tokens, log, slot
-        self.tensors = static_tensors(runner.arenas[slot], tokens)
+        self.tensors = static_tensors(runner.slots[slot].arena, tokens)
 
     def replay(self):
         self.log.append((self.slot, self.tokens))
-        return self.runner.forward_from(self.tensors)
+        return self.runner.forward.logits(self.tensors)
 
 
 def _runner(dev):
@@ -271,14 +271,14 @@ def test_engine_with_stand_in_graphs_of_both_kinds_gives_the_eager_tokens(monkey
     itself replaced by a stand-in replaying the staged views: prefill and mixed steps of up to 32
     tokens replay a mixed stand-in, decode steps a decode stand-in, a larger step runs eagerly, and
     the tokens equal the eager engine's."""
-    from slipstream.runtime import cuda_graphs
+    from slipstream.runtime.graphs import cuda_graphs
 
     replays = []
 
     def stand_in(runner, device, pool, stage, forward=None):
         tensors = stage()
         kind = "mixed" if hasattr(tensors, "blocks") else "decode" if forward is None else "greedy"
-        forward = runner.forward_from if forward is None else forward
+        forward = runner.forward.logits if forward is None else forward
 
         class Replay:
             def replay(self):
@@ -332,7 +332,7 @@ def test_engine_with_stand_in_graphs_of_both_kinds_gives_the_eager_tokens(monkey
 
 @needs_triton
 def test_a_failed_mixed_capture_leaves_eager_prefill_and_the_decode_graphs(monkeypatch):
-    from slipstream.runtime import cuda_graphs
+    from slipstream.runtime.graphs import cuda_graphs
 
     def stand_in(runner, device, pool, stage, forward=None):
         tensors = stage()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from slipstream import Engine, EngineConfig, SamplingParams
-from slipstream.runtime.buckets import pick_bucket, token_buckets
+from slipstream.runtime.graphs.buckets import pick_bucket, token_buckets
 from test_engine_tiny import mixed_requests
 from test_mixed_graphs import PAGE, PAGES_PER_ROW, STEPS, _run, _tables
 

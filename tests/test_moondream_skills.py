@@ -258,7 +258,7 @@ def test_region_index_masks_follow_the_matcher():
 def test_region_values_never_pass_through_the_host_between_steps(md, want):
     """The carry table guarded (tests/test_carry_engine.py's HostReadGuard: no conversion to Python or
     numpy, no use off the device's stream threads) through Moondream detect and point requests.
-    (Mutant: runtime/carry.py's carry_input reading the values with .tolist(): the guard fails.)"""
+    (Mutant: runtime/step/carry.py's carry_input reading the values with .tolist(): the guard fails.)"""
     HostReadGuard.violations.clear()
 
     def guard(engine):

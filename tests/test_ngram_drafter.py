@@ -1,4 +1,4 @@
-"""Prompt-lookup drafting on the device (slipstream/runtime/ngram_drafter.py) against a plain-Python
+"""Prompt-lookup drafting on the device (slipstream/speculation/ngram_drafter.py) against a plain-Python
 reference, the token history it reads, and the drafter plugin point."""
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import random
 import pytest
 import torch
 
-from slipstream.runtime.drafter_registry import build_drafter, register_drafter
-from slipstream.runtime.ngram_drafter import NgramDrafter
-from slipstream.runtime.token_history import NO_TOKEN, TokenHistory
+from slipstream.speculation.registry import build_drafter, register_drafter
+from slipstream.speculation.ngram_drafter import NgramDrafter
+from slipstream.speculation.history import NO_TOKEN, TokenHistory
 
 
 def reference(seq: list[int], k: int, min_n: int, max_n: int, window: int) -> list[int] | None:

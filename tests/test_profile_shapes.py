@@ -52,7 +52,7 @@ def test_a_prefill_step_stages_and_runs_on_a_cpu_engine():
                                        max_num_batched_tokens=256, kv_cache_tokens=1024)) as engine:
             runner = engine._parts.runner
             tensors, found = profile.stage_prefill(runner, 200)
-            return runner.forward_from(tensors), found
+            return runner.forward.logits(tensors), found
 
     logits, found = asyncio.run(run())
     assert found is None  # (no graphs on the CPU)

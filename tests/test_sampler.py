@@ -7,9 +7,9 @@ import torch
 
 from invariance import invariant_config
 from slipstream import Engine, SamplingParams
-from slipstream.runtime.sampler import row_keys, uniforms
-from slipstream.runtime.sampler import sample as sample_args
-from slipstream.runtime.sampling_args import Draw, SamplingArgs, TopKTopP
+from slipstream.runtime.sampling.sampler import row_keys, uniforms
+from slipstream.runtime.sampling.sampler import sample as sample_args
+from slipstream.runtime.sampling.sampling_args import Draw, SamplingArgs, TopKTopP
 
 RANDOM, GREEDY = True, False
 
@@ -29,7 +29,7 @@ def test_uniforms_are_in_the_open_interval_and_well_spread():
     assert 0 < u.min() and u.max() < 1
     # the extreme hashes too: a uniform of 1.0 is a noise of +inf, and a masked token's -inf + inf = NaN
     # is what argmax picks (a grammar violation once in 2**24 draws with 24-bit uniforms)
-    import slipstream.runtime.sampler as sampler
+    import slipstream.runtime.sampling.sampler as sampler
     real, sampler.hash32 = sampler.hash32, lambda x: torch.full_like(x, 0xFFFFFFFF)
     try:
         top = uniforms(torch.zeros(1, dtype=torch.int64), 2)

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from slipstream.runtime.batch import SamplingRow, SeqWork
-from slipstream.runtime.sampling_args import NUM_FLOATS, NUM_INTS, SamplingTables, stage_params
+from slipstream.runtime.sampling.sampling_args import NUM_FLOATS, NUM_INTS, SamplingTables, stage_params
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "slipstream"
 

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from slipstream.runtime.ngram_drafter import NgramDrafter
-from slipstream.runtime.sampling_args import Draw, SamplingArgs, TopKTopP
-from slipstream.runtime.spec_verify import rejection_accept, replay_accept, spec_layout, target_tokens
-from slipstream.runtime.token_history import TokenHistory
+from slipstream.speculation.ngram_drafter import NgramDrafter
+from slipstream.runtime.sampling.sampling_args import Draw, SamplingArgs, TopKTopP
+from slipstream.speculation.verify import rejection_accept, replay_accept, spec_layout, target_tokens
+from slipstream.speculation.history import TokenHistory
 
 pytestmark = pytest.mark.cuda
 N, K, V = 64, 4, 1000

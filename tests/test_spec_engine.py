@@ -227,7 +227,7 @@ def test_every_endpoint_takes_the_speculative_opt_out(endpoint, extra):
 
 @pytest.mark.parametrize("factor", [8.0, 1.0])
 def test_on_the_cpu_a_dear_speculating_forward_stops_the_drafts(factor):
-    """The CPU times its steps as CUDA does (the compute thread's CPU time, runtime/cpu_device.py), so
+    """The CPU times its steps as CUDA does (the compute thread's CPU time, runtime/devices/cpu_device.py), so
     the policy sees what a speculating step really costs there, not only what the cost table says.
     A forward over more positions than one row's (a speculating step here: one request alone) burns
     `factor` times its own CPU time on the compute thread, as a kernel that handles several positions

@@ -78,10 +78,10 @@ class _ReplayAgain:
 
 @pytest.fixture
 def stand_in_graphs(monkeypatch):
-    from slipstream.runtime import cuda_graphs
+    from slipstream.runtime.graphs import cuda_graphs
 
     def capture(runner, device, pool, stage, forward=None):
-        return _ReplayAgain(runner.forward_from if forward is None else forward, stage())
+        return _ReplayAgain(runner.forward.logits if forward is None else forward, stage())
 
     monkeypatch.setattr(cuda_graphs, "_capture", capture)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)

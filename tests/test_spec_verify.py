@@ -1,4 +1,4 @@
-"""Draft verification on the device (slipstream/runtime/spec_verify.py).
+"""Draft verification on the device (slipstream/speculation/verify.py).
 
 Replay acceptance must emit exactly what non-speculative decoding emits from the same logits, token
 for token (greedy, seeded sampling, penalties, min_tokens, masks), whatever the drafts; rejection
@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from slipstream.grammar.bitmask import allocate_bitmask, set_allowed
-from slipstream.runtime.logits_process import record_sampled
-from slipstream.runtime.sampler import sample_group
-from slipstream.runtime.sampling_args import Draw, Penalties, SamplingArgs, TopKTopP
-from slipstream.runtime.spec_verify import (NO_TOKEN, _replay_accept_numpy, _replay_accept_torch, count_emitted,
+from slipstream.runtime.sampling.logits_process import record_sampled
+from slipstream.runtime.sampling.sampler import sample_group
+from slipstream.runtime.sampling.sampling_args import Draw, Penalties, SamplingArgs, TopKTopP
+from slipstream.speculation.verify import (NO_TOKEN, _replay_accept_numpy, _replay_accept_torch, count_emitted,
                                             rejection_accept, replay_accept, spec_layout, target_tokens, verify_inputs)
 
 V = 12

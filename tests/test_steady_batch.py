@@ -163,7 +163,7 @@ def test_rejected_drafts_of_a_row_left_out_for_samples_end_the_steady_batch():
     left out of the next plan, which (draftless) starts a steady batch; its drafts are rejected at the
     commit, which gives the samples back: the row decodes again, so the commit ends the batch.
     (The draft-model drafter's depth-2 failure, issue 40.)"""
-    from slipstream.scheduler.speculation import Speculation
+    from slipstream.speculation.policy import Speculation
 
     planner = Planner(PagePool(64), PAGE, max_batch_size=8, max_step_tokens=64)
     pipeline = Pipeline(2, planner)

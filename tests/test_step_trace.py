@@ -15,8 +15,8 @@ _spec.loader.exec_module(step_trace)
 # loop, and the CPU device's side (issue 36: <= 12 files, <= 60 functions, from 27 / 110 at 99596d0)
 MAX_FILES, MAX_FUNCTIONS = 12, 60
 # the code of images, the carry and prefix caching: none of it runs on a text step that has none
-NOT_ON_A_TEXT_STEP = ("scheduler/encoder_cache.py", "scheduler/encoder_budget.py", "runtime/encoder_launch.py",
-                      "runtime/carry.py", "scheduler/prefix_cache.py", "scheduler/block_hash.py", "images.py")
+NOT_ON_A_TEXT_STEP = ("scheduler/encoder_cache.py", "scheduler/encoder_budget.py", "runtime/step/encoder_launch.py",
+                      "runtime/step/carry.py", "scheduler/prefix_cache.py", "scheduler/block_hash.py", "images.py")
 
 
 def _median(text):
@@ -34,7 +34,7 @@ def test_a_steady_step_crosses_at_most_twelve_files_and_sixty_functions(capsys, 
     assert 0 < files <= functions <= calls <= python and depth >= 2
     assert files <= MAX_FILES and functions <= MAX_FUNCTIONS, text
     listed = re.findall(r"^  slipstream/(\S+): \d+ / \d+", text, re.M)
-    assert len(listed) == files and "runtime/cpu_device.py" in listed  # the device's threads are traced too
+    assert len(listed) == files and "runtime/devices/cpu_device.py" in listed  # the device's threads are traced too
     assert not set(listed) & set(NOT_ON_A_TEXT_STEP), listed
     assert sys.getprofile() is None  # the hook is off again
     assert "  slipstream/params.py: " in text  # the sampling path starts at SamplingParams
@@ -45,3 +45,14 @@ def test_the_tick_scope_starts_at_the_tick(capsys):
     text = capsys.readouterr().out
     assert "slipstream/scheduler/engine_loop.py:EngineLoop.tick" in text  # the deepest chain starts at the tick
     assert _median(text)[0] < 12
+
+
+def test_a_speculating_step_is_traced_and_its_files_counted(capsys):
+    """--drafts traces a steady speculating step instead (issue 53 reports its count; no cap: a
+    speculating batch plans in full every step)."""
+    assert step_trace.main(["--streams", "2", "--ticks", "1", "--len", "12", "--no-header", "--drafts", "2"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("one steady speculating (2 n-gram drafts a row) step")
+    listed = re.findall(r"^  slipstream/(\S+): \d+ / \d+", text, re.M)
+    assert "speculation/runner.py" in listed and "speculation/policy.py" in listed
+    assert len(listed) == _median(text)[0] > 12

@@ -9,7 +9,7 @@ import regex
 
 from slipstream.models.loading.gguf_loader import load_gguf_tokenizer
 from slipstream.models.loading.loader import resolve_model_path
-from slipstream.models.tokenizers.tokenizer import IncrementalDetokenizer, Tokenizer, _byte_alphabet
+from slipstream.models.tokenizers.tokenizer import IncrementalDetokenizer, Tokenizer, byte_alphabet
 
 PROMPTS = [
     "Hello, world! How are you today?",
@@ -84,7 +84,7 @@ def test_chat_template_matches_transformers(tok, hf_tok, messages, add_generatio
 def _llama_cpp_smollm_ids(tok: Tokenizer, text: str) -> list[int]:
     """Independent oracle: llama.cpp's "smollm" rule (digits alone, then GPT-2 regex), BPE per piece."""
     gpt2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-    alphabet = _byte_alphabet()
+    alphabet = byte_alphabet()
     ids: list[int] = []
     for chunk in regex.split(r"(\p{N})", text):
         for piece in regex.findall(gpt2, chunk):

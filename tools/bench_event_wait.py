@@ -1,6 +1,6 @@
 """Wake-up latency of the ways the asyncio loop can await a CUDA event (needs a GPU).
 
-For each strategy of slipstream/runtime/cuda_device.py (host_func, thread, poll) we enqueue a
+For each strategy of slipstream/runtime/devices/cuda_device.py (host_func, thread, poll) we enqueue a
 kernel of known length, record an event after it, await it from a uvloop loop, and measure the
 time from the event's completion on the GPU (a timing event, mapped to the host clock) to the
 moment the awaiting coroutine resumes. Medians and p90 over --repeats after --warmup waits.
@@ -22,7 +22,7 @@ import sys as _sys
 
 _sys.path.insert(0, _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))))  # this checkout
 
-from slipstream.runtime.cuda_device import CUDADevice  # noqa: E402
+from slipstream.runtime.devices.cuda_device import CUDADevice  # noqa: E402
 
 
 async def measure(device: CUDADevice, repeats: int, warmup: int, spin_ms: float) -> list[float]:

@@ -11,7 +11,7 @@ backend three ways: batch-invariant (what EngineConfig(batch_invariant=True) run
 padding, and oneDNN-packed projections (the dequantized mode's default before issue 39), and packed
 on the cpu backend (what `--weights dequantized` runs now). For a model that is not a GGUF (random
 weights) the quantized variant is left out. `--threads` sets torch's intra-op threads (run it at 1
-and 2: the engine measures its own choice at start, runtime/cpu_threads.py).
+and 2: the engine measures its own choice at start, runtime/devices/cpu_threads.py).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import sys as _sys
 
 _sys.path.insert(0, _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))))  # this checkout
 
-from slipstream.runtime.cpu_invariance import row_multiple_for  # noqa: E402
+from slipstream.runtime.devices.cpu_invariance import row_multiple_for  # noqa: E402
 from slipstream.models.loading.build import build_model  # noqa: E402
 from slipstream.models.base import KVCache  # noqa: E402
 from host_batch import Chunk, host_batch  # noqa: E402

@@ -1,4 +1,4 @@
-"""What the batched logit processing (slipstream/runtime/logits_process.py) costs per sampling group.
+"""What the batched logit processing (slipstream/runtime/sampling/logits_process.py) costs per sampling group.
 
     python tools/bench_logits_process.py                    # CPU, V = 49,152 (SmolLM2), n = 1, 8, 32
     python tools/bench_logits_process.py --device cuda --vocab 152064 --rows 1 32 256
@@ -21,11 +21,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the slipstream o
 import torch  # noqa: E402
 from provenance import header  # noqa: E402
 
-from slipstream.runtime.logits_process import (ProcessFlags, apply_penalties, min_p_filter, process_logits,  # noqa: E402
+from slipstream.runtime.sampling.logits_process import (ProcessFlags, apply_penalties, min_p_filter, process_logits,  # noqa: E402
                                                suppress_stop_tokens, top_logprobs)
-from slipstream.runtime.row_tables import HistoryTables  # noqa: E402
-from slipstream.runtime.sampler import sample  # noqa: E402
-from slipstream.runtime.sampling_args import Draw, SamplingArgs  # noqa: E402
+from slipstream.runtime.step.row_tables import HistoryTables  # noqa: E402
+from slipstream.runtime.sampling.sampler import sample  # noqa: E402
+from slipstream.runtime.sampling.sampling_args import Draw, SamplingArgs  # noqa: E402
 
 
 def _time(fn, device: torch.device, repeats: int) -> list[float]:

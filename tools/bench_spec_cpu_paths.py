@@ -21,9 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from bench_lines import emit, pct, report  # noqa: E402
 
-from slipstream.runtime.ngram_drafter import NgramDrafter  # noqa: E402
-from slipstream.runtime.spec_verify import _replay_accept_numpy, _replay_accept_torch, spec_layout  # noqa: E402
-from slipstream.runtime.token_history import TokenHistory  # noqa: E402
+from slipstream.speculation.ngram_drafter import NgramDrafter  # noqa: E402
+from slipstream.speculation.verify import _replay_accept_numpy, _replay_accept_torch, spec_layout  # noqa: E402
+from slipstream.speculation.history import TokenHistory  # noqa: E402
 
 
 def main() -> None:

@@ -32,12 +32,12 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from bench_lines import emit, pct, report  # noqa: E402
 
-from slipstream.runtime.ngram_drafter import NgramDrafter  # noqa: E402
-from slipstream.runtime.sampler import sample_group  # noqa: E402
-from slipstream.runtime.sampling_args import Draw, SamplingArgs  # noqa: E402
-from slipstream.runtime.spec_verify import (rejection_accept, replay_accept, spec_layout, target_tokens,  # noqa: E402
+from slipstream.speculation.ngram_drafter import NgramDrafter  # noqa: E402
+from slipstream.runtime.sampling.sampler import sample_group  # noqa: E402
+from slipstream.runtime.sampling.sampling_args import Draw, SamplingArgs  # noqa: E402
+from slipstream.speculation.verify import (rejection_accept, replay_accept, spec_layout, target_tokens,  # noqa: E402
                                             verify_inputs)
-from slipstream.runtime.token_history import TokenHistory  # noqa: E402
+from slipstream.speculation.history import TokenHistory  # noqa: E402
 
 
 def cases(n: int, k: int, vocab: int, random: bool, window: int, device: torch.device) -> dict:

@@ -137,7 +137,7 @@ def cases():
          lambda: add_norm_triton.add_rms_norm_triton(x, res, w, 1e-5)),
         ("rotary_kv", rotary_kv_triton._rotary_kv_kernel,
          lambda: rotary_kv_triton.rotary_kv_triton(q, k, v, pos, cos, sin, kc, vc, idx)),
-        ("paged_attention", attention_triton._paged_attention_kernel,
+        ("paged_attention", attention_triton.paged_attention_kernel,
          lambda: attention_triton.paged_attention_triton(q, kc, vc, qs, lens, pages, ps, 1, out)),
         ("gate_up_silu", gate_up_silu_triton._gate_up_silu_kernel,
          lambda: gate_up_silu_triton.gate_up_silu_triton(x, gu)),

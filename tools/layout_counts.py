@@ -56,21 +56,6 @@ def mypy_errors() -> tuple[int, Counter]:
     return sum(per_file.values()), per_file
 
 
-def private_calls_across_files() -> list[str]:
-    """`obj._name` where obj is not self, cls or the module's own name: reaching into another
-    object's privates (dunders and `_`-prefixed modules of the package left out)."""
-    found = []
-    for path in sorted(layering.ROOT.rglob("*.py")):
-        tree = ast.parse(path.read_text(), str(path))
-        for node in ast.walk(tree):
-            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
-                    and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
-                    and not (isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Name)
-                             and node.value.func.id == "super")):
-                found.append(f"{path.relative_to(REPO)}:{node.lineno} .{node.attr}")
-    return found
-
-
 def duck_typing() -> list[str]:
     found = []
     pat = re.compile(r"getattr\((self\.)?(model|mcfg|model_config)\b|\.backend\s*==|== \"moondream\"")
@@ -107,9 +92,11 @@ def main() -> None:
                              ("with TYPE_CHECKING imports too", full, True)):
         cyc = layering.cycles(g, typing)
         say(f"import circles, {label}: {len(cyc)}" + "".join(f"\n  {' <-> '.join(c)}" for c in cyc))
-    private = private_calls_across_files()
-    say(f"private attributes read on another object (x._name, x not self/cls): {len(private)}"
-        + "".join(f"\n  {p}" for p in private))
+    across, library = layering.private_reads_across_files()
+    say(f"private names read across the package's files (x._name or `from m import _name`, defined in another "
+        f"file): {len(across)}" + "".join(f"\n  {p}" for p in across))
+    say(f"library privates read (torch._C and the like, defined nowhere in the package): {len(library)}"
+        + "".join(f"\n  {p}" for p in library))
     duck = duck_typing()
     say(f"model duck typing (getattr on a model or its config, backend/architecture compared by name): {len(duck)}"
         + "".join(f"\n  {d}" for d in duck))

@@ -55,7 +55,7 @@ from slipstream.models.kernels import triton_launch  # noqa: E402
 from slipstream.models.kernels.gemm_choice import event_ms  # noqa: E402
 from slipstream.models.llama import forward_triton as llama_triton  # noqa: E402
 from slipstream.runtime.batch import SeqWork, pack_step  # noqa: E402
-from slipstream.runtime.static_step import fill_static  # noqa: E402
+from slipstream.runtime.graphs.static_step import fill_static  # noqa: E402
 
 
 def kernel_profile(fn, top: int) -> tuple[int, float, list[tuple[str, float, int]]]:
@@ -135,7 +135,7 @@ def stage_prefill(runner, tokens: int):
     runner.rows.pages[1, :pages] = torch.arange(1, pages + 1, device=kv.k.device)
     ids = np.random.default_rng(0).integers(3, min(1000, runner.model.config.vocab_size), tokens).tolist()
     packed = pack_step(np.arange(1, 1), [SeqWork(row=1, tokens=ids, start_pos=0, sample=True)])
-    arena = runner.arenas[0]
+    arena = runner.slots[0].arena
     found = runner.mixed_graphs.lookup(0, packed.num_tokens) if runner.mixed_graphs is not None else None
     layout = arena.fill(packed)
     if found is not None:
@@ -148,7 +148,7 @@ def profile_prefill(runner, config, tokens: int, args) -> None:
     """One sequence's `tokens`-token prompt chunk as one step: replay and eager forward, TFLOP/s."""
     tensors, found = stage_prefill(runner, tokens)
     with torch.cuda.stream(runner.device.compute.stream):
-        eager_ms = event_ms(lambda: runner.forward_from(tensors), args.repeats)
+        eager_ms = event_ms(lambda: runner.forward.logits(tensors), args.repeats)
         graph_ms = event_ms(found[1].replay, args.repeats) if found is not None else float("nan")
     flops = prefill_flops(config, tokens)
     name = torch.cuda.get_device_name()
@@ -195,7 +195,7 @@ async def profile_variant(args) -> None:
             runner.rows.pages[1:n + 1, :pages] = (1 + pages * (rows[:, None] - 1)
                                                   + torch.arange(pages, device=rows.device)[None, :])
             packed = pack_step(np.arange(1, n + 1), [])
-            arena = runner.arenas[0]
+            arena = runner.slots[0].arena
             layout = arena.fill(packed)
             arena.upload()
             tensors = arena.tensors(layout)
@@ -204,7 +204,7 @@ async def profile_variant(args) -> None:
                 runner.rows.pos[1:n + 1] = args.context
 
             with torch.cuda.stream(compute):
-                eager = lambda: reset_positions() or runner.forward_from(tensors)  # noqa: E731
+                eager = lambda: reset_positions() or runner.forward.logits(tensors)  # noqa: E731
                 eager_ms = event_ms(eager, args.repeats)
                 thin_ms = float("nan")
                 if args.launch == "both":

@@ -32,7 +32,7 @@ sys.path.insert(0, _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))
 
 from slipstream import Engine, EngineConfig  # noqa: E402
 from slipstream.runtime.batch import SeqWork, pack_step  # noqa: E402
-from slipstream.runtime.static_step import fill_static  # noqa: E402
+from slipstream.runtime.graphs.static_step import fill_static  # noqa: E402
 from slipstream.models.kernels import triton_jit, triton_launch  # noqa: E402
 
 
@@ -101,7 +101,7 @@ async def main_async(args) -> None:
                 + [f"forward device ms, {label[n]}" for n in names] + ["replay device ms"])
         print("| T | real tokens | seqs | " + " | ".join(cols) + " |")
         print("|---:|---:|---:|" + "---:|" * len(cols))
-        arena = runner.arenas[0]
+        arena = runner.slots[0].arena
         step_id = 0
         for t in args.tokens:
             packed, _ = mixed_step(t, args.decode, args.chunk, rng)
@@ -149,7 +149,7 @@ async def main_async(args) -> None:
                 with torch.cuda.stream(compute):
                     for name, thin in eagers + [("graph", False)]:
                         triton_launch.set_enabled(thin)
-                        fn = graph.replay if name == "graph" else (lambda: runner.forward_from(eager_tensors))
+                        fn = graph.replay if name == "graph" else (lambda: runner.forward.logits(eager_tensors))
                         h, d = (host[name], device[name]) if keep else ([], [])
                         timed(fn, h, d, before=reset)
                 triton_launch.set_enabled(False)

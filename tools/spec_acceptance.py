@@ -8,7 +8,7 @@ that predicts.
 Generation runs the workloads of tools/spec_workloads.py through the engine (greedy, EngineConfig()
 defaults) and saves prompt and output token ids. The simulation replays each output as a batch-1
 speculative decode would run it: the first output token comes from the prefill; then each step
-feeds the last token and k drafts that the real NgramDrafter (slipstream/runtime/ngram_drafter.py)
+feeds the last token and k drafts that the real NgramDrafter (slipstream/speculation/ngram_drafter.py)
 proposes from the prompt and the output so far, accepts the longest prefix equal to the greedy
 output (what replay acceptance does with greedy rows) and emits one more. Policies: a fixed k, and
 `adaptive` (k chosen per step from an estimate of the per-draft acceptance α that lags one step,
@@ -32,8 +32,8 @@ import torch  # noqa: E402
 from bench_lines import emit, report  # noqa: E402
 from spec_workloads import WORKLOADS  # noqa: E402
 
-from slipstream.runtime.ngram_drafter import NgramDrafter  # noqa: E402
-from slipstream.runtime.token_history import TokenHistory  # noqa: E402
+from slipstream.speculation.ngram_drafter import NgramDrafter  # noqa: E402
+from slipstream.speculation.history import TokenHistory  # noqa: E402
 
 KS = (2, 4, 8)
 

@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from bench_lines import emit, report  # noqa: E402
 
-from slipstream.runtime.ngram_drafter import NgramDrafter  # noqa: E402
-from slipstream.runtime.token_history import TokenHistory  # noqa: E402
+from slipstream.speculation.ngram_drafter import NgramDrafter  # noqa: E402
+from slipstream.speculation.history import TokenHistory  # noqa: E402
 
 MAPS = {"0/1/4/4": (0, 1, 4, 4), "0/1/2/4": (0, 1, 2, 4), "0/0/2/4": (0, 0, 2, 4), "0/0/1/4": (0, 0, 1, 4),
         "0/0/0/4": (0, 0, 0, 4), "0/1/2/2": (0, 1, 2, 2)}
@@ -66,7 +66,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--outputs", type=Path, default=Path("docs/results/spec-2026-11-27/greedy_outputs.json"))
     ap.add_argument("--costs", default="1:6.0,2:6.71,3:7.68,5:10.79",
-                    help="forward ms by positions (slipstream/scheduler/speculation.py FORWARD_MS)")
+                    help="forward ms by positions (slipstream/speculation/policy.py FORWARD_MS)")
     ap.add_argument("--row-ms", type=float, default=0.25)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()

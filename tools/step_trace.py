@@ -161,16 +161,21 @@ class Tracer:
             self.trace.deepest = [f"{_rel(f.f_code.co_filename)}:{f.f_code.co_qualname}" for f in ours]
 
 
-async def trace_ticks(n: int, depth: int, ticks: int, length: int, scope: str = "tick") -> list[TickTrace]:
+async def trace_ticks(n: int, depth: int, ticks: int, length: int, scope: str = "tick",
+                      drafts: int = 0) -> list[TickTrace]:
+    """`drafts` > 0: speculation on (n-gram, that many drafts on every step, adaptive off), and the
+    steady step traced is a speculating one."""
     from bench_host import PROMPT_LEN, null_model, prompts
 
     from slipstream.api.engine import Engine
-    from slipstream.params import EngineConfig, SamplingParams
+    from slipstream.params import EngineConfig, SamplingParams, SpeculativeConfig
 
+    spec = SpeculativeConfig(num_drafts=drafts, adaptive=False) if drafts else None
     config = EngineConfig(model="tiny-random", device="cpu", pipeline_depth=depth, batch_invariant=False,
                           max_batch_size=n, max_num_batched_tokens=max(512, n * PROMPT_LEN),
-                          kv_cache_tokens=2 * n * (PROMPT_LEN + length + 16))
-    with null_model(max_rows=n + 1):
+                          kv_cache_tokens=2 * n * (PROMPT_LEN + (drafts + 1) * length + 16), speculative=spec)
+    kind = "speculating" if drafts else "decode"
+    with null_model(max_rows=(n + 1) * (drafts + 1)):  # (a speculating step samples k + 1 positions a row)
         engine = await Engine(config).start()
     loop = engine.loop
     real_tick = loop.tick
@@ -190,7 +195,7 @@ async def trace_ticks(n: int, depth: int, ticks: int, length: int, scope: str = 
     def close_interval() -> None:
         sys.setprofile(None)
         set_window(None)
-        if open_interval and open_interval.pop().committed == ("decode", n):
+        if open_interval and open_interval.pop().committed == (kind, n):
             kept.append(trace_of[0])
 
     trace_of: list[TickTrace] = [TickTrace(0)]
@@ -214,7 +219,7 @@ async def trace_ticks(n: int, depth: int, ticks: int, length: int, scope: str = 
         if committed and inflight:
             trace.committed = committed[-1]
             trace.launched = _shape(inflight[-1])
-        steady = trace.committed == trace.launched == ("decode", n)
+        steady = trace.committed == trace.launched == (kind, n)
         if windowed:
             if steady:
                 open_interval.append(trace)  # kept when the next tick starts
@@ -246,7 +251,8 @@ async def trace_ticks(n: int, depth: int, ticks: int, length: int, scope: str = 
 
 def _shape(step) -> tuple[str, int]:
     """(kind, rows) of a step, read from its plain fields: the tool's own reads call no slipstream code."""
-    return ("prefill" if step.chunks else "decode"), len(step.decode) + len(step.chunk_seqs)
+    kind = "prefill" if step.chunks else "speculating" if step.drafts else "decode"
+    return kind, len(step.decode) + len(step.chunk_seqs)
 
 
 def _device_hooks(engine) -> list[Tracer]:
@@ -294,12 +300,14 @@ def sampling_files() -> dict[str, list[str]]:
     return out
 
 
-def report(traces: list[TickTrace], n: int, depth: int, scope: str = "tick") -> str:
+def report(traces: list[TickTrace], n: int, depth: int, scope: str = "tick", drafts: int = 0) -> str:
     what = {"tick": "one steady decode tick (commit + plan + launch + finalize)",
             "interval": "the loop thread from one steady decode tick's start to the next's (the tick + output "
                         "stage + asyncio)",
             "step": "one steady decode step: the loop thread from one steady tick's start to the next's (the tick, "
                     "the output stage, the stream consumers) and the device's stream threads meanwhile"}[scope]
+    if drafts:
+        what = what.replace("decode", f"speculating ({drafts} n-gram drafts a row)")
     lines = [f"{what}, N={n}, depth {depth}, null model, CPU", "",
              "| tick | files | functions | slipstream calls | Python calls | C calls | depth | types |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -341,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scope", choices=["step", "tick", "interval"], default="step",
                     help="step: the loop thread from tick to tick and the device's threads meanwhile; tick: the "
                          "tick's own call tree; interval: the loop thread from tick to tick")
+    ap.add_argument("--drafts", type=int, default=0,
+                    help="trace a steady speculating step instead: n-gram drafts, this many on every step")
     ap.add_argument("--no-header", action="store_true", help="no provenance header")
     args = ap.parse_args(argv)
     if args.length < WARM_TICKS + 2 * args.ticks + 4:
@@ -353,8 +363,8 @@ def main(argv: list[str] | None = None) -> int:
 
         print(header(" ".join(["python", "tools/step_trace.py", *argv])), end="")
     t0 = time.perf_counter()
-    traces = asyncio.run(trace_ticks(args.streams, args.depth, args.ticks, args.length, args.scope))
-    print(report(traces, args.streams, args.depth, args.scope))
+    traces = asyncio.run(trace_ticks(args.streams, args.depth, args.ticks, args.length, args.scope, args.drafts))
+    print(report(traces, args.streams, args.depth, args.scope, args.drafts))
     print(f"\n({time.perf_counter() - t0:.1f} s)")
     return 0
 

@@ -15,9 +15,9 @@ from slipstream.models import registry
 from slipstream.models.base import DTYPES, KVCache, Model
 from slipstream.models.loading.build import build_model, cpu_backend_available
 from slipstream.params import EngineConfig
-from slipstream.runtime.cpu_invariance import row_multiple_for
-from slipstream.runtime.device import Device
-from slipstream.runtime.devices import make_device
+from slipstream.runtime.devices.cpu_invariance import row_multiple_for
+from slipstream.runtime.devices.device import Device
+from slipstream.runtime.devices.make import make_device
 from slipstream.runtime.model_runner import ModelRunner
 from slipstream.scheduler.engine_loop import EngineLoop
 from slipstream.scheduler.page_pool import PagePool
@@ -46,7 +46,7 @@ class EngineParts:
     def close(self) -> None:
         self.device.close()  # (synchronizes: no replay is pending)
         if self.runner.graphs is not None:  # freed now, never inside another engine's capture
-            from slipstream.runtime.cuda_graphs import release_graphs
+            from slipstream.runtime.graphs.cuda_graphs import release_graphs
 
             release_graphs(self.runner)
         # what a caller may keep after close (engine.metrics' registry, engine.tracer) lets go of
@@ -64,7 +64,7 @@ def kv_pages(config: EngineConfig, model: Model, mcfg, device, max_model_len: in
     `processing`: the model's image processing (None: text only)."""
     if config.kv_cache_tokens is not None or device.kind != "cuda":
         return ceil_div(config.kv_cache_tokens or CPU_KV_TOKENS, config.page_size) + 1
-    from slipstream.runtime import memory
+    from slipstream.runtime.devices import memory
 
     dtype = DTYPES[config.dtype]
     image = processing.largest_input() if processing is not None else None  # the vision tower's peak too
@@ -131,7 +131,7 @@ def _assemble(config: EngineConfig, device, invariant: bool) -> EngineParts:
         install_speculation(config, runner, planner, ceil_div(max_model_len, config.page_size) * config.page_size,
                             mcfg, tokenizer, device, activations)
     if device.kind == "cuda" and config.cuda_graphs:
-        from slipstream.runtime.cuda_graphs import install_graphs
+        from slipstream.runtime.graphs.cuda_graphs import install_graphs
 
         install_graphs(runner, device, config)  # (after speculation: plain graphs write its history)
     outputs = OutputProcessor(text_thread=config.output_stage == "thread")
@@ -149,8 +149,8 @@ def _assemble(config: EngineConfig, device, invariant: bool) -> EngineParts:
 def install_speculation(config: EngineConfig, runner: ModelRunner, planner: Planner, max_len: int, target_config,
                         tokenizer, device, activations: str = "float") -> None:
     """Speculative decoding (docs/speculative.md): the runner's drafting and verifying, the planner's drafts."""
-    from slipstream.runtime.spec_step import SpecRunner
-    from slipstream.scheduler.speculation import FORWARD_MS_BY_ACTIVATIONS, Speculation
+    from slipstream.speculation.runner import SpecRunner
+    from slipstream.speculation.policy import FORWARD_MS_BY_ACTIVATIONS, Speculation
 
     spec = config.speculative
     assert spec is not None
@@ -219,9 +219,9 @@ def int16_has_vnni() -> bool:
 
 
 def calibrate_forward_threads(device, model) -> None:
-    """The compute stream's thread count, as measured on this machine (runtime/cpu_threads.py). A
+    """The compute stream's thread count, as measured on this machine (runtime/devices/cpu_threads.py). A
     failed measurement only logs: the device keeps its default."""
-    from slipstream.runtime.cpu_threads import forward_threads
+    from slipstream.runtime.devices.cpu_threads import forward_threads
 
     ceiling, chosen = torch.get_num_threads(), []
 

@@ -18,7 +18,7 @@ import numpy as np
 from slipstream.errors import InvalidRequestError
 from slipstream.images import decode_each
 from slipstream.runtime.batch import ImageSpan
-from slipstream.runtime.host_copy import pin_pixels
+from slipstream.runtime.devices.host_copy import pin_pixels
 
 IMAGE_MARKER = "<image>"
 
@@ -56,7 +56,7 @@ def prepare_images(prompt: str, images: Sequence[Any], fields: Sequence[str], pr
     """(token ids, image spans) of a text prompt with images (blocking: run it on a worker thread).
     `skill` (kind, object): a region skill's template instead of the prompt (Moondream's point/detect).
     `pin` (a CUDA engine): the pixels are put in pinned memory here, so the encoder launch in the
-    tick only enqueues their copy (runtime/host_copy.py)."""
+    tick only enqueues their copy (runtime/devices/host_copy.py)."""
     processed: list[Any] = []
     digests: list[bytes] = []
     for im in decode_each(images, fields):  # one decoded picture alive at a time (issue 37)

@@ -3,7 +3,7 @@
 
 A name is registered by `load` (EngineConfig.lora_adapters at start, Engine.load_lora later): its
 folder is read and checked in a thread (models/lora.py: `load_peft_adapter`) and, when a slot of the
-runner is free, installed there (`ModelRunner.set_lora`). At most `max_loras` adapters have weights
+runner is free, installed there (`StepForward.set_lora`). At most `max_loras` adapters have weights
 in the runner; any number may be registered. A request names an adapter by `SamplingParams.lora`;
 `acquire` gives its slot, reading the adapter again in a thread when it is not in one, into a free
 slot or the slot of the least recently used idle adapter (evicted). A slot is busy while a live
@@ -114,7 +114,7 @@ class LoraRegistry:
     def _evict(self, slot: int) -> None:
         held = self._slots.pop(slot)
         self._where.pop(held.entry.key, None)
-        self._runner.set_lora(slot, None)
+        self._runner.forward.set_lora(slot, None)
         if self.registered.get(held.entry.name) is held.entry:
             self.evictions += 1
 
@@ -193,7 +193,7 @@ class LoraRegistry:
                     self.registered[entry.name] = held.entry = new
                     self._where.pop(entry.key, None)
                     self._where[new.key] = slot
-                runner.set_lora(slot, weights)
+                runner.forward.set_lora(slot, weights)
                 held.reading = None
             done.set_result(None)
             self._notify()
@@ -238,7 +238,7 @@ class LoraRegistry:
             if slot is not None:
                 self._slots[slot] = _Slot(entry, next(self._clock))
                 self._where[entry.key] = slot
-                runner.set_lora(slot, weights)
+                runner.forward.set_lora(slot, weights)
             return entry
         finally:
             self._loading.discard(name)

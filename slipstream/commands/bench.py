@@ -13,7 +13,7 @@ import datetime
 import json
 import sys
 
-from slipstream.runtime.event_waits import EVENT_WAITS
+from slipstream.runtime.devices.event_waits import EVENT_WAITS
 
 from slipstream.cli import add_log_args, add_model_args, add_num_drafts_arg, speculative_config
 from slipstream.errors import InvalidRequestError

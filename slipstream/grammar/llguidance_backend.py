@@ -67,7 +67,7 @@ class _TokenBytes:
     def of_hf(cls, tokenizer: Any, backend: Any, n: int, eos: int) -> _TokenBytes:
         """A `tokenizers` backend whose decoder llguidance cannot read: each id as it decodes after
         a plain character (byte-level and byte-fallback vocabularies keep their exact bytes)."""
-        from slipstream.models.tokenizers.utf8_tail import _BYTE_PIECE, token_bytes_of
+        from slipstream.models.tokenizers.utf8_tail import BYTE_PIECE, token_bytes_of
 
         special = {i for i, t in backend.get_added_tokens_decoder().items() if t.special and i < n}
         exact = token_bytes_of(tokenizer) if hasattr(tokenizer, "backend") else None
@@ -79,7 +79,7 @@ class _TokenBytes:
                 tokens.append((backend.id_to_token(i) or f"<|special_{i}|>").encode())
             elif exact is not None:
                 tokens.append(exact(i))
-            elif m := _BYTE_PIECE.fullmatch(backend.id_to_token(i) or ""):  # byte fallback, any decoder
+            elif m := BYTE_PIECE.fullmatch(backend.id_to_token(i) or ""):  # byte fallback, any decoder
                 tokens.append(bytes([int(m.group(1), 16)]))
             else:
                 text = backend.decode([anchor, i]) if anchor is not None else ""

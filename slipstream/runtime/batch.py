@@ -39,7 +39,7 @@ MAX_CARRY_VALUES = 4  # the most values one carry kind may have (the width of th
 @dataclass(frozen=True)
 class SamplingRow:
     """A sequence's sampling parameters as the runner's row tables hold them (slipstream/params.py
-    documents each). Built from SamplingParams in api/engine_submit.py; runtime/sampling_args.py is
+    documents each). Built from SamplingParams in api/engine_submit.py; runtime/sampling/sampling_args.py is
     the one runtime file that reads its fields (into the row tables, then `SamplingArgs` per sampling
     group)."""
 
@@ -140,7 +140,7 @@ class SeqWork:
     # the chunk then reaches the prefix's end (the planner never splits it)
     bidirectional_len: int = 0
     # with speculation, the first chunk after prefix-cache hits: the known tokens before it, which
-    # the drafter's history needs (scheduler/speculation.py); None otherwise
+    # the drafter's history needs (speculation/policy.py); None otherwise
     known_before: list[int] | None = None
 
     @property
@@ -178,7 +178,7 @@ class ForwardInput:
     # per sequence (decode rows, then chunks) the bidirectional prefix (AttentionMetadata's); None: all causal
     bidirectional_lens: list[int] | None = None
     # a speculating step (no chunks): how many drafts each decode row feeds after its last token
-    # (runtime/spec_step.py); None: one token per decode row
+    # (speculation/runner.py); None: one token per decode row
     num_drafts: np.ndarray | None = None
 
     @property

@@ -42,7 +42,7 @@ from slipstream.scheduler.page_reservation import PageReservation
 from slipstream.scheduler.preemption import Preemption
 from slipstream.scheduler.prefix_cache import PrefixCache
 from slipstream.scheduler.sequence import Sequence
-from slipstream.scheduler.speculation import Speculation
+from slipstream.speculation.policy import Speculation
 from slipstream.scheduler.step import Step
 
 

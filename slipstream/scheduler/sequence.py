@@ -92,7 +92,7 @@ class Sequence:
     # the tick ends it at the token that completes its grammar (no stop strings): what lets a matcher
     # with `mask_by_output_index` be sampled at launch (constraints.py)
     ends_with_grammar: bool = False
-    # speculative decoding (scheduler/speculation.py): drafts its steps in flight feed (counted in
+    # speculative decoding (speculation/policy.py): drafts its steps in flight feed (counted in
     # pending_samples and num_scheduled as if all were accepted), and its acceptance so far
     drafts_in_flight: int = 0
     drafts_accepted: float = 0.0  # decayed counts of accepted drafts and of drafts that decided a step
@@ -100,7 +100,7 @@ class Sequence:
     steps_without_drafts: int = 0  # plans since it last drafted (the adaptive policy probes again)
     speculate: bool = True  # SamplingParams.speculative: False, never in a step with drafts
     # decayed counts of its committed steps planned with drafts, and of those where the device fed any
-    # (on the CPU the device feeds none for a weak n-gram match: runtime/spec_step.py)
+    # (on the CPU the device feeds none for a weak n-gram match: speculation/runner.py)
     draft_plans: float = 0.0
     draft_feeds: float = 0.0
 

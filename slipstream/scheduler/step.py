@@ -23,7 +23,7 @@ class Step:
     page_writes: list[int]  # flat (row, index, page) triples
     encodes: list[ImageSpan] = field(default_factory=list)  # images encoded right before its forward
     drops: list[bytes] = field(default_factory=list)  # encoder outputs the encoder cache evicted: dropped first
-    # drafts per decode row (scheduler/speculation.py); None: a step without drafts (never speculating)
+    # drafts per decode row (speculation/policy.py); None: a step without drafts (never speculating)
     drafts: list[int] | None = None
     # launched (set by EngineLoop.launch; reading one earlier raises)
     step_id: int = field(init=False, repr=False)

@@ -1,7 +1,7 @@
 """The paged-attention kernel's query blocks, on the host: how many programs a step needs and the
 [2, P] program table of the flat grid (attention_triton.py says what the kernel does with it).
 
-Plain numpy, apart from the kernel, so the fixed-shape step layout (runtime/static_step.py) builds
+Plain numpy, apart from the kernel, so the fixed-shape step layout (runtime/graphs/static_step.py) builds
 its tables on any install: the reference backend never imports triton.
 """
 import numpy as np

@@ -8,7 +8,7 @@ the GROUP heads that share it, and a decode query fills one row of its BLOCK_M-r
 from slipstream.models.kernels.triton_jit import MAX_COMBINE, SUM_COMBINE, tl, triton
 
 if triton is not None:
-    def _paged_attention_kernel(
+    def paged_attention_kernel(
         Q, K, V, O, QS, KVL, PT, BT, BL,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_pt,
         stride_bt, qk_scale, page_size,

@@ -369,7 +369,7 @@ def _launch_per_head(q, k_cache, v_cache, query_start, kv_lens, page_table, page
     block_n = 64 if q.dtype != torch.float32 and block_d <= 128 else 32
     grid = ((num_seqs, heads, cdiv(max_q_len, QUERY_BLOCK)) if blocks is None
             else (blocks.shape[1], heads, 1))
-    jitted(per_head._paged_attention_kernel, interpret)[grid](
+    jitted(per_head.paged_attention_kernel, interpret)[grid](
         q, k_cache, v_cache, out, query_start, kv_lens, page_table, page_table if blocks is None else blocks, bidi,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), page_table.stride(0), 0 if blocks is None else blocks.stride(0),

@@ -59,7 +59,7 @@ def check_rc(rc: int | None, invalid: str) -> None:
     raise ValueError(invalid)
 
 
-def _cpu_identity() -> str:
+def cpu_identity() -> str:
     """Model name and feature flags of this CPU (what -march=native compiles for)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
@@ -79,7 +79,7 @@ def build_key(cc: str) -> str:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     h = hashlib.sha256()
     for part in (*(s.read_bytes() for s in SOURCES + HEADERS), " ".join(FLAGS).encode(), version.encode(),
-                 _cpu_identity().encode()):
+                 cpu_identity().encode()):
         h.update(part)
         h.update(b"\0")
     return h.hexdigest()[:20]

@@ -12,7 +12,7 @@ Packing copies the weights, so `pack_weights` consumes its input dict: each dens
 as soon as its packed copy exists, and pages it occupied in a file mapping (a safetensors cache
 entry) are handed back to the kernel at once (`release_file_pages`), so resident memory holds one
 copy of the weights, not two. Only used off the batch-invariant path: invariance is calibrated
-against torch's default kernels (slipstream/runtime/cpu_invariance.py).
+against torch's default kernels (slipstream/runtime/devices/cpu_invariance.py).
 
 oneDNN (and ideep above it) cache one primitive per input shape, 0.35–0.8 MB each (generated code
 and buffers; tools/bench_packed_rows.py --primitive-memory), up to 1,024 entries per cache, and a
@@ -111,7 +111,7 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def _file_mappings() -> list[tuple[int, int]]:
+def file_mappings() -> list[tuple[int, int]]:
     """(start, end) of this process's file-backed mappings (Linux; empty elsewhere)."""
     spans = []
     try:
@@ -151,7 +151,7 @@ def pack_weights(config: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[
     A tied lm_head is packed from the embedding table, which stays dense for lookups: a second copy
     of the table, but a lookup touches only the rows of the step's tokens, so once the table's file
     pages are released (a cache entry, a safetensors folder) it costs almost no resident memory."""
-    mappings = _file_mappings()
+    mappings = file_mappings()
     names = [f"model.layers.{i}.{m}" for i in range(config.num_layers)
              for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]

@@ -158,7 +158,7 @@ def load_entry(entry: Path) -> tuple[ModelConfig, dict[str, torch.Tensor | Quant
     weights, not by a full copy at load."""
     if not entry.is_file():
         return None
-    from slipstream.models.kernels.cpu_linear import _file_mappings, release_file_pages
+    from slipstream.models.kernels.cpu_linear import file_mappings, release_file_pages
 
     start = time.perf_counter()
     try:
@@ -166,7 +166,7 @@ def load_entry(entry: Path) -> tuple[ModelConfig, dict[str, torch.Tensor | Quant
         crcs = json.loads(meta["crc32"])
         if meta.get("format") != FORMAT_VERSION or set(crcs) != set(flat):
             raise ValueError("tensor list does not match the recorded checksums")
-        mappings = _file_mappings()
+        mappings = file_mappings()
         for name, t in flat.items():
             if _crc(t) != crcs[name]:
                 raise ValueError(f"tensor {name!r} fails its checksum")

@@ -26,7 +26,7 @@ _QWEN2_SPLIT = (
 _QWEN2_PRES = {"qwen2", "deepseek-r1-qwen"}
 
 
-def _byte_alphabet() -> dict[int, str]:
+def byte_alphabet() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character table; byte-level vocabularies are spelled in it."""
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
     table: dict[int, str] = {b: chr(b) for b in printable}
@@ -59,7 +59,7 @@ def _pre_tokenizer(pre: str | None, add_prefix_space: bool) -> pre_tokenizers.Pr
     return pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space, use_regex=True)
 
 
-def _byte_level_backend(fields: dict[str, Any], source: str) -> tuple[_HFTokenizer, list[str], list[int]]:
+def byte_level_backend(fields: dict[str, Any], source: str) -> tuple[_HFTokenizer, list[str], list[int]]:
     """Byte-level BPE from GGUF tokens + merges; returns the backend, the tokens and their types."""
     tokens: list[str] = list(fields.get("tokenizer.ggml.tokens") or [])
     if not tokens:
@@ -68,7 +68,7 @@ def _byte_level_backend(fields: dict[str, Any], source: str) -> tuple[_HFTokeniz
     merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges") or []]
     # A token stored with characters outside the byte alphabet is re-spelled byte by byte, since
     # BPE only ever sees byte-alphabet text (llama.cpp sometimes stores such tokens raw).
-    alphabet = _byte_alphabet()
+    alphabet = byte_alphabet()
     spelled = set(alphabet.values())
     vocab: dict[str, int] = {}
     for i, tok in enumerate(tokens):

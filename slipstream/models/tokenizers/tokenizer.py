@@ -21,7 +21,7 @@ from tokenizers import Tokenizer as _HFTokenizer
 
 from slipstream.errors import CorruptModelError, UnsupportedArchitectureError
 from slipstream.models.json_file import read_json_object
-from slipstream.models.tokenizers.byte_bpe import _byte_alphabet, _byte_level_backend  # noqa: F401 (re-exported for tests)
+from slipstream.models.tokenizers.byte_bpe import byte_alphabet, byte_level_backend  # noqa: F401 (re-exported for tests)
 from slipstream.models.tokenizers.utf8_tail import drop_incomplete_char
 
 TOKEN_TYPE_UNKNOWN = 2  # SentencePiece's <unk>
@@ -91,8 +91,8 @@ class Tokenizer:
             spelled: set[str] | None = None
             add_bos_default = True  # llama.cpp adds BOS to SentencePiece vocabularies unless told not to
         elif model == "gpt2":
-            backend, tokens, types = _byte_level_backend(fields, source)
-            spelled = set(_byte_alphabet().values())
+            backend, tokens, types = byte_level_backend(fields, source)
+            spelled = set(byte_alphabet().values())
             add_bos_default = False
         else:
             raise UnsupportedArchitectureError(

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 TokenBytes = Callable[[int], bytes]
-_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte fallback tokens
+BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte fallback tokens
 _SPM_SPACE = "\u2581"
 
 
@@ -44,9 +44,9 @@ def token_bytes_of(tokenizer: Any) -> TokenBytes | None:
         return b"" if special else content.encode("utf-8")  # special tokens are skipped in output
 
     if "ByteLevel" in kinds:
-        from slipstream.models.tokenizers.byte_bpe import _byte_alphabet
+        from slipstream.models.tokenizers.byte_bpe import byte_alphabet
 
-        byte_of = {c: b for b, c in _byte_alphabet().items()}
+        byte_of = {c: b for b, c in byte_alphabet().items()}
 
         def byte_level(i: int) -> bytes:
             known = text_of_added(i)
@@ -62,7 +62,7 @@ def token_bytes_of(tokenizer: Any) -> TokenBytes | None:
             if known is not None:
                 return known
             spelled = backend.id_to_token(i) or ""
-            m = _BYTE_PIECE.fullmatch(spelled)
+            m = BYTE_PIECE.fullmatch(spelled)
             return bytes([int(m.group(1), 16)]) if m else spelled.replace(_SPM_SPACE, " ").encode()
 
         return byte_fallback

@@ -3,8 +3,8 @@
 A drafter sees a row's tokens as the runner feeds and emits them (`on_chunks`, `on_emitted`, on the
 compute stream, in stream order with the forwards) and proposes up to `max_drafts` tokens per row
 right after a step's acceptance (`propose`), so the next step's forward reads them from the device
-(docs/speculative.md). It never reads the host. Built-in: "ngram" (runtime/ngram_drafter.py);
-others plug in by name (runtime/drafter_registry.py).
+(docs/speculative.md). It never reads the host. Built-in: "ngram" (speculation/ngram_drafter.py);
+others plug in by name (speculation/registry.py).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ class Proposal(NamedTuple):
     probs: torch.Tensor | None = None  # [n, max_drafts, V] what drafts were drawn from; None: point drafts
     # [n] int64 how much the drafter had to go on (n-gram: the matched length, 0: none); None: no
     # measure. Where the forward's shape may follow the device (the CPU), a speculating step feeds
-    # fewer drafts for a weak proposal (runtime/spec_step.py)
+    # fewer drafts for a weak proposal (speculation/runner.py)
     strength: torch.Tensor | None = None
 
 

@@ -1,7 +1,7 @@
 """Token sampling on the device, one set of kernels for the whole batch: greedy, temperature,
 top-k, top-p, per-request seeds, grammar masks.
 
-Every per-row parameter is a tensor (a group's `SamplingArgs`, runtime/sampling_args.py: [n]
+Every per-row parameter is a tensor (a group's `SamplingArgs`, runtime/sampling/sampling_args.py: [n]
 temperature, top_k, top_p, seed, output index, ...), so the batch is sampled without a Python loop
 over rows; a field left None skips its kernel. Random rows use the Gumbel-max form of
 categorical sampling: argmax(logits / T + g) with g = -log(-log u). The uniforms u come from a
@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 
 from slipstream.grammar.bitmask import bitmask_to_bool
-from slipstream.runtime.logits_process import apply_penalties, min_p_filter, suppress_stop_tokens
-from slipstream.runtime.sampling_args import Draw, SamplingArgs
+from slipstream.runtime.sampling.logits_process import apply_penalties, min_p_filter, suppress_stop_tokens
+from slipstream.runtime.sampling.sampling_args import Draw, SamplingArgs
 
 _M32 = 0xFFFFFFFF
 _MUL1, _MUL2 = 0x7FEB352D, 0x1B873593  # odd, < 2**31: x * m < 2**63 for x < 2**32
@@ -70,7 +70,7 @@ def _filter_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
 def draw_logits(logits: torch.Tensor, draw: Draw) -> torch.Tensor:
     """What a draw samples from: random rows' logits [n, V] at their temperature with top-k / top-p
     applied (softmax of a row is its distribution); greedy rows' logits come back unscaled.
-    Speculative verification (runtime/spec_verify.py) reads the same distribution."""
+    Speculative verification (speculation/verify.py) reads the same distribution."""
     temperature = draw.temperature
     x = logits / torch.where(temperature > 0, temperature, torch.ones_like(temperature))[:, None]
     if draw.filter is not None:

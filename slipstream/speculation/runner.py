@@ -37,13 +37,13 @@ from slipstream.intmath import round_up
 from slipstream.models.kernels.attention import AttentionMetadata, DeviceAttentionMetadata
 from slipstream.models.base import ForwardBatch
 from slipstream.runtime.batch import SCRATCH_ROW, ForwardInput
-from slipstream.runtime.drafter_registry import build_drafter
-from slipstream.runtime.host_copy import copy_to_device, copy_to_host, upload_array
+from slipstream.speculation.registry import build_drafter
+from slipstream.runtime.devices.host_copy import copy_to_device, copy_to_host, upload_array
 from slipstream.runtime.runner_api import SampledTokens
-from slipstream.runtime.spec_verify import (SpecLayout, layout_arrays, replay_accept, spec_layout, target_tokens,
+from slipstream.speculation.verify import (SpecLayout, layout_arrays, replay_accept, spec_layout, target_tokens,
                                             verify_inputs)
-from slipstream.runtime.step_slot import LaunchedStep, Staged
-from slipstream.runtime.token_history import TokenHistory
+from slipstream.runtime.step.step_slot import LaunchedStep, Staged, check_others_sampled, launch_copy
+from slipstream.speculation.history import TokenHistory
 
 
 # drafts fed on the CPU for a proposal of strength 0, 1, 2 (n-gram: the matched length; stronger ones
@@ -134,6 +134,7 @@ class SpecRunner:
         device = runner.device
         self.runner, self.max_drafts = runner, max_drafts
         self.history = TokenHistory(runner.rows.max_rows, max_len, device.torch_device)
+        runner.forward.history = self.history  # every forward writes its inputs there (StepForward.logits)
         self.drafter = build_drafter(method, history=self.history, max_drafts=max_drafts, **options)
         rows = runner.rows.max_rows
         # per slot: each row's emitted tokens [rows, K + 1] and the drafts it fed (last column), on
@@ -210,7 +211,7 @@ class SpecRunner:
         kv_indices = torch.where(live, rows.kv_indices(token_rows, positions, ps), 0)  # (0: the scratch page)
         meta = AttentionMetadata([], [], [], ps)
         meta.on_device = DeviceAttentionMetadata(t.query_start, pos0 + K + 1, rows.pages[dec], K + 1)
-        if len(runner.lora_adapters) > 1:  # (EngineConfig refuses LoRA where graphs run)
+        if len(runner.forward.lora_adapters) > 1:  # (EngineConfig refuses LoRA where graphs run)
             raise NotImplementedError("LoRA adapters in a captured graph")
         logits = runner.model(ForwardBatch(input_ids=verify_inputs(last, drafts, lay), positions=positions,
                                            kv_indices=kv_indices, sample_indices=t.sample_indices, attn=meta), kv)
@@ -245,7 +246,7 @@ class SpecRunner:
     def launch(self, step_id: int, packed: ForwardInput) -> LaunchedStep:
         runner = self.runner
         assert packed.num_drafts is not None and not packed.chunks
-        slot = runner._free_slot()
+        slot = runner.free_slot()
         arena = slot.arena
         needs = runner.rows.sampling.needs(packed.sample_rows)
         hit = self._graph(slot, packed, needs)
@@ -269,7 +270,7 @@ class SpecRunner:
         staged_layout = None if host_attention else self.staging[slot.index].stage(planned)
 
         def forward_verify() -> None:
-            runner._check_fault(step_id)
+            runner.check_fault(step_id)
             if updates is not None:
                 rows.apply(updates, packed)
             dec = tensors.decode_rows
@@ -316,7 +317,7 @@ class SpecRunner:
             t2 = time.perf_counter()
             logits = model(ForwardBatch(input_ids=ids, positions=positions, kv_indices=kv_indices,
                                         sample_indices=sample_indices, attn=meta,
-                                        lora=runner.lora_input(token_rows)), kv)[:num_pos]
+                                        lora=runner.forward.lora_input(token_rows)), kv)[:num_pos]
             if host_attention:  # (elsewhere the forward is only launched here: nothing to time)
                 self.draft_costs[slot.index] = (t1 - t0) / max(time.perf_counter() - t2, 1e-6)
             if runner.faults is not None:
@@ -332,19 +333,19 @@ class SpecRunner:
         if runner.spec_timed:
             step.started = device.compute.mark()
         device.compute.launch(forward_verify, "spec_forward")
-        runner._launch_copy(step, lambda: self._copy_out(step))
+        launch_copy(runner.device, step, lambda: self._copy_out(step))
         return step
 
     def _launch_graph(self, step: LaunchedStep, packed: ForwardInput, bucket: int, graph) -> LaunchedStep:
         runner, slot, step_id = self.runner, step.slot, step.step_id
         assert packed.num_drafts is not None
         self.staging[slot.index].stage_fixed(packed.num_drafts, bucket)
-        runner._check_other_slots_sampled(step)  # (the graphs' shared pool: graph_choice.py, cuda_graphs.py)
+        check_others_sampled(runner.slots, step)  # (the graphs' shared pool: graph_choice.py, cuda_graphs.py)
         runner.spec_graphs.replays[slot.index, bucket] += 1
         rows, updates = runner.rows, step.staged.updates
 
         def replay() -> None:
-            runner._check_fault(step_id)
+            runner.check_fault(step_id)
             if updates is not None:
                 rows.apply(updates, packed)
             if runner.faults is not None:
@@ -355,7 +356,7 @@ class SpecRunner:
         if runner.spec_timed:
             step.started = runner.device.compute.mark()
         runner.device.compute.launch(replay, "spec_forward")
-        runner._launch_copy(step, lambda: self._copy_out(step))
+        launch_copy(runner.device, step, lambda: self._copy_out(step))
         return step
 
     def _shape(self, k: np.ndarray, device: torch.device):

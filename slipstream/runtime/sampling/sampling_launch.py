@@ -18,14 +18,14 @@ import numpy as np
 import torch
 
 from slipstream.errors import PipelineInvariantError
-from slipstream.runtime.carry import sample_carry
-from slipstream.runtime.device import Device
-from slipstream.runtime.host_copy import copy_to_device
-from slipstream.runtime.logits_process import top_logprobs
-from slipstream.runtime.row_tables import RowTables
-from slipstream.runtime.sampler import sample_group
-from slipstream.runtime.sampling_args import GroupNeeds
-from slipstream.runtime.step_slot import LaunchedStep
+from slipstream.runtime.step.carry import sample_carry
+from slipstream.runtime.devices.device import Device
+from slipstream.runtime.devices.host_copy import copy_to_device
+from slipstream.runtime.sampling.logits_process import top_logprobs
+from slipstream.runtime.step.row_tables import RowTables
+from slipstream.runtime.sampling.sampler import sample_group
+from slipstream.runtime.sampling.sampling_args import GroupNeeds
+from slipstream.runtime.step.step_slot import LaunchedStep
 
 if TYPE_CHECKING:
     from slipstream.faults import FaultInjector
@@ -36,7 +36,7 @@ class SamplingLauncher:
 
     def __init__(self, device: Device, rows: RowTables, model: Any = None):
         self.device, self.rows = device, rows
-        self.model = model  # its `carry_heads`, read by carry steps (runtime/carry.py)
+        self.model = model  # its `carry_heads`, read by carry steps (runtime/step/carry.py)
         self.faults: FaultInjector | None = None  # tests only (set through ModelRunner.faults)
 
     def launch(self, step: LaunchedStep, rows: list[int] | None = None, bitmask: np.ndarray | None = None,
@@ -60,7 +60,7 @@ class SamplingLauncher:
         elif final:
             self._launch_item(step, None, final=True)
 
-    def _check_fault(self, step_id: int) -> None:
+    def check_fault(self, step_id: int) -> None:
         if self.faults is not None:
             self.faults.check("sample", step_id)
 
@@ -70,7 +70,7 @@ class SamplingLauncher:
         step_id = step.step_id
 
         def sample() -> None:
-            self._check_fault(step_id)
+            self.check_fault(step_id)
             if work is not None:
                 work()
             if final:

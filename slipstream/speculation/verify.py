@@ -34,9 +34,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from slipstream.runtime.host_copy import upload_array
-from slipstream.runtime.sampler import draw_logits, hash32, process_group, row_keys, sample_group, uniforms
-from slipstream.runtime.sampling_args import Draw, Penalties, SamplingArgs, TopKTopP
+from slipstream.runtime.devices.host_copy import upload_array
+from slipstream.runtime.sampling.sampler import draw_logits, hash32, process_group, row_keys, sample_group, uniforms
+from slipstream.runtime.sampling.sampling_args import Draw, Penalties, SamplingArgs, TopKTopP
 
 # sub-streams of a position's key, so acceptance and residual noise are not the draw's noise
 _ACCEPT_SALT, _RESIDUAL_SALT = 0x3C6EF372, 0x5851F42D
@@ -71,7 +71,7 @@ def layout_arrays(num_drafts, max_drafts: int | None = None) -> tuple[np.ndarray
 def spec_layout(num_drafts, device: torch.device | str = "cpu", max_drafts: int | None = None) -> SpecLayout:
     """The layout for per-row draft counts the host chose. Off the CPU each array goes up through
     pinned memory without blocking the host (host_copy.upload_array); the runner's steps stage theirs
-    in the slot's buffers instead (runtime/spec_step.py, `SpecStaging`)."""
+    in the slot's buffers instead (speculation/runner.py, `SpecStaging`)."""
     k, owner, offset, start, width = layout_arrays(num_drafts, max_drafts)
     dev = torch.device(device)
     up = [upload_array(a, dev) for a in (k, owner, offset, start)]

@@ -13,9 +13,9 @@ from typing import Any
 
 from slipstream.models.base import Model, reads_device_attention
 from slipstream.runtime.batch import ForwardInput
-from slipstream.runtime.graphs import GraphCache
-from slipstream.runtime.sampling_args import GroupNeeds
-from slipstream.runtime.step_slot import StepSlot
+from slipstream.runtime.graphs.cache import GraphCache
+from slipstream.runtime.sampling.sampling_args import GroupNeeds
+from slipstream.runtime.step.step_slot import StepSlot
 
 @dataclass(frozen=True)
 class _Graphed:
@@ -26,7 +26,7 @@ class _Graphed:
     graph: Any  # what the cache's capture returned: .replay() -> logits (or ids when `samples`)
     mixed: bool  # a mixed graph: reads the static layout (static_step.py), not a padded decode layout
     samples: bool  # a greedy decode graph: it samples every row too (launch_sampling only stamps)
-    carry: bool = False  # a carry decode graph: replay() -> (logits, hidden) (forward_carry)
+    carry: bool = False  # a carry decode graph: replay() -> (logits, hidden) (StepForward.carry)
 
 
 class _GraphCacheField:
@@ -50,10 +50,10 @@ class GraphChoice:
     row_multiple: int
     slots: list[StepSlot]
 
-    graphs = _GraphCacheField()  # CUDA graphs of decode steps (slipstream/runtime/cuda_graphs.py)
+    graphs = _GraphCacheField()  # CUDA graphs of decode steps (slipstream/runtime/graphs/cuda_graphs.py)
     mixed_graphs = _GraphCacheField()  # ... of mixed/prefill steps, by token bucket
     greedy_graphs = _GraphCacheField()  # decode graphs that also sample (all rows plain greedy)
-    carry_graphs = _GraphCacheField()  # decode graphs of carry steps (forward_carry)
+    carry_graphs = _GraphCacheField()  # decode graphs of carry steps (StepForward.carry)
     spec_graphs = _GraphCacheField()  # speculating steps by rows, fixed k (SpecRunner.verify_fixed)
 
     def _choose_graph(self, slot: StepSlot, packed: ForwardInput, unmasked: bool, carry: bool,

@@ -9,7 +9,7 @@ Rules, enforced here:
     `pending_samples`.
   * The host plans as if every draft were accepted: a row with k drafts schedules k + 1 positions
     and k + 1 samples (`drafts_in_flight` += k), and its pages cover them (extra pages only from
-    free ones: a draft never preempts). The device knows the truth (runtime/spec_step.py); the
+    free ones: a draft never preempts). The device knows the truth (speculation/runner.py); the
     commit corrects the counts by what was emitted (`Pipeline._commit_runs`).
   * A speculating batch is never steady: the plan after a step with drafts is a full one. A batch
     whose rows all chose no drafts stays steady until the first of them is due to probe, or until a
@@ -46,10 +46,47 @@ one: one policy prices both.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence as Seq
 from typing import Any, Protocol
 
-from slipstream.scheduler.sequence import Sequence
-from slipstream.scheduler.step import Step
+
+# The scheduler's types as drafting sees them (a layer below the scheduler: its Sequence and Step are
+# not imported; tests/test_layering.py). Only what the policy reads and writes.
+class Row(Protocol):
+    """A decode row: the scheduler's Sequence (scheduler/sequence.py)."""
+
+    speculate: bool  # SamplingParams.speculative
+    matcher: Any  # its grammar's matcher, or None
+    sampling: Any  # its SamplingParams
+    max_tokens: int
+    output_ids: list[int]
+    pending_samples: int
+    num_scheduled: int
+    pages: list[int]
+    prefix: Any  # its PrefixState (num_reused: tokens a prefix-cache hit mapped)
+    drafts_accepted: float
+    drafts_tried: float
+    draft_plans: float
+    draft_feeds: float
+    steps_without_drafts: int
+
+    def known_tokens(self, start: int, end: int) -> list[int]: ...
+
+
+class DraftStep(Protocol):
+    """A planned step: the scheduler's Step (scheduler/step.py)."""
+
+    drafts: list[int] | None
+    page_writes: list[int]
+
+    @property
+    def decode(self) -> Seq[Row]: ...
+
+    @property
+    def chunks(self) -> Seq[Any]: ...  # its SeqWork: start_pos, known_before
+
+    @property
+    def chunk_seqs(self) -> Seq[Row]: ...
 
 
 class Planner(Protocol):
@@ -63,9 +100,9 @@ class Planner(Protocol):
 
     def batch_changed(self) -> None: ...
 
-    def reserve_free(self, seq: Sequence, end_pos: int) -> bool: ...
+    def reserve_free(self, seq: Any, end_pos: int) -> bool: ...
 
-    def steady_from(self, step: Step) -> bool: ...
+    def steady_from(self, step: Any) -> bool: ...
 
     def end_steady_at(self, plans: int) -> None: ...
 
@@ -147,7 +184,7 @@ def _bucket(rows: int) -> int:
     return 1 << max(rows - 1, 0).bit_length()
 
 
-def can_speculate(seq: Sequence) -> bool:
+def can_speculate(seq: Row) -> bool:
     """Its sampling is verified on the device alone (replay of greedy or random draws), and its
     request did not opt out (SamplingParams.speculative)."""
     s = seq.sampling
@@ -171,17 +208,17 @@ class Speculation:
         self.measured_penalty: float | None = None
         self.penalty = 1.0
         self._pricing = False  # the first speculating step is in flight: none more until it is priced
-        self._steady: tuple[list[Sequence], int] | None = None  # a steady batch's rows and the plan it began at
+        self._steady: tuple[Seq[Row], int] | None = None  # a steady batch's rows and the plan it began at
         self.drafted = 0  # drafts fed (committed steps, live rows)
         self.accepted = 0  # of which accepted
         self.steps = 0  # committed steps with drafts
 
     @staticmethod
-    def alpha(seq: Sequence) -> float:
+    def alpha(seq: Row) -> float:
         return (seq.drafts_accepted + PRIOR[0]) / (seq.drafts_tried + PRIOR[1])
 
     @staticmethod
-    def match(seq: Sequence) -> float:
+    def match(seq: Row) -> float:
         return (seq.draft_feeds + MATCH_PRIOR[0]) / (seq.draft_plans + MATCH_PRIOR[1])
 
     def probe_every(self, alpha: float, batch: int = 0) -> int:
@@ -224,7 +261,7 @@ class Speculation:
         self.draft_cost = ms if self.draft_cost is None else DECAY * self.draft_cost + (1 - DECAY) * ms
         self.row_ms = max(ROW_MS, self.draft_cost)
 
-    def wanted(self, seqs: list[Sequence]) -> list[int]:
+    def wanted(self, seqs: Seq[Row]) -> list[int]:
         """Drafts per row (before max_tokens and pages): all k without `adaptive`; else `allocate`
         by the rows' estimates, and one draft for a row that drafts none and is due to probe."""
         if not self.adaptive:
@@ -238,7 +275,7 @@ class Speculation:
         return [1 if k == 0 and seq.steps_without_drafts >= self.probe_every(a * m, batch) else k
                 for seq, k, a, m in zip(seqs, ks, alphas, matches)]
 
-    def draft(self, step: Step, planner: Planner) -> None:
+    def draft(self, step: DraftStep, planner: Planner) -> None:
         """Set `step.drafts` (k per decode row) and reserve the pages the drafts write. A batch whose
         rows draft is never steady; one whose rows do not may be, until the first probe is due."""
         if step.chunks:
@@ -283,7 +320,7 @@ class Speculation:
             self._steady = (step.decode, planner.plans)
             planner.end_steady_at(wait)
 
-    def on_commit(self, seq: Sequence, fed: int, emitted: int) -> None:
+    def on_commit(self, seq: Row, fed: int, emitted: int) -> None:
         """A live row's step planned with drafts fed `fed` of them and emitted `emitted` tokens: its
         match rate, and (if it fed any) its acceptance estimate."""
         seq.draft_plans = seq.draft_plans * DECAY + 1

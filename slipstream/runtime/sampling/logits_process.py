@@ -1,6 +1,6 @@
 """Logit processing on the device for the whole batch: penalties, min_p, min_tokens, top-k logprobs.
 
-Like slipstream/runtime/sampler.py, every per-row parameter is a tensor ([n] floats or ints) and
+Like slipstream/runtime/sampling/sampler.py, every per-row parameter is a tensor ([n] floats or ints) and
 no function loops over rows, so one set of kernels serves any mix of requests. The state these
 need lives in per-row tables the runner can keep on the device for the life of a row
 ([max_rows, V]), indexed with the step's row ids:
@@ -9,7 +9,7 @@ need lives in per-row tables the runner can keep on the device for the life of a
     prompt_mask   [R, V] bool    which tokens occur in the row's prompt
     stop_mask     [R, V] bool    the row's EOS / stop_token_ids (what min_tokens holds back)
 
-`HistoryTables` (slipstream/runtime/row_tables.py) holds them. `reset_rows` fills a row's tables at
+`HistoryTables` (slipstream/runtime/step/row_tables.py) holds them. `reset_rows` fills a row's tables at
 admission (and rebuilds them after a preemption, from the prompt and the output so far);
 `record_sampled` adds a step's sampled tokens to the counts, after sampling, on the same stream.
 Every function is exact at the neutral value of its parameter: a row with presence = frequency = 0,

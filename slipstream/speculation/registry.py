@@ -1,4 +1,4 @@
-"""Which factory builds each drafter (runtime/drafter.py): the built-ins "ngram" and "draft", in-process
+"""Which factory builds each drafter (speculation/drafter.py): the built-ins "ngram" and "draft", in-process
 registrations (`register_drafter`), then the `slipstream.drafters` entry-point group, the way
 grammars plug in (docs/grammars.md). A factory is called as
 `factory(history=TokenHistory, max_drafts=int, **options)` and returns a Drafter."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from slipstream.plugins import Plugins
-from slipstream.runtime.drafter import Drafter
+from slipstream.speculation.drafter import Drafter
 
 ENTRY_POINT_GROUP = "slipstream.drafters"
 BUILTIN = ("ngram", "draft")
@@ -23,11 +23,11 @@ def register_drafter(name: str, factory: Factory, *, replace: bool = False) -> N
 
 def _factory(name: str) -> Factory:
     if name == "ngram":
-        from slipstream.runtime.ngram_drafter import NgramDrafter
+        from slipstream.speculation.ngram_drafter import NgramDrafter
 
         return NgramDrafter
     if name == "draft":
-        from slipstream.runtime.draft_model_drafter import DraftModelDrafter
+        from slipstream.speculation.draft_model_drafter import DraftModelDrafter
 
         return DraftModelDrafter
     factory = _plugins.find(name)  # (a broken entry point raises PluginLoadError, naming it)

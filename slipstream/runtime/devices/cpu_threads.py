@@ -44,12 +44,12 @@ def candidates(ceiling: int) -> list[int]:
 
 
 def _key(model, ceiling: int) -> str:
-    from slipstream.models.kernels.cpu_kernels import _cpu_identity
+    from slipstream.models.kernels.cpu_kernels import cpu_identity
 
     c = model.config
     shape = (c.hidden_size, c.intermediate_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size)
     weights = sorted({type(m).__name__ for m in model.modules()})
-    text = json.dumps([_cpu_identity(), shape, weights, ceiling, torch.__version__])
+    text = json.dumps([cpu_identity(), shape, weights, ceiling, torch.__version__])
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 

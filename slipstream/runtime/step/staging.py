@@ -9,7 +9,7 @@ plus a small float32 arena for parameters) and one host→device copy of the use
   - offsets never move, so a captured graph reads its inputs from the same addresses every replay;
   - on the CPU, host and device arena are one tensor and nothing is copied;
   - a step replayed by a mixed graph also fills the fixed-shape regions of its token bucket
-    (slipstream/runtime/static_step.py), which sit after the rest and travel as a second copy.
+    (slipstream/runtime/graphs/static_step.py), which sit after the rest and travel as a second copy.
 For a step of N decoding rows the host writes N row ids and N+1 query offsets (numpy slices, no
 Python per row). The arena belongs to its StepSlot, so it is rewritten only after the slot's
 previous step was committed — by then that step's forward has long consumed its upload.
@@ -23,9 +23,9 @@ import numpy as np
 import torch
 
 from slipstream.runtime.batch import ForwardInput
-from slipstream.runtime.host_copy import copy_to_device
-from slipstream.runtime.sampling_args import NUM_FLOATS, NUM_INTS, stage_params
-from slipstream.runtime.static_step import static_regions
+from slipstream.runtime.devices.host_copy import copy_to_device
+from slipstream.runtime.sampling.sampling_args import NUM_FLOATS, NUM_INTS, stage_params
+from slipstream.runtime.graphs.static_step import static_regions
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,10 @@
 """Images on the runner side: the vision encoder launched before the forward that first reads its
 outputs, and the embeddings an image step's forward takes in place of its placeholder tokens.
 
-`EncoderLaunch` is a base of ModelRunner (model_runner.py, which holds `model`, `device` and
-`features`: encoder outputs by image digest, kept until the scheduler's EncoderCache drops them).
-Encodes and forwards both run on the compute stream, so stream order makes every output exist
-before a forward reads it. A text-only step never comes here.
+`ImageEncodes` is held by the ModelRunner (`runner.images`, model_runner.py), with `features`: encoder
+outputs by image digest, kept until the scheduler's EncoderCache drops them. Encodes and forwards both
+run on the compute stream, so stream order makes every output exist before a forward reads it. A
+text-only step never comes here.
 """
 from __future__ import annotations
 
@@ -17,15 +17,17 @@ import torch
 from slipstream.errors import PipelineInvariantError
 from slipstream.models.base import Model
 from slipstream.runtime.batch import ForwardInput, ImageSpan
-from slipstream.runtime.host_copy import stage_pixels, upload_array
+from slipstream.runtime.devices.host_copy import stage_pixels, upload_array
 
 
-class EncoderLaunch:
-    model: Model  # (the ModelRunner's)
-    device: Any
-    features: dict[bytes, torch.Tensor]
+class ImageEncodes:
+    def __init__(self, model: Model, device: Any):
+        self.model, self.device = model, device
+        # encoder outputs by image digest; which are kept is the scheduler's EncoderCache's decision.
+        # Written by encode launches and read by forwards, both on the compute stream (stream order)
+        self.features: dict[bytes, torch.Tensor] = {}
 
-    def launch_encoder(self, images: Sequence[ImageSpan]) -> None:
+    def launch(self, images: Sequence[ImageSpan]) -> None:
         """Enqueue the vision encoder on these images, on the compute stream (so every later forward
         finds their outputs); returns at once. Pixels go up from pinned memory (no host wait)."""
         if self.model.vision is None:
@@ -53,11 +55,11 @@ class EncoderLaunch:
 
         self.device.compute.launch(encode, "encode")
 
-    def drop_features(self, digests: Sequence[bytes]) -> None:
+    def drop(self, digests: Sequence[bytes]) -> None:
         for digest in digests:
             self.features.pop(digest, None)
 
-    def _embeds(self, packed: ForwardInput, num_decode: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def embeds(self, packed: ForwardInput, num_decode: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(embed_rows, embeds) of a step with image rows, gathered on the compute stream when its
         forward runs (the encodes before it have run by then); None for a text-only step."""
         if not packed.has_embeds:

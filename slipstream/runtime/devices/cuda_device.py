@@ -26,10 +26,10 @@ import structlog
 import torch
 
 from slipstream.errors import DeviceUnavailableError
-from slipstream.runtime.event_waits import EVENT_WAITS
+from slipstream.runtime.devices.event_waits import EVENT_WAITS
 
 if TYPE_CHECKING:  # (device.py makes devices: a runtime import would be a circle)
-    from slipstream.runtime.device import Event
+    from slipstream.runtime.devices.device import Event
 
 log = structlog.get_logger(__name__)
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 if TYPE_CHECKING:  # (device.py makes devices: a runtime import would be a circle)
-    from slipstream.runtime.device import Event
+    from slipstream.runtime.devices.device import Event
 
 
 class CPUEvent:

@@ -21,8 +21,8 @@ import torch
 from slipstream.intmath import ceil_div
 from slipstream.models.base import ForwardBatch, KVCache
 from slipstream.models.kernels.attention import AttentionMetadata
-from slipstream.runtime.drafter import Proposal
-from slipstream.runtime.token_history import NO_TOKEN, TokenHistory
+from slipstream.speculation.drafter import Proposal
+from slipstream.speculation.history import NO_TOKEN, TokenHistory
 
 PAGE = 16
 

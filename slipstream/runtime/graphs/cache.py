@@ -1,10 +1,10 @@
 """Captured graphs per (slot, bucket): warmup, lazy capture, eager fallback above the top.
 
 Five kinds share this bookkeeping: decode graphs, greedy decode graphs (which also sample), carry
-decode graphs (which also feed head values and return hidden states: runtime/carry.py) and
-speculating graphs (draft, forward, verify and advance: runtime/spec_step.py),
-bucketed by batch size, and mixed/prefill graphs, bucketed by token count (slipstream/runtime/buckets.py). It is device-agnostic; what a capture is
-comes from the `capture` callable (slipstream/runtime/cuda_graphs.py on CUDA, a fake in the CPU
+decode graphs (which also feed head values and return hidden states: runtime/step/carry.py) and
+speculating graphs (draft, forward, verify and advance: speculation/runner.py),
+bucketed by batch size, and mixed/prefill graphs, bucketed by token count (slipstream/runtime/graphs/buckets.py). It is device-agnostic; what a capture is
+comes from the `capture` callable (slipstream/runtime/graphs/cuda_graphs.py on CUDA, a fake in the CPU
 tests). Invariants enforced here:
   - a (slot, bucket) is captured at most once, at warmup or on first use (with a log line and
     its duration);
@@ -14,7 +14,7 @@ tests). Invariants enforced here:
   - a capture that raises (at warmup or on first use) turns this cache off: its graphs are dropped,
     every later step of its kind runs eagerly, and one error line says why (its `error` field, and
     the traceback with the error text that any log handler prints under the line: exc_info). The
-    other caches go on; the capture itself left the device as it was (runtime/graph_record.py).
+    other caches go on; the capture itself left the device as it was (runtime/graphs/graph_record.py).
 Each slot needs its own graphs: a graph reads the slot's static input buffers and writes logits
 that must survive while the other slot's step runs.
 """
@@ -27,7 +27,7 @@ from typing import Callable, Generic, TypeVar
 
 import structlog
 
-from slipstream.runtime.buckets import pick_bucket
+from slipstream.runtime.graphs.buckets import pick_bucket
 
 log = structlog.get_logger(__name__)
 
@@ -43,7 +43,7 @@ class GraphKind:
 
 DECODE = GraphKind("decode", "batch_size")
 GREEDY = GraphKind("greedy", "batch_size")  # decode + greedy sampling (looked up only below DECODE's top)
-CARRY = GraphKind("carry", "batch_size")  # decode of carry steps (ModelRunner.forward_carry)
+CARRY = GraphKind("carry", "batch_size")  # decode of carry steps (StepForward.carry)
 MIXED = GraphKind("mixed", "tokens")
 SPEC = GraphKind("spec", "batch_size")  # speculating steps of plain greedy rows (SpecRunner.verify_fixed)
 

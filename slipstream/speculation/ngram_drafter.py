@@ -14,8 +14,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from slipstream.runtime.drafter import Proposal
-from slipstream.runtime.token_history import NO_TOKEN, TokenHistory
+from slipstream.speculation.drafter import Proposal
+from slipstream.speculation.history import NO_TOKEN, TokenHistory
 
 
 class NgramDrafter:

@@ -5,16 +5,16 @@ Decode graph: the gather of the decode rows' tokens, positions and page rows fro
 embedding → layers (Triton paged attention) → final norm → lm_head → positions advanced, reading
 the slot's StepArena device views for that bucket and writing a logits tensor owned by the graph.
 Mixed graph: the same forward on the fixed-shape layout of its token bucket
-(slipstream/runtime/static_step.py): decode tokens gathered from the row tables, chunk tokens from
+(slipstream/runtime/graphs/static_step.py): decode tokens gathered from the row tables, chunk tokens from
 the arena, padding tokens on the scratch page, attention over a device block table; logits of
 min(T, S) rows, of which the step samples its own.
 
 Greedy decode graph: the decode graph plus the sampling of a step whose rows are all plain greedy
-(ModelRunner.forward_greedy: argmax, last-token table, output indices, the slot's sampled ids), chosen
+(StepForward.greedy: argmax, last-token table, output indices, the slot's sampled ids), chosen
 per step from the rows' flag mirrors when no grammar mask is live; its launch_sampling only stamps
 the step. Every other step samples eagerly after the replay (see model_runner.py).
 
-Carry decode graph: the decode graph of a carry step (ModelRunner.forward_carry, runtime/carry.py):
+Carry decode graph: the decode graph of a carry step (StepForward.carry, runtime/step/carry.py):
 each row's kind and values read from the row tables on the device, the head encodings swapped in
 with torch.where, and (logits, hidden) as its outputs, which the step's eager sampling reads. A
 separate set, so steps without carry rows keep replaying the plain decode graphs unchanged; warmed
@@ -27,7 +27,7 @@ Each graph's output stays alive (held here), so no later capture reuses it, but 
 output may sit where an earlier graph keeps intermediates: a replay can overwrite another graph's
 logits. That is safe because every step's sampling is enqueued (the tick finalizes the step it
 launched) before the next step is launched, so stream order consumes the logits first; the runner
-checks it before each replay (`ModelRunner._check_other_slots_sampled`). Two steps in the same
+checks it before each replay (`step_slot.check_others_sampled`). Two steps in the same
 slot never overlap (a slot is reacquired only after its step's commit), so a graph's reuse by the
 slot's next step is safe too; the whole argument: docs/cuda.md, "Which step reads which outputs".
 Mixed graphs are captured
@@ -44,10 +44,10 @@ import structlog
 import torch
 
 from slipstream.runtime.batch import pack_step
-from slipstream.runtime.buckets import make_buckets, token_buckets
-from slipstream.runtime.graph_record import record
-from slipstream.runtime.graphs import CARRY, DECODE, GREEDY, MIXED, SPEC, GraphCache
-from slipstream.runtime.static_step import fill_static, static_tensors
+from slipstream.runtime.graphs.buckets import make_buckets, token_buckets
+from slipstream.runtime.graphs.graph_record import record
+from slipstream.runtime.graphs.cache import CARRY, DECODE, GREEDY, MIXED, SPEC, GraphCache
+from slipstream.runtime.graphs.static_step import fill_static, static_tensors
 
 log = structlog.get_logger(__name__)
 GiB = 1024**3
@@ -68,8 +68,8 @@ class CapturedForward:
 def _capture(runner, device, pool, stage: Callable[[], object], forward=None) -> CapturedForward:
     """Stage an all-padding step (rows 0, the scratch page), run it once eagerly (kernels compile,
     handles are created: nothing of that belongs in the graph), then capture the same forward.
-    `forward(tensors)` is what is captured (default: runner.forward_from)."""
-    forward = runner.forward_from if forward is None else forward
+    `forward(tensors)` is what is captured (default: runner.forward.logits)."""
+    forward = runner.forward.logits if forward is None else forward
     stream = device.compute.stream
     tensors = stage()
     with torch.cuda.stream(stream):
@@ -87,22 +87,22 @@ def _empty_step():
 
 def decode_graphs(runner, device, bucket_range: tuple[int, int, int], pool=None,
                   greedy: bool = False, carry: bool = False) -> GraphCache[CapturedForward]:
-    """A GraphCache of decode steps whose captures record `runner.forward_from` on the compute stream
-    (`greedy`: runner.forward_greedy, which also samples every row greedily; `carry`:
-    runner.forward_carry, the decode step of a carry step)."""
+    """A GraphCache of decode steps whose captures record `runner.forward.logits` on the compute stream
+    (`greedy`: runner.forward.greedy, which also samples every row greedily; `carry`:
+    runner.forward.carry, the decode step of a carry step)."""
     assert not (greedy and carry)
     pool = torch.cuda.graph_pool_handle() if pool is None else pool
 
     def capture(slot: int, bucket: int) -> CapturedForward:
-        arena = runner.arenas[slot]
+        arena = runner.slots[slot].arena
 
         def stage():
             layout = arena.fill(_empty_step(), pad_decode=bucket)  # all padding rows
             arena.upload()
             return arena.tensors(layout)
 
-        forward = (lambda tensors: runner.forward_greedy(tensors, runner.slots[slot])) if greedy \
-            else runner.forward_carry if carry else None
+        forward = (lambda tensors: runner.forward.greedy(tensors, runner.slots[slot])) if greedy \
+            else runner.forward.carry if carry else None
         return _capture(runner, device, pool, stage, forward)
 
     return GraphCache(make_buckets(*bucket_range), len(runner.slots), capture, device.free_memory,
@@ -114,7 +114,7 @@ def mixed_graphs(runner, device, token_range: tuple[int, int], pool=None) -> Gra
     pool = torch.cuda.graph_pool_handle() if pool is None else pool
 
     def capture(slot: int, tokens: int) -> CapturedForward:
-        arena = runner.arenas[slot]
+        arena = runner.slots[slot].arena
 
         def stage():
             arena.fill(_empty_step())
@@ -129,12 +129,12 @@ def mixed_graphs(runner, device, token_range: tuple[int, int], pool=None) -> Gra
 
 def spec_graphs(runner, device, bucket_range: tuple[int, int, int], pool=None) -> GraphCache[CapturedForward]:
     """A GraphCache of speculating steps by rows bucket: SpecRunner.verify_fixed on the fixed-k layout
-    (runtime/spec_step.py), staged as an all-padding step (row 0, no drafts)."""
+    (speculation/runner.py), staged as an all-padding step (row 0, no drafts)."""
     pool = torch.cuda.graph_pool_handle() if pool is None else pool
     spec = runner.spec
 
     def capture(slot: int, bucket: int) -> CapturedForward:
-        arena = runner.arenas[slot]
+        arena = runner.slots[slot].arena
 
         def stage():
             arena.fill(_empty_step(), pad_decode=bucket)

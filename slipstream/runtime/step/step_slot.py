@@ -21,8 +21,8 @@ buffers), and raises instead.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
@@ -30,12 +30,15 @@ import torch
 from slipstream.errors import PipelineInvariantError, SlotReuseError
 from slipstream.grammar.bitmask import words_for
 from slipstream.runtime.batch import MAX_CARRY_VALUES, MAX_TOP_LOGPROBS, ForwardInput
+from slipstream.runtime.devices.host_copy import copy_to_host
+from slipstream.runtime.graphs.static_step import fill_static
+from slipstream.runtime.step.carry import stage_chunk_carry
 
 if TYPE_CHECKING:
-    from slipstream.runtime.carry import ChunkCarry
-    from slipstream.runtime.device import Event, Mark
-    from slipstream.runtime.sampling_args import GroupNeeds
-    from slipstream.runtime.staging import RowUpdates, StepArena, StepTensors
+    from slipstream.runtime.step.carry import ChunkCarry
+    from slipstream.runtime.devices.device import Event, Mark
+    from slipstream.runtime.sampling.sampling_args import GroupNeeds
+    from slipstream.runtime.step.staging import RowUpdates, StepArena, StepTensors
 
 POISON = -7
 MAX_GROUPS = 2
@@ -52,7 +55,7 @@ class Staged:
     graphed: Any  # ModelRunner's graph choice (_Graphed), None: it runs eagerly
     tensors: StepTensors  # device views of its inputs in the slot's arena
     updates: RowUpdates | None  # row-table writes before its forward; None: none
-    carry: bool  # a carry step (runtime/carry.py)
+    carry: bool  # a carry step (runtime/step/carry.py)
     chunk_carry: ChunkCarry | None  # its chunks' carried inputs (eager carry steps)
     needs: GroupNeeds  # what sampling all its rows needs (from the host mirrors, at staging)
     sampled_in_graph: bool = field(init=False)  # its greedy decode graph samples every row (launch_sampling stamps)
@@ -83,7 +86,7 @@ class StepSlot:
         self.top_ids = torch.zeros(max_samples, MAX_TOP_LOGPROBS, dtype=torch.int64, device=device.torch_device)
         self.host_top_values = device.host_buffer((max_samples, MAX_TOP_LOGPROBS), torch.float32)
         self.host_top_ids = device.host_buffer((max_samples, MAX_TOP_LOGPROBS), torch.int64)
-        # a carry step's (kind, values...) per sampling row (runtime/carry.py), copied with its tokens
+        # a carry step's (kind, values...) per sampling row (runtime/step/carry.py), copied with its tokens
         self.carry_out = torch.zeros(max_samples, 1 + MAX_CARRY_VALUES, dtype=torch.float32,
                                      device=device.torch_device)
         self.host_carry = device.host_buffer((max_samples, 1 + MAX_CARRY_VALUES), torch.float32)
@@ -107,6 +110,33 @@ class StepSlot:
                 "has not been committed (its host landing buffer may still be receiving a copy)"
             )
         self.owner = step
+
+    def stage(self, packed: ForwardInput, unmasked: bool, sampling, choose_graph) -> Staged:
+        """Stage `packed` in the arena: row mirrors, its path (`choose_graph`: a graph or None,
+        eagerly; ModelRunner's GraphChoice), the upload; kept as what the slot holds."""
+        if packed.chunks:
+            sampling.mirror(packed.chunks)
+        # a row that may carry a head value makes the step a carry step (runtime/step/carry.py)
+        carry = bool(sampling.carry_rows) and (sampling.any_carry(packed.sample_rows)
+                                               or any(w.carry for w in packed.chunks))
+        needs = sampling.needs(packed.sample_rows)
+        graphed = choose_graph(self, packed, unmasked, carry, needs)
+        arena = self.arena
+        lay = arena.fill(packed, pad_decode=graphed.bucket if graphed is not None and not graphed.mixed else 0)
+        if graphed is not None and graphed.mixed:
+            fill_static(arena, packed, graphed.bucket)
+        arena.upload()
+        writes = lay.w or lay.c
+        self.staged = Staged(packed, unmasked, graphed, arena.tensors(lay), arena.updates(lay) if writes else None,
+                             carry, stage_chunk_carry(packed) if carry and graphed is None else None, needs)
+        return self.staged
+
+    def restage_writes(self, staged: Staged, packed: ForwardInput) -> Staged:
+        """`packed` shares every array but its page-table entries with the input the slot holds
+        (ForwardInput.with_page_writes): only those are staged; path, views and needs stay."""
+        updates = self.arena.stage_writes(packed.page_writes) if len(packed.page_writes) else None
+        self.staged = replace(staged, packed=packed, updates=updates)
+        return self.staged
 
     def stage_group(self, g: int, rows, bitmask) -> None:
         """Write sampling group `g`'s row indices (and masks) into its host buffers."""
@@ -176,3 +206,47 @@ class LaunchedStep:
             raise PipelineInvariantError(f"step {self.step_id}: more than {MAX_GROUPS} sampling groups")
         self.groups += 1
         return g
+
+    def copy_out(self) -> None:
+        """Its outputs to the slot's host landing buffers (on whichever stream runs it)."""
+        slot, n = self.slot, self.num_samples
+        copy_to_host(slot.host_stamp_and_sampled[:n + 1], slot.stamp_and_sampled[:n + 1])
+        if self.logprobs:
+            copy_to_host(slot.host_logprobs[:n], slot.logprobs[:n])
+        if self.staged.carry:  # only the rows' own (kind, values): never read back by a later step
+            copy_to_host(slot.host_carry[:n], slot.carry_out[:n])
+        if self.top_k:  # whole rows: [:n, :top] would be a strided view (host_copy.py)
+            copy_to_host(slot.host_top_values[:n], slot.top_values[:n])
+            copy_to_host(slot.host_top_ids[:n], slot.top_ids[:n])
+
+
+def launch_copy(device, step: LaunchedStep, copy_out: Callable[[], None] | None = None) -> None:
+    """The step's tokens to the host, behind its final sampling: on a device whose host memory is
+    device memory (the CPU) in stream order on the compute stream (no copy engine to overlap, no
+    second stream to wake and wait for), else on the copy stream after an event. `copy_out`: a
+    speculating step's copy (its runs; default: LaunchedStep.copy_out)."""
+    step.sampled = True
+    compute = device.compute
+    if step.started is not None:
+        step.ended = compute.mark()
+    if copy_out is None:
+        copy_out = step.copy_out
+    if device.unified_memory:
+        compute.launch(copy_out, "d2h")
+        step.copy_done = compute.record()
+        return
+    copy = device.copy
+    copy.wait(compute.record())  # the copy waits for exactly this step's outputs
+    copy.launch(copy_out, "d2h")
+    step.copy_done = copy.record()
+
+
+def check_others_sampled(slots: list[StepSlot], step: LaunchedStep) -> None:
+    """Before a graph replay: all graphs share one memory pool, so a replay may overwrite memory that
+    holds another graph's logits. Safe because a step's sampling is all enqueued (the tick finalizes
+    it) before the next step is launched, so stream order runs it before this replay."""
+    for other in slots:
+        owner = other.owner
+        if owner is not None and owner is not step and not owner.sampled:
+            raise PipelineInvariantError(f"step {step.step_id} replays a graph while step {owner.step_id}'s "
+                                         "sampling is not launched: the replay could overwrite its logits")

@@ -59,7 +59,7 @@ class RuntimeReserve:
     decode_graph_logits: int  # each (slot, bucket) decode graph keeps its [bucket, V] fp32 logits
     greedy_graph_ids: int  # each greedy decode graph keeps its [bucket] ids
     carry_graph_outputs: int  # a model with carry heads: each carry decode graph keeps its [bucket, V]
-    #                           fp32 logits and its [bucket, H] hidden states (runtime/carry.py)
+    #                           fp32 logits and its [bucket, H] hidden states (runtime/step/carry.py)
     mixed_graph_logits: int  # each (slot, token bucket) mixed graph keeps [min(T, S), V] fp32 logits
     graph_temporaries: int  # the graph pool's scratch: the largest graph's lm_head output in the
     #                         model dtype and the greedy graph's fp32 logits, plus its activations
@@ -88,7 +88,7 @@ def runtime_reserve(config, vocab_size: int, hidden_size: int, intermediate_size
     graphs); `carry`: the model has carry heads (its carry decode graphs are captured at warm-up
     too); `encoder_rows`: the encoder outputs kept (0: a text-only model)."""
     from slipstream.runtime.batch import MAX_TOP_LOGPROBS
-    from slipstream.runtime.step_slot import MAX_GROUPS
+    from slipstream.runtime.step.step_slot import MAX_GROUPS
 
     V, S, slots = vocab_size, config.max_batch_size + 1, config.pipeline_depth  # S: the runner's rows
     model_logits = 0 if dtype == torch.float32 else dtype.itemsize  # the lm_head's output before .float()
@@ -157,7 +157,7 @@ def profile_step(model, config, dev: torch.device, num_tokens: int, page_size: i
 def engine_reserve(config, mcfg, dtype: torch.dtype, carry: bool = False, images: bool = False) -> RuntimeReserve:
     """runtime_reserve for an EngineConfig and a model config, with the engine's own buckets;
     `images`: the model takes images (its encoder cache is reserved)."""
-    from slipstream.runtime.buckets import make_buckets, token_buckets
+    from slipstream.runtime.graphs.buckets import make_buckets, token_buckets
 
     return runtime_reserve(config, mcfg.vocab_size, mcfg.hidden_size, mcfg.intermediate_size, dtype,
                            make_buckets(*config.buckets()), token_buckets(*config.token_bucket_range()), carry,

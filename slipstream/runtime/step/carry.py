@@ -13,7 +13,7 @@ row (a *carry step*; the host knows which rows may carry from its mirrors, never
     request's output and for a recompute after preemption;
   * chunks re-feed carried values the host kept (`SeqWork.carry`: a recompute), staged here.
 Steps without a carry row run as before: no carry kernel, no extra copy. A decode-only carry step
-replays a carry decode graph where decode steps are graphed (ModelRunner.forward_carry: the same
+replays a carry decode graph where decode steps are graphed (StepForward.carry: the same
 reads, with fixed shapes); a carry step with chunks runs eagerly. Private to the ModelRunner.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 
 from slipstream.models.carry_heads import CarryHeads, CarryInput, decode_carry
 from slipstream.runtime.batch import MAX_CARRY_VALUES, ForwardInput
-from slipstream.runtime.host_copy import upload_array
+from slipstream.runtime.devices.host_copy import upload_array
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,7 @@ import torch
 from slipstream import Engine, EngineConfig, SamplingParams
 from slipstream.errors import PipelineInvariantError
 from slipstream.runtime.devices import host_copy
-from slipstream.runtime import model_runner
-from slipstream.runtime.step import row_tables
+from slipstream.runtime.step import row_tables, step_slot
 from slipstream.runtime.step.row_tables import HistoryTables
 
 CFG = dict(model="tiny-random", max_batch_size=8, max_num_batched_tokens=64, kv_cache_tokens=4096, page_size=8)
@@ -44,13 +43,13 @@ def test_top_logprobs_of_two_rows_copy_whole_contiguous_rows(monkeypatch):
     """n = 2 rows asking for top_logprobs = 3 (< 20): every device->host copy goes through the
     helper, and its host side is contiguous. (Mutant: copying [:n, :top] again fails the step.)"""
     seen = []
-    real = model_runner.copy_to_host
+    real = step_slot.copy_to_host
 
     def spy(dst, src):
         seen.append((tuple(dst.shape), dst.is_contiguous()))
         real(dst, src)
 
-    monkeypatch.setattr(model_runner, "copy_to_host", spy)
+    monkeypatch.setattr(step_slot, "copy_to_host", spy)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, top_logprobs=3)
     outs = asyncio.run(_complete([params, params]))
     for out in outs:

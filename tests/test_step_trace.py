@@ -1,11 +1,11 @@
-"""tools/step_trace.py runs on the real engine (null model) and counts one steady decode step; the
+"""tools/profile/step_trace.py runs on the real engine (null model) and counts one steady decode step; the
 count is held to issue 36's bound, so the step's path stays short."""
 import importlib.util
 import os
 import re
 import sys
 
-_spec = importlib.util.spec_from_file_location("step_trace", os.path.join(os.path.dirname(__file__), "..", "tools",
+_spec = importlib.util.spec_from_file_location("step_trace", os.path.join(os.path.dirname(__file__), "..", "tools", "profile",
                                                                             "step_trace.py"))
 step_trace = importlib.util.module_from_spec(_spec)
 sys.modules["step_trace"] = step_trace

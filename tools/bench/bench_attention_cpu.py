@@ -1,6 +1,6 @@
 """The CPU paged attention kernel alone (sq_attention), this checkout's against another commit's.
 
-    python tools/bench_attention_cpu.py [--baseline main] [--out FILE]
+    python tools/bench/bench_attention_cpu.py [--baseline main] [--out FILE]
 
 SmolLM2-135M's shape (9 query heads over 3 kv heads, head dim 64, page size 16) on random q, K, V. One
 "forward" is 30 calls, one per layer, each over its own KV cache, as a forward's layers make them; with
@@ -17,8 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the slipstream of this checkout
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the slipstream of this checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # the shared helpers
 
 import torch  # noqa: E402
 from bench_lines import emit, pct, report  # noqa: E402

@@ -1,6 +1,6 @@
 """Where a batch-1 `generate` token goes beyond the forward: checkouts side by side, interleaved.
 
-    python tools/bench_decode_overhead.py --checkouts /work/main . --rounds 3 --tokens 128 \
+    python tools/bench/bench_decode_overhead.py --checkouts /work/main . --rounds 3 --tokens 128 \
         [--out docs/results/quant-2026-11-27/decode_overhead.md]
 
 Each run is a child process with PYTHONPATH at one checkout: an Engine with trace=True (the tracer
@@ -25,9 +25,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if "--child" not in sys.argv:  # a child imports the slipstream of its checkout (PYTHONPATH), not this one's
-    sys.path[:0] = [str(ROOT / "tools"), str(ROOT)]
+    sys.path[:0] = [str(ROOT / "tools" / "common"), str(ROOT)]
 
 PROMPT = "Write a short poem about the sea."
 

@@ -1,10 +1,10 @@
 """detect requests per second at 1, 8 and 32 concurrent requests, depth 2 vs depth 1, in one run
 (issue 31, must-show 4).
 
-    python tools/bench_detect.py                                  # the tiny random Moondream folder, CPU
-    python tools/bench_detect.py --skills-model idefics3          # the tiny Idefics3: grammar-constrained text
-    python tools/bench_detect.py --model ~/models/moondream2 --device cuda --step-tokens 1024
-    python tools/bench_detect.py --out docs/results/skills-2026-11-25/bench_detect.txt
+    python tools/bench/bench_detect.py                            # the tiny random Moondream folder, CPU
+    python tools/bench/bench_detect.py --skills-model idefics3    # the tiny Idefics3: grammar-constrained text
+    python tools/bench/bench_detect.py --model ~/models/moondream2 --device cuda --step-tokens 1024
+    python tools/bench/bench_detect.py --out docs/results/skills-2026-11-25/bench_detect.txt
 
 Without --model a tiny random-weight folder is built into a temporary directory: Moondream
 (tests/moondream_fixture.py: `Engine.detect` decodes the boxes with the region heads, the values
@@ -32,8 +32,8 @@ from pathlib import Path
 
 from PIL import Image
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # the slipstream of this checkout
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "tools" / "common")]  # the slipstream of this checkout, the shared helpers
 
 from slipstream import Engine, EngineConfig  # noqa: E402
 from bench_lines import emit, pct, picture, report  # noqa: E402

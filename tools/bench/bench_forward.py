@@ -3,7 +3,7 @@
 Each sequence has a context of --context tokens in the paged KV cache; one decode step runs one
 token per sequence through the model (no sampling, no scheduler). Prints a markdown table.
 
-    python tools/bench_forward.py [--model smollm2-135m] [--batches 1 8 32] [--repeats 10] [--threads N]
+    python tools/bench/bench_forward.py [--model smollm2-135m] [--batches 1 8 32] [--repeats 10] [--threads N]
 
 Variants, interleaved per batch size: the default (the GGUF's weights kept quantized, the "cpu" kernel
 backend: compiled kernels, models/llama/forward_cpu.py), and the dequantized float32 model on the reference
@@ -24,7 +24,8 @@ import torch
 import os as _os
 import sys as _sys
 
-_sys.path.insert(0, _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))))  # this checkout
+_ROOT = _os.path.dirname(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))))
+_sys.path[:0] = [_ROOT, _os.path.join(_ROOT, "tools", "common")]  # this checkout, the shared helpers
 
 from slipstream.runtime.cpu_invariance import row_multiple_for  # noqa: E402
 from slipstream.models.loading.build import build_model  # noqa: E402

@@ -1,6 +1,6 @@
 """What a full garbage collection costs with an engine started, by what is frozen.
 
-    python tools/bench_gc.py [--model tiny-random]
+    python tools/bench/bench_gc.py [--model tiny-random]
 
 Each heap in a fresh process (a CPU engine started, one request served), then gc.collect() timed
 (process CPU time) three times, beside the tracked object count it walks:
@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's slipstream
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's slipstream
 
 HEAPS = ("none", "start", "all")
 

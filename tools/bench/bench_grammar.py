@@ -1,6 +1,6 @@
 """Constrained decoding under pipelining: throughput and period at 0/50/100% constrained requests.
 
-    python tools/bench_grammar.py [--model smollm2-135m] [--streams 16] [--len 24] [--repeats 3]
+    python tools/bench/bench_grammar.py [--model smollm2-135m] [--streams 16] [--len 24] [--repeats 3]
 
 Workload: N concurrent streams, short prompts, exactly L output tokens each. Constrained streams
 use the regex `[0-9]{L}` (llguidance; SmolLM2 writes one digit per token, so the grammar ends at
@@ -20,7 +20,7 @@ import time
 import os as _os
 import sys as _sys
 
-_sys.path.insert(0, _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))))  # this checkout
+_sys.path.insert(0, _os.path.dirname(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))))  # this checkout
 
 from slipstream import Engine, EngineConfig, SamplingParams  # noqa: E402
 from slipstream.logging_setup import configure_logging  # noqa: E402

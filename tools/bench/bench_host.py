@@ -25,8 +25,8 @@ per-step figures: the whole run's CPU time (process, and the loop's thread) ÷ i
 (N × L, prefill and drain included), and the output stage's request-passes (one request's new
 tokens turned into text and delivered) per step, with the tokens per delta a consumer received.
 
-    python tools/bench_host.py                      # N = 1 8 32 128 256 512, L = 128, 3 repeats
-    python tools/bench_host.py --streams 1 4 --repeats 1 --len 16
+    python tools/bench/bench_host.py                # N = 1 8 32 128 256 512, L = 128, 3 repeats
+    python tools/bench/bench_host.py --streams 1 4 --repeats 1 --len 16
 
 The seam (what this tool depends on, so it survives refactors of the scheduler and runtime):
   * `slipstream.api.assemble.build_model(spec, dtype, torch_device, seed, pack=..., ...) -> (model, tokenizer,
@@ -61,7 +61,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the slipstream of this checkout, not an installed one
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the slipstream of this checkout, not an installed one
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
@@ -116,7 +116,7 @@ def null_model(max_rows: int):
     from slipstream.models.tokenizers.byte_tokenizer import ByteTokenizer
 
     if not hasattr(assemble, "build_model"):
-        raise RuntimeError("slipstream.api.assemble.build_model is gone: move the seam of tools/bench_host.py")
+        raise RuntimeError("slipstream.api.assemble.build_model is gone: move the seam of tools/bench/bench_host.py")
     real = assemble.build_model
 
     def build(spec: str, dtype: str, device: torch.device, seed: int = 0, pack: bool = False, **_):
@@ -370,7 +370,7 @@ def _spread(xs: list[float], digits: int) -> str:
 
 
 def provenance(argv: list[str]) -> dict:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
     def git(*args: str) -> str:
         try:
@@ -378,7 +378,7 @@ def provenance(argv: list[str]) -> dict:
         except (OSError, subprocess.CalledProcessError):
             return "unknown"
 
-    return {"command": shlex.join(["python", "tools/bench_host.py", *argv]),
+    return {"command": shlex.join(["python", "tools/bench/bench_host.py", *argv]),
             "git_commit": git("rev-parse", "--short", "HEAD"),
             "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
             "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

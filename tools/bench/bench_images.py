@@ -1,9 +1,9 @@
 """Images in the pipeline, one run (issue 30, must-show 4): TTFT and tokens/s with 0, 1 and 4 images
 per request at 8 concurrent requests, and the encoder cache's effect on a repeated image.
 
-    python tools/bench_images.py                       # the tiny random-weight Idefics3, CPU
-    python tools/bench_images.py --model ~/models/SmolVLM-256M-Instruct --device cuda --dtype bfloat16
-    python tools/bench_images.py --out docs/results/images-2026-11-25/bench_images.txt
+    python tools/bench/bench_images.py                 # the tiny random-weight Idefics3, CPU
+    python tools/bench/bench_images.py --model ~/models/SmolVLM-256M-Instruct --device cuda --dtype bfloat16
+    python tools/bench/bench_images.py --out docs/results/images-2026-11-25/bench_images.txt
 
 Without --model the tiny Idefics3 of tests/idefics3_fixture.py is built into a temporary folder
 (random weights: the answers mean nothing, the costs are those of its small sizes). Every request is
@@ -31,8 +31,8 @@ from pathlib import Path
 
 from PIL import Image
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # the slipstream of this checkout
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "tools" / "common")]  # the slipstream of this checkout, the shared helpers
 
 from slipstream import Engine, EngineConfig, SamplingParams  # noqa: E402
 from bench_lines import emit, pct, picture, report  # noqa: E402

@@ -1,7 +1,7 @@
 """What the batched logit processing (slipstream/runtime/logits_process.py) costs per sampling group.
 
-    python tools/bench_logits_process.py                    # CPU, V = 49,152 (SmolLM2), n = 1, 8, 32
-    python tools/bench_logits_process.py --device cuda --vocab 152064 --rows 1 32 256
+    python tools/bench/bench_logits_process.py              # CPU, V = 49,152 (SmolLM2), n = 1, 8, 32
+    python tools/bench/bench_logits_process.py --device cuda --vocab 152064 --rows 1 32 256
 
 Times each step alone and the whole of process_logits (penalties + min_tokens + min_p, every row
 active), beside sampler.sample (the work a group does today), on random logits. Warm-up, then
@@ -16,7 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the slipstream of this checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the slipstream of this checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # the shared helpers
 
 import torch  # noqa: E402
 from provenance import header  # noqa: E402

@@ -2,8 +2,8 @@
 streams on the base model, one engine, rounds interleaved (base, adapters, base, ...) so a load
 change on a shared machine hits both alike.
 
-    python tools/bench_lora.py                     # 32 streams, 8 adapters of rank 16, all seven targets
-    python tools/bench_lora.py --out docs/results/FILE.md
+    python tools/bench/bench_lora.py               # 32 streams, 8 adapters of rank 16, all seven targets
+    python tools/bench/bench_lora.py --out docs/results/FILE.md
 
 Prints a table (per-stream decode tokens/s: median, mean, p90; the round's aggregate tokens/s; the
 ratio adapters / base of the medians) after a provenance header (command, commit and dirty flag,
@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the slipstream of this checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the slipstream of this checkout
 
 SEVEN = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -81,7 +81,7 @@ async def main(args) -> str:
     from slipstream import Engine, EngineConfig
     from slipstream.provenance import header, provenance
 
-    command = "python tools/bench_lora.py " + " ".join(sys.argv[1:])
+    command = "python tools/bench/bench_lora.py " + " ".join(sys.argv[1:])
     out = [header(provenance(command)).rstrip("\n")]
     config = EngineConfig(model=args.model, max_batch_size=max(args.streams, 8), max_loras=args.adapters,
                           max_lora_rank=max(args.rank, 64))

@@ -6,7 +6,7 @@ padded to the ladder (blocks of ROW_BLOCK). Table 2: whole forwards of SmolLM2-1
 ways. `--primitive-memory` instead: the RSS a new row count adds (oneDNN's and ideep's cached
 primitive for that shape), per projection shape, over 40 row counts not seen before.
 
-    python tools/bench_packed_rows.py --threads 1 --repeats 7 --out docs/results/inputs-2026-11-27/packed_rows.txt
+    python tools/bench/bench_packed_rows.py --threads 1 --repeats 7 --out docs/results/inputs-2026-11-27/packed_rows.txt
 """
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the slipstream of this checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the slipstream of this checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # the shared helpers
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402

@@ -1,6 +1,6 @@
 """Blocking (depth 1) vs pipelined (depth 2) decode for several models; wraps `slipstream bench`.
 
-    python tools/bench_pipeline.py [--models smollm2-135m tiny-random] [slipstream bench options]
+    python tools/bench/bench_pipeline.py [--models smollm2-135m tiny-random] [slipstream bench options]
 """
 from __future__ import annotations
 

@@ -2,17 +2,17 @@
 the time to cancel N waiting requests (O(N): admission.py's lazy deletion; a deque.remove each
 took seconds at 40,000, tests/test_planner_fairness.py checks the mechanism).
 
-    python tools/bench_plan.py 256
-    python tools/bench_plan.py --cancel 40000
+    python tools/bench/bench_plan.py 256
+    python tools/bench/bench_plan.py --cancel 40000
 
 The decode-row choice is the scheduler's per-row hot loop (scheduler/decode_rows.py); this isolates
-it from the rest of the step, which tools/bench_host.py measures whole.
+it from the rest of the step, which tools/bench/bench_host.py measures whole.
 """
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the slipstream of this checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the slipstream of this checkout
 
 from slipstream.runtime.batch import SamplingRow  # noqa: E402
 from slipstream.scheduler.page_pool import PagePool  # noqa: E402

@@ -1,7 +1,7 @@
 """Prefix caching on vs off, one run, the default model on the CPU (issue 29, must-show 1).
 
-    python tools/bench_prefix_cache.py                  # 64 requests, 1,024-token system prompt
-    python tools/bench_prefix_cache.py --out docs/results/prefix-2026-11-25/bench_prefix_cache.txt
+    python tools/bench/bench_prefix_cache.py            # 64 requests, 1,024-token system prompt
+    python tools/bench/bench_prefix_cache.py --out docs/results/prefix-2026-11-25/bench_prefix_cache.txt
 
 (a) Shared system prompt: `--requests` prompts = the same `--system-tokens` token system prompt
     (real text, repeated) + a short distinct user question, submitted at once, after one warm-up
@@ -22,7 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the slipstream of this checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the slipstream of this checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # the shared helpers
 
 from slipstream import Engine, EngineConfig, SamplingParams  # noqa: E402
 from bench_lines import emit, pct, report  # noqa: E402

@@ -1,7 +1,7 @@
 """Why depth 2's time to first token was above depth 1's, measured without a GPU.
 
-    python tools/bench_ttft_order.py                       # concurrency 1 8 32 128, 3 repeats
-    python tools/bench_ttft_order.py --prefill-launch-ms 0 # launches that cost nothing (graphs)
+    python tools/bench/bench_ttft_order.py                 # concurrency 1 8 32 128, 3 repeats
+    python tools/bench/bench_ttft_order.py --prefill-launch-ms 0 # launches that cost nothing (graphs)
 
 The suspected mechanism (issue 15): at depth 2 the loop launches step t+1 before it commits step
 t. On CUDA an eager prefill/mixed launch costs the host 22–27 ms (H100, docs/results/h100-2026-11-22),
@@ -33,8 +33,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's slipstream
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's slipstream
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_host, beside it
 
 from bench_host import NullModel, null_model  # noqa: E402
 

@@ -11,7 +11,7 @@ Peak RSS is each child's own (os.wait4).
 The cache lives in a temporary directory (SLIPSTREAM_CACHE_DIR), emptied before every first start, so
 the user's own cache is never touched. Prints a provenance header and a markdown table.
 
-    python tools/cold_start.py --repeats 3 [--model smollm2-135m] [--out docs/results/.../cold-start.md]
+    python tools/bench/cold_start.py --repeats 3 [--model smollm2-135m] [--out docs/results/.../cold-start.md]
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CHILD = """
 import json, time
 t0 = time.perf_counter()
@@ -44,7 +44,7 @@ def provenance(argv: list[str]) -> str:
     sys.path.insert(0, str(ROOT))  # this checkout's slipstream
     from slipstream.provenance import header, provenance as prov
 
-    return header(prov(["python", "tools/cold_start.py", *argv]))
+    return header(prov(["python", "tools/bench/cold_start.py", *argv]))
 
 
 def start(kind: str, spec: str, env: dict[str, str], weights: str) -> dict[str, float]:

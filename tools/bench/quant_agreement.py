@@ -1,6 +1,6 @@
 """Greedy agreement of the quantized default model with its dequantized twin, prompt by prompt.
 
-    python tools/quant_agreement.py [--tokens 64] [--out docs/results/quant-2026-11-27/agreement.md]
+    python tools/bench/quant_agreement.py [--tokens 64] [--out docs/results/quant-2026-11-27/agreement.md]
 
 Both engines load the same GGUF with EngineConfig defaults except `weights`: "quantized" (the
 compiled CPU kernels on the quantized weights) and "dequantized" (float32 weights, oneDNN-packed
@@ -15,8 +15,8 @@ import asyncio
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "tools"), str(ROOT)]
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT / "tools" / "common"), str(ROOT)]
 
 RAW = ["The quick brown fox", "What is 12345 + 678? The answer is", "Ünïcødé text, 日本語 and emoji 🚀 mixed:",
        "def fibonacci(n):\n    "]

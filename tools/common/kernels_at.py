@@ -11,7 +11,7 @@ from pathlib import Path
 
 from slipstream.models.kernels import cpu_kernels
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def library_at(ref: str) -> ctypes.CDLL:

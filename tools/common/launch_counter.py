@@ -4,7 +4,7 @@ On the triton backend a CPU forward runs the same torch ops and Triton kernels a
 launch (the kernels interpreted). `count_launches()` records, in order, every torch op that computes
 something (views and empty allocations launch nothing on a GPU either) and every Triton kernel
 launch (whose own torch ops inside the interpreter are not counted). Used by
-tests/test_kernel_launches.py and tools/count_launches.py; a test and debugging aid, not used by
+tests/test_kernel_launches.py and tools/profile/count_launches.py; a test and debugging aid, not used by
 the engine.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Decode paged attention on a GPU: the per-head kernel before issue 42 against the grouped one (with
 split-KV), per batch and context, beside the memory floor, in one run.
 
-    python tools/bench_attention_cuda.py [--out docs/results/kernels-2026-11-27/attention_h100.md]
+    python tools/gpu/bench_attention_cuda.py [--out docs/results/kernels-2026-11-27/attention_h100.md]
 
 Shapes are random-smollm2-135m's (9 query heads, 3 kv heads, head_dim 64, bf16), page size 16, every
 sequence decoding one token over `ctx` keys. The page table is `--table-keys` wide, as a decode
@@ -25,8 +25,8 @@ import statistics
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "tools"), str(ROOT)]
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT / "tools" / "common"), str(ROOT)]
 
 import torch  # noqa: E402
 

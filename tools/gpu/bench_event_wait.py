@@ -5,7 +5,7 @@ kernel of known length, record an event after it, await it from a uvloop loop, a
 time from the event's completion on the GPU (a timing event, mapped to the host clock) to the
 moment the awaiting coroutine resumes. Medians and p90 over --repeats after --warmup waits.
 
-    python tools/bench_event_wait.py --repeats 500
+    python tools/gpu/bench_event_wait.py --repeats 500
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import uvloop
 import os as _os
 import sys as _sys
 
-_sys.path.insert(0, _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))))  # this checkout
+_sys.path.insert(0, _os.path.dirname(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))))  # this checkout
 
 from slipstream.runtime.cuda_device import CUDADevice  # noqa: E402
 

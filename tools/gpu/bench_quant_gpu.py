@@ -1,15 +1,15 @@
 """Quantized weights on CUDA: the Triton quantized matmul against the bf16 path, then whole engines.
 
-    python tools/bench_quant_gpu.py [--out quant_gpu.md]      (on a GPU machine)
+    python tools/gpu/bench_quant_gpu.py [--out quant_gpu.md]      (on a GPU machine)
 
 1. Kernels: x [M, K] bf16 times each weight shape of SmolLM2-135M (the projections and the lm_head),
    M = 1, 8, 32: `quant_matmul_triton` on Q4_1 and Q8_0 weights (the default model's formats) against
    F.linear on the same weights dequantized to bf16 (cuBLAS). CUDA-event time per call, median of 100
    after 20 warm-ups (profile_forward_cuda.event_ms), and the bytes of weights read per microsecond.
-2. Engines: random-smollm2-135m written as a Q4_1 GGUF (tools/random_gguf.py --dtype q4_1: the default
+2. Engines: random-smollm2-135m written as a Q4_1 GGUF (tools/peers/random_gguf.py --dtype q4_1: the default
    model's formats and shapes, random weights), EngineConfig(device="cuda", dtype="bfloat16") with
    weights "quantized" and "dequantized", CUDA graphs on (decode buckets 1, 16, 32; no mixed graphs),
-   N streams of --gen greedy tokens (ignore_eos): decode tokens/s, as in tools/bench_quant_peer.py.
+   N streams of --gen greedy tokens (ignore_eos): decode tokens/s, as in tools/peers/bench_quant_peer.py.
 """
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "tools"), str(ROOT)]
+ROOT = Path(__file__).resolve().parents[2]
+# this room (profile_forward_cuda), tools/peers (random_gguf), tools/common, this checkout
+sys.path[:0] = [str(ROOT / "tools" / "gpu"), str(ROOT / "tools" / "peers"), str(ROOT / "tools" / "common"), str(ROOT)]
 
 SHAPES = {"q_proj / o_proj": (576, 576), "k_proj / v_proj": (192, 576), "gate / up": (1536, 576),
           "down": (576, 1536), "lm_head": (49152, 576)}

@@ -7,7 +7,7 @@
 # pins against the image's anyio/typing-extensions are untried there, and the tests that need them skip
 # (tests/test_gpu_image_collect.py checks that every cuda test is still collected without them).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."  # the repository root
 mkdir -p .whl
 plat=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
       --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any)

@@ -1,7 +1,7 @@
 """Compile the triton backend's fused kernels for a GPU architecture without a GPU, and report
 registers, spills (stack) and shared memory per kernel and launch configuration.
 
-    python tools/kernel_resources.py [--arch 90] [--model random-smollm2-135m | all] [--dtype bfloat16 ...]
+    python tools/gpu/kernel_resources.py [--arch 90] [--model random-smollm2-135m | all] [--dtype bfloat16 ...]
 
 Triton's wheel bundles ptxas and cuobjdump, so the whole path (Triton → PTX → cubin) runs on a CPU
 machine: a kernel that does not compile, spills registers or asks for too much shared memory shows
@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 
-_sys_path = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_sys_path = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, _sys_path)  # this checkout
 
 import torch  # noqa: E402

@@ -1,6 +1,6 @@
 """Where a decode step's GPU time goes: graph replay vs eager forward, kernels per step, top kernels.
 
-    python tools/profile_forward_cuda.py [--model random-smollm2-135m] [--dtype bfloat16] [--batches 1 32 128 256]
+    python tools/gpu/profile_forward_cuda.py [--model random-smollm2-135m] [--dtype bfloat16] [--batches 1 32 128 256]
                                          [--variants before fused-decode fused no-mlp-gemm unfused]
 
 Builds an Engine on the GPU, takes its model runner, and for each batch size stages one decode step
@@ -27,7 +27,7 @@ weights drawn on the GPU); the output starts with a `# <model>` heading, so runs
 one section per model. `--prefill 2048` adds a table per variant: one sequence's 2,048-token prompt chunk
 (from position 0) as one step, its mixed-graph replay and eager forward timed with CUDA events, in
 TFLOP/s (prefill_flops: the projections, the lm_head row sampled and causal attention) beside the GPU's
-dense bf16 peak (tools/gpu_peaks.py). `--no-warmup` captures only the graphs measured (on first use),
+dense bf16 peak (tools/gpu/gpu_peaks.py). `--no-warmup` captures only the graphs measured (on first use),
 not every bucket at start: what a large shape's call can afford.
 """
 from __future__ import annotations
@@ -44,7 +44,7 @@ import torch
 import os as _os
 import sys as _sys
 
-_sys.path.insert(0, _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))))  # this checkout
+_sys.path.insert(0, _os.path.dirname(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))))  # this checkout
 _sys.path.insert(0, _os.path.dirname(_os.path.abspath(__file__)))
 
 from gpu_peaks import dense_bf16_peak  # noqa: E402
@@ -155,7 +155,7 @@ def profile_prefill(runner, config, tokens: int, args) -> None:
     peak = dense_bf16_peak(name)
     print(f"\nprefill: one {tokens}-token chunk (position 0) as one step, {flops / 1e12:.2f} TFLOP "
           f"(prefill_flops); peak: {name}'s dense bf16 tensor-core peak, "
-          f"{'not in tools/gpu_peaks.py' if peak is None else f'{peak:.0f} TFLOP/s (tools/gpu_peaks.py)'}\n")
+          f"{'not in tools/gpu/gpu_peaks.py' if peak is None else f'{peak:.0f} TFLOP/s (tools/gpu/gpu_peaks.py)'}\n")
     print("| prefill tokens | path | device ms | TFLOP/s | % of dense bf16 peak |\n|---:|---|---:|---:|---:|")
     for path, ms in (("mixed-graph replay", graph_ms), ("eager forward", eager_ms)):
         rate = flops / (ms / 1e3) / 1e12

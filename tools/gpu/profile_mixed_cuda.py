@@ -1,6 +1,6 @@
 """Host launch cost of a mixed (prefill + decode) step: eager forward vs mixed-graph replay.
 
-    python tools/profile_mixed_cuda.py [--model random-smollm2-135m] [--dtype bfloat16] [--tokens 128 512 2048]
+    python tools/gpu/profile_mixed_cuda.py [--model random-smollm2-135m] [--dtype bfloat16] [--tokens 128 512 2048]
                                        [--decode 16] [--chunk 256] [--context 128] [--repeats 30]
 
 Builds an Engine on the GPU (mixed graphs on, captured lazily for the token buckets asked for) and,
@@ -28,7 +28,7 @@ import time
 import numpy as np
 import torch
 
-sys.path.insert(0, _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))))  # this checkout
+sys.path.insert(0, _os.path.dirname(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))))  # this checkout
 
 from slipstream import Engine, EngineConfig  # noqa: E402
 from slipstream.runtime.batch import SeqWork, pack_step  # noqa: E402

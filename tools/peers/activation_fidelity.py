@@ -1,6 +1,6 @@
 """How far EngineConfig.activations moves the default model from transformers: greedy tokens and logits.
 
-    python tools/activation_fidelity.py [--modes float int16 int8] [--tokens 32] [--out FILE]
+    python tools/peers/activation_fidelity.py [--modes float int16 int8] [--tokens 32] [--out FILE]
 
 Greedy: tests/test_oracle_smollm.py's check with each mode: its prompts (raw and chat), `--tokens`
 greedy tokens (ignore_eos) through the engine at depth 2, against transformers' generate on the same
@@ -18,8 +18,8 @@ import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "tools"), str(ROOT), str(ROOT / "tests")]
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT / "tools" / "common"), str(ROOT), str(ROOT / "tests")]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402

@@ -1,7 +1,7 @@
 """Decode speed on the CPU: slipstream's default (quantized GGUF, compiled kernels) against llama.cpp on the
 same GGUF file, interleaved in one run, N sequences at once (N = 1 is a single `generate`).
 
-    python tools/bench_quant_peer.py --llamacpp build/llamacpp-cpu --rounds 3 --batches 1 8 32 \
+    python tools/peers/bench_quant_peer.py --llamacpp build/llamacpp-cpu --rounds 3 --batches 1 8 32 \
         [--llamacpp-threads 1 2] [--out docs/results/quant-2026-11-27/peer.md]
 
 Every round runs, for each N, each configuration once, as its own process, in an order that alternates
@@ -36,8 +36,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "tools"), str(ROOT)]
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT / "tools" / "common"), str(ROOT)]
 
 from bench_lines import emit, pct, report  # noqa: E402
 
@@ -123,7 +123,7 @@ def configurations(args) -> list[tuple[str, dict]]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--llamacpp", help="llama.cpp build directory (tools/llamacpp_peer.sh build)")
+    ap.add_argument("--llamacpp", help="llama.cpp build directory (tools/peers/llamacpp_peer.sh build)")
     ap.add_argument("--model", default=DEFAULT_GGUF, help="slipstream's spec of the GGUF (both sides load its file)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--prompt-len", type=int, default=32)

@@ -1,9 +1,9 @@
-"""llama.cpp as a peer: N parallel sequences through `llama-batched-bench`, the workload of tools/peer_bench.py.
+"""llama.cpp as a peer: N parallel sequences through `llama-batched-bench`, the workload of tools/peers/peer_bench.py.
 
-    python tools/llamacpp_bench.py --build /tmp/llamacpp-build --dtype f16 --concurrency 1 8 32 128
-    (normally through tools/llamacpp_peer.sh bench BUILD ...; tools/gpu_check.sh stage `llamacpp`)
+    python tools/peers/llamacpp_bench.py --build /tmp/llamacpp-build --dtype f16 --concurrency 1 8 32 128
+    (normally through tools/peers/llamacpp_peer.sh bench BUILD ...; tools/gpu/gpu_check.sh stage `llamacpp`)
 
-Model: slipstream's `random-smollm2-135m` written as a GGUF by tools/random_gguf.py (identical
+Model: slipstream's `random-smollm2-135m` written as a GGUF by tools/peers/random_gguf.py (identical
 weights to slipstream's and transformers', seed 0). Workload per N: N sequences of --prompt-len
 token ids prefilled together, then L − 1 decode steps of N tokens each (the prefill yields each
 sequence's first token, as in peer_bench: L output tokens per sequence). One process per N (fresh
@@ -31,7 +31,7 @@ import threading
 import time
 
 _TOOLS = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [_TOOLS, os.path.dirname(_TOOLS)]
+sys.path[:0] = [_TOOLS, os.path.dirname(os.path.dirname(_TOOLS))]  # this room, this checkout's slipstream
 
 from slipstream.provenance import header, provenance  # noqa: E402
 
@@ -39,8 +39,8 @@ BUFFER_RE = re.compile(r"(\S+) +(model|KV|compute|output) buffer size =\s+([\d.]
 
 
 def llamacpp_commit(build: str) -> str:
-    """The snapshot's commit as written by tools/llamacpp_peer.sh source (next to the source tree, or in
-    a prebuilt dist beside bin/: tools/llamacpp_peer.sh dist)."""
+    """The snapshot's commit as written by tools/peers/llamacpp_peer.sh source (next to the source tree, or in
+    a prebuilt dist beside bin/: tools/peers/llamacpp_peer.sh dist)."""
     cache = os.path.join(build, "CMakeCache.txt")
     src = build if os.path.exists(os.path.join(build, ".snapshot-commit")) else None
     if src is None and os.path.exists(cache):
@@ -136,7 +136,7 @@ def table(res: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--build", required=True, help="llama.cpp build directory (tools/llamacpp_peer.sh build)")
+    ap.add_argument("--build", required=True, help="llama.cpp build directory (tools/peers/llamacpp_peer.sh build)")
     ap.add_argument("--model", help="a GGUF; default: write random-smollm2-135m in --dtype next to the build")
     ap.add_argument("--spec", default="random-smollm2-135m")
     ap.add_argument("--dtype", default="f16", choices=["f16", "bf16", "f32"])
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     commit = llamacpp_commit(args.build)
-    prov = provenance([os.path.basename(sys.executable), "tools/llamacpp_bench.py", *argv],
+    prov = provenance([os.path.basename(sys.executable), "tools/peers/llamacpp_bench.py", *argv],
                       extra={"llama.cpp": commit})
     model = args.model
     if model is None:

@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
-# llama.cpp as a peer: take a source snapshot, build only the benchmark targets, run tools/llamacpp_bench.py.
+# llama.cpp as a peer: take a source snapshot, build only the benchmark targets, run tools/peers/llamacpp_bench.py.
 # The snapshot lives OUTSIDE this repository (the project never vendors llama.cpp).
 #
-#   tools/llamacpp_peer.sh source DIR     # a trimmed ggml-org/llama.cpp tree in DIR (no models/, docs/, tests/, ...)
-#   tools/llamacpp_peer.sh pack DIR TGZ   # that tree as a tarball small enough to carry to a lent GPU
-#   tools/llamacpp_peer.sh build DIR BUILD  # cmake + ninja: llama-batched-bench (+ llama-server if LLAMACPP_SERVER=1)
-#   tools/llamacpp_peer.sh bench BUILD [llamacpp_bench.py args...]
-#   tools/llamacpp_peer.sh toolkit TK        # a CUDA toolkit to build against WITHOUT a GPU: this machine's nvcc
+#   tools/peers/llamacpp_peer.sh source DIR     # a trimmed ggml-org/llama.cpp tree in DIR (no models/, docs/, tests/, ...)
+#   tools/peers/llamacpp_peer.sh pack DIR TGZ   # that tree as a tarball small enough to carry to a lent GPU
+#   tools/peers/llamacpp_peer.sh build DIR BUILD  # cmake + ninja: llama-batched-bench (+ llama-server if LLAMACPP_SERVER=1)
+#   tools/peers/llamacpp_peer.sh bench BUILD [llamacpp_bench.py args...]
+#   tools/peers/llamacpp_peer.sh toolkit TK  # a CUDA toolkit to build against WITHOUT a GPU: this machine's nvcc
 #                                            # ($CUDA_HOME, default /usr/local/cuda, else the nvcc on PATH; its lib/
 #                                            # or lib64/, whichever it has) + cuBLAS 13 headers/libs from the
 #                                            # nvidia-cublas wheel (or an installed one: CUBLAS_DIR=.../nvidia/cu13)
 #                                            # + a link-time libcuda stub (the driver's, at run time)
-#   tools/llamacpp_peer.sh dist SRC BUILD TXZ  # with TK's toolkit (LLAMACPP_TOOLKIT=TK): llama-batched-bench and
+#   tools/peers/llamacpp_peer.sh dist SRC BUILD TXZ  # with TK's toolkit (LLAMACPP_TOOLKIT=TK): llama-batched-bench and
 #                                            # llama-server for sm_90, shared ggml libs (one copy of the CUDA code),
 #                                            # no -march=native, stripped, RPATH $ORIGIN -> TXZ (bin/ + .snapshot-*)
 #

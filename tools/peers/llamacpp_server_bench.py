@@ -1,8 +1,8 @@
 """llama.cpp served: `llama-server` with N parallel slots and continuous batching, driven like peer_bench.
 
-    python tools/llamacpp_server_bench.py --build BUILD --dtype f16 --concurrency 1 8 32 128
+    python tools/peers/llamacpp_server_bench.py --build BUILD --dtype f16 --concurrency 1 8 32 128
 
-Unlike llama-batched-bench (tools/llamacpp_bench.py), the server samples (greedy: top_k 1), streams
+Unlike llama-batched-bench (tools/peers/llamacpp_bench.py), the server samples (greedy: top_k 1), streams
 each token to its client and schedules requests itself — the same work slipstream's engine does.
 Per N: one fresh server process with N slots (`-np N`) and the KV budget of peer_bench per slot,
 one warm-up round, then --repeats rounds of N requests submitted at once, each a prompt of
@@ -25,7 +25,7 @@ import threading
 import time
 
 _TOOLS = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [_TOOLS, os.path.dirname(_TOOLS)]
+sys.path[:0] = [_TOOLS, os.path.dirname(os.path.dirname(_TOOLS))]  # this room, this checkout's slipstream
 
 from llamacpp_bench import BUFFER_RE, GpuPeak, llamacpp_commit  # noqa: E402
 
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--build", required=True)
-    ap.add_argument("--model", help="a GGUF; default: the one tools/llamacpp_bench.py writes next to the build")
+    ap.add_argument("--model", help="a GGUF; default: the one tools/peers/llamacpp_bench.py writes next to the build")
     ap.add_argument("--spec", default="random-smollm2-135m")
     ap.add_argument("--dtype", default="f16", choices=["f16", "bf16", "f32"])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 128])
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json-out", metavar="PATH")
     args = ap.parse_args(argv)
     commit = llamacpp_commit(args.build)
-    prov = provenance([os.path.basename(sys.executable), "tools/llamacpp_server_bench.py", *argv],
+    prov = provenance([os.path.basename(sys.executable), "tools/peers/llamacpp_server_bench.py", *argv],
                       extra={"llama.cpp": commit})
     model = args.model or os.path.join(args.build, f"{args.spec}-{args.dtype}.gguf")
     if not os.path.exists(model):

@@ -1,11 +1,11 @@
 """slipstream vs Hugging Face transformers at its best: same model, same weights, same budgets.
 
-    python tools/peer_bench.py --device cuda --dtype bfloat16            # the GPU comparison
-    python tools/peer_bench.py --device cpu --dtype float32 --arch tiny --concurrency 1 4 --output-len 8
+    python tools/peers/peer_bench.py --device cuda --dtype bfloat16      # the GPU comparison
+    python tools/peers/peer_bench.py --device cpu --dtype float32 --arch tiny --concurrency 1 4 --output-len 8
 
 Workload: N requests submitted at once (N = concurrency), prompts of --prompt-len token ids, exactly
 --output-len greedy tokens each (EOS ignored), the same KV and per-step token budgets for every
-system (--batch-tokens). Systems, one row each: transformers configurations (tools/peer_hf.py:
+system (--batch-tokens). Systems, one row each: transformers configurations (tools/peers/peer_hf.py:
 continuous batching with its own heuristics, with CUDA graphs requested, and `generate()` with a
 static cache under torch.compile for static batches) and slipstream at depth 1 and depth 2.
 Weights: SmolLM2-135M's architecture with random weights (`random-smollm2-135m`: the GGUF cannot
@@ -36,7 +36,9 @@ import time
 import torch
 
 _TOOLS = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [_TOOLS, os.path.dirname(_TOOLS)]  # this checkout's slipstream, not an installed one
+_ROOT = os.path.dirname(os.path.dirname(_TOOLS))
+# this room (peer_hf), tools/common (hf_oracle), this checkout's slipstream, not an installed one
+sys.path[:0] = [_TOOLS, os.path.join(_ROOT, "tools", "common"), _ROOT]
 from peer_hf import CB_CONFIGS, DEFAULT_HF_CONFIGS, HF_CONFIGS, hf_generation_config, make_system  # noqa: E402
 from peer_hf import summarize  # noqa: E402
 from peer_hf import peak_mib as _peak_mib  # noqa: E402
@@ -216,7 +218,7 @@ def parse(argv: list[str] | None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--batch-tokens", type=int, default=2048, help="per-step token budget, every system")
     ap.add_argument("--hf-configs", nargs="+", default=list(DEFAULT_HF_CONFIGS), choices=HF_CONFIGS,
-                    help="transformers configurations, one row each (tools/peer_hf.py)")
+                    help="transformers configurations, one row each (tools/peers/peer_hf.py)")
     ap.add_argument("--hf-compile", default="auto", choices=["auto", "off", "force"],
                     help="static-compile: compile on CUDA (auto), never (off), or also on the CPU (force)")
     ap.add_argument("--systems", nargs="+", help="run only these systems (names as in the table)")
@@ -251,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     systems = args.systems or ([hf_system_name(c) for c in args.hf_configs if c in CB_CONFIGS] + list(SLIPSTREAM)
                                + [hf_system_name(c) for c in args.hf_configs if c not in CB_CONFIGS])
     fresh = args.device == "cuda" if args.fresh_process is None else args.fresh_process
-    prov = provenance([os.path.basename(sys.executable), "tools/peer_bench.py", *argv])
+    prov = provenance([os.path.basename(sys.executable), "tools/peers/peer_bench.py", *argv])
 
     def log(msg: str) -> None:
         print(f"  {msg}", file=sys.stderr, flush=True)

@@ -1,4 +1,4 @@
-"""transformers at its best, for tools/peer_bench.py: each configuration a system of its own row.
+"""transformers at its best, for tools/peers/peer_bench.py: each configuration a system of its own row.
 
     cb-auto          continuous batching, transformers' own heuristics decide CUDA graphs and async
                      batching (with SDPA, which needs a mask, it turns both off)

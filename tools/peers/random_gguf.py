@@ -1,9 +1,9 @@
 """Write slipstream's random-weight model (e.g. `random-smollm2-135m`, seed 0) as a llama.cpp GGUF.
 
-    python tools/random_gguf.py --spec random-smollm2-135m --dtype f16 --out /tmp/smollm2-random-f16.gguf
+    python tools/peers/random_gguf.py --spec random-smollm2-135m --dtype f16 --out /tmp/smollm2-random-f16.gguf
     (--dtype q4_1: projections Q4_1, embedding Q8_0, as the default model's GGUF)
 
-The same weights slipstream and tools/peer_bench.py's transformers twin run (slipstream.models.llama.build.
+The same weights slipstream and tools/peers/peer_bench.py's transformers twin run (slipstream.models.llama.build.
 random_weights), renamed to GGUF's llama names, q/k rows permuted to llama.cpp's rotary layout (the
 inverse of slipstream's `unpermute_qk`), norms kept in float32 as llama.cpp's converter does. No
 real tokenizer travels: by default a synthetic SentencePiece-style vocabulary (pieces "t3", "t4",
@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 _TOOLS = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(_TOOLS))  # this checkout's slipstream
+sys.path.insert(0, os.path.dirname(os.path.dirname(_TOOLS)))  # this checkout's slipstream
 
 from slipstream.models.config import ON_DEVICE_INIT  # noqa: E402
 from slipstream.models.llama.build import RANDOM, random_model_weights  # noqa: E402

@@ -1,7 +1,7 @@
 """What always-on tracing costs per decode step: the same workload with EngineConfig(trace=False/True).
 
-    python tools/bench_trace_cost.py                       # tiny-random, 8 streams x 64 tokens, depth 2
-    python tools/bench_trace_cost.py --model smollm2-135m --streams 4 --len 32
+    python tools/profile/bench_trace_cost.py               # tiny-random, 8 streams x 64 tokens, depth 2
+    python tools/profile/bench_trace_cost.py --model smollm2-135m --streams 4 --len 32
 
 The worker traces by default (`slipstream worker --no-trace` turns it off) so that the bubble
 series of /metrics (slipstream_device_idle_seconds, slipstream_forward_seconds) are filled. One
@@ -17,7 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the slipstream of this checkout, not an installed one
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the slipstream of this checkout, not an installed one
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # the shared helpers
 
 from provenance import header  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Host cost of one Triton kernel launch on the eager path, measured on the CPU (no GPU needed).
 
-    python tools/bench_triton_launch.py [--repeats 7] [--calls 2000] [--forward]
+    python tools/profile/bench_triton_launch.py [--repeats 7] [--calls 2000] [--forward]
 
 Each of the forward's kernel wrappers (add_rms_norm, rotary_kv, paged attention, gate_up_silu,
 silu_mul) runs in compiled mode on CPU tensors of SmolLM2-135M's sizes against a stand-in driver:
@@ -28,7 +28,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # the shared helpers
 
 import torch  # noqa: E402
 

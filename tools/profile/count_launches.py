@@ -1,11 +1,11 @@
 """Kernel launches of one decode step of the model's triton backend, counted on the CPU.
 
-    python tools/count_launches.py [--model random-smollm2-135m] [--batch 1] [--context 16] [--variants ...]
+    python tools/profile/count_launches.py [--model random-smollm2-135m] [--batch 1] [--context 16] [--variants ...]
 
 Runs one decode step (every sequence --context tokens deep, random KV) of the model forward on the
 triton backend with its kernels in Triton's interpreter, and counts what a GPU would launch
-(tools/launch_counter.py): the model's own kernels, not the runner's staging ops
-around it (tools/profile_forward_cuda.py counts those too, on a GPU). Prints the first layer's
+(tools/common/launch_counter.py): the model's own kernels, not the runner's staging ops
+around it (tools/gpu/profile_forward_cuda.py counts those too, on a GPU). Prints the first layer's
 launches in order and the totals per variant of slipstream/models/llama/forward_triton.py TritonOptions.
 """
 from __future__ import annotations
@@ -15,7 +15,8 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path[:0] = [_ROOT, os.path.join(_ROOT, "tools", "common")]  # this checkout, the shared helpers
 
 import torch  # noqa: E402
 

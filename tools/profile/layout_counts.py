@@ -2,7 +2,7 @@
 circles (module level, with the imports deferred into functions, with the TYPE_CHECKING ones),
 upward imports, mypy errors over the whole package with nothing silenced, the largest files.
 
-    python tools/layout_counts.py [--out FILE] [--no-mypy]
+    python tools/profile/layout_counts.py [--out FILE] [--no-mypy]
 
 The layers and the import graph are tests/test_layering.py's (one implementation). mypy runs with
 pyproject's settings minus its `ignore_errors` overrides and over `slipstream/` whole, so the count
@@ -21,7 +21,7 @@ import tomllib
 from collections import Counter
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from slipstream import provenance as prov  # noqa: E402

@@ -1,7 +1,7 @@
 """Plots for docs/bubble.md from `slipstream bench --json` output.
 
     slipstream bench --json > run.json
-    python tools/plot_bubble.py run.json [more.json ...] --out docs/img
+    python tools/profile/plot_bubble.py run.json [more.json ...] --out docs/img
 
 Writes bubble_steps.png (each step split into forward, sampling and device idle, per depth) and
 bubble_model.png (the cost model's prediction against the wall clock for every repeat, and the

@@ -1,6 +1,6 @@
 """Where the CPU time of one steady decode step goes: every thread, split by what ran on it.
 
-The workload is tools/bench_host.py's (the real engine driven by its null model, CPU device, depth 2,
+The workload is tools/bench/bench_host.py's (the real engine driven by its null model, CPU device, depth 2,
 N greedy streams of L tokens), and so is the choice of steady steps (full-batch decode steps with
 full-batch decode neighbours). Over those intervals the process's CPU time is split, per step:
 
@@ -20,9 +20,9 @@ do not inflate them; the measuring itself adds two clock reads per task resumpti
 item. The seams are the ones bench_host.py names, plus `engine._parts.device` (its compute, copy and
 upload streams: `launch(fn, label)`), and asyncio's task factory.
 
-    python tools/step_profile.py                    # N = 1, L = 2000, 3 repeats
-    python tools/step_profile.py --streams 256 --len 200
-    python tools/step_profile.py --functions        # also: where in the code, by function
+    python tools/profile/step_profile.py            # N = 1, L = 2000, 3 repeats
+    python tools/profile/step_profile.py --streams 256 --len 200
+    python tools/profile/step_profile.py --functions        # also: where in the code, by function
 
 With --functions the measured runs go under cProfile on the loop's thread and on the compute
 stream's thread, with each thread's CPU clock as the timer, and the functions (Python and C: torch
@@ -44,9 +44,9 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # the slipstream of this checkout, not an installed one
-sys.path.insert(0, str(ROOT / "tools"))
+sys.path[:0] = [str(ROOT / "tools" / "bench"), str(ROOT / "tools" / "common")]  # bench_host, provenance
 
 
 class Accounts:
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_header:
         from provenance import header
 
-        print(header(" ".join(["python", "tools/step_profile.py", *argv])), end="")
+        print(header(" ".join(["python", "tools/profile/step_profile.py", *argv])), end="")
     import uvloop
 
     intervals, sampler, steps = uvloop.run(profile(args.streams, args.length, args.repeats, args.depth,

@@ -1,7 +1,7 @@
 """What the host executes for one steady decode step: files, functions, calls, frame depth, types.
 
 The engine is the real one (Engine API, Planner, EngineLoop, ModelRunner, CPU device) driven by the
-null model of tools/bench_host.py (no math in the forward), on the CPU at depth 2 with N streams.
+null model of tools/bench/bench_host.py (no math in the forward), on the CPU at depth 2 with N streams.
 The tool replaces `engine.loop.tick` on the instance with a wrapper that turns `sys.setprofile` on
 at the tick's start and off at its end, so one traced window is one tick: the commit of the oldest
 step, the plan and launch of the next, its finalize. The tick is a coroutine: while it awaits the
@@ -45,8 +45,8 @@ also mean other things and are left out). Docstrings and comments do not count. 
 the parameters along as one object without naming a field is not listed, so this is a lower bound
 on the files the parameters cross; it counts the files a renamed field touches.
 
-    python tools/step_trace.py                     # N=8, depth 2, 5 traced ticks
-    python tools/step_trace.py --streams 32 --ticks 3 --depth 1
+    python tools/profile/step_trace.py             # N=8, depth 2, 5 traced ticks
+    python tools/profile/step_trace.py --streams 32 --ticks 3 --depth 1
 """
 from __future__ import annotations
 
@@ -60,9 +60,9 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # the slipstream of this checkout, not an installed one
-sys.path.insert(0, str(ROOT / "tools"))
+sys.path[:0] = [str(ROOT / "tools" / "bench"), str(ROOT / "tools" / "common")]  # bench_host, provenance
 
 PKG = ROOT / "slipstream"
 PKG_PREFIX = str(PKG) + "/"
@@ -351,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_header:
         from provenance import header
 
-        print(header(" ".join(["python", "tools/step_trace.py", *argv])), end="")
+        print(header(" ".join(["python", "tools/profile/step_trace.py", *argv])), end="")
     t0 = time.perf_counter()
     traces = asyncio.run(trace_ticks(args.streams, args.depth, args.ticks, args.length, args.scope))
     print(report(traces, args.streams, args.depth, args.scope))

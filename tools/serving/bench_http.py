@@ -1,6 +1,6 @@
 """HTTP (`slipstream serve`) vs in-process Engine: overhead per streamed token, in one run.
 
-    python tools/bench_http.py [--model tiny-random] [--repeats 5] [--out FILE]
+    python tools/serving/bench_http.py [--model tiny-random] [--repeats 5] [--out FILE]
 
 Starts `slipstream serve` as a subprocess with the same engine settings as an in-process Engine,
 runs each scenario on both, alternating (ABAB, so drift on a shared machine hits both), and
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import httpx
 import uvloop
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))  # the shared helpers
 from bench_lines import stop  # noqa: E402
 from provenance import header  # noqa: E402
 

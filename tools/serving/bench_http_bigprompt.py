@@ -1,7 +1,7 @@
 """A huge prompt over HTTP while another stream runs: how long does the stream stall?
 
-    python tools/bench_http_bigprompt.py [--model tiny-random] [--sizes 10000000,5000000,900000] [--repeats 3]
-    python tools/bench_http_bigprompt.py --detokenize --sizes 4100000,4096,2048   # issue 37, item 8
+    python tools/serving/bench_http_bigprompt.py [--model tiny-random] [--sizes 10000000,5000000,900000] [--repeats 3]
+    python tools/serving/bench_http_bigprompt.py --detokenize --sizes 4100000,4096,2048   # issue 37, item 8
 
 Starts `slipstream serve` (127.0.0.1, a free port) and, per repeat and prompt size, runs one
 streamed completion (ignore_eos, --tokens tokens) and measures the gaps between its SSE chunks:
@@ -34,7 +34,7 @@ import time
 
 import httpx
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))  # the shared helpers
 from provenance import header  # noqa: E402
 
 
@@ -162,7 +162,7 @@ def main() -> int:
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     rows = asyncio.run(bench(args))
-    print(header("python tools/bench_http_bigprompt.py " + " ".join(sys.argv[1:])))
+    print(header("python tools/serving/bench_http_bigprompt.py " + " ".join(sys.argv[1:])))
     print(table(rows, args.detokenize))
     return 0
 

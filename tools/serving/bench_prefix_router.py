@@ -1,6 +1,6 @@
 """Cost of the prefix-aware routing policy per request (slipstream.serve.prefix_router), no Ray.
 
-    python tools/bench_prefix_router.py [--tokens 2048] [--page-size 16] [--repeats 5] [--out FILE]
+    python tools/serving/bench_prefix_router.py [--tokens 2048] [--page-size 16] [--repeats 5] [--out FILE]
 
 Times block_hashes on one prompt, PrefixTable.record / longest_match of its chain and choose()
 over 8 replicas, and the table's memory per entry; median, mean and p90 over repeats (each repeat
@@ -17,8 +17,8 @@ import timeit
 import tracemalloc
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the slipstream of this checkout
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the slipstream of this checkout
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))  # the shared helpers
 from provenance import header  # noqa: E402
 
 from slipstream.serve.prefix_router import PrefixTable, block_hashes, choose  # noqa: E402

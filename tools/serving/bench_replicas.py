@@ -1,6 +1,6 @@
 """Throughput of slipstream on Ray Serve with 1 vs 2 (or more) engine replicas, in one run.
 
-    python tools/bench_replicas.py [--model smollm2-135m] [--replicas 1 2] [--requests 32]
+    python tools/serving/bench_replicas.py [--model smollm2-135m] [--replicas 1 2] [--requests 32]
         [--concurrency 16] [--max-tokens 64] [--repeats 3] [--num-cpus 2] [--out FILE]
 
 One local Ray cluster (`--num-cpus`); for each replica count the Serve application is deployed
@@ -22,9 +22,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # the slipstream of this checkout, not an installed one
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))  # the shared helpers
 from provenance import header  # noqa: E402
 
 import httpx  # noqa: E402

@@ -4,7 +4,7 @@ The same field set and ranges both ways (slipstream/serve/openai_types.py is the
 pydantic model here mirrors it). Prints a table: median, mean and p90 of µs per decode over
 repeated batches, after warm-up.
 
-    python tools/bench_request_decode.py [--repeats 30] [--batch 2000]
+    python tools/serving/bench_request_decode.py [--repeats 30] [--batch 2000]
 """
 from __future__ import annotations
 

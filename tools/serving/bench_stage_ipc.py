@@ -1,6 +1,6 @@
 """What an output stage in another process would cost the loop, against the text phase in the loop.
 
-    python tools/bench_stage_ipc.py
+    python tools/serving/bench_stage_ipc.py
 
 Issue 14 asks for output processing beside the loop in "a thread or a process, measured both
 ways". The thread variant exists (EngineConfig(output_stage="thread"), docs/benchmarks.md). This
@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's slipstream
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's slipstream
 from slipstream.models.tokenizers.byte_stream import ByteStreamDetokenizer, byte_table
 from slipstream.models.loading.gguf_loader import load_gguf_tokenizer
 from slipstream.models.loading.loader import resolve_model_path

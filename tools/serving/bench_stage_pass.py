@@ -1,6 +1,6 @@
 """What one output-stage pass costs the loop, per request: the loop stage's text and delivery phases.
 
-    python tools/bench_stage_pass.py [--requests 32 128 512] [--passes 300]
+    python tools/serving/bench_stage_pass.py [--requests 32 128 512] [--passes 300]
 
 N requests each get one token (OutputProcessor.accept, the tick), then one synchronous pass
 (process_pending: snapshot, detokenise, emit) is timed; a trivial detokeniser, no stream reader.
@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's slipstream
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's slipstream
 
 
 class _Detok:

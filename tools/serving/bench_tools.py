@@ -1,8 +1,8 @@
 """Tool calls' cost to throughput: 32 concurrent chat requests, half with tool_choice "required",
 against the same load without a grammar, in one run (`slipstream serve`, CPU).
 
-    python tools/bench_tools.py [--model smollm2-135m] [--pairs 3] [--rounds 4] [--out FILE]
-    python tools/bench_tools.py --engine --device cuda --model random-smollm2-135m   # no HTTP (a GPU machine)
+    python tools/serving/bench_tools.py [--model smollm2-135m] [--pairs 3] [--rounds 4] [--out FILE]
+    python tools/serving/bench_tools.py --engine --device cuda --model random-smollm2-135m   # no HTTP (a GPU machine)
 
 Both loads send the same request bodies (the same tools, so the same prompt) and generate the same
 number of tokens: the plain request has tool_choice "none" (the tools are in its prompt, nothing
@@ -27,7 +27,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(__file__))
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [_HERE, os.path.join(_HERE, "..", "common")]  # bench_http beside it, the shared helpers
 from bench_lines import emit, pct, report, stop  # noqa: E402
 
 TOOL = {"type": "function", "function": {

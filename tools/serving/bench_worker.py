@@ -1,6 +1,6 @@
 """Worker mode vs in-process Engine: per-token overhead (µs/token) and requests/s of small requests.
 
-    python tools/bench_worker.py [--model tiny-random] [--address ipc:///tmp/x.sock] [--repeats 5]
+    python tools/serving/bench_worker.py [--model tiny-random] [--address ipc:///tmp/x.sock] [--repeats 5]
 
 Starts a `slipstream worker` subprocess with the same engine settings as the in-process Engine,
 runs each scenario on both (alternating; best of --repeats, the least disturbed run on a shared
@@ -22,9 +22,10 @@ from dataclasses import dataclass
 import os as _os
 import sys as _sys
 
-_sys.path.insert(0, _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))))  # this checkout
+_ROOT = _os.path.dirname(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))))
+_sys.path[:0] = [_ROOT, _os.path.join(_ROOT, "tools", "common")]  # this checkout, the shared helpers
 
-from bench_lines import stop  # noqa: E402 (tools/, the script's folder)
+from bench_lines import stop  # noqa: E402 (tools/common)
 
 from slipstream import Client, Engine, EngineConfig, SamplingParams  # noqa: E402
 

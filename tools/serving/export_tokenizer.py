@@ -3,7 +3,7 @@
 Outside tools that count tokens with `transformers.AutoTokenizer` (load generators such as aiperf)
 need a folder; slipstream's default model ships as a GGUF. No hub access is involved.
 
-    python tools/export_tokenizer.py smollm2-135m /tmp/smollm2-tokenizer
+    python tools/serving/export_tokenizer.py smollm2-135m /tmp/smollm2-tokenizer
 """
 from __future__ import annotations
 

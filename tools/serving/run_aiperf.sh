@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Drive `slipstream serve` with an outside OpenAI-compatible load generator (NVIDIA aiperf) on loopback.
 #
-#   AIPERF=/path/to/venv/bin/aiperf tools/run_aiperf.sh [MODEL] [OUT_DIR]
+#   AIPERF=/path/to/venv/bin/aiperf tools/serving/run_aiperf.sh [MODEL] [OUT_DIR]
 #
 # aiperf goes in its own virtualenv (`python -m venv /tmp/lg && /tmp/lg/bin/pip install aiperf`): it pins
 # packages (pyzmq, pandas, ...) that should not move in slipstream's environment; it pulls no torch.
@@ -19,7 +19,7 @@ OSL=${OSL:-32}
 mkdir -p "$OUT"
 work=$(mktemp -d)
 port=$($PY -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-$PY tools/export_tokenizer.py "$MODEL" "$work/tokenizer" >/dev/null
+$PY tools/serving/export_tokenizer.py "$MODEL" "$work/tokenizer" >/dev/null
 $PY -m slipstream.cli serve --model "$MODEL" --port "$port" --log-level warning >"$work/serve.log" 2>&1 &
 server=$!
 trap 'kill "$server" 2>/dev/null || true; wait "$server" 2>/dev/null || true' EXIT
@@ -35,7 +35,7 @@ cmd=("$AIPERF" profile --model "$MODEL" --tokenizer "$work/tokenizer" --url "htt
      --artifact-dir "$work/aiperf" --ui-type none)
 report="$OUT/aiperf-$MODEL-c$CONCURRENCY.txt"
 {
-  $PY tools/provenance.py "slipstream serve --model $MODEL --port $port (loopback)  +  ${cmd[*]}"
+  $PY tools/common/provenance.py "slipstream serve --model $MODEL --port $port (loopback)  +  ${cmd[*]}"
   echo "load generator: aiperf $("$AIPERF" --version 2>/dev/null | tail -1) (its own venv; token counts from the exported tokenizer)"
   echo
 } >"$report"

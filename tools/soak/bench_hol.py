@@ -1,6 +1,6 @@
 """Head-of-line blocking: how long a short request takes while a long prompt is being prefilled.
 
-    python tools/bench_hol.py                      # tiny-random, 64-token step budget, 2,048-token prompt
+    python tools/soak/bench_hol.py                 # tiny-random, 64-token step budget, 2,048-token prompt
 
 Both figures come from one run, one engine, alternating: the short request alone, then the same
 short request submitted right after a long prompt has started prefilling in chunks. Before the
@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 import time
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the slipstream of this checkout, not an installed one
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the slipstream of this checkout, not an installed one
 
 from slipstream import Engine, EngineConfig, SamplingParams
 

@@ -1,6 +1,6 @@
 """RSS around requests with big pictures (issue 37, item 9): is memory bounded, and given back?
 
-    python tools/bench_image_rss.py --out docs/results/inputs-2026-11-27/image_rss.txt
+    python tools/soak/bench_image_rss.py --out docs/results/inputs-2026-11-27/image_rss.txt
 
 One in-process Engine on the tiny random Idefics3 (tests/idefics3_fixture.py, built into a temporary
 folder; the model resizes every picture to 128 px, so what grows is the decoding, not the model's
@@ -19,8 +19,9 @@ import tempfile
 import threading
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the slipstream of this checkout
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tiny Idefics3 fixture
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the slipstream of this checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # the shared helpers
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # the tiny Idefics3 fixture
 
 from bench_lines import emit, report_async, rss_mb  # noqa: E402
 

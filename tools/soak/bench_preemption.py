@@ -1,6 +1,6 @@
 """Preemptions at depth 1 vs depth 2 under a KV pool too small for the load (one run, one process).
 
-    python tools/bench_preemption.py          # 16 streams, 24 pages of 16 tokens, tiny-random
+    python tools/soak/bench_preemption.py     # 16 streams, 24 pages of 16 tokens, tiny-random
 
 At depth 2 a victim with a step in flight frees nothing until that step commits. The planner
 counts those pages as coming back and skips a row for a step instead of preempting more; before,
@@ -13,7 +13,7 @@ import asyncio
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the slipstream of this checkout, not an installed one
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the slipstream of this checkout, not an installed one
 
 from slipstream import Engine, EngineConfig, SamplingParams
 

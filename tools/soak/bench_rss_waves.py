@@ -1,8 +1,8 @@
 """RSS per wave of abandoned streams (issue 37, item 6): does the engine give memory back?
 
-    python tools/bench_rss_waves.py --waves 90                       # the default (fast) CPU path
-    python tools/bench_rss_waves.py --waves 90 --batch-invariant     # torch's dense kernels
-    python tools/bench_rss_waves.py --waves 40 --out docs/results/inputs-2026-11-27/rss_waves.txt
+    python tools/soak/bench_rss_waves.py --waves 90                  # the default (fast) CPU path
+    python tools/soak/bench_rss_waves.py --waves 90 --batch-invariant     # torch's dense kernels
+    python tools/soak/bench_rss_waves.py --waves 40 --out docs/results/inputs-2026-11-27/rss_waves.txt
 
 Each wave opens `--streams` streams with prompts of random lengths (so steps see many token
 counts), reads `--deltas` deltas from each and drops it (the close aborts the request), then waits
@@ -18,7 +18,8 @@ import random
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the slipstream of this checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the slipstream of this checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # the shared helpers
 
 from bench_lines import emit, report_async, rss_mb  # noqa: E402
 

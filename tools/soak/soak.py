@@ -1,8 +1,8 @@
 """Soak: thousands of random requests with injected faults; nothing lost, duplicated, leaked or wrong.
 
-    python tools/soak.py --requests 5000 --seed 1          # the figure in docs/reliability.md
-    python tools/soak.py --requests 500 --rounds 2         # what `make test` runs (tests/test_soak.py)
-    python tools/soak.py --requests 10000 --output-stage thread --slow-detok-ms 0.3 --switch-interval 1e-6
+    python tools/soak/soak.py --requests 5000 --seed 1     # the figure in docs/reliability.md
+    python tools/soak/soak.py --requests 500 --rounds 2    # what `make test` runs (tests/test_soak.py)
+    python tools/soak/soak.py --requests 10000 --output-stage thread --slow-detok-ms 0.3 --switch-interval 1e-6
                                                            # the threaded stage shaken (issue 27)
 
 One depth-2 engine (tiny-random, a KV pool small enough to force preemption) serves rounds of
@@ -25,7 +25,7 @@ requests with one of four long common prefixes (some with a cache salt), so the 
 prefix cache hits, evicts and shares pages under all of the above; the depth-1 reference engine
 runs with prefix caching off, so a wrong cached page shows as a mismatch.
 
-    python tools/soak.py --requests 10000 --rounds 2 --shared-prefixes --seed 3   # issue 29 (caching is on)
+    python tools/soak/soak.py --requests 10000 --rounds 2 --shared-prefixes --seed 3   # issue 29 (caching is on)
 
 --images serves the tiny random Idefics3 (tests/idefics3_fixture.py, built into a temporary folder)
 instead, and gives a share of requests 1-3 images from a pool of six pictures (repeats hit the
@@ -33,21 +33,21 @@ encoder cache, which is kept small: 40 rows, so it evicts); encoder-cache refere
 left after each round are reported beside pages (leaked encoder entries: references still held, or
 outputs the runner holds that the cache forgot).
 
-    python tools/soak.py --requests 2000 --rounds 2 --images   # issue 30
-    python tools/soak.py --requests 5000 --rounds 2 --images --shared-prefixes --seed 5   # issue 36: with
+    python tools/soak/soak.py --requests 2000 --rounds 2 --images   # issue 30
+    python tools/soak/soak.py --requests 5000 --rounds 2 --images --shared-prefixes --seed 5   # issue 36: with
                                                            # --images, shared prefixes start token prompts only
 
 --skills mixes the spatial skills in (issue 31): a share of requests are `point` / `detect` calls
 (greedy, 1-4 objects, one picture of the pool with --images), some cancelled (the awaiting task,
 or leaving `stream_skill` early); each finished one's result dict must equal the depth-1 engine's.
 
-    python tools/soak.py --requests 2000 --rounds 2 --images --skills --seed 3   # issue 31
+    python tools/soak/soak.py --requests 2000 --rounds 2 --images --skills --seed 3   # issue 31
 
 --skills-model moondream serves the tiny random Moondream folder (tests/moondream_fixture.py)
 instead: point/detect decode their values with the region heads (carried on the device), and every
 other request is a question about exactly one picture (Moondream's query: one image, no marker).
 
-    python tools/soak.py --requests 2000 --rounds 2 --skills --skills-model moondream --seed 3
+    python tools/soak/soak.py --requests 2000 --rounds 2 --skills --skills-model moondream --seed 3
 """
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the slipstream of this checkout, not an installed one
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the slipstream of this checkout, not an installed one
 
 import msgspec
 
@@ -179,7 +179,7 @@ def use_images(seed: int) -> None:
     """--images: the tiny Idefics3 folder and a pool of pictures of various sizes."""
     import tempfile
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
     from idefics3_fixture import SPECIAL_TOKENS, tiny_idefics3_folder
 
     MODEL[0] = str(tiny_idefics3_folder(Path(tempfile.mkdtemp(prefix="soak-idefics3-"))))
@@ -191,7 +191,7 @@ def use_moondream(seed: int) -> None:
     """--skills-model moondream: the tiny Moondream folder; its requests each take one picture."""
     import tempfile
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
     from moondream_fixture import tiny_moondream_folder
 
     MODEL[0] = str(tiny_moondream_folder(Path(tempfile.mkdtemp(prefix="soak-moondream-")) / "moondream-tiny"))

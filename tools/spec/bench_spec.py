@@ -1,10 +1,10 @@
 """Batch-1 decode speed with and without speculative decoding, interleaved in one run.
 
-    python tools/bench_spec.py [--model smollm2-135m] [--max-tokens 192] [--repeats 3] [--out FILE]
+    python tools/spec/bench_spec.py [--model smollm2-135m] [--max-tokens 192] [--repeats 3] [--out FILE]
 
 Two engines in one process (the default model and EngineConfig, depth 2; one with
 `speculative=SpeculativeConfig(...)`), each request alone (batch 1, greedy) on the chat workloads
-of tools/spec_workloads.py. Order per repeat: for each workload, off then on, then the next
+of tools/spec/spec_workloads.py. Order per repeat: for each workload, off then on, then the next
 repeat reverses it (A/B, B/A). Per request: decode tokens per second of wall time (first token to
 last, so the prompt's forward is left out) and of process CPU time (both engine threads; the
 machine is shared). The speedup is the ratio of medians, workload by workload. Also the
@@ -21,8 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the slipstream of this checkout
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the slipstream of this checkout
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1] / "common")]  # spec_workloads, the shared helpers
 
 from provenance import header  # noqa: E402
 from spec_workloads import WORKLOADS  # noqa: E402

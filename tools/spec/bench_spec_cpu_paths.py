@@ -1,6 +1,6 @@
 """The CPU's numpy paths of a speculating step against the torch paths other devices run, one call each.
 
-    python tools/bench_spec_cpu_paths.py [--repeats 2000] [--out FILE]
+    python tools/spec/bench_spec_cpu_paths.py [--repeats 2000] [--out FILE]
 
 The n-gram proposal (`NgramDrafter`, one row, 600 tokens of history, window 1024, up to 4 drafts) and
 greedy replay (`replay_accept`, one row, 4 drafts), numpy and torch alternating, one torch thread; CPU
@@ -15,8 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the slipstream of this checkout
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the slipstream of this checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # the shared helpers
 
 import torch  # noqa: E402
 from bench_lines import emit, pct, report  # noqa: E402

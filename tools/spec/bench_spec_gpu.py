@@ -1,6 +1,6 @@
 """Speculation against none at N streams, and its equality, in one process (issue 49's GPU table).
 
-    python tools/bench_spec_gpu.py [--device cuda] [--streams 1 8 32 128] [--out spec.md]
+    python tools/spec/bench_spec_gpu.py [--device cuda] [--streams 1 8 32 128] [--out spec.md]
 
 Two engines alive at once (the same model, dtype and KV size; depth 2): one without speculation, one
 with `speculative={"method": "ngram"}` and the defaults (adaptive k). For each N and workload, N
@@ -30,8 +30,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the slipstream of this checkout
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the slipstream of this checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # the shared helpers
 
 from provenance import header  # noqa: E402
 

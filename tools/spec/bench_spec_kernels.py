@@ -1,7 +1,7 @@
 """What speculation's device kernels cost per step: n-gram proposal, history, verification, acceptance.
 
-    python tools/bench_spec_kernels.py [--vocab 49152] [--batches 1 8 32] [--drafts 2 4 8] [--out FILE]
-    python tools/bench_spec_kernels.py --device cuda --batches 1 8 32 128
+    python tools/spec/bench_spec_kernels.py [--vocab 49152] [--batches 1 8 32] [--drafts 2 4 8] [--out FILE]
+    python tools/spec/bench_spec_kernels.py --device cuda --batches 1 8 32 128
 
 For each batch n and draft count k (every row speculating, V = SmolLM2's 49,152 by default), on
 random logits, CPU time (user + system) of one thread per call, in microseconds (torch runs one
@@ -25,8 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the slipstream of this checkout
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the slipstream of this checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # the shared helpers
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402

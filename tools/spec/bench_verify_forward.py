@@ -1,7 +1,7 @@
 """What verifying k drafts costs the forward: one sequence's step over k + 1 positions vs over 1.
 
-    python tools/bench_verify_forward.py [--model smollm2-135m] [--contexts 128 512] [--positions 1 2 3 5 9]
-    python tools/bench_verify_forward.py --weights quantized --baseline main   # kernels: main's vs this checkout's
+    python tools/spec/bench_verify_forward.py [--model smollm2-135m] [--contexts 128 512] [--positions 1 2 3 5 9]
+    python tools/spec/bench_verify_forward.py --weights quantized --baseline main   # kernels: main's vs this checkout's
 
 The default model on the CPU fast path (oneDNN-packed projections), one intra-op thread as the
 engine's compute stream runs on a 2-core machine. Each sequence has --context tokens in the paged
@@ -19,8 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the slipstream of this checkout
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the slipstream of this checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # the shared helpers
 
 import torch  # noqa: E402
 from bench_lines import emit, pct, report  # noqa: E402

@@ -1,11 +1,11 @@
 """How often n-gram drafts would be accepted, simulated offline from greedy outputs, and the speedup
 that predicts.
 
-    python tools/spec_acceptance.py --generate OUT.json [--max-tokens 192]   # greedy outputs, default model
-    python tools/spec_acceptance.py --outputs OUT.json --costs 1:22.0,3:24.1,5:26.3,9:30.9 \
+    python tools/spec/spec_acceptance.py --generate OUT.json [--max-tokens 192]   # greedy outputs, default model
+    python tools/spec/spec_acceptance.py --outputs OUT.json --costs 1:22.0,3:24.1,5:26.3,9:30.9 \
         [--draft-ms 0.3] [--verify-ms 0.3]
 
-Generation runs the workloads of tools/spec_workloads.py through the engine (greedy, EngineConfig()
+Generation runs the workloads of tools/spec/spec_workloads.py through the engine (greedy, EngineConfig()
 defaults) and saves prompt and output token ids. The simulation replays each output as a batch-1
 speculative decode would run it: the first output token comes from the prefill; then each step
 feeds the last token and k drafts that the real NgramDrafter (slipstream/runtime/ngram_drafter.py)
@@ -14,7 +14,7 @@ output (what replay acceptance does with greedy rows) and emits one more. Polici
 `adaptive` (k chosen per step from an estimate of the per-draft acceptance α that lags one step,
 as the host's does at depth 2; see `choose_k`).
 
-With --costs (forward ms by positions q, from tools/bench_verify_forward.py) the predicted speedup is
+With --costs (forward ms by positions q, from tools/spec/bench_verify_forward.py) the predicted speedup is
     (outputs - 1) * c(1)  /  sum over steps of (c(k + 1) + verify-ms if k else 0) + draft-ms * steps
 i.e. the forward dominates; host work and sampling are taken as equal on both sides.
 """
@@ -25,8 +25,8 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the slipstream of this checkout
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the slipstream of this checkout
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1] / "common")]  # spec_workloads, the shared helpers
 
 import torch  # noqa: E402
 from bench_lines import emit, report  # noqa: E402

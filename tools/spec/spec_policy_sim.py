@@ -1,7 +1,7 @@
 """How many drafts a CPU speculating step should feed for an n-gram proposal of each strength,
 simulated offline from greedy outputs.
 
-    python tools/spec_policy_sim.py [--outputs docs/results/spec-2026-11-27/greedy_outputs.json]
+    python tools/spec/spec_policy_sim.py [--outputs docs/results/spec-2026-11-27/greedy_outputs.json]
         [--costs 1:6.0,2:6.71,3:7.68,5:10.79] [--row-ms 0.25] [--out FILE]
 
 Each saved output is replayed as a batch-1 speculative decode would run it (the real NgramDrafter,
@@ -18,8 +18,8 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the slipstream of this checkout
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the slipstream of this checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # the shared helpers
 
 import torch  # noqa: E402
 from bench_lines import emit, report  # noqa: E402

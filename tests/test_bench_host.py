@@ -6,8 +6,8 @@ import math
 import os
 import sys
 
-_spec = importlib.util.spec_from_file_location("bench_host", os.path.join(os.path.dirname(__file__), "..", "tools", "bench",
-                                                                            "bench_host.py"))
+_spec = importlib.util.spec_from_file_location("bench_host", os.path.join(os.path.dirname(__file__), "..", "tools",
+                                                                            "bench", "bench_host.py"))
 bench_host = importlib.util.module_from_spec(_spec)
 sys.modules["bench_host"] = bench_host
 _spec.loader.exec_module(bench_host)

@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 
-_spec = importlib.util.spec_from_file_location("peer_bench", os.path.join(os.path.dirname(__file__), "..", "tools", "peers",
-                                                                            "peer_bench.py"))
+_spec = importlib.util.spec_from_file_location("peer_bench", os.path.join(os.path.dirname(__file__), "..", "tools",
+                                                                            "peers", "peer_bench.py"))
 peer_bench = importlib.util.module_from_spec(_spec)
 sys.modules["peer_bench"] = peer_bench
 _spec.loader.exec_module(peer_bench)

@@ -5,8 +5,8 @@ import os
 import re
 import sys
 
-_spec = importlib.util.spec_from_file_location("step_trace", os.path.join(os.path.dirname(__file__), "..", "tools", "profile",
-                                                                            "step_trace.py"))
+_spec = importlib.util.spec_from_file_location("step_trace", os.path.join(os.path.dirname(__file__), "..", "tools",
+                                                                            "profile", "step_trace.py"))
 step_trace = importlib.util.module_from_spec(_spec)
 sys.modules["step_trace"] = step_trace
 _spec.loader.exec_module(step_trace)

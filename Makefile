@@ -41,7 +41,7 @@ test: setup-test
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
 
 bench: setup
-	$(BIN)/python tools/bench_forward.py
+	$(BIN)/python tools/bench/bench_forward.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

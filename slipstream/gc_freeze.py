@@ -2,7 +2,7 @@
 
 A full (generation-2) collection walks every tracked object: with torch, transformers and the
 model loaded that is ~190–200k objects and ~0.1 s of CPU per collection, paid inside a serving step
-(`tools/bench_gc.py`; docs/benchmarks.md). Most of them are the libraries' (modules, functions,
+(`tools/bench/bench_gc.py`; docs/benchmarks.md). Most of them are the libraries' (modules, functions,
 classes), which live as long as the process, so the first engine's start `gc.freeze()`s what exists
 before it builds anything; collections then walk the engines' own objects and what serving creates.
 

@@ -5,7 +5,7 @@
     json.dump({"provenance": provenance(), ...})
 
 The commit comes from a stamp whenever there is one (`.whl/provenance-git.json`, written here right
-before a GPU call by tools/gpu_prepare.sh: `python -m slipstream.provenance stamp`), and from git
+before a GPU call by tools/gpu/gpu_prepare.sh: `python -m slipstream.provenance stamp`), and from git
 only without one. The copy of the tree a lent GPU machine receives may carry no `.git`, sit inside
 another git work tree, or carry a git repository of its own at some other commit (2026-11-27 on an
 H200: `99596d0 (dirty)` for a run of e8fbc7a), so there git cannot be trusted, and the stamp records

@@ -10,7 +10,7 @@ if "SLIPSTREAM_CACHE_DIR" not in os.environ:  # the compiled CPU kernels: built 
 os.environ.setdefault("SLIPSTREAM_CHECK_INVARIANTS", "1")  # Sequence.check() on every row at every commit
 sys.path.insert(0, os.path.dirname(__file__))  # test helpers (fake_runner) import by name
 # test-and-tool helpers that are not the library (host_batch, hf_oracle, launch_counter)
-sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "common"))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -1,5 +1,5 @@
 """A tiny random-weight Moondream folder with the point/detect templates, for tools and tests
-(tools/soak.py --skills-model moondream, tools/bench_detect.py, tests/test_serve_skills.py).
+(tools/soak/soak.py --skills-model moondream, tools/bench/bench_detect.py, tests/test_serve_skills.py).
 
 The same folder tests/test_moondream_skills.py builds in its `md` fixture (MoondreamConfig.tiny(),
 seed 0, the public "current" tensor names, the byte-level character tokenizer, the reference's

@@ -1,4 +1,4 @@
-"""The host-only benchmark (tools/bench_host.py) at tiny N: it drives the real engine with a null model,
+"""The host-only benchmark (tools/bench/bench_host.py) at tiny N: it drives the real engine with a null model,
 selects exactly the steady decode steps and prints the table and the fit."""
 import importlib.util
 import json
@@ -7,7 +7,7 @@ import os
 import sys
 
 _spec = importlib.util.spec_from_file_location("bench_host", os.path.join(os.path.dirname(__file__), "..", "tools",
-                                                                            "bench_host.py"))
+                                                                            "bench", "bench_host.py"))
 bench_host = importlib.util.module_from_spec(_spec)
 sys.modules["bench_host"] = bench_host
 _spec.loader.exec_module(bench_host)

@@ -2,7 +2,7 @@
 
 oneDNN and ideep cache a primitive (0.35–0.8 MB of generated code and buffers) per input shape; a
 server sees every row count from 1 to its token budget, so without bounds RSS grew with each new
-step size (tools/bench_rss_waves.py)."""
+step size (tools/soak/bench_rss_waves.py)."""
 import pytest
 import torch
 

@@ -1,7 +1,7 @@
-"""The lent GPU machine's image collects every `cuda` test (what `tools/gpu_check.sh tests` runs).
+"""The lent GPU machine's image collects every `cuda` test (what `tools/gpu/gpu_check.sh tests` runs).
 
 The image has torch, triton, cupy, transformers, httpx, hypothesis, pytest and the scientific stack
-(/work/.library/device/KINDS.md); tools/gpu_wheels.sh carries slipstream's own dependencies it lacks
+(/work/.library/device/KINDS.md); tools/gpu/gpu_wheels.sh carries slipstream's own dependencies it lacks
 plus pytest-asyncio and jsonschema. What is left missing is hidden here: a test module importing
 one of these at its top must skip (pytest.importorskip), or collection stops with errors and not
 one CUDA test runs.

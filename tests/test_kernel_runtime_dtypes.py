@@ -1,4 +1,4 @@
-"""What the runtime passes to each Triton kernel is what tools/kernel_resources.py declares, and so
+"""What the runtime passes to each Triton kernel is what tools/gpu/kernel_resources.py declares, and so
 what tests/test_kernels_compile.py compiles for sm_90: argument types recorded at the real call
 sites, in an engine on the triton backend (kernels interpreted on the CPU), for bf16 and fp16 models.
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "gpu"))
 
 import kernel_resources  # noqa: E402
 

@@ -5,7 +5,7 @@ and fp32, with the argument types the runtime passes (tests/test_kernel_runtime_
 The CPU tests run kernels in Triton's interpreter, which skips the compiler's type checks: a kernel
 can pass them all and still not compile for a GPU (a loop-carried variable changing type did, in the
 mixed-graph attention grid). Triton's wheel bundles ptxas, so the whole Triton → PTX → cubin path
-runs here (tools/kernel_resources.py has the cases).
+runs here (tools/gpu/kernel_resources.py has the cases).
 
 Two compilers: the triton installed here (newer; its interpreter runs the other CPU tests, and
 triton 3.6.0's interpreter fails on numpy >= 2.4) compiles SmolLM2's bf16 cases in this process
@@ -14,7 +14,7 @@ compiles every case in a subprocess.
 
 Both compile the cover of the cases (kernel_resources.cover_cases: each kernel x dtype x branch once,
 at its largest tiles), a quarter of the whole set; SLIPSTREAM_KERNELS_ALL=1 compiles every case
-(~6 minutes on two cores), as `python tools/kernel_resources.py --model all --dtype bfloat16 float16
+(~6 minutes on two cores), as `python tools/gpu/kernel_resources.py --model all --dtype bfloat16 float16
 float32` does: run it after changing a kernel's tiling or launch configuration."""
 import os
 import subprocess
@@ -26,7 +26,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT / "tools" / "gpu"))
 
 import kernel_resources  # noqa: E402
 
@@ -72,7 +72,7 @@ def test_every_case_compiles_with_the_gpu_image_triton():
     folder = gpu_image_triton()
     everything = SELECT(list(kernel_resources.SHAPES), [kernel_resources.DTYPES[d] for d in DTYPES])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(p) for p in (folder, ROOT) if p is not None]))
-    run = subprocess.run([sys.executable, str(ROOT / "tools" / "kernel_resources.py"), "--model", "all",
+    run = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu" / "kernel_resources.py"), "--model", "all",
                           "--dtype", *DTYPES, "--no-usage", *([] if ALL else ["--cover"])], capture_output=True, text=True, env=env, timeout=900)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
     assert f"{len(everything)} of {len(everything)} compiled for sm_90 with triton {GPU_IMAGE_TRITON}" in run.stdout

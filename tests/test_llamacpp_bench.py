@@ -1,4 +1,4 @@
-"""tools/llamacpp_bench.py: reading llama-batched-bench's output (the binary itself runs in tools/gpu_check.sh)."""
+"""tools/peers/llamacpp_bench.py: reading llama-batched-bench's output (the binary itself runs in tools/gpu/gpu_check.sh)."""
 import importlib.util
 import json
 import os
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-_path = os.path.join(os.path.dirname(__file__), "..", "tools", "llamacpp_bench.py")
+_path = os.path.join(os.path.dirname(__file__), "..", "tools", "peers", "llamacpp_bench.py")
 _spec = importlib.util.spec_from_file_location("llamacpp_bench", _path)
 llamacpp_bench = importlib.util.module_from_spec(_spec)
 sys.modules["llamacpp_bench"] = llamacpp_bench
@@ -38,7 +38,7 @@ def test_parse_refuses_a_run_without_measured_passes():
 
 
 def test_a_prebuilt_dist_names_its_snapshot(tmp_path):
-    """tools/llamacpp_peer.sh dist keeps .snapshot-commit/.snapshot-origin beside bin/ (no CMakeCache)."""
+    """tools/peers/llamacpp_peer.sh dist keeps .snapshot-commit/.snapshot-origin beside bin/ (no CMakeCache)."""
     assert llamacpp_bench.llamacpp_commit(str(tmp_path)) == "unknown"
     (tmp_path / ".snapshot-commit").write_text("0c1e570 2026-10-01\n")
     (tmp_path / ".snapshot-origin").write_text("llama-cpp-python 0.3.36\n")

@@ -1,4 +1,4 @@
-"""tools/llamacpp_server_bench.py against a stand-in server that streams like llama-server's /completion."""
+"""tools/peers/llamacpp_server_bench.py against a stand-in server that streams like llama-server's /completion."""
 import importlib.util
 import json
 import os
@@ -9,7 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-_path = os.path.join(os.path.dirname(__file__), "..", "tools", "llamacpp_server_bench.py")
+_path = os.path.join(os.path.dirname(__file__), "..", "tools", "peers", "llamacpp_server_bench.py")
 _spec = importlib.util.spec_from_file_location("llamacpp_server_bench", _path)
 server_bench = importlib.util.module_from_spec(_spec)
 sys.modules["llamacpp_server_bench"] = server_bench

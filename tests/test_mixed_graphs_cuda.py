@@ -77,7 +77,7 @@ def test_profile_tool_parses_its_arguments_and_exits_2_without_a_gpu(capsys):
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "tools" / "profile_mixed_cuda.py"
+    path = Path(__file__).resolve().parent.parent / "tools" / "gpu" / "profile_mixed_cuda.py"
     spec = importlib.util.spec_from_file_location("profile_mixed_cuda", path)
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)

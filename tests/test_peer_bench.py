@@ -1,4 +1,4 @@
-"""The peer comparison harness (tools/peer_bench.py) on the CPU: transformers' continuous batching
+"""The peer comparison harness (tools/peers/peer_bench.py) on the CPU: transformers' continuous batching
 and slipstream at depth 1 and 2 on identical weights. The GPU figures come from a lent GPU."""
 import importlib.util
 import json
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 _spec = importlib.util.spec_from_file_location("peer_bench", os.path.join(os.path.dirname(__file__), "..", "tools",
-                                                                            "peer_bench.py"))
+                                                                            "peers", "peer_bench.py"))
 peer_bench = importlib.util.module_from_spec(_spec)
 sys.modules["peer_bench"] = peer_bench
 _spec.loader.exec_module(peer_bench)

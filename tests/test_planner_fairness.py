@@ -89,7 +89,7 @@ def test_cancelling_a_waiting_request_does_not_search_the_queue(monkeypatch):
     """Cancelling n waiting requests is O(n), not O(n^2) (admission.py, lazy deletion): a cancel
     compares no queued entry and leaves the queue as it is; the next plan drops the cancelled ones
     from its head. (It was a wall-time bound, 40,000 cancels in < 0.5 s, which a loaded machine
-    can miss: tools/bench_plan.py --cancel 40000 measures it; issue 48, item 6.)"""
+    can miss: tools/bench/bench_plan.py --cancel 40000 measures it; issue 48, item 6.)"""
     compared = []
     monkeypatch.setattr(Sequence, "__eq__", lambda a, b: compared.append(1) or a is b)  # deque.remove's probe
     planner = Planner(PagePool(64), PAGE, max_batch_size=4, max_step_tokens=16)

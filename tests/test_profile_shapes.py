@@ -1,4 +1,4 @@
-"""tools/profile_forward_cuda.py's new paths on the CPU (issue 50): the prefill's FLOP count, the peak
+"""tools/gpu/profile_forward_cuda.py's new paths on the CPU (issue 50): the prefill's FLOP count, the peak
 table, a prefill step staged and run on a CPU engine, and the argument path up to "needs a GPU". The
 figures come from a lent GPU."""
 import asyncio
@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-_TOOLS = os.path.join(os.path.dirname(__file__), "..", "tools")
+_TOOLS = os.path.join(os.path.dirname(__file__), "..", "tools", "gpu")
 
 
 def _tool(name):

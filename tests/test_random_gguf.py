@@ -1,4 +1,4 @@
-"""tools/random_gguf.py: slipstream's random weights as a llama.cpp GGUF, read back bit for bit."""
+"""tools/peers/random_gguf.py: slipstream's random weights as a llama.cpp GGUF, read back bit for bit."""
 import importlib.util
 import os
 import sys
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-_path = os.path.join(os.path.dirname(__file__), "..", "tools", "random_gguf.py")
+_path = os.path.join(os.path.dirname(__file__), "..", "tools", "peers", "random_gguf.py")
 _spec = importlib.util.spec_from_file_location("random_gguf", _path)
 random_gguf = importlib.util.module_from_spec(_spec)
 sys.modules["random_gguf"] = random_gguf

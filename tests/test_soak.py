@@ -1,4 +1,4 @@
-"""The soak in small (tools/soak.py --requests 500): random arrivals, bursts, cancellations of all
+"""The soak in small (tools/soak/soak.py --requests 500): random arrivals, bursts, cancellations of all
 three kinds, a KV pool that forces preemption, injected faults; nothing lost, duplicated, leaked,
 untyped or different from depth 1."""
 import sys
@@ -6,7 +6,7 @@ import sys
 import pytest
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "soak"))
 
 from soak import engine_config, format_report, soak  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""tools/step_trace.py runs on the real engine (null model) and counts one steady decode step; the
+"""tools/profile/step_trace.py runs on the real engine (null model) and counts one steady decode step; the
 count is held to issue 36's bound, so the step's path stays short."""
 import importlib.util
 import os
@@ -6,7 +6,7 @@ import re
 import sys
 
 _spec = importlib.util.spec_from_file_location("step_trace", os.path.join(os.path.dirname(__file__), "..", "tools",
-                                                                            "step_trace.py"))
+                                                                            "profile", "step_trace.py"))
 step_trace = importlib.util.module_from_spec(_spec)
 sys.modules["step_trace"] = step_trace
 _spec.loader.exec_module(step_trace)

@@ -104,7 +104,7 @@ async def test_pipelining_launches_the_next_step_before_committing():
     """What removes the device's idle time between steps: at depth 2 a decode step is planned and
     launched before the one before it is committed, at depth 1 never. (Event order on the host's
     clock; how much idle it removes is a wall-time share, measured by `slipstream bench` and
-    tools/bench_pipeline.py: issue 48, item 6.)"""
+    tools/bench/bench_pipeline.py: issue 48, item 6.)"""
     overlapped = {}
     for depth in (1, 2):
         async with Engine(_config(depth, trace=True)) as engine:

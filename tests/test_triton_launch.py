@@ -3,7 +3,7 @@
 Its key must be at least as fine as Triton's: checked against Triton's own specialisation
 (`native_specialize_impl`, what the binder calls per argument) for edge values of every argument
 kind, with the triton installed here and, in a subprocess, the GPU image's triton; and end to end
-against `JITFunction.run` under a stand-in driver (tools/bench_triton_launch.py): every launch, thin
+against `JITFunction.run` under a stand-in driver (tools/profile/bench_triton_launch.py): every launch, thin
 or not, must run the compiled kernel Triton itself would pick, with the same arguments. The CUDA
 check (bitwise-equal forwards) is tests/test_triton_launch_cuda.py.
 """
@@ -18,7 +18,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT / "tools" / "profile"))
 
 from slipstream.models.kernels import triton_jit, triton_launch  # noqa: E402
 from slipstream.models.kernels.triton_launch import NotThin, ThinKernel, make_keyer  # noqa: E402

@@ -94,7 +94,7 @@ def assemble(config: EngineConfig) -> EngineParts:
 
 def _assemble(config: EngineConfig, device, invariant: bool) -> EngineParts:
     # Invariance is calibrated against torch's default kernels, so it keeps the dense model.
-    # (build_model is the seam tools/bench_host.py and tests replace)
+    # (build_model is the seam tools/bench/bench_host.py and tests replace)
     model, tokenizer, mcfg = build_model(config.model, config.dtype, device.torch_device, config.seed,
                                          pack=not invariant, weights=config.weights, invariant=invariant)
     cpu_kernels = device.kind != "cuda" and not invariant and config.dtype == "float32" and cpu_backend_available(model)

@@ -255,7 +255,7 @@ class OutputProcessor(TextPhase):
     def _process(self, req: RequestState) -> None:
         """Both phases on the loop. The snapshot is passed as arguments, not built as a Work (as
         _snapshot does for the thread): the tuple and the call through it cost a 512-request pass
-        10–15% (tools/bench_stage_pass.py)."""
+        10–15% (tools/serving/bench_stage_pass.py)."""
         req.queued = False
         seq = req.seq
         if req.closed or seq is None:

@@ -31,7 +31,7 @@ def register(sub) -> None:
     p.add_argument("--json-out", metavar="PATH", help="also write the JSON document to PATH")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--speculative", default=None, choices=["ngram"],
-                   help="both depths with n-gram speculative decoding (docs/speculative.md; tools/bench_spec.py "
+                   help="both depths with n-gram speculative decoding (docs/speculative.md; tools/spec/bench_spec.py "
                         "compares with it off)")
     add_num_drafts_arg(p)
     add_log_args(p)

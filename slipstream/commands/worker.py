@@ -31,8 +31,8 @@ def register(sub) -> None:
                    help="serve Prometheus metrics on http://127.0.0.1:PORT/metrics")
     p.add_argument("--trace", action=argparse.BooleanOptionalAction, default=True,
                    help="trace steps for the bubble series (slipstream_device_idle_seconds, "
-                        "slipstream_forward_seconds); --no-trace saves ~0.1 ms per step (tools/bench_trace_cost.py) "
-                        "and leaves them empty")
+                        "slipstream_forward_seconds); --no-trace saves ~0.1 ms per step "
+                        "(tools/profile/bench_trace_cost.py) and leaves them empty")
     add_engine_args(p, log_level="info")  # start/ready/client/shutdown lines are the point
     p.set_defaults(func=_worker)
 

@@ -35,7 +35,7 @@ class NgramDrafter:
         self.history.append(rows, tokens, counts)
 
     def propose(self, rows: torch.Tensor) -> Proposal:
-        # the same rule in numpy on the CPU: half the CPU time of torch's ops (tools/bench_spec_cpu_paths.py)
+        # the same rule in numpy on the CPU: half the CPU time of torch's ops (tools/spec/bench_spec_cpu_paths.py)
         if rows.device.type == "cpu":
             return self._propose_numpy(rows)
         return self._propose_torch(rows)

@@ -118,7 +118,7 @@ FORWARD_MS_INT16 = ((1, 7.39), (2, 8.2), (3, 8.64), (5, 10.43), (8, 18.88), (16,
 FORWARD_MS_BY_ACTIVATIONS = {"float": FORWARD_MS, "int8": FORWARD_MS_INT8, "int16": FORWARD_MS_INT16}
 CostTable = tuple[tuple[int, float], ...]
 # a speculating row's own work beside the forward (drafting, verifying, its run on the host), in
-# the same unit: ~0.25 ms (tools/bench_spec_kernels.py; docs/speculative.md)
+# the same unit: ~0.25 ms (tools/spec/bench_spec_kernels.py; docs/speculative.md)
 ROW_MS = 0.25
 PROBE_SHARE = 0.02  # a probe (its drafter's work and one more position) costs at most this share of the plans between probes
 MARGIN = 1.05  # speculate only when the expected gain is at least 5%

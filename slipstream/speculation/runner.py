@@ -48,7 +48,7 @@ from slipstream.speculation.history import TokenHistory
 
 # drafts fed on the CPU for a proposal of strength 0, 1, 2 (n-gram: the matched length; stronger ones
 # feed all planned): a 1-gram draft is right too rarely to pay for its position outside repetitive
-# text, and adds little inside it (tools/spec_policy_sim.py; docs/results/spec-policy-2026-11-27/)
+# text, and adds little inside it (tools/spec/spec_policy_sim.py; docs/results/spec-policy-2026-11-27/)
 WEAK = np.array([0, 0, 2])
 
 

@@ -153,7 +153,7 @@ def leading_matches(drafts: torch.Tensor, tokens: torch.Tensor, num_drafts: torc
 
 def replay_accept(targets: torch.Tensor, drafts: torch.Tensor, lay: SpecLayout) -> Verdict:
     """Replay acceptance from `target_tokens`' samples [P]: the longest prefix of drafts equal to them."""
-    # the same in numpy on the CPU: half the CPU time of torch's ops (tools/bench_spec_cpu_paths.py)
+    # the same in numpy on the CPU: half the CPU time of torch's ops (tools/spec/bench_spec_cpu_paths.py)
     if targets.device.type == "cpu":
         return _replay_accept_numpy(targets, drafts, lay)
     return _replay_accept_torch(targets, drafts, lay)

@@ -1,5 +1,5 @@
 """The per-head paged-attention kernel: attention_triton.py's kernel before issue 42, kept as the
-baseline the benchmark (tools/bench_attention_cuda.py) and the tests compare the grouped kernel with
+baseline the benchmark (tools/gpu/bench_attention_cuda.py) and the tests compare the grouped kernel with
 (`paged_attention_triton(..., impl="per_head")`). Nothing on the serving path launches it.
 
 One program per (sequence, query head, BLOCK_M queries): with GQA every K/V tile is read by each of

@@ -76,7 +76,7 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 IMPLS = ("grouped", "per_head")
 # keys: a shorter split would save less than its partial's write and merge cost (a guess until
-# tools/bench_attention_cuda.py has run)
+# tools/gpu/bench_attention_cuda.py has run)
 MIN_SPLIT = 256
 MAX_SPLITS = 32  # the merge holds [MAX_SPLITS, head_dim] partials in registers
 MAX_TILE_ROWS = 64  # (query, head) rows of a 16-bit prefill tile at head_dim <= 64 (16 otherwise)
@@ -99,7 +99,7 @@ def tiles(group: int, head_dim: int, dtype: torch.dtype, decode: bool) -> dict:
     half = dtype != torch.float32
     if decode:
         q_block = qb = 1
-    else:  # rows x head_dim within what sm_90 holds in registers without spills (tools/kernel_resources.py)
+    else:  # rows x head_dim within what sm_90 holds in registers without spills (tools/gpu/kernel_resources.py)
         budget = max(1, (MAX_TILE_ROWS if half and block_d <= 64 else 16) // group)
         q_block, qb = QUERY_BLOCK, min(QUERY_BLOCK, 1 << (budget.bit_length() - 1))
     block_m = max(16, next_power_of_2(qb * group))

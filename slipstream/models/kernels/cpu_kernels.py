@@ -51,7 +51,7 @@ _OFF = {"0", "false", "no", "off"}
 def check_rc(rc: int | None, invalid: str) -> None:
     """Raise for a kernel's return code: MemoryError for SQ_ENOMEM (its scratch could not be
     allocated), ValueError(`invalid`) for any other non-zero code. None (a kernel of an older build
-    that returned nothing, tools/kernels_at.py) passes."""
+    that returned nothing, tools/common/kernels_at.py) passes."""
     if rc is None or rc == 0:
         return
     if rc == SQ_ENOMEM:
@@ -136,7 +136,7 @@ class Layer(ctypes.Structure):
 
 def _declare(lib: ctypes.CDLL, names: tuple[str, ...] | None = None, missing_ok: bool = False) -> ctypes.CDLL:
     """The argument and result types of the kernels `lib` exports (`names`: only those; default: all).
-    `missing_ok`: skip the ones it lacks (an older commit's build: tools/kernels_at.py)."""
+    `missing_ok`: skip the ones it lacks (an older commit's build: tools/common/kernels_at.py)."""
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     signatures = {  # name: (argument types, result type)
         "sq_abi_version": ([], i32),

@@ -15,14 +15,14 @@ copy of the weights, not two. Only used off the batch-invariant path: invariance
 against torch's default kernels (slipstream/runtime/devices/cpu_invariance.py).
 
 oneDNN (and ideep above it) cache one primitive per input shape, 0.35–0.8 MB each (generated code
-and buffers; tools/bench_packed_rows.py --primitive-memory), up to 1,024 entries per cache, and a
+and buffers; tools/bench/bench_packed_rows.py --primitive-memory), up to 1,024 entries per cache, and a
 server's steps come in every row count up to its token budget: RSS grew by ~7 MB per wave of
-abandoned streams (issue 37; tools/bench_rss_waves.py).
+abandoned streams (issue 37; tools/soak/bench_rss_waves.py).
 So every oneDNN call runs with a row count from a short ladder (`padded_rows`): exact up to 16
 (decode batches), then four sizes per doubling up to `ROW_BLOCK`, larger inputs split into blocks of
 it: 36 primitives per weight shape (~90 MB at most for SmolLM2-135M's five shapes). A row count
 between two sizes is padded with zero rows up to the next, or, when that wastes more, split into the
-size below plus the rest (`SPLIT_ROWS`). What that costs is measured in tools/bench_packed_rows.py
+size below plus the rest (`SPLIT_ROWS`). What that costs is measured in tools/bench/bench_packed_rows.py
 (docs/benchmarks.md, issue 37).
 """
 from __future__ import annotations

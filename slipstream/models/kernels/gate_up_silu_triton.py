@@ -59,7 +59,7 @@ if triton is not None:
 
 def launch_config(rows: int, hidden: int, dtype: torch.dtype) -> dict:
     """Tile sizes, warps and stages for `rows` token rows, all spill-free on sm_90 with at most
-    24 KB of shared memory (tools/kernel_resources.py, cuobjdump -res-usage). Decode (<= 16 rows)
+    24 KB of shared memory (tools/gpu/kernel_resources.py, cuobjdump -res-usage). Decode (<= 16 rows)
     is a weight-streaming problem: narrow column tiles give many programs to spread the weight
     reads over the SMs (96 for SmolLM2's 1536 columns), and long K tiles with three stages keep
     few dependent round trips to memory per program. Timings are pending a GPU."""

@@ -274,7 +274,7 @@ ALWAYS_INLINE void attend(const float *q, i64 ldq, const float *k_cache, const f
  * drafts, prefill) each K and V vector is read once per item instead of once per position, and 16
  * scores share one tree of sums; at one position (decode) it is no faster than the per-(row, kv head)
  * kernel before it, and slower where decoding sequences stream K and V from memory
- * (tools/bench_attention_cpu.py; docs/benchmarks.md). */
+ * (tools/bench/bench_attention_cpu.py; docs/benchmarks.md). */
 int sq_attention(const float *q, i64 ldq, const float *k_cache, const float *v_cache, const i64 *qs,
                  const i64 *kv_lens, const i64 *page_table, i64 P, i64 ps, i64 S, i64 Hq, i64 Hk, i64 D,
                  float scale, i64 window, float *out) {

@@ -59,7 +59,7 @@ def random_weights_on(config: ModelConfig, seed: int, dtype: torch.dtype, device
 def random_model_weights(spec: str, config: ModelConfig, seed: int, dtype: torch.dtype, device
                          ) -> dict[str, torch.Tensor]:
     """A random spec's weights as every user of the spec draws them (the engine, the transformers twin of
-    tools/peer_bench.py, tools/random_gguf.py): on the device for ON_DEVICE_INIT specs, else on the CPU."""
+    tools/peers/peer_bench.py, tools/peers/random_gguf.py): on the device for ON_DEVICE_INIT specs, else on the CPU."""
     if spec in ON_DEVICE_INIT:
         return random_weights_on(config, seed, dtype, device)
     return random_weights(config, seed)

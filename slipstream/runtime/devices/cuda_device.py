@@ -11,7 +11,7 @@ Awaiting an event without blocking the asyncio loop (EngineConfig.event_wait):
              that wakes the loop with call_soon_threadsafe; no thread is parked per wait.
   thread     a helper thread blocks in cudaEventSynchronize, then wakes the loop.
   poll       the loop re-queries the event every iteration (lowest latency, burns the loop).
-tools/bench_event_wait.py measures their wake-up latency; "auto" is thread (the faster wake-up
+tools/gpu/bench_event_wait.py measures their wake-up latency; "auto" is thread (the faster wake-up
 on an H100, docs/cuda.md); host_func is used only when asked for. cupy is imported lazily (cupy-cuda12x or cupy-cuda13x both provide it).
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""tools/soak.py with a host-side trace of the device's page tables (no device reads).
+"""tools/soak/soak.py with a host-side trace of the device's page tables (no device reads).
 
     PYTHONPATH=$PWD python docs/results/images-2026-11-25/debug/soak_trace.py --requests 4000 --rounds 2 --seed 3
 
@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[4]
-sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT / "tools" / "soak"))
 sys.path.insert(0, str(ROOT))
 
 import soak  # noqa: E402

@@ -1,5 +1,5 @@
 import sys, runpy, atexit, pickle
-sys.argv = ["tools/soak.py"] + sys.argv[1:]
+sys.argv = ["tools/soak/soak.py"] + sys.argv[1:]
 import torch
 from slipstream.scheduler import engine_loop
 from slipstream.runtime import sampling_launch
@@ -31,4 +31,4 @@ sampling_launch.SamplingLauncher._sample_group = sg
 def dump():
     pickle.dump(CAP, open("/tmp/pdbg/cap.pkl", "wb")); print("CAP", len(CAP))
 atexit.register(dump)
-runpy.run_path("tools/soak.py", run_name="__main__")
+runpy.run_path("tools/soak/soak.py", run_name="__main__")

@@ -1,5 +1,5 @@
 import sys, runpy, atexit
-sys.argv = ["tools/soak.py"] + sys.argv[1:]
+sys.argv = ["tools/soak/soak.py"] + sys.argv[1:]
 import torch
 from slipstream.scheduler import engine_loop
 from slipstream.runtime import row_tables, model_runner
@@ -48,4 +48,4 @@ def dump():
                 if nbad < 30: print("TOKEN", step, rid, p, tok, known[p], s.finish_reason)
     print("TOKEN_BAD", nbad)
 atexit.register(dump)
-runpy.run_path("tools/soak.py", run_name="__main__")
+runpy.run_path("tools/soak/soak.py", run_name="__main__")

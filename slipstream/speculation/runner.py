@@ -7,7 +7,7 @@ A speculating step (`ForwardInput.num_drafts`, k_i per decode row, no chunks), e
   1. propose: the drafter reads each row's `TokenHistory` (whose newest entry is the row's last
      token, at its position `pos`) and proposes `max_drafts` tokens; row i feeds the first k_i;
   2. forward: ids = [last token, d_1..d_k] at positions pos..pos + k, logits at every position;
-  3. verify (replay, spec_verify.py): every position sampled as one-token decoding samples that
+  3. verify (replay, verify.py): every position sampled as one-token decoding samples that
      output index (greedy: argmax); the row keeps the longest prefix of drafts equal to the
      samples and the sample after it: e = accepted + 1 tokens;
   4. advance: last token, pos += e, output index += e, the history += the e tokens; the slot's run

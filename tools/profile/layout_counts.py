@@ -86,6 +86,13 @@ def main() -> None:
     say("largest files (lines):")
     for n, f in sizes[:5]:
         say(f"  {n:5d} {f.relative_to(pkg.parent)}")
+    runner = pkg / "runtime" / "model_runner.py"
+    say(f"{runner.relative_to(pkg.parent)}: {len(runner.read_text().splitlines())} lines")
+    tools = REPO / "tools"
+    say("tools per room (scripts: .py and .sh):")
+    for d in sorted([tools, *(p for p in tools.iterdir() if p.is_dir() and p.name != "__pycache__")]):
+        n = sum(1 for f in d.iterdir() if f.suffix in (".py", ".sh"))
+        say(f"  {str(d.relative_to(REPO)):40s} {n}")
     full = layering.graph()
     top = layering.graph(deferred=False)
     for label, g, typing in (("module level", top, False), ("with deferred imports", full, False),

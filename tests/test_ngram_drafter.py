@@ -95,3 +95,19 @@ def test_plugin_point_builds_registered_drafters():
         register_drafter("ngram", NgramDrafter)
     with pytest.raises(ValueError, match="unknown drafter 'nope'"):
         build_drafter("nope", history=history, max_drafts=2)
+
+
+def test_the_host_proposal_of_shadow_probes_is_the_device_rule():
+    """NgramDrafter.propose_tokens (what the policy's shadow probes score) gives the first draft and
+    the matched length that the device's proposal gives for the same tokens, and the reference's."""
+    rng = random.Random(3)
+    seqs = [[rng.randrange(3, 9) for _ in range(rng.randint(1, 40))] for _ in range(60)]
+    seqs += [[4], [5, 5], [1, 2, 3, 1, 2]]
+    for window in (8, 64):
+        drafter = NgramDrafter(loaded(seqs), max_drafts=3, min_n=1, max_n=3, window=window)
+        device = drafter.propose(torch.arange(1, len(seqs) + 1))
+        for i, seq in enumerate(seqs):
+            first, strength = drafter.propose_tokens(seq)
+            assert (first, strength) == (int(device.tokens[i, 0]), int(device.strength[i])), (seq, window)
+            ref = reference(seq, 3, 1, 3, window)
+            assert strength == reference_n(seq, 1, 3, window) and (ref is None or first == ref[0])

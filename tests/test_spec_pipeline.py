@@ -75,6 +75,55 @@ def test_a_row_whose_steps_feed_no_drafts_stops_planning_them():
     assert spec.match(seq) > low and spec.alpha(seq) > 0.5 and spec.steps == 1
 
 
+def test_shadow_probes_never_move_the_batch_and_bring_drafts_back():
+    """With shadow probes (the n-gram drafter proposes from the host's tokens), a row that does not
+    draft is probed on the host at its plain commits: the step stays plain (no one-draft probe moves
+    the batch onto the speculating path), and when its proposals start matching the tokens sampled,
+    the commit asks for a plan that drafts. The old probe, without shadows, feeds a draft."""
+    def rows(n):
+        out = []
+        for i in range(n):
+            seq = Sequence(f"r{i}", [1, 2, 3, 4], 512, SamplingRow())
+            seq.drafts_accepted, seq.drafts_tried = 0.0, 12.0  # its drafts were wrong: it drafts none
+            seq.steps_without_drafts = 10 * MAX_PROBE_EVERY  # due to probe, however dear
+            out.append(seq)
+        return out
+
+    old = Speculation(4)
+    assert old.wanted(rows(4)).count(1) == 4  # each row due probes with a fed draft: the batch moves
+    spec, batch = Speculation(4), rows(4)
+    proposed = []
+    spec.shadow = lambda tokens: (proposed.append(list(tokens)) or 99, True)
+    spec.shadow_window = 3
+    assert spec.wanted(batch) == [0] * 4  # no fed probe: the shadows find nothing worth drafting
+    assert all(seq.shadow_at > 0 for seq in batch)
+    replan, commits = False, 0
+    while not replan and commits < 40 * MAX_PROBE_EVERY:
+        for seq in batch:
+            seq.output_ids.append(7)  # (as `accept` appends, after the commit's policy call)
+        replan = spec.on_plain_commit(batch, [99, 99, 99, 99])  # the proposal was the token sampled
+        commits += 1
+    assert replan and spec.shadow_probes >= 4 and spec.shadow_hits == spec.shadow_probes
+    assert all(t == [7, 7, 7] for t in proposed)  # the window: the newest tokens
+    assert spec.drafted == 0 and spec.steps == 0  # shadows feed nothing, so they count no drafts
+    assert sum(spec.wanted(batch)) > 0  # the estimates say drafts pay again: the plan drafts
+    misses = Speculation(4)
+    misses.shadow, misses.shadow_window = (lambda tokens: (98, True)), 8
+    quiet = rows(2)
+    misses.wanted(quiet)
+    for _ in range(4 * MAX_PROBE_EVERY):
+        assert not misses.on_plain_commit(quiet, [99, 99])  # wrong proposals: never a plan that drafts
+    assert misses.shadow_probes >= 2 and misses.shadow_hits == 0 and misses.wanted(quiet) == [0, 0]
+    short = Speculation(4)
+    short.shadow, short.shadow_window = (lambda tokens: proposed.append(list(tokens)) or (0, True)), 5
+    young = rows(1)
+    young[0].output_ids = [8, 9]
+    short.wanted(young)
+    while not short.shadow_probes:
+        short.on_plain_commit(young, [0])
+    assert proposed[-1] == [2, 3, 4, 8, 9]  # a window reaching into the prompt
+
+
 def test_a_dear_drafter_drafts_less_and_probes_rarely():
     cheap, dear = Speculation(4), Speculation(4)
     cheap.on_draft_cost(0.01, 1, 5)  # an n-gram lookup: a few percent of the forward
@@ -113,8 +162,9 @@ def test_a_speculating_step_that_costs_8x_stops_drafting_and_the_batch_stays_pla
         check_results(reqs, results, loop, pool)
         runner, spec = loop.runner, loop.planner.speculation
         assert runner.decode_steps >= 140
-        # one speculating step prices the path; at 8x a probe moves the whole batch, due every ~800 plans
-        assert runner.speculating_steps == 1, (runner.speculating_steps, runner.decode_steps, spec.stats())
+        # two speculating steps price the path (the first is a warm-up, not counted); at 8x a probe
+        # moves the whole batch, due every ~800 plans
+        assert runner.speculating_steps == 2, (runner.speculating_steps, runner.decode_steps, spec.stats())
         assert spec.penalty > 4
     # the same device at the table's cost: the policy keeps drafting (the test can tell the two apart)
     results, loop, pool = asyncio.run(run_workload(2, reqs, instrument=dear_speculation(4, 1.0)))

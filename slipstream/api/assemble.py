@@ -166,6 +166,8 @@ def install_speculation(config: EngineConfig, runner: ModelRunner, planner: Plan
     # AVX2 CPU: docs/results/spec-2026-12-02/NOTES.md) drafts must stop paying
     runner.spec_timed = True
     planner.speculation = Speculation(spec.num_drafts, spec.adaptive, FORWARD_MS_BY_ACTIVATIONS[activations], timed=True)
+    if spec.adaptive and runner.spec.can_shadow:  # rows that do not draft are probed on the host
+        planner.speculation.shadow, planner.speculation.shadow_window = runner.spec.shadow, spec.window
 
 
 DRAFT_PROBE = "The draft model must split text as the target does: 12345, naïve café, 日本語 🚀."

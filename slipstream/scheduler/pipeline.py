@@ -117,10 +117,13 @@ class Pipeline:
                 at.append(i)
             if seq.preempting:
                 later.append(seq)
+        spec = self.planner.speculation
+        if spec is not None and spec.shadow is not None and d and spec.on_plain_commit(decode, sampled):
+            self.planner.batch_changed()  # (a shadow probe says a row's drafts pay: plan it again)
         if step.chunks:
             at = self._commit_chunks(step, live, list(range(len(live))) if at is None else at, d)
-        elif result.step_ms is not None and d and self.planner.speculation is not None:
-            self.planner.speculation.on_step_cost(d, d, 0, result.step_ms)
+        elif result.step_ms is not None and d and spec is not None:
+            spec.on_step_cost(d, d, 0, result.step_ms)
         if live:
             if at is None:  # every row lives: the tokens as they came
                 accept(live, sampled, logprobs, [top.get(i) for i in range(len(live))] if top else None)

@@ -98,6 +98,7 @@ class Sequence:
     drafts_accepted: float = 0.0  # decayed counts of accepted drafts and of drafts that decided a step
     drafts_tried: float = 0.0
     steps_without_drafts: int = 0  # plans since it last drafted (the adaptive policy probes again)
+    shadow_at: int = 0  # the plain commit its next shadow probe is due at (speculation/policy.py); 0: none
     speculate: bool = True  # SamplingParams.speculative: False, never in a step with drafts
     # decayed counts of its committed steps planned with drafts, and of those where the device fed any
     # (on the CPU the device feeds none for a weak n-gram match: speculation/runner.py)

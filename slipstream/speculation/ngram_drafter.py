@@ -41,16 +41,33 @@ class NgramDrafter:
         return self._propose_torch(rows)
 
     def _propose_numpy(self, rows: torch.Tensor) -> Proposal:
-        m, width = self.max_n, self.window
+        width = self.window
         r = rows.numpy()
         tokens, length = self.history.tokens.numpy(), self.history.length.numpy()
         at = length[r][:, None] - width + np.arange(width)[None, :]
         w = np.where(at >= 0, tokens[r[:, None], np.maximum(at, 0)], NO_TOKEN).astype(np.int64)  # [n, W]
-        padded = np.concatenate([np.full((len(r), m), NO_TOKEN, np.int64), w], axis=1)
+        drafts, matched, strength = self._match(w)
+        return Proposal(torch.from_numpy(drafts), torch.from_numpy(matched), strength=torch.from_numpy(strength))
+
+    def propose_tokens(self, tokens: list[int]) -> tuple[int, int]:
+        """(the first draft, the matched length: 0 for none) after a row's newest tokens as the host
+        has them: the device's rule on the host's copy, for the policy's shadow probes."""
+        w = np.full((1, self.window), NO_TOKEN, np.int64)
+        tail = tokens[-self.window:]
+        if tail:
+            w[0, self.window - len(tail):] = tail
+        drafts, _, strength = self._match(w)
+        return int(drafts[0, 0]), int(strength[0])
+
+    def _match(self, w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(drafts [n, K], matched [n], strength [n]) of windows w [n, W] (oldest first, NO_TOKEN before
+        a row's first token)."""
+        m, width = self.max_n, w.shape[1]
+        padded = np.concatenate([np.full((len(w), m), NO_TOKEN, np.int64), w], axis=1)
         starts = np.arange(width)
         run = np.ones(w.shape, dtype=bool)
-        best = np.full(len(r), -1, np.int64)
-        strength = np.zeros(len(r), np.int64)
+        best = np.full(len(w), -1, np.int64)
+        strength = np.zeros(len(w), np.int64)
         for t in range(1, m + 1):
             run &= padded[:, m - t:m - t + width] == w[:, width - t:width - t + 1]
             if t >= self.min_n:
@@ -62,8 +79,7 @@ class NgramDrafter:
         cols = np.maximum(best, 0)[:, None] + np.arange(self.max_drafts)[None, :] % period[:, None]
         drafts = np.take_along_axis(w, np.minimum(cols, width - 1), 1)
         filler = np.maximum(w[:, -1:], 0)
-        return Proposal(torch.from_numpy(np.where(matched[:, None], drafts, filler)), torch.from_numpy(matched),
-                        strength=torch.from_numpy(strength))
+        return np.where(matched[:, None], drafts, filler), matched, strength
 
     def _propose_torch(self, rows: torch.Tensor) -> Proposal:
         m = self.max_n

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence as Seq
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 
 # The scheduler's types as drafting sees them (a layer below the scheduler: its Sequence and Step are
@@ -59,6 +59,7 @@ class Row(Protocol):
     matcher: Any  # its grammar's matcher, or None
     sampling: Any  # its SamplingParams
     max_tokens: int
+    prompt_ids: list[int]
     output_ids: list[int]
     pending_samples: int
     num_scheduled: int
@@ -69,6 +70,8 @@ class Row(Protocol):
     draft_plans: float
     draft_feeds: float
     steps_without_drafts: int
+    shadow_at: int  # the plain commit (Speculation.commits) at which its next shadow probe is due; 0: none
+    finished: bool
 
     def known_tokens(self, start: int, end: int) -> list[int]: ...
 
@@ -208,10 +211,20 @@ class Speculation:
         self.measured_penalty: float | None = None
         self.penalty = 1.0
         self._pricing = False  # the first speculating step is in flight: none more until it is priced
+        self._warm = False  # a speculating step was measured (the first is not counted)
         self._steady: tuple[Seq[Row], int] | None = None  # a steady batch's rows and the plan it began at
         self.drafted = 0  # drafts fed (committed steps, live rows)
         self.accepted = 0  # of which accepted
         self.steps = 0  # committed steps with drafts
+        # shadow probes (`on_plain_commit`): a row that does not draft is probed on the host, without a
+        # draft fed, where the drafter can propose from the host's tokens (the n-gram drafter):
+        # shadow(tokens) -> (its first draft after them, whether the device would have fed it)
+        self.shadow: Callable[[list[int]], tuple[int, bool]] | None = None
+        self.shadow_window = 0  # the newest tokens the proposal reads (the drafter's window)
+        self.commits = 0  # plain decode steps committed
+        self._shadow_due: dict[int, list[Row]] = {}  # commit -> rows whose shadow probe is due then
+        self.shadow_probes = 0
+        self.shadow_hits = 0  # of which the draft was the token sampled
 
     @staticmethod
     def alpha(seq: Row) -> float:
@@ -221,12 +234,16 @@ class Speculation:
     def match(seq: Row) -> float:
         return (seq.draft_feeds + MATCH_PRIOR[0]) / (seq.draft_plans + MATCH_PRIOR[1])
 
-    def probe_every(self, alpha: float, batch: int = 0) -> int:
+    def probe_every(self, alpha: float, batch: int = 0, fed: bool = False) -> int:
         """Plans between a row's probes. In a step that speculates anyway (`batch` 0) a probe costs its
         drafter's work and one more position; otherwise it moves the whole step of `batch` rows onto the
         speculating path, priced by the measured penalty, and each of the rows may be the one that
-        does: the interval keeps all of them within PROBE_SHARE of the plans between probes."""
+        does: the interval keeps all of them within PROBE_SHARE of the plans between probes. A shadow
+        probe costs the device nothing: only the estimate sets its interval (`fed`: a probe that feeds
+        its draft although shadow probes exist, priced as one)."""
         by_alpha = min(MAX_PROBE_EVERY, max(PROBE_EVERY, int(PROBE_EVERY * 0.5 / max(alpha, 1e-3))))
+        if batch and self.shadow is not None and not fed:
+            return by_alpha
         rows, c = max(batch, 1), self.costs
         one = forward_cost(rows, c)
         if batch:
@@ -246,6 +263,9 @@ class Speculation:
             self.unit_ms[b] = unit if prev is None else DECAY * prev + (1 - DECAY) * unit
             return
         self._pricing = False
+        if not self._warm:  # the first speculating step pays first-call costs: not the path's price
+            self._warm = True
+            return
         known = self.unit_ms.get(b)
         if known is None:  # no plain step of its size measured yet: nothing to compare with
             return
@@ -261,19 +281,78 @@ class Speculation:
         self.draft_cost = ms if self.draft_cost is None else DECAY * self.draft_cost + (1 - DECAY) * ms
         self.row_ms = max(ROW_MS, self.draft_cost)
 
+    def unpriced(self, rows: int) -> bool:
+        """A timed device has not measured a plain step of this bucket yet, or prices its first
+        speculating step now: no drafts until it has."""
+        return self.timed and (_bucket(rows) not in self.unit_ms or self._pricing)
+
     def wanted(self, seqs: Seq[Row]) -> list[int]:
         """Drafts per row (before max_tokens and pages): all k without `adaptive`; else `allocate`
-        by the rows' estimates, and one draft for a row that drafts none and is due to probe."""
+        by the rows' estimates, and one draft for a row that drafts none and is due to probe (with
+        shadow probes, only a row they find worth drafting although the measured penalty says no)."""
         if not self.adaptive:
             return [self.max_drafts] * len(seqs)
-        if self.timed and (_bucket(len(seqs)) not in self.unit_ms or self._pricing):
-            return [0] * len(seqs)
+        n, unpriced = len(seqs), self.unpriced(len(seqs))
         alphas = [self.alpha(seq) for seq in seqs]
         matches = [self.match(seq) for seq in seqs]
-        ks = allocate(alphas, self.max_drafts, self.costs, self.row_ms, matches, self.penalty)
-        batch = 0 if any(ks) else len(seqs)  # (a probe in a step that does not speculate moves all of it)
+        ks = [0] * n if unpriced else allocate(alphas, self.max_drafts, self.costs, self.row_ms, matches, self.penalty)
+        batch = 0 if any(ks) else n  # (a probe in a step that does not speculate moves all of it)
+        if batch and self.shadow is not None:  # its rows are probed in the shadow
+            for seq, a, m in zip(seqs, alphas, matches):
+                if not seq.shadow_at:
+                    self._schedule_shadow(seq, a * m)
+            if unpriced:
+                return ks
+            due = [self._price_probe_in(seq, a, m, batch) for seq, a, m in zip(seqs, alphas, matches)]
+            return [1 if d is not None and d <= 0 else 0 for d in due]
+        if unpriced:
+            return ks
         return [1 if k == 0 and seq.steps_without_drafts >= self.probe_every(a * m, batch) else k
                 for seq, k, a, m in zip(seqs, ks, alphas, matches)]
+
+    def _price_probe_in(self, seq: Row, alpha: float, match: float, batch: int) -> int | None:
+        """With shadow probes: plans until a row's fed probe is due, None if it has none. A row has
+        one only where the shadows say its drafts would pay but the measured penalty says no: it
+        prices the path again (a cold first step, a changed load), as rarely as its cost allows."""
+        if allocate([alpha], self.max_drafts, self.costs, self.row_ms, [match])[0] == 0:
+            return None
+        return self.probe_every(alpha * match, batch, fed=True) - seq.steps_without_drafts
+
+    def _schedule_shadow(self, seq: Row, estimate: float) -> None:
+        at = self.commits + self.probe_every(estimate, 1)
+        seq.shadow_at = at
+        self._shadow_due.setdefault(at, []).append(seq)
+
+    def on_plain_commit(self, rows: Seq[Row], tokens: Seq[int]) -> bool:
+        """A plain decode step's rows and their sampled tokens, before they are appended. Rows whose
+        shadow probe is due now: the drafter proposes from the tokens the host has (which end right
+        before this one), and the proposal is scored against the token sampled as a one-draft probe
+        would have been, fed or not as the device would have fed it. True: a probed row's estimate
+        now says drafting pays, so the steady batch should plan again."""
+        self.commits += 1
+        due = self._shadow_due.pop(self.commits, None)
+        if due is None or self.shadow is None:
+            return False
+        replan = False
+        index = {id(seq): i for i, seq in enumerate(rows)}
+        for seq in due:
+            seq.shadow_at = 0
+            i = index.get(id(seq))
+            if i is None or seq.finished:  # (out of the batch: scheduled again when it plans without drafts)
+                continue
+            out, w = seq.output_ids, self.shadow_window
+            window = out[-w:] if len(out) >= w else seq.prompt_ids[max(0, len(seq.prompt_ids) + len(out) - w):] + out
+            draft, fed = self.shadow(window)
+            hit = fed and draft == tokens[i]
+            self.shadow_probes += 1
+            self.shadow_hits += hit
+            self.on_commit(seq, int(fed), 1 + hit, shadow=True)
+            estimate = self.alpha(seq) * self.match(seq)
+            replan |= allocate([self.alpha(seq)], self.max_drafts, self.costs, self.row_ms, [self.match(seq)],
+                               self.penalty)[0] > 0
+            self._schedule_shadow(seq, estimate)
+        return replan
+
 
     def draft(self, step: DraftStep, planner: Planner) -> None:
         """Set `step.drafts` (k per decode row) and reserve the pages the drafts write. A batch whose
@@ -312,17 +391,25 @@ class Speculation:
             if writes:
                 step.page_writes = step.page_writes + writes
         elif self.adaptive and planner.steady_from(step):
-            # the batch repeats without plans until a row's probe is due; the plans it skips count
-            n = len(step.decode)
-            wait = max(1, min(self.probe_every(self.alpha(seq) * self.match(seq), n) - seq.steps_without_drafts
-                              for seq in step.decode))
             # counted as they pass: a batch that changes sooner leaves its rows' probes where they were
             self._steady = (step.decode, planner.plans)
-            planner.end_steady_at(wait)
+            n = len(step.decode)
+            if self.unpriced(n):  # (plan again as soon as it may draft)
+                planner.end_steady_at(1)
+            elif self.shadow is not None:
+                # it plans again when a shadow probe says drafts pay (on_plain_commit), or a fed probe is due
+                due = [d for d in (self._price_probe_in(seq, self.alpha(seq), self.match(seq), n)
+                                   for seq in step.decode) if d is not None]
+                if due:
+                    planner.end_steady_at(max(1, min(due)))
+            else:  # the batch repeats without plans until a row's probe is due; the plans it skips count
+                planner.end_steady_at(max(1, min(self.probe_every(self.alpha(seq) * self.match(seq), n)
+                                                 - seq.steps_without_drafts for seq in step.decode)))
 
-    def on_commit(self, seq: Row, fed: int, emitted: int) -> None:
+    def on_commit(self, seq: Row, fed: int, emitted: int, shadow: bool = False) -> None:
         """A live row's step planned with drafts fed `fed` of them and emitted `emitted` tokens: its
-        match rate, and (if it fed any) its acceptance estimate."""
+        match rate, and (if it fed any) its acceptance estimate (`shadow`: a shadow probe, outside the
+        counts of drafts fed)."""
         seq.draft_plans = seq.draft_plans * DECAY + 1
         seq.draft_feeds = seq.draft_feeds * DECAY + (fed > 0)
         if not fed:
@@ -330,6 +417,8 @@ class Speculation:
         accepted = emitted - 1
         seq.drafts_accepted = seq.drafts_accepted * DECAY + accepted
         seq.drafts_tried = seq.drafts_tried * DECAY + accepted + (accepted < fed)
+        if shadow:
+            return
         self.drafted += fed
         self.accepted += accepted
         self.steps += 1
@@ -338,4 +427,5 @@ class Speculation:
         return {"drafted": self.drafted, "accepted": self.accepted, "steps": self.steps,
                 "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
                 "mean_accepted_length": self.accepted / self.steps if self.steps else 0.0,
-                "draft_cost": self.draft_cost, "step_cost_penalty": self.measured_penalty}
+                "draft_cost": self.draft_cost, "step_cost_penalty": self.measured_penalty,
+                "shadow_probes": self.shadow_probes, "shadow_hits": self.shadow_hits}

@@ -151,6 +151,21 @@ class SpecRunner:
         self.graphable = not getattr(self.drafter, "reads_host", False)
         self.fixed: dict[tuple[int, int], FixedLayout] = {}  # (slot, bucket) -> what its graph reads
 
+    # --- shadow probes (speculation/policy.py) -------------------------------------------------
+
+    @property
+    def can_shadow(self) -> bool:
+        """The drafter proposes from a row's tokens on the host too (the n-gram drafter)."""
+        return hasattr(self.drafter, "propose_tokens")
+
+    def shadow(self, tokens: list[int]) -> tuple[int, bool]:
+        """(the first draft after `tokens`, whether a one-draft step would have fed it): on the CPU the
+        compute thread feeds by the match's strength (`WEAK`); elsewhere the planned k is fed."""
+        draft, strength = self.drafter.propose_tokens(tokens)  # type: ignore[attr-defined]
+        if self.runner.device.unified_memory:
+            return draft, int(np.append(WEAK, self.max_drafts)[min(strength, len(WEAK))]) >= 1
+        return draft, True
+
     # --- steps without drafts -------------------------------------------------------------------
 
     def known_before(self, packed: ForwardInput):

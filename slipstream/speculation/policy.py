@@ -27,6 +27,16 @@ a drafter that measures dearer), and speculates only if that beats the step with
 plans (more, up to `MAX_PROBE_EVERY`, the lower its estimate; more still where a probe is dear: its
 cost stays under `PROBE_SHARE` of the plans between probes), so its estimate can recover.
 
+Shadow probes (`shadow`: the n-gram drafter, whose rule runs on the host's tokens too): in a step
+that does not speculate, a row is probed at a plain commit instead, without a draft fed: the
+drafter's first draft after the tokens the host has (which end right before the token being
+committed) is scored against the token sampled, fed or not as the device would have fed it
+(`on_plain_commit`). No probe then moves a batch onto the speculating path; a probe that feeds its
+draft is left only for a row the shadows find worth drafting while the measured penalty says no
+(it prices the path again: a cold first step, a changed load), as rarely as its cost allows. A
+steady batch plans again when a shadow probe says a row's drafts pay. The first speculating step
+pays first-call costs and is not taken as the path's price.
+
 What the device measures (`timed`, every device the engine builds): with speculation on, every
 unmasked step's time on the compute stream comes back (`SampledTokens.step_ms`: CUDA's timing events,
 the CPU compute thread's CPU time, which other processes on a shared machine do not inflate). Plain

@@ -16,7 +16,6 @@ workspace with torch.empty.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from slipstream.models.kernels.triton_jit import (SUM_COMBINE, cdiv, interpreted, jitted, next_power_of_2,
                                                  require_triton, tl, triton)
@@ -78,10 +77,6 @@ def gemv_launch(rows: int, k: int, block_n: int, split: int) -> dict:
     k_per_split = cdiv(cdiv(k, split), block_k) * block_k
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, k_per_split=k_per_split, num_warps=4,
                 num_stages=3)
-
-
-def gemv_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, weight)
 
 
 def gemv_splitk_triton(x: torch.Tensor, weight: torch.Tensor, block_n: int = 8, split: int = 1,

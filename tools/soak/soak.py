@@ -473,7 +473,7 @@ def encoder_leaks(engine: Engine) -> int:
     cache, runner = engine.loop.planner.encoder_cache, engine._parts.runner
     held = sum(e.refs > 0 for e in cache._entries.values())
     pending = set(cache.dropped)
-    return held + len(set(runner.features) - pending - set(cache._entries))
+    return held + len(set(runner.images.features) - pending - set(cache._entries))
 
 
 def _count(batch: list[Planned], results: dict, report: Report) -> None:

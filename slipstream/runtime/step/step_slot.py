@@ -1,8 +1,9 @@
 """A step in flight on the runner: the buffers it owns (`StepSlot`) and the record of its launch
 (`LaunchedStep`). The brief calls the slot a DecodeSlot.
 
-`StepSlot` is buffers only, allocated once and reused (ping-pong): the step's staged inputs (its
-`StepArena`, and `staged`: which ForwardInput the arena holds and how it runs), the sampled ids with
+`StepSlot` is buffers, allocated once and reused (ping-pong), and the staging of an input into them
+(`stage`): the step's staged inputs (its `StepArena`, and `staged`: which ForwardInput the arena
+holds and how it runs), the sampled ids with
 their stamp, logprobs, top_logprobs, carried values, sampling groups' row indices and masks, each
 on the device and as a host landing buffer. Everything that belongs to one step is on its
 `LaunchedStep`, which `ModelRunner.launch_forward` returns and the engine loop hands back to
@@ -70,7 +71,7 @@ class StepSlot:
     def __init__(self, index: int, device, max_samples: int, vocab_size: int, arena: StepArena):
         self.index = index
         self.arena = arena
-        self.staged: Staged | None = None  # what the arena holds now (set by the runner when it stages)
+        self.staged: Staged | None = None  # what the arena holds now (stage, restage_writes; None: forget it)
         self.owner: LaunchedStep | None = None  # the step in flight in this slot
         # [stamp, sampled ids]: one buffer, so one copy of its first n + 1 entries carries both
         self.stamp_and_sampled = torch.zeros(max_samples + 1, dtype=torch.int64, device=device.torch_device)

@@ -14,13 +14,13 @@ from engine_util import wait_all_free
 from invariance import invariant_config
 from slipstream import Engine, SamplingParams
 from slipstream.errors import (
-    EngineClosedError,
-    GrammarError,
-    PipelineInvariantError,
-    RequestFailedError,
-    StepFailedError,
-    StepTimeoutError,
-)
+                               EngineClosedError,
+                               GrammarError,
+                               PipelineInvariantError,
+                               RequestFailedError,
+                               StepFailedError,
+                               StepTimeoutError,
+                               )
 from slipstream.faults import FaultInjector, InjectedFault, install
 from slipstream.runtime.step.step_slot import LaunchedStep, StepSlot
 from slipstream.runtime.devices.cpu_device import CPUDevice

@@ -20,7 +20,7 @@ import kernel_resources  # noqa: E402
 
 from slipstream import Engine, EngineConfig, SamplingParams  # noqa: E402
 from slipstream.models.kernels import (add_norm_triton, attention_triton, decode_fused_triton,  # noqa: E402
-                                      gate_up_silu_triton, gemv_splitk_triton, rotary_kv_triton, silu_mul_triton)
+                                       gate_up_silu_triton, gemv_splitk_triton, rotary_kv_triton, silu_mul_triton)
 from slipstream.models.kernels.gemm_choice import Gemv  # noqa: E402
 from slipstream.models.config import tiny_config  # noqa: E402
 from slipstream.models.kernels.rotary import RotaryEmbedding  # noqa: E402

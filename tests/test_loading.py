@@ -15,11 +15,11 @@ import torch
 from structlog.testing import capture_logs
 
 from slipstream.errors import (
-    CorruptModelError,
-    ModelNotFoundError,
-    UnsupportedArchitectureError,
-    UnsupportedQuantizationError,
-)
+                               CorruptModelError,
+                               ModelNotFoundError,
+                               UnsupportedArchitectureError,
+                               UnsupportedQuantizationError,
+                               )
 from slipstream.models.config import ModelConfig, tiny_config
 from slipstream.models.loading.gguf_loader import load_gguf
 from slipstream.models.loading.hf_loader import load_hf_folder

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from slipstream.params import SamplingParams
-from slipstream.runtime.sampling.logits_process import (ProcessFlags, apply_penalties, flat_rows, min_p_filter, process_flags,
-                                               process_logits, record_sampled, reset_rows, suppress_stop_tokens,
-                                               top_logprobs)
+from slipstream.runtime.sampling.logits_process import (ProcessFlags, apply_penalties, flat_rows, min_p_filter,
+                                                        process_flags, process_logits, record_sampled, reset_rows,
+                                                        suppress_stop_tokens, top_logprobs)
 from slipstream.runtime.step.row_tables import HistoryTables
 from slipstream.runtime.sampling.sampler import sample
 from slipstream.runtime.sampling.sampling_args import SamplingArgs

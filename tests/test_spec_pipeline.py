@@ -12,8 +12,8 @@ from slipstream.models import ACTIVATION_MODES
 from slipstream.runtime.batch import SamplingRow
 from slipstream.scheduler.sequence import Sequence
 from slipstream.speculation.policy import (FORWARD_MS_BY_ACTIVATIONS, FORWARD_MS_INT8, FORWARD_MS_INT16,
-                                              MAX_PROBE_EVERY, PROBE_EVERY, PROBE_SHARE, ROW_MS, Speculation, allocate,
-                                              best_drafts, forward_cost)
+                                           MAX_PROBE_EVERY, PROBE_EVERY, PROBE_SHARE, ROW_MS, Speculation, allocate,
+                                           best_drafts, forward_cost)
 from test_pipeline_invariants import check_results, request, run_workload
 
 pytest.importorskip("hypothesis")

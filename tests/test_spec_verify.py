@@ -16,7 +16,7 @@ from slipstream.runtime.sampling.logits_process import record_sampled
 from slipstream.runtime.sampling.sampler import sample_group
 from slipstream.runtime.sampling.sampling_args import Draw, Penalties, SamplingArgs, TopKTopP
 from slipstream.speculation.verify import (NO_TOKEN, _replay_accept_numpy, _replay_accept_torch, count_emitted,
-                                            rejection_accept, replay_accept, spec_layout, target_tokens, verify_inputs)
+                                           rejection_accept, replay_accept, spec_layout, target_tokens, verify_inputs)
 
 V = 12
 

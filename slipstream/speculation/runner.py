@@ -41,7 +41,7 @@ from slipstream.speculation.registry import build_drafter
 from slipstream.runtime.devices.host_copy import copy_to_device, copy_to_host, upload_array
 from slipstream.runtime.runner_api import SampledTokens
 from slipstream.speculation.verify import (SpecLayout, layout_arrays, replay_accept, spec_layout, target_tokens,
-                                            verify_inputs)
+                                           verify_inputs)
 from slipstream.runtime.step.step_slot import LaunchedStep, Staged, check_others_sampled, launch_copy
 from slipstream.speculation.history import TokenHistory
 

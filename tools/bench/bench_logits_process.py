@@ -23,7 +23,7 @@ import torch  # noqa: E402
 from provenance import header  # noqa: E402
 
 from slipstream.runtime.sampling.logits_process import (ProcessFlags, apply_penalties, min_p_filter, process_logits,  # noqa: E402
-                                               suppress_stop_tokens, top_logprobs)
+                                                        suppress_stop_tokens, top_logprobs)
 from slipstream.runtime.step.row_tables import HistoryTables  # noqa: E402
 from slipstream.runtime.sampling.sampler import sample  # noqa: E402
 from slipstream.runtime.sampling.sampling_args import Draw, SamplingArgs  # noqa: E402

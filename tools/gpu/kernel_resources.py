@@ -33,7 +33,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from slipstream.models.kernels import (add_norm_triton, attention_triton, decode_fused_triton,  # noqa: E402
-                                      gate_up_silu_triton, gemv_splitk_triton, rotary_kv_triton, silu_mul_triton)
+                                       gate_up_silu_triton, gemv_splitk_triton, rotary_kv_triton, silu_mul_triton)
 from slipstream.models.llama.build import RANDOM  # noqa: E402
 
 SHARED_LIMIT = 227 * 1024  # the most shared memory one block may use on sm_90 (H100/H200)

@@ -36,7 +36,7 @@ from slipstream.speculation.ngram_drafter import NgramDrafter  # noqa: E402
 from slipstream.runtime.sampling.sampler import sample_group  # noqa: E402
 from slipstream.runtime.sampling.sampling_args import Draw, SamplingArgs  # noqa: E402
 from slipstream.speculation.verify import (rejection_accept, replay_accept, spec_layout, target_tokens,  # noqa: E402
-                                            verify_inputs)
+                                           verify_inputs)
 from slipstream.speculation.history import TokenHistory  # noqa: E402
 
 

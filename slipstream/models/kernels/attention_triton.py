@@ -69,7 +69,7 @@ from slipstream.models.kernels import attention_per_head_triton as per_head
 # the program table (attention_blocks.query_blocks) is built on the host, by code that must not need triton
 from slipstream.models.kernels.attention_blocks import BLOCK_M as QUERY_BLOCK
 from slipstream.models.kernels.triton_jit import (MAX_COMBINE, SUM_COMBINE, cdiv, interpreted, jitted, next_power_of_2,
-                                                 require_triton, tl, triton)
+                                                  require_triton, tl, triton)
 
 _LOG2E = 1.4426950408889634
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from slipstream.models.kernels.triton_jit import (SUM_COMBINE, cdiv, interpreted, jitted, next_power_of_2,
-                                                 require_triton, tl, triton)
+                                                  require_triton, tl, triton)
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_ROWS = 16  # one row tile of next_power_of_2(rows): past this, tl.dot tiles (cuBLAS) are the better shape

@@ -188,9 +188,9 @@ def allocate(alphas: list[float], max_drafts: int, costs: CostTable = FORWARD_MS
 
 
 def best_drafts(alpha: float, max_drafts: int, costs: CostTable = FORWARD_MS, row_ms: float = ROW_MS,
-                penalty: float = 1.0) -> int:
+                penalty: float = 1.0, match: float = 1.0) -> int:
     """One row alone: `allocate` of a batch of one."""
-    return allocate([alpha], max_drafts, costs, row_ms, penalty=penalty)[0]
+    return allocate([alpha], max_drafts, costs, row_ms, [match], penalty)[0]
 
 
 def _bucket(rows: int) -> int:
@@ -324,7 +324,7 @@ class Speculation:
         """With shadow probes: plans until a row's fed probe is due, None if it has none. A row has
         one only where the shadows say its drafts would pay but the measured penalty says no: it
         prices the path again (a cold first step, a changed load), as rarely as its cost allows."""
-        if allocate([alpha], self.max_drafts, self.costs, self.row_ms, [match])[0] == 0:
+        if best_drafts(alpha, self.max_drafts, self.costs, self.row_ms, match=match) == 0:
             return None
         return self.probe_every(alpha * match, batch, fed=True) - seq.steps_without_drafts
 
@@ -357,10 +357,9 @@ class Speculation:
             self.shadow_probes += 1
             self.shadow_hits += hit
             self.on_commit(seq, int(fed), 1 + hit, shadow=True)
-            estimate = self.alpha(seq) * self.match(seq)
-            replan |= allocate([self.alpha(seq)], self.max_drafts, self.costs, self.row_ms, [self.match(seq)],
-                               self.penalty)[0] > 0
-            self._schedule_shadow(seq, estimate)
+            a, m = self.alpha(seq), self.match(seq)
+            replan |= best_drafts(a, self.max_drafts, self.costs, self.row_ms, self.penalty, m) > 0
+            self._schedule_shadow(seq, a * m)
         return replan
 
 

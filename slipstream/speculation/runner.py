@@ -52,6 +52,12 @@ from slipstream.speculation.history import TokenHistory
 WEAK = np.array([0, 0, 2])
 
 
+def fed_on_the_cpu(planned, strength, max_drafts: int):
+    """Drafts the CPU's compute thread feeds of `planned` for a proposal of `strength` (`WEAK`):
+    what its speculating step feeds, and what a shadow probe scores as fed."""
+    return np.minimum(planned, np.append(WEAK, max_drafts)[np.minimum(strength, len(WEAK))])
+
+
 class SpecStaging:
     """One slot's host->device staging of a speculating step's layout (the host's k per row, what
     the device runs where its shape cannot follow the device: CUDA): a host buffer (pinned on CUDA)
@@ -163,7 +169,7 @@ class SpecRunner:
         compute thread feeds by the match's strength (`WEAK`); elsewhere the planned k is fed."""
         draft, strength = self.drafter.propose_tokens(tokens)  # type: ignore[attr-defined]
         if self.runner.device.unified_memory:
-            return draft, int(np.append(WEAK, self.max_drafts)[min(strength, len(WEAK))]) >= 1
+            return draft, int(fed_on_the_cpu(1, strength, self.max_drafts)) >= 1
         return draft, True
 
     # --- steps without drafts -------------------------------------------------------------------
@@ -303,8 +309,7 @@ class SpecRunner:
             # device read). Laid out here, on the compute stream, either way.
             if staged_layout is None:
                 if proposal.strength is not None:
-                    strength = np.minimum(proposal.strength.numpy(), len(WEAK))
-                    k = np.minimum(planned, np.append(WEAK, max_drafts)[strength])
+                    k = fed_on_the_cpu(planned, proposal.strength.numpy(), max_drafts)
                 lay, query_start, query_start_dev, sample_indices, scratch, num_pos = self._shape(k, device.torch_device)
             else:
                 lay, query_start_dev, num_pos = staged_layout

@@ -312,6 +312,51 @@ def test_quantized_cpu_kernels_and_qwen2_match_peft(quant_gguf, tmp_path):
     assert (want - base_of_0).abs().max().item() > 1e-2  # (the adapter matters)
 
 
+def test_one_call_stack_adds_the_deltas_as_the_python_loop(quant_gguf, tmp_path, monkeypatch):
+    """A step with adapter rows takes the one-call C stack (llama_forward_cpu.c, the deltas inside it),
+    never the per-layer add_cpu calls; and gives the Python loop's logits bit for bit (the same
+    kernels in the same order), for a mix of two adapters of different targets and a base row."""
+    from host_batch import Chunk, host_batch
+
+    from slipstream.models.base import KVCache
+    from slipstream.models.kernels.cpu_kernels import native_kernels
+    from slipstream.models.llama import forward_cpu
+    from slipstream.models.loading.build import build_model
+    from slipstream.models.lora import LoraGroups, LoraInput, load_peft_adapter
+
+    if native_kernels() is None:
+        pytest.skip("no C compiler: no compiled CPU kernels")
+    path, hf = quant_gguf
+    quant, _, config = build_model(path, "float32", torch.device("cpu"), weights="quantized")
+    quant.set_kernel_backend("cpu")
+    assert forward_cpu.decoder_layers(quant)  # (every projection quantized and fused: the stack applies)
+    adapters = [load_peft_adapter("a", str(make_adapter(hf, tmp_path / "a", 8, SEVEN, 16, False, seed=6)), config),
+                load_peft_adapter("b", str(make_adapter(hf, tmp_path / "b", 4, ["k_proj", "o_proj", "up_proj"], 8,
+                                                        True, seed=7)), config)]
+    prompts = [[5, 9, 77, 3, 101, 44, 12], [8, 31, 2, 60, 61], [7, 7, 40]]
+    slots = torch.tensor([1] * 7 + [0] * 5 + [2] * 3)
+
+    def logits():
+        kv = KVCache(config, 8, 4, torch.float32, "cpu")
+        batch, _ = host_batch([Chunk(prompts[0], 0, [1, 2]), Chunk(prompts[1], 0, [3, 4]), Chunk(prompts[2], 0, [5])], 4)
+        batch.lora = LoraInput(slots, (None, *adapters))
+        return quant(batch, kv)
+
+    def no_add_cpu(*args, **kwargs):
+        raise AssertionError("the per-layer path ran")
+
+    with monkeypatch.context() as m:
+        m.setattr(LoraGroups, "add_cpu", no_add_cpu)
+        stacked = logits()
+    with monkeypatch.context() as m:
+        m.setattr(forward_cpu, "decoder_layers", lambda model: None)  # the Python loop over the same kernels
+        looped = logits()
+        quant.set_kernel_backend("reference")
+        reference = logits()
+    assert torch.equal(stacked, looped)
+    torch.testing.assert_close(stacked, reference, rtol=0, atol=1e-4)  # (the deltas are in, on both)
+
+
 SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 

@@ -2,6 +2,7 @@
 adapter; LoraGroups.add_cpu, one compiled sq_lora_add call for all adapters) against a float64
 reference, on mixes of adapters of different ranks and targets, base rows and an emptied slot; and
 add_cpu's value for a token does not depend on the batch around it (bit for bit)."""
+import dataclasses
 import json
 
 import pytest
@@ -36,9 +37,11 @@ def write(folder, config, rank, targets, seed):
     return str(folder)
 
 
-@pytest.fixture(scope="module")
-def bank(tmp_path_factory):
+@pytest.fixture(scope="module", params=["tiny", "wide"])
+def bank(request, tmp_path_factory):
     config = tiny_config()
+    if request.param == "wide":  # outputs of several column blocks of the expand, and widths that are not 16n
+        config = dataclasses.replace(config, hidden_size=296, intermediate_size=408, num_heads=6, num_kv_heads=3, head_dim=24)
     root = tmp_path_factory.mktemp("lora-kernel")
     adapters = [load_peft_adapter(f"a{i}", write(root / f"a{i}", config, r, t, i), config)
                 for i, (r, t) in enumerate(SPECS)]
@@ -98,7 +101,9 @@ def test_both_match_float64(bank, seed, native):
             else:
                 groups.add(layer, group, x, outs)
             for n, o in outs.items():
-                torch.testing.assert_close(o.double(), want[n], rtol=1e-5, atol=1e-5)
+                # float32 sums of a few hundred products: errors of ~1e-6 of the outputs' scale
+                scale = max(1.0, want[n].abs().max().item())
+                torch.testing.assert_close(o.double(), want[n], rtol=1e-5, atol=1e-5 * scale)
             covered = sum(o.shape[1] for o in outs.values())
             assert torch.equal(fused[:, covered:], before[:, covered:])  # nothing written past the views
 

@@ -311,6 +311,17 @@ class LoraGroups:
                             torch.stack(recs).contiguous(), torch.empty(seg[-1], max(rmax, 1)), max(rmax, 1))
         return self._native
 
+    def native_step(self):
+        """The step's adapters as the one-call C stack reads them (cpu_kernels.LoraStep; kept alive by this
+        object), or None where an adapter has no records (add's matmuls then, on the per-layer path)."""
+        if not self._compiled:
+            return None
+        from slipstream.models.kernels.cpu_kernels import LoraStep
+
+        tokens, seg, recs, mid, rmax = self._native_tables()
+        return LoraStep(tokens.data_ptr(), seg.data_ptr(), seg.shape[0] - 1, recs.data_ptr(), recs.stride(0),
+                        recs.stride(1), mid.data_ptr(), rmax)
+
     def add_cpu(self, lib, layer: int, group: int, x: torch.Tensor, outs: dict[str, torch.Tensor]) -> None:
         """add's sum in one compiled call for every adapter of the step (the CPU backend; float32 rows
         whose elements are contiguous); add's matmuls where an adapter has no records."""

@@ -42,7 +42,7 @@ SOURCES = tuple(Path(__file__).with_name(n) for n in ("quant_matmul_cpu.c", "qua
                                                        "llama_forward_cpu.c"))
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("quant_rounded_cpu.h", "kernel_alloc_cpu.h"))  # included by
 # SOURCES: hashed into the key too
-ABI_VERSION = 5  # sq_abi_version() of the sources whose signatures _declare describes
+ABI_VERSION = 6  # sq_abi_version() of the sources whose signatures _declare describes
 SQ_EINVAL, SQ_ENOMEM = -1, -2  # the kernels' return codes (kernel_alloc_cpu.h); 0: done
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 _OFF = {"0", "false", "no", "off"}
@@ -134,6 +134,13 @@ class Layer(ctypes.Structure):
                 ("gate_up", QMat), ("down", QMat), ("window", ctypes.c_int64)]
 
 
+class LoraStep(ctypes.Structure):
+    """lora_t of llama_forward_cpu.c: a step's LoRA adapters for the one-call stack (LoraGroups.native_step)."""
+    _fields_ = [("tok", ctypes.c_void_p), ("seg", ctypes.c_void_p), ("G", ctypes.c_int64), ("rec", ctypes.c_void_p),
+                ("rec_stride", ctypes.c_int64), ("layer_stride", ctypes.c_int64), ("mid", ctypes.c_void_p),
+                ("rmax", ctypes.c_int64)]
+
+
 def _declare(lib: ctypes.CDLL, names: tuple[str, ...] | None = None, missing_ok: bool = False) -> ctypes.CDLL:
     """The argument and result types of the kernels `lib` exports (`names`: only those; default: all).
     `missing_ok`: skip the ones it lacks (an older commit's build: tools/common/kernels_at.py)."""
@@ -156,7 +163,7 @@ def _declare(lib: ctypes.CDLL, names: tuple[str, ...] | None = None, missing_ok:
         "sq_silu_mul": ([p, i64, p, i64, p, i64, i64], None),
         "sq_lora_add": ([p, i64, i64, p, p, i64, p, i64, p, i64, p, p, p], i32),
         "sq_decoder_forward": ([p, i64, f32, p, i64, i64, i64, i64, i64, i64, p, p, i64, p, p, p, p, p, p, p, i64,
-                                i64, i64, f32, p, p, i64, p], i32),
+                                i64, i64, f32, p, p, i64, p, p], i32),
     }
     for name, (args, result) in signatures.items():
         if names is not None and name not in names:

@@ -38,7 +38,8 @@ typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 typedef float v16_u __attribute__((vector_size(64), aligned(4)));
 
-int sq_abi_version(void) { return 5; }  /* 3: checked allocations (int returns); 4: the attention window; 5: sq_lora_add */
+int sq_abi_version(void) { return 6; }  /* 3: checked allocations (int returns); 4: the attention window; 5: sq_lora_add;
+                                           * 6: sq_decoder_forward's LoRA argument */
 
 int sq_max_threads(void) {
 #ifdef _OPENMP

@@ -155,8 +155,9 @@ def forward_cpu(model, x: torch.Tensor, batch, kv) -> torch.Tensor:
     positions, kv_idx = batch.positions.to(torch.int64).contiguous(), batch.kv_indices.to(torch.int64).contiguous()
     cos, sin = model.rope.cos, model.rope.sin
     lora = lora_groups(batch)
-    table = decoder_layers(model) if lora is None else None  # (the one-call stack has no LoRA hook)
-    if table is not None:  # the whole stack in one call (llama_forward_cpu.c)
+    table = decoder_layers(model)
+    lora_step = None if lora is None else lora.native_step()
+    if table is not None and (lora is None or lora_step is not None):  # the whole stack in one call (llama_forward_cpu.c)
         rows = batch.sample_indices.to(torch.int64).contiguous()
         out = torch.empty(rows.numel(), hidden)
         rc = lib.sq_decoder_forward(table, len(table), model.model.norm.eps, x.data_ptr(), t, hidden, hq, hk, d,
@@ -164,8 +165,8 @@ def forward_cpu(model, x: torch.Tensor, batch, kv) -> torch.Tensor:
                                     positions.data_ptr(), kv_idx.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                                     qs.data_ptr(), kv_lens.data_ptr(), pages.data_ptr(), width, kv.page_size, seqs,
                                     d ** -0.5, model.model.norm.weight.data_ptr(), rows.data_ptr(), rows.numel(),
-                                    out.data_ptr())
-        check_rc(rc, f"no CPU kernels for head_dim {d}, {hq} heads over {hk} or these weights' groups")
+                                    out.data_ptr(), None if lora_step is None else ctypes.byref(lora_step))
+        check_rc(rc, f"no CPU kernels for head_dim {d}, {hq} heads over {hk}, these weights' groups or an adapter record")
         return out
     h = torch.empty(t, hidden)
     attn = torch.zeros(t, hq * d)  # rows past the sequences' queries (padding) stay finite

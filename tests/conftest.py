@@ -20,7 +20,12 @@ import slipstream.gc_freeze  # noqa: E402
 slipstream.gc_freeze.COLLECT_FIRST = False  # hundreds of engine starts: no full collection at each
 
 
+@pytest.hookimpl(trylast=True)  # after -m / -k deselected what will not run
 def pytest_collection_modifyitems(config, items):
+    if not config.option.collectonly:
+        for item in items:
+            if item.nodeid.endswith("test_typing.py::test_the_package_type_checks"):
+                item.module.start_early()  # mypy beside the tests that run before it
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
@@ -44,3 +49,9 @@ def hf_model(loaded):
 
     return AutoModelForCausalLM.from_pretrained(str(loaded.path.parent), gguf_file=loaded.path.name,
                                                 dtype=torch.float32).eval()
+
+
+def pytest_sessionfinish(session):
+    typing = sys.modules.get("test_typing")
+    if typing is not None:
+        typing.stop_early()  # (a run stopped before the check: no mypy left behind)

@@ -178,25 +178,77 @@ def test_speculating_steps_replay_graphs_and_give_the_eager_steps_tokens(monkeyp
     assert 0 < stats["eager_steps"] == stats["steps"] - graphed  # (the prompts' steps: no mixed graphs here)
 
 
+@pytest.mark.parametrize("depth", [1, 2])
+def test_sampled_rows_replay_the_forward_graph_and_verify_after_it(monkeypatch, stand_in_graphs, depth):
+    """Seeded random rows (temperature 0.8) and a greedy one speculate from the sampled speculating
+    graphs (proposal and forward; verification eager behind the replay, on the compute stream): the
+    tokens equal those without speculation, no host sync, no decode step eager. (Before: every such
+    step ran wholly eagerly.)"""
+    use_torch_paths(monkeypatch)
+    counts, ks, seen = dict(plain=0, spec=0), [], {}
+    sampled = [SamplingParams(max_tokens=14, temperature=0.8, seed=40 + i, ignore_eos=True) for i in range(2)]
+
+    def install(engine):
+        runner = engine._parts.runner
+        stand_in_graphs.install_graphs(runner, engine._parts.device, EngineConfig(**BASE, **GRAPHS))
+        count_eager_decode(runner, counts, ks)
+        seen["runner"] = runner
+
+    def run(spec, prepare=None):
+        devices = []
+        monkeypatch.setattr(assemble, "make_device",
+                            lambda *a, **k: devices.append(SeparateMemoryDevice()) or devices[-1])
+
+        async def go():
+            async with Engine(EngineConfig(**BASE, **GRAPHS, speculative=spec, pipeline_depth=depth)) as engine:
+                if prepare is not None:
+                    prepare(engine)
+                check_runner(devices[-1], engine._parts.runner)
+                jobs = list(zip(PROMPTS, [*sampled, GREEDY]))
+                await asyncio.gather(*(engine.complete(p, q) for p, q in jobs))  # warm
+                devices[-1].checking = True
+                try:
+                    outs = await asyncio.gather(*(engine.complete(p, q) for p, q in jobs))
+                finally:
+                    devices[-1].checking = False
+                return [o.token_ids for o in outs], await engine.stats(), devices[-1].syncs
+
+        return asyncio.run(go())
+
+    want, _, _ = run(None)
+    got, stats, syncs = run(SPEC, install)
+    assert got == want and syncs == []
+    assert stats["speculative"]["accepted"] > 0
+    runner = seen["runner"]
+    assert sum(runner.spec_sampled_graphs.replays.values()) > 0
+    assert counts == dict(plain=0, spec=0)
+
+
+SEEDED = SamplingParams(max_tokens=14, temperature=0.8, seed=41, ignore_eos=True)
+
+
 @pytest.mark.cuda
-def test_cuda_speculating_steps_replay_graphs_without_a_host_sync():
-    """On a GPU: after a warm run, speculating steps replay their graphs under torch's sync debug
-    mode (any synchronising call raises, failing the request), no decode step is eager, and greedy
-    float32 output equals the output without speculation."""
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_cuda_speculating_steps_replay_graphs_without_a_host_sync(params):
+    """On a GPU: after a warm run, speculating steps replay their graphs (seeded rows: the sampled
+    speculating graphs, verified eagerly behind them) under torch's sync debug mode (any
+    synchronising call raises, failing the request), no decode step is eager, and float32 output
+    equals the output without speculation."""
     cfg = dict(BASE, device="cuda", graph_batch_sizes=(1, 2, 4))
     counts, ks = dict(plain=0, spec=0), []
 
     async def run(spec):
         async with Engine(EngineConfig(**cfg, speculative=spec)) as engine:
-            await asyncio.gather(*(engine.complete(p, GREEDY) for p in PROMPTS))  # warm: every shape once
+            await asyncio.gather(*(engine.complete(p, params) for p in PROMPTS))  # warm: every shape once
             runner = engine._parts.runner
             count_eager_decode(runner, counts, ks)
             torch.cuda.set_sync_debug_mode("error")
             try:
-                outs = await asyncio.gather(*(engine.complete(p, GREEDY) for p in PROMPTS))
+                outs = await asyncio.gather(*(engine.complete(p, params) for p in PROMPTS))
             finally:
                 torch.cuda.set_sync_debug_mode(0)
-            replays = 0 if runner.spec_graphs is None else sum(runner.spec_graphs.replays.values())
+            cache = runner.spec_graphs if params is GREEDY else runner.spec_sampled_graphs
+            replays = 0 if cache is None else sum(cache.replays.values())
             return [o.token_ids for o in outs], replays
 
     want, _ = asyncio.run(run(None))

@@ -15,10 +15,11 @@ A speculating step (`ForwardInput.num_drafts`, k_i per decode row, no chunks), e
 KV written for rejected drafts lies past the new `pos`: the row's next step overwrites it.
 
 Where the device's memory is not the host's (CUDA) the shape is the host's k, staged at launch in the
-slot's `SpecStaging` (no blocking copy, no host read), and a step of plain greedy rows within the
-buckets replays the speculating graph of its slot and bucket instead (`verify_fixed` on the fixed-k
-layout, `FixedLayout`; docs/speculative.md, "Speculating steps from graphs"). On the CPU the compute
-thread shapes the step by the drafter's strength (`WEAK`), eagerly.
+slot's `SpecStaging` (no blocking copy, no host read), and a step within the buckets replays a
+speculating graph of its slot and bucket instead, on the fixed-k layout (`FixedLayout`): plain greedy
+rows the whole step (`verify_fixed`), other rows (sampled, seeded) its proposal and forward
+(`forward_fixed`), then steps 3-4 eagerly as above (docs/speculative.md, "Speculating steps from
+graphs"). On the CPU the compute thread shapes the step by the drafter's strength (`WEAK`), eagerly.
 
 Steps without drafts keep their path and their graphs: with speculation on, each step's forward
 writes its inputs into the history (TokenHistory.write_inputs, inside a plain step's graph), so
@@ -40,6 +41,7 @@ from slipstream.runtime.batch import SCRATCH_ROW, ForwardInput
 from slipstream.speculation.registry import build_drafter
 from slipstream.runtime.devices.host_copy import copy_to_device, copy_to_host, upload_array
 from slipstream.runtime.runner_api import SampledTokens
+from slipstream.runtime.sampling.sampling_args import GroupNeeds
 from slipstream.speculation.verify import (SpecLayout, layout_arrays, replay_accept, spec_layout, target_tokens,
                                            verify_inputs)
 from slipstream.runtime.step.step_slot import LaunchedStep, Staged, check_others_sampled, launch_copy
@@ -213,11 +215,17 @@ class SpecRunner:
 
     def verify_fixed(self, t: FixedLayout, slot: int) -> None:
         """A speculating step of plain greedy rows on the fixed-k layout: what a speculating graph
-        captures (proposal, forward, verification, advance; no host read, no data-dependent shape).
+        captures (proposal, forward, verification, advance; no host read, no data-dependent shape)."""
+        logits, drafts = self.forward_fixed(t, slot)
+        self.accept_fixed(t, slot, _argmax(logits), drafts)
+
+    def forward_fixed(self, t: FixedLayout, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The proposal and forward of a speculating step on the fixed-k layout: (logits of every fed
+        position [bucket * (K + 1), V], drafts [bucket, K]); all a sampled speculating graph captures.
         A row with k < K drafts feeds its K - k masked positions too, at its last real position, with
         their K/V written to the scratch page: its real positions see what the eager step's see
         (context length pos + K + 1 puts query j at pos + j), and acceptance never reaches a masked
-        one (accepted <= k). Padding rows (row 0, k = 0) advance row 0, which is reset to position 0."""
+        one (accepted <= k)."""
         runner, history, drafter = self.runner, self.history, self.drafter
         rows, kv, ps, K = runner.rows, runner.kv, runner.kv.page_size, self.max_drafts
         dec, lay = t.rows, t.lay
@@ -236,8 +244,14 @@ class SpecRunner:
             raise NotImplementedError("LoRA adapters in a captured graph")
         logits = runner.model(ForwardBatch(input_ids=verify_inputs(last, drafts, lay), positions=positions,
                                            kv_indices=kv_indices, sample_indices=t.sample_indices, attn=meta), kv)
-        verdict = replay_accept(_argmax(logits), drafts, lay)
-        self._advance(slot, dec, pos0, verdict, lay.num_drafts)
+        return logits, drafts
+
+    def accept_fixed(self, t: FixedLayout, slot: int, targets: torch.Tensor, drafts: torch.Tensor) -> None:
+        """The verification of a fixed-k step from each position's target token, and the advance.
+        Padding rows (row 0, k = 0) advance row 0, which is reset to position 0."""
+        rows = self.runner.rows
+        pos0 = rows.pos.index_select(0, t.rows)  # (the forward does not move positions: the advance does)
+        self._advance(slot, t.rows, pos0, replay_accept(targets, drafts, t.lay), t.lay.num_drafts)
         rows.pos[SCRATCH_ROW:SCRATCH_ROW + 1].zero_()
 
     def _advance(self, slot: int, dec: torch.Tensor, pos0: torch.Tensor, verdict, num_drafts: torch.Tensor) -> None:
@@ -256,9 +270,12 @@ class SpecRunner:
 
     def _graph(self, slot, packed: ForwardInput, needs):
         """(bucket, graph) a speculating step replays, or None: it runs eagerly (no speculating
-        graphs, a row that is not plain greedy, or more rows than the largest bucket)."""
-        cache = self.runner.spec_graphs
-        if cache is None or not needs.plain_greedy or self.runner.row_multiple != 1:
+        graphs, batch-invariant rows, or more rows than the largest bucket). Plain greedy rows replay
+        the whole step (spec_graphs), others its proposal and forward (spec_sampled_graphs), then verify
+        as the eager step does."""
+        runner = self.runner
+        cache = runner.spec_graphs if needs.plain_greedy else runner.spec_sampled_graphs
+        if cache is None or runner.row_multiple != 1:
             return None
         return cache.lookup(slot.index, packed.num_decode)
 
@@ -279,7 +296,7 @@ class SpecRunner:
         step = LaunchedStep(step_id, slot, staged, staged.num_samples)
         slot.acquire(step)
         if hit is not None:
-            return self._launch_graph(step, packed, *hit)
+            return self._launch_graph(step, packed, hit[0], hit[1], needs)
         device = runner.device
         host_attention = device.unified_memory
         rows, kv, model, ps = runner.rows, runner.kv, runner.model, runner.kv.page_size
@@ -356,13 +373,16 @@ class SpecRunner:
         launch_copy(runner.device, step, lambda: self._copy_out(step))
         return step
 
-    def _launch_graph(self, step: LaunchedStep, packed: ForwardInput, bucket: int, graph) -> LaunchedStep:
+    def _launch_graph(self, step: LaunchedStep, packed: ForwardInput, bucket: int, graph,
+                      needs: GroupNeeds) -> LaunchedStep:
         runner, slot, step_id = self.runner, step.slot, step.step_id
         assert packed.num_drafts is not None
         self.staging[slot.index].stage_fixed(packed.num_drafts, bucket)
         check_others_sampled(runner.slots, step)  # (the graphs' shared pool: graph_choice.py, cuda_graphs.py)
-        runner.spec_graphs.replays[slot.index, bucket] += 1
+        cache = runner.spec_graphs if needs.plain_greedy else runner.spec_sampled_graphs
+        cache.replays[slot.index, bucket] += 1
         rows, updates = runner.rows, step.staged.updates
+        fixed = self.fixed_layout(slot.index, bucket)
 
         def replay() -> None:
             runner.check_fault(step_id)
@@ -370,7 +390,11 @@ class SpecRunner:
                 rows.apply(updates, packed)
             if runner.faults is not None:
                 runner.faults.check("sample", step_id)
-            graph.replay()
+            out = graph.replay()
+            if not needs.plain_greedy:  # the graph's logits read before the next replay: stream order
+                logits, drafts = out
+                targets = target_tokens(logits, rows.sampling.gather(fixed.rows, needs), drafts, fixed.lay)
+                self.accept_fixed(fixed, slot.index, targets, drafts)
             slot.stamp.fill_(step_id)  # (outside the graph: the step id changes)
 
         if runner.spec_timed:

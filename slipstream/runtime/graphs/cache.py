@@ -37,7 +37,7 @@ GiB = 1024**3
 
 @dataclass(frozen=True)
 class GraphKind:
-    name: str  # "decode" | "greedy" | "carry" | "mixed" | "spec" (the `kind` field of log lines)
+    name: str  # "decode" | "greedy" | "carry" | "mixed" | "spec" | "spec_sampled" (the `kind` field of log lines)
     size_field: str  # what a bucket counts, as logged: "batch_size" | "tokens"
 
 
@@ -46,6 +46,8 @@ GREEDY = GraphKind("greedy", "batch_size")  # decode + greedy sampling (looked u
 CARRY = GraphKind("carry", "batch_size")  # decode of carry steps (StepForward.carry)
 MIXED = GraphKind("mixed", "tokens")
 SPEC = GraphKind("spec", "batch_size")  # speculating steps of plain greedy rows (SpecRunner.verify_fixed)
+# speculating steps of other rows: the proposal and forward (SpecRunner.forward_fixed), verified eagerly
+SPEC_SAMPLED = GraphKind("spec_sampled", "batch_size")
 
 
 class GraphCache(Generic[G]):

@@ -46,7 +46,7 @@ import torch
 from slipstream.runtime.batch import pack_step
 from slipstream.runtime.graphs.buckets import make_buckets, token_buckets
 from slipstream.runtime.graphs.graph_record import record
-from slipstream.runtime.graphs.cache import CARRY, DECODE, GREEDY, MIXED, SPEC, GraphCache
+from slipstream.runtime.graphs.cache import CARRY, DECODE, GREEDY, MIXED, SPEC, SPEC_SAMPLED, GraphCache
 from slipstream.runtime.graphs.static_step import fill_static, static_tensors
 
 log = structlog.get_logger(__name__)
@@ -127,9 +127,12 @@ def mixed_graphs(runner, device, token_range: tuple[int, int], pool=None) -> Gra
     return GraphCache(token_buckets(*token_range), len(runner.slots), capture, device.free_memory, MIXED)
 
 
-def spec_graphs(runner, device, bucket_range: tuple[int, int, int], pool=None) -> GraphCache[CapturedForward]:
+def spec_graphs(runner, device, bucket_range: tuple[int, int, int], pool=None,
+                sampled: bool = False) -> GraphCache[CapturedForward]:
     """A GraphCache of speculating steps by rows bucket: SpecRunner.verify_fixed on the fixed-k layout
-    (speculation/runner.py), staged as an all-padding step (row 0, no drafts)."""
+    (speculation/runner.py), staged as an all-padding step (row 0, no drafts); `sampled`: only its
+    proposal and forward (SpecRunner.forward_fixed, output (logits, drafts)), for steps whose rows do
+    not all verify greedily: their verification runs eagerly after the replay, as the eager step's."""
     pool = torch.cuda.graph_pool_handle() if pool is None else pool
     spec = runner.spec
 
@@ -142,9 +145,11 @@ def spec_graphs(runner, device, bucket_range: tuple[int, int, int], pool=None) -
             spec.staging[slot].stage_fixed(np.zeros(0, np.int64), bucket)
             return spec.fixed_layout(slot, bucket)
 
-        return _capture(runner, device, pool, stage, lambda t: spec.verify_fixed(t, slot))
+        captured = (lambda t: spec.forward_fixed(t, slot)) if sampled else (lambda t: spec.verify_fixed(t, slot))
+        return _capture(runner, device, pool, stage, captured)
 
-    return GraphCache(make_buckets(*bucket_range), len(runner.slots), capture, device.free_memory, SPEC)
+    return GraphCache(make_buckets(*bucket_range), len(runner.slots), capture, device.free_memory,
+                      SPEC_SAMPLED if sampled else SPEC)
 
 
 def install_graphs(runner, device, config) -> None:
@@ -159,10 +164,12 @@ def install_graphs(runner, device, config) -> None:
         runner.mixed_graphs = mixed_graphs(runner, device, config.token_bucket_range(), pool)
     if runner.spec is not None and runner.spec.graphable:  # (installed first: assemble.py)
         runner.spec_graphs = spec_graphs(runner, device, config.buckets(), pool)
+        runner.spec_sampled_graphs = spec_graphs(runner, device, config.buckets(), pool, sampled=True)
     if not config.warmup:
         return
     carry = runner.carry_graphs if runner.carry_kinds else None  # (no heads: no carry step ever comes)
-    for cache in (runner.mixed_graphs, runner.spec_graphs, runner.graphs, runner.greedy_graphs, carry):
+    for cache in (runner.mixed_graphs, runner.spec_graphs, runner.spec_sampled_graphs, runner.graphs,
+                  runner.greedy_graphs, carry):
         if cache is not None:
             before = torch.cuda.memory_reserved(device.torch_device)
             seconds = cache.warmup()  # (a failed capture turns only this cache off: graphs.py)
@@ -173,7 +180,8 @@ def install_graphs(runner, device, config) -> None:
 def release_graphs(runner) -> None:
     """Drop every captured graph now (engine close, the device synchronized): freed here, not by a
     later cycle collection that could run inside another engine's capture (graph_record.py)."""
-    for cache in (runner.graphs, runner.greedy_graphs, runner.carry_graphs, runner.mixed_graphs, runner.spec_graphs):
+    for cache in (runner.graphs, runner.greedy_graphs, runner.carry_graphs, runner.mixed_graphs, runner.spec_graphs,
+                  runner.spec_sampled_graphs):
         if cache is not None:
             cache.release()
     for slot in runner.slots:  # a staged input holds the graph it chose (a steady batch relaunches it)

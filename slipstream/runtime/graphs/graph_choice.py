@@ -55,6 +55,7 @@ class GraphChoice:
     greedy_graphs = _GraphCacheField()  # decode graphs that also sample (all rows plain greedy)
     carry_graphs = _GraphCacheField()  # decode graphs of carry steps (StepForward.carry)
     spec_graphs = _GraphCacheField()  # speculating steps by rows, fixed k (SpecRunner.verify_fixed)
+    spec_sampled_graphs = _GraphCacheField()  # ... their proposal and forward only (SpecRunner.forward_fixed)
 
     def _choose_graph(self, slot: StepSlot, packed: ForwardInput, unmasked: bool, carry: bool,
                       needs: GroupNeeds) -> _Graphed | None:

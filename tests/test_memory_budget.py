@@ -31,14 +31,17 @@ def _nbytes(*outputs):
 def capture_graph_outputs(monkeypatch, cfg, prepare=lambda runner: None):
     """Install the engine's graphs with a stand-in capture that runs each forward once, as the real
     one does; returns (model config, {kind: the outputs the graphs keep})."""
-    held = {"decode": [], "greedy": [], "carry": [], "mixed": []}
+    from slipstream.speculation.runner import FixedLayout
+
+    held = {"decode": [], "greedy": [], "carry": [], "mixed": [], "spec": [], "spec_sampled": []}
 
     def stand_in(runner, device, pool, stage, forward=None):
         tensors = stage()
         name = getattr(forward, "__name__", "")
-        kind = ("mixed" if hasattr(tensors, "blocks") else "decode" if forward is None
-                else "carry" if name == "carry" else "greedy")
         out = (runner.forward.logits if forward is None else forward)(tensors)  # the output a graph keeps
+        kind = ("mixed" if hasattr(tensors, "blocks") else "decode" if forward is None
+                else ("spec_sampled" if isinstance(out, tuple) else "spec") if isinstance(tensors, FixedLayout)
+                else "carry" if name == "carry" else "greedy")
         held[kind].append(out)
         return types.SimpleNamespace(replay=lambda: out)
 
@@ -200,3 +203,20 @@ def test_carry_graph_outputs_are_what_the_reserve_predicts(monkeypatch):
     assert len(held["carry"]) == 2 * 3  # two slots x buckets 1, 2, 4
     assert _nbytes(*held["carry"]) == engine_reserve(cfg, mcfg, torch.float32, carry=True).carry_graph_outputs
     assert engine_reserve(cfg, mcfg, torch.float32).carry_graph_outputs == 0
+
+
+@needs_triton
+def test_spec_graph_outputs_are_what_the_reserve_predicts(monkeypatch):
+    """With n-gram speculation, each sampled speculating graph keeps the logits of its B(K + 1) fed
+    positions and its drafts, which the reserve counts; its temporaries cover those logits."""
+    from slipstream.params import SpeculativeConfig
+
+    cfg = EngineConfig(**{**CFG, "max_batch_size": 2}, speculative=SpeculativeConfig(num_drafts=2, adaptive=False),
+                       graph_batch_sizes=(1, 1, 2), mixed_graphs=False)
+    mcfg, held = capture_graph_outputs(monkeypatch, cfg)
+    assert len(held["spec"]) == len(held["spec_sampled"]) == 2 * 2  # two slots x buckets 1, 2
+    r = engine_reserve(cfg, mcfg, torch.float32)
+    assert _nbytes(*held["spec_sampled"]) == r.spec_graph_outputs
+    assert r.graph_temporaries >= max(_nbytes(logits) for logits, _ in held["spec_sampled"])
+    assert engine_reserve(EngineConfig(**CFG), mcfg, torch.float32).spec_graph_outputs == 0
+

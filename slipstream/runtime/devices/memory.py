@@ -61,8 +61,11 @@ class RuntimeReserve:
     carry_graph_outputs: int  # a model with carry heads: each carry decode graph keeps its [bucket, V]
     #                           fp32 logits and its [bucket, H] hidden states (runtime/step/carry.py)
     mixed_graph_logits: int  # each (slot, token bucket) mixed graph keeps [min(T, S), V] fp32 logits
+    spec_graph_outputs: int  # n-gram speculation: each sampled speculating graph keeps the [B(K + 1), V] fp32
+    #                          logits of its fed positions and its [B, K] drafts (SpecRunner.forward_fixed)
     graph_temporaries: int  # the graph pool's scratch: the largest graph's lm_head output in the
-    #                         model dtype and the greedy graph's fp32 logits, plus its activations
+    #                         model dtype and the greedy graph's fp32 logits, plus its activations (a
+    #                         speculating graph's B(K + 1) positions where that is the most)
     eager_logits: int  # the logits of eager steps, one per slot in flight: [S, V] fp32 (+ model dtype)
     sampling: int  # one sampling group of S rows (SAMPLING_BYTES_PER_LOGIT)
     history: int  # HistoryTables: R x V int32 + 2 bool (penalties, min_tokens)
@@ -94,13 +97,16 @@ def runtime_reserve(config, vocab_size: int, hidden_size: int, intermediate_size
     model_logits = 0 if dtype == torch.float32 else dtype.itemsize  # the lm_head's output before .float()
     decode = decode_buckets if config.cuda_graphs else []
     mixed = token_buckets if config.cuda_graphs and config.mixed_graphs else []
-    graph_rows = max([*decode, *(min(t, S) for t in mixed)], default=0)
-    graph_tokens = max([*decode, *mixed], default=0)
+    spec = config.speculative
+    k1 = spec.num_drafts + 1 if spec is not None and spec.method == "ngram" and decode else 0  # (graphable drafter)
+    graph_rows = max([*decode, *(min(t, S) for t in mixed), max(decode, default=0) * k1], default=0)
+    graph_tokens = max([*decode, *mixed, max(decode, default=0) * k1], default=0)
     return RuntimeReserve(
         decode_graph_logits=slots * sum(decode) * V * 4,
         greedy_graph_ids=slots * sum(decode) * 8,
         carry_graph_outputs=slots * sum(decode) * (V * 4 + hidden_size * dtype.itemsize) if carry else 0,
         mixed_graph_logits=slots * sum(min(t, S) for t in mixed) * V * 4,
+        spec_graph_outputs=slots * sum(decode) * (k1 * V * 4 + max(k1 - 1, 0) * 8),
         graph_temporaries=graph_rows * V * (4 + model_logits)
         + graph_tokens * (4 * hidden_size + 3 * intermediate_size) * dtype.itemsize,
         eager_logits=slots * S * V * (4 + model_logits),

@@ -117,7 +117,7 @@ async def test_bad_loads_are_400_naming_the_field(server, folders, body, param):
 
 
 def test_cli_lora_flags():
-    from slipstream.commands.serve import lora_adapters
+    from slipstream.cli import lora_adapters
     from slipstream.errors import InvalidRequestError
 
     assert lora_adapters(["a=/x", "b=/y=z"]) == {"a": "/x", "b": "/y=z"}

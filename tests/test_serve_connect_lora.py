@@ -146,6 +146,22 @@ async def test_a_load_reaches_every_worker_or_none(served, folders, reference):
         assert r.status_code == 404 and r.json()["error"]["param"] == "lora"
 
 
+async def test_an_adapter_on_some_workers_only_is_not_served(served, folders):
+    """Another server starting over the same workers, one of which has c loaded directly: a request of
+    c could reach the other, so c is not served."""
+    _, workers, _, _ = served
+    async with Client(workers[0].address) as c:
+        await c.load_lora("c", folders["c"])
+        try:
+            with ThreadServer(ClientsBackend([w.address for w in workers])) as other:
+                async with httpx.AsyncClient(base_url=other.url, timeout=30) as http:
+                    assert [m["id"] for m in (await http.get("/v1/models")).json()["data"]][1:] == ["a"]
+                    r = await http.post("/v1/completions", json={"model": "c", "prompt": "hi", "max_tokens": 2})
+                    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        finally:
+            await c.unload_lora("c")
+
+
 async def test_zz_a_restarted_worker_gets_the_adapters_again(served, folders, reference):
     """The second worker restarts at its address (with its own --lora a, without c, loaded here over
     HTTP): before it serves a request of c it loads c again."""

@@ -181,3 +181,53 @@ async def test_zz_a_restarted_worker_gets_the_adapters_again(served, folders, re
         async with first_worker_busy(http):
             assert await complete_all(http, "c") == reference["c"]
         assert await worker_loras(workers[1].address) == ["a", "c"]
+
+
+class _Method:
+    def __init__(self, fn):
+        self.fn = fn
+
+    async def remote(self, *args):
+        out = self.fn(*args)
+        return await out if asyncio.iscoroutine(out) else out
+
+
+class _ReplicaHandle:
+    """The calls RayBackend makes through a DeploymentHandle, on one EngineReplica in this process
+    (built on the server's loop at the first call: Ray Serve awaits its async __init__)."""
+
+    deployment_name = "engine"
+
+    def __init__(self, config):
+        self.config, self.replica = config, None
+        self.info, self.complete = _Method(self._info), _Method(self._complete)
+
+    async def _info(self):
+        from slipstream.serve.ray_replica import EngineReplica
+
+        self.replica = EngineReplica.__new__(EngineReplica)
+        await self.replica.__init__(self.config)
+        return self.replica.info()
+
+    async def _complete(self, *args):
+        return await self.replica.complete(*args)
+
+
+async def test_ray_backend_serves_the_replicas_adapters_and_refuses_loads(folders, reference):
+    pytest.importorskip("ray")
+    from slipstream.serve.ray_backend import RayBackend
+
+    class Backend(RayBackend):
+        async def close(self):  # (Ray Serve would own the replica)
+            await self.handle.replica.engine.close()
+
+    with ThreadServer(Backend(_ReplicaHandle(engine_config(lora_adapters={"a": folders["a"]})), "base")) as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+            assert [m["id"] for m in (await http.get("/v1/models")).json()["data"]] == ["base", "a"]
+            r = await http.post("/v1/completions", json={"model": "a", "prompt": PROMPTS[0], "max_tokens": 8,
+                                                         "temperature": 0})
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == reference["a"][0], r.text
+            r = await http.post("/v1/completions", json={"model": "c", "prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+            r = await http.post("/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": folders["c"]})
+            assert r.status_code == 501 and "at start (--lora)" in r.json()["error"]["message"], r.text

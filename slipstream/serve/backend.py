@@ -214,14 +214,15 @@ class ClientsBackend:
             if info is self._lora_synced[i]:
                 return
             have = {a["name"] for a in (await c.health()).loras}
-            for name, a in list(self._loras.items()):
-                if name not in have:
-                    try:
-                        await c.load_lora(name, a["path"])
-                    except InvalidRequestError as e:
-                        raise WorkerUnavailableError(f"the worker at {c.address} came back without the LoRA "
-                                                     f"adapter {name!r} and refused to load it: {e}") from e
-            log.info("lora_adapters_reloaded", worker=c.address, adapters=sorted(set(self._loras) - have))
+            missing = [(name, a) for name, a in self._loras.items() if name not in have]
+            for name, a in missing:
+                try:
+                    await c.load_lora(name, a["path"])
+                except InvalidRequestError as e:
+                    raise WorkerUnavailableError(f"the worker at {c.address} came back without the LoRA "
+                                                 f"adapter {name!r} and refused to load it: {e}") from e
+            if missing:
+                log.info("lora_adapters_reloaded", worker=c.address, adapters=[name for name, _ in missing])
             self._lora_synced[i] = info
 
     def _pick(self) -> int:

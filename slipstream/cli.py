@@ -132,6 +132,39 @@ def speculative_config(args):
                              **({} if num_drafts is None else {"num_drafts": num_drafts}))
 
 
+def add_lora_args(p: argparse.ArgumentParser) -> None:
+    """LoRA adapters loaded at start (the commands that serve an engine: worker, serve; docs/lora.md)."""
+    p.add_argument("--lora", action="append", metavar="NAME=PATH", default=None,
+                   help="a PEFT LoRA adapter folder served as model NAME (repeatable; docs/lora.md)")
+    p.add_argument("--max-loras", type=int, default=8, help="LoRA adapters loaded at once")
+    p.add_argument("--max-lora-rank", type=int, default=64, help="the largest LoRA rank a load accepts")
+
+
+def lora_adapters(specs: list[str] | None) -> dict[str, str] | None:
+    """--lora NAME=PATH values as EngineConfig.lora_adapters."""
+    from slipstream.errors import InvalidRequestError
+
+    if not specs:
+        return None
+    out: dict[str, str] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise InvalidRequestError(f"--lora takes NAME=PATH, got {spec!r}", param="lora")
+        if name in out:
+            raise InvalidRequestError(f"--lora: {name!r} is given twice", param="lora")
+        out[name] = path
+    return out
+
+
+def lora_fields(args) -> dict[str, Any]:
+    """The EngineConfig fields of add_lora_args' flags ({} without --lora: the knobs keep their defaults)."""
+    adapters = lora_adapters(getattr(args, "lora", None))
+    if adapters is None:
+        return {}
+    return {"lora_adapters": adapters, "max_loras": args.max_loras, "max_lora_rank": args.max_lora_rank}
+
+
 def engine_config(args, **overrides):
     from slipstream.params import EngineConfig
 

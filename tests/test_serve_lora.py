@@ -117,7 +117,7 @@ async def test_bad_loads_are_400_naming_the_field(server, folders, body, param):
 
 
 def test_cli_lora_flags():
-    from slipstream.commands.serve import lora_adapters
+    from slipstream.cli import lora_adapters
     from slipstream.errors import InvalidRequestError
 
     assert lora_adapters(["a=/x", "b=/y=z"]) == {"a": "/x", "b": "/y=z"}
@@ -125,3 +125,24 @@ def test_cli_lora_flags():
     for bad in (["a"], ["=x"], ["a=/x", "a=/y"]):
         with pytest.raises(InvalidRequestError):
             lora_adapters(bad)
+
+
+def test_cli_lora_flags_of_worker_and_connect():
+    """`slipstream worker --lora` loads adapters at its start; `serve --connect` with --lora is refused
+    (the workers hold the adapters; it was silently ignored)."""
+    import argparse
+
+    from slipstream.cli import lora_fields
+    from slipstream.commands import serve as serve_cmd, worker as worker_cmd
+    from slipstream.errors import InvalidRequestError
+
+    p = argparse.ArgumentParser()
+    sub = p.add_subparsers()
+    serve_cmd.register(sub)
+    worker_cmd.register(sub)
+    args = p.parse_args(["worker", "--bind", "ipc:///x", "--lora", "a=/x", "--max-lora-rank", "4"])
+    assert lora_fields(args) == {"lora_adapters": {"a": "/x"}, "max_loras": 8, "max_lora_rank": 4}
+    assert lora_fields(p.parse_args(["worker", "--bind", "ipc:///x"])) == {}
+    with pytest.raises(InvalidRequestError) as e:
+        serve_cmd.build_backend(p.parse_args(["serve", "--connect", "ipc:///x", "--lora", "a=/x"]))
+    assert e.value.param == "lora"

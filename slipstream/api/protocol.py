@@ -150,6 +150,7 @@ class HealthReply(_Out, tag="health_reply"):
     max_image_bytes: int = 0  # the bound on one Generate's image bytes, beyond max_message_bytes
     region_skills: bool = False  # point/detect run on the model's region heads (Moondream; api/skills.py)
     max_model_len: int = 0  # the engine's context in tokens (0: a worker that does not say)
+    loras: list[dict[str, Any]] = []  # the LoRA adapters loaded now: name, path, rank, targets (docs/lora.md)
 
 
 class ChatPromptReply(_Out, tag="chat_prompt_reply"):

@@ -394,7 +394,9 @@ class Worker:
                            accepts_images=running and model_accepts_images(self.engine.model_config),
                            max_image_bytes=self.limits.max_image_bytes,
                            region_skills=running and self.engine.region_skills,
-                           max_model_len=self.engine.max_model_len if running else 0)
+                           max_model_len=self.engine.max_model_len if running else 0,
+                           loras=[{k: a[k] for k in ("name", "path", "rank", "targets")} for a in self.engine.loras()]
+                           if running else [])
 
 
 def serve(config: EngineConfig, address: str, limits: WorkerLimits | None = None) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import signal
 
-from slipstream.cli import add_batch_args, add_engine_args, engine_config, needs_extra
+from slipstream.cli import add_batch_args, add_engine_args, add_lora_args, engine_config, lora_fields, needs_extra
 from slipstream.commands import serve_ray
 from slipstream.images import ImageLimits
 
@@ -47,38 +47,16 @@ def register(sub) -> None:
     p.add_argument("--max-pixels-in-flight", type=int, default=ImageLimits.max_inflight_pixels,
                    help="pixels of decoded images the server holds at once (3 bytes each); a request that would "
                         "pass it gets 429")
-    p.add_argument("--lora", action="append", metavar="NAME=PATH", default=None,
-                   help="a PEFT LoRA adapter folder served as model NAME (repeatable; docs/lora.md)")
-    p.add_argument("--max-loras", type=int, default=8, help="LoRA adapters loaded at once")
-    p.add_argument("--max-lora-rank", type=int, default=64, help="the largest LoRA rank a load accepts")
+    add_lora_args(p)  # (refused with --connect: the workers hold the adapters)
     serve_ray.add_args(p)
     add_batch_args(p)
     add_engine_args(p, log_level="info")
     p.set_defaults(func=_serve)
 
 
-def lora_adapters(specs: list[str] | None) -> dict[str, str] | None:
-    """--lora NAME=PATH values as EngineConfig.lora_adapters."""
-    from slipstream.errors import InvalidRequestError
-
-    if not specs:
-        return None
-    out: dict[str, str] = {}
-    for spec in specs:
-        name, sep, path = spec.partition("=")
-        if not sep or not name or not path:
-            raise InvalidRequestError(f"--lora takes NAME=PATH, got {spec!r}", param="lora")
-        if name in out:
-            raise InvalidRequestError(f"--lora: {name!r} is given twice", param="lora")
-        out[name] = path
-    return out
-
-
 def _engine_config(args):
     extra = {} if args.max_prompt_chars is None else {"max_prompt_chars": args.max_prompt_chars}
-    adapters = lora_adapters(getattr(args, "lora", None))
-    if adapters is not None:
-        extra.update(lora_adapters=adapters, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
+    extra.update(lora_fields(args))
     return engine_config(args, max_batch_size=args.max_batch_size, max_num_batched_tokens=args.max_num_batched_tokens,
                          kv_cache_tokens=args.kv_cache_tokens, page_size=args.page_size, seed=args.seed, **extra)
 
@@ -87,6 +65,11 @@ def build_backend(args):
     from slipstream.serve.backend import ClientsBackend, EngineBackend
 
     if args.connect:
+        if getattr(args, "lora", None):
+            from slipstream.errors import InvalidRequestError
+
+            raise InvalidRequestError("--lora with --connect: the workers hold the adapters (slipstream worker "
+                                      "--lora NAME=PATH, or POST /v1/load_lora_adapter on this server)", param="lora")
         return ClientsBackend(args.connect, timeout=args.timeout, model_name=args.served_model_name)
     return EngineBackend(_engine_config(args), model_name=args.served_model_name)
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from slipstream.cli import add_batch_args, add_engine_args, engine_config
+from slipstream.cli import add_batch_args, add_engine_args, add_lora_args, engine_config, lora_fields
 
 
 def register(sub) -> None:
@@ -27,6 +27,7 @@ def register(sub) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests get to finish after SIGTERM/SIGINT")
     add_batch_args(p)
+    add_lora_args(p)
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on http://127.0.0.1:PORT/metrics")
     p.add_argument("--trace", action=argparse.BooleanOptionalAction, default=True,
@@ -41,7 +42,7 @@ def _worker(args) -> int:
     from slipstream.api.worker import WorkerLimits, serve
     config = engine_config(args, max_batch_size=args.max_batch_size, max_num_batched_tokens=args.max_num_batched_tokens,
                            kv_cache_tokens=args.kv_cache_tokens, page_size=args.page_size, seed=args.seed,
-                           trace=args.trace)
+                           trace=args.trace, **lora_fields(args))
     limits = WorkerLimits(max_queued=args.max_queued, max_message_bytes=args.max_message_bytes,
                           heartbeat_s=args.heartbeat, shutdown_timeout_s=args.shutdown_timeout,
                           metrics_port=args.metrics_port, max_unsent_frames=args.max_unsent_frames,

@@ -1,7 +1,8 @@
 """LoRA adapters over HTTP, as vLLM serves them (docs/lora.md): the request's `model` names an adapter,
 `/v1/models` lists the loaded adapters beside the base model, and `POST /v1/load_lora_adapter` /
 `/v1/unload_lora_adapter` take `{"lora_name", "lora_path"}`. A backend offers adapters by having
-`loras` / `load_lora` / `unload_lora` (the in-process engine does; a backend without them answers 501).
+`loras` / `load_lora` / `unload_lora` (the in-process engine does, the workers' backend on every worker;
+a backend without them answers 501, and Ray's lists its start's adapters and answers loads with 501).
 
 A `model` that is neither the served model nor a loaded adapter is refused (404 model_not_found) on
 a server with adapters; without any, the name is not checked (as before adapters existed).

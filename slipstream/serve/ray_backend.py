@@ -16,9 +16,17 @@ from prometheus_client import CollectorRegistry, generate_latest
 from ray import exceptions as rx
 
 from slipstream.errors import ReplicaUnavailableError, RequestFailedError, SlipstreamError
+from slipstream.serve.api_errors import ApiError
 
 log = structlog.get_logger(__name__)
 _REPLICA_PREFIX = "SERVE_REPLICA::"
+
+
+# A load must reach every replica, the ones Ray Serve starts later (autoscaling, a restart) too, which
+# build their engine from the deployment's EngineConfig: run-time loads are not offered (docs/lora.md).
+def _no_lora_loading() -> ApiError:
+    return ApiError(501, "this server's Ray Serve replicas serve the LoRA adapters given at start (--lora); they do "
+                    "not load or unload adapters at run time", "invalid_request_error", None, "not_implemented")
 
 
 def _translate(e: BaseException, request_id: str, replica: str | None) -> BaseException:
@@ -60,6 +68,7 @@ class RayBackend:
         self.handle = handle
         self._model_name = model_name
         self.stats_timeout = stats_timeout
+        self._loras: list[dict] = []
 
     async def start(self) -> None:
         from slipstream.serve.tokenizer_load import load_tokenizer
@@ -69,10 +78,22 @@ class RayBackend:
         self.page_size = info["page_size"]
         self.tokenizer, self.vocab_size = await asyncio.to_thread(load_tokenizer, info["model"])
         self.max_model_len = info["max_model_len"]
+        self._loras = list(info.get("loras", ()))  # every replica's: each starts from the same EngineConfig
         log.info("ray_replicas_connected", deployment=self.handle.deployment_name, model=info["model"])
 
     async def close(self) -> None:
         pass  # Ray Serve owns the replicas
+
+    # --- LoRA adapters (serve/lora.py): those of `--lora`, loaded by every replica at its start --------
+
+    def loras(self) -> list[dict]:
+        return self._loras
+
+    async def load_lora(self, name: str, path: str) -> dict:
+        raise _no_lora_loading()
+
+    async def unload_lora(self, name: str) -> None:
+        raise _no_lora_loading()
 
     async def stream(self, ids, params, request_id):
         gen = self.handle.options(stream=True).generate.remote(ids, params, request_id)

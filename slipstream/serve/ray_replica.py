@@ -54,7 +54,8 @@ class EngineReplica:
     def info(self) -> dict:
         return {"replica": self.replica_id, "model": self.config.model, "model_name": self.model_name,
                 "vocab_size": self.engine.model_config.vocab_size, "max_model_len": self.engine.max_model_len,
-                "page_size": self.config.page_size}
+                "page_size": self.config.page_size,
+                "loras": [{k: a[k] for k in ("name", "path")} for a in self.engine.loras()]}
 
     def _admit(self, request_id: str) -> None:
         self.started_requests += 1

@@ -108,11 +108,11 @@ GEMMA3_SCALAR = 24
 GEMMA3_SOFTCAP = 8.0
 
 
-def hf_model(family: str, vocab_size: int, seed: int = 0, bos: int = 1, eos: int = 2):
+def hf_model(family: str, vocab_size: int, seed: int = 0, bos: int = 1, eos: int = 2, hidden: int | None = None):
     """A random transformers model of `family` ("llama", "llama3-rope", "linear-rope", "qwen2", "qwen3",
     "mistral-sw": every layer windowed, "qwen2-sw": layer 0 full, layer 1 windowed, "phi3": fused
     projections and LongRoPE, "phi4": Phi-4-mini's partial rotary, "gemma3": text, GEMMA3_LAYERS), norms and
-    biases perturbed."""
+    biases perturbed. `hidden`: another hidden size (Gemma's 80 is no multiple of a quantized block's 32)."""
     from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
                               MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
                               Qwen3Config, Qwen3ForCausalLM)
@@ -124,6 +124,8 @@ def hf_model(family: str, vocab_size: int, seed: int = 0, bos: int = 1, eos: int
     # the newer families' weights 10x transformers' default: with std 0.02 a tiny tied Qwen3 greedily repeats
     # one token, which would hide a wrong attention
     wide = dict(initializer_range=0.2)
+    if hidden is not None:
+        common["hidden_size"] = hidden
     if family == "qwen2":
         cfg = Qwen2Config(**common, tie_word_embeddings=True, rope_parameters={"rope_type": "default",
                                                                                "rope_theta": 1000000.0})
@@ -145,7 +147,7 @@ def hf_model(family: str, vocab_size: int, seed: int = 0, bos: int = 1, eos: int
                          tie_word_embeddings=True, pad_token_id=0, rope_parameters=dict(PHI4_ROPE))
         model = Phi3ForCausalLM(cfg)
     elif family == "gemma3":  # hidden 80: sqrt(hidden) is not a round number
-        cfg = Gemma3TextConfig(**{**common, "hidden_size": 80}, **wide, head_dim=16, tie_word_embeddings=True,
+        cfg = Gemma3TextConfig(**{**common, "hidden_size": hidden or 80}, **wide, head_dim=16, tie_word_embeddings=True,
                                pad_token_id=0, sliding_window=SLIDING_WINDOW, layer_types=list(GEMMA3_LAYERS),
                                query_pre_attn_scalar=GEMMA3_SCALAR, final_logit_softcapping=GEMMA3_SOFTCAP,
                                rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},

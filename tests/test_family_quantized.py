@@ -152,5 +152,6 @@ def test_engine_greedy_equals_the_dequantized(qfamily):
         logits = _prefill_logits(qfamily["dense"], qfamily["config"], prompt + tokens)[len(prompt) - 1:-1]
         top2 = logits.topk(2, -1).values
         margin = (top2[:, 0] - top2[:, 1]).min().item()
-        assert margin > 10 * REL_TOL * logits.abs().max().item(), margin  # (a near-tie would make this CPU-bound)
+        # each logit within REL_TOL of the scale on either side: no CPU's rounding can swap these two
+        assert margin > 2 * REL_TOL * logits.abs().max().item(), margin
         assert logits.argmax(-1).tolist() == tokens

@@ -29,10 +29,11 @@ Q = gguf.GGMLQuantizationType
 
 # family -> GGUF architecture
 FAMILIES = {"qwen3": "qwen3", "mistral-sw": "llama", "phi3": "phi3", "phi4": "phi3", "gemma3": "gemma3"}
-# q / k / v (Phi: the fused qkv) in formats of both containers (u4 and i8), so a row split or reordered in
-# the wrong place shows whichever the format
-LAYER_TYPES = {"attn_q": Q.Q4_1, "attn_k": Q.Q5_0, "attn_v": Q.Q4_0, "attn_qkv": Q.Q4_1, "attn_output": Q.Q8_0,
-               "ffn_gate": Q.Q4_0, "ffn_up": Q.Q4_0, "ffn_down": Q.Q5_1}
+# Each layer's types: layer 0's q / k / v (Phi: the fused qkv) and gate / up u4, layer 1's i8 (both
+# containers under a row split or reorder). One container a layer: q / k / v and gate / up stack into
+# the cpu backend's fused products, so the plain layers (Mistral, Phi) run the one-call C stack
+LAYER_TYPES = [{"qkv": Q.Q4_1, "attn_output": Q.Q8_0, "gate_up": Q.Q4_0, "ffn_down": Q.Q5_1},
+               {"qkv": Q.Q5_0, "attn_output": Q.Q4_1, "gate_up": Q.Q8_0, "ffn_down": Q.Q4_0}]
 PROMPT_LEN, DECODE_STEPS = 30, 8  # past the window (12) of Mistral's layers and Gemma's local layer
 NEW_TOKENS = 16
 # Both sides are float32 products of the same weights, summed in different orders (the C kernels'
@@ -54,10 +55,11 @@ def qfamily(request, tmp_path_factory):
     model = hf_model(name, len(vocab.tokens), seed=40 + list(FAMILIES).index(name), bos=bos, eos=eos,
                      hidden=96 if name == "gemma3" else None)
     quantize = {"token_embd.weight": Q.Q8_0, "output.weight": Q.Q4_1}  # (the tied families write no output)
-    for i in range(model.config.num_hidden_layers):
-        fused = ("attn_qkv",) if arch == "phi3" else ("attn_q", "attn_k", "attn_v", "ffn_gate")
-        for t in fused + ("attn_output", "ffn_up", "ffn_down"):
-            quantize[f"blk.{i}.{t}.weight"] = LAYER_TYPES[t]
+    for i, types in enumerate(LAYER_TYPES):
+        names = {"qkv": ("attn_qkv",) if arch == "phi3" else ("attn_q", "attn_k", "attn_v"),
+                 "gate_up": ("ffn_up",) if arch == "phi3" else ("ffn_gate", "ffn_up")}
+        for group, qtype in types.items():
+            quantize.update({f"blk.{i}.{t}.weight": qtype for t in names.get(group, (group,))})
     path = tmp_path_factory.mktemp(name) / f"{name}-q.gguf"
     write_gguf(path, arch, model, vocab, pre="qwen2", quantize=quantize)
     forget_loaded()
@@ -81,11 +83,10 @@ def test_the_matrices_stay_quantized(qfamily):
     """Every projection (Phi's fused ones split into the Llama names), the embedding and the head are
     quantized modules in the GGUF's own formats, and no float copy of a matrix is held."""
     model = qfamily["quant"]
-    phi = FAMILIES[qfamily["name"]] == "phi3"
-    qkv = ("Q4_1",) * 3 if phi else ("Q4_1", "Q5_0", "Q4_0")  # (Phi: the fused attn_qkv's type, each part)
-    want = {"q_proj": qkv[0], "k_proj": qkv[1], "v_proj": qkv[2], "o_proj": "Q8_0", "gate_proj": "Q4_0",
-            "up_proj": "Q4_0", "down_proj": "Q5_1"}
-    for layer in model.model.layers:
+    for layer, types in zip(model.model.layers, LAYER_TYPES):
+        t = {k: v.name for k, v in types.items()}
+        want = {"q_proj": t["qkv"], "k_proj": t["qkv"], "v_proj": t["qkv"], "o_proj": t["attn_output"],
+                "gate_proj": t["gate_up"], "up_proj": t["gate_up"], "down_proj": t["ffn_down"]}
         got = {n: getattr(layer.self_attn if n[0] in "qkvo" else layer.mlp, n) for n in want}
         assert all(isinstance(m, QuantLinear) for m in got.values()), got
         assert {n: m.qweight.source for n, m in got.items()} == want
@@ -108,15 +109,26 @@ def _logits(model, config, prompt: list[int], steps: int) -> torch.Tensor:
     return torch.cat(out)
 
 
-def test_logits_equal_the_dequantized(qfamily):
+def test_logits_equal_the_dequantized(qfamily, monkeypatch):
     """Prefill and decode steps on the cpu backend: the quantized model's logits are the dequantized
-    model's within float32 rounding, and so are their greedy tokens."""
-    prompt = qfamily["prompts"][0]
-    got = _logits(qfamily["quant"], qfamily["config"], prompt, DECODE_STEPS)
+    model's within float32 rounding, and so are their greedy tokens; for the plain layers both from the
+    one-call C stack and from the Python loop over the same kernels (what a GGUF whose q / k / v types
+    differ, as Q4_K_M's, runs)."""
+    from slipstream.models.llama import forward_cpu
+
+    prompt, quant = qfamily["prompts"][0], qfamily["quant"]
     want = _logits(qfamily["dense"], qfamily["config"], prompt, DECODE_STEPS)
+    runs = {"as built": _logits(quant, qfamily["config"], prompt, DECODE_STEPS)}
+    plain = qfamily["name"] in ("mistral-sw", "phi3", "phi4")  # (q/k norms, Gemma's options: the loop)
+    assert bool(quant.cpu_layers) == plain
+    if plain:
+        with monkeypatch.context() as m:
+            m.setattr(forward_cpu, "decoder_layers", lambda model: None)
+            runs["the loop"] = _logits(quant, qfamily["config"], prompt, DECODE_STEPS)
     scale = want.abs().max().item()
-    assert (got - want).abs().max().item() < REL_TOL * scale, (got - want).abs().max().item() / scale
-    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    for how, got in runs.items():
+        assert (got - want).abs().max().item() < REL_TOL * scale, (how, (got - want).abs().max().item() / scale)
+        assert torch.equal(got.argmax(-1), want.argmax(-1)), how
 
 
 def _prefill_logits(model, config, ids: list[int]) -> torch.Tensor:

@@ -344,7 +344,8 @@ QWEN3_CHAT = (
     "{%- set ns = namespace(query=messages | length - 1, found=false) -%}"
     "{%- for i in range(messages | length - 1, -1, -1) -%}"
     "{%- set m = messages[i] -%}"
-    "{%- if not ns.found and m.role == 'user' and not (m.content.startswith('<tool_response>') and m.content.endswith('</tool_response>')) -%}"
+    "{%- if not ns.found and m.role == 'user'"
+    " and not (m.content.startswith('<tool_response>') and m.content.endswith('</tool_response>')) -%}"
     "{%- set ns.query = i -%}{%- set ns.found = true -%}"
     "{%- endif -%}"
     "{%- endfor -%}"
@@ -367,7 +368,8 @@ QWEN3_CHAT = (
     "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}"
-    "{%- if enable_thinking is defined and enable_thinking is false -%}{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}"
+    "{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}"
     "{%- endif -%}")
 MISTRAL_CHAT = (
     "{%- set ns = namespace(system=none, turns=messages) -%}"

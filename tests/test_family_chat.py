@@ -105,3 +105,22 @@ def test_serve_chat_completions_prompts_as_transformers(chat_folder, submitted):
     want = _their_ids(chat_folder, messages)
     assert submitted == [want]
     assert json.loads(r.text)["usage"]["prompt_tokens"] == len(want)
+
+
+@pytest.mark.parametrize("chat_folder", ["gemma3"], indirect=True)
+def test_engine_chat_prompts_as_transformers(chat_folder, submitted):
+    """Engine.chat and Engine.chat_stream (what a `slipstream worker` runs for its clients) alike."""
+    import asyncio
+
+    from slipstream import Engine, EngineConfig, SamplingParams
+
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+
+    async def run():
+        async with Engine(EngineConfig(model=str(chat_folder["folder"]), device="cpu")) as engine:
+            await engine.chat(CHATS[1], params)
+            async for _ in engine.chat_stream(CHATS[1], params):
+                pass
+
+    asyncio.run(run())
+    assert submitted == [_their_ids(chat_folder, CHATS[1])] * 2

@@ -1,11 +1,11 @@
 """The new families' GGUFs with quantized matrices, kept quantized on the CPU backend (the default
-weights="quantized"), against the same file dequantized by gguf: Qwen3's q/k norms, Mistral's window (llama.cpp's
-permuted q/k rows), Phi-3's fused qkv / gate_up rows split while quantized, Phi-4-mini's partial-rotary
-reordering of quantized rows, Gemma 3's norms, scales and softcap over quantized products.
+weights="quantized"), against the same file dequantized by gguf: Qwen3's q/k norms, Mistral's window
+(llama.cpp's permuted q/k rows), Phi-3's fused qkv / gate_up rows split while quantized, Phi-4-mini's
+partial-rotary reordering of quantized rows, Gemma 3's norms, scales and softcap over quantized products.
 
 The repack is exact (tests/test_quant_formats.py), so both models multiply the same float weights: only
-float32 rounding separates them, unless a quantized row went to the wrong place. The float32 files themselves are checked against transformers in
-tests/test_family_oracles.py.
+float32 rounding separates them, unless a quantized row went to the wrong place. The float32 files
+themselves are checked against transformers in tests/test_family_oracles.py.
 """
 import asyncio
 

@@ -11,8 +11,8 @@ import dataclasses
 
 import pytest
 import torch
-from model_families import (GEMMA3_SCALAR, GEMMA3_SOFTCAP, LONGROPE, PHI4_ROPE, SLIDING_WINDOW, byte_vocab, hf_model, special_ids,
-                            write_gguf, write_hf_folder)
+from model_families import (GEMMA3_CHAT, GEMMA3_SCALAR, GEMMA3_SOFTCAP, LONGROPE, PHI4_ROPE, SLIDING_WINDOW, byte_vocab,
+                            hf_model, special_ids, write_gguf, write_hf_folder)
 from test_model_families import last_logits
 
 from slipstream.models.kernels.cpu_kernels import native_kernels
@@ -159,27 +159,6 @@ def test_gemma3_gguf_layout_is_llama_cpps(family):
     assert max((got[k] - want[k]).abs().max().item() for k in want) < 1e-6
 
 
-# Gemma 3's chat template as its tokenizer_config.json ships it (roles alternate, assistant -> model, the
-# system prompt joins the first user turn)
-GEMMA3_CHAT_TEMPLATE = (
-    "{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}{%- if messages[0]['content'] is string -%}"
-    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}{%- else -%}"
-    "{%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}{%- endif -%}"
-    "{%- set loop_messages = messages[1:] -%}{%- else -%}{%- set first_user_prefix = \"\" -%}"
-    "{%- set loop_messages = messages -%}{%- endif -%}{%- for message in loop_messages -%}"
-    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
-    "{{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}{%- endif -%}"
-    "{%- if (message['role'] == 'assistant') -%}{%- set role = \"model\" -%}{%- else -%}"
-    "{%- set role = message['role'] -%}{%- endif -%}"
-    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}"
-    "{%- if message['content'] is string -%}{{ message['content'] | trim }}"
-    "{%- elif message['content'] is iterable -%}{%- for item in message['content'] -%}"
-    "{%- if item['type'] == 'image' -%}{{ '<start_of_image>' }}{%- elif item['type'] == 'text' -%}"
-    "{{ item['text'] | trim }}{%- endif -%}{%- endfor -%}{%- else -%}{{ raise_exception(\"Invalid content type\") }}"
-    "{%- endif -%}{{ '<end_of_turn>\n' }}{%- endfor -%}{%- if add_generation_prompt -%}"
-    "{{'<start_of_turn>model\n'}}{%- endif -%}")
-
-
 @pytest.mark.parametrize("family", ["gemma3"], indirect=True)
 def test_gemma3_chat_template_from_the_folder(family, tmp_path):
     """The folder's chat template (tokenizer_config.json) renders as transformers renders it: system
@@ -192,7 +171,7 @@ def test_gemma3_chat_template_from_the_folder(family, tmp_path):
     folder = tmp_path / "gemma3-chat"
     shutil.copytree(family["folder"], folder)
     tcfg = json.loads((folder / "tokenizer_config.json").read_text())
-    (folder / "tokenizer_config.json").write_text(json.dumps({**tcfg, "chat_template": GEMMA3_CHAT_TEMPLATE}))
+    (folder / "tokenizer_config.json").write_text(json.dumps({**tcfg, "chat_template": GEMMA3_CHAT}))
     (folder / "chat_template.jinja").unlink(missing_ok=True)
     ours, theirs = load_model(str(folder)).tokenizer, AutoTokenizer.from_pretrained(str(folder))
     chats = [[{"role": "user", "content": " Hi there "}],

@@ -19,9 +19,9 @@ class CountingTokenizer(ByteTokenizer):
     encodes = 0
     decode_threads: list = []
 
-    def encode(self, text):
+    def encode(self, text, add_special_tokens=True):
         CountingTokenizer.encodes += 1
-        return super().encode(text)
+        return super().encode(text, add_special_tokens)
 
     def decode(self, ids, skip_special_tokens=True):
         import threading

@@ -8,6 +8,7 @@ prompts stay on the loop, where a thread hop would cost more than the encode.
 from __future__ import annotations
 
 import asyncio
+import functools
 
 from slipstream.errors import InvalidRequestError
 
@@ -20,8 +21,12 @@ def check_prompt_chars(text: str, limit: int, param: str = "prompt") -> None:
                                   "(EngineConfig.max_prompt_chars)", param=param)
 
 
-async def encode_off_loop(tokenizer, text: str, limit: int, param: str = "prompt") -> list[int]:
+async def encode_off_loop(tokenizer, text: str, limit: int, param: str = "prompt", chat: bool = False) -> list[int]:
+    """`chat`: `text` is a rendered chat template, tokenized as transformers' apply_chat_template
+    tokenizes it: without the tokenizer's own special tokens (the template writes the BOS it wants;
+    Gemma's and Mistral's tokenizers would prepend a second one)."""
     check_prompt_chars(text, limit, param)
+    encode = functools.partial(tokenizer.encode, add_special_tokens=False) if chat else tokenizer.encode
     if len(text) <= INLINE_CHARS:
-        return tokenizer.encode(text)
-    return await asyncio.to_thread(tokenizer.encode, text)
+        return encode(text)
+    return await asyncio.to_thread(encode, text)

@@ -298,10 +298,13 @@ class Engine(SkillMethods):
             self._check_running()  # (a closed engine has no image processing left to ask)
             require_vision(self.submitter.image_processing is not None, fields[0])
         plan = make_plan(self.tokenizer, tools, tool_choice, parallel_tool_calls)
+        if plan is not None:
+            plan, params = plan.params(params)
+        # (with images the text: its markers are expanded before it is tokenized)
+        prompt = self.submitter.chat_prompt(messages, plan) if found else await self.submitter.chat_ids(messages, plan)
+        out = await self._complete(prompt, params, request_id, found, fields)
         if plan is None:
-            return await self._complete(self.submitter.chat_prompt(messages), params, request_id, found, fields)
-        plan, params = plan.params(params)
-        out = await self._complete(self.submitter.chat_prompt(messages, plan), params, request_id, found, fields)
+            return out
         return plan.output(cast(CompletionOutput, out))  # (n == 1 with tools: ToolPlan.params refuses more)
 
     def chat_stream(self, messages: Messages, params: SamplingParams | None = None,
@@ -311,7 +314,9 @@ class Engine(SkillMethods):
                                                                   "tools": (tools, tool_choice, parallel_tool_calls)})
 
     async def chat_prompt(self, messages: Messages) -> str:
-        """The prompt text; image parts become `<image>` markers."""
+        """The prompt text; image parts become `<image>` markers. chat() and chat_stream() tokenize it
+        without the tokenizer's own special tokens, as transformers does; stream() of this text adds
+        them (for Gemma or Mistral, a second BOS)."""
         return self.submitter.chat_prompt(split_chat_images(messages)[0])
 
     async def abort(self, request_id: str) -> bool:

@@ -187,6 +187,12 @@ class Submitter:
         except Exception as e:  # noqa: BLE001 - a template rejects what the caller sent
             raise InvalidRequestError(f"messages: the chat template failed on them: {e}") from e
 
+    async def chat_ids(self, messages: Messages, plan: ToolPlan | None = None) -> list[int]:
+        """The prompt ids of checked messages: chat_prompt's text tokenized as a chat template's
+        (encode_off_loop's `chat`: no second BOS)."""
+        return await encode_off_loop(self.tokenizer, self.chat_prompt(messages, plan), self.config.max_prompt_chars,
+                                     "messages", chat=True)
+
     def _carry_of(self, grammar, kind: str) -> tuple[tuple[int, int], ...]:
         """The grammar's carry tokens as (token id, the model's carry kind); GrammarCompileError when
         the model lacks a head it names (docs/moondream.md, "The carry")."""

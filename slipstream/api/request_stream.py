@@ -105,6 +105,8 @@ class Submits(Protocol):
 
     def chat_prompt(self, messages: Any, plan: ToolPlan | None = None) -> str: ...
 
+    async def chat_ids(self, messages: Any, plan: ToolPlan | None = None) -> list[int]: ...
+
 
 class RequestStream:
     """The deltas of one request (Engine.stream). Not an async generator: those are closed a loop
@@ -140,7 +142,9 @@ class RequestStream:
                     if plan is not None:
                         plan, params = plan.params(params)
                         self._tools, self._parser = True, plan.parser()
-                    prompt = {"prompt": self._submitter.chat_prompt(messages, plan)}
+                    # (with images the text: its markers are expanded before it is tokenized)
+                    prompt = {"prompt": self._submitter.chat_prompt(messages, plan) if images
+                              else await self._submitter.chat_ids(messages, plan)}
                 self._seq = await self._submitter.submit(prompt["prompt"], params, request_id, images=images,
                                                          fields=fields)
                 box = self._box = self._seq.user.queue

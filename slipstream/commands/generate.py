@@ -93,12 +93,10 @@ async def _generate(args) -> int:
 
             require_vision(model_accepts_images(engine.model_config), "--image")
         templated = getattr(engine.tokenizer, "chat_template", None) is not None
-        if images and not args.raw and templated:  # the engine renders image parts with the model's template
+        if not args.raw and templated:  # the engine renders (image parts too) and tokenizes as a chat
             parts = [{"type": "image", "image": im} for im in images] + [{"type": "text", "text": args.prompt}]
-            deltas = engine.chat_stream([{"role": "user", "content": parts}], params)
-        else:
-            if not args.raw and templated:  # (Moondream has none: its prompt is the reference's query template)
-                prompt = await engine.chat_prompt([{"role": "user", "content": args.prompt}])
+            deltas = engine.chat_stream([{"role": "user", "content": parts if images else args.prompt}], params)
+        else:  # (Moondream has no template: its prompt is the reference's query template)
             deltas = engine.stream(prompt, params, images=images)
         summary = await _print_stream(deltas)
         _report(args, summary, await engine.stats() if args.verbose else None)

@@ -84,7 +84,8 @@ async def prompt_ids(state: ServerState, req: CompletionRequest | ChatCompletion
     b = state.backend
     if isinstance(req, ChatCompletionRequest):
         check_chat_chars(state, req.messages)
-        ids, field = await _encode_text(state, chat_text(b.tokenizer, req.messages, plan=plan), "messages"), "messages"
+        text = chat_text(b.tokenizer, req.messages, plan=plan)
+        ids, field = await _encode_text(state, text, "messages", chat=True), "messages"
     elif isinstance(req.prompt, str):
         ids, field = await _encode_text(state, req.prompt, "prompt"), "prompt"
     else:
@@ -99,9 +100,9 @@ async def prompt_ids(state: ServerState, req: CompletionRequest | ChatCompletion
     return ids, field
 
 
-async def _encode_text(state: ServerState, text: str, field: str) -> list[int]:
+async def _encode_text(state: ServerState, text: str, field: str, chat: bool = False) -> list[int]:
     try:
-        return await encode_off_loop(state.backend.tokenizer, text, state.max_prompt_chars, field)
+        return await encode_off_loop(state.backend.tokenizer, text, state.max_prompt_chars, field, chat=chat)
     except InvalidRequestError as e:
         raise invalid(str(e), field, "prompt_too_long") from None
 

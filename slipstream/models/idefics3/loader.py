@@ -80,7 +80,8 @@ def _tokenizer(folder: Path, config: ModelConfig) -> tuple[ModelConfig, Tokenize
         except (OSError, ValueError, AttributeError) as exc:
             raise CorruptModelError(f"{template_json}: not a JSON object with chat_template ({exc})") from exc
         tokenizer = Tokenizer(tokenizer.backend, bos_token_id=tokenizer.bos_token_id,
-                              eos_token_ids=tokenizer.eos_token_ids, chat_template=template)
+                              eos_token_ids=tokenizer.eos_token_ids, chat_template=template,
+                              template_tokens=tokenizer.template_tokens)
     for token in SPECIAL_TOKENS:
         if tokenizer.token_to_id(token) is None:
             raise CorruptModelError(f"{tok_path}: the tokenizer lacks the Idefics3 token {token!r}")

@@ -17,7 +17,7 @@ class ByteTokenizer:
         self.bos_token_id = 1
         self.eos_token_ids = (2,)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:  # (it adds none)
         return [b + OFFSET for b in text.encode("utf-8")]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

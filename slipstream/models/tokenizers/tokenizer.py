@@ -70,11 +70,15 @@ class Tokenizer:
     """A `tokenizers.Tokenizer` plus the metadata generation needs (EOS ids, chat template)."""
 
     def __init__(self, backend: _HFTokenizer, *, bos_token_id: int | None, eos_token_ids: Sequence[int],
-                 chat_template: str | None) -> None:
+                 chat_template: str | None, template_tokens: dict[str, str] | None = None) -> None:
         self.backend = backend
         self._bos_token_id = bos_token_id
         self._eos_token_ids = tuple(dict.fromkeys(int(i) for i in eos_token_ids))
         self._chat_template = chat_template
+        # the template's bos_token / eos_token where tokenizer_config.json names them (transformers'
+        # values): generation_config's eos ids may list another first (Phi-3.5: <|end|>, its
+        # tokenizer's eos_token <|endoftext|>)
+        self.template_tokens = dict(template_tokens or {})
         self._compiled: jinja2.Template | None = None
 
     # --- construction ----------------------------------------------------------------------
@@ -151,13 +155,17 @@ class Tokenizer:
         bos = gen.get("bos_token_id", cfg.get("bos_token_id"))
         if bos is None:
             bos = token_id(tcfg.get("bos_token"))
+        named = {k: v.get("content") if isinstance(v, dict) else v for k in ("bos_token", "eos_token")
+                 if (v := tcfg.get(k)) is not None}
+        template_tokens = {k: v for k, v in named.items() if isinstance(v, str)}
         template = tcfg.get("chat_template")
         if isinstance(template, list):  # several named templates: use the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         jinja_file = folder / "chat_template.jinja"
         if template is None and jinja_file.is_file():
             template = jinja_file.read_text(encoding="utf-8")
-        return cls(backend, bos_token_id=bos, eos_token_ids=eos, chat_template=template)
+        return cls(backend, bos_token_id=bos, eos_token_ids=eos, chat_template=template,
+                   template_tokens=template_tokens)
 
     # --- vocabulary --------------------------------------------------------------------------
 
@@ -189,13 +197,14 @@ class Tokenizer:
 
     # --- text <-> ids ------------------------------------------------------------------------
 
-    def encode(self, text: str) -> list[int]:
-        """Ids of `text`; a BOS is prepended only when the checkpoint's post-processor asks for one.
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Ids of `text`; a BOS is prepended only when the checkpoint's post-processor asks for one
+        (never with `add_special_tokens=False`: a rendered chat template, which writes its own).
         A long text goes through encode_batch, which releases the GIL (encode holds it: 0.4 s for
         900 KB), so the event loop runs on while a worker thread tokenizes (api/encode.py)."""
         if len(text) > _GIL_FREE_CHARS:
-            return self.backend.encode_batch([text], add_special_tokens=True)[0].ids
-        return self.backend.encode(text, add_special_tokens=True).ids
+            return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -215,6 +224,7 @@ class Tokenizer:
         variables: dict[str, Any] = {
             "bos_token": tok(self._bos_token_id) if self._bos_token_id is not None else None,
             "eos_token": tok(self._eos_token_ids[0]) if self._eos_token_ids else None,
+            **self.template_tokens,
         }
         variables.update(kwargs)
         return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)

@@ -1,0 +1,105 @@
+"""The CUDA path's LoRA kernels (models/kernels/lora_triton.py: shrink and expand, each token reading
+its own slot of the bank) against a float64 reference, on mixes of slots, base rows (slot 0), ranks
+padded with zeros, widths that are not a multiple of the blocks and a three-target fused output;
+interpreted on CPU tensors here, compiled in the `cuda` tests."""
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from slipstream.models.kernels.lora_triton import (lora_expand_reference, lora_expand_triton,  # noqa: E402
+                                                   lora_shrink_reference, lora_shrink_triton)
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+# float32: the order of the sums; bfloat16: the weights and x are the rounded values themselves
+# (the reference reads them), mid is float32, the output is rounded once (2^-8 of |y|)
+TOL = {torch.float32: 1e-5, torch.bfloat16: 8e-3}
+SLOTS = [2, 0, 1, 3, 0, 2, 2, 3, 1]  # every slot present and interleaved, base rows between them
+
+
+def bank(slots, r, k, ranks, g, dtype, device, n=None):
+    """[slots, r, k] random with each slot's rows past its rank zero (a smaller adapter padded)."""
+    w = torch.randn(slots, r, k if n is None else n, generator=g)
+    for s, rank in enumerate(ranks):
+        w[s, rank:] = 0
+    return w.to(device=device, dtype=dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d)[6:])
+def test_shrink_and_expand_match_float64(device, dtype):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    g = torch.Generator().manual_seed(3)
+    rank, k = 8, 200  # k: a partial last block of the shrink's loop
+    n0, n1, n2 = 40, 24, 70  # three targets side by side (q/k/v); 134 is not a multiple of BLOCK_N
+    n = n0 + n1 + n2
+    slots = torch.tensor(SLOTS, device=device)
+    t = slots.shape[0]
+    x = torch.randn(t, k, generator=g).to(device=device, dtype=dtype)
+    # slot 1: rank 8, slot 2: rank 3 (padded), slot 3: rank 5; three targets' A rows stacked
+    a = torch.cat([bank(3, rank, k, r, g, dtype, device) for r in ([8, 3, 5], [8, 3, 5], [8, 3, 5])], dim=1)
+    mid = lora_shrink_triton(x, slots, a)
+    want_mid = lora_shrink_reference(x, slots, a)
+    on = slots > 0
+    assert mid.dtype == torch.float32 and mid.shape == (t, 3 * rank)
+    err = (mid[on].double() - want_mid[on]).abs().max().item()
+    assert err <= 1e-5 * want_mid.abs().max().item()  # float32 sums of the same products
+
+    b = bank(3, rank, None, [8, 3, 5], g, dtype, device, n=n)
+    y = torch.randn(t, n, generator=g).to(device=device, dtype=dtype)
+    base = y.clone()
+    lora_expand_triton(mid, slots, b, y, (n0, n1))
+    want = lora_expand_reference(want_mid, slots, b, base, (n0, n1))
+    assert torch.equal(y[~on], base[~on])  # base rows untouched
+    err = (y.double() - want).abs().max().item()
+    assert err <= TOL[dtype] * want.abs().max().item()
+
+    # one target of the group alone (an unfused output): its column block of B, its rank block of mid
+    y1 = base[:, n0:n0 + n1].contiguous()
+    lora_expand_triton(mid[:, rank:], slots, b[:, :, n0:n0 + n1], y1)
+    torch.testing.assert_close(y1.double(), want[:, n0:n0 + n1], rtol=0, atol=TOL[dtype] * want.abs().max().item())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_token_does_not_depend_on_the_batch(device):
+    """Fixed-order sums per token, no atomics: a token's output is bit for bit the same alone."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    g = torch.Generator().manual_seed(5)
+    slots = torch.tensor(SLOTS, device=device)
+    x = torch.randn(len(SLOTS), 96, generator=g).to(device)
+    a = torch.randn(3, 16, 96, generator=g).to(device)
+    b = torch.randn(3, 16, 80, generator=g).to(device)
+    y = torch.randn(len(SLOTS), 80, generator=g).to(device)
+    full = y.clone()
+    lora_expand_triton(lora_shrink_triton(x, slots, a), slots, b, full)
+    for i in (0, 3):
+        one = y[i:i + 1].clone()
+        lora_expand_triton(lora_shrink_triton(x[i:i + 1], slots[i:i + 1], a), slots[i:i + 1], b, one)
+        assert torch.equal(one[0], full[i])
+
+
+@pytest.mark.cuda
+def test_kernels_replay_in_a_cuda_graph_with_other_slots():
+    """Captured once, the graph serves any mix of slots written into its slot tensor."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    g = torch.Generator().manual_seed(1)
+    slots = torch.tensor(SLOTS, device="cuda")
+    x = torch.randn(len(SLOTS), 64, generator=g).cuda()
+    a, b = torch.randn(3, 8, 64, generator=g).cuda(), torch.randn(3, 8, 48, generator=g).cuda()
+    y0 = torch.randn(len(SLOTS), 48, generator=g).cuda()
+    y = y0.clone()
+    lora_expand_triton(lora_shrink_triton(x, slots, a), slots, b, y)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mid = lora_shrink_triton(x, slots, a)
+        lora_expand_triton(mid, slots, b, y)
+    for mix in ([0] * 9, [3, 3, 1, 0, 2, 1, 0, 0, 3]):
+        slots.copy_(torch.tensor(mix))
+        y.copy_(y0)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = lora_expand_reference(lora_shrink_reference(x, slots, a), slots, b, y0)
+        torch.testing.assert_close(y.double(), want, rtol=0, atol=1e-4)

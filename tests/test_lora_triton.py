@@ -103,3 +103,85 @@ def test_kernels_replay_in_a_cuda_graph_with_other_slots():
         torch.cuda.synchronize()
         want = lora_expand_reference(lora_shrink_reference(x, slots, a), slots, b, y0)
         torch.testing.assert_close(y.double(), want, rtol=0, atol=1e-4)
+
+
+def write_adapter(folder, config, rank, targets, seed):
+    """A PEFT folder of random A and B (deviation 0.3) for `targets` in every layer."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from slipstream.models.lora import target_shapes
+
+    folder.mkdir()
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config.num_layers):
+        for t in targets:
+            n_in, n_out = target_shapes(config)[t]
+            stem = f"base_model.model.model.layers.{layer}.{'self_attn' if t[0] in 'qkvo' else 'mlp'}.{t}"
+            tensors[f"{stem}.lora_A.weight"] = torch.randn(rank, n_in, generator=g) * 0.3
+            tensors[f"{stem}.lora_B.weight"] = torch.randn(n_out, rank, generator=g) * 0.3
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
+                                                            "target_modules": list(targets)}))
+    return str(folder)
+
+
+ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MODEL_SPECS = {1: (4, ("q_proj", "v_proj", "down_proj")), 2: (8, ALL), 4: (2, ("k_proj", "o_proj", "gate_proj", "up_proj"))}
+
+
+def lora_steps(model, cfg, lora, chunk_slots):
+    """tests/triton_model_util.two_steps' two steps, each chunk's tokens with its adapter slot (padding: 0)."""
+    from host_batch import Chunk, host_batch
+    from triton_model_util import with_device_metadata
+
+    from slipstream.models.base import KVCache
+
+    kv = KVCache(cfg, num_pages=16, page_size=4, dtype=torch.float32, device="cpu")
+    kv.k.fill_(float("nan"))
+    kv.v.fill_(float("nan"))
+    a, b, c = [5, 6, 7, 8, 9, 10], [20, 21, 22], [30, 31, 32, 33, 34]
+    out = []
+    steps = (([Chunk(a, 0, [3, 7]), Chunk(b[:2], 0, [5], sample=False)], 1),
+             ([Chunk([11], 6, [3, 7]), Chunk(b[2:], 2, [5]), Chunk(c, 0, [9, 2])], 8))
+    for (step, row_multiple), slots in zip(steps, chunk_slots):
+        batch, n = host_batch(step, 4, row_multiple)
+        per_token = [s for chunk, s in zip(step, slots) for _ in chunk.tokens]
+        per_token += [0] * (batch.input_ids.shape[0] - len(per_token))
+        if lora is not None:
+            batch.lora = lora(torch.tensor(per_token))
+        out.append(model(with_device_metadata(batch), kv)[:n])
+    return out
+
+
+@pytest.mark.filterwarnings(r"ignore:(overflow|invalid value) encountered:RuntimeWarning")
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+def test_triton_backend_with_adapters_equals_reference(tmp_path, fused):
+    """The tiny model on the triton backend (interpreted) with a bank of three adapters (ranks 4, 8, 2
+    padded to 8; slot 3 never installed, slot 4 installed and unused) computes the reference backend's
+    logits for steps mixing adapters and a base row, with fused projections (one expand per q/k/v and
+    per gate/up) and without."""
+    from triton_model_util import UNFUSED, build
+
+    from slipstream.models.config import tiny_config
+    from slipstream.models.lora import LoraInput, load_peft_adapter
+    from slipstream.models.lora_bank import LoraBank
+
+    cfg = tiny_config()
+    adapters = [None] * 5
+    bank = LoraBank(cfg, max_loras=4, max_rank=8, dtype=torch.float32, device="cpu")
+    for slot, (rank, targets) in MODEL_SPECS.items():
+        adapters[slot] = load_peft_adapter(f"s{slot}", write_adapter(tmp_path / f"s{slot}", cfg, rank, targets, slot), cfg)
+        bank.install(slot, bank.stage(adapters[slot]))
+    mixes = ([2, 0], [2, 0, 1])  # sequences a (slot 2, all seven targets), b (the base model), c (slot 1)
+    reference = build(cfg, torch.float32, "reference")
+    want = lora_steps(reference, cfg, lambda s: LoraInput(s, tuple(adapters)), mixes)
+    triton_model = build(cfg, torch.float32, "triton", None if fused else UNFUSED)
+    got = lora_steps(triton_model, cfg, lambda s: LoraInput(s, tuple(adapters), bank), mixes)
+    base = lora_steps(reference, cfg, None, mixes)
+    for g, w, b, changed in zip(got, want, base, ([True], [True, False, True])):
+        torch.testing.assert_close(g, w, rtol=0, atol=2e-5)
+        moved = (w - b).abs().amax(1) > 1e-2  # the adapters' rows differ from the base model's, b's not
+        assert moved.tolist() == changed

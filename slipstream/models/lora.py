@@ -24,11 +24,15 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from slipstream.errors import LoraAdapterError
 from slipstream.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from slipstream.models.lora_bank import LoraBank
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # projections that read the same input: their A matrices are stacked into one matmul
@@ -237,6 +241,8 @@ class LoraInput:
 
     slots: torch.Tensor  # [T] int64
     adapters: tuple[LoraWeights | None, ...]
+    # the triton backend's device buffers of every slot (models/lora_bank.py; CUDA), else None
+    bank: "LoraBank | None" = None
     _groups: "LoraGroups | None" = field(default=None, repr=False)
 
     def groups(self) -> "LoraGroups":

@@ -24,15 +24,12 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from slipstream.errors import LoraAdapterError
 from slipstream.models.config import ModelConfig
-
-if TYPE_CHECKING:
-    from slipstream.models.lora_bank import LoraBank
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # projections that read the same input: their A matrices are stacked into one matmul
@@ -241,8 +238,9 @@ class LoraInput:
 
     slots: torch.Tensor  # [T] int64
     adapters: tuple[LoraWeights | None, ...]
-    # the triton backend's device buffers of every slot (models/lora_bank.py; CUDA), else None
-    bank: "LoraBank | None" = None
+    # the triton backend's device buffers of every slot (a models/lora_bank.LoraBank: that module imports
+    # this one), else None
+    bank: Any = None
     _groups: "LoraGroups | None" = field(default=None, repr=False)
 
     def groups(self) -> "LoraGroups":

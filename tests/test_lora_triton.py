@@ -1,12 +1,15 @@
 """The CUDA path's LoRA kernels (models/kernels/lora_triton.py: shrink and expand, each token reading
 its own slot of the bank) against a float64 reference, on mixes of slots, base rows (slot 0), ranks
 padded with zeros, widths that are not a multiple of the blocks and a three-target fused output;
-interpreted on CPU tensors here, compiled in the `cuda` tests."""
+interpreted on CPU tensors here, compiled in the `cuda` tests; the triton backend reading a LoraBank
+against the reference backend, and an engine on that path against the CPU engine (interpreted; the
+GPU engine's test: tests/test_lora_cuda.py)."""
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
+from lora_files import MODEL_SPECS, write_adapter  # noqa: E402
 from slipstream.models.kernels.lora_triton import (lora_expand_reference, lora_expand_triton,  # noqa: E402
                                                    lora_shrink_reference, lora_shrink_triton)
 
@@ -105,33 +108,6 @@ def test_kernels_replay_in_a_cuda_graph_with_other_slots():
         torch.testing.assert_close(y.double(), want, rtol=0, atol=1e-4)
 
 
-def write_adapter(folder, config, rank, targets, seed):
-    """A PEFT folder of random A and B (deviation 0.3) for `targets` in every layer."""
-    import json
-
-    from safetensors.torch import save_file
-
-    from slipstream.models.lora import target_shapes
-
-    folder.mkdir()
-    g = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(config.num_layers):
-        for t in targets:
-            n_in, n_out = target_shapes(config)[t]
-            stem = f"base_model.model.model.layers.{layer}.{'self_attn' if t[0] in 'qkvo' else 'mlp'}.{t}"
-            tensors[f"{stem}.lora_A.weight"] = torch.randn(rank, n_in, generator=g) * 0.3
-            tensors[f"{stem}.lora_B.weight"] = torch.randn(n_out, rank, generator=g) * 0.3
-    save_file(tensors, str(folder / "adapter_model.safetensors"))
-    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
-                                                            "target_modules": list(targets)}))
-    return str(folder)
-
-
-ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-MODEL_SPECS = {1: (4, ("q_proj", "v_proj", "down_proj")), 2: (8, ALL), 4: (2, ("k_proj", "o_proj", "gate_proj", "up_proj"))}
-
-
 def lora_steps(model, cfg, lora, chunk_slots):
     """tests/triton_model_util.two_steps' two steps, each chunk's tokens with its adapter slot (padding: 0)."""
     from host_batch import Chunk, host_batch
@@ -185,55 +161,6 @@ def test_triton_backend_with_adapters_equals_reference(tmp_path, fused):
         torch.testing.assert_close(g, w, rtol=0, atol=2e-5)
         moved = (w - b).abs().amax(1) > 1e-2  # the adapters' rows differ from the base model's, b's not
         assert moved.tolist() == changed
-
-
-@pytest.mark.cuda
-def test_cuda_engine_graphs_serve_changing_adapter_mixes_without_recapture(tmp_path):
-    """The CUDA engine (float32, graphs captured at start, depth 2) with three adapters in two slots:
-    waves of requests with changing mixes of adapters and base rows (the third adapter evicts the
-    least recently used one: weights installed under the live graphs) replay the decode graphs, no
-    graph is captured after start, and every request's greedy tokens equal the CPU engine's."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a GPU")
-    import asyncio
-
-    from slipstream import Engine, EngineConfig, SamplingParams
-    from slipstream.models.config import tiny_config
-
-    cfg = tiny_config()
-    folders = {name: write_adapter(tmp_path / name, cfg, rank, targets, seed)
-               for seed, (name, (rank, targets)) in enumerate(zip("abc", MODEL_SPECS.values()))}
-    prompts = [[1, 5 + i, 40 + 3 * i, 7, 99 - i] * (1 + i % 3) for i in range(8)]
-    waves = [["a", None, "b", "a", None, "b", "a", "b"], ["c", "b", None, "c", "b", None, "c", "c"],
-             [None] * 8, ["a", "a", "c", None, "a", "c", "a", None]]
-
-    def params(lora):
-        return SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, lora=lora)
-
-    async def serve(device):
-        config = EngineConfig(model="tiny-random", device=device, dtype="float32", lora_adapters=folders, max_loras=2,
-                              max_lora_rank=8, max_batch_size=16, max_num_batched_tokens=64, kv_cache_tokens=8192,
-                              page_size=8, pipeline_depth=2, **({"graph_batch_sizes": (1, 4, 16)} if device == "cuda" else {}))
-        async with Engine(config) as engine:
-            runner = engine._parts.runner
-            caches = [c for c in (getattr(runner, n, None) for n in ("graphs", "greedy_graphs", "mixed_graphs")) if c]
-            captured = [{k: id(g) for k, g in c.graphs.items()} for c in caches]
-            outs, replays = [], []
-            for wave in waves:
-                before = sum(sum(c.replays.values()) for c in caches)
-                done = await asyncio.gather(*(engine.complete(p, params(lora)) for p, lora in zip(prompts, wave)))
-                outs.append([o.token_ids for o in done])
-                replays.append(sum(sum(c.replays.values()) for c in caches) - before)
-            after = [{k: id(g) for k, g in c.graphs.items()} for c in caches]
-            stats = (await engine.stats())["lora"]
-        return outs, replays, captured, after, stats
-
-    got, replays, captured, after, stats = asyncio.run(serve("cuda"))
-    want, *_ = asyncio.run(serve("cpu"))
-    assert captured and all(captured) and after == captured  # every graph from the start, none captured later
-    assert all(n > 0 for n in replays)  # every wave's decode steps replayed graphs
-    assert stats["evictions"] >= 1  # an adapter was installed under the captured graphs
-    assert got == want
 
 
 @pytest.mark.filterwarnings(r"ignore:(overflow|invalid value) encountered:RuntimeWarning")

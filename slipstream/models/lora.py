@@ -14,7 +14,8 @@ present in the step, its A matrices fused across the projections that share an i
 gate/up). Two implementations of that one sum: on the CPU backend one compiled call per layer and
 input group for all adapters (`add_cpu`, sq_lora_add in layer_ops_cpu.c, reading each adapter's
 `records`), elsewhere a pair of torch matmuls per adapter present (`add`); tests/test_lora_kernel.py
-holds both to a float64 reference.
+holds both to a float64 reference. The triton backend (CUDA) reads no count on the host: its adapters
+live in a device bank of fixed shape and each token reads its own slot (models/lora_bank.py).
 """
 from __future__ import annotations
 

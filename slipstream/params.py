@@ -244,7 +244,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, met
     speculative: SpeculativeConfig | None = None
     # LoRA adapters (docs/lora.md): name -> PEFT folder, loaded at start (Engine.load_lora adds more),
     # each of rank <= max_lora_rank; at most max_loras have weights in memory at once, the least
-    # recently used idle one evicted for another (read again when a request names it). CPU only for now
+    # recently used idle one evicted for another (read again when a request names it). On CUDA, a dict
+    # ({} for none yet) preallocates the device bank of max_loras slots at start (models/lora_bank.py);
+    # None there: no adapter can be loaded
     lora_adapters: dict[str, str] | None = None
     max_loras: int = 8
     max_lora_rank: int = 64
@@ -330,9 +332,6 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, met
         for name, path in adapters.items():
             check.text("lora_adapters", name)
             check.text(f"lora_adapters[{name!r}]", path)
-        if adapters and self.device != "cpu":
-            raise InvalidRequestError("lora_adapters: LoRA runs on the CPU only for now (no CUDA kernels yet)",
-                                      param="lora_adapters")
 
     def token_bucket_range(self) -> tuple[int, int]:
         """(min, max) of the mixed-step graph buckets, in tokens."""

@@ -80,6 +80,19 @@ def kv_pages(config: EngineConfig, model: Model, mcfg, device, max_model_len: in
                                       reserved_bytes=reserve.total)
 
 
+def lora_bank(config: EngineConfig, model: Model, mcfg, device):
+    """The device bank of max_loras LoRA slots (models/lora_bank.py) where the triton backend serves
+    adapters: CUDA, a family that computes LoRA, and lora_adapters given (possibly empty); else None."""
+    if device.kind != "cuda" or config.lora_adapters is None or not registry.for_spec(config.model).lora:
+        return None
+    from slipstream.models.lora_bank import LoraBank
+
+    bank = LoraBank(mcfg, config.max_loras, config.max_lora_rank, DTYPES[config.dtype], device.torch_device)
+    log.info("lora_bank_allocated", slots=config.max_loras, rank=config.max_lora_rank,
+             gib=round(bank.nbytes / 1024**3, 3))
+    return bank
+
+
 def assemble(config: EngineConfig) -> EngineParts:
     invariant = config.batch_invariant and config.device == "cpu"
     # Invariance's row padding is probed at torch's thread count: its forward keeps that count.
@@ -109,6 +122,7 @@ def _assemble(config: EngineConfig, device, invariant: bool) -> EngineParts:
     max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
     # what turns a request's images into prompt rows (None: text only), the model's family's
     processing = registry.for_spec(config.model).image_processing(model)
+    bank = lora_bank(config, model, mcfg, device)  # (before the KV pool: its memory is taken first)
     num_pages = kv_pages(config, model, mcfg, device, max_model_len, processing)
     kv = KVCache(mcfg, num_pages, config.page_size, DTYPES[config.dtype], device.torch_device)
     log.info("kv_cache_allocated", pages=num_pages, page_size=config.page_size, gib=round(kv.bytes() / 1024**3, 2))
@@ -123,6 +137,7 @@ def _assemble(config: EngineConfig, device, invariant: bool) -> EngineParts:
                          max_tokens=config.max_num_batched_tokens,
                          max_pages=max_pages, row_multiple=row_multiple,
                          num_slots=config.pipeline_depth)  # depth 1 never uses a second slot (nor its graphs)
+    runner.forward.lora_bank = bank
     pool = PagePool(num_pages)
     planner = Planner(pool, config.page_size, config.max_batch_size, config.max_num_batched_tokens,
                       prefix_caching=config.prefix_caching, encoder_cache_tokens=config.encoder_cache_tokens,

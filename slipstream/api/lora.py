@@ -3,7 +3,7 @@
 
 A name is registered by `load` (EngineConfig.lora_adapters at start, Engine.load_lora later): its
 folder is read and checked in a thread (models/lora.py: `load_peft_adapter`) and, when a slot of the
-runner is free, installed there (`StepForward.set_lora`). At most `max_loras` adapters have weights
+runner is free, installed there (`ModelRunner.set_lora`). At most `max_loras` adapters have weights
 in the runner; any number may be registered. A request names an adapter by `SamplingParams.lora`;
 `acquire` gives its slot, reading the adapter again in a thread when it is not in one, into a free
 slot or the slot of the least recently used idle adapter (evicted). A slot is busy while a live
@@ -48,9 +48,14 @@ class _Slot:
     reading: asyncio.Future | None = None  # set while its weights are read (the slot is reserved)
 
 
-def _read(name: str, path: str, model_config, max_rank: int, dtype, device):
-    """(weights, files' stamp): blocking file I/O and checks, run in a thread."""
+def _read(name: str, path: str, model_config, max_rank: int, dtype, runner):
+    """(weights, files' stamp, the bank's staged copy or None): blocking file I/O and checks, run in a
+    thread. With a device bank (CUDA) the weights are read to the host and laid out there as one
+    slot's entries; set_lora copies them in on the compute stream (models/lora_bank.py)."""
     from slipstream.models.lora import CONFIG_FILE, WEIGHTS_FILE, load_peft_adapter
+
+    bank = runner.forward.lora_bank
+    device = runner.device.torch_device if bank is None else "cpu"
 
     stamp: tuple[tuple[int, int], ...] = ()
     try:
@@ -58,7 +63,8 @@ def _read(name: str, path: str, model_config, max_rank: int, dtype, device):
         stamp = tuple((s.st_size, s.st_mtime_ns) for s in stats)
     except OSError:
         pass  # (load_peft_adapter names what is missing)
-    return load_peft_adapter(name, path, model_config, max_rank, dtype, device), stamp
+    weights = load_peft_adapter(name, path, model_config, max_rank, dtype, device)
+    return weights, stamp, None if bank is None else bank.stage(weights)
 
 
 class LoraRegistry:
@@ -83,8 +89,9 @@ class LoraRegistry:
         self._changed = asyncio.Event()
         if not family_lora:
             self._reason = "this model's family computes no LoRA adapters (the Llama family does)"
-        elif device_kind != "cpu":
-            self._reason = "LoRA runs on the CPU only for now (no CUDA kernels yet)"
+        elif device_kind != "cpu" and runner.forward.lora_bank is None:
+            self._reason = ("LoRA on CUDA needs EngineConfig.lora_adapters at start ({} for none yet): the "
+                            "adapters' device bank is allocated, and the graphs captured, with it")
 
     def unbind(self) -> None:
         """The engine closed: hold none of its parts, nor the adapters (start() loads the configured
@@ -114,7 +121,7 @@ class LoraRegistry:
     def _evict(self, slot: int) -> None:
         held = self._slots.pop(slot)
         self._where.pop(held.entry.key, None)
-        self._runner.forward.set_lora(slot, None)
+        self._runner.set_lora(slot, None)
         if self.registered.get(held.entry.name) is held.entry:
             self.evictions += 1
 
@@ -170,8 +177,8 @@ class LoraRegistry:
 
         async def read() -> None:
             try:
-                weights, stamp = await asyncio.to_thread(_read, entry.name, entry.path, self._model_config,
-                                                         self.max_rank, self._dtype, runner.device.torch_device)
+                weights, stamp, staged = await asyncio.to_thread(_read, entry.name, entry.path, self._model_config,
+                                                                 self.max_rank, self._dtype, runner)
             except BaseException as e:  # noqa: BLE001 - the waiters get it
                 if self._slots.get(slot) is not None and self._slots[slot].reading is done:
                     del self._slots[slot]
@@ -193,7 +200,7 @@ class LoraRegistry:
                     self.registered[entry.name] = held.entry = new
                     self._where.pop(entry.key, None)
                     self._where[new.key] = slot
-                runner.forward.set_lora(slot, weights)
+                runner.set_lora(slot, weights, staged)
                 held.reading = None
             done.set_result(None)
             self._notify()
@@ -226,8 +233,8 @@ class LoraRegistry:
         self._loading.add(name)
         runner = self._runner
         try:
-            weights, stamp = await asyncio.to_thread(_read, name, path, self._model_config, self.max_rank,
-                                                     self._dtype, runner.device.torch_device)
+            weights, stamp, staged = await asyncio.to_thread(_read, name, path, self._model_config, self.max_rank,
+                                                             self._dtype, runner)
             if self._runner is not runner:
                 raise EngineClosedError("lora_name: the engine closed while the adapter was read")
             self.reads += 1
@@ -238,7 +245,7 @@ class LoraRegistry:
             if slot is not None:
                 self._slots[slot] = _Slot(entry, next(self._clock))
                 self._where[entry.key] = slot
-                runner.forward.set_lora(slot, weights)
+                runner.set_lora(slot, weights, staged)
             return entry
         finally:
             self._loading.discard(name)

@@ -14,7 +14,8 @@ present in the step, its A matrices fused across the projections that share an i
 gate/up). Two implementations of that one sum: on the CPU backend one compiled call per layer and
 input group for all adapters (`add_cpu`, sq_lora_add in layer_ops_cpu.c, reading each adapter's
 `records`), elsewhere a pair of torch matmuls per adapter present (`add`); tests/test_lora_kernel.py
-holds both to a float64 reference.
+holds both to a float64 reference. The triton backend (CUDA) reads no count on the host: its adapters
+live in a device bank of fixed shape and each token reads its own slot (models/lora_bank.py).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -237,6 +239,9 @@ class LoraInput:
 
     slots: torch.Tensor  # [T] int64
     adapters: tuple[LoraWeights | None, ...]
+    # the triton backend's device buffers of every slot (a models/lora_bank.LoraBank: that module imports
+    # this one), else None
+    bank: Any = None
     _groups: "LoraGroups | None" = field(default=None, repr=False)
 
     def groups(self) -> "LoraGroups":

@@ -70,6 +70,14 @@ class ModelRunner(GraphChoice):
         # table cannot know the device (speculation/policy.py)
         self.spec_timed = False
 
+    def set_lora(self, slot: int, weights, staged=None) -> None:
+        """StepForward.set_lora, on the compute stream when the adapters live in a device bank: its copy
+        lands after every step launched before and before every step launched after (docs/lora.md)."""
+        if self.forward.lora_bank is None:
+            self.forward.set_lora(slot, weights)
+        else:
+            self.device.compute.launch(lambda: self.forward.set_lora(slot, weights, staged))
+
     def launch_encoder(self, images) -> None:
         self.images.launch(images)
 

@@ -38,6 +38,8 @@ from slipstream.models.kernels.gate_up_silu_triton import gate_up_silu_triton
 from slipstream.models.kernels.gemm_choice import Table, small_linear
 from slipstream.models.kernels.rotary_kv_triton import rotary_kv_triton
 from slipstream.models.kernels.silu_mul_triton import silu_mul_triton
+from slipstream.models.lora import LoraInput
+from slipstream.models.lora_bank import LoraBank
 
 
 @dataclass(frozen=True)
@@ -114,26 +116,43 @@ def _linear(module, x: torch.Tensor, gemms: Table | None) -> torch.Tensor:
     return module(x)
 
 
-def project_qkv(attn, x: torch.Tensor, gemms: Table | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q [T, H, D], k and v [T, KVH, D]; when fused, strided column views of one matmul's output."""
+def project_qkv(attn, x: torch.Tensor, gemms: Table | None = None, lora: LoraInput | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [T, H, D], k and v [T, KVH, D]; when fused, strided column views of one matmul's output.
+    `lora`: each token's adapter delta added (its bank's kernels)."""
     t, hd, kvd = x.shape[0], attn.heads * attn.head_dim, attn.kv_heads * attn.head_dim
     if attn.qkv is not None:
         weight, bias = attn.qkv
         qkv = small_linear(x, weight, bias, gemms)
+        if lora is not None:
+            lora_bank(lora).add(lora.slots, attn.layer, 0, x, [], fused=qkv)
         q, k, v = qkv[:, :hd], qkv[:, hd:hd + kvd], qkv[:, hd + kvd:]
     else:
         q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        if lora is not None:
+            lora_bank(lora).add(lora.slots, attn.layer, 0, x, [q, k, v])
     return (q.view(t, attn.heads, attn.head_dim), k.view(t, attn.kv_heads, attn.head_dim),
             v.view(t, attn.kv_heads, attn.head_dim))
 
 
 def attention(attn, x: torch.Tensor, batch, kv, rope, gemms: Table | None = None) -> torch.Tensor:
-    q, k, v = project_qkv(attn, x, gemms)
+    lora = batch.lora
+    q, k, v = project_qkv(attn, x, gemms, lora)
     if attn.qk_norm:  # Qwen3, Gemma: RMSNorm per head before rotary (torch ops; not fused yet)
         q, k = attn.q_norm(q).contiguous(), attn.k_norm(k).contiguous()
     k_cache, v_cache = kv.k[attn.layer], kv.v[attn.layer]
     rotary_kv_triton(q, k, v, batch.positions, rope.cos, rope.sin, k_cache, v_cache, batch.kv_indices)
-    return _linear(attn.o_proj, attend(attn, q, batch, kv), gemms)
+    out = attend(attn, q, batch, kv)
+    o = _linear(attn.o_proj, out, gemms)
+    if lora is not None:
+        lora_bank(lora).add(lora.slots, attn.layer, 1, out, [o])
+    return o
+
+
+def lora_bank(lora: LoraInput) -> LoraBank:
+    """The bank a LoRA batch on this backend reads (the model refuses a batch without one)."""
+    assert lora.bank is not None, "a LoRA batch on the triton backend without a LoraBank"
+    return lora.bank
 
 
 def attend(attn, q: torch.Tensor, batch, kv) -> torch.Tensor:
@@ -153,17 +172,27 @@ def attend(attn, q: torch.Tensor, batch, kv) -> torch.Tensor:
     return out.view(t, attn.heads * attn.head_dim)
 
 
-def mlp(m, x: torch.Tensor, options: TritonOptions, gemms: Table | None = None) -> torch.Tensor:
-    if m.act != "silu":  # Gemma's tanh-GELU: torch ops (no fused kernel yet)
-        gate, up = F.linear(x, m.gate_up).chunk(2, dim=1) if m.gate_up is not None else (m.gate_proj(x), m.up_proj(x))
-        return _linear(m.down_proj, F.gelu(gate, approximate="tanh") * up, gemms)
-    if m.gate_up is not None and x.shape[0] <= options.mlp_gemm_max_rows:
+def mlp(m, x: torch.Tensor, options: TritonOptions, gemms: Table | None = None, lora: LoraInput | None = None,
+        layer: int = 0) -> torch.Tensor:
+    """`lora`: each token's adapter deltas on gate/up (before the activation: the gate-up GEMM with
+    SiLU·up fused is not taken) and on down, of layer `layer`."""
+    if lora is None and m.act == "silu" and m.gate_up is not None and x.shape[0] <= options.mlp_gemm_max_rows:
         return _linear(m.down_proj, gate_up_silu_triton(x, m.gate_up), gemms)
     if m.gate_up is not None:
-        gate, up = F.linear(x, m.gate_up).chunk(2, dim=1)
+        gate_up = F.linear(x, m.gate_up)
+        if lora is not None:
+            lora_bank(lora).add(lora.slots, layer, 2, x, [], fused=gate_up)
+        gate, up = gate_up.chunk(2, dim=1)
     else:
         gate, up = m.gate_proj(x), m.up_proj(x)
-    return _linear(m.down_proj, silu_mul_triton(gate, up), gemms)
+        if lora is not None:
+            lora_bank(lora).add(lora.slots, layer, 2, x, [gate, up])
+    # (Gemma's tanh-GELU: torch ops, no fused kernel yet)
+    act = silu_mul_triton(gate, up) if m.act == "silu" else F.gelu(gate, approximate="tanh") * up
+    y = _linear(m.down_proj, act, gemms)
+    if lora is not None:
+        lora_bank(lora).add(lora.slots, layer, 3, act, [y])
+    return y
 
 
 def decode_ready(layer) -> bool:
@@ -202,7 +231,7 @@ def forward_triton(model, x: torch.Tensor, batch, kv) -> torch.Tensor:
     options = model.triton_options or TRITON_DEFAULTS
     layers = model.model.layers
     norm = model.model.norm
-    if takes_fused_decode(model, x.shape[0]):
+    if batch.lora is None and takes_fused_decode(model, x.shape[0]):  # (its layer has no LoRA deltas)
         for layer in layers:
             fused_decode_layer(layer, x, batch, kv, model.rope)
         return add_rms_norm_triton(None, x, norm.weight, norm.eps, rows=batch.sample_indices)
@@ -215,7 +244,7 @@ def forward_triton(model, x: torch.Tensor, batch, kv) -> torch.Tensor:
             a = add_rms_norm_triton(None, a, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
         ln = layer.mlp_norm()
         h = add_rms_norm_triton(a, x, ln.weight, ln.eps)
-        delta = mlp(layer.mlp, h, options, gemms)
+        delta = mlp(layer.mlp, h, options, gemms, batch.lora, i)
         if layer.sandwich:  # and so is the MLP's
             ln = layer.post_feedforward_layernorm
             delta = add_rms_norm_triton(None, delta, ln.weight, ln.eps)

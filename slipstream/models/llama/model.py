@@ -332,8 +332,9 @@ class LlamaForCausalLM(nn.Module):
 
             if not llama_cpu.supports(self, batch):  # (a bidirectional prefix, an odd head size)
                 backend = "reference"
-        if backend == "triton" and batch.lora is not None:  # (no LoRA kernels on triton yet)
-            raise NotImplementedError("LoRA adapters on the triton backend")
+        if backend == "triton" and batch.lora is not None and batch.lora.bank is None:
+            raise NotImplementedError("LoRA adapters on the triton backend are read from a LoraBank "
+                                      "(models/lora_bank.py); this batch's LoraInput has none")
         if backend == "triton":
             from slipstream.models.llama.forward_triton import forward_triton
 

@@ -41,6 +41,7 @@ from slipstream.runtime.sampling.sampling_args import SamplingTables
 from slipstream.models.base import ForwardBatch, KVCache, Model
 from slipstream.models.kernels.attention import AttentionMetadata, DeviceAttentionMetadata
 from slipstream.models.lora import LoraInput, LoraWeights
+from slipstream.models.lora_bank import LoraBank
 from slipstream.runtime.graphs.static_step import StaticStepTensors, static_inputs
 from slipstream.runtime.step.carry import ChunkCarry, carry_input
 from slipstream.runtime.step.staging import RowUpdates, StepTensors
@@ -151,11 +152,19 @@ class StepForward:
         # LoRA adapters by slot (0: none), replaced whole so a forward reads one consistent tuple; a
         # row's slot is its row-table column (SamplingRow.lora), gathered per token (docs/lora.md)
         self.lora_adapters: tuple[LoraWeights | None, ...] = (None,)
+        # the triton backend's device copy of every slot (models/lora_bank.py; set at assembly when
+        # LoRA is on with CUDA): then every forward carries the slots, so graphs hold the LoRA kernels
+        self.lora_bank: LoraBank | None = None
 
-    def set_lora(self, slot: int, weights: LoraWeights | None) -> None:
+    def set_lora(self, slot: int, weights: LoraWeights | None, staged: tuple[torch.Tensor, ...] | None = None) -> None:
         """Put an adapter in `slot` (>= 1), or empty it. The caller hands a slot out only when no live
-        row reads it (api/lora.py), so a step in flight sees the old or the new tuple alike."""
+        row reads it (api/lora.py), so a step in flight sees the old or the new tuple alike. With a
+        bank, the adapter's weights (`staged`: LoraBank.stage's, else staged here) are copied into the
+        slot on the current stream (ModelRunner.set_lora: the compute stream); an emptied slot keeps
+        its old weights, which only a finished request's row may still read."""
         assert slot >= 1, "slot 0 is the base model"
+        if self.lora_bank is not None and weights is not None:
+            self.lora_bank.install(slot, staged if staged is not None else self.lora_bank.stage(weights))
         adapters = list(self.lora_adapters) + [None] * max(0, slot + 1 - len(self.lora_adapters))
         adapters[slot] = weights
         while len(adapters) > 1 and adapters[-1] is None:
@@ -165,9 +174,9 @@ class StepForward:
     def lora_input(self, token_rows: torch.Tensor) -> LoraInput | None:
         """Each token's adapter slot from its row's column (None while no adapter is loaded: no cost)."""
         adapters = self.lora_adapters
-        if len(adapters) == 1:
+        if self.lora_bank is None and len(adapters) == 1:
             return None
-        return LoraInput(self.rows.sampling.lora.index_select(0, token_rows), adapters)
+        return LoraInput(self.rows.sampling.lora.index_select(0, token_rows), adapters, self.lora_bank)
 
     def logits(self, t: StepTensors | StaticStepTensors, host_attention: bool = False,
                embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -184,10 +193,12 @@ class StepForward:
                 raise ValueError("a static (graph-shaped) step needs the device attention backend")
             ids, positions, kv_indices, meta = static_inputs(self.rows, t, self.kv.page_size,
                                                              self.history)
-            if len(self.lora_adapters) > 1:  # (EngineConfig refuses LoRA where graphs run)
-                raise NotImplementedError("LoRA adapters in a captured graph")
+            if self.lora_bank is None and len(self.lora_adapters) > 1:  # (LoraGroups reads counts on the host)
+                raise NotImplementedError("LoRA adapters in a captured graph need the device LoraBank "
+                                          "(the triton backend's; models/lora_bank.py)")
             return self.model(ForwardBatch(input_ids=ids, positions=positions, kv_indices=kv_indices,
-                                           sample_indices=t.sample_indices, attn=meta), self.kv)
+                                           sample_indices=t.sample_indices, attn=meta,
+                                           lora=self.lora_input(t.token_rows)), self.kv)
         r, ps = self.rows, self.kv.page_size
         dec = t.decode_rows
         dec_pos = r.pos.index_select(0, dec)

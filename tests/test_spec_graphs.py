@@ -224,6 +224,34 @@ def test_sampled_rows_replay_the_forward_graph_and_verify_after_it(monkeypatch, 
     assert counts == dict(plain=0, spec=0)
 
 
+def test_speculating_graphs_carry_the_lora_bank(monkeypatch, stand_in_graphs):
+    """With a device LoRA bank (CUDA: models/lora_bank.py), every captured forward holds the LoRA kernels,
+    the speculating graphs' too, so drafts verify with each row's adapter whatever was loaded after the
+    capture. (Before: the speculating forward carried no LoraInput.) A stand-in bank: with no adapter in
+    it the reference backend adds nothing."""
+    use_torch_paths(monkeypatch)
+    bank, seen, calls = object(), {}, []
+
+    def install(engine):
+        runner = engine._parts.runner
+        runner.forward.lora_bank = bank
+        model = runner.model
+        forward = model.forward
+
+        def spy(batch, kv, *args, **kwargs):
+            calls.append(batch.lora is not None and batch.lora.bank is bank)
+            return forward(batch, kv, *args, **kwargs)
+
+        monkeypatch.setattr(model, "forward", spy)
+        stand_in_graphs.install_graphs(runner, engine._parts.device, EngineConfig(**BASE, **GRAPHS))
+        seen["runner"] = runner
+
+    want, _, _, _ = run_separate(monkeypatch, None, **GRAPHS)
+    got, stats, _, _ = run_separate(monkeypatch, SPEC, prepare=install, **GRAPHS)
+    assert got == want and sum(seen["runner"].spec_graphs.replays.values()) > 0
+    assert calls and all(calls)
+
+
 SEEDED = SamplingParams(max_tokens=14, temperature=0.8, seed=41, ignore_eos=True)
 
 

@@ -240,10 +240,13 @@ class SpecRunner:
         kv_indices = torch.where(live, rows.kv_indices(token_rows, positions, ps), 0)  # (0: the scratch page)
         meta = AttentionMetadata([], [], [], ps)
         meta.on_device = DeviceAttentionMetadata(t.query_start, pos0 + K + 1, rows.pages[dec], K + 1)
-        if len(runner.forward.lora_adapters) > 1:  # (EngineConfig refuses LoRA where graphs run)
-            raise NotImplementedError("LoRA adapters in a captured graph")
+        if runner.forward.lora_bank is None and len(runner.forward.lora_adapters) > 1:  # (host-read groups)
+            raise NotImplementedError("LoRA adapters in a captured graph need the device LoraBank "
+                                      "(the triton backend's; models/lora_bank.py)")
+        # with a bank, every capture holds the LoRA kernels: drafts verify with each row's adapter
         logits = runner.model(ForwardBatch(input_ids=verify_inputs(last, drafts, lay), positions=positions,
-                                           kv_indices=kv_indices, sample_indices=t.sample_indices, attn=meta), kv)
+                                           kv_indices=kv_indices, sample_indices=t.sample_indices, attn=meta,
+                                           lora=runner.forward.lora_input(token_rows)), kv)
         return logits, drafts
 
     def accept_fixed(self, t: FixedLayout, slot: int, targets: torch.Tensor, drafts: torch.Tensor) -> None:

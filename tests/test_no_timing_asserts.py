@@ -18,6 +18,8 @@ ALLOWED = {
         "< 20 s for --wait-ready 1 (~1-2 s): tells the flag's 1 s from the default 30 s wait",
     ("test_worker_slow_client.py", "wait_log"):
         "a polling deadline (30 s at its one call) for a log line the worker writes within ms",
+    ("test_serve_connect_lora.py", "test_zz_a_restarted_worker_gets_the_adapters_again"):
+        "a polling deadline (120 s) for a restarted worker's reconnection, which takes a worker's start (~2-5 s)",
     ("test_weight_cache.py", "test_unused_entries_and_stale_temp_files_are_pruned"):
         "a file's mtime re-marked by a cache hit: within an hour of now against a month-old mark, no speed",
 }

@@ -173,7 +173,7 @@ async def test_zz_a_restarted_worker_gets_the_adapters_again(served, folders, re
         old = backend.clients[1].info
         workers[1].stop()
         workers[1] = start_worker(workers[1].address, dirs[1], *flags[1])
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120  # (a polling guard against a hang: tests/test_no_timing_asserts.py)
         while backend.clients[1].info is old or not backend.clients[1].connected:  # its new handshake
             assert time.monotonic() < deadline, "the server's client did not reconnect"
             await asyncio.sleep(0.05)

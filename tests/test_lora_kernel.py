@@ -3,10 +3,10 @@ adapter; LoraGroups.add_cpu, one compiled sq_lora_add call for all adapters) aga
 reference, on mixes of adapters of different ranks and targets, base rows and an emptied slot; and
 add_cpu's value for a token does not depend on the batch around it (bit for bit)."""
 import dataclasses
-import json
 
 import pytest
 import torch
+from lora_files import write_adapter
 
 from slipstream.models.config import tiny_config
 from slipstream.models.kernels.cpu_kernels import native_kernels
@@ -18,32 +18,13 @@ SPECS = [(4, ("q_proj", "v_proj", "down_proj")), (8, ("q_proj", "k_proj", "v_pro
          (5, ("up_proj",))]
 
 
-def write(folder, config, rank, targets, seed):
-    from safetensors.torch import save_file
-
-    folder.mkdir()
-    g = torch.Generator().manual_seed(seed)
-    tensors = {}
-    parent = {t: "self_attn" if t[0] in "qkvo" else "mlp" for t in targets}
-    for layer in range(config.num_layers):
-        for t in targets:
-            n_in, n_out = target_shapes(config)[t]
-            stem = f"base_model.model.model.layers.{layer}.{parent[t]}.{t}"
-            tensors[f"{stem}.lora_A.weight"] = torch.randn(rank, n_in, generator=g) * 0.3
-            tensors[f"{stem}.lora_B.weight"] = torch.randn(n_out, rank, generator=g) * 0.3
-    save_file(tensors, str(folder / "adapter_model.safetensors"))
-    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
-                                                            "target_modules": list(targets)}))
-    return str(folder)
-
-
 @pytest.fixture(scope="module", params=["tiny", "wide"])
 def bank(request, tmp_path_factory):
     config = tiny_config()
     if request.param == "wide":  # outputs of several column blocks of the expand, and widths that are not 16n
         config = dataclasses.replace(config, hidden_size=296, intermediate_size=408, num_heads=6, num_kv_heads=3, head_dim=24)
     root = tmp_path_factory.mktemp("lora-kernel")
-    adapters = [load_peft_adapter(f"a{i}", write(root / f"a{i}", config, r, t, i), config)
+    adapters = [load_peft_adapter(f"a{i}", write_adapter(root / f"a{i}", config, r, t, i), config)
                 for i, (r, t) in enumerate(SPECS)]
     return config, (None, *adapters[:2], None, *adapters[2:])  # slot 3: emptied (a finished row's)
 

@@ -1,4 +1,5 @@
-"""Random PEFT LoRA folders for the LoRA kernel and bank tests (tests/test_lora_kernel.py, tests/test_lora_triton.py, tests/test_lora_cuda.py)."""
+"""Random PEFT LoRA folders for the LoRA kernel and bank tests (tests/test_lora_kernel.py,
+tests/test_lora_triton.py, tests/test_lora_cuda.py)."""
 import json
 
 import torch

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from slipstream.models.kernels.triton_jit import SUM_COMBINE, cdiv, interpreted, jitted, next_power_of_2, require_triton, tl, triton
+from slipstream.models.kernels.triton_jit import (SUM_COMBINE, cdiv, interpreted, jitted, next_power_of_2, require_triton,
+                                                  tl, triton)
 
 BLOCK_R = 16  # rank rows per program (shrink) and per step of the expand's rank loop
 BLOCK_K = 128  # input columns per step of the shrink's loop

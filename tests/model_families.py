@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,11 +109,13 @@ GEMMA3_SCALAR = 24
 GEMMA3_SOFTCAP = 8.0
 
 
-def hf_model(family: str, vocab_size: int, seed: int = 0, bos: int = 1, eos: int = 2, hidden: int | None = None):
+def hf_model(family: str, vocab_size: int, seed: int = 0, bos: int = 1, eos: int = 2, hidden: int | None = None,
+             sizes: dict[str, int] | None = None):
     """A random transformers model of `family` ("llama", "llama3-rope", "linear-rope", "qwen2", "qwen3",
     "mistral-sw": every layer windowed, "qwen2-sw": layer 0 full, layer 1 windowed, "phi3": fused
     projections and LongRoPE, "phi4": Phi-4-mini's partial rotary, "gemma3": text, GEMMA3_LAYERS), norms and
-    biases perturbed. `hidden`: another hidden size (Gemma's 80 is no multiple of a quantized block's 32)."""
+    biases perturbed. `hidden`: another hidden size (Gemma's 80 is no multiple of a quantized block's 32);
+    `sizes`: other config sizes (intermediate_size, num_attention_heads, ...: K-quants' blocks of 256)."""
     from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
                               MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
                               Qwen3Config, Qwen3ForCausalLM)
@@ -126,6 +129,7 @@ def hf_model(family: str, vocab_size: int, seed: int = 0, bos: int = 1, eos: int
     wide = dict(initializer_range=0.2)
     if hidden is not None:
         common["hidden_size"] = hidden
+    common.update(sizes or {})
     if family == "qwen2":
         cfg = Qwen2Config(**common, tie_word_embeddings=True, rope_parameters={"rope_type": "default",
                                                                                "rope_theta": 1000000.0})
@@ -194,6 +198,11 @@ def _gguf_name(hf: str, arch: str = "llama") -> str:
     module = ".".join(parts[3:-1])
     names = {**_GGUF_LAYER, **_GEMMA3_GGUF} if arch == "gemma3" else _GGUF_LAYER
     return f"blk.{parts[2]}.{names[module]}.{parts[-1]}"
+
+
+# K-quant types gguf cannot quantize: write_gguf writes random blocks of them (finite small scales), so the
+# file's weights are those blocks, not the model's: for tests that compare a file's loads with each other
+RANDOM_BLOCKS = ("Q4_K", "Q5_K", "Q6_K")
 
 
 def write_gguf(path: Path, arch: str, model, vocab: Vocab, rope_freqs: np.ndarray | None = None,
@@ -282,6 +291,11 @@ def write_gguf(path: Path, arch: str, model, vocab: Vocab, rope_freqs: np.ndarra
             w.add_tensor(g, t.numpy().astype(np.float16))
         elif qtype == gguf.GGMLQuantizationType.F32:
             w.add_tensor(g, t.numpy())
+        elif qtype.name in RANDOM_BLOCKS:  # (gguf has no quantizer for these: random blocks, as the file's weights)
+            from quant_util import random_blocks
+
+            rows, cols = t.shape
+            w.add_tensor(g, random_blocks(qtype.name, rows, cols, seed=zlib.crc32(g.encode())), raw_dtype=qtype)
         else:
             w.add_tensor(g, gguf.quants.quantize(t.numpy(), qtype), raw_dtype=qtype)
     if rope_freqs is not None:

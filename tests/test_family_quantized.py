@@ -1,7 +1,8 @@
 """The new families' GGUFs with quantized matrices, kept quantized on the CPU backend (the default
 weights="quantized"), against the same file dequantized by gguf: Qwen3's q/k norms, Mistral's window
 (llama.cpp's permuted q/k rows), Phi-3's fused qkv / gate_up rows split while quantized, Phi-4-mini's
-partial-rotary reordering of quantized rows, Gemma 3's norms, scales and softcap over quantized products.
+partial-rotary reordering of quantized rows, Gemma 3's norms, scales and softcap over quantized products;
+each with the legacy types and with the K-quants of a Q4_K_M file.
 
 The repack is exact (tests/test_quant_formats.py), so both models multiply the same float weights: only
 float32 rounding separates them, unless a quantized row went to the wrong place. The float32 files
@@ -32,8 +33,14 @@ FAMILIES = {"qwen3": "qwen3", "mistral-sw": "llama", "phi3": "phi3", "phi4": "ph
 # Each layer's types: layer 0's q / k / v (Phi: the fused qkv) and gate / up u4, layer 1's i8 (both
 # containers under a row split or reorder). One container a layer: q / k / v and gate / up stack into
 # the cpu backend's fused products, so the plain layers (Mistral, Phi) run the one-call C stack
-LAYER_TYPES = [{"qkv": Q.Q4_1, "attn_output": Q.Q8_0, "gate_up": Q.Q4_0, "ffn_down": Q.Q5_1},
-               {"qkv": Q.Q5_0, "attn_output": Q.Q4_1, "gate_up": Q.Q8_0, "ffn_down": Q.Q4_0}]
+# the K-quants of a Q4_K_M file (gguf cannot write them: random blocks, model_families.RANDOM_BLOCKS), whose
+# blocks of 256 need in-features of 256n: a wider model, the attention output (in: heads x 16) Q8_0
+LAYER_TYPES = {
+    "legacy": [{"qkv": Q.Q4_1, "attn_output": Q.Q8_0, "gate_up": Q.Q4_0, "ffn_down": Q.Q5_1},
+               {"qkv": Q.Q5_0, "attn_output": Q.Q4_1, "gate_up": Q.Q8_0, "ffn_down": Q.Q4_0}],
+    "k": [{"qkv": Q.Q4_K, "attn_output": Q.Q8_0, "gate_up": Q.Q4_K, "ffn_down": Q.Q6_K},
+          {"qkv": Q.Q6_K, "attn_output": Q.Q8_0, "gate_up": Q.Q5_K, "ffn_down": Q.Q4_K}]}
+OUTPUT_TYPE = {"legacy": Q.Q4_1, "k": Q.Q6_K}
 PROMPT_LEN, DECODE_STEPS = 30, 8  # past the window (12) of Mistral's layers and Gemma's local layer
 NEW_TOKENS = 16
 # Both sides are float32 products of the same weights, summed in different orders (the C kernels'
@@ -46,21 +53,28 @@ NEW_TOKENS = 16
 REL_TOL = 3e-5
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
+@pytest.fixture(scope="module", params=[(f, kind) for kind in LAYER_TYPES for f in FAMILIES],
+                ids=lambda p: f"{p[0]}-{p[1]}")
 def qfamily(request, tmp_path_factory):
-    name, arch = request.param, FAMILIES[request.param]
+    (name, kind), arch = request.param, FAMILIES[request.param[0]]
     vocab = byte_vocab()
     bos, eos = special_ids(vocab)
-    # Gemma's hidden 96 here (its oracle's 80 is no multiple of 32): every matrix quantized
+    # Gemma's hidden 96 here (its oracle's 80 is no multiple of 32): every matrix quantized; K-quants: 256
+    # wide (Phi's head size is hidden / heads: 16 heads keep it 16, as its LongRoPE factors count)
+    hidden, sizes = 96 if name == "gemma3" else None, None
+    if kind == "k":
+        hidden, sizes = 256, {"intermediate_size": 512}
+        if arch == "phi3":
+            sizes.update(num_attention_heads=16, num_key_value_heads=8)
     model = hf_model(name, len(vocab.tokens), seed=40 + list(FAMILIES).index(name), bos=bos, eos=eos,
-                     hidden=96 if name == "gemma3" else None)
-    quantize = {"token_embd.weight": Q.Q8_0, "output.weight": Q.Q4_1}  # (the tied families write no output)
-    for i, types in enumerate(LAYER_TYPES):
+                     hidden=hidden, sizes=sizes)
+    quantize = {"token_embd.weight": Q.Q8_0, "output.weight": OUTPUT_TYPE[kind]}  # (tied families write no output)
+    for i, types in enumerate(LAYER_TYPES[kind]):
         names = {"qkv": ("attn_qkv",) if arch == "phi3" else ("attn_q", "attn_k", "attn_v"),
                  "gate_up": ("ffn_up",) if arch == "phi3" else ("ffn_gate", "ffn_up")}
         for group, qtype in types.items():
             quantize.update({f"blk.{i}.{t}.weight": qtype for t in names.get(group, (group,))})
-    path = tmp_path_factory.mktemp(name) / f"{name}-q.gguf"
+    path = tmp_path_factory.mktemp(name) / f"{name}-{kind}.gguf"
     write_gguf(path, arch, model, vocab, pre="qwen2", quantize=quantize)
     forget_loaded()
     quant, _, config = build_model(str(path), "float32", torch.device("cpu"), weights="quantized")
@@ -74,7 +88,7 @@ def qfamily(request, tmp_path_factory):
     dense.set_kernel_backend("cpu")
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, len(vocab.tokens) - 3, (n,), generator=g).tolist() for n in (PROMPT_LEN, 9)]
-    yield {"name": name, "path": path, "quant": quant, "dense": dense, "config": config, "prompts": prompts,
+    yield {"name": name, "kind": kind, "path": path, "quant": quant, "dense": dense, "config": config, "prompts": prompts,
            "tied": model.config.tie_word_embeddings}
     forget_loaded()
 
@@ -83,7 +97,7 @@ def test_the_matrices_stay_quantized(qfamily):
     """Every projection (Phi's fused ones split into the Llama names), the embedding and the head are
     quantized modules in the GGUF's own formats, and no float copy of a matrix is held."""
     model = qfamily["quant"]
-    for layer, types in zip(model.model.layers, LAYER_TYPES):
+    for layer, types in zip(model.model.layers, LAYER_TYPES[qfamily["kind"]]):
         t = {k: v.name for k, v in types.items()}
         want = {"q_proj": t["qkv"], "k_proj": t["qkv"], "v_proj": t["qkv"], "o_proj": t["attn_output"],
                 "gate_proj": t["gate_up"], "up_proj": t["gate_up"], "down_proj": t["ffn_down"]}
@@ -91,7 +105,7 @@ def test_the_matrices_stay_quantized(qfamily):
         assert all(isinstance(m, QuantLinear) for m in got.values()), got
         assert {n: m.qweight.source for n, m in got.items()} == want
     assert isinstance(model.model.embed_tokens, QuantEmbedding) and isinstance(model.lm_head, QuantLinear)
-    assert model.lm_head.qweight.source == ("Q8_0" if qfamily["tied"] else "Q4_1")
+    assert model.lm_head.qweight.source == ("Q8_0" if qfamily["tied"] else OUTPUT_TYPE[qfamily["kind"]].name)
     assert not any(p.numel() > 1000 for p in model.parameters())
 
 

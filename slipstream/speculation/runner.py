@@ -40,6 +40,7 @@ from slipstream.models.base import ForwardBatch
 from slipstream.runtime.batch import SCRATCH_ROW, ForwardInput
 from slipstream.speculation.registry import build_drafter
 from slipstream.runtime.devices.host_copy import copy_to_device, copy_to_host, upload_array
+from slipstream.runtime.graphs.cache import GraphCache
 from slipstream.runtime.runner_api import SampledTokens
 from slipstream.runtime.sampling.sampling_args import GroupNeeds
 from slipstream.speculation.verify import (SpecLayout, layout_arrays, replay_accept, spec_layout, target_tokens,
@@ -272,7 +273,7 @@ class SpecRunner:
         self.runner.slots[slot].sampled[:n].copy_(emitted)
 
     def _graph(self, slot, packed: ForwardInput, needs):
-        """(bucket, graph) a speculating step replays, or None: it runs eagerly (no speculating
+        """(cache, bucket, graph) a speculating step replays, or None: it runs eagerly (no speculating
         graphs, batch-invariant rows, or more rows than the largest bucket). Plain greedy rows replay
         the whole step (spec_graphs), others its proposal and forward (spec_sampled_graphs), then verify
         as the eager step does."""
@@ -280,7 +281,8 @@ class SpecRunner:
         cache = runner.spec_graphs if needs.plain_greedy else runner.spec_sampled_graphs
         if cache is None or runner.row_multiple != 1:
             return None
-        return cache.lookup(slot.index, packed.num_decode)
+        hit = cache.lookup(slot.index, packed.num_decode)
+        return None if hit is None else (cache, *hit)
 
     # --- a speculating step ---------------------------------------------------------------------
 
@@ -291,7 +293,7 @@ class SpecRunner:
         arena = slot.arena
         needs = runner.rows.sampling.needs(packed.sample_rows)
         hit = self._graph(slot, packed, needs)
-        lay_host = arena.fill(packed, pad_decode=0 if hit is None else hit[0])
+        lay_host = arena.fill(packed, pad_decode=0 if hit is None else hit[1])
         arena.upload()
         staged = Staged(packed, True, None, arena.tensors(lay_host), arena.updates(lay_host) if lay_host.w else None,
                         False, None, needs)
@@ -299,7 +301,8 @@ class SpecRunner:
         step = LaunchedStep(step_id, slot, staged, staged.num_samples)
         slot.acquire(step)
         if hit is not None:
-            return self._launch_graph(step, packed, hit[0], hit[1], needs)
+            cache, bucket, graph = hit
+            return self._launch_graph(step, packed, cache, bucket, graph, needs)
         device = runner.device
         host_attention = device.unified_memory
         rows, kv, model, ps = runner.rows, runner.kv, runner.model, runner.kv.page_size
@@ -376,13 +379,12 @@ class SpecRunner:
         launch_copy(runner.device, step, lambda: self._copy_out(step))
         return step
 
-    def _launch_graph(self, step: LaunchedStep, packed: ForwardInput, bucket: int, graph,
+    def _launch_graph(self, step: LaunchedStep, packed: ForwardInput, cache: GraphCache, bucket: int, graph,
                       needs: GroupNeeds) -> LaunchedStep:
         runner, slot, step_id = self.runner, step.slot, step.step_id
         assert packed.num_drafts is not None
         self.staging[slot.index].stage_fixed(packed.num_drafts, bucket)
         check_others_sampled(runner.slots, step)  # (the graphs' shared pool: graph_choice.py, cuda_graphs.py)
-        cache = runner.spec_graphs if needs.plain_greedy else runner.spec_sampled_graphs
         cache.replays[slot.index, bucket] += 1
         rows, updates = runner.rows, step.staged.updates
         fixed = self.fixed_layout(slot.index, bucket)

@@ -27,7 +27,8 @@ GREEDY = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
 
 def run_separate(monkeypatch, spec, depth=2, upload_delay_s=0.0, prompts=PROMPTS, params=GREEDY, prepare=None, **kw):
     """(token ids, stats, syncs, device) of `prompts` completed twice on a SeparateMemoryDevice, the
-    second time (warm) under the sync detector; `prepare(engine)` first."""
+    second time (warm) under the sync detector; `prepare(engine)` first; `params`: one for all, or a
+    list (one per prompt)."""
     devices = []
     monkeypatch.setattr(assemble, "make_device",
                         lambda *a, **k: devices.append(SeparateMemoryDevice(upload_delay_s=upload_delay_s))
@@ -40,10 +41,11 @@ def run_separate(monkeypatch, spec, depth=2, upload_delay_s=0.0, prompts=PROMPTS
             if prepare is not None:
                 prepare(engine)
             check_runner(device, engine._parts.runner)
-            await asyncio.gather(*(engine.complete(p, params) for p in prompts))  # warm: first-use allocations
+            jobs = list(zip(prompts, params if isinstance(params, list) else [params] * len(prompts)))
+            await asyncio.gather(*(engine.complete(p, q) for p, q in jobs))  # warm: first-use allocations
             device.checking = True
             try:
-                outs = await asyncio.gather(*(engine.complete(p, params) for p in prompts))
+                outs = await asyncio.gather(*(engine.complete(p, q) for p, q in jobs))
             finally:
                 device.checking = False
             return [o.token_ids for o in outs], await engine.stats(), device
@@ -194,29 +196,9 @@ def test_sampled_rows_replay_the_forward_graph_and_verify_after_it(monkeypatch, 
         count_eager_decode(runner, counts, ks)
         seen["runner"] = runner
 
-    def run(spec, prepare=None):
-        devices = []
-        monkeypatch.setattr(assemble, "make_device",
-                            lambda *a, **k: devices.append(SeparateMemoryDevice()) or devices[-1])
-
-        async def go():
-            async with Engine(EngineConfig(**BASE, **GRAPHS, speculative=spec, pipeline_depth=depth)) as engine:
-                if prepare is not None:
-                    prepare(engine)
-                check_runner(devices[-1], engine._parts.runner)
-                jobs = list(zip(PROMPTS, [*sampled, GREEDY]))
-                await asyncio.gather(*(engine.complete(p, q) for p, q in jobs))  # warm
-                devices[-1].checking = True
-                try:
-                    outs = await asyncio.gather(*(engine.complete(p, q) for p, q in jobs))
-                finally:
-                    devices[-1].checking = False
-                return [o.token_ids for o in outs], await engine.stats(), devices[-1].syncs
-
-        return asyncio.run(go())
-
-    want, _, _ = run(None)
-    got, stats, syncs = run(SPEC, install)
+    params = [*sampled, GREEDY]
+    want, _, _, _ = run_separate(monkeypatch, None, depth, params=params, **GRAPHS)
+    got, stats, syncs, _ = run_separate(monkeypatch, SPEC, depth, params=params, prepare=install, **GRAPHS)
     assert got == want and syncs == []
     assert stats["speculative"]["accepted"] > 0
     runner = seen["runner"]

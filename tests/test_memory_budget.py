@@ -31,7 +31,7 @@ def _nbytes(*outputs):
 def capture_graph_outputs(monkeypatch, cfg, prepare=lambda runner: None):
     """Install the engine's graphs with a stand-in capture that runs each forward once, as the real
     one does; returns (model config, {kind: the outputs the graphs keep})."""
-    from slipstream.speculation.runner import FixedLayout
+    from slipstream.speculation.staging import FixedLayout
 
     held = {"decode": [], "greedy": [], "carry": [], "mixed": [], "spec": [], "spec_sampled": []}
 

@@ -71,7 +71,7 @@ def layout_arrays(num_drafts, max_drafts: int | None = None) -> tuple[np.ndarray
 def spec_layout(num_drafts, device: torch.device | str = "cpu", max_drafts: int | None = None) -> SpecLayout:
     """The layout for per-row draft counts the host chose. Off the CPU each array goes up through
     pinned memory without blocking the host (host_copy.upload_array); the runner's steps stage theirs
-    in the slot's buffers instead (speculation/runner.py, `SpecStaging`)."""
+    in the slot's buffers instead (speculation/staging.py, `SpecStaging`)."""
     k, owner, offset, start, width = layout_arrays(num_drafts, max_drafts)
     dev = torch.device(device)
     up = [upload_array(a, dev) for a in (k, owner, offset, start)]

@@ -3,14 +3,14 @@ family's chat template exactly as transformers does: the ids the engine's schedu
 AutoTokenizer.apply_chat_template's (tokenize=True: the rendered text without the tokenizer's own
 special tokens, so a template that writes its BOS gets one).
 
-Tiny random folders (model_families.write_chat_folder): each family's tokenizer layout (Gemma's and
+Tiny random folders (family_chat.write_chat_folder): each family's tokenizer layout (Gemma's and
 Mistral's tokenizer.json prepend a BOS, as the real ones do; Qwen3's and Phi-3's none) and its chat
-template (model_families.CHAT_TEMPLATES), in tokenizer_config.json or chat_template.jinja.
+template (family_chat.CHAT_TEMPLATES), in tokenizer_config.json or chat_template.jinja.
 """
 import json
 
 import pytest
-from model_families import CHAT_TEMPLATES, write_chat_folder
+from family_chat import CHAT_TEMPLATES, write_chat_folder
 
 from slipstream.models.loading.loader import load_model
 from slipstream.scheduler.engine_loop import EngineLoop

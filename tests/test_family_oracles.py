@@ -11,8 +11,9 @@ import dataclasses
 
 import pytest
 import torch
-from model_families import (GEMMA3_CHAT, GEMMA3_SCALAR, GEMMA3_SOFTCAP, LONGROPE, PHI4_ROPE, SLIDING_WINDOW, byte_vocab,
-                            hf_model, special_ids, write_gguf, write_hf_folder)
+from family_chat import GEMMA3_CHAT
+from model_families import (GEMMA3_SCALAR, GEMMA3_SOFTCAP, LONGROPE, PHI4_ROPE, SLIDING_WINDOW, byte_vocab, hf_model,
+                            special_ids, write_gguf, write_hf_folder)
 from test_model_families import last_logits
 
 from slipstream.models.kernels.cpu_kernels import native_kernels
